@@ -1,0 +1,298 @@
+"""Frozen model configuration, presets, and the derived per-layer plan.
+
+One `ModelConfig` describes both DeepSeek-V4 (sliding window + CSA ratio 4 + HCA) and DeepSeek-V4.1 (CSA2 with
+full / reindex / reuse layers). The variant is a field, not a fork: every layer's behaviour is derived into a
+`LayerPlan` by `ModelConfig.layer_plan()`, and the model code reads only the plan.
+
+Spec: ../shared/docs/dsv4_architecture.md §1.1-1.2 (V4-Flash), §2.1-2.2 (V4.1-Flash).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+Variant = Literal["v4", "v41"]
+# swa: window only. csa: V4 ratio-4 overlapping compressor + Lightning indexer. hca: V4 dense over compressed.
+# full / reindex / reuse: V4.1 CSA2 roles (spec §2.2).
+LayerKind = Literal["swa", "csa", "hca", "full", "reindex", "reuse"]
+
+
+class ConfigError(ValueError):
+  """An invalid configuration; the message names the field and says why."""
+
+
+def _require(cond: bool, field: str, why: str) -> None:
+  if not cond:
+    raise ConfigError(f"{field}: {why}")
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnConfig:
+  """Frequency-only YaRN (attention_factor fixed to 1, spec §1.4)."""
+  factor: float = 16.0
+  original_max_position_embeddings: int = 65536
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  num_heads: int = 64
+  head_dim: int = 512
+  rope_head_dim: int = 64
+  q_lora_rank: int = 1024
+  o_groups: int = 8
+  o_lora_rank: int = 1024
+  window: int = 128
+  rope_theta: float = 10000.0
+  compress_rope_theta: float = 160000.0
+  yarn: YarnConfig = YarnConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerConfig:
+  num_heads: int = 64
+  head_dim: int = 128
+  topk: int = 512
+  # V4.1 hierarchical candidates (spec §2.4); unused by V4.
+  candidate_block_size: int = 8
+  candidate_topk_blocks: int = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  n_routed_experts: int = 256
+  n_shared_experts: int = 1
+  num_experts_per_tok: int = 6
+  intermediate_size: int = 2048
+  routed_scaling_factor: float = 1.5
+  swiglu_limit: float = 10.0
+  num_hash_layers: int = 3  # layers [0, num_hash_layers) route by token id (tid2eid)
+
+
+@dataclasses.dataclass(frozen=True)
+class MHCConfig:
+  hc_mult: int = 4
+  sinkhorn_iters: int = 20
+  eps: float = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+  """Everything the model needs to know about one layer, derived from the config."""
+  index: int
+  kind: LayerKind
+  ratio: int                    # 0 for window-only layers
+  rope: Literal["main", "compress"]
+  overlap: bool                 # V4 CSA overlapping compressor (width 2m, stride m)
+  has_compressor: bool          # owns a compressor (and thus compressed KV in the cache)
+  has_index_keys: bool          # owns index keys in the cache (V4 CSA: own indexer compressor; V4.1 full: wk)
+  has_index_query: bool         # computes its own top-k
+  dense_compressed: bool        # attends to all visible compressed entries (V4 HCA)
+  kv_source: int                # layer whose compressed KV this layer reads (-1: none)
+  index_source: int             # layer whose top-k this layer uses (-1: none / own)
+  candidate_source: bool        # V4.1: publishes candidate blocks
+  uses_candidates: bool         # V4.1: restricts its top-k to the candidate blocks
+  hash_moe: bool
+  q_head_norm: bool             # weightless per-head RMSNorm on q (V4 only)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A DeepSeek-V4 / V4.1 text backbone. Build presets with the functions below."""
+  name: str
+  variant: Variant
+  vocab_size: int
+  hidden_size: int
+  num_layers: int
+  compress_ratios: tuple[int, ...]
+  attention: AttentionConfig = AttentionConfig()
+  indexer: IndexerConfig = IndexerConfig()
+  moe: MoEConfig = MoEConfig()
+  mhc: MHCConfig = MHCConfig()
+  rms_norm_eps: float = 1e-6
+  max_position_embeddings: int = 1048576
+  # V4.1 CSA2 roles (spec §2.2); empty for V4.
+  kv_source_layer_ids: tuple[int, ...] = ()
+  index_source_layer_ids: tuple[int, ...] = ()
+  candidate_source_layer_id: int = -1
+  bos_token_id: int = 0
+  eos_token_id: int = 1
+
+  def __post_init__(self):
+    a, ix, moe = self.attention, self.indexer, self.moe
+    _require(self.variant in ("v4", "v41"), "variant", f"must be 'v4' or 'v41', got {self.variant!r}")
+    for f in ("vocab_size", "hidden_size", "num_layers"):
+      _require(getattr(self, f) > 0, f, "must be positive")
+    _require(len(self.compress_ratios) == self.num_layers, "compress_ratios",
+             f"needs one entry per layer ({self.num_layers}), got {len(self.compress_ratios)}")
+    _require(a.head_dim % 2 == 0 and 0 < a.rope_head_dim <= a.head_dim and a.rope_head_dim % 2 == 0,
+             "attention.rope_head_dim", "must be even and within (0, head_dim]")
+    _require(a.num_heads % a.o_groups == 0, "attention.o_groups",
+             f"num_heads ({a.num_heads}) must be divisible by o_groups ({a.o_groups})")
+    _require(a.window > 0, "attention.window", "must be positive")
+    _require(ix.head_dim >= a.rope_head_dim, "indexer.head_dim",
+             f"must be >= attention.rope_head_dim ({a.rope_head_dim}): index keys carry the RoPE part")
+    _require(ix.topk > 0 and ix.num_heads > 0, "indexer", "topk and num_heads must be positive")
+    _require(0 < moe.num_experts_per_tok <= moe.n_routed_experts, "moe.num_experts_per_tok",
+             f"must be in [1, n_routed_experts={moe.n_routed_experts}]")
+    _require(self.mhc.hc_mult >= 1 and self.mhc.sinkhorn_iters >= 1, "mhc", "hc_mult and sinkhorn_iters >= 1")
+    if self.variant == "v4":
+      for i, r in enumerate(self.compress_ratios):
+        _require(r == 0 or r > 1, f"compress_ratios[{i}]", f"V4 ratios are 0 (window) or > 1, got {r}")
+      _require(not self.kv_source_layer_ids and not self.index_source_layer_ids
+               and self.candidate_source_layer_id < 0, "kv_source_layer_ids",
+               "CSA2 source lists are V4.1-only; leave them empty for variant 'v4'")
+      _require(0 <= moe.num_hash_layers <= self.num_layers, "moe.num_hash_layers", "must be in [0, num_layers]")
+      if moe.num_hash_layers:
+        _require(moe.num_experts_per_tok <= moe.n_routed_experts, "moe.num_hash_layers", "tid2eid width")
+    else:
+      self._validate_v41()
+    self.layer_plan()  # surfaces any remaining schedule error at construction
+
+  def _validate_v41(self):
+    _require(self.moe.num_hash_layers == 0, "moe.num_hash_layers", "V4.1 has no hash routing; set it to 0")
+    ratios = self.compress_ratios
+    for i, r in enumerate(ratios):
+      _require(r in (0, 1, 2), f"compress_ratios[{i}]", f"V4.1 ratios are 0, 1 or 2, got {r}")
+    for name in ("kv_source_layer_ids", "index_source_layer_ids"):
+      ids = getattr(self, name)
+      _require(list(ids) == sorted(set(ids)), name, "must be strictly increasing")
+      for i in ids:
+        _require(0 <= i < self.num_layers and ratios[i] > 0, name,
+                 f"layer {i} must exist and be compressed (ratio > 0)")
+    _require(set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids), "index_source_layer_ids",
+             "every KV-source layer also publishes a top-k, so it must be listed as an index source")
+    for i, r in enumerate(ratios):
+      if r == 0:
+        continue
+      srcs = [s for s in self.kv_source_layer_ids if s <= i]
+      _require(bool(srcs), "kv_source_layer_ids", f"compressed layer {i} has no KV source at or below it")
+      _require(ratios[srcs[-1]] == r, "compress_ratios",
+               f"layer {i} has ratio {r} but its latest KV source (layer {srcs[-1]}) has ratio {ratios[srcs[-1]]}")
+    c = self.candidate_source_layer_id
+    if c >= 0:
+      _require(c in self.kv_source_layer_ids, "candidate_source_layer_id", f"layer {c} must be a KV source")
+
+  @property
+  def num_kv_rows_window(self) -> int:
+    return self.attention.window
+
+  @functools.cache
+  def layer_plan(self) -> tuple[LayerPlan, ...]:
+    plans = []
+    for i, r in enumerate(self.compress_ratios):
+      if self.variant == "v4":
+        kind = "swa" if r == 0 else ("csa" if r == 4 else "hca")
+        plans.append(LayerPlan(
+            index=i, kind=kind, ratio=r, rope="main" if r == 0 else "compress", overlap=kind == "csa",
+            has_compressor=r > 0, has_index_keys=kind == "csa", has_index_query=kind == "csa",
+            dense_compressed=kind == "hca", kv_source=i if r > 0 else -1, index_source=-1,
+            candidate_source=False, uses_candidates=False, hash_moe=i < self.moe.num_hash_layers,
+            q_head_norm=True))
+        continue
+      if r == 0:
+        plans.append(LayerPlan(i, "swa", 0, "main", False, False, False, False, False, -1, -1, False, False,
+                               False, False))
+        continue
+      kv_src = [s for s in self.kv_source_layer_ids if s <= i][-1]
+      idx_srcs = [s for s in self.index_source_layer_ids if s <= i and self.compress_ratios[s] == r]
+      idx_src = idx_srcs[-1] if idx_srcs and idx_srcs[-1] >= kv_src else kv_src
+      is_full = i in self.kv_source_layer_ids
+      is_reindex = (not is_full) and i in self.index_source_layer_ids
+      kind = "full" if is_full else ("reindex" if is_reindex else "reuse")
+      cand = self.candidate_source_layer_id
+      plans.append(LayerPlan(
+          index=i, kind=kind, ratio=r, rope="compress", overlap=False, has_compressor=is_full,
+          has_index_keys=is_full, has_index_query=is_full or is_reindex, dense_compressed=False,
+          kv_source=kv_src, index_source=i if (is_full or is_reindex) else idx_src,
+          candidate_source=i == cand, uses_candidates=is_reindex and 0 <= cand < i and kv_src == cand,
+          hash_moe=False, q_head_norm=False))
+    return tuple(plans)
+
+  # Derived sizes used by the cache layout.
+  def compressor_width(self, plan: LayerPlan) -> int:
+    """Width of one compressor row (kv or score) per token: 2*d for overlapping CSA, d otherwise."""
+    return (2 if plan.overlap else 1) * self.attention.head_dim
+
+  def index_compressor_width(self, plan: LayerPlan) -> int:
+    return (2 if plan.overlap else 1) * self.indexer.head_dim
+
+  def compressor_state_tokens(self, plan: LayerPlan) -> int:
+    """Token rows a compressor may still need at any resume point (open window + overlapped previous one)."""
+    if not plan.has_compressor or plan.ratio <= 1:
+      return 0
+    return (2 if plan.overlap else 1) * plan.ratio
+
+  @property
+  def full_block_alignment(self) -> int:
+    """Smallest token count that is a whole number of entries for every compressed layer."""
+    ratios = [r for r in self.compress_ratios if r > 0]
+    return functools.reduce(math.lcm, ratios, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Presets. Schedules come from rules, not literals.
+
+def v4_schedule(num_layers: int, num_window_layers: int = 2, csa_ratio: int = 4, hca_ratio: int = 128,
+                last_is_csa: bool = True) -> tuple[int, ...]:
+  """V4-Flash rule: `num_window_layers` window-only layers, then CSA/HCA alternating, starting with CSA."""
+  out = []
+  for i in range(num_layers):
+    if i < num_window_layers:
+      out.append(0)
+    else:
+      out.append(csa_ratio if (i - num_window_layers) % 2 == 0 else hca_ratio)
+  return tuple(out)
+
+
+def v41_schedule(num_layers: int, num_window_layers: int, num_ratio2_layers: int) -> tuple[int, ...]:
+  """V4.1-Flash rule: window-only layers, then ratio-2 layers, then ratio-1 layers."""
+  return tuple(0 if i < num_window_layers else (2 if i < num_window_layers + num_ratio2_layers else 1)
+               for i in range(num_layers))
+
+
+def v4_flash() -> ModelConfig:
+  """The official DeepSeek-V4-Flash text backbone (spec §1.1), without the MTP block."""
+  return ModelConfig(name="v4_flash", variant="v4", vocab_size=129280, hidden_size=4096, num_layers=43,
+                     compress_ratios=v4_schedule(43))
+
+
+def v41_flash() -> ModelConfig:
+  """DeepSeek-V4.1-Flash text backbone (spec §2.1), without DSpark draft layers, vision and Engram."""
+  return ModelConfig(
+      name="v41_flash", variant="v41", vocab_size=129280, hidden_size=5120, num_layers=40,
+      compress_ratios=v41_schedule(40, 2, 18),
+      attention=AttentionConfig(q_lora_rank=1280),
+      indexer=IndexerConfig(num_heads=32),
+      moe=MoEConfig(n_routed_experts=384, intermediate_size=2304, num_hash_layers=0),
+      rms_norm_eps=1e-20,
+      kv_source_layer_ids=(2, 8, 14, 20), index_source_layer_ids=(2, 8, 14, 20, 24, 28, 32, 36),
+      candidate_source_layer_id=20)
+
+
+def v4_tiny(num_layers: int = 4, window: int = 16, hca_ratio: int = 16, vocab_size: int = 512,
+            index_topk: int = 8) -> ModelConfig:
+  """CPU-sized V4 keeping every mechanism: window, CSA m=4 (overlap + indexer), HCA (small ratio),
+  hash-routed and learned MoE, mHC. Matches the oracle config of reference_oracles.md §2.1 at the defaults."""
+  return ModelConfig(
+      name="v4_tiny", variant="v4", vocab_size=vocab_size, hidden_size=64, num_layers=num_layers,
+      compress_ratios=v4_schedule(num_layers, num_window_layers=1, hca_ratio=hca_ratio),
+      attention=AttentionConfig(num_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=32, o_groups=2,
+                                o_lora_rank=16, window=window),
+      indexer=IndexerConfig(num_heads=8, head_dim=32, topk=index_topk),
+      moe=MoEConfig(n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, intermediate_size=32,
+                    num_hash_layers=1),
+      max_position_embeddings=1048576)
+
+
+PRESETS = {"v4_flash": v4_flash, "v41_flash": v41_flash, "v4_tiny": v4_tiny}
+
+
+def get_preset(name: str) -> ModelConfig:
+  if name not in PRESETS:
+    raise ConfigError(f"preset: unknown preset {name!r}; known: {sorted(PRESETS)}")
+  return PRESETS[name]()
