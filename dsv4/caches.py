@@ -141,3 +141,37 @@ def init_contiguous(config: ModelConfig, batch: int, max_len: int,
   """A cache for `batch` sequences of up to `max_len` tokens, plus its identity block tables."""
   swa, full = contiguous_tables(batch, max_len, layout)
   return init_cache(config, layout, swa.size, full.size), swa, full
+
+
+# ----------------------------------------------------------------------------------------------------------
+# How a step addresses the pools. A "slot" is a flat row index into a pool reshaped to [num_blocks * rows, ...];
+# -1 means "no row" (padding, negative position, unallocated block). Writes to -1 are dropped; reads of -1 are
+# masked by the caller.
+
+def slots_for(table_BxS, index_BxT, rows_per_block: int, valid_BxT):
+  """Flat pool rows for row `index` (token position or entry id) of each sequence, via its block table."""
+  S = table_BxS.shape[1]
+  blk = index_BxT // rows_per_block
+  in_table = (index_BxT >= 0) & (blk < S)
+  block_id = jnp.take_along_axis(table_BxS, jnp.clip(blk, 0, S - 1), axis=1)
+  ok = valid_BxT & in_table & (block_id >= 0)
+  return jnp.where(ok, block_id * rows_per_block + index_BxT % rows_per_block, -1).astype(jnp.int32)
+
+
+def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_):
+  """Scatter rows into a paged pool; slots of -1 are dropped (mapped out of bounds)."""
+  nb, r = pool_NBxRx_.shape[:2]
+  flat = pool_NBxRx_.reshape(nb * r, *pool_NBxRx_.shape[2:])
+  idx = jnp.where(slots_BxT >= 0, slots_BxT, nb * r).reshape(-1)
+  rows = rows_BxTx_.reshape(-1, *pool_NBxRx_.shape[2:]).astype(pool_NBxRx_.dtype)
+  return flat.at[idx].set(rows, mode="drop").reshape(pool_NBxRx_.shape)
+
+
+def read_rows(pool_NBxRx_, slots_BxT):
+  nb, r = pool_NBxRx_.shape[:2]
+  flat = pool_NBxRx_.reshape(nb * r, *pool_NBxRx_.shape[2:])
+  return jnp.take(flat, jnp.clip(slots_BxT, 0, nb * r - 1), axis=0), slots_BxT >= 0
+
+
+def flat_pool(pool_NBxRx_):
+  return pool_NBxRx_.reshape(pool_NBxRx_.shape[0] * pool_NBxRx_.shape[1], *pool_NBxRx_.shape[2:])

@@ -1,0 +1,120 @@
+"""Hybrid attention layer: sliding window + compressed entries (top-k or all) + per-head sink. Spec §1.5-1.7, §2.5.
+
+Order within a step: write this chunk's window KV and compressor rows into the pools, emit the entries that complete
+in the chunk, then attend by reading everything (window rows, compressed entries) back through the block tables.
+The same code serves full prefill, chunked prefill and decode; a contiguous cache is an identity block table.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv4 import caches
+from dsv4.config import LayerPlan, ModelConfig
+from dsv4.layers.compressor import CompressorSpec, StepContext, compress_step
+from dsv4.layers.norms import rms_norm, unweighted_rms_norm
+from dsv4.layers.rope import apply_rope, inv_freq_for
+from pallas_kernels import dispatch
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def kv_compressor_spec(config: ModelConfig, plan: LayerPlan) -> CompressorSpec:
+  return CompressorSpec(ratio=plan.ratio, width=config.attention.head_dim, overlap=plan.overlap,
+                        gated=plan.ratio > 1, position_bias=config.variant == "v4")
+
+
+def index_compressor_spec(config: ModelConfig, plan: LayerPlan) -> CompressorSpec:
+  return CompressorSpec(ratio=plan.ratio, width=config.indexer.head_dim, overlap=plan.overlap, gated=True,
+                        position_bias=True)
+
+
+def entry_rows(ctx: StepContext, ratio: int, num_entries: int):
+  """Pool rows of entries 0..num_entries-1 of each sequence (-1 where no block)."""
+  B = ctx.pos_BxT.shape[0]
+  ids = jnp.broadcast_to(jnp.arange(num_entries)[None, :], (B, num_entries))
+  return caches.slots_for(ctx.full_table_BxF, ids, ctx.full_block_tokens // ratio, jnp.ones_like(ids, bool))
+
+
+def max_entries(ctx: StepContext, ratio: int) -> int:
+  return ctx.full_table_BxF.shape[1] * (ctx.full_block_tokens // ratio)
+
+
+def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, cq_BxTxR, ctx: StepContext, key_pool,
+                   inv_freq, kernel_cfg, allowed=None):
+  """Lightning indexer: returns (top-k entry ids [B,T,k] with -1 for invisible picks, scores [B,T,M])."""
+  ix = config.indexer
+  B, T, _ = x_BxTxD.shape
+  q = jnp.dot(cq_BxTxR, p["wq_b"], precision=_HI).reshape(B, T, ix.num_heads, ix.head_dim)
+  q = apply_rope(q, ctx.pos_BxT[:, :, None], inv_freq)
+  w = jnp.dot(x_BxTxD, p["weights_proj"], precision=_HI).astype(jnp.float32)
+  w = w * (ix.head_dim ** -0.5) * (ix.num_heads ** -0.5)
+  M = max_entries(ctx, plan.ratio)
+  rows = entry_rows(ctx, plan.ratio, M)
+  num_visible = (ctx.pos_BxT + 1) // plan.ratio
+  scores = dispatch.indexer_scores(q, w, caches.flat_pool(key_pool), rows, num_visible, allowed, cfg=kernel_cfg)
+  ids, _ = dispatch.topk_from_scores(scores, ix.topk)
+  return ids, scores
+
+
+def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, ctx: StepContext, cache_layer: dict,
+                    kernel_cfg: dispatch.KernelConfig, collect_aux: bool = False):
+  """Returns (new cache_layer, out_BxTxD, aux dict)."""
+  a, eps = config.attention, config.rms_norm_eps
+  B, T, _ = x_BxTxD.shape
+  H, d = a.num_heads, a.head_dim
+  inv_freq = inv_freq_for(a, plan.rope)
+  cache_layer = dict(cache_layer)
+  aux = {}
+
+  # Query path: low-rank, q_a norm, optional weightless per-head norm, RoPE.
+  cq = rms_norm(jnp.dot(x_BxTxD, p["wq_a"], precision=_HI), p["q_norm"], eps)
+  q = jnp.dot(cq, p["wq_b"], precision=_HI).reshape(B, T, H, d)
+  if plan.q_head_norm:
+    q = unweighted_rms_norm(q, eps)
+  q = apply_rope(q, ctx.pos_BxT[:, :, None], inv_freq)
+
+  # Window KV (K = V): write this chunk's rows, then read each query's window [t - W + 1, t].
+  kv = apply_rope(rms_norm(jnp.dot(x_BxTxD, p["wkv"], precision=_HI), p["kv_norm"], eps), ctx.pos_BxT, inv_freq)
+  tok_slots = ctx.token_slots()
+  cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], tok_slots, kv)
+  win_pos = ctx.pos_BxT[:, :, None] - (a.window - 1) + jnp.arange(a.window)[None, None, :]
+  win_idx = caches.slots_for(ctx.swa_table_BxS, win_pos.reshape(B, -1), ctx.swa_block_tokens,
+                             (win_pos >= 0).reshape(B, -1)).reshape(B, T, a.window)
+
+  comp_pool, comp_idx = None, None
+  if plan.has_compressor:
+    state, cache_layer["comp_kv"] = compress_step(
+        p["compressor"], x_BxTxD, kv_compressor_spec(config, plan), ctx, cache_layer, cache_layer["comp_kv"],
+        inv_freq, eps)
+    cache_layer.update(state or {})
+    comp_pool = caches.flat_pool(cache_layer["comp_kv"])
+  if plan.kind == "csa":
+    state, cache_layer["index_keys"] = compress_step(
+        p["indexer"]["compressor"], x_BxTxD, index_compressor_spec(config, plan), ctx, cache_layer,
+        cache_layer["index_keys"], inv_freq, eps, state_prefix="index_state")
+    cache_layer.update(state)
+    ids, scores = indexer_select(p["indexer"], config, plan, x_BxTxD, cq, ctx, cache_layer["index_keys"],
+                                 inv_freq, kernel_cfg)
+    rows = entry_rows(ctx, plan.ratio, max_entries(ctx, plan.ratio))
+    comp_idx = jnp.where(ids >= 0, jnp.take_along_axis(rows[:, None, :], jnp.maximum(ids, 0), axis=2), -1)
+    if collect_aux:
+      aux.update(topk_ids=ids, index_scores=scores)
+  elif plan.dense_compressed:
+    M = max_entries(ctx, plan.ratio)
+    rows = entry_rows(ctx, plan.ratio, M)
+    visible = jnp.arange(M)[None, None, :] < ((ctx.pos_BxT + 1) // plan.ratio)[:, :, None]
+    comp_idx = jnp.where(visible, rows[:, None, :], -1)
+
+  out, _ = dispatch.sparse_attention(
+      q.reshape(B * T, H, d), caches.flat_pool(cache_layer["window_kv"]), win_idx.reshape(B * T, -1),
+      comp_pool, None if comp_idx is None else comp_idx.reshape(B * T, -1), p["sink"],
+      scale=d ** -0.5, cfg=kernel_cfg)
+  out = apply_rope(out.reshape(B, T, H, d), ctx.pos_BxT[:, :, None], inv_freq, inverse=True)
+
+  # Grouped low-rank output projection: group g of heads -> its own o_lora block, then one mixing matrix.
+  G = a.o_groups
+  grouped = out.reshape(B, T, G, (H // G) * d)
+  o = jnp.einsum("btgi,gir->btgr", grouped, p["wo_a"], precision=_HI).reshape(B, T, G * a.o_lora_rank)
+  return cache_layer, jnp.dot(o, p["wo_b"], precision=_HI), aux

@@ -1,0 +1,198 @@
+"""The DeepSeek-V4 / V4.1 text model as pure functions over explicit pytrees.
+
+    params = init_params(config, key)
+    cache, logits = forward(params, config, tokens_BxT, cache, index)
+
+`forward` serves full prefill, chunked prefill (any chunk length) and decode (T = 1) for a batch of sequences at
+different positions: `index.start_pos_B` says where each row's chunk starts and `index.num_tokens_B` how many of its
+T tokens are real. The cache is the paged pytree of `dsv4.caches`; `forward_full` wraps a contiguous one.
+
+Parameters are plain nested dicts of arrays, kernels stored [in, out]; names follow the original checkpoint
+spelling (wq_a, wkv, wo_a, ...), see `dsv4.loading` for the HF <-> project mapping.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv4 import caches
+from dsv4.config import LayerPlan, ModelConfig
+from dsv4.layers import mhc, moe
+from dsv4.layers.attention import attention_layer
+from dsv4.layers.compressor import StepContext
+from dsv4.layers.norms import rms_norm
+from pallas_kernels import dispatch
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parameters
+
+def param_shapes(config: ModelConfig) -> dict:
+  """Nested dict of (shape, dtype, init kind) leaves; the single source of truth for the parameter tree."""
+  a, ix, mo, D = config.attention, config.indexer, config.moe, config.hidden_size
+  n = config.mhc.hc_mult
+  f32 = jnp.float32
+
+  def hc(rows):
+    return {"fn": ((n * D, rows), f32, "normal"), "base": ((rows,), f32, "normal"), "scale": ((3 if rows > n else 1,), f32, "normal")}
+
+  def compressor(width, ratio, overlap, gated, bias):
+    c = 2 if overlap else 1
+    out = {"wkv": ((D, c * width), f32, "dense"), "norm": ((width,), f32, "ones")}
+    if gated:
+      out["wgate"] = ((D, c * width), f32, "dense")
+    if bias:
+      out["ape"] = ((ratio, c * width), f32, "normal")
+    return out
+
+  layers = []
+  for plan in config.layer_plan():
+    attn = {
+        "wq_a": ((D, a.q_lora_rank), f32, "dense"), "q_norm": ((a.q_lora_rank,), f32, "ones"),
+        "wq_b": ((a.q_lora_rank, a.num_heads * a.head_dim), f32, "dense"),
+        "wkv": ((D, a.head_dim), f32, "dense"), "kv_norm": ((a.head_dim,), f32, "ones"),
+        "wo_a": ((a.o_groups, a.num_heads * a.head_dim // a.o_groups, a.o_lora_rank), f32, "dense"),
+        "wo_b": ((a.o_groups * a.o_lora_rank, D), f32, "dense"), "sink": ((a.num_heads,), f32, "normal"),
+    }
+    v4 = config.variant == "v4"
+    if plan.has_compressor:
+      attn["compressor"] = compressor(a.head_dim, plan.ratio, plan.overlap, plan.ratio > 1, v4)
+    if plan.has_index_query:
+      attn["indexer"] = {"wq_b": ((a.q_lora_rank, ix.num_heads * ix.head_dim), f32, "dense"),
+                         "weights_proj": ((D, ix.num_heads), f32, "dense")}
+      if plan.kind == "csa":
+        attn["indexer"]["compressor"] = compressor(ix.head_dim, plan.ratio, True, True, True)
+      elif plan.has_index_keys:
+        attn["indexer"].update(wk=((a.head_dim, ix.head_dim), f32, "dense"), k_norm=((ix.head_dim,), f32, "ones"))
+    I, E = mo.intermediate_size, mo.n_routed_experts
+    ffn = {"gate": ((D, E), f32, "dense"),
+           "experts": {"w1": ((E, D, I), f32, "dense"), "w3": ((E, D, I), f32, "dense"),
+                       "w2": ((E, I, D), f32, "dense")},
+           "shared": {"w1": ((D, I * mo.n_shared_experts), f32, "dense"),
+                      "w3": ((D, I * mo.n_shared_experts), f32, "dense"),
+                      "w2": ((I * mo.n_shared_experts, D), f32, "dense")}}
+    if plan.hash_moe:
+      ffn["tid2eid"] = ((config.vocab_size, mo.num_experts_per_tok), jnp.int32, "tid2eid")
+    else:
+      ffn["bias"] = ((E,), f32, "normal")
+    layers.append({"attn": attn, "ffn": ffn, "attn_norm": ((D,), f32, "ones"), "ffn_norm": ((D,), f32, "ones"),
+                   "hc_attn": hc((2 + n) * n), "hc_ffn": hc((2 + n) * n)})
+  out = {"embed": ((config.vocab_size, D), f32, "embed"), "layers": layers, "norm": ((D,), f32, "ones"),
+         "lm_head": ((D, config.vocab_size), f32, "dense")}
+  if config.variant == "v4":
+    out["hc_head"] = hc(n)
+  return out
+
+
+def _is_leaf(x):
+  return isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], tuple)
+
+
+def init_params(config: ModelConfig, key: jax.Array, scale: float = 1.0) -> dict:
+  """Random parameters (for tests, training from scratch and benchmarks)."""
+  shapes = param_shapes(config)
+  leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_leaf)
+  keys = jax.random.split(key, len(leaves))
+  out = []
+  for k, (shape, dtype, kind) in zip(keys, leaves):
+    if kind == "ones":
+      out.append(jnp.ones(shape, dtype))
+    elif kind == "dense":
+      fan_in = shape[-2]
+      out.append(jax.random.normal(k, shape, dtype) * (scale / np.sqrt(fan_in)))
+    elif kind == "embed":
+      out.append(jax.random.normal(k, shape, dtype))
+    elif kind == "tid2eid":
+      E = config.moe.n_routed_experts
+      # distinct experts per token: a random permutation prefix per row
+      perm = jax.vmap(lambda kk: jax.random.permutation(kk, E)[: shape[1]])(jax.random.split(k, shape[0]))
+      out.append(perm.astype(dtype))
+    else:
+      out.append(jax.random.normal(k, shape, dtype) * 0.1 * scale)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def abstract_params(config: ModelConfig) -> dict:
+  """ShapeDtypeStructs of the parameters, without allocating (works at full Flash size)."""
+  return jax.tree_util.tree_map(lambda l: jax.ShapeDtypeStruct(l[0], l[1]), param_shapes(config), is_leaf=_is_leaf)
+
+
+def count_params(tree) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Forward
+
+def _block(params_l, config: ModelConfig, plan: LayerPlan, X, tokens, ctx, cache_l, kernel_cfg, collect_aux):
+  cfg_hc, eps = config.mhc, config.rms_norm_eps
+  pre, post, comb = mhc.hc_coefficients(params_l["hc_attn"], X, cfg_hc, eps)
+  u = rms_norm(mhc.collapse(pre, X), params_l["attn_norm"], eps)
+  cache_l, y, aux = attention_layer(params_l["attn"], config, plan, u, ctx, cache_l, kernel_cfg, collect_aux)
+  X = mhc.expand(y, X, post, comb)
+  pre, post, comb = mhc.hc_coefficients(params_l["hc_ffn"], X, cfg_hc, eps)
+  u = rms_norm(mhc.collapse(pre, X), params_l["ffn_norm"], eps)
+  y = moe.moe(params_l["ffn"], u, tokens, config.moe, plan.hash_moe)
+  return cache_l, mhc.expand(y, X, post, comb), aux
+
+
+def _context(tokens_BxT, index: caches.BatchIndex, layout: caches.CacheLayout) -> StepContext:
+  B, T = tokens_BxT.shape
+  start = index.start_pos_B.astype(jnp.int32)
+  num = index.num_tokens_B.astype(jnp.int32)
+  ar = jnp.arange(T, dtype=jnp.int32)[None, :]
+  return StepContext(pos_BxT=start[:, None] + ar, valid_BxT=ar < num[:, None], start_B=start, end_B=start + num,
+                     swa_table_BxS=index.swa_table_BxS.astype(jnp.int32),
+                     full_table_BxF=index.full_table_BxF.astype(jnp.int32),
+                     swa_block_tokens=layout.swa_block_tokens, full_block_tokens=layout.full_block_tokens)
+
+
+def forward_aux(params, config: ModelConfig, tokens_BxT, cache: caches.ModelCache, index: caches.BatchIndex, *,
+                layout: caches.CacheLayout = caches.CacheLayout(),
+                kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), collect_aux: bool = False,
+                return_hidden: bool = False):
+  """Like `forward`, plus a per-layer aux list (indexer picks and scores when collect_aux)."""
+  ctx = _context(tokens_BxT, index, layout)
+  tokens = jnp.clip(tokens_BxT.astype(jnp.int32), 0, config.vocab_size - 1)  # range is checked by the callers
+  h = params["embed"][tokens]
+  X = jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], config.mhc.hc_mult, h.shape[-1]))
+  new_layers, auxes = [], []
+  for plan, params_l, cache_l in zip(config.layer_plan(), params["layers"], cache.layers):
+    cache_l, X, aux = _block(params_l, config, plan, X, tokens, ctx, cache_l, kernel_cfg, collect_aux)
+    new_layers.append(cache_l)
+    auxes.append(aux)
+  h = mhc.hc_head(params["hc_head"], X, config.mhc, config.rms_norm_eps)
+  h = rms_norm(h, params["norm"], config.rms_norm_eps)
+  if return_hidden:
+    return caches.ModelCache(tuple(new_layers)), h, auxes
+  logits = jnp.dot(h, params["lm_head"], precision=jax.lax.Precision.HIGHEST)
+  return caches.ModelCache(tuple(new_layers)), logits, auxes
+
+
+def forward(params, config: ModelConfig, tokens_BxT, cache: caches.ModelCache, index: caches.BatchIndex, *,
+            layout: caches.CacheLayout = caches.CacheLayout(),
+            kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
+  """One step: returns (new cache, logits_BxTxV)."""
+  cache, logits, _ = forward_aux(params, config, tokens_BxT, cache, index, layout=layout, kernel_cfg=kernel_cfg)
+  return cache, logits
+
+
+@functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg"), donate_argnames=("cache",))
+def forward_jit(params, config, tokens_BxT, cache, index, layout=caches.CacheLayout(),
+                kernel_cfg=dispatch.KernelConfig()):
+  return forward(params, config, tokens_BxT, cache, index, layout=layout, kernel_cfg=kernel_cfg)
+
+
+def forward_full(params, config: ModelConfig, tokens_BxT, lengths_B=None, *,
+                 layout: caches.CacheLayout = caches.CacheLayout(),
+                 kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
+  """No-cache convenience: prefill whole sequences into a fresh contiguous cache; returns (cache, logits)."""
+  B, T = tokens_BxT.shape
+  cache, swa, full = caches.init_contiguous(config, B, T, layout)
+  lengths = jnp.full((B,), T, jnp.int32) if lengths_B is None else jnp.asarray(lengths_B, jnp.int32)
+  index = caches.BatchIndex(jnp.zeros((B,), jnp.int32), lengths, jnp.asarray(swa), jnp.asarray(full))
+  return forward_jit(params, config, tokens_BxT, cache, index, layout, kernel_cfg)
