@@ -1,0 +1,132 @@
+"""Property tests: random op sequences on the jitted pool and the plain reference, states compared every step."""
+
+import collections
+
+import numpy as np
+import jax.numpy as jnp
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from cache import pool as P
+from cache.reference import RefPool
+
+N, T, M = 12, 4, 6          # blocks, tokens per block, fixed id-array width (one compile per op)
+MAX_PROBE = 4               # small so TABLE_FULL and tombstone reuse happen
+
+
+def _pad(ids, fill=-1):
+  ids = list(ids)[:M]
+  return jnp.asarray(ids + [fill] * (M - len(ids)), jnp.int32)
+
+
+def _ident(d, n):
+  """n identities from a tiny space: keys collide constantly, parents/tokens decide exactness."""
+  k = d.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+  p = d.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+  t = d.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
+  keys = np.array([[0, x] for x in k] + [[0, 0]] * (M - n), np.int32)
+  par = np.array([[x, 0, 0, 1] for x in p] + [[0] * 4] * (M - n), np.int32)
+  tok = np.array([[x] * T for x in t] + [[0] * T] * (M - n), np.int32)
+  return keys, par, tok
+
+
+def _check(ref, s, holders):
+  ref.check_invariants()
+  ref.assert_matches(s)
+  for b in range(N):
+    assert ref.ref[b] == holders[b], (b, ref.ref[b], holders[b])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_pool_matches_reference(d):
+  s = P.init_pool(N, T, MAX_PROBE)
+  ref = RefPool(N, T, MAX_PROBE)
+  holders = collections.Counter()
+  for _ in range(d.draw(st.integers(5, 30))):
+    op = d.draw(st.sampled_from(["alloc", "alloc", "touch", "free", "free", "register", "register", "lookup",
+                                 "evict", "reset"]))
+    held = sorted(holders.elements())
+    if op == "alloc":
+      n = d.draw(st.integers(0, M + 2))
+      before = (np.asarray(s.cached_N).copy(), np.asarray(s.key_Nx2).copy())
+      s, ids, ev, ok = P.allocate(s, n, max_n=M)
+      rids, rev, rok = ref.allocate(n, max_n=M)
+      assert bool(ok) == rok
+      got = [int(x) for x in ids if x >= 0]
+      assert got == rids and list(np.asarray(ev)[:len(got)]) == rev
+      # identities vanish exactly for the reused blocks
+      others = [b for b in range(N) if b not in got]
+      np.testing.assert_array_equal(np.asarray(s.cached_N)[others], before[0][others])
+      assert list(np.asarray(ev)[:len(got)]) == list(before[0][got])
+      holders.update(got)
+    elif op == "touch":
+      ids = d.draw(st.lists(st.integers(-1, N - 1), max_size=M))
+      if d.draw(st.booleans()) and ids:
+        ids[0] = N + 3  # bad id: refused, nothing changes
+      s, ok = P.touch(s, _pad(ids))
+      assert bool(ok) == ref.touch(ids)
+      if ok:
+        holders.update(b for b in ids if b >= 0)
+    elif op == "free":
+      if held and d.draw(st.booleans()):
+        ids = d.draw(st.lists(st.sampled_from(held), max_size=M))
+      else:
+        ids = d.draw(st.lists(st.integers(-1, N - 1), max_size=M))
+      prepend = d.draw(st.booleans())
+      s, ok = P.free(s, _pad(ids), prepend_uncached=prepend)
+      assert bool(ok) == ref.free(ids, prepend_uncached=prepend)
+      if ok:
+        holders.subtract(b for b in ids if b >= 0)
+    elif op == "register":
+      pool_ids = held + list(range(N))
+      ids = d.draw(st.lists(st.sampled_from(pool_ids + [-1]), max_size=M))
+      keys, par, tok = _ident(d, len(ids))
+      s, status = P.register(s, _pad(ids), jnp.asarray(keys), jnp.asarray(par), jnp.asarray(tok))
+      rstatus = ref.register(list(ids) + [-1] * (M - len(ids)), keys, par, tok)
+      assert list(np.asarray(status)) == rstatus
+    elif op == "lookup":
+      keys, par, tok = _ident(d, M)
+      got = P.lookup(s, jnp.asarray(keys), jnp.asarray(par), jnp.asarray(tok))
+      want = ref.lookup(keys, par, tok)
+      assert list(np.asarray(got)) == want
+      for b, k, p, t in zip(want, keys, par, tok):  # exactness: a hit is the very identity asked for
+        if b >= 0:
+          assert ref._matches(b, ref._ident(k, p, t))
+    elif op == "evict":
+      ids = d.draw(st.lists(st.integers(-1, N - 1), max_size=M))
+      s, ev = P.evict(s, _pad(ids))
+      assert list(np.asarray(ev)[:len(ids)]) == ref.evict(ids)
+    else:
+      s, ok = P.reset(s)
+      assert bool(ok) == ref.reset() == (not held)
+    holders += collections.Counter()  # drop zero counts
+    _check(ref, s, holders)
+  # Nothing leaks: once every holder lets go, every block is free.
+  s, ok = P.free(s, _pad([]))
+  for b in sorted(holders.elements()):
+    s, ok = P.free(s, _pad([b]))
+    assert ok and ref.free([b])
+  holders.clear()
+  _check(ref, s, holders)
+  assert int(s.num_free) == N and P.free_queue(s) == ref.queue
+
+
+def test_out_of_blocks_reported_not_crashing():
+  s = P.init_pool(4, 2)
+  s, ids, ev, ok = P.allocate(s, 3, max_n=8)
+  assert ok
+  s, ids2, ev2, ok2 = P.allocate(s, 2, max_n=8)
+  assert not bool(ok2) and np.all(np.asarray(ids2) == -1) and int(s.num_free) == 1
+  s, ids3, _, ok3 = P.allocate(s, 9, max_n=8)   # over the static width: refused too
+  assert not bool(ok3)
+
+
+def test_free_order_tail_first_and_transient_first():
+  """Cached blocks appended in the given order; uncached ones put at the head in the given order."""
+  s = P.init_pool(6, 2)
+  s, ids, _, _ = P.allocate(s, 4, max_n=4)          # 0 1 2 3 held, queue [4 5]
+  k = jnp.asarray([[0, 1], [0, 2], [0, 0], [0, 0]], jnp.int32)
+  s, status = P.register(s, jnp.asarray([0, 1, -1, -1]), k, jnp.zeros((4, 4), jnp.int32), jnp.ones((4, 2), jnp.int32))
+  assert list(np.asarray(status)) == [P.STORED, P.STORED, P.SKIPPED, P.SKIPPED]
+  s, ok = P.free(s, jnp.asarray([3, 2, 1, 0]))      # request freed tail-first
+  assert P.free_queue(s) == [3, 2, 4, 5, 1, 0]
