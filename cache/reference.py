@@ -26,6 +26,20 @@ class RefPool:
     self.slot = [-1] * n
     self.table = [P.EMPTY] * P.table_slots(n)
 
+  @classmethod
+  def from_state(cls, st: P.PoolState) -> "RefPool":
+    """A reference pool holding exactly the state of a jitted pool (to run reference searches on it)."""
+    r = cls(st.num_blocks, st.block_tokens, st.max_probe)
+    r.ref = [int(x) for x in np.asarray(st.ref_N)]
+    r.queue = P.free_queue(st)
+    r.cached = [bool(x) for x in np.asarray(st.cached_N)]
+    r.key = [tuple(int(y) for y in x) for x in np.asarray(st.key_Nx2)]
+    r.parent = [tuple(int(y) for y in x) for x in np.asarray(st.parent_Nx4)]
+    r.tokens = [tuple(int(y) for y in x) for x in np.asarray(st.tokens_NxT)]
+    r.slot = [int(x) for x in np.asarray(st.slot_N)]
+    r.table = [int(x) for x in np.asarray(st.table_S)]
+    return r
+
   @property
   def num_free(self) -> int:
     return len(self.queue)
