@@ -171,7 +171,8 @@ class SparseAttentionTuning:
 
   block_h: heads per program (power of two, >= 16 for the Triton dot; smaller H is padded).
   block_k: keys (gathered rows) per inner step (power of two).
-  num_splits: key splits per (token, head block); 0 = auto (enough programs to fill ~2 waves of 132 SMs).
+  num_splits: key splits per (token, head block); 0 = auto (split only when there are fewer programs than
+    target_programs / 2 = one wave of 132 H200 SMs; then aim for ~2 waves).
   chunk_d: the latent is processed in column chunks of this width (power of two; 0 = whole row for plain pools,
     the FP8 block for FP8 pools). Chunks bound register pressure and carry the per-block FP8 scales.
   """
@@ -318,7 +319,7 @@ def _pad_idx(idx_NxK, block_k):
 
 def auto_num_splits(N: int, head_blocks: int, nblocks: int, target_programs: int) -> int:
   progs = N * head_blocks
-  if progs >= target_programs:
+  if 2 * progs >= target_programs:  # at least one full wave of SMs already
     return 1
   return max(1, min(nblocks, -(-target_programs // progs), 64))
 
