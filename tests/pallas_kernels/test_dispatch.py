@@ -1,0 +1,73 @@
+"""Dispatcher: every backend gives the same answer; kernels are registered; auto picks XLA on CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dispatch
+from pallas_kernels import indexer as ix
+from pallas_kernels import sparse_attention as sa
+
+
+def test_kernels_registered_and_auto_is_xla_on_cpu():
+  assert {"sparse_attention", "indexer_scores"} <= set(dispatch._KERNELS)
+  assert jax.default_backend() == "cpu"
+  assert dispatch._resolve(dispatch.KernelConfig(), "sparse_attention") is None  # XLA reference
+  assert dispatch._resolve(dispatch.KernelConfig("interpret"), "sparse_attention") == {"interpret": True}
+  assert dispatch._resolve(dispatch.KernelConfig("pallas"), "indexer_scores") == {"interpret": False}
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sparse_attention_backends_agree(fp8):
+  rng = np.random.default_rng(0)
+  N, H, D, P, Q = 3, 8, 128, 20, 30
+  q = jnp.asarray(rng.standard_normal((N, H, D)) * 0.1, jnp.bfloat16)
+  wp = jnp.asarray(rng.standard_normal((P, D)), jnp.bfloat16)
+  cp = jnp.asarray(rng.standard_normal((Q, D)), jnp.bfloat16)
+  if fp8:
+    cp = dispatch.quantize_kv_fp8(cp)
+  wi = jnp.asarray(rng.integers(-1, P, (N, 6)), jnp.int32)
+  ci = jnp.asarray(rng.integers(-1, Q + 2, (N, 10)), jnp.int32)
+  sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
+  outs = {}
+  for cfg in (dispatch.KernelConfig(), dispatch.KernelConfig("xla"),
+              dispatch.KernelConfig("interpret", sparse_tuning=sa.SparseAttentionTuning(block_k=8, num_splits=2))):
+    outs[cfg.backend] = dispatch.sparse_attention(q, wp, wi, cp, ci, sink, scale=D ** -0.5, cfg=cfg)
+  for name in ("xla", "interpret"):
+    np.testing.assert_allclose(np.asarray(outs[name][0], np.float32), np.asarray(outs["auto"][0], np.float32),
+                               atol=1.5e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(outs[name][1]), np.asarray(outs["auto"][1]), atol=3e-4, rtol=3e-4)
+
+
+def test_indexer_backends_agree_and_topk():
+  rng = np.random.default_rng(1)
+  B, T, H, C, P, M = 2, 3, 4, 16, 50, 20
+  q = jnp.asarray(rng.standard_normal((B, T, H, C)), jnp.float32)
+  w = jnp.asarray(rng.random((B, T, H)) + 0.1, jnp.float32)
+  kp = jnp.asarray(rng.standard_normal((P, C)), jnp.float32)
+  rows = jnp.asarray(rng.integers(-1, P, (B, M)), jnp.int32)
+  nv = jnp.asarray(rng.integers(0, M + 1, (B, T)), jnp.int32)
+  allowed = ix.candidate_blocks_to_allowed(jnp.asarray(rng.integers(-1, 3, (B, T, 2)), jnp.int32), M, 8)
+  a = dispatch.indexer_scores(q, w, kp, rows, nv, allowed)
+  b = dispatch.indexer_scores(q, w, kp, rows, nv, allowed,
+                              cfg=dispatch.KernelConfig("interpret", indexer_tuning=ix.IndexerTuning(block_m=8)))
+  np.testing.assert_array_equal(np.isinf(np.asarray(a)), np.isinf(np.asarray(b)))
+  f = np.isfinite(np.asarray(a))
+  np.testing.assert_allclose(np.asarray(b)[f], np.asarray(a)[f], rtol=2e-5, atol=2e-5)
+  ids, vals = dispatch.topk_from_scores(b, 5)
+  assert ids.shape == (B, T, 5)
+  assert np.all((np.asarray(ids) == -1) == ~np.isfinite(np.asarray(vals)))
+
+
+def test_jit_through_dispatch():
+  rng = np.random.default_rng(2)
+  q = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
+  pool = jnp.asarray(rng.standard_normal((10, 64)), jnp.float32)
+  idx = jnp.asarray([[0, 1, -1, 3], [4, -1, -1, 12]], jnp.int32)
+  sink = jnp.zeros(16, jnp.float32)
+  f = jax.jit(lambda *a: dispatch.sparse_attention(*a, scale=0.125, cfg=dispatch.KernelConfig("interpret")))
+  o, l = f(q, pool, idx, None, None, sink)
+  ro, rl = sa.sparse_attention_reference(q, pool, idx, None, None, sink, scale=0.125)
+  np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=3e-5, rtol=3e-5)
+  np.testing.assert_allclose(np.asarray(l), np.asarray(rl), atol=3e-5, rtol=3e-5)
