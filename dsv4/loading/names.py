@@ -1,0 +1,301 @@
+"""Checkpoint tensor names <-> the project's parameter tree.
+
+Three spellings are involved:
+
+* **param paths**: the project's tree (`dsv4.model.param_shapes`), which already uses the original checkpoint's
+  short names (wq_a, wkv, wo_a, ...) with kernels stored [in, out];
+* **original names**: the official DeepSeek-V4 checkpoint (`layers.N.attn.wq_a.weight`, `layers.N.attn.attn_sink`,
+  `layers.N.hc_attn_fn`, `layers.N.ffn.experts.E.w1.weight`, `embed.weight`, `head.weight`, `hc_head_fn`, ...),
+  torch layout [out, in], routed experts one tensor per expert;
+* **HF names**: transformers `deepseek_v4` (`model.layers.N.self_attn.q_a_proj.weight`,
+  `model.layers.N.mlp.experts.gate_up_proj` [E, 2I, D], ...).
+
+Nothing here is a literal list of names. `original_specs(config)` walks `param_shapes(config)` (itself derived
+from the config's layer plan) and spells each leaf the original way, with its stored shape and the transform to and
+from the param layout. HF names are obtained from original names by the checkpoint -> HF renames of spec §1.10
+(the regex list of transformers' `conversion_mapping.py`, key "deepseek_v4", reproduced in `_RENAMES`), plus the
+per-expert stacking `gate_up_proj = stack_E(concat(w1_E, w3_E))`, `down_proj = stack_E(w2_E)`.
+`tests/dsv4/test_hf_parity.py` checks that the generated HF names and shapes equal the real HF module's
+state_dict for the tiny oracle config.
+
+V4.1 has no transformers implementation; its original names (spec §2.1: `attn.indexer.{wq_b, weights_proj, wk,
+k_norm}`, no `ape`) are generated the same way and its "HF" names are the same renames applied to them (an
+extrapolation, not checked against any reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable
+
+import numpy as np
+
+from dsv4.config import ModelConfig
+from dsv4.model import _is_leaf, param_shapes
+
+Path = tuple  # e.g. ("layers", 3, "attn", "wq_a")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+  """One stored tensor (original spelling) and how it maps onto a param leaf.
+
+  expert: for routed experts, the expert index this tensor holds (the param leaf is [E, ...]); else None.
+  to_param / from_param: stored layout <-> param layout (of the leaf, or of its expert slice).
+  """
+  name: str
+  path: Path
+  shape: tuple[int, ...]       # stored (dequantized) shape
+  integer: bool                # integer tensor (tid2eid); everything else is floating point
+  expert: int | None
+  to_param: Callable[[np.ndarray], np.ndarray]
+  from_param: Callable[[np.ndarray], np.ndarray]
+
+
+def _ident(x):
+  return x
+
+
+def _t2(x):
+  return np.swapaxes(x, -1, -2)
+
+
+def _leaf_original(path: Path, shape: tuple, kind: str, dtype) -> list[TensorSpec]:
+  """Original checkpoint spelling of one param leaf."""
+  integer = np.issubdtype(np.dtype(dtype), np.integer)
+  if path[0] == "layers":
+    n, rest = path[1], path[2:]
+    pre = f"layers.{n}."
+  else:
+    rest, pre = path, ""
+  head, last = rest[:-1], rest[-1]
+
+  def one(name, stored_shape, to_param=_ident, from_param=_ident):
+    return [TensorSpec(name, path, tuple(stored_shape), integer, None, to_param, from_param)]
+
+  # mHC: flat names hc_attn_fn / hc_ffn_fn / hc_head_fn, fn stored [rows, n*D]
+  if head and head[0] in ("hc_attn", "hc_ffn", "hc_head"):
+    name = f"{pre}{head[0]}_{last}"
+    if last == "fn":
+      return one(name, shape[::-1], _t2, _t2)
+    return one(name, shape)
+  if rest == ("embed",):
+    return one("embed.weight", shape)
+  if rest == ("lm_head",):
+    return one("head.weight", shape[::-1], _t2, _t2)
+  if rest == ("norm",) or rest in (("attn_norm",), ("ffn_norm",)):
+    return one(f"{pre}{last}.weight", shape)
+
+  mod = pre + ".".join(str(p) for p in head)
+  if head == ("attn",) and last == "sink":
+    return one(f"{mod}.attn_sink", shape)
+  if last == "ape":
+    return one(f"{mod}.ape", shape)
+  if head == ("ffn",) and last in ("bias", "tid2eid"):
+    return one(f"{mod}.gate.{last}", shape)
+  if head == ("ffn", "shared"):
+    return one(f"{pre}ffn.shared_experts.{last}.weight", shape[::-1], _t2, _t2)
+  if head == ("ffn", "experts"):
+    E = shape[0]
+    return [TensorSpec(f"{pre}ffn.experts.{e}.{last}.weight", path, tuple(shape[:0:-1]), False, e, _t2, _t2)
+            for e in range(E)]
+  if last == "wo_a":  # param [G, H*d/G, o_lora] <-> stored [G*o_lora, H*d/G] (rows g*o_lora.. belong to group g)
+    G, k, r = shape
+    return one(f"{mod}.wo_a.weight", (G * r, k),
+               lambda x, G=G, k=k, r=r: np.swapaxes(x.reshape(G, r, k), 1, 2),
+               lambda x, G=G, k=k, r=r: np.swapaxes(x, 1, 2).reshape(G * r, k))
+  if len(shape) == 1:  # norms (q_norm, kv_norm, compressor norm, k_norm)
+    return one(f"{mod}.{last}.weight", shape)
+  if kind == "dense" and len(shape) == 2:
+    return one(f"{mod}.{last}.weight", shape[::-1], _t2, _t2)
+  raise NotImplementedError(f"no checkpoint spelling for param {'/'.join(map(str, path))} {shape} {kind}")
+
+
+def _walk(tree, path=()):
+  if _is_leaf(tree):
+    yield path, tree
+  elif isinstance(tree, dict):
+    for k, v in tree.items():
+      yield from _walk(v, path + (k,))
+  else:
+    for i, v in enumerate(tree):
+      yield from _walk(v, path + (i,))
+
+
+def original_specs(config: ModelConfig) -> list[TensorSpec]:
+  """Every tensor of an original-format checkpoint for `config`, in param-tree order."""
+  out = []
+  for path, (shape, dtype, kind) in _walk(param_shapes(config)):
+    out += _leaf_original(path, tuple(shape), kind, dtype)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Original -> HF renames (spec §1.10; transformers 5.23.0 conversion_mapping.py "deepseek_v4"), applied in order.
+
+_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "embed_tokens.weight"),
+    (r"^head\.weight", "lm_head.weight"),
+    (r"^hc_head_fn", "hc_head.hc_fn"),
+    (r"^hc_head_base", "hc_head.hc_base"),
+    (r"^hc_head_scale", "hc_head.hc_scale"),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_fn", ".attn_hc.fn"),
+    (r"\.hc_attn_base", ".attn_hc.base"),
+    (r"\.hc_attn_scale", ".attn_hc.scale"),
+    (r"\.hc_ffn_fn", ".ffn_hc.fn"),
+    (r"\.hc_ffn_base", ".ffn_hc.base"),
+    (r"\.hc_ffn_scale", ".ffn_hc.scale"),
+    (r"\.attn_sink", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."),
+    (r"\.ape", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+)
+_EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def original_to_hf_name(name: str) -> str:
+  """HF name of a non-expert original tensor (renames of spec §1.10, then the `model.` prefix)."""
+  for pat, rep in _RENAMES:
+    name = re.sub(pat, rep, name)
+  return name if name.startswith("lm_head.") else "model." + name
+
+
+def expert_target(name: str) -> tuple[str, int, str] | None:
+  """For `layers.N.ffn.experts.E.wK.weight`: (HF stacked name, E, wK); else None."""
+  m = _EXPERT_RE.match(name)
+  if not m:
+    return None
+  n, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
+  stacked = "gate_up_proj" if w in ("w1", "w3") else "down_proj"
+  return f"model.layers.{n}.mlp.experts.{stacked}", e, w
+
+
+@dataclasses.dataclass(frozen=True)
+class HFSpec:
+  """One HF tensor: its stored shape and the param leaves it feeds."""
+  name: str
+  shape: tuple[int, ...]
+  integer: bool
+  sources: tuple[TensorSpec, ...]   # the original tensors it is made of (1, or E per-expert tensors)
+
+
+def hf_specs(config: ModelConfig) -> dict[str, HFSpec]:
+  """HF name -> spec, derived from `original_specs` by the renames and the expert stacking."""
+  out: dict[str, list] = {}
+  for s in original_specs(config):
+    tgt = expert_target(s.name)
+    key = tgt[0] if tgt else original_to_hf_name(s.name)
+    out.setdefault(key, []).append(s)
+  specs = {}
+  for name, srcs in out.items():
+    if len(srcs) == 1 and srcs[0].expert is None:
+      shape = srcs[0].shape
+    else:  # stacked experts: gate_up [E, 2I, D] from w1, w3 [I, D]; down [E, D, I] from w2 [D, I]
+      E = 1 + max(s.expert for s in srcs)
+      r, c = srcs[0].shape
+      shape = (E, 2 * r, c) if name.endswith("gate_up_proj") else (E, r, c)
+    specs[name] = HFSpec(name, tuple(shape), srcs[0].integer, tuple(srcs))
+  return specs
+
+
+def stack_experts(hf_name: str, per_expert: dict[tuple[int, str], np.ndarray], E: int) -> np.ndarray:
+  """Original per-expert tensors -> one HF tensor (gate rows first, then up)."""
+  if hf_name.endswith("gate_up_proj"):
+    return np.stack([np.concatenate([per_expert[(e, "w1")], per_expert[(e, "w3")]], axis=0) for e in range(E)])
+  return np.stack([per_expert[(e, "w2")] for e in range(E)])
+
+
+def unstack_experts(hf_name: str, x: np.ndarray) -> dict[tuple[int, str], np.ndarray]:
+  if hf_name.endswith("gate_up_proj"):
+    I = x.shape[1] // 2
+    return {**{(e, "w1"): x[e, :I] for e in range(x.shape[0])}, **{(e, "w3"): x[e, I:] for e in range(x.shape[0])}}
+  return {(e, "w2"): x[e] for e in range(x.shape[0])}
+
+
+def _set(tree, path, value):
+  for p in path[:-1]:
+    tree = tree[p]
+  tree[path[-1]] = value
+
+
+def _get(tree, path):
+  for p in path:
+    tree = tree[p]
+  return tree
+
+
+def empty_tree(config: ModelConfig):
+  """The param tree structure with None leaves."""
+  def build(t):
+    if _is_leaf(t):
+      return None
+    if isinstance(t, dict):
+      return {k: build(v) for k, v in t.items()}
+    return [build(v) for v in t]
+  return build(param_shapes(config))
+
+
+def original_to_params(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict:
+  """Validated original-named tensors (float32 / integer) -> param tree of numpy arrays."""
+  params = empty_tree(config)
+  experts: dict[Path, list] = {}
+  for s in original_specs(config):
+    x = s.to_param(tensors[s.name])
+    if s.expert is None:
+      _set(params, s.path, x)
+    else:
+      experts.setdefault(s.path, []).append((s.expert, x))
+  for path, xs in experts.items():
+    _set(params, path, np.stack([x for _, x in sorted(xs, key=lambda t: t[0])]))
+  return params
+
+
+def params_to_original(params, config: ModelConfig) -> dict[str, np.ndarray]:
+  out = {}
+  for s in original_specs(config):
+    leaf = np.asarray(_get(params, s.path))
+    out[s.name] = np.ascontiguousarray(s.from_param(leaf if s.expert is None else leaf[s.expert]))
+  return out
+
+
+def hf_to_original(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+  """HF-named tensors -> original-named tensors (unstacks experts)."""
+  out = {}
+  for name, spec in hf_specs(config).items():
+    x = tensors[name]
+    if spec.sources[0].expert is None:
+      out[spec.sources[0].name] = x
+    else:
+      parts = unstack_experts(name, x)
+      for s in spec.sources:
+        out[s.name] = parts[(s.expert, s.name.split(".")[-2])]
+  return out
+
+
+def original_to_hf(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+  out = {}
+  for name, spec in hf_specs(config).items():
+    if spec.sources[0].expert is None:
+      out[name] = tensors[spec.sources[0].name]
+    else:
+      per = {(s.expert, s.name.split(".")[-2]): tensors[s.name] for s in spec.sources}
+      out[name] = stack_experts(name, per, spec.shape[0])
+  return out

@@ -1,0 +1,421 @@
+"""Read and write DeepSeek-V4 safetensors checkpoints (HF or original naming, plain or FP8/FP4-quantized).
+
+    params = load_checkpoint("ckpt_dir_or_file", config)        # numpy float32 / int32 leaves
+    save_hf_safetensors(params, config, "out_dir", shard_bytes=..., quant=Quant(fp8_block=128, fp4_experts=True))
+    save_original_safetensors(params, config, "out_dir", quant=...)
+
+The safetensors container is parsed here (8-byte little-endian header length, JSON header, raw little-endian
+data) rather than through the `safetensors` package: its numpy backend has no FP8/E8M0 dtypes, and parsing it
+ourselves lets every failure (truncated file, garbage header, offsets out of range) name the file and tensor.
+
+Quantized tensors are recognised by dtype and by a scale companion:
+* original naming: `<module>.weight` + `<module>.scale` (spec §1.9);
+* HF naming: `<module>.weight` + `<module>.weight_scale_inv`, `<param>` + `<param>_scale_inv` (transformers'
+  fine-grained FP8 quantizer, e.g. `mlp.experts.gate_up_proj_scale_inv`).
+F8_E4M3 weights are block-dequantized (block edge `fp8_block`, default 128 for V4, 32 for V4.1); I8/U8 weights with
+a scale are FP4 e2m1 packed (see `quant.py` for the nibble order). Every tensor is then checked against the names
+and shapes generated from the config (`names.py`); anything missing, unexpected, of the wrong shape or of the wrong
+dtype raises `CheckpointError` naming the tensor, with expected vs found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import struct
+
+import ml_dtypes
+import numpy as np
+
+from dsv4.config import ModelConfig
+from dsv4.loading import names as N
+from dsv4.loading import quant as Q
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32), "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+_FLOAT_PLAIN = {"F64", "F32", "F16", "BF16"}
+_INTEGER = {"I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8"}
+_SCALE_DTYPES = {"F8_E8M0", "U8", "F32", "BF16", "F16"}
+_MAX_HEADER = 100 * 2 ** 20
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that does not fit the config. The message names the tensor (and file) and says what was
+  expected and what was found."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Container
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+  file: str
+  name: str
+  dtype: str
+  shape: tuple[int, ...]
+  start: int   # absolute byte offset in the file
+  nbytes: int
+
+
+def read_header(path: str) -> dict[str, _Entry]:
+  """Parse and validate a safetensors header; returns name -> entry (no tensor data is read)."""
+  try:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+      raw = f.read(8)
+      if len(raw) < 8:
+        raise CheckpointError(f"{path}: not a safetensors file (only {size} bytes, no header length)")
+      (hlen,) = struct.unpack("<Q", raw)
+      if hlen == 0 or hlen > _MAX_HEADER or 8 + hlen > size:
+        raise CheckpointError(f"{path}: not a safetensors file or truncated (header length {hlen}, file size {size})")
+      header = f.read(hlen)
+  except OSError as e:
+    raise CheckpointError(f"{path}: cannot read ({e})") from e
+  try:
+    meta = json.loads(header.decode("utf-8"))
+    if not isinstance(meta, dict):
+      raise ValueError("header is not a JSON object")
+  except (UnicodeDecodeError, ValueError) as e:
+    raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from e
+  base, data_len = 8 + hlen, size - 8 - hlen
+  out = {}
+  for name, info in meta.items():
+    if name == "__metadata__":
+      continue
+    try:
+      dtype, shape, (b, e) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+    except (KeyError, TypeError, ValueError) as ex:
+      raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {info!r}") from ex
+    if dtype not in _DTYPES:
+      raise CheckpointError(f"{path}: tensor {name!r}: unsupported dtype {dtype!r}")
+    need = math.prod(shape) * _DTYPES[dtype].itemsize
+    if not (0 <= b <= e) or e - b != need:
+      raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {[b, e]} do not match dtype {dtype} and shape "
+                            f"{list(shape)} ({need} bytes)")
+    if e > data_len:
+      raise CheckpointError(f"{path}: tensor {name!r}: data ends at byte {e} but the file holds only {data_len} "
+                            f"data bytes (truncated file)")
+    out[name] = _Entry(path, name, dtype, shape, base + b, need)
+  return out
+
+
+def _read(entry: _Entry) -> np.ndarray:
+  dt = _DTYPES[entry.dtype]
+  if entry.nbytes == 0:
+    return np.zeros(entry.shape, dt)
+  arr = np.memmap(entry.file, dtype=np.uint8, mode="r", offset=entry.start, shape=(entry.nbytes,))
+  return np.array(arr).view(dt).reshape(entry.shape)  # copies: the result owns its memory
+
+
+def write_file(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str] | None = None) -> None:
+  """Write one safetensors file (names sorted, 8-byte aligned header)."""
+  header, off, arrays = {}, 0, []
+  if metadata:
+    header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+  for name in sorted(tensors):
+    a = np.ascontiguousarray(tensors[name])
+    if a.dtype not in _NAMES:
+      raise CheckpointError(f"tensor {name!r}: dtype {a.dtype} cannot be stored in safetensors")
+    header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+    off += a.nbytes
+    arrays.append(a)
+  h = json.dumps(header, separators=(",", ":")).encode()
+  h += b" " * (-len(h) % 8)
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(h)))
+    f.write(h)
+    for a in arrays:
+      f.write(a.tobytes())
+
+
+def _resolve_files(path: str) -> tuple[list[str], dict[str, str] | None]:
+  """-> (files, weight_map or None)."""
+  if os.path.isfile(path):
+    return [path], None
+  if not os.path.isdir(path):
+    raise CheckpointError(f"{path}: no such checkpoint file or directory")
+  idx = os.path.join(path, INDEX_FILE)
+  if os.path.exists(idx):
+    try:
+      with open(idx) as f:
+        wmap = json.load(f)["weight_map"]
+      if not isinstance(wmap, dict):
+        raise ValueError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise CheckpointError(f"{idx}: unreadable index file ({e!r})") from e
+    files = sorted(set(wmap.values()))
+    for fn in files:
+      if not os.path.isfile(os.path.join(path, fn)):
+        missing = sorted(k for k, v in wmap.items() if v == fn)[:3]
+        raise CheckpointError(f"{idx}: shard {fn!r} (holding e.g. {missing}) does not exist")
+    return [os.path.join(path, f) for f in files], {k: os.path.join(path, v) for k, v in wmap.items()}
+  single = os.path.join(path, SINGLE_FILE)
+  if os.path.isfile(single):
+    return [single], None
+  files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+  if not files:
+    raise CheckpointError(f"{path}: no *.safetensors files and no {INDEX_FILE}")
+  return files, None
+
+
+def read_entries(path: str) -> dict[str, _Entry]:
+  """All tensor entries of a file or (sharded) directory, cross-checked against the index when there is one."""
+  files, wmap = _resolve_files(path)
+  entries: dict[str, _Entry] = {}
+  for fp in files:
+    for name, e in read_header(fp).items():
+      if name in entries:
+        raise CheckpointError(f"tensor {name!r} appears in two files: {entries[name].file} and {fp}")
+      entries[name] = e
+  if wmap is not None:
+    for name, fp in wmap.items():
+      if name not in entries or os.path.abspath(entries[name].file) != os.path.abspath(fp):
+        where = "missing from every shard" if name not in entries else f"found in {entries[name].file}"
+        raise CheckpointError(f"tensor {name!r}: the index maps it to {fp} but it is {where}")
+    extra = sorted(set(entries) - set(wmap))
+    if extra:
+      raise CheckpointError(f"tensor {extra[0]!r} (in {entries[extra[0]].file}) is not listed in the index "
+                            f"({len(extra)} such tensors)")
+  return entries
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading
+
+_IGNORE = (re.compile(r"^(model\.)?mtp\."),)  # MTP / draft block: not part of the text backbone (HF drops it too)
+
+
+def detect_naming(tensor_names) -> str:
+  hf = any(n.startswith(("model.", "lm_head.")) for n in tensor_names)
+  orig = any(n.startswith(("layers.", "embed.", "head.", "hc_head_")) for n in tensor_names)
+  if hf and orig:
+    raise CheckpointError("checkpoint mixes HF names (model.*, lm_head.*) and original names (layers.*, embed.*)")
+  if not (hf or orig):
+    raise CheckpointError(f"cannot tell the naming: no model.*/lm_head.* (HF) nor layers.*/embed.* (original) "
+                          f"tensor among {sorted(tensor_names)[:5]}")
+  return "hf" if hf else "original"
+
+
+def _scale_pairs(entries: dict[str, _Entry], naming: str) -> dict[str, str]:
+  """weight name -> scale name."""
+  pairs = {}
+  for s in entries:
+    if naming == "original" and s.endswith(".scale"):
+      w = s[: -len(".scale")] + ".weight"
+    elif naming == "hf" and s.endswith(".weight_scale_inv"):
+      w = s[: -len("_scale_inv")]
+    elif naming == "hf" and s.endswith("_scale_inv"):
+      w = s[: -len("_scale_inv")]
+    else:
+      continue
+    if w in entries:
+      pairs[w] = s
+  return pairs
+
+
+def _dequant(e: _Entry, scale: _Entry | None, fp8_block: int) -> np.ndarray:
+  """Read one tensor; dequantize FP8 / FP4 when it has a scale. Returns float32 or integer arrays."""
+  where = f"tensor {e.name!r} (in {e.file})"
+  if scale is None:
+    if e.dtype in ("F8_E4M3", "F8_E5M2"):
+      raise CheckpointError(f"{where}: dtype {e.dtype} needs a block-scale tensor, none found")
+    a = _read(e)
+    return a.astype(np.float32) if e.dtype in _FLOAT_PLAIN else a
+  if scale.dtype not in _SCALE_DTYPES:
+    raise CheckpointError(f"tensor {scale.name!r} (scale of {e.name!r}): dtype {scale.dtype}, expected one of "
+                          f"{sorted(_SCALE_DTYPES)}")
+  try:
+    if e.dtype == "F8_E4M3":
+      return Q.dequant_fp8_block(_read(e), _read(scale), fp8_block)
+    if e.dtype in ("I8", "U8"):
+      return Q.dequant_fp4(_read(e), _read(scale))
+  except Q.QuantError as ex:
+    raise CheckpointError(f"{where} with scale {scale.name!r}: {ex}") from ex
+  if e.dtype in _FLOAT_PLAIN:
+    raise CheckpointError(f"{where}: dtype {e.dtype} has a scale tensor {scale.name!r}, but only F8_E4M3 (FP8) or "
+                          f"I8/U8 (packed FP4) weights are scaled")
+  raise CheckpointError(f"{where}: dtype {e.dtype} cannot be dequantized (expected F8_E4M3 or packed-FP4 I8/U8)")
+
+
+def _check(name: str, x: np.ndarray, want_shape, integer: bool, e: _Entry, hf_name: str | None = None):
+  alias = f" (HF {hf_name!r})" if hf_name and hf_name != name else ""
+  where = f"tensor {name!r}{alias} in {e.file}"
+  if integer and not np.issubdtype(x.dtype, np.integer):
+    raise CheckpointError(f"{where}: dtype {e.dtype}, expected an integer dtype (I64/I32)")
+  if not integer and not np.issubdtype(x.dtype, np.floating):
+    raise CheckpointError(f"{where}: dtype {e.dtype}, expected a floating dtype (F32/BF16/F16, or F8_E4M3 / packed "
+                          f"FP4 with a scale)")
+  if tuple(x.shape) != tuple(want_shape):
+    q = " after dequantization" if e.dtype in ("F8_E4M3", "I8", "U8") and not integer else ""
+    raise CheckpointError(f"{where}: shape {list(x.shape)}{q}, expected {list(want_shape)}")
+
+
+def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = None, as_jax: bool = True,
+                    strict: bool = True):
+  """Load a safetensors checkpoint (file, directory, or sharded directory with an index) into a param tree.
+
+  Detects HF vs original naming, dequantizes FP8 (block `fp8_block`, default 128 for V4 and 32 for V4.1) and FP4
+  tensors, validates every tensor against the config. strict=False tolerates unexpected tensors (still validates
+  the expected ones). Returns jax arrays (as_jax) or numpy arrays.
+  """
+  fp8_block = fp8_block or Q.FP8_BLOCK[config.variant]
+  entries = {k: v for k, v in read_entries(path).items() if not any(p.match(k) for p in _IGNORE)}
+  naming = detect_naming(entries)
+  pairs = _scale_pairs(entries, naming)
+  scale_names = set(pairs.values())
+
+  orig_specs = N.original_specs(config)
+  hf = N.hf_specs(config)
+  if naming == "original":
+    expected = {s.name: (s.shape, s.integer, None) for s in orig_specs}
+    hf_of = {s.name: (N.expert_target(s.name) or (N.original_to_hf_name(s.name),))[0] for s in orig_specs}
+  else:
+    expected = {n: (s.shape, s.integer, None) for n, s in hf.items()}
+    hf_of = {n: n for n in hf}
+
+  present = set(entries) - scale_names
+  missing = sorted(set(expected) - present)
+  if missing:
+    hint = ""
+    if missing[0] + "_scale_inv" in entries or missing[0].removesuffix(".weight") + ".scale" in entries:
+      hint = " (its scale tensor is present)"
+    raise CheckpointError(f"tensor {missing[0]!r}{hint} is missing from {path} ({len(missing)} expected tensors "
+                          f"missing{': ' + ', '.join(missing[1:4]) if len(missing) > 1 else ''})")
+  unexpected = sorted(present - set(expected))
+  if unexpected and strict:
+    raise CheckpointError(f"tensor {unexpected[0]!r} (in {entries[unexpected[0]].file}) is not a {naming}-named "
+                          f"tensor of config {config.name!r} ({len(unexpected)} unexpected)")
+
+  tensors = {}
+  for name, (shape, integer, _) in expected.items():
+    e = entries[name]
+    sc = entries.get(pairs.get(name, ""), None)
+    x = _dequant(e, sc, fp8_block)
+    _check(name, x, shape, integer, e, hf_of.get(name))
+    tensors[name] = x
+
+  if naming == "hf":
+    tensors = N.hf_to_original(tensors, config)
+  for s in orig_specs:
+    if s.integer:
+      x = tensors[s.name]
+      E = config.moe.n_routed_experts
+      if x.size and (x.min() < 0 or x.max() >= E):
+        raise CheckpointError(f"tensor {s.name!r}: expert ids must lie in [0, {E}), found [{x.min()}, {x.max()}]")
+      tensors[s.name] = x.astype(np.int32)
+  params = N.original_to_params(tensors, config)
+  if as_jax:
+    import jax.numpy as jnp
+    import jax
+    params = jax.tree_util.tree_map(jnp.asarray, params)
+  return params
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writing
+
+@dataclasses.dataclass(frozen=True)
+class Quant:
+  """How the writers quantize (for round-trip tests and small exports).
+
+  fp8_block: FP8 e4m3 + e8m0 block scales for the dense projections (None: keep float).
+  fp4_experts: FP4 e2m1 + per-row/32-column e8m0 scales for the routed experts.
+  """
+  fp8_block: int | None = 128
+  fp4_experts: bool = True
+
+
+# Dense projections that ship FP8 (spec §1.10 storage): attention q/kv/o, the indexer query, shared experts.
+# Compressor / indexer-compressor wkv, wgate, weights_proj, the router, norms, mHC, embed and head stay float.
+_FP8_ORIG = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
+                       r"|ffn\.shared_experts\.w[123])\.weight$")
+_FP4_ORIG = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+
+
+def _quantize_dict(tensors: dict[str, np.ndarray], config: ModelConfig, quant: Quant | None, naming: str):
+  if quant is None:
+    return tensors
+  out = {}
+  to_orig = {}
+  if naming == "hf":
+    for s in N.original_specs(config):
+      to_orig[(N.expert_target(s.name) or (N.original_to_hf_name(s.name),))[0]] = s.name
+  for name, x in tensors.items():
+    orig = to_orig.get(name, name)
+    if quant.fp8_block and _FP8_ORIG.match(orig):
+      q, s = Q.quantize_fp8_block(x, quant.fp8_block)
+      out[name] = q
+      out[name[: -len(".weight")] + (".scale" if naming == "original" else ".weight_scale_inv")] = s
+    elif quant.fp4_experts and (_FP4_ORIG.match(orig) or (naming == "hf" and re.search(r"\.mlp\.experts\.", name))):
+      q, s = Q.quantize_fp4(x)
+      out[name] = q
+      out[name[: -len(".weight")] + ".scale" if naming == "original" else name + "_scale_inv"] = s
+    else:
+      out[name] = x
+  return out
+
+
+def _write_dir(tensors: dict[str, np.ndarray], path: str, shard_bytes: int | None, fmt: str) -> list[str]:
+  os.makedirs(path, exist_ok=True)
+  if not shard_bytes:
+    write_file(tensors, os.path.join(path, SINGLE_FILE), {"format": fmt})
+    return [os.path.join(path, SINGLE_FILE)]
+  shards, cur, cur_bytes = [], {}, 0
+  for name in sorted(tensors):
+    nb = np.asarray(tensors[name]).nbytes
+    if cur and cur_bytes + nb > shard_bytes:
+      shards.append(cur)
+      cur, cur_bytes = {}, 0
+    cur[name] = tensors[name]
+    cur_bytes += nb
+  if cur:
+    shards.append(cur)
+  wmap, files = {}, []
+  for i, shard in enumerate(shards):
+    fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    write_file(shard, os.path.join(path, fn), {"format": fmt})
+    files.append(os.path.join(path, fn))
+    wmap.update({k: fn for k in shard})
+  total = sum(np.asarray(t).nbytes for t in tensors.values())
+  with open(os.path.join(path, INDEX_FILE), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))}, f, indent=1)
+  return files
+
+
+def _np_params(params):
+  import jax
+  return jax.tree_util.tree_map(lambda x: np.asarray(x), params)
+
+
+def hf_state_dict(params, config: ModelConfig) -> dict[str, np.ndarray]:
+  """HF-named numpy tensors (float32, tid2eid int64 as in transformers)."""
+  t = N.original_to_hf(N.params_to_original(_np_params(params), config), config)
+  return {k: (v.astype(np.int64) if np.issubdtype(v.dtype, np.integer) else v.astype(np.float32)) for k, v in t.items()}
+
+
+def save_hf_safetensors(params, config: ModelConfig, path: str, *, shard_bytes: int | None = None,
+                        quant: Quant | None = None) -> list[str]:
+  """Write params with HF names into directory `path` (one file, or shards + index when shard_bytes is set)."""
+  t = _quantize_dict(hf_state_dict(params, config), config, quant, "hf")
+  return _write_dir(t, path, shard_bytes, "pt")
+
+
+def save_original_safetensors(params, config: ModelConfig, path: str, *, shard_bytes: int | None = None,
+                              quant: Quant | None = None) -> list[str]:
+  """Write params with the original checkpoint names (per-expert tensors, `.scale` companions)."""
+  t = N.params_to_original(_np_params(params), config)
+  t = {k: (v.astype(np.int32) if np.issubdtype(v.dtype, np.integer) else v.astype(np.float32)) for k, v in t.items()}
+  return _write_dir(_quantize_dict(t, config, quant, "original"), path, shard_bytes, "pt")
