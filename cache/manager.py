@@ -92,8 +92,20 @@ class _Request:
   swa_released: int = 0                # leading swa blocks already released
 
 
-def _bucket(n: int, lo: int = 8) -> int:
-  return max(lo, 1 << max(0, n - 1).bit_length())
+_WIDTH = 256   # most ids per jitted pool call; callers chunk longer lists
+
+
+def _bucket(n: int) -> int:
+  """Id-array width for n entries: two widths only, so each pool op compiles at most twice per group."""
+  return 16 if n <= 16 else _WIDTH
+
+
+def _units_bucket(n: int) -> int:
+  """Hash units per request in a search: powers of 4 from 64 (2048 tokens at 32-token units)."""
+  u = 64
+  while u < n:
+    u *= 4
+  return u
 
 
 class KVCacheManager:
@@ -133,8 +145,8 @@ class KVCacheManager:
 
   def _search(self, toks, hashers) -> list[PrefixHit]:
     g = self.specs.hash_tokens
-    b = _bucket(len(toks), 1)
-    u = _bucket(max(len(t) // g for t in toks), 8)
+    b = 1 << max(0, len(toks) - 1).bit_length()
+    u = _units_bucket(max(len(t) // g for t in toks))
     u = -(-u // (self.specs.align_tokens // g)) * (self.specs.align_tokens // g)
     key = np.zeros((b, u, 2), np.int32)
     par = np.zeros((b, u, 4), np.int32)
@@ -210,7 +222,7 @@ class KVCacheManager:
     for name in self.groups:
       left = need[name]
       while left:
-        m = min(left, 256)
+        m = min(left, _WIDTH)
         self.pools[name], ids, ev, ok = P.allocate(self.pools[name], m, max_n=_bucket(m))
         if not bool(ok):
           raise RuntimeError(f"allocate of {m} blocks failed in group {name} after the free check")
@@ -234,8 +246,8 @@ class KVCacheManager:
     upb = bt // self.specs.hash_tokens
     h = r.hasher
     entries = [(j, r.tables[name][j]) for j in block_idx if r.tables[name][j] >= 0]
-    for lo in range(0, len(entries), 256):
-      part = entries[lo:lo + 256]
+    for lo in range(0, len(entries), _WIDTH):
+      part = entries[lo:lo + _WIDTH]
       m = _bucket(len(part))
       ids = np.full(m, -1, np.int32)
       key = np.zeros((m, 2), np.int32)
@@ -306,7 +318,7 @@ class KVCacheManager:
         raise RuntimeError(f"free refused blocks of group {name}: {ids}")
 
   @staticmethod
-  def _chunks(ids: list[int], width: int = 256):
+  def _chunks(ids: list[int], width: int = _WIDTH):
     for lo in range(0, len(ids), width):
       part = ids[lo:lo + width]
       m = _bucket(len(part))
