@@ -88,7 +88,7 @@ def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, ctx: StepC
     state, cache_layer["comp_kv"] = compress_step(
         p["compressor"], x_BxTxD, kv_compressor_spec(config, plan), ctx, cache_layer, cache_layer["comp_kv"],
         inv_freq, eps)
-    cache_layer.update(state or {})
+    cache_layer.update(state)
     comp_pool = caches.flat_pool(cache_layer["comp_kv"])
   if plan.kind == "csa":
     state, cache_layer["index_keys"] = compress_step(

@@ -67,7 +67,7 @@ def _emit_slots(ctx: StepContext, entry_BxE, ratio: int):
 
 def compress_step(p, x_BxTxD, spec: CompressorSpec, ctx: StepContext, state: dict | None, out_pool,
                   inv_freq, eps: float, state_prefix: str = "comp_state"):
-  """Runs one chunk through a compressor. Returns (new state pools dict, new out pool)."""
+  """Runs one chunk through a compressor. Returns (updated state pools {name: pool}, new out pool)."""
   m, w = spec.ratio, spec.width
   a, z = project(p, x_BxTxD, spec, ctx.pos_BxT)
 
@@ -77,11 +77,11 @@ def compress_step(p, x_BxTxD, spec: CompressorSpec, ctx: StepContext, state: dic
     latent = rms_norm(a, p["norm"], eps)
     rows = apply_rope(latent, entry * m, inv_freq)
     slots = _emit_slots(ctx, jnp.where(ctx.valid_BxT, entry, -1), m)
-    return state, caches.write_rows(out_pool, slots, rows)
+    return {}, caches.write_rows(out_pool, slots, rows)
 
   kv_name, score_name = f"{state_prefix}_kv", f"{state_prefix}_score"
   tok_slots = ctx.token_slots()
-  state = dict(state)
+  state = {kv_name: state[kv_name], score_name: state[score_name]}
   state[kv_name] = caches.write_rows(state[kv_name], tok_slots, a)
   state[score_name] = caches.write_rows(state[score_name], tok_slots, z)
 
