@@ -323,7 +323,6 @@ def reset(st: PoolState):
   held."""
   ok = jnp.all(st.ref_N == 0)
   fresh = init_pool(st.num_blocks, st.block_tokens, st.max_probe)
-  fresh = dataclasses.replace(fresh, parent_Nx4=fresh.parent_Nx4, tokens_NxT=fresh.tokens_NxT)
   return jax.tree.map(lambda a, b: jnp.where(ok, a, b), fresh, st), ok
 
 
