@@ -58,6 +58,22 @@ def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, cq_BxTxR, c
   return ids, scores
 
 
+def dense_compressed_attention(q_BxTxHxD, comp_pool_PxD, rows_BxM, ctx: StepContext, ratio: int, scale: float):
+  """Head-averaged attention distribution of the queries over *all* visible compressed entries [B, T, M].
+
+  The training target for the indexer (DeepSeek warm up their indexer with a KL loss toward it); not used at
+  inference."""
+  M = rows_BxM.shape[1]
+  keys = jnp.take(comp_pool_PxD, jnp.clip(rows_BxM, 0, comp_pool_PxD.shape[0] - 1), axis=0)
+  logits = jnp.einsum("bthd,bmd->bthm", q_BxTxHxD.astype(jnp.float32), keys.astype(jnp.float32),
+                      precision=_HI) * scale
+  visible = (jnp.arange(M)[None, None, :] < ((ctx.pos_BxT + 1) // ratio)[:, :, None]) & (rows_BxM >= 0)[:, None]
+  logits = jnp.where(visible[:, :, None, :], logits, -jnp.inf)
+  any_vis = jnp.any(visible, axis=-1)[:, :, None, None]
+  probs = jax.nn.softmax(jnp.where(any_vis, logits, 0.0), axis=-1)
+  return jnp.where(any_vis, probs, 0.0).mean(axis=2)
+
+
 def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, ctx: StepContext, cache_layer: dict,
                     kernel_cfg: dispatch.KernelConfig, collect_aux: bool = False):
   """Returns (new cache_layer, out_BxTxD, aux dict)."""
@@ -100,7 +116,8 @@ def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, ctx: StepC
     rows = entry_rows(ctx, plan.ratio, max_entries(ctx, plan.ratio))
     comp_idx = jnp.where(ids >= 0, jnp.take_along_axis(rows[:, None, :], jnp.maximum(ids, 0), axis=2), -1)
     if collect_aux:
-      aux.update(topk_ids=ids, index_scores=scores)
+      aux.update(topk_ids=ids, index_scores=scores,
+                 comp_attn_target=dense_compressed_attention(q, comp_pool, rows, ctx, plan.ratio, d ** -0.5))
   elif plan.dense_compressed:
     M = max_entries(ctx, plan.ratio)
     rows = entry_rows(ctx, plan.ratio, M)
