@@ -1,0 +1,91 @@
+"""Python API for notebooks and scripts.
+
+    outs = generate(params, config, [prompt_ids, ...], SamplingParams(max_tokens=32))
+    report = run_workload(engine, workloads.make("chat", config.vocab_size))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from dsv4.config import ModelConfig
+from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.request import RequestOutput
+from dsv4.engine.sampling import SamplingParams
+from dsv4.engine.workloads import Workload
+
+
+def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+             engine_config: EngineConfig = EngineConfig(), engine: Engine | None = None) -> list[RequestOutput]:
+  """Runs a batch of prompts to completion. Per-request errors come back in `RequestOutput.error`."""
+  engine = engine or Engine(params, config, engine_config)
+  sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+  if len(sps) != len(prompts):
+    raise ValueError(f"generate: {len(prompts)} prompts but {len(sps)} sampling params")
+  base = len(engine.requests)
+  rids = [f"req{base + i}" for i in range(len(prompts))]
+  for rid, prompt, sp in zip(rids, prompts, sps):
+    engine.add_request(rid, prompt, sp)
+  engine.run()
+  return [RequestOutput.of(engine.requests[r]) for r in rids]
+
+
+@dataclasses.dataclass
+class WorkloadReport:
+  outputs: list[RequestOutput]
+  wall_s: float
+  stats: dict
+  peak_blocks: dict
+
+  def summary(self) -> dict:
+    outs = [o for o in self.outputs if o.error is None]
+    prompt = sum(len(o.prompt) for o in outs)
+    gen = sum(len(o.output) for o in outs)
+    hit = sum(o.hit_tokens for o in outs)
+    ttft = np.array([o.ttft_s for o in outs if o.ttft_s is not None])
+    tpot = np.array([o.tpot_s for o in outs if o.tpot_s is not None])
+
+    def pct(a, q):
+      return float(np.percentile(a, q)) if a.size else float("nan")
+
+    return {
+        "requests": len(self.outputs), "errors": len(self.outputs) - len(outs),
+        "prompt_tokens": prompt, "generated_tokens": gen,
+        "prefix_hit_tokens": hit, "prefix_hit_pct": 100.0 * hit / max(prompt, 1),
+        "computed_tokens": int(self.stats.get("computed_tokens", 0)),
+        "recomputed_tokens": int(self.stats.get("recomputed_tokens", 0)),
+        "preemptions": int(self.stats.get("preemptions", 0)),
+        **{f"peak_blocks_{g}": v for g, v in self.peak_blocks.items()},
+        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+        "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
+        "wall_s": self.wall_s, "generated_tok_per_s": gen / max(self.wall_s, 1e-9),
+        "total_tok_per_s": (prompt - hit + gen) / max(self.wall_s, 1e-9),
+    }
+
+
+def run_workload(engine: Engine, workload: Workload, progress: Callable[[int], None] | None = None) -> WorkloadReport:
+  """Submits the workload wave by wave; a turn's prompt is its session's history plus the turn's new tokens."""
+  history: dict[str, list[int]] = {}
+  rids: list[str] = []
+  t0 = time.perf_counter()
+  for w, wave in enumerate(workload.waves):
+    now = time.perf_counter()
+    wave_rids = []
+    for turn in wave:
+      prompt = history.get(turn.session, []) + list(turn.new_tokens)
+      rid = f"{turn.session}.t{w}"
+      engine.add_request(rid, prompt, turn.params, arrival=now)
+      wave_rids.append((rid, turn.session))
+    engine.run(progress)
+    for rid, session in wave_rids:
+      req = engine.requests[rid]
+      history[session] = req.all_tokens if req.error is None else history.get(session, [])
+      rids.append(rid)
+  wall = time.perf_counter() - t0
+  return WorkloadReport([RequestOutput.of(engine.requests[r]) for r in rids], wall, dict(engine.stats),
+                        dict(engine.peak_blocks))

@@ -1,0 +1,80 @@
+"""A request's life inside the engine: tokens, progress, timing, outcome."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+from cache.hashing import ExtraKeys
+from dsv4.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+  WAITING = "waiting"
+  RUNNING = "running"
+  FINISHED = "finished"
+  REJECTED = "rejected"
+
+
+@dataclasses.dataclass
+class Request:
+  rid: str
+  prompt: list[int]
+  params: SamplingParams
+  extra_keys: ExtraKeys = ExtraKeys()
+  arrival: float = 0.0
+  output: list[int] = dataclasses.field(default_factory=list)
+  status: Status = Status.WAITING
+  error: str | None = None
+  finish_reason: str | None = None
+  num_computed: int = 0            # leading tokens whose KV is in the cache
+  hit_tokens: int = 0              # prefix-hit tokens at the first admission
+  readmit_hit_tokens: int = 0      # prefix-hit tokens at re-admissions after preemption
+  computed_tokens: int = 0         # tokens run through the model (all admissions)
+  recomputed_tokens: int = 0       # tokens computed again after a preemption
+  max_computed: int = 0            # furthest position ever computed (to count recomputation)
+  num_preemptions: int = 0
+  first_token_time: float | None = None
+  last_token_time: float | None = None
+  token_logits: list[np.ndarray] | None = None
+
+  @property
+  def all_tokens(self) -> list[int]:
+    return self.prompt + self.output
+
+  @property
+  def num_pending(self) -> int:
+    return len(self.prompt) + len(self.output) - self.num_computed
+
+  def cache_salt(self, prefix_caching: bool) -> ExtraKeys:
+    """With prefix caching off, every admission gets keys nobody else (not even itself later) can match."""
+    if prefix_caching:
+      return self.extra_keys
+    return dataclasses.replace(self.extra_keys, adapter=f"{self.extra_keys.adapter}|nocache:{self.rid}:"
+                               f"{self.num_preemptions}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  rid: str
+  prompt: list[int]
+  output: list[int]
+  finish_reason: str | None
+  error: str | None
+  hit_tokens: int
+  computed_tokens: int
+  recomputed_tokens: int
+  num_preemptions: int
+  ttft_s: float | None
+  tpot_s: float | None
+
+  @staticmethod
+  def of(r: Request) -> "RequestOutput":
+    ttft = None if r.first_token_time is None else r.first_token_time - r.arrival
+    tpot = None
+    if r.first_token_time is not None and len(r.output) > 1:
+      tpot = (r.last_token_time - r.first_token_time) / (len(r.output) - 1)
+    return RequestOutput(r.rid, list(r.prompt), list(r.output), r.finish_reason, r.error, r.hit_tokens,
+                         r.computed_tokens, r.recomputed_tokens, r.num_preemptions, ttft, tpot)
