@@ -145,6 +145,12 @@ class Engine:
           scheduled.append((req, n))
           budget -= n
           break
+        if self.running == [req]:
+          # Alone and still out of blocks: it can never fit. Reject it rather than preempt it forever.
+          self.cache_manager.free(req.rid)
+          self.running.remove(req)
+          self._reject(req, "the KV block pool is too small for this request even when it runs alone")
+          break
         victim = self.running[-1]
         self._preempt(victim)
         preempted = True
