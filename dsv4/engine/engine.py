@@ -211,16 +211,21 @@ class Engine:
         sample_idx.append(i)
     done = []
     if sample_rows:
-      chosen = logits[np.asarray(sample_idx)]
-      toks = sample(chosen, [r.params for r in sample_rows], [len(r.output) for r in sample_rows])
+      # Sample every row of the fixed-shape batch (one compiled sampler), keep the rows that finished a prompt.
+      row_params = [SamplingParams()] * logits.shape[0]
+      row_steps = [0] * logits.shape[0]
+      for req, i in zip(sample_rows, sample_idx):
+        row_params[i], row_steps[i] = req.params, len(req.output)
+      all_toks = sample(logits, row_params, row_steps)
+      toks = [all_toks[i] for i in sample_idx]
       now = self.clock()
-      chosen_np = np.asarray(chosen) if self.ec.record_logits else None
+      logits_np = np.asarray(logits) if self.ec.record_logits else None
       for j, (req, tok) in enumerate(zip(sample_rows, toks)):
         tok = int(tok)
         req.output.append(tok)
         self.cache_manager.append_tokens(req.rid, [tok])
         if self.ec.record_logits:
-          req.token_logits = (req.token_logits or []) + [chosen_np[j]]
+          req.token_logits = (req.token_logits or []) + [logits_np[sample_idx[j]]]
         if req.first_token_time is None:
           req.first_token_time = now
         req.last_token_time = now

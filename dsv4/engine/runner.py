@@ -42,7 +42,7 @@ class ModelRunner:
 
   def run(self, rows):
     """rows: list of (token ids to compute, start position, swa table, full table). Returns logits [len(rows), V]
-    at each row's last computed token."""
+    at each row's last computed token, padded to max_num_seqs rows."""
     B = self.max_num_seqs
     assert 0 < len(rows) <= B
     T = 1 if all(len(r[0]) == 1 for r in rows) else self.chunk_size
@@ -61,4 +61,4 @@ class ModelRunner:
     self.shapes_run.add((B, T))
     self.cache, logits = _step(self.params, self.config, self.layout, self.kernel_cfg, jnp.asarray(tokens),
                                self.cache, index)
-    return logits[: len(rows)]
+    return logits  # [max_num_seqs, V]: fixed shape, so nothing downstream recompiles per batch size
