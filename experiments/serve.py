@@ -63,7 +63,8 @@ def read_requests(path: str):
                           top_k=int(d.get("top_k", 0)), top_p=float(d.get("top_p", 1.0)),
                           seed=int(d.get("seed", 0)), stop_token_ids=tuple(d.get("stop_token_ids", ())),
                           ignore_eos=bool(d.get("ignore_eos", False)))
-      turns.append(Turn(str(d.get("id", f"line{i}")), tuple(d["prompt"]), sp))
+      rid = str(d.get("id", f"line{i}"))
+      turns.append(Turn(rid, tuple(d.get("prompt", ())), sp, rid=rid))
   return Workload(os.path.basename(path), (tuple(turns),))
 
 

@@ -78,9 +78,11 @@ def run_workload(engine: Engine, workload: Workload, progress: Callable[[int], N
     wave_rids = []
     for turn in wave:
       prompt = history.get(turn.session, []) + list(turn.new_tokens)
-      rid = f"{turn.session}.t{w}"
-      engine.add_request(rid, prompt, turn.params, arrival=now)
+      rid = turn.rid or f"{turn.session}.t{w}"
+      req = engine.add_request(rid, prompt, turn.params, arrival=now)
       wave_rids.append((rid, turn.session))
+      if req.error is not None and progress is not None:
+        progress(1)
     engine.run(progress)
     for rid, session in wave_rids:
       req = engine.requests[rid]

@@ -23,6 +23,7 @@ class Turn:
   session: str
   new_tokens: tuple[int, ...]
   params: SamplingParams
+  rid: str = ""           # request id; default "<session>.t<wave>"
 
 
 @dataclasses.dataclass(frozen=True)
