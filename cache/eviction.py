@@ -1,0 +1,106 @@
+"""Alternative eviction policies for the KV cache pools, for the eviction ablation (experiments/ablate_eviction.py).
+
+`PolicyCacheManager` is a `KVCacheManager` whose free-queue discipline is chosen by name. The pool keeps one free
+queue per group (head = evicted first); a policy decides where released blocks enter it and how they are ordered.
+
+    lru              the default manager (NOTES.md): cached blocks appended at the tail in the order the request
+                     releases them (tail-first, so a chain's last blocks go before its head; a hit refreshes a
+                     block because it is re-released later); SWA checkpoints only; uncached (transient) blocks
+                     prepended at the head so they are reused before any cached block.
+    legacy_dense     vLLM <= 0.22: every swa block hashed, every freed block appended (`legacy_dense_swa=True`).
+    append_uncached  lru with sparse SWA checkpoints but transient blocks appended at the tail like cached ones
+                     (isolates the "uncached prepended" part of the fix).
+    head_first       lru but a request's blocks are released head-first: its first blocks become the oldest, so
+                     a chain is evicted from its head (which makes the rest of the chain unreachable).
+    fifo             cached blocks evicted in order of first registration, never refreshed by a hit or a later
+                     release (uncached blocks still prepended).
+
+Implementation: everything goes through the jitted pool's ordinary operations (`free`, `touch`), so the pool's
+invariants and its tests are unchanged. FIFO keeps a registration stamp per cached block from the manager's own
+KV event stream (BlockStored / BlockRemoved / AllBlocksCleared, as an external index would) and, after each
+release, re-sorts the cached part of the free queue by stamp by claiming those blocks (`touch`) and releasing them
+again in stamp order (`free` appends cached blocks in list order). The uncached part of the queue is untouched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dsv4.caches import CacheLayout
+from dsv4.config import ModelConfig
+
+from cache import pool as P
+from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog
+from cache.manager import KVCacheManager
+
+POLICIES = ("lru", "legacy_dense", "append_uncached", "head_first", "fifo")
+
+
+class _StampingLog(EventLog):
+  """The manager's event log, also keeping a first-registration stamp per (group, block) for FIFO."""
+
+  def __init__(self, enabled: bool):
+    super().__init__(enabled)
+    self.stamp: dict[tuple[str, int], int] = {}
+    self._seq = 0
+
+  def emit(self, ev) -> None:
+    if isinstance(ev, BlockStored):
+      self.stamp[(ev.group, ev.block_id)] = self._seq
+      self._seq += 1
+    elif isinstance(ev, BlockRemoved):
+      self.stamp.pop((ev.group, ev.block_id), None)
+    elif isinstance(ev, AllBlocksCleared):
+      self.stamp.clear()
+    super().emit(ev)
+
+
+class PolicyCacheManager(KVCacheManager):
+  """KVCacheManager with a named eviction policy (see module docstring). Same public API."""
+
+  def __init__(self, config: ModelConfig, layout: CacheLayout = CacheLayout(), *, policy: str = "lru", **kw):
+    if policy not in POLICIES:
+      raise ValueError(f"eviction policy {policy!r}: known {POLICIES}")
+    if "legacy_dense_swa" in kw:
+      raise ValueError("PolicyCacheManager: choose policy='legacy_dense' instead of legacy_dense_swa")
+    enable_events = kw.pop("enable_events", True)
+    super().__init__(config, layout, legacy_dense_swa=policy == "legacy_dense", enable_events=enable_events, **kw)
+    self.policy_name = policy
+    self.events = _StampingLog(enable_events)
+    self.stats["fifo_reorders"] = 0
+
+  def _free_ids(self, name: str, ids: list[int]) -> None:
+    # Callers pass blocks newest-first (tail-first); head_first releases them oldest-first instead.
+    if self.policy_name == "head_first":
+      ids = list(reversed(ids))
+    prepend = self.policy_name not in ("legacy_dense", "append_uncached")
+    for chunk in self._chunks(ids):
+      self.pools[name], ok = P.free(self.pools[name], chunk, prepend_uncached=prepend)
+      if not bool(ok):
+        raise RuntimeError(f"free refused blocks of group {name}: {ids}")
+    if self.policy_name == "fifo" and ids:
+      self._fifo_reorder(name)
+
+  def _fifo_reorder(self, name: str) -> None:
+    st = self.pools[name]
+    cached = np.asarray(st.cached_N)
+    queue = P.free_queue(st)
+    tail = [b for b in queue if cached[b]]
+    stamp = self.events.stamp
+    want = sorted(tail, key=lambda b: stamp[(name, b)])
+    if want == tail:
+      return
+    self.stats["fifo_reorders"] += 1
+    for chunk in self._chunks(tail):
+      self.pools[name], ok = P.touch(self.pools[name], chunk)
+      assert bool(ok)
+    for chunk in self._chunks(want):
+      self.pools[name], ok = P.free(self.pools[name], chunk, prepend_uncached=True)
+      assert bool(ok)
+
+
+def make_manager(config: ModelConfig, policy: str = "lru", **kw) -> KVCacheManager:
+  """The plain manager for 'lru' (exactly the engine's), a PolicyCacheManager otherwise."""
+  if policy == "lru":
+    return KVCacheManager(config, **kw)
+  return PolicyCacheManager(config, policy=policy, **kw)

@@ -1,0 +1,333 @@
+r"""Retention-interval ablation: SWA checkpoint blocks held by the cache vs tokens recomputed on resume.
+
+    python -m experiments.ablate_retention                       # full -> experiments/results/retention.{csv,json,png}
+    python -m experiments.ablate_retention --small --out_dir=/tmp/x   # CI
+
+Cache-only: hits depend only on the tokens and the block bookkeeping, never on the model's numbers, so the sweep
+drives `cache.manager.KVCacheManager` directly (exactly as the engine does: add_request, chunked allocate/commit,
+answer tokens appended and committed with the last sampled token not fed back, free) with fixed synthetic answers
+(seeded random tokens). Geometry of `--config` (default v4_flash: 128-token full blocks / resume alignment, 32-token
+swa blocks, 127-row tail = 4 swa blocks per checkpoint). The pools are large enough that nothing is evicted, so
+"held" is what the retention policy keeps, not what pressure leaves.
+
+Workloads (multi-turn sessions that resume at points that are not prompt/turn boundaries of earlier requests):
+  doc_branch  a reader request reads a long shared document; then sessions branch from the document at random
+              cut points (prompt = doc[:cut] + question) and continue for more turns.
+  chat_fork   multi-turn chat sessions; then forked sessions re-use an earlier session's history up to a random
+              token (an edited / regenerated message) and continue for more turns.
+Metrics per retention interval R: swa blocks cached (resident checkpoint blocks) at the end and their bytes for the
+config, full blocks cached, prompt tokens, hit tokens, recomputed tokens (prompt tokens not covered by a hit), and
+the same restricted to the branch / fork requests (the resumes R is for).
+
+`--verify_engine` (default on in the full run) replays a small doc_branch trace through the real Engine (v4_tiny
+or the trained model) at R = 0 and 128, then replays the same trace (with the engine's own answers) through the
+manager, and checks every request's hit matches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Callable
+
+import numpy as np
+from absl import app, flags, logging
+
+from cache.hashing import ExtraKeys
+from dsv4 import config as C
+from experiments import plotting
+
+FLAGS = flags.FLAGS
+
+
+def define_common_flags():
+  """Flags shared with ablate_eviction (defined once, whichever script is imported first)."""
+  for kind, name, default, doc in [
+      (flags.DEFINE_bool, "small", False, "CI: a few sessions, a few sweep points."),
+      (flags.DEFINE_string, "out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+       "Where to write the table and plot."),
+      (flags.DEFINE_string, "config", "v4_flash", "Model config preset whose cache geometry is used."),
+      (flags.DEFINE_integer, "seed", 0, "Workload seed.")]:
+    if name not in FLAGS:
+      kind(name, default, doc)
+
+
+define_common_flags()
+flags.DEFINE_list("intervals", ["0", "128", "256", "512", "1024", "2048"], "Retention intervals (multiples of 128).")
+flags.DEFINE_bool("verify_engine", None, "Check a small trace through the real Engine (default: on unless --small).")
+
+
+# ------------------------------------------------------------------------------------------ traces
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """One request of a sequential trace. Its prompt is `src` session's history (all of it, or its first `cut`
+  tokens) followed by `new`; afterwards `session`'s history is prompt + answer."""
+  rid: str
+  session: str
+  new: tuple[int, ...]
+  n_out: int
+  src: str | None = None
+  cut: int | None = None
+  tenant: str = ""
+  kind: str = "turn"             # turn | branch (resume from a non-boundary point) | first
+
+
+def synthetic_answer(vocab: int, seed: int = 0) -> Callable[[Spec, list[int]], list[int]]:
+  def answer(spec: Spec, prompt: list[int]) -> list[int]:
+    rng = np.random.default_rng([seed, abs(hash(spec.rid)) % (1 << 31)])
+    return [int(t) for t in rng.integers(2, vocab, spec.n_out)]
+  return answer
+
+
+def prompts_of(trace, answer):
+  """Yields (spec, prompt, answer) in order, building histories."""
+  hist: dict[str, list[int]] = {}
+  for s in trace:
+    base = hist.get(s.src or s.session, [])
+    if s.cut is not None:
+      base = base[:s.cut]
+    prompt = base + list(s.new)
+    out = yield s, prompt
+    hist[s.session] = prompt + list(out)
+
+
+def _toks(rng, n, vocab):
+  return tuple(int(t) for t in rng.integers(2, vocab, int(n)))
+
+
+def doc_branch(vocab, *, docs=2, doc_len=4096, branches=6, turns=3, q_len=(32, 96), a_len=(32, 128), seed=0):
+  rng = np.random.default_rng([seed, 1])
+  out = []
+  for d in range(docs):
+    doc = _toks(rng, doc_len, vocab)
+    out.append(Spec(f"doc{d}.read", f"doc{d}", doc + _toks(rng, rng.integers(*q_len), vocab),
+                    int(rng.integers(*a_len)), kind="first"))
+    for b in range(branches):
+      cut = int(rng.integers(doc_len // 8, doc_len))
+      s = f"doc{d}.b{b}"
+      out.append(Spec(f"{s}.t0", s, _toks(rng, rng.integers(*q_len), vocab), int(rng.integers(*a_len)),
+                      src=f"doc{d}", cut=cut, kind="branch"))
+      for t in range(1, turns):
+        out.append(Spec(f"{s}.t{t}", s, _toks(rng, rng.integers(*q_len), vocab), int(rng.integers(*a_len))))
+  return out
+
+
+def chat_fork(vocab, *, sessions=4, turns=5, forks=8, fork_turns=2, system_len=512, u_len=(64, 384),
+              a_len=(32, 256), seed=0):
+  rng = np.random.default_rng([seed, 2])
+  system = _toks(rng, system_len, vocab)
+  out, lens = [], {}
+  for s in range(sessions):
+    n = 0
+    for t in range(turns):
+      new = (system if t == 0 else ()) + _toks(rng, rng.integers(*u_len), vocab)
+      a = int(rng.integers(*a_len))
+      out.append(Spec(f"chat{s}.t{t}", f"chat{s}", new, a, kind="first" if t == 0 else "turn"))
+      n += len(new) + a
+    lens[f"chat{s}"] = n
+  for f in range(forks):
+    src = f"chat{int(rng.integers(sessions))}"
+    cut = int(rng.integers(system_len, lens[src]))
+    s = f"fork{f}"
+    out.append(Spec(f"{s}.t0", s, _toks(rng, rng.integers(*u_len), vocab), int(rng.integers(*a_len)), src=src,
+                    cut=cut, kind="branch"))
+    for t in range(1, fork_turns):
+      out.append(Spec(f"{s}.t{t}", s, _toks(rng, rng.integers(*u_len), vocab), int(rng.integers(*a_len))))
+  return out
+
+
+# ------------------------------------------------------------------------------------------ drivers
+def serve_one(m, spec: Spec, prompt: list[int], answer: list[int], chunk: int = 512) -> int:
+  """Drives the manager through one request the way the engine does; returns the admission hit."""
+  L = len(prompt)
+  hit = m.add_request(spec.rid, prompt, ExtraKeys(tenant=spec.tenant))
+  n = hit.num_tokens
+  while n < L:
+    c = min(chunk, L - n)
+    if not m.allocate_for(spec.rid, c):
+      raise RuntimeError(f"{spec.rid}: pool too small ({m.allocate_for(spec.rid, c)})")
+    n += c
+    m.commit(spec.rid, n)
+  m.append_tokens(spec.rid, answer)
+  if len(answer) > 1:                     # the last sampled token is never fed back
+    if not m.allocate_for(spec.rid, len(answer) - 1):
+      raise RuntimeError(f"{spec.rid}: pool too small for its answer")
+    m.commit(spec.rid, L + len(answer) - 1)
+  m.free(spec.rid)
+  return hit.num_tokens
+
+
+def run_trace(m, trace, answer, on_request=None) -> list[dict]:
+  """Sequentially serves a trace through a manager; one row per request."""
+  rows = []
+  gen = prompts_of(trace, answer)
+  spec, prompt = next(gen)
+  while True:
+    ans = answer(spec, prompt)
+    hit = serve_one(m, spec, prompt, ans)
+    rows.append(dict(rid=spec.rid, kind=spec.kind, prompt=len(prompt), hit=hit))
+    if on_request:
+      on_request(m, rows[-1])
+    try:
+      spec, prompt = gen.send(ans)
+    except StopIteration:
+      return rows
+
+
+def cached_blocks(m, group: str) -> int:
+  return int(np.asarray(m.pools[group].cached_N).sum())
+
+
+def summarize(rows, m) -> dict:
+  br = [r for r in rows if r["kind"] == "branch"]
+  prompt = sum(r["prompt"] for r in rows)
+  hit = sum(r["hit"] for r in rows)
+  return dict(requests=len(rows), prompt_tokens=prompt, hit_tokens=hit, recomputed_tokens=prompt - hit,
+              hit_pct=100.0 * hit / max(prompt, 1),
+              branch_requests=len(br), branch_prompt_tokens=sum(r["prompt"] for r in br),
+              branch_recomputed_tokens=sum(r["prompt"] - r["hit"] for r in br),
+              swa_blocks_cached=cached_blocks(m, "swa"), full_blocks_cached=cached_blocks(m, "full"),
+              swa_mb_cached=cached_blocks(m, "swa") * m.specs.swa.bytes_per_block / 2**20,
+              full_mb_cached=cached_blocks(m, "full") * m.specs.group("full").bytes_per_block / 2**20)
+
+
+def trace_sizes(trace, answer):
+  """Total tokens a trace computes at most (to size pools that never evict)."""
+  total, gen = 0, prompts_of(trace, answer)
+  spec, prompt = next(gen)
+  while True:
+    ans = answer(spec, prompt)
+    total += len(prompt) + len(ans)
+    try:
+      spec, prompt = gen.send(ans)
+    except StopIteration:
+      return total
+
+
+def workloads(vocab: int, small: bool, seed: int) -> dict:
+  if small:
+    return {"doc_branch": doc_branch(vocab, docs=1, doc_len=1024, branches=3, turns=2, seed=seed),
+            "chat_fork": chat_fork(vocab, sessions=2, turns=3, forks=3, fork_turns=2, system_len=256,
+                                   u_len=(64, 192), a_len=(32, 96), seed=seed)}
+  return {"doc_branch": doc_branch(vocab, seed=seed), "chat_fork": chat_fork(vocab, seed=seed)}
+
+
+# ------------------------------------------------------------------------------------------ engine check
+def load_model(note=print):
+  """(config, params, source): the trained model when shipped, else random tiny V4 weights."""
+  try:
+    from experiments import train_lib
+    config, params = train_lib.load_trained("v4_retrieval")
+    return config, params, "trained v4_retrieval"
+  except (ImportError, FileNotFoundError, OSError, AttributeError) as e:
+    note(f"note: trained model unavailable ({type(e).__name__}: {e}); using random v4_tiny weights")
+    import jax
+    from dsv4.model import init_params
+    config = C.v4_tiny()
+    return config, init_params(config, jax.random.PRNGKey(0)), "random v4_tiny"
+
+
+def verify_engine(intervals=(0, 128), seed: int = 0) -> list[dict]:
+  """Runs a small doc_branch trace through the real Engine; the manager replay (same answers) must agree."""
+  from cache.manager import KVCacheManager
+  from dsv4.engine.engine import Engine, EngineConfig
+  from dsv4.engine.sampling import SamplingParams
+  config, params, source = load_model(logging.info)
+  V = config.vocab_size
+  trace = doc_branch(V, docs=1, doc_len=640, branches=3, turns=2, q_len=(16, 40), a_len=(8, 16), seed=seed)
+  out = []
+  for R in intervals:
+    ec = EngineConfig(max_num_seqs=1, chunk_size=64, max_model_len=1024, num_full_blocks=64, num_swa_blocks=128,
+                      retention_interval=R)
+    eng = Engine(params, config, ec)
+    answers = {}
+    t0 = time.time()
+
+    def engine_answer(spec, prompt):
+      eng.add_request(spec.rid, prompt, SamplingParams(max_tokens=spec.n_out, ignore_eos=True))
+      eng.run()
+      answers[spec.rid] = list(eng.requests[spec.rid].all_tokens[len(prompt):])
+      return answers[spec.rid]
+
+    gen = prompts_of(trace, None)
+    spec, prompt = next(gen)
+    while True:
+      ans = engine_answer(spec, prompt)
+      try:
+        spec, prompt = gen.send(ans)
+      except StopIteration:
+        break
+    wall = time.time() - t0
+    from dsv4.engine.request import RequestOutput
+    eng_hits = {rid: RequestOutput.of(eng.requests[rid]).hit_tokens for rid in answers}
+    m = KVCacheManager(config, num_full_blocks=64, num_swa_blocks=128, retention_interval=R, model_id=ec.model_id)
+    rows = run_trace(m, trace, lambda spec, prompt: answers[spec.rid])
+    sim = {r["rid"]: r["hit"] for r in rows}
+    agree = all(sim[k] == eng_hits[k] for k in sim)
+    out.append(dict(retention_interval=R, model=source, engine_hit_tokens=sum(eng_hits.values()),
+                    manager_hit_tokens=sum(sim.values()), per_request_agree=agree, engine_wall_s=round(wall, 1)))
+    logging.info("engine check R=%d: %s", R, out[-1])
+    if not agree:
+      logging.warning("engine vs manager hits differ: %s", {k: (eng_hits[k], sim[k]) for k in sim})
+  return out
+
+
+# ------------------------------------------------------------------------------------------ main
+def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, check_engine: bool = False,
+        stem: str = "retention") -> dict:
+  from cache.manager import KVCacheManager
+  config = C.PRESETS[config_name]()
+  answer = synthetic_answer(config.vocab_size, seed)
+  wl = workloads(config.vocab_size, small, seed)
+  rows = []
+  for name, trace in wl.items():
+    need = trace_sizes(trace, answer)
+    nf, ns = need // 128 + 64, need // 32 + 64            # never evicts: held = what the policy keeps
+    for R in intervals:
+      t0 = time.time()
+      m = KVCacheManager(config, num_full_blocks=nf, num_swa_blocks=ns, retention_interval=R, enable_events=False)
+      res = run_trace(m, trace, answer)
+      rows.append(dict(workload=name, retention_interval=R, **summarize(res, m), wall_s=round(time.time() - t0, 2)))
+      logging.info("%s R=%d: %s", name, R, rows[-1])
+  engine_rows = verify_engine(seed=seed) if check_engine else []
+  meta = dict(config=config_name, small=small, seed=seed, pools="sized so nothing is evicted",
+              engine_check=engine_rows,
+              note="cache-only: KVCacheManager driven directly with synthetic answers (hits do not depend on "
+                   "model outputs); recomputed = prompt tokens not covered by the admission hit")
+  from cache.specs import cache_specs
+  sp = cache_specs(config)
+  meta["swa_bytes_per_block"] = sp.swa.bytes_per_block
+  meta["full_bytes_per_block"] = sp.group("full").bytes_per_block
+  csv_path, json_path = plotting.write_table(rows, out_dir, stem, meta)
+
+  fig, (ax1, ax2) = plotting.new_figure(2)
+  for name in wl:
+    r = [x for x in rows if x["workload"] == name]
+    ax1.plot([x["swa_blocks_cached"] for x in r], [x["branch_recomputed_tokens"] for x in r], "o-", label=name)
+    for x in r:
+      ax1.annotate(f"R={x['retention_interval']}", (x["swa_blocks_cached"], x["branch_recomputed_tokens"]),
+                   fontsize=7, textcoords="offset points", xytext=(3, 3))
+    ax2.plot([str(x["retention_interval"]) for x in r], [x["recomputed_tokens"] for x in r], "o-", label=name)
+  ax1.set(xlabel="swa checkpoint blocks cached", ylabel="tokens recomputed on branch/fork resumes",
+          title=f"{config_name}: retention trade-off")
+  ax1.legend(fontsize=8)
+  ax2.set(xlabel="retention interval (0 = prompt/turn boundaries only)", ylabel="tokens recomputed (all requests)",
+          title="recompute vs retention interval")
+  ax2.legend(fontsize=8)
+  png = plotting.save_figure(fig, out_dir, stem)
+  print(f"wrote {csv_path} {json_path} {png}")
+  return dict(rows=rows, engine=engine_rows, csv=csv_path, json=json_path, png=png)
+
+
+def main(argv):
+  del argv
+  intervals = [int(x) for x in FLAGS.intervals]
+  if FLAGS.small and FLAGS["intervals"].using_default_value:
+    intervals = [0, 128, 512]
+  check = (not FLAGS.small) if FLAGS.verify_engine is None else FLAGS.verify_engine
+  run(FLAGS.config, intervals, FLAGS.small, FLAGS.out_dir, FLAGS.seed, check)
+
+
+if __name__ == "__main__":
+  app.run(main)
