@@ -9,8 +9,11 @@ Two cache groups share the block tables of a step (spec §3, kv_lifecycle.md §1
     `ModelConfig.compressor_state_tokens` rows, so a window-sized tail of SWA blocks is an exact resume point
     (no separate per-request compressor state to save or restore);
   - ``index_state_kv`` / ``index_state_score``: the same for the V4 Lightning indexer's own compressor.
+  - ``token_ids`` (V4.1 Engram, int32, on the first Engram layer only): the raw token ids, so the n-gram hash of a
+    chunk reads the previous max_ngram_size - 1 ids back through the block table like the window.
 * ``full`` group, blocks of `CacheLayout.full_block_tokens` tokens (a multiple of every ratio), one row per
-  compressed entry: ``comp_kv`` (compressed KV) and ``index_keys``.
+  compressed entry: ``comp_kv`` (compressed KV) and ``index_keys``. In V4.1 only the KV-source ("full") layers own
+  them; reindex / reuse layers read their source's pools within the same step (spec §3.2).
 
 Contiguous use (notebooks, tests) is the same code with an identity block table: `init_contiguous`.
 A paged pool (cache/ and the engine) allocates blocks and hands the model block tables.
@@ -74,6 +77,10 @@ def layer_array_specs(config: ModelConfig, layout: CacheLayout, plan: LayerPlan)
     w = config.index_compressor_width(plan)
     out += [ArraySpec(plan.index, "index_state_kv", SWA, (sb, w), jnp.float32),
             ArraySpec(plan.index, "index_state_score", SWA, (sb, w), jnp.float32)]
+  if config.engram.layer_ids and plan.index == config.engram.layer_ids[0]:
+    # V4.1 Engram hashes the previous max_ngram_size - 1 token ids: kept as SWA-group rows (one copy, on the first
+    # Engram layer), read back through the block table like the window.
+    out.append(ArraySpec(plan.index, "token_ids", SWA, (sb,), jnp.int32))
   if plan.has_compressor:
     out.append(ArraySpec(plan.index, "comp_kv", FULL, (fb // plan.ratio, a.head_dim), layout.kv_dtype))
   if plan.has_index_keys:
@@ -89,6 +96,8 @@ def cache_array_specs(config: ModelConfig, layout: CacheLayout) -> list[ArraySpe
 def state_tail_tokens(config: ModelConfig) -> int:
   """Tokens before a resume point whose SWA-group rows the next step reads (window and compressor states)."""
   need = config.attention.window - 1
+  if config.engram.layer_ids:
+    need = max(need, config.engram.max_ngram_size - 1)
   for p in config.layer_plan():
     need = max(need, config.compressor_state_tokens(p) - 1)
   return need

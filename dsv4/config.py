@@ -81,6 +81,24 @@ class MHCConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngramConfig:
+  """V4.1 Engram (spec §2.6; NeMo `deepseek_v41/engram.py`): hashed n-gram memory added to the streams before the
+  layers in `layer_ids`. Empty `layer_ids` switches it off."""
+  layer_ids: tuple[int, ...] = ()
+  num_embeddings: tuple[int, ...] = ()   # table rows per Engram layer (>= sum of its hash primes)
+  max_ngram_size: int = 4                # n-grams of size 2..max over the current and previous max-1 tokens
+  vocab_size: int = 16000000             # hash primes start above this
+  n_heads: int = 8                       # hash heads per n-gram size
+  head_dim: int = 256
+  pad_token_id: int = 2
+  compressed_vocab_size: int = 99092     # size of the normalised-token vocabulary (sets the hash multipliers)
+
+  @property
+  def hash_heads(self) -> int:
+    return (self.max_ngram_size - 1) * self.n_heads
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerPlan:
   """Everything the model needs to know about one layer, derived from the config."""
   index: int
@@ -98,6 +116,7 @@ class LayerPlan:
   uses_candidates: bool         # V4.1: restricts its top-k to the candidate blocks
   hash_moe: bool
   q_head_norm: bool             # weightless per-head RMSNorm on q (V4 only)
+  engram: bool = False          # V4.1: Engram memory added to the streams before this layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +138,7 @@ class ModelConfig:
   kv_source_layer_ids: tuple[int, ...] = ()
   index_source_layer_ids: tuple[int, ...] = ()
   candidate_source_layer_id: int = -1
+  engram: EngramConfig = EngramConfig()
   bos_token_id: int = 0
   eos_token_id: int = 1
 
@@ -176,6 +196,21 @@ class ModelConfig:
     c = self.candidate_source_layer_id
     if c >= 0:
       _require(c in self.kv_source_layer_ids, "candidate_source_layer_id", f"layer {c} must be a KV source")
+      _require(self.indexer.candidate_block_size > 0 and self.indexer.candidate_topk_blocks > 0, "indexer",
+               "candidate_block_size and candidate_topk_blocks must be positive")
+    e = self.engram
+    if e.layer_ids:
+      _require(list(e.layer_ids) == sorted(set(e.layer_ids)) and all(0 <= i < self.num_layers for i in e.layer_ids),
+               "engram.layer_ids", "must be strictly increasing existing layer ids")
+      _require(len(e.num_embeddings) == len(e.layer_ids), "engram.num_embeddings", "one row count per Engram layer")
+      _require(e.max_ngram_size >= 2 and e.n_heads >= 1 and e.vocab_size >= 2, "engram",
+               "needs max_ngram_size >= 2, n_heads >= 1, vocab_size >= 2")
+      _require(0 <= e.pad_token_id < self.vocab_size, "engram.pad_token_id", "must be a token id")
+
+  @property
+  def single_pass_mhc(self) -> bool:
+    """V4.1: each sublayer collapses the streams with the previous sublayer's `pre`; no `hc_head` (spec §2.6)."""
+    return self.variant == "v41"
 
   @property
   def num_kv_rows_window(self) -> int:
@@ -194,9 +229,10 @@ class ModelConfig:
             candidate_source=False, uses_candidates=False, hash_moe=i < self.moe.num_hash_layers,
             q_head_norm=True))
         continue
+      eng = i in self.engram.layer_ids
       if r == 0:
         plans.append(LayerPlan(i, "swa", 0, "main", False, False, False, False, False, -1, -1, False, False,
-                               False, False))
+                               False, False, engram=eng))
         continue
       kv_src = [s for s in self.kv_source_layer_ids if s <= i][-1]
       idx_srcs = [s for s in self.index_source_layer_ids if s <= i and self.compress_ratios[s] == r]
@@ -210,7 +246,7 @@ class ModelConfig:
           has_index_keys=is_full, has_index_query=is_full or is_reindex, dense_compressed=False,
           kv_source=kv_src, index_source=i if (is_full or is_reindex) else idx_src,
           candidate_source=i == cand, uses_candidates=is_reindex and 0 <= cand < i and kv_src == cand,
-          hash_moe=False, q_head_norm=False))
+          hash_moe=False, q_head_norm=False, engram=eng))
     return tuple(plans)
 
   # Derived sizes used by the cache layout.
@@ -261,8 +297,9 @@ def v4_flash() -> ModelConfig:
                      compress_ratios=v4_schedule(43))
 
 
-def v41_flash() -> ModelConfig:
-  """DeepSeek-V4.1-Flash text backbone (spec §2.1), without DSpark draft layers, vision and Engram."""
+def v41_flash(engram: bool = True) -> ModelConfig:
+  """DeepSeek-V4.1-Flash text backbone (spec §2.1), without DSpark draft layers and vision. Engram on layers 1 and
+  14 (NeMo defaults: 384006168 / 384016682 table rows of 256); `engram=False` drops it."""
   return ModelConfig(
       name="v41_flash", variant="v41", vocab_size=129280, hidden_size=5120, num_layers=40,
       compress_ratios=v41_schedule(40, 2, 18),
@@ -271,7 +308,34 @@ def v41_flash() -> ModelConfig:
       moe=MoEConfig(n_routed_experts=384, intermediate_size=2304, num_hash_layers=0),
       rms_norm_eps=1e-20,
       kv_source_layer_ids=(2, 8, 14, 20), index_source_layer_ids=(2, 8, 14, 20, 24, 28, 32, 36),
-      candidate_source_layer_id=20)
+      candidate_source_layer_id=20,
+      engram=EngramConfig(layer_ids=(1, 14), num_embeddings=(384006168, 384016682)) if engram else EngramConfig())
+
+
+def v41_tiny(engram: bool = True, vocab_size: int = 128) -> ModelConfig:
+  """CPU-sized V4.1 keeping every mechanism: window-only, ratio-2 full / reuse / dense reindex, ratio-1 full +
+  candidate source, reuse, candidate-restricted reindex, reuse after it, Engram on a window layer and on a ratio-1
+  reuse layer. 4 candidate blocks of 8 entries, so sequences beyond 32 tokens drop candidate blocks."""
+  ratios = (0, 2, 2, 2, 1, 1, 1, 1)
+  eng = EngramConfig(layer_ids=(1, 5), num_embeddings=(1100, 1800), max_ngram_size=4, vocab_size=60, n_heads=4,
+                     head_dim=16, pad_token_id=2, compressed_vocab_size=_tiny_compressed_vocab(vocab_size))
+  return ModelConfig(
+      name="v41_tiny", variant="v41", vocab_size=vocab_size, hidden_size=64, num_layers=len(ratios),
+      compress_ratios=ratios,
+      attention=AttentionConfig(num_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=32, o_groups=2,
+                                o_lora_rank=16, window=16),
+      indexer=IndexerConfig(num_heads=8, head_dim=32, topk=16, candidate_block_size=8, candidate_topk_blocks=4),
+      moe=MoEConfig(n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, intermediate_size=32,
+                    num_hash_layers=0),
+      rms_norm_eps=1e-20, kv_source_layer_ids=(1, 4), index_source_layer_ids=(1, 3, 4, 6),
+      candidate_source_layer_id=4, engram=eng if engram else EngramConfig())
+
+
+def _tiny_compressed_vocab(vocab_size: int) -> int:
+  """Normalised vocabulary of tests/dsv4/v41_oracle.tiny_tokenizer: 5 specials (' ' and '\\n' merge) + the
+  distinct lower-cased words."""
+  n = vocab_size - 5
+  return 4 + len({("abcdefghijklmnopqrstuvwxyz"[i % 26] * (1 + i // 52)) for i in range(n)})
 
 
 def v4_tiny(num_layers: int = 4, window: int = 16, hca_ratio: int = 16, vocab_size: int = 512,
@@ -289,7 +353,7 @@ def v4_tiny(num_layers: int = 4, window: int = 16, hca_ratio: int = 16, vocab_si
       max_position_embeddings=1048576)
 
 
-PRESETS = {"v4_flash": v4_flash, "v41_flash": v41_flash, "v4_tiny": v4_tiny}
+PRESETS = {"v4_flash": v4_flash, "v41_flash": v41_flash, "v4_tiny": v4_tiny, "v41_tiny": v41_tiny}
 
 
 def get_preset(name: str) -> ModelConfig:

@@ -21,8 +21,9 @@ import numpy as np
 
 from dsv4 import caches
 from dsv4.config import LayerPlan, ModelConfig
+from dsv4.layers import engram as engram_mod
 from dsv4.layers import mhc, moe
-from dsv4.layers.attention import attention_layer
+from dsv4.layers.attention import attention_layer, attention_layer_shared
 from dsv4.layers.compressor import StepContext
 from dsv4.layers.norms import rms_norm
 from pallas_kernels import dispatch
@@ -79,12 +80,25 @@ def param_shapes(config: ModelConfig) -> dict:
       ffn["tid2eid"] = ((config.vocab_size, mo.num_experts_per_tok), jnp.int32, "tid2eid")
     else:
       ffn["bias"] = ((E,), f32, "normal")
-    layers.append({"attn": attn, "ffn": ffn, "attn_norm": ((D,), f32, "ones"), "ffn_norm": ((D,), f32, "ones"),
-                   "hc_attn": hc((2 + n) * n), "hc_ffn": hc((2 + n) * n)})
+    if not v4:
+      ffn["bias_vl"] = ((E,), f32, "normal")  # V4.1 routing bias of vision tokens (unused by the text model)
+    layer = {"attn": attn, "ffn": ffn, "attn_norm": ((D,), f32, "ones"), "ffn_norm": ((D,), f32, "ones"),
+             "hc_attn": hc((2 + n) * n), "hc_ffn": hc((2 + n) * n)}
+    if plan.engram:
+      e = config.engram
+      rows = e.num_embeddings[e.layer_ids.index(plan.index)]
+      layer["engram"] = {"embed": ((rows, e.head_dim), f32, "embed"),
+                         "wkv": ((e.hash_heads * e.head_dim, D * (n + 1)), f32, "dense"),
+                         "q_weight": ((n, D), f32, "ones_param"), "k_weight": ((n, D), f32, "ones_param")}
+    layers.append(layer)
   out = {"embed": ((config.vocab_size, D), f32, "embed"), "layers": layers, "norm": ((D,), f32, "ones"),
          "lm_head": ((D, config.vocab_size), f32, "dense")}
-  if config.variant == "v4":
+  if not config.single_pass_mhc:
     out["hc_head"] = hc(n)
+  if config.engram.layer_ids:
+    # Normalised-vocabulary map of the tokenizer (not in the checkpoint; identity until set from the tokenizer
+    # with dsv4.layers.engram.compressed_token_map).
+    out["engram_token_map"] = ((config.vocab_size,), jnp.int32, "token_map")
   return out
 
 
@@ -101,6 +115,10 @@ def init_params(config: ModelConfig, key: jax.Array, scale: float = 1.0) -> dict
   for k, (shape, dtype, kind) in zip(keys, leaves):
     if kind == "ones":
       out.append(jnp.ones(shape, dtype))
+    elif kind == "ones_param":
+      out.append(1.0 + 0.1 * scale * jax.random.normal(k, shape, dtype))
+    elif kind == "token_map":
+      out.append(jnp.arange(shape[0], dtype=dtype))
     elif kind == "dense":
       fan_in = shape[-2]
       out.append(jax.random.normal(k, shape, dtype) * (scale / np.sqrt(fan_in)))
@@ -127,6 +145,39 @@ def count_params(tree) -> int:
 
 # ----------------------------------------------------------------------------------------------------------
 # Forward
+
+def _block_single_pass(params_l, config: ModelConfig, plan: LayerPlan, X, pre_prev, tokens, ctx, cache_l, kernel_cfg,
+                       collect_aux, shared, engram_hash):
+  """V4.1 block (spec §2.6): Engram, then single-pass mHC: each sublayer collapses with the previous one's `pre`."""
+  cfg_hc, eps = config.mhc, config.rms_norm_eps
+  if plan.engram:
+    X = engram_mod.engram(params_l["engram"], X, engram_hash, eps)
+  pre, post, comb = mhc.hc_coefficients(params_l["hc_attn"], X, cfg_hc, eps)
+  u = rms_norm(mhc.collapse(pre_prev, X), params_l["attn_norm"], eps)
+  cache_l, y, aux, shared = attention_layer_shared(params_l["attn"], config, plan, u, ctx, cache_l, kernel_cfg,
+                                                   collect_aux, shared)
+  X = mhc.expand(y, X, post, comb)
+  pre2, post2, comb2 = mhc.hc_coefficients(params_l["hc_ffn"], X, cfg_hc, eps)
+  u = rms_norm(mhc.collapse(pre, X), params_l["ffn_norm"], eps)
+  y = moe.moe(params_l["ffn"], u, tokens, config.moe, plan.hash_moe)
+  return cache_l, mhc.expand(y, X, post2, comb2), pre2, aux, shared
+
+
+def _engram_hashes(params, config: ModelConfig, tokens, ctx: StepContext, cache_layers):
+  """Writes this chunk's token ids into the SWA-group `token_ids` rows, reads the previous max_ngram-1 back through
+  the block table, and hashes. Returns (updated cache layer dict, hash rows [B, T, L, hash_heads])."""
+  e = config.engram
+  owner = e.layer_ids[0]
+  cl = dict(cache_layers[owner])
+  cl["token_ids"] = caches.write_rows(cl["token_ids"], ctx.token_slots(), tokens)
+  P = e.max_ngram_size - 1
+  B, T = tokens.shape
+  prev_pos = ctx.start_B[:, None] - P + jnp.arange(P)[None, :]
+  slots = caches.slots_for(ctx.swa_table_BxS, prev_pos, ctx.swa_block_tokens, prev_pos >= 0)
+  prev, ok = caches.read_rows(cl["token_ids"], slots)
+  ext = jnp.concatenate([jnp.where(ok, prev, -1), tokens], axis=1)
+  return cl, engram_mod.hash_ids(params["engram_token_map"], ext, e, T)
+
 
 def _block(params_l, config: ModelConfig, plan: LayerPlan, X, tokens, ctx, cache_l, kernel_cfg, collect_aux):
   cfg_hc, eps = config.mhc, config.rms_norm_eps
@@ -161,11 +212,26 @@ def forward_aux(params, config: ModelConfig, tokens_BxT, cache: caches.ModelCach
   h = params["embed"][tokens]
   X = jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], config.mhc.hc_mult, h.shape[-1]))
   new_layers, auxes = [], []
-  for plan, params_l, cache_l in zip(config.layer_plan(), params["layers"], cache.layers):
-    cache_l, X, aux = _block(params_l, config, plan, X, tokens, ctx, cache_l, kernel_cfg, collect_aux)
-    new_layers.append(cache_l)
-    auxes.append(aux)
-  h = mhc.hc_head(params["hc_head"], X, config.mhc, config.rms_norm_eps)
+  if config.single_pass_mhc:
+    layers_in = list(cache.layers)
+    hashes = None
+    if config.engram.layer_ids:
+      layers_in[config.engram.layer_ids[0]], hashes = _engram_hashes(params, config, tokens, ctx, layers_in)
+    pre = jnp.zeros((*h.shape[:2], config.mhc.hc_mult), jnp.float32).at[..., 0].set(1.0)
+    shared = None
+    for plan, params_l, cache_l in zip(config.layer_plan(), params["layers"], layers_in):
+      eh = hashes[:, :, config.engram.layer_ids.index(plan.index)] if plan.engram else None
+      cache_l, X, pre, aux, shared = _block_single_pass(params_l, config, plan, X, pre, tokens, ctx, cache_l,
+                                                        kernel_cfg, collect_aux, shared, eh)
+      new_layers.append(cache_l)
+      auxes.append(aux)
+    h = mhc.collapse(pre, X)
+  else:
+    for plan, params_l, cache_l in zip(config.layer_plan(), params["layers"], cache.layers):
+      cache_l, X, aux = _block(params_l, config, plan, X, tokens, ctx, cache_l, kernel_cfg, collect_aux)
+      new_layers.append(cache_l)
+      auxes.append(aux)
+    h = mhc.hc_head(params["hc_head"], X, config.mhc, config.rms_norm_eps)
   h = rms_norm(h, params["norm"], config.rms_norm_eps)
   if return_hidden:
     return caches.ModelCache(tuple(new_layers)), h, auxes

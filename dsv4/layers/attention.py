@@ -74,9 +74,46 @@ def dense_compressed_attention(q_BxTxHxD, comp_pool_PxD, rows_BxM, ctx: StepCont
   return jnp.where(any_vis, probs, 0.0).mean(axis=2)
 
 
+def candidate_mask(scores_BxTxM, num_visible_BxT, visible_BxTxM, block_size: int, topk_blocks: int):
+  """V4.1 hierarchical candidates (spec §2.4, NeMo `_select_candidate_blocks`): blocks of `block_size` entries
+  scored by their max; the block of the newest visible entry is forced in; the top `topk_blocks` finite blocks
+  are kept; returned as a dense mask over entries [B, T, M] (& visible).
+
+  Memory: the dense mask is B*T*M bytes (fine for tests / short prefills; at Flash width with M = 1M entries a
+  chunk of 1k queries would need 1 GB). Block ids [B, T, topk_blocks] (int32, 8 KB per query) are the compact
+  form (`pallas_kernels.indexer.candidate_blocks_to_allowed` expands them); the selection rule is the same.
+  A threshold at the k-th block score replaces an explicit scatter: equivalent except for exact ties between
+  finite block maxima, which the reference breaks by its own top-k order."""
+  M = scores_BxTxM.shape[-1]
+  nb = -(-M // block_size)
+  padded = jnp.pad(scores_BxTxM, ((0, 0), (0, 0), (0, nb * block_size - M)), constant_values=-jnp.inf)
+  blk = jnp.max(padded.reshape(*scores_BxTxM.shape[:2], nb, block_size), axis=-1)
+  last = jnp.floor_divide(num_visible_BxT - 1, block_size)
+  blk = jnp.where(jnp.arange(nb)[None, None, :] == last[..., None], jnp.inf, blk)
+  k = min(topk_blocks, nb)
+  kth = jax.lax.top_k(blk, k)[0][..., k - 1:k]
+  keep = (blk >= kth) & (blk > -jnp.inf)
+  return jnp.repeat(keep, block_size, axis=-1)[..., :M] & visible_BxTxM
+
+
 def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, ctx: StepContext, cache_layer: dict,
                     kernel_cfg: dispatch.KernelConfig, collect_aux: bool = False):
   """Returns (new cache_layer, out_BxTxD, aux dict)."""
+  cache_layer, out, aux, _ = attention_layer_shared(p, config, plan, x_BxTxD, ctx, cache_layer, kernel_cfg,
+                                                    collect_aux, None)
+  return cache_layer, out, aux
+
+
+def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, ctx: StepContext, cache_layer: dict,
+                           kernel_cfg: dispatch.KernelConfig, collect_aux: bool, shared: dict | None):
+  """`attention_layer` plus the V4.1 CSA2 state handed from layer to layer (spec §2.2):
+
+  shared = {"comp_pool": the latest KV source's compressed-KV pool (flat, already holding this chunk's entries),
+            "index_pool": its index-key pool, "ids": the latest top-k entry ids [B,T,k], "cand": the candidate
+            mask [B,T,M] of the candidate source (or None)}.
+  A full layer replaces it, a reindex layer replaces "ids" (and the candidate source sets "cand"), a reuse layer
+  reads it unchanged. Reuse / reindex layers own no full-group arrays. Returns (cache_layer, out, aux, shared).
+  """
   a, eps = config.attention, config.rms_norm_eps
   B, T, _ = x_BxTxD.shape
   H, d = a.num_heads, a.head_dim
@@ -100,7 +137,40 @@ def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, ctx: StepC
                              (win_pos >= 0).reshape(B, -1)).reshape(B, T, a.window)
 
   comp_pool, comp_idx = None, None
-  if plan.has_compressor:
+  if plan.kind in ("full", "reindex", "reuse"):
+    ix = config.indexer
+    if plan.has_compressor:
+      state, cache_layer["comp_kv"], (lat, ent, slots) = compress_step(
+          p["compressor"], x_BxTxD, kv_compressor_spec(config, plan), ctx, cache_layer, cache_layer["comp_kv"],
+          inv_freq, eps, return_latent=True)
+      cache_layer.update(state)
+      if plan.has_index_keys:
+        keys = rms_norm(jnp.dot(lat, p["indexer"]["wk"], precision=_HI), p["indexer"]["k_norm"], eps)
+        keys = apply_rope(keys, ent * plan.ratio, inv_freq)
+        cache_layer["index_keys"] = caches.write_rows(cache_layer["index_keys"], slots, keys)
+      shared = {"comp_pool": caches.flat_pool(cache_layer["comp_kv"]), "index_pool": cache_layer["index_keys"],
+                "ids": None, "cand": None}
+    if shared is None:
+      raise ValueError(f"layer {plan.index}: a CSA2 {plan.kind} layer needs its KV source (layer {plan.kv_source}) "
+                       f"to run earlier in the same step")
+    comp_pool = shared["comp_pool"]
+    M = max_entries(ctx, plan.ratio)
+    rows = entry_rows(ctx, plan.ratio, M)
+    if plan.has_index_query:
+      allowed = shared["cand"] if plan.uses_candidates else None
+      ids, scores = indexer_select(p["indexer"], config, plan, x_BxTxD, cq, ctx, shared["index_pool"], inv_freq,
+                                   kernel_cfg, allowed)
+      shared = dict(shared, ids=ids)
+      if plan.candidate_source:
+        num_visible = (ctx.pos_BxT + 1) // plan.ratio
+        visible = (jnp.arange(M)[None, None, :] < num_visible[..., None]) & (rows >= 0)[:, None, :]
+        shared["cand"] = candidate_mask(scores, num_visible, visible, ix.candidate_block_size,
+                                        ix.candidate_topk_blocks)
+      if collect_aux:
+        aux.update(topk_ids=ids, index_scores=scores)
+    ids = shared["ids"]
+    comp_idx = jnp.where(ids >= 0, jnp.take_along_axis(rows[:, None, :], jnp.maximum(ids, 0), axis=2), -1)
+  elif plan.has_compressor:
     state, cache_layer["comp_kv"] = compress_step(
         p["compressor"], x_BxTxD, kv_compressor_spec(config, plan), ctx, cache_layer, cache_layer["comp_kv"],
         inv_freq, eps)
@@ -134,4 +204,4 @@ def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, ctx: StepC
   G = a.o_groups
   grouped = out.reshape(B, T, G, (H // G) * d)
   o = jnp.einsum("btgi,gir->btgr", grouped, p["wo_a"], precision=_HI).reshape(B, T, G * a.o_lora_rank)
-  return cache_layer, jnp.dot(o, p["wo_b"], precision=_HI), aux
+  return cache_layer, jnp.dot(o, p["wo_b"], precision=_HI), aux, shared

@@ -66,8 +66,10 @@ def _emit_slots(ctx: StepContext, entry_BxE, ratio: int):
 
 
 def compress_step(p, x_BxTxD, spec: CompressorSpec, ctx: StepContext, state: dict | None, out_pool,
-                  inv_freq, eps: float, state_prefix: str = "comp_state"):
-  """Runs one chunk through a compressor. Returns (updated state pools {name: pool}, new out pool)."""
+                  inv_freq, eps: float, state_prefix: str = "comp_state", return_latent: bool = False):
+  """Runs one chunk through a compressor. Returns (updated state pools {name: pool}, new out pool), plus, with
+  `return_latent`, (pre-RoPE latent [B,E,w], entry ids [B,E], full-group slots [B,E] (-1: not emitted)) of the
+  entries considered in this chunk: V4.1 derives its index keys from that latent (spec §2.4)."""
   m, w = spec.ratio, spec.width
   a, z = project(p, x_BxTxD, spec, ctx.pos_BxT)
 
@@ -77,6 +79,8 @@ def compress_step(p, x_BxTxD, spec: CompressorSpec, ctx: StepContext, state: dic
     latent = rms_norm(a, p["norm"], eps)
     rows = apply_rope(latent, entry * m, inv_freq)
     slots = _emit_slots(ctx, jnp.where(ctx.valid_BxT, entry, -1), m)
+    if return_latent:
+      return {}, caches.write_rows(out_pool, slots, rows), (latent, entry, slots)
     return {}, caches.write_rows(out_pool, slots, rows)
 
   kv_name, score_name = f"{state_prefix}_kv", f"{state_prefix}_score"
@@ -115,4 +119,7 @@ def compress_step(p, x_BxTxD, spec: CompressorSpec, ctx: StepContext, state: dic
   entry_BxE = first_entry_B[:, None] + jnp.arange(n_entries)[None, :]
   latent = rms_norm(pooled, p["norm"], eps)
   rows = apply_rope(latent, entry_BxE * m, inv_freq)
-  return state, caches.write_rows(out_pool, _emit_slots(ctx, entry_BxE, m), rows)
+  slots = _emit_slots(ctx, entry_BxE, m)
+  if return_latent:
+    return state, caches.write_rows(out_pool, slots, rows), (latent, entry_BxE, slots)
+  return state, caches.write_rows(out_pool, slots, rows)

@@ -92,7 +92,12 @@ def _leaf_original(path: Path, shape: tuple, kind: str, dtype) -> list[TensorSpe
     return one(f"{mod}.attn_sink", shape)
   if last == "ape":
     return one(f"{mod}.ape", shape)
-  if head == ("ffn",) and last in ("bias", "tid2eid"):
+  if head == ("engram",):  # V4.1 Engram: embed [rows, head_dim] as stored; q/k_weight [hc, D] as stored
+    if last == "embed":
+      return one(f"{mod}.embed.weight", shape)
+    if last in ("q_weight", "k_weight"):
+      return one(f"{mod}.{last}", shape)
+  if head == ("ffn",) and last in ("bias", "tid2eid", "bias_vl"):
     return one(f"{mod}.gate.{last}", shape)
   if head == ("ffn", "shared"):
     return one(f"{pre}ffn.shared_experts.{last}.weight", shape[::-1], _t2, _t2)
@@ -127,8 +132,21 @@ def original_specs(config: ModelConfig) -> list[TensorSpec]:
   """Every tensor of an original-format checkpoint for `config`, in param-tree order."""
   out = []
   for path, (shape, dtype, kind) in _walk(param_shapes(config)):
+    if kind in _DERIVED_KINDS:
+      continue
     out += _leaf_original(path, tuple(shape), kind, dtype)
   return out
+
+
+# Param leaves that are not checkpoint tensors (the Engram token map comes from the tokenizer).
+_DERIVED_KINDS = ("token_map",)
+
+
+def fill_derived(params, config: ModelConfig):
+  """Sets the derived (non-checkpoint) leaves to their defaults: the Engram token map to the identity."""
+  if "engram_token_map" in params and params["engram_token_map"] is None:
+    params["engram_token_map"] = np.arange(config.vocab_size, dtype=np.int32)
+  return params
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -265,7 +283,7 @@ def original_to_params(tensors: dict[str, np.ndarray], config: ModelConfig) -> d
       experts.setdefault(s.path, []).append((s.expert, x))
   for path, xs in experts.items():
     _set(params, path, np.stack([x for _, x in sorted(xs, key=lambda t: t[0])]))
-  return params
+  return fill_derived(params, config)
 
 
 def params_to_original(params, config: ModelConfig) -> dict[str, np.ndarray]:
@@ -298,4 +316,81 @@ def original_to_hf(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[
     else:
       per = {(s.expert, s.name.split(".")[-2]): tensors[s.name] for s in spec.sources}
       out[name] = stack_experts(name, per, spec.shape[0])
+  return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# NeMo Automodel `deepseek_v41` names (its state_dict_adapter `_native_key`): `model.` prefix, `attn_sink` ->
+# `sinks_param.weight`, `hc_attn_fn` -> `attn_hc.fn`, shared experts w1/w3/w2 -> gate/up/down_proj, gate bias ->
+# `e_score_correction_bias`, routed experts stacked as `gate_and_up_projs` [E, D, 2I] = stack_E(concat(w1, w3).T)
+# and `down_projs` [E, I, D] = stack_E(w2.T) (transposed relative to HF).
+
+def original_to_nemo_name(name: str) -> str:
+  if name.startswith("embed."):
+    return "model.embed_tokens." + name.removeprefix("embed.")
+  if name.startswith("head."):
+    return "lm_head." + name.removeprefix("head.")
+  if name.endswith(".attn.attn_sink"):
+    name = name.removesuffix(".attn_sink") + ".sinks_param.weight"
+  m = re.fullmatch(r"layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)", name)
+  if m:
+    return f"model.layers.{m[1]}.{m[2]}_hc.{m[3]}"
+  name = re.sub(r"(\.ffn\.shared_experts)\.w1\.", r"\1.gate_proj.", name)
+  name = re.sub(r"(\.ffn\.shared_experts)\.w3\.", r"\1.up_proj.", name)
+  name = re.sub(r"(\.ffn\.shared_experts)\.w2\.", r"\1.down_proj.", name)
+  if name.endswith(".ffn.gate.bias"):
+    name = name.removesuffix(".bias") + ".e_score_correction_bias"
+  return "model." + name
+
+
+def nemo_specs(config: ModelConfig) -> dict[str, HFSpec]:
+  """NeMo name -> spec (stored shape, sources), derived from `original_specs`."""
+  out: dict[str, list] = {}
+  for s in original_specs(config):
+    m = _EXPERT_RE.match(s.name)
+    if m:
+      key = f"model.layers.{m.group(1)}.ffn.experts." + ("down_projs" if m.group(3) == "w2" else "gate_and_up_projs")
+    else:
+      key = original_to_nemo_name(s.name)
+    out.setdefault(key, []).append(s)
+  specs = {}
+  for name, srcs in out.items():
+    if srcs[0].expert is None:
+      shape = srcs[0].shape
+    else:
+      E = 1 + max(s.expert for s in srcs)
+      r, c = srcs[0].shape  # w1/w3 [I, D], w2 [D, I]
+      shape = (E, c, 2 * r) if name.endswith("gate_and_up_projs") else (E, c, r)
+    specs[name] = HFSpec(name, tuple(shape), srcs[0].integer, tuple(srcs))
+  return specs
+
+
+def nemo_to_original(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+  out = {}
+  for name, spec in nemo_specs(config).items():
+    x = tensors[name]
+    if spec.sources[0].expert is None:
+      out[spec.sources[0].name] = x
+      continue
+    I = x.shape[2] // 2 if name.endswith("gate_and_up_projs") else None
+    for s in spec.sources:
+      w = s.name.split(".")[-2]
+      e = s.expert
+      out[s.name] = np.ascontiguousarray({"w1": lambda: x[e, :, :I].T, "w3": lambda: x[e, :, I:].T,
+                                          "w2": lambda: x[e].T}[w]())
+  return out
+
+
+def original_to_nemo(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+  out = {}
+  for name, spec in nemo_specs(config).items():
+    if spec.sources[0].expert is None:
+      out[name] = tensors[spec.sources[0].name]
+      continue
+    E = spec.shape[0]
+    per = {(s.expert, s.name.split(".")[-2]): tensors[s.name] for s in spec.sources}
+    if name.endswith("gate_and_up_projs"):
+      out[name] = np.stack([np.concatenate([per[(e, "w1")], per[(e, "w3")]], 0).T for e in range(E)])
+    else:
+      out[name] = np.stack([per[(e, "w2")].T for e in range(E)])
   return out

@@ -199,6 +199,8 @@ _IGNORE = (re.compile(r"^(model\.)?mtp\."),)  # MTP / draft block: not part of t
 
 
 def detect_naming(tensor_names) -> str:
+  if any(n.endswith((".sinks_param.weight", ".experts.gate_and_up_projs")) for n in tensor_names):
+    return "nemo"  # NeMo Automodel deepseek_v41 (model.layers.N.attn.sinks_param.weight, attn_hc.fn, ...)
   hf = any(n.startswith(("model.", "lm_head.")) for n in tensor_names)
   orig = any(n.startswith(("layers.", "embed.", "head.", "hc_head_")) for n in tensor_names)
   if hf and orig:
@@ -215,9 +217,9 @@ def _scale_pairs(entries: dict[str, _Entry], naming: str) -> dict[str, str]:
   for s in entries:
     if naming == "original" and s.endswith(".scale"):
       w = s[: -len(".scale")] + ".weight"
-    elif naming == "hf" and s.endswith(".weight_scale_inv"):
+    elif naming in ("hf", "nemo") and s.endswith(".weight_scale_inv"):
       w = s[: -len("_scale_inv")]
-    elif naming == "hf" and s.endswith("_scale_inv"):
+    elif naming in ("hf", "nemo") and s.endswith("_scale_inv"):
       w = s[: -len("_scale_inv")]
     else:
       continue
@@ -239,7 +241,12 @@ def _dequant(e: _Entry, scale: _Entry | None, fp8_block: int) -> np.ndarray:
                           f"{sorted(_SCALE_DTYPES)}")
   try:
     if e.dtype == "F8_E4M3":
-      return Q.dequant_fp8_block(_read(e), _read(scale), fp8_block)
+      sc = _read(scale)
+      if len(e.shape) == 2 and tuple(sc.shape) == (e.shape[0], math.ceil(e.shape[1] / fp8_block)) \
+          and e.shape[0] > fp8_block:
+        # V4.1 Engram tables: per-row / 32-column scales (spec §2.1)
+        return Q.dequant_fp8_block(_read(e), sc, (1, fp8_block))
+      return Q.dequant_fp8_block(_read(e), sc, fp8_block)
     if e.dtype in ("I8", "U8"):
       return Q.dequant_fp4(_read(e), _read(scale))
   except Q.QuantError as ex:
@@ -282,6 +289,9 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
   if naming == "original":
     expected = {s.name: (s.shape, s.integer, None) for s in orig_specs}
     hf_of = {s.name: (N.expert_target(s.name) or (N.original_to_hf_name(s.name),))[0] for s in orig_specs}
+  elif naming == "nemo":
+    expected = {n: (s.shape, s.integer, None) for n, s in N.nemo_specs(config).items()}
+    hf_of = {}
   else:
     expected = {n: (s.shape, s.integer, None) for n, s in hf.items()}
     hf_of = {n: n for n in hf}
@@ -309,6 +319,8 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
 
   if naming == "hf":
     tensors = N.hf_to_original(tensors, config)
+  elif naming == "nemo":
+    tensors = N.nemo_to_original(tensors, config)
   for s in orig_specs:
     if s.integer:
       x = tensors[s.name]
@@ -341,7 +353,8 @@ class Quant:
 # Dense projections that ship FP8 (spec §1.10 storage): attention q/kv/o, the indexer query, shared experts.
 # Compressor / indexer-compressor wkv, wgate, weights_proj, the router, norms, mHC, embed and head stay float.
 _FP8_ORIG = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
-                       r"|ffn\.shared_experts\.w[123])\.weight$")
+                       r"|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight$")
+_FP8_ROWS_ORIG = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")  # V4.1 Engram table: per-row/32-col scales
 _FP4_ORIG = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 
 
@@ -355,8 +368,8 @@ def _quantize_dict(tensors: dict[str, np.ndarray], config: ModelConfig, quant: Q
       to_orig[(N.expert_target(s.name) or (N.original_to_hf_name(s.name),))[0]] = s.name
   for name, x in tensors.items():
     orig = to_orig.get(name, name)
-    if quant.fp8_block and _FP8_ORIG.match(orig):
-      q, s = Q.quantize_fp8_block(x, quant.fp8_block)
+    if quant.fp8_block and (_FP8_ORIG.match(orig) or _FP8_ROWS_ORIG.match(orig)):
+      q, s = Q.quantize_fp8_block(x, quant.fp8_block if _FP8_ORIG.match(orig) else (1, quant.fp8_block))
       out[name] = q
       out[name[: -len(".weight")] + (".scale" if naming == "original" else ".weight_scale_inv")] = s
     elif quant.fp4_experts and (_FP4_ORIG.match(orig) or (naming == "hf" and re.search(r"\.mlp\.experts\.", name))):
