@@ -43,27 +43,31 @@ flags.DEFINE_integer("seq_len", 128, "Training context length.")
 flags.DEFINE_integer("num_pairs", 8, "Stored key-value pairs per sequence.")
 flags.DEFINE_integer("num_queries", 4, "Queries (supervised answers) per sequence.")
 flags.DEFINE_integer("batch", 16, "Batch size.")
-flags.DEFINE_integer("steps", 600, "Total optimizer steps (both phases).")
-flags.DEFINE_integer("dense_warmup_steps", 150, "Steps of the dense-compressed warm-up phase (0: none).")
-flags.DEFINE_float("lr", 3e-3, "Peak learning rate (AdamW, linear warmup + cosine decay).")
+flags.DEFINE_integer("steps", 700, "Total optimizer steps (both phases).")
+flags.DEFINE_integer("dense_warmup_steps", 300, "Steps of the dense-compressed warm-up phase (0: none).")
+flags.DEFINE_float("lr", 5e-3, "Peak learning rate (AdamW, linear warmup + cosine decay).")
 flags.DEFINE_integer("warmup", 50, "LR warmup steps.")
 flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
 flags.DEFINE_float("kl_weight", 1.0, "Weight of the indexer KL loss.")
+flags.DEFINE_float("attn_sup_weight", 1.0, "Dense warm-up only: weight of -log(main-attention mass on the "
+                   "compressed entries holding the asked pair) (attention supervision; 0 disables).")
 flags.DEFINE_bool("kl_on_all", False, "Indexer KL on every position (default: answer positions only).")
 flags.DEFINE_integer("seed", 0, "Init seed (data seeds are the step numbers).")
 flags.DEFINE_integer("log_every", 10, "Log every N steps.")
-flags.DEFINE_integer("eval_every", 200, "Held-out eval every N steps (0: only at the end).")
+flags.DEFINE_integer("eval_every", 100, "Held-out eval every N steps (0: only at the end).")
 flags.DEFINE_integer("eval_batches", 8, "Held-out eval batches (of --batch) per context length.")
 flags.DEFINE_list("eval_lens", ["128", "256", "512"], "Context lengths of the final eval.")
 flags.DEFINE_string("out_dir", None, "Checkpoint directory (default: experiments/checkpoints/<variant>_retrieval;"
                     " --small: a temp dir).")
 flags.DEFINE_bool("small", False, "CI smoke run: tiny shapes, a few steps, checkpoint in a temp dir.")
-flags.DEFINE_float("max_minutes", 30.0, "Stop training (and save) after this wall time.")
+flags.DEFINE_float("max_minutes", 14.0, "Stop training (and save) after this wall time.")
+flags.DEFINE_integer("stop_after", 0, "Stop (and save) after this many steps without changing the LR schedule "
+                     "(0: run --steps); reproduces a run that --max_minutes cut short.")
 
 
 def _batch(spec, seed, B):
   b = tasks.make_batch(spec, seed, B)
-  return {k: jnp.asarray(b[k]) for k in ("tokens", "targets", "mask")}
+  return {k: jnp.asarray(b[k]) for k in ("tokens", "targets", "mask", "src_pos")}
 
 
 def train(argv_cmd: str) -> dict:
@@ -72,7 +76,7 @@ def train(argv_cmd: str) -> dict:
   eval_lens = [int(x) for x in FLAGS.eval_lens]
   window, num_pairs, num_queries, eval_batches = FLAGS.window, FLAGS.num_pairs, FLAGS.num_queries, FLAGS.eval_batches
   if small:
-    seq_len, batch, steps, dense, window, num_pairs, num_queries = 64, 2, 2, 0, 8, 2, 2
+    seq_len, batch, steps, dense, window, num_pairs, num_queries = 64, 2, 2, 2, 8, 2, 2
     eval_lens, eval_batches = [64], 1
   config = L.retrieval_config(FLAGS.variant, num_layers=FLAGS.num_layers, window=window, vocab_size=64,
                               index_topk=FLAGS.topk, hidden_size=FLAGS.hidden_size)
@@ -97,7 +101,8 @@ def train(argv_cmd: str) -> dict:
   for cfg, n, phase in phases:
     if n <= 0:
       continue
-    train_step = L.make_train_step(cfg, opt, FLAGS.kl_weight, FLAGS.kl_on_all)
+    train_step = L.make_train_step(cfg, opt, FLAGS.kl_weight, FLAGS.kl_on_all,
+                                   FLAGS.attn_sup_weight if phase == "dense" else 0.0)
     for _ in range(n):
       fparams, opt_state, m = train_step(fparams, iparams, opt_state, _batch(spec, step, batch))
       step += 1
@@ -108,18 +113,19 @@ def train(argv_cmd: str) -> dict:
                    step_s=round((now - t_last) / max(step - step_last, 1), 3), **m)
         t_last, step_last = now, step
         history.append(rec)
-        logging.info("step %d [%s] loss %.4f ce %.4f kl %.4f acc %.3f gnorm %.2f (%.2fs/step, %.0fs)", step, phase,
-                     m["loss"], m["ce"], m["kl"], m["acc"], m["gnorm"], rec["step_s"], rec["wall_s"])
+        logging.info("step %d [%s] loss %.4f ce %.4f kl %.4f sup %.3f acc %.3f gnorm %.2f (%.2fs/step, %.0fs)", step,
+                     phase, m["loss"], m["ce"], m["kl"], m["attn_sup"], m["acc"], m["gnorm"], rec["step_s"],
+                     rec["wall_s"])
       if FLAGS.eval_every and step % FLAGS.eval_every == 0 and step < steps:
         params = L.merge_params(fparams, iparams)
         e = L.evaluate(params, config, spec, num_batches=2, batch=batch)
         evals.append(dict(step=step, seq_len=seq_len, **e))
         logging.info("eval step %d: %s", step, e)
-      if (time.time() - t_start) / 60 > FLAGS.max_minutes:
+      if (time.time() - t_start) / 60 > FLAGS.max_minutes or (FLAGS.stop_after and step >= FLAGS.stop_after):
         stopped_early = True
         break
     if stopped_early:
-      logging.warning("stopping at step %d: --max_minutes reached", step)
+      logging.warning("stopping at step %d (--max_minutes / --stop_after)", step)
       break
   train_s = time.time() - t_start
 
@@ -136,7 +142,7 @@ def train(argv_cmd: str) -> dict:
               flags={k: FLAGS[k].value for k in ("variant", "num_layers", "hidden_size", "window", "topk",
                                                   "seq_len", "num_pairs", "num_queries", "batch", "steps",
                                                   "dense_warmup_steps", "lr", "warmup", "weight_decay",
-                                                  "kl_weight", "kl_on_all", "seed")})
+                                                  "kl_weight", "attn_sup_weight", "kl_on_all", "seed")})
   L.save_checkpoint(params, config, out_dir, meta)
   with open(os.path.join(out_dir, "train_log.json"), "w") as f:
     json.dump(dict(history=history, evals=evals, final_eval=final), f, indent=1)

@@ -134,7 +134,21 @@ def indexer_kl(aux: dict, weight_BxT):
   return jnp.sum(kl * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def loss_fn(fparams, iparams, config: ModelConfig, batch: dict, kl_weight: float, kl_on_all: bool):
+def attention_supervision(aux: dict, src_pos_BxT, mask_BxT, ratio: int = 4):
+  """-log of the (dense, head-averaged) main-attention mass on the compressed entries that hold the asked value
+  token (entries src//ratio and src//ratio + 1 of an overlapping CSA compressor), at the answer positions."""
+  p = aux["comp_attn_target"]
+  M = p.shape[-1]
+  n = jnp.arange(M)[None, None, :]
+  s = src_pos_BxT[..., None]
+  hold = (ratio * (n - 1) <= s) & (s < ratio * (n + 1)) & (s >= 0)
+  mass = jnp.sum(jnp.where(hold, p, 0.0), axis=-1)
+  nll = -jnp.log(jnp.maximum(mass, 1e-9))
+  return jnp.sum(nll * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
+
+
+def loss_fn(fparams, iparams, config: ModelConfig, batch: dict, kl_weight: float, kl_on_all: bool,
+            attn_sup_weight: float = 0.0):
   params = merge_params(fparams, iparams)
   logits, auxes = run_model(params, config, batch["tokens"], collect_aux=True)
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -144,7 +158,13 @@ def loss_fn(fparams, iparams, config: ModelConfig, batch: dict, kl_weight: float
   acc = jnp.sum((jnp.argmax(logits, -1) == batch["targets"]) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
   kls = [indexer_kl(a, jnp.ones_like(mask) if kl_on_all else mask) for a in auxes if "index_scores" in a]
   kl = sum(kls) / max(len(kls), 1) if kls else jnp.float32(0.0)
-  return ce + kl_weight * kl, dict(ce=ce, kl=kl, acc=acc)
+  loss = ce + kl_weight * kl
+  sup = jnp.float32(0.0)
+  if attn_sup_weight:
+    sups = [attention_supervision(a, batch["src_pos"], mask) for a in auxes if "comp_attn_target" in a]
+    sup = sum(sups) / len(sups)
+    loss = loss + attn_sup_weight * sup
+  return loss, dict(ce=ce, kl=kl, acc=acc, attn_sup=sup)
 
 
 def make_optimizer(lr: float, warmup: int, total: int, weight_decay: float = 0.01, clip: float = 1.0):
@@ -152,11 +172,11 @@ def make_optimizer(lr: float, warmup: int, total: int, weight_decay: float = 0.0
   return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, weight_decay=weight_decay)), sched
 
 
-def make_train_step(config: ModelConfig, opt, kl_weight: float, kl_on_all: bool):
+def make_train_step(config: ModelConfig, opt, kl_weight: float, kl_on_all: bool, attn_sup_weight: float = 0.0):
   @jax.jit
   def step(fparams, iparams, opt_state, batch):
     (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(fparams, iparams, config, batch, kl_weight,
-                                                             kl_on_all)
+                                                             kl_on_all, attn_sup_weight)
     updates, opt_state = opt.update(g, opt_state, fparams)
     fparams = optax.apply_updates(fparams, updates)
     m = dict(m, loss=loss, gnorm=optax.global_norm(g))
