@@ -304,7 +304,8 @@ def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, c
   fig, (ax1, ax2) = plotting.new_figure(2)
   for name in wl:
     r = [x for x in rows if x["workload"] == name]
-    ax1.plot([x["swa_blocks_cached"] for x in r], [x["branch_recomputed_tokens"] for x in r], "o-", label=name)
+    rs = sorted(r, key=lambda x: (x["swa_blocks_cached"], -x["branch_recomputed_tokens"]))
+    ax1.plot([x["swa_blocks_cached"] for x in rs], [x["branch_recomputed_tokens"] for x in rs], "o-", label=name)
     for x in r:
       ax1.annotate(f"R={x['retention_interval']}", (x["swa_blocks_cached"], x["branch_recomputed_tokens"]),
                    fontsize=7, textcoords="offset points", xytext=(3, 3))

@@ -26,7 +26,6 @@ def test_notebook_runs(tmp_path):
   nb = nbformat.read(NB, as_version=4)
   env_path = os.environ.get("PYTHONPATH", "")
   os.environ["PYTHONPATH"] = REPO + (os.pathsep + env_path if env_path else "")
-  os.environ.setdefault("MPLBACKEND", "Agg")
   try:
     # NATIVE_KERNEL_NAME ("python3") runs the kernel with sys.executable, i.e. the test's interpreter.
     client = nbclient.NotebookClient(nb, timeout=240, kernel_name=NATIVE_KERNEL_NAME,
