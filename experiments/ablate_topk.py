@@ -29,13 +29,15 @@ flags.DEFINE_integer("eval_batches", 8, "Held-out batches per point.")
 flags.DEFINE_integer("batch", 16, "Batch size.")
 flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                     "Where to write topk.csv/json/png.")
+flags.DEFINE_integer("num_pairs", 0, "Override the task's stored pairs at eval (more distractors; 0: as trained).")
 flags.DEFINE_bool("small", False, "CI: two k values, one length, one small batch.")
 
 
-def run(checkpoint: str, ks, lens, eval_batches: int, batch: int, out_dir: str, stem: str = "topk") -> dict:
+def run(checkpoint: str, ks, lens, eval_batches: int, batch: int, out_dir: str, stem: str = "topk",
+        num_pairs: int = 0) -> dict:
   config, params, info = L.load_checkpoint_dir(
       checkpoint if os.path.isdir(checkpoint) else os.path.join(L.CHECKPOINT_ROOT, checkpoint))
-  base = L.task_spec_from_info(info)
+  base = L.task_spec_from_info(info, **({"num_pairs": num_pairs} if num_pairs else {}))
   rows = []
   for T in lens:
     spec = dataclasses.replace(base, seq_len=T)
@@ -88,7 +90,8 @@ def main(argv):
   eval_batches, batch = FLAGS.eval_batches, FLAGS.batch
   if FLAGS.small:
     ks, lens, eval_batches, batch = [1, 8], [128], 1, 4
-  out = run(FLAGS.checkpoint, ks, lens, eval_batches, batch, FLAGS.out_dir)
+  out = run(FLAGS.checkpoint, ks, lens, eval_batches, batch, FLAGS.out_dir,
+            stem="topk" if not FLAGS.num_pairs else f"topk_pairs{FLAGS.num_pairs}", num_pairs=FLAGS.num_pairs)
   print(f"wrote {out['csv']} {out['json']} {out['png']}")
   for r in out["rows"]:
     print(f"T={r['seq_len']:4d} {r['path']:13s} k={r['k']:3d} acc={r['accuracy']:.3f} hit={r['index_hit']:.3f} "
