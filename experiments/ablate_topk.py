@@ -1,7 +1,11 @@
 r"""Top-k ablation: retrieval accuracy and attention cost of the trained V4 model vs the indexer's k.
 
     python -m experiments.ablate_topk                      # full run -> experiments/results/topk.{csv,json,png}
+    python -m experiments.ablate_topk --checkpoint=v4_count  # -> experiments/results/topk_v4_count.*
     python -m experiments.ablate_topk --small --out_dir=/tmp/x   # CI
+
+The task (key-value recall or counting) comes from the checkpoint's config.json ("task"); counting rows also
+carry `acc_by_count` (accuracy per true count c: with k < c occurrences the CSA layer cannot read them all).
 
 Same parameters at every k (`dataclasses.replace(config.indexer, topk=k)`); k only changes which compressed entries
 the CSA layer reads. Also reported per context length: the model with its compressed path removed (compressor KV
@@ -38,6 +42,7 @@ def run(checkpoint: str, ks, lens, eval_batches: int, batch: int, out_dir: str, 
   config, params, info = L.load_checkpoint_dir(
       checkpoint if os.path.isdir(checkpoint) else os.path.join(L.CHECKPOINT_ROOT, checkpoint))
   base = L.task_spec_from_info(info, **({"num_pairs": num_pairs} if num_pairs else {}))
+  task_name = "count" if isinstance(base, tasks.CountSpec) else "recall"
   rows = []
   for T in lens:
     spec = dataclasses.replace(base, seq_len=T)
@@ -74,7 +79,7 @@ def run(checkpoint: str, ks, lens, eval_batches: int, batch: int, out_dir: str, 
              label=f"T={T} attn only")
   ax1.axhline(1.0 / base.num_values, color="gray", lw=0.8, label="chance")
   ax1.set(xscale="log", xlabel="indexer top-k", ylabel="accuracy (o) / indexer hit (x)",
-          title=f"{config.name}: recall vs top-k\n(dashed: compressed path removed)", ylim=(-0.02, 1.02))
+          title=f"{config.name}: {task_name} vs top-k\n(dashed: compressed path removed)", ylim=(-0.02, 1.02))
   ax1.set_xscale("log", base=2)
   ax1.legend(fontsize=8)
   ax2.set_xscale("log", base=2)
@@ -90,12 +95,15 @@ def main(argv):
   eval_batches, batch = FLAGS.eval_batches, FLAGS.batch
   if FLAGS.small:
     ks, lens, eval_batches, batch = [1, 8], [128], 1, 4
-  out = run(FLAGS.checkpoint, ks, lens, eval_batches, batch, FLAGS.out_dir,
-            stem="topk" if not FLAGS.num_pairs else f"topk_pairs{FLAGS.num_pairs}", num_pairs=FLAGS.num_pairs)
+  stem = "topk" if FLAGS.checkpoint == "v4_retrieval" else "topk_" + os.path.basename(FLAGS.checkpoint.rstrip("/"))
+  if FLAGS.num_pairs:
+    stem += f"_pairs{FLAGS.num_pairs}"
+  out = run(FLAGS.checkpoint, ks, lens, eval_batches, batch, FLAGS.out_dir, stem=stem, num_pairs=FLAGS.num_pairs)
   print(f"wrote {out['csv']} {out['json']} {out['png']}")
   for r in out["rows"]:
     print(f"T={r['seq_len']:4d} {r['path']:13s} k={r['k']:3d} acc={r['accuracy']:.3f} hit={r['index_hit']:.3f} "
-          f"comp_rows={r['compressed_rows']:.1f} MFLOPs={r['total_flops'] / 1e6:.3f}")
+          f"comp_rows={r['compressed_rows']:.1f} MFLOPs={r['total_flops'] / 1e6:.3f}"
+          + (f" by_count={r['acc_by_count']}" if "acc_by_count" in r else ""))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,20 @@ Key-value recall ("kv_recall"):
   `min_gap` tokens before the SEP, so with `min_gap >= window` no stored pair is visible to the sliding window of any
   query: the answer is only reachable through the compressed entries.
 
+Counting ("count", `CountSpec`): one answer needs *several* far-away compressed entries at once:
+
+    [BOS] filler .. K .. filler .. d .. filler .. K .. filler (>= min_gap tokens) [SEP] K c
+
+* the store region is cut into `max_count` (= C) equal slots; a key token K (drawn per sequence) is written into
+  c of them (c uniform in 1..C), at a random offset such that any two key tokens are >= 8 tokens apart, so every
+  occurrence lies in its own pair of (overlapping, 8-token) CSA entries and no entry holds two;
+* with `distractors`, each of the other C - c slots holds a different key token (so every slot has "a key" and
+  the model must match the asked one, not detect keys);
+* the query section is SEP, K, then the count token `count_lo + c - 1` (teacher forcing); loss / accuracy is the
+  prediction at the K position (one answer per sequence; chance = 1/C);
+* `src_pos[b, t, :]` lists the positions of all c occurrences (-1 padded): what the attention supervision and the
+  indexer hit rate use. With top-k < c the CSA layer can read at most k of the c occurrences.
+
 Every batch is a pure function of (task spec, seed): `make_batch(spec, seed, batch)`; evaluation uses seeds from a
 range disjoint from the training seeds (`EVAL_SEED_BASE`).
 """
@@ -69,7 +83,114 @@ class KVRecallSpec:
       raise ValueError("KVRecallSpec: need at least num_pairs distinct keys")
 
 
-def make_batch(spec: KVRecallSpec, seed: int, batch: int):
+@dataclasses.dataclass(frozen=True)
+class CountSpec:
+  kind: str = "count"
+  seq_len: int = 128
+  max_count: int = 8         # C: counts are uniform in 1..C, one slot per possible occurrence
+  min_gap: int = 32          # tokens between the end of the store region and SEP
+  distractors: bool = True   # fill the unused slots with other key tokens
+  fixed_key: bool = False    # the counted key is always token key_lo (else drawn per sequence)
+  sup_all_slots: bool = False  # src_pos lists every filled slot (key + distractors), not only the key
+  mode: str = "count"        # "count": answer c; "majority": two keys A=key_lo, B=key_lo+1 fill an odd number
+                             # N of slots (N uniform odd in 3..C), answer count_lo + (n_B > n_A)
+  filler_lo: int = 3
+  filler_hi: int = 8
+  key_lo: int = 8
+  key_hi: int = 40
+  count_lo: int = 40         # answer token for count c is count_lo + c - 1
+
+  @property
+  def vocab_size(self) -> int:
+    return 64
+
+  @property
+  def num_values(self) -> int:
+    return 2 if self.mode == "majority" else self.max_count
+
+  @property
+  def query_len(self) -> int:
+    return 3
+
+  @property
+  def store_end(self) -> int:
+    return 1 + (self.seq_len - self.query_len - self.min_gap - 1)
+
+  def validate(self):
+    seg = (self.store_end - 1) // self.max_count
+    if seg < 8:
+      raise ValueError(f"CountSpec: store region too short for {self.max_count} slots 8 tokens apart "
+                       f"(slot {seg}); raise seq_len or lower max_count/min_gap")
+    if self.key_hi - self.key_lo < self.max_count or self.count_lo + self.max_count > self.vocab_size:
+      raise ValueError("CountSpec: token ranges too small")
+
+
+def make_count_batch(spec: CountSpec, seed: int, batch: int):
+  """Returns dict(tokens, targets, mask [B,T], src_pos [B,T,C] int32 (occurrence positions at the answer
+  position, -1 padded), count [B])."""
+  spec.validate()
+  rng = np.random.default_rng(np.uint64(seed) + np.uint64(0x5BD1E995))
+  T, C = spec.seq_len, spec.max_count
+  tokens = rng.integers(spec.filler_lo, spec.filler_hi, size=(batch, T)).astype(np.int32)
+  tokens[:, 0] = BOS
+  targets = np.zeros((batch, T), np.int32)
+  mask = np.zeros((batch, T), np.float32)
+  src_pos = np.full((batch, T, C), -1, np.int32)
+  count = np.zeros((batch,), np.int32)
+  seg = (spec.store_end - 1) // C
+  t = T - 2
+  for b in range(batch):
+    if spec.mode == "majority":
+      keys = np.concatenate([[spec.key_lo, spec.key_lo + 1],
+                             rng.choice(np.arange(spec.key_lo + 2, spec.key_hi), size=C, replace=False)])
+      n = int(rng.choice(np.arange(3, C + 1, 2)))
+      n_a = int(rng.integers(0, n + 1))
+      slot_tok = [keys[0]] * n_a + [keys[1]] * (n - n_a)
+      answer, c, q = spec.count_lo + int(n - n_a > n_a), n - n_a, 1
+    else:
+      keys = rng.choice(np.arange(spec.key_lo, spec.key_hi), size=C, replace=False)  # keys[0] = asked key
+      if spec.fixed_key:
+        keys = np.concatenate([[spec.key_lo], rng.choice(np.arange(spec.key_lo + 1, spec.key_hi), size=C - 1,
+                                                         replace=False)])
+      c = int(rng.integers(1, C + 1))
+      n, slot_tok = c, [keys[0]] * c
+      answer, q = spec.count_lo + c - 1, keys[0]
+    slots = rng.permutation(C)
+    pos = [1 + int(s) * seg + int(rng.integers(0, seg - 7)) for s in slots]
+    filled = []
+    for j in range(C):
+      if j < n:
+        tokens[b, pos[j]] = slot_tok[j]
+        filled.append(pos[j])
+      elif spec.distractors:
+        tokens[b, pos[j]] = keys[j] if spec.mode == "count" else keys[2 + j]
+        if spec.sup_all_slots:
+          filled.append(pos[j])
+    src = sorted(filled) if spec.sup_all_slots or spec.mode == "majority" else sorted(pos[:c])
+    src_pos[b, t, :len(src)] = src
+    tokens[b, T - 3], tokens[b, t], tokens[b, T - 1] = SEP, q, answer
+    targets[b, t] = answer
+    mask[b, t] = 1.0
+    count[b] = c
+  return dict(tokens=tokens, targets=targets, mask=mask, src_pos=src_pos, count=count)
+
+
+def spec_from_dict(d: dict):
+  """Task spec from its `dataclasses.asdict` (checkpoint config.json "task"); no "kind" = key-value recall."""
+  d = dict(d)
+  if d.get("kind") == "count":
+    return CountSpec(**d)
+  d.pop("kind", None)
+  return KVRecallSpec(**d)
+
+
+def make_batch(spec, seed: int, batch: int):
+  if isinstance(spec, CountSpec):
+    return make_count_batch(spec, seed, batch)
+  return make_kv_batch(spec, seed, batch)
+
+
+def make_kv_batch(spec: KVRecallSpec, seed: int, batch: int):
   """Returns dict(tokens [B,T] int32, targets [B,T] int32, mask [B,T] float32, pair_pos [B,P] int32,
   src_pos [B,T] int32).
 
@@ -104,6 +225,6 @@ def make_batch(spec: KVRecallSpec, seed: int, batch: int):
   return dict(tokens=tokens, targets=targets, mask=mask, pair_pos=pair_pos, src_pos=src_pos)
 
 
-def eval_batches(spec: KVRecallSpec, num_batches: int, batch: int, seed_offset: int = 0):
+def eval_batches(spec, num_batches: int, batch: int, seed_offset: int = 0):
   for i in range(num_batches):
     yield make_batch(spec, EVAL_SEED_BASE + seed_offset + i, batch)

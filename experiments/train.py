@@ -1,8 +1,9 @@
-r"""Train a small DeepSeek-V4 model on long-range key-value recall, indexer included (see TRAIN_NOTES.md).
+r"""Train a small DeepSeek-V4 model on long-range key-value recall or counting, indexer included (TRAIN_NOTES.md).
 
-Reproduce the shipped checkpoint:
+Reproduce the shipped checkpoints (exact commands, incl. --stop_after, in their config.json "command"):
 
     python -m experiments.train --out_dir=experiments/checkpoints/v4_retrieval
+    python -m experiments.train --task=count ...   # experiments/checkpoints/v4_count, see TRAIN_NOTES.md
 
 CI smoke run (a few steps, tiny shapes, checkpoint in a temp dir):
 
@@ -39,6 +40,14 @@ flags.DEFINE_integer("num_layers", 2, "Layers (V4: layer 0 window-only, then CSA
 flags.DEFINE_integer("hidden_size", 64, "Hidden size.")
 flags.DEFINE_integer("window", 16, "Sliding window.")
 flags.DEFINE_integer("topk", 8, "Indexer top-k in the sparse phase.")
+flags.DEFINE_enum("task", "kv", ["kv", "count"], "kv: key-value recall (tasks.KVRecallSpec); count: how often a "
+                  "key occurs, 1..--max_count times beyond the window (tasks.CountSpec).")
+flags.DEFINE_integer("max_count", 8, "count task: maximum count C (counts uniform in 1..C).")
+flags.DEFINE_bool("distractors", True, "count task: fill the unused slots with other key tokens.")
+flags.DEFINE_bool("fixed_key", False, "count task: always count the same key token.")
+flags.DEFINE_bool("sup_all_slots", False, "count task: attention supervision / hit over every filled slot.")
+flags.DEFINE_enum("count_mode", "count", ["count", "majority"], "count task: count c, or which of two keys is "
+                  "more frequent.")
 flags.DEFINE_integer("seq_len", 128, "Training context length.")
 flags.DEFINE_integer("num_pairs", 8, "Stored key-value pairs per sequence.")
 flags.DEFINE_integer("num_queries", 4, "Queries (supervised answers) per sequence.")
@@ -57,7 +66,7 @@ flags.DEFINE_integer("log_every", 10, "Log every N steps.")
 flags.DEFINE_integer("eval_every", 100, "Held-out eval every N steps (0: only at the end).")
 flags.DEFINE_integer("eval_batches", 8, "Held-out eval batches (of --batch) per context length.")
 flags.DEFINE_list("eval_lens", ["128", "256", "512"], "Context lengths of the final eval.")
-flags.DEFINE_string("out_dir", None, "Checkpoint directory (default: experiments/checkpoints/<variant>_retrieval;"
+flags.DEFINE_string("out_dir", None, "Checkpoint directory (default: experiments/checkpoints/<variant>_retrieval or _count;"
                     " --small: a temp dir).")
 flags.DEFINE_bool("small", False, "CI smoke run: tiny shapes, a few steps, checkpoint in a temp dir.")
 flags.DEFINE_float("max_minutes", 14.0, "Stop training (and save) after this wall time.")
@@ -75,16 +84,24 @@ def train(argv_cmd: str) -> dict:
   seq_len, batch, steps, dense = FLAGS.seq_len, FLAGS.batch, FLAGS.steps, FLAGS.dense_warmup_steps
   eval_lens = [int(x) for x in FLAGS.eval_lens]
   window, num_pairs, num_queries, eval_batches = FLAGS.window, FLAGS.num_pairs, FLAGS.num_queries, FLAGS.eval_batches
+  max_count = FLAGS.max_count
   if small:
     seq_len, batch, steps, dense, window, num_pairs, num_queries = 64, 2, 2, 2, 8, 2, 2
-    eval_lens, eval_batches = [64], 1
+    eval_lens, eval_batches, max_count = [64], 1, 3
   config = L.retrieval_config(FLAGS.variant, num_layers=FLAGS.num_layers, window=window, vocab_size=64,
                               index_topk=FLAGS.topk, hidden_size=FLAGS.hidden_size)
-  spec = tasks.KVRecallSpec(seq_len=seq_len, num_pairs=num_pairs, num_queries=num_queries,
-                            min_gap=max(2 * window, 8))
+  if FLAGS.task == "count":
+    spec = tasks.CountSpec(seq_len=seq_len, max_count=max_count, min_gap=max(2 * window, 8),
+                           distractors=FLAGS.distractors, fixed_key=FLAGS.fixed_key,
+                           sup_all_slots=FLAGS.sup_all_slots, mode=FLAGS.count_mode)
+    config = dataclasses.replace(config, name=config.name.replace("retrieval", "count"))
+  else:
+    spec = tasks.KVRecallSpec(seq_len=seq_len, num_pairs=num_pairs, num_queries=num_queries,
+                              min_gap=max(2 * window, 8))
   spec.validate()
+  default_name = f"{FLAGS.variant}_{'retrieval' if FLAGS.task == 'kv' else 'count'}"
   out_dir = FLAGS.out_dir or (tempfile.mkdtemp(prefix="dsv4_train_small_") if small else
-                              os.path.join(L.CHECKPOINT_ROOT, f"{FLAGS.variant}_retrieval"))
+                              os.path.join(L.CHECKPOINT_ROOT, default_name))
   logging.info("config %s\ntask %s\nout_dir %s", config, spec, out_dir)
 
   params = L.init(config, FLAGS.seed)
@@ -139,7 +156,7 @@ def train(argv_cmd: str) -> dict:
     logging.info("final eval T=%d: %s", T, final[str(T)])
   meta = dict(task=dataclasses.asdict(spec), command=argv_cmd, steps_done=step, train_seconds=round(train_s, 1),
               final_eval=final, small=small,
-              flags={k: FLAGS[k].value for k in ("variant", "num_layers", "hidden_size", "window", "topk",
+              flags={k: FLAGS[k].value for k in ("task", "max_count", "distractors", "fixed_key", "sup_all_slots", "count_mode", "variant", "num_layers", "hidden_size", "window", "topk",
                                                   "seq_len", "num_pairs", "num_queries", "batch", "steps",
                                                   "dense_warmup_steps", "lr", "warmup", "weight_decay",
                                                   "kl_weight", "attn_sup_weight", "kl_on_all", "seed")})

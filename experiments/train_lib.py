@@ -134,14 +134,20 @@ def indexer_kl(aux: dict, weight_BxT):
   return jnp.sum(kl * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def attention_supervision(aux: dict, src_pos_BxT, mask_BxT, ratio: int = 4):
-  """-log of the (dense, head-averaged) main-attention mass on the compressed entries that hold the asked value
-  token (entries src//ratio and src//ratio + 1 of an overlapping CSA compressor), at the answer positions."""
+def _src3(src_pos):
+  """[B,T] (one source token per answer) or [B,T,S] (several, -1 padded) -> [B,T,S]."""
+  return src_pos[..., None] if src_pos.ndim == 2 else src_pos
+
+
+def attention_supervision(aux: dict, src_pos, mask_BxT, ratio: int = 4):
+  """-log of the (dense, head-averaged) main-attention mass on the compressed entries that hold any of the answer's
+  source tokens (entries s//ratio and s//ratio + 1 of an overlapping CSA compressor, for every source s), at the
+  answer positions. `src_pos` is [B,T] (kv recall: the value token) or [B,T,S] (counting: all occurrences)."""
   p = aux["comp_attn_target"]
   M = p.shape[-1]
-  n = jnp.arange(M)[None, None, :]
-  s = src_pos_BxT[..., None]
-  hold = (ratio * (n - 1) <= s) & (s < ratio * (n + 1)) & (s >= 0)
+  n = jnp.arange(M)[None, None, None, :]
+  s = _src3(src_pos)[..., None]
+  hold = jnp.any((ratio * (n - 1) <= s) & (s < ratio * (n + 1)) & (s >= 0), axis=2)
   mass = jnp.sum(jnp.where(hold, p, 0.0), axis=-1)
   nll = -jnp.log(jnp.maximum(mass, 1e-9))
   return jnp.sum(nll * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
@@ -187,14 +193,18 @@ def make_train_step(config: ModelConfig, opt, kl_weight: float, kl_on_all: bool,
 # ----------------------------------------------------------------------------------------------------------
 # Evaluation
 
-def value_entry_hit(topk_ids_BxTxK, src_pos_BxT, ratio: int = 4):
-  """Whether the picked entries include one whose (overlapping, 2*ratio wide) window holds token src_pos.
+def value_entry_hit(topk_ids_BxTxK, src_pos, ratio: int = 4):
+  """Fraction of the answer's source tokens (src_pos [B,T] or [B,T,S], -1 padded) that lie in a picked entry,
+  per position [B,T] (kv recall: 0/1, whether the asked value token is covered).
 
   V4 CSA entry n pools tokens [ratio*(n-1), ratio*(n+1))."""
-  ids = topk_ids_BxTxK
+  ids = topk_ids_BxTxK[:, :, None, :]
   lo, hi = ratio * (ids - 1), ratio * (ids + 1)
-  s = src_pos_BxT[..., None]
-  return jnp.any((ids >= 0) & (lo <= s) & (s < hi), axis=-1)
+  s3 = _src3(src_pos)
+  s = s3[..., None]
+  cov = jnp.any((ids >= 0) & (lo <= s) & (s < hi), axis=-1)
+  valid = s3 >= 0
+  return jnp.sum(cov & valid, axis=-1) / jnp.maximum(jnp.sum(valid, axis=-1), 1)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "ablate"))
@@ -211,7 +221,7 @@ def _eval_step(params, config: ModelConfig, tokens, targets, mask, src_pos, abla
   correct = (jnp.argmax(logits, -1) == targets) * mask
   hits = [value_entry_hit(a["topk_ids"], src_pos) * mask for a in auxes if "topk_ids" in a]
   hit = sum(jnp.sum(h) for h in hits) / max(len(hits), 1) if hits else jnp.float32(0.0)
-  return jnp.sum(correct), jnp.sum(mask), hit
+  return jnp.sum(correct, axis=-1), jnp.sum(mask), hit
 
 
 def _copy_tree(params):
@@ -223,16 +233,25 @@ def _copy_tree(params):
   return params
 
 
-def evaluate(params, config: ModelConfig, spec: tasks.KVRecallSpec, num_batches: int = 8, batch: int = 16,
+def evaluate(params, config: ModelConfig, spec, num_batches: int = 8, batch: int = 16,
              ablate: str = "none", seed_offset: int = 0) -> dict:
-  """Accuracy of the value predictions on held-out seeds (plus indexer hit rate: fraction of answer positions
-  whose top-k includes an entry containing the asked value token)."""
+  """Accuracy of the answers on held-out seeds, plus the indexer hit rate: mean over answers of the fraction of
+  the answer's source tokens (kv recall: the asked value; counting: every occurrence of the key) that lie in a
+  top-k entry. Counting also reports `acc_by_count` {c: accuracy on the answers with true count c}."""
   c = n = h = 0.0
+  by_c: dict[int, list[float]] = {}
   for b in tasks.eval_batches(spec, num_batches, batch, seed_offset):
     cc, nn, hh = _eval_step(_copy_tree(params), config, jnp.asarray(b["tokens"]), jnp.asarray(b["targets"]),
                             jnp.asarray(b["mask"]), jnp.asarray(b["src_pos"]), ablate)
-    c, n, h = c + float(cc), n + float(nn), h + float(hh)
-  return dict(accuracy=c / max(n, 1), index_hit=h / max(n, 1), n=int(n), chance=1.0 / spec.num_values)
+    cc = np.asarray(cc)
+    c, n, h = c + float(cc.sum()), n + float(nn), h + float(hh)
+    if "count" in b:
+      for cnt, ok in zip(b["count"], cc):
+        by_c.setdefault(int(cnt), []).append(float(ok))
+  out = dict(accuracy=c / max(n, 1), index_hit=h / max(n, 1), n=int(n), chance=1.0 / spec.num_values)
+  if by_c:
+    out["acc_by_count"] = {str(k): round(float(np.mean(v)), 4) for k, v in sorted(by_c.items())}
+  return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -288,8 +307,9 @@ def load_trained(name: str = "v4_retrieval"):
   return config, params
 
 
-def task_spec_from_info(info: dict, **overrides) -> tasks.KVRecallSpec:
-  return dataclasses.replace(tasks.KVRecallSpec(**info["task"]), **overrides)
+def task_spec_from_info(info: dict, **overrides):
+  """The task a checkpoint was trained on (`tasks.KVRecallSpec` or `tasks.CountSpec`), with field overrides."""
+  return dataclasses.replace(tasks.spec_from_dict(info["task"]), **overrides)
 
 
 def init(config: ModelConfig, seed: int = 0):

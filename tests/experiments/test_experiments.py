@@ -13,6 +13,7 @@ from experiments import train_lib as L
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CKPT = os.path.join(REPO, "experiments", "checkpoints", "v4_retrieval")
+CKPT_COUNT = os.path.join(REPO, "experiments", "checkpoints", "v4_count")
 
 
 def _run(args, timeout=300):
@@ -37,6 +38,34 @@ def test_task_deterministic_and_out_of_window():
   assert a["mask"].sum() == 3 * spec.num_queries
 
 
+def test_count_task_deterministic_and_out_of_window():
+  spec = tasks.CountSpec(seq_len=128, max_count=8, min_gap=32)
+  a, b = tasks.make_batch(spec, 7, 16), tasks.make_batch(spec, 7, 16)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+  assert not np.array_equal(a["tokens"], tasks.make_batch(spec, 8, 16)["tokens"])
+  assert a["mask"].sum() == 16
+  for bi, t in zip(*np.nonzero(a["mask"])):
+    key, c = a["tokens"][bi, t], a["count"][bi]
+    assert a["targets"][bi, t] == spec.count_lo + c - 1 and 1 <= c <= spec.max_count
+    occ = np.nonzero(a["tokens"][bi, :t - 1] == key)[0]
+    src = a["src_pos"][bi, t]
+    np.testing.assert_array_equal(occ, src[src >= 0])       # exactly c occurrences, all listed
+    assert len(occ) == c and np.all(np.diff(occ) >= 8)      # each in its own overlapping CSA entries
+    assert np.all(t - occ > spec.min_gap)                    # all beyond the window
+  assert tasks.spec_from_dict(__import__("dataclasses").asdict(spec)) == spec
+
+
+def test_multi_source_hit_and_supervision():
+  import jax.numpy as jnp
+  src = jnp.array([[[5, 21, -1]]])                   # tokens 5 and 21: entries {1,2} and {5,6}
+  ids = jnp.array([[[1, 9, -1]]])
+  np.testing.assert_allclose(L.value_entry_hit(ids, src), [[0.5]])
+  p = jnp.zeros((1, 1, 10)).at[0, 0, jnp.array([1, 2, 5, 6])].set(0.25)
+  np.testing.assert_allclose(L.attention_supervision({"comp_attn_target": p}, src, jnp.ones((1, 1))), 0.0,
+                             atol=1e-6)
+
+
 def test_config_roundtrip():
   c = L.retrieval_config()
   assert L.config_from_dict(json.loads(json.dumps(L.config_to_dict(c)))) == c
@@ -57,6 +86,16 @@ def test_train_small(tmp_path):
   assert info["small"] and "64" in info["final_eval"]
 
 
+def test_train_small_count(tmp_path):
+  out = tmp_path / "ck"
+  _run(["experiments.train", "--small", "--task=count", f"--out_dir={out}"])
+  info = json.load(open(out / "config.json"))
+  assert info["task"]["kind"] == "count" and "acc_by_count" in info["final_eval"]["64"]["full_topk"]
+  _run(["experiments.ablate_topk", "--small", f"--checkpoint={out}", f"--out_dir={tmp_path}", "--lens=64"])
+  rows = json.load(open(tmp_path / "topk_ck.json"))["rows"]
+  assert rows and all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
+
+
 @pytest.mark.skipif(not os.path.isdir(CKPT), reason="shipped checkpoint missing")
 @pytest.mark.parametrize("script,stem", [("experiments.ablate_topk", "topk"), ("experiments.ablate_window", "window")])
 def test_ablation_small(tmp_path, script, stem):
@@ -72,4 +111,14 @@ def test_shipped_checkpoint_loads_and_is_small():
   config, params = L.load_trained("v4_retrieval")
   assert config.variant == "v4" and L.count_params(params) > 0 if hasattr(L, "count_params") else True
   size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(CKPT) for f in fs)
+  assert size <= 20 * 2**20
+
+
+@pytest.mark.skipif(not os.path.isdir(CKPT_COUNT), reason="shipped count checkpoint missing")
+def test_shipped_count_checkpoint_loads_and_is_small():
+  config, params = L.load_trained("v4_count")
+  _, _, info = L.load_checkpoint_dir(CKPT_COUNT)
+  assert isinstance(L.task_spec_from_info(info), tasks.CountSpec)
+  assert config.indexer.topk >= info["task"]["max_count"]
+  size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(CKPT_COUNT) for f in fs)
   assert size <= 20 * 2**20
