@@ -63,14 +63,13 @@ def _run_schedule(cfg, params, tokens_BxL, lengths_B, chunk_schedule, swa_table,
   return out
 
 
-@pytest.mark.parametrize("schedule_name", ["unaligned", "aligned_then_odd"])
-def test_chunked_and_decode_match_full(setup, schedule_name):
-  cfg, params = setup
+def check_cached_matches_full(cfg, params, lengths, schedule, tol=TOL):
+  """Full forward of a ragged batch vs `schedule` (per-step per-row chunk sizes, then decode), on shuffled
+  (non-contiguous) block tables. Shared by the V4 and V4.1 tests."""
   layout = caches.CacheLayout()
-  lengths = np.array([300, 211, 57])
+  lengths = np.asarray(lengths)
   B, L = len(lengths), int(lengths.max())
   tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(1), (B, L), 0, cfg.vocab_size))
-
   cache_full, swa, full = caches.init_contiguous(cfg, B, L, layout)
   idx = caches.BatchIndex(jnp.zeros(B, jnp.int32), jnp.asarray(lengths, jnp.int32), jnp.asarray(swa),
                           jnp.asarray(full))
@@ -79,20 +78,27 @@ def test_chunked_and_decode_match_full(setup, schedule_name):
   ref = np.asarray(ref)
   valid = np.arange(L)[None, :] < lengths[:, None]
   _assert_no_topk_ties(auxes, valid, cfg.indexer.topk)
-
-  schedules = {
-      "unaligned": [[37, 5, 13], [101, 99, 7], [3, 64, 3], [139, 33, 20]],
-      "aligned_then_odd": [[128, 16, 4], [17, 129, 9], [131, 45, 31]],
-  }
   # Shuffle the block ids so that nothing depends on blocks being contiguous.
   rng = np.random.default_rng(0)
   perm_s, perm_f = rng.permutation(swa.size), rng.permutation(full.size)
-  got = _run_schedule(cfg, params, tokens, lengths, schedules[schedule_name], perm_s[swa], perm_f[full], layout,
-                      swa.size, full.size)
+  got = _run_schedule(cfg, params, tokens, lengths, schedule, perm_s[swa], perm_f[full], layout, swa.size,
+                      full.size)
   for b in range(B):
     n = lengths[b]
     err = np.max(np.abs(got[b, :n] - ref[b, :n]))
-    assert err <= TOL * max(1.0, np.max(np.abs(ref[b, :n]))), (b, err)
+    assert err <= tol * max(1.0, np.max(np.abs(ref[b, :n]))), (b, err)
+
+
+SCHEDULES = {
+    "unaligned": [[37, 5, 13], [101, 99, 7], [3, 64, 3], [139, 33, 20]],
+    "aligned_then_odd": [[128, 16, 4], [17, 129, 9], [131, 45, 31]],
+}
+
+
+@pytest.mark.parametrize("schedule_name", list(SCHEDULES))
+def test_chunked_and_decode_match_full(setup, schedule_name):
+  cfg, params = setup
+  check_cached_matches_full(cfg, params, [300, 211, 57], SCHEDULES[schedule_name])
 
 
 def test_padded_rows_do_not_touch_other_sequences(setup):
@@ -103,8 +109,9 @@ def test_padded_rows_do_not_touch_other_sequences(setup):
   cache, swa, full = caches.init_contiguous(cfg, 2, 64, layout)
   idx = caches.BatchIndex(jnp.zeros(2, jnp.int32), jnp.asarray([40, 0], jnp.int32), jnp.asarray(swa),
                           jnp.asarray(full))
-  new_cache, _ = model.forward(params, cfg, jnp.asarray(tokens), cache, idx, layout=layout)
-  for old_l, new_l in zip(cache.layers, new_cache.layers):
+  old_layers = jax.tree_util.tree_map(np.asarray, cache.layers)  # the jitted step donates the cache
+  new_cache, _ = model.forward_jit(params, cfg, jnp.asarray(tokens), cache, idx, layout)
+  for old_l, new_l in zip(old_layers, new_cache.layers):
     for name in old_l:
       a, b = np.asarray(old_l[name]), np.asarray(new_l[name])
       if name in ("window_kv", "comp_state_kv", "comp_state_score", "index_state_kv", "index_state_score"):

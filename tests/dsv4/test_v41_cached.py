@@ -10,7 +10,7 @@ import pytest
 
 from dsv4 import caches, model
 from dsv4 import config as C
-from tests.dsv4.test_model_cached import _assert_no_topk_ties, _run_schedule
+from tests.dsv4.test_model_cached import check_cached_matches_full
 
 TOL = 1e-5
 
@@ -34,26 +34,7 @@ SCHEDULES = {
 @pytest.mark.parametrize("schedule_name", list(SCHEDULES))
 def test_v41_chunked_and_decode_match_full(setup, schedule_name):
   cfg, params = setup
-  layout = caches.CacheLayout()
-  lengths = np.array([161, 97, 45])
-  B, L = len(lengths), int(lengths.max())
-  tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(1), (B, L), 0, cfg.vocab_size))
-  cache_full, swa, full = caches.init_contiguous(cfg, B, L, layout)
-  idx = caches.BatchIndex(jnp.zeros(B, jnp.int32), jnp.asarray(lengths, jnp.int32), jnp.asarray(swa),
-                          jnp.asarray(full))
-  ref_fn = jax.jit(lambda p, t, c, i: model.forward_aux(p, cfg, t, c, i, layout=layout, collect_aux=True))
-  _, ref, auxes = ref_fn(params, jnp.asarray(tokens), cache_full, idx)
-  ref = np.asarray(ref)
-  valid = np.arange(L)[None, :] < lengths[:, None]
-  _assert_no_topk_ties(auxes, valid, cfg.indexer.topk)
-  rng = np.random.default_rng(0)
-  perm_s, perm_f = rng.permutation(swa.size), rng.permutation(full.size)
-  got = _run_schedule(cfg, params, tokens, lengths, SCHEDULES[schedule_name], perm_s[swa], perm_f[full], layout,
-                      swa.size, full.size)
-  for b in range(B):
-    n = lengths[b]
-    err = np.max(np.abs(got[b, :n] - ref[b, :n]))
-    assert err <= TOL * max(1.0, np.max(np.abs(ref[b, :n]))), (schedule_name, b, err)
+  check_cached_matches_full(cfg, params, [161, 97, 45], SCHEDULES[schedule_name], tol=TOL)
 
 
 def test_v41_cache_arrays_per_role(setup):
