@@ -137,3 +137,17 @@ def test_pool_too_small_for_one_request_is_rejected_not_hung(tiny):
                   engine=Engine(params, cfg, TINY_POOL))
   assert "too small" in outs[0].error
   assert outs[1].error is None and len(outs[1].output) == 4
+
+
+def test_v41_cache_never_changes_the_answer():
+  """V4.1 (CSA2 roles, ratio-2 pending rows, Engram token ids) through the same engine and cache manager: prefix
+  hits and preemption (tiny pool) give the same tokens as caching off."""
+  cfg = C.v41_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  wl = workloads.chat(cfg.vocab_size, sessions=3, turns=3, system_len=140, seed=0)
+  eng_on, on = _run((cfg, params), BASE, wl)
+  eng_off, off = _run((cfg, params), dataclasses.replace(BASE, enable_prefix_caching=False), wl)
+  eng_pre, pre = _run((cfg, params), TINY_POOL, wl)
+  assert on.summary()["prefix_hit_tokens"] > 0 and pre.summary()["preemptions"] > 0
+  _assert_same_answers(on, eng_on, off, eng_off)
+  _assert_same_answers(on, eng_on, pre, eng_pre)
