@@ -30,6 +30,8 @@ flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget per step.")
 flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output).")
 flags.DEFINE_integer("num_full_blocks", 128, "Full-history blocks (128 tokens each).")
 flags.DEFINE_integer("num_swa_blocks", 256, "SWA blocks (32 tokens each).")
+flags.DEFINE_string("compilation_cache_dir", "~/.cache/dsv4/jax", "Persistent XLA compilation cache ('' = off): "
+                    "the step programs compile once per machine instead of once per run.")
 
 
 def load_model(checkpoint: str, preset: str, seed: int):
@@ -82,6 +84,10 @@ def main(argv):
   from dsv4.engine import workloads
   from dsv4.engine.api import run_workload
   from dsv4.engine.engine import Engine, EngineConfig
+  if FLAGS.compilation_cache_dir:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(FLAGS.compilation_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   cfg, params = load_model(FLAGS.checkpoint, FLAGS.preset, FLAGS.seed)
   ec = EngineConfig(max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                     chunk_size=FLAGS.chunk_size, max_model_len=FLAGS.max_model_len,
