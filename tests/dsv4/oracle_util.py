@@ -30,9 +30,9 @@ HF_TINY_KWARGS = dict(
     max_position_embeddings=1048576, rms_norm_eps=1e-6)
 
 
-def hf_config(initializer_range: float = 0.02):
+def hf_config(initializer_range: float = 0.02, overrides: dict | None = None):
   from transformers import DeepseekV4Config
-  cfg = DeepseekV4Config(**HF_TINY_KWARGS, initializer_range=initializer_range)
+  cfg = DeepseekV4Config(**{**HF_TINY_KWARGS, **(overrides or {})}, initializer_range=initializer_range)
   cfg._attn_implementation = "eager"
   return cfg
 
@@ -71,13 +71,13 @@ def config_mismatches(hf, cfg: ModelConfig) -> list[str]:
   return [f"{k}: HF {h!r} vs ours {o!r}" for k, (h, o) in pairs.items() if h != o]
 
 
-def build_oracle(seed: int = 0, initializer_range: float = 0.02):
+def build_oracle(seed: int = 0, initializer_range: float = 0.02, overrides: dict | None = None):
   """The fp32 eager HF model with every constant-initialised param randomised (reference_oracles.md §2.1 trap:
   sinks, position_bias, hc base, e_score_correction_bias and tid2eid start at zero; norms and hc scales at one)."""
   import torch
   from transformers import DeepseekV4ForCausalLM
   torch.manual_seed(seed)
-  model = DeepseekV4ForCausalLM(hf_config(initializer_range)).float().eval()
+  model = DeepseekV4ForCausalLM(hf_config(initializer_range, overrides)).float().eval()
   g = torch.Generator().manual_seed(seed + 1)
   E, k = model.config.n_routed_experts, model.config.num_experts_per_tok
   with torch.no_grad():

@@ -1,0 +1,133 @@
+"""This model vs the transformers reference, same machine, same run: prefill tokens/s and decode step time.
+
+Two configurations: the tiny oracle config (reference_oracles.md §2.1) and a wider one with the real V4-Flash
+attention widths (D 4096, 64 heads x 512, q_lora 1024, 8 x 1024 output groups, window 128, indexer 64 x 128) but
+only 4 layers [window, window, CSA m=4, HCA m=128] and small MoE. Both models hold the same weights (the reference
+writes them, our loader reads them) and the script checks that their logits agree before timing anything.
+
+    python -m benchmarks.model_vs_hf [--configs=tiny,wide] [--prefill=512] [--decode_steps=8]
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from dsv4 import caches, model
+from dsv4 import config as C
+from dsv4.loading import load_checkpoint
+from tests.dsv4 import oracle_util
+
+flags.DEFINE_list("configs", ["tiny", "wide"], "Which configurations to run.")
+flags.DEFINE_integer("prefill", 512, "Prefill length (tiny); the wide config uses --wide_prefill.")
+flags.DEFINE_integer("wide_prefill", 256, "Prefill length for the wide config.")
+flags.DEFINE_integer("decode_steps", 8, "Decode steps timed after the prefill.")
+flags.DEFINE_integer("repeats", 3, "Prefill repeats (median).")
+FLAGS = flags.FLAGS
+
+WIDE_HF = dict(
+    vocab_size=1024, hidden_size=4096, moe_intermediate_size=512, num_hidden_layers=4, num_attention_heads=64,
+    head_dim=512, q_lora_rank=1024, partial_rotary_factor=0.125, o_groups=8, o_lora_rank=1024,
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+    layer_types=["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], sliding_window=128, index_n_heads=64, index_head_dim=128,
+    index_topk=32)
+
+
+def wide_config() -> C.ModelConfig:
+  return C.ModelConfig(
+      name="wide4", variant="v4", vocab_size=1024, hidden_size=4096, num_layers=4, compress_ratios=(0, 0, 4, 128),
+      attention=C.AttentionConfig(), indexer=C.IndexerConfig(topk=32),
+      moe=C.MoEConfig(n_routed_experts=4, num_experts_per_tok=2, intermediate_size=512, num_hash_layers=1))
+
+
+def _median_time(fn, repeats):
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
+
+
+def run_one(name: str, cfg: C.ModelConfig, overrides: dict | None, T: int, steps: int, repeats: int) -> dict:
+  import torch
+  from transformers import DynamicCache
+  hf = oracle_util.build_oracle(seed=0, overrides=overrides)
+  with tempfile.TemporaryDirectory() as d:
+    oracle_util.save_oracle_weights(hf, d)
+    params = load_checkpoint(d, cfg)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, cfg.vocab_size, (1, T + steps)).astype(np.int32)
+
+  # Correctness first: same logits on the prefill.
+  _, ours = model.forward_full(params, cfg, jnp.asarray(tokens[:, :T]))
+  ref = oracle_util.hf_logits(hf, tokens[:, :T])
+  rel = float(np.max(np.abs(np.asarray(ours) - ref)) / np.max(np.abs(ref)))
+
+  # Prefill: full forward of T tokens (ours jitted and warmed up above).
+  def ours_prefill():
+    jax.block_until_ready(model.forward_full(params, cfg, jnp.asarray(tokens[:, :T]))[1])
+
+  def hf_prefill():
+    with torch.no_grad():
+      hf(input_ids=torch.as_tensor(tokens[:, :T], dtype=torch.long))
+
+  t_ours = _median_time(ours_prefill, repeats)
+  t_hf = _median_time(hf_prefill, repeats)
+
+  # Decode: prefill into a cache, then time one-token steps.
+  layout = caches.CacheLayout()
+  cache, swa, full = caches.init_contiguous(cfg, 1, T + steps, layout)
+  tabs = (jnp.asarray(swa), jnp.asarray(full))
+  idx = caches.BatchIndex(jnp.zeros(1, jnp.int32), jnp.full((1,), T, jnp.int32), *tabs)
+  cache, _ = model.forward_jit(params, cfg, jnp.asarray(tokens[:, :T]), cache, idx, layout)
+  warm = caches.BatchIndex(jnp.full((1,), T, jnp.int32), jnp.zeros((1,), jnp.int32), *tabs)  # compile, no write
+  cache, _ = model.forward_jit(params, cfg, jnp.asarray(tokens[:, T:T + 1]), cache, warm, layout)
+  t = time.perf_counter()
+  for s in range(steps):
+    idx = caches.BatchIndex(jnp.full((1,), T + s, jnp.int32), jnp.ones((1,), jnp.int32), *tabs)
+    cache, lg = model.forward_jit(params, cfg, jnp.asarray(tokens[:, T + s:T + s + 1]), cache, idx, layout)
+  jax.block_until_ready(lg)
+  d_ours = (time.perf_counter() - t) / steps
+  with torch.no_grad():
+    hcache = DynamicCache(config=hf.config)
+    hf(input_ids=torch.as_tensor(tokens[:, :T], dtype=torch.long), past_key_values=hcache, use_cache=True)
+    t = time.perf_counter()
+    for s in range(steps):
+      out = hf(input_ids=torch.as_tensor(tokens[:, T + s:T + s + 1], dtype=torch.long), past_key_values=hcache,
+               use_cache=True)
+    d_hf = (time.perf_counter() - t) / steps
+  dec_rel = float(np.max(np.abs(np.asarray(lg)[0, -1] - out.logits[0, -1].numpy())) /
+                  np.max(np.abs(out.logits[0, -1].numpy())))
+  return {"config": name, "params": model.count_params(params), "prefill_tokens": T,
+          "prefill_logits_max_rel_diff": rel, "decode_logits_max_rel_diff": dec_rel,
+          "ours_prefill_tok_per_s": T / t_ours, "hf_prefill_tok_per_s": T / t_hf,
+          "prefill_speedup_vs_hf": t_hf / t_ours,
+          "ours_decode_step_ms": 1e3 * d_ours, "hf_decode_step_ms": 1e3 * d_hf, "decode_speedup_vs_hf": d_hf / d_ours}
+
+
+def main(argv):
+  del argv
+  results = []
+  for name in FLAGS.configs:
+    if name == "tiny":
+      results.append(run_one("tiny", C.v4_tiny(), None, FLAGS.prefill, FLAGS.decode_steps, FLAGS.repeats))
+    elif name == "wide":
+      results.append(run_one("wide", wide_config(), WIDE_HF, FLAGS.wide_prefill, FLAGS.decode_steps,
+                             FLAGS.repeats))
+    else:
+      raise app.UsageError(f"unknown config {name!r}")
+    print(json.dumps(results[-1], indent=2), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
