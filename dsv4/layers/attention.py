@@ -167,7 +167,8 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, ctx
         shared["cand"] = candidate_mask(scores, num_visible, visible, ix.candidate_block_size,
                                         ix.candidate_topk_blocks)
       if collect_aux:
-        aux.update(topk_ids=ids, index_scores=scores)
+        aux.update(topk_ids=ids, index_scores=scores,
+                   comp_attn_target=dense_compressed_attention(q, comp_pool, rows, ctx, plan.ratio, d ** -0.5))
     ids = shared["ids"]
     comp_idx = jnp.where(ids >= 0, jnp.take_along_axis(rows[:, None, :], jnp.maximum(ids, 0), axis=2), -1)
   elif plan.has_compressor:
