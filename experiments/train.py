@@ -35,7 +35,8 @@ from experiments import tasks
 from experiments import train_lib as L
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("variant", "v4", ["v4", "v41"], "Model variant (v41 needs dsv4.config.v41_tiny).")
+flags.DEFINE_enum("variant", "v4", ["v4", "v41"], "Model variant (v41: layer 0 window, layer 1 ratio-2 "
+                  "KV-source + indexer, further layers ratio-2 reuse; train_lib.retrieval_config).")
 flags.DEFINE_integer("num_layers", 2, "Layers (V4: layer 0 window-only, then CSA/HCA alternating).")
 flags.DEFINE_integer("hidden_size", 64, "Hidden size.")
 flags.DEFINE_integer("window", 16, "Sliding window.")
@@ -108,7 +109,7 @@ def train(argv_cmd: str) -> dict:
   fparams, iparams = L.split_params(params)
   opt, sched = L.make_optimizer(FLAGS.lr, FLAGS.warmup, steps, FLAGS.weight_decay)
   opt_state = opt.init(fparams)
-  dense_cfg = L.with_topk(config, max(seq_len // 4, config.indexer.topk))
+  dense_cfg = L.with_topk(config, L.dense_topk(config, seq_len))
   phases = [(dense_cfg, min(dense, steps), "dense"), (config, steps - min(dense, steps), "sparse")]
   history, evals = [], []
   t_start = time.time()

@@ -44,14 +44,25 @@ def retrieval_config(variant: str = "v4", *, num_layers: int = 2, window: int = 
       cfg = dataclasses.replace(cfg, hidden_size=hidden_size)
     return dataclasses.replace(cfg, name=f"v4_retrieval_L{num_layers}_W{window}")
   if variant == "v41":
-    from dsv4 import config as _c  # V4.1 tiny preset is being written elsewhere; use it when present
-    if not hasattr(_c, "v41_tiny"):
-      raise NotImplementedError("dsv4.config.v41_tiny does not exist yet; V4.1 training is not available")
-    cfg = _c.v41_tiny()
-    return dataclasses.replace(cfg, vocab_size=vocab_size,
-                               attention=dataclasses.replace(cfg.attention, window=window),
-                               indexer=dataclasses.replace(cfg.indexer, topk=index_topk))
+    # Small V4.1 mirroring the V4 one (dims of dsv4.config.v41_tiny): layer 0 window-only, layer 1 a ratio-2
+    # KV-source ("full") layer with its own indexer, layers 2.. ratio-2 "reuse" layers (they read layer 1's
+    # compressed KV with layer 1's top-k). No Engram, no candidate source, no ratio-1 layers: like the V4 model's
+    # missing HCA, anything that reads the compressed entries without the top-k would make a top-k ablation moot.
+    from dsv4.config import v41_tiny
+    base = v41_tiny(engram=False, vocab_size=vocab_size)
+    ratios = (0,) + (2,) * (num_layers - 1)
+    return dataclasses.replace(
+        base, name=f"v41_retrieval_L{num_layers}_W{window}", hidden_size=hidden_size, num_layers=num_layers,
+        compress_ratios=ratios, attention=dataclasses.replace(base.attention, window=window),
+        indexer=dataclasses.replace(base.indexer, topk=index_topk), kv_source_layer_ids=(1,),
+        index_source_layer_ids=(1,), candidate_source_layer_id=-1)
   raise ValueError(f"unknown variant {variant!r}")
+
+
+def dense_topk(config: ModelConfig, seq_len: int) -> int:
+  """Top-k that reads every visible compressed entry at seq_len (seq_len // smallest index-layer ratio)."""
+  ratios = [p.ratio for p in config.layer_plan() if p.has_index_query] or [4]
+  return max(seq_len // min(ratios), config.indexer.topk)
 
 
 def with_topk(config: ModelConfig, k: int) -> ModelConfig:
@@ -134,20 +145,32 @@ def indexer_kl(aux: dict, weight_BxT):
   return jnp.sum(kl * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
+def _entry_covers(n, s, ratio: int, overlap: bool):
+  """Whether compressed entry n holds token s. V4 CSA (overlapping, width 2m stride m): tokens [m(n-1), m(n+1));
+  V4.1 / non-overlapping (ratio m): tokens [m n, m(n+1)) (ratio 2: entry n = tokens 2n, 2n+1)."""
+  lo = ratio * (n - 1) if overlap else ratio * n
+  return (lo <= s) & (s < ratio * (n + 1))
+
+
+def index_layer_plans(config: ModelConfig):
+  """Plans of the layers whose aux carries index_scores / comp_attn_target (V4 CSA; V4.1 full / reindex)."""
+  return [p for p in config.layer_plan() if p.has_index_query]
+
+
 def _src3(src_pos):
   """[B,T] (one source token per answer) or [B,T,S] (several, -1 padded) -> [B,T,S]."""
   return src_pos[..., None] if src_pos.ndim == 2 else src_pos
 
 
-def attention_supervision(aux: dict, src_pos, mask_BxT, ratio: int = 4):
+def attention_supervision(aux: dict, src_pos, mask_BxT, ratio: int = 4, overlap: bool = True):
   """-log of the (dense, head-averaged) main-attention mass on the compressed entries that hold any of the answer's
-  source tokens (entries s//ratio and s//ratio + 1 of an overlapping CSA compressor, for every source s), at the
-  answer positions. `src_pos` is [B,T] (kv recall: the value token) or [B,T,S] (counting: all occurrences)."""
+  source tokens (entries s//ratio and s//ratio + 1 of an overlapping CSA compressor, entry s//ratio of a
+  non-overlapping V4.1 one, for every source s), at the answer positions. `src_pos` is [B,T] (kv recall: the value token) or [B,T,S] (counting: all occurrences)."""
   p = aux["comp_attn_target"]
   M = p.shape[-1]
   n = jnp.arange(M)[None, None, None, :]
   s = _src3(src_pos)[..., None]
-  hold = jnp.any((ratio * (n - 1) <= s) & (s < ratio * (n + 1)) & (s >= 0), axis=2)
+  hold = jnp.any(_entry_covers(n, s, ratio, overlap) & (s >= 0), axis=2)
   mass = jnp.sum(jnp.where(hold, p, 0.0), axis=-1)
   nll = -jnp.log(jnp.maximum(mass, 1e-9))
   return jnp.sum(nll * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
@@ -167,7 +190,8 @@ def loss_fn(fparams, iparams, config: ModelConfig, batch: dict, kl_weight: float
   loss = ce + kl_weight * kl
   sup = jnp.float32(0.0)
   if attn_sup_weight:
-    sups = [attention_supervision(a, batch["src_pos"], mask) for a in auxes if "comp_attn_target" in a]
+    sups = [attention_supervision(a, batch["src_pos"], mask, plan.ratio, plan.overlap)
+            for plan, a in zip(config.layer_plan(), auxes) if "comp_attn_target" in a]
     sup = sum(sups) / len(sups)
     loss = loss + attn_sup_weight * sup
   return loss, dict(ce=ce, kl=kl, acc=acc, attn_sup=sup)
@@ -193,16 +217,15 @@ def make_train_step(config: ModelConfig, opt, kl_weight: float, kl_on_all: bool,
 # ----------------------------------------------------------------------------------------------------------
 # Evaluation
 
-def value_entry_hit(topk_ids_BxTxK, src_pos, ratio: int = 4):
+def value_entry_hit(topk_ids_BxTxK, src_pos, ratio: int = 4, overlap: bool = True):
   """Fraction of the answer's source tokens (src_pos [B,T] or [B,T,S], -1 padded) that lie in a picked entry,
   per position [B,T] (kv recall: 0/1, whether the asked value token is covered).
 
-  V4 CSA entry n pools tokens [ratio*(n-1), ratio*(n+1))."""
+  V4 CSA entry n pools tokens [ratio*(n-1), ratio*(n+1)); a V4.1 entry tokens [ratio*n, ratio*(n+1))."""
   ids = topk_ids_BxTxK[:, :, None, :]
-  lo, hi = ratio * (ids - 1), ratio * (ids + 1)
   s3 = _src3(src_pos)
   s = s3[..., None]
-  cov = jnp.any((ids >= 0) & (lo <= s) & (s < hi), axis=-1)
+  cov = jnp.any((ids >= 0) & _entry_covers(ids, s, ratio, overlap), axis=-1)
   valid = s3 >= 0
   return jnp.sum(cov & valid, axis=-1) / jnp.maximum(jnp.sum(valid, axis=-1), 1)
 
@@ -219,7 +242,8 @@ def _eval_step(params, config: ModelConfig, tokens, targets, mask, src_pos, abla
         params["layers"][l]["attn"]["compressor"] = c
   logits, auxes = run_model(params, config, tokens, collect_aux=True)
   correct = (jnp.argmax(logits, -1) == targets) * mask
-  hits = [value_entry_hit(a["topk_ids"], src_pos) * mask for a in auxes if "topk_ids" in a]
+  hits = [value_entry_hit(a["topk_ids"], src_pos, plan.ratio, plan.overlap) * mask
+          for plan, a in zip(config.layer_plan(), auxes) if "topk_ids" in a]
   hit = sum(jnp.sum(h) for h in hits) / max(len(hits), 1) if hits else jnp.float32(0.0)
   return jnp.sum(correct, axis=-1), jnp.sum(mask), hit
 
@@ -260,13 +284,15 @@ def evaluate(params, config: ModelConfig, spec, num_batches: int = 8, batch: int
 def attention_cost(config: ModelConfig, seq_len: int, k: int | None = None) -> dict:
   """Average over the query positions of a seq_len sequence: rows read and FLOPs of one CSA layer's attention.
 
-  window rows = min(W, t+1); compressed rows = min(k, visible entries) (visible = (t+1)//4); FLOPs count the
+  window rows = min(W, t+1); compressed rows = min(k, visible entries) (visible = (t+1)//ratio of the first index
+  layer: 4 for V4 CSA, 2 for the V4.1 model); FLOPs count the
   q.k and p.v products (4 * H * d per row) plus the indexer scores over all visible index keys
   (2 * index_heads * index_dim per entry)."""
   a, ix = config.attention, config.indexer
   k = ix.topk if k is None else k
   t = np.arange(seq_len)
-  vis = (t + 1) // 4
+  plans = index_layer_plans(config)
+  vis = (t + 1) // (plans[0].ratio if plans else 4)
   win = np.minimum(a.window, t + 1)
   comp = np.minimum(k, vis)
   attn_flops = 4 * a.num_heads * a.head_dim * (win + comp)

@@ -122,3 +122,28 @@ def test_shipped_count_checkpoint_loads_and_is_small():
   assert config.indexer.topk >= info["task"]["max_count"]
   size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(CKPT_COUNT) for f in fs)
   assert size <= 20 * 2**20
+
+
+def test_v41_config_and_ratio2_entry_mapping():
+  import jax.numpy as jnp
+  c = L.retrieval_config("v41")
+  assert [p.kind for p in c.layer_plan()] == ["swa", "full"] and c.compress_ratios == (0, 2)
+  assert L.dense_topk(c, 128) == 64 and L.config_from_dict(json.loads(json.dumps(L.config_to_dict(c)))) == c
+  src = jnp.array([[[5, 21, -1]]])                   # ratio 2, no overlap: tokens 5 and 21 -> entries 2 and 10
+  np.testing.assert_allclose(L.value_entry_hit(jnp.array([[[2, 9, -1]]]), src, 2, False), [[0.5]])
+  p = jnp.zeros((1, 1, 12)).at[0, 0, jnp.array([2, 10])].set(0.5)
+  np.testing.assert_allclose(L.attention_supervision({"comp_attn_target": p}, src, jnp.ones((1, 1)), 2, False),
+                             0.0, atol=1e-6)
+
+
+CKPT_V41 = os.path.join(REPO, "experiments", "checkpoints", "v41_retrieval")
+
+
+@pytest.mark.skipif(not os.path.isdir(CKPT_V41), reason="shipped V4.1 checkpoint missing")
+def test_shipped_v41_checkpoint_loads_and_is_small():
+  config, params = L.load_trained("v41_retrieval")
+  assert config.variant == "v41" and any(p.has_index_query for p in config.layer_plan())
+  _, _, info = L.load_checkpoint_dir(CKPT_V41)
+  assert "command" in info and "final_eval" in info
+  size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(CKPT_V41) for f in fs)
+  assert size <= 20 * 2**20
