@@ -253,10 +253,28 @@ def forward_jit(params, config, tokens_BxT, cache, index, layout=caches.CacheLay
   return forward(params, config, tokens_BxT, cache, index, layout=layout, kernel_cfg=kernel_cfg)
 
 
+def check_tokens(tokens_BxT, config: ModelConfig) -> np.ndarray:
+  """Host-side validation for concrete inputs (the jitted step clips ids, so bad ids must be caught before it)."""
+  toks = np.asarray(tokens_BxT)
+  if toks.ndim != 2:
+    raise ValueError(f"tokens: expected shape [batch, seq], got {toks.shape}")
+  if not np.issubdtype(toks.dtype, np.integer):
+    raise ValueError(f"tokens: expected integer token ids, got dtype {toks.dtype}")
+  bad = (toks < 0) | (toks >= config.vocab_size)
+  if bad.any():
+    b, t = np.argwhere(bad)[0]
+    raise ValueError(f"tokens: id {int(toks[b, t])} at [{b}, {t}] is out of range [0, {config.vocab_size})")
+  if toks.shape[1] > config.max_position_embeddings:
+    raise ValueError(f"tokens: {toks.shape[1]} positions exceed max_position_embeddings "
+                     f"({config.max_position_embeddings})")
+  return toks
+
+
 def forward_full(params, config: ModelConfig, tokens_BxT, lengths_B=None, *,
                  layout: caches.CacheLayout = caches.CacheLayout(),
                  kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
   """No-cache convenience: prefill whole sequences into a fresh contiguous cache; returns (cache, logits)."""
+  tokens_BxT = jnp.asarray(check_tokens(tokens_BxT, config), jnp.int32)
   B, T = tokens_BxT.shape
   cache, swa, full = caches.init_contiguous(config, B, T, layout)
   lengths = jnp.full((B,), T, jnp.int32) if lengths_B is None else jnp.asarray(lengths_B, jnp.int32)

@@ -60,3 +60,15 @@ def test_invalid_config_names_the_field(field, kwargs, msg):
   with pytest.raises(C.ConfigError, match=msg) as e:
     C.ModelConfig(**base)
   assert field.split(".")[-1] in str(e.value)
+
+
+@pytest.mark.parametrize("tokens,msg", [
+    (np.zeros((4,), np.int32), "expected shape"),
+    (np.zeros((1, 4), np.float32), "integer"),
+    (np.array([[1, 2, 600]]), "out of range"),
+    (np.array([[-1, 2]]), "out of range"),
+])
+def test_forward_full_rejects_bad_tokens_before_jax(tokens, msg):
+  cfg = C.v4_tiny()
+  with pytest.raises(ValueError, match=msg):
+    model.forward_full({}, cfg, tokens)
