@@ -182,6 +182,28 @@ def bench_sparse(name, args, *, interpret, tuning, timing, hbm, peak, D):
   return finish("sparse_attention", name, err, kern, ref, args, 5, timing, flops, nbytes, hbm, peak, splits)
 
 
+def bench_sparse_mgpu(name, args, *, interpret, tuning, timing, hbm, peak, D):
+  """The Mosaic GPU (plgpu) kernel on the same case (GPU only: it has no CPU interpret mode)."""
+  from pallas_kernels import sparse_attention_mgpu as mg
+  q, wp, wi, cp, ci, sink = args
+  N, H, _ = q.shape
+  scale = D ** -0.5
+  kern = jax.jit(lambda *a: mg.sparse_attention_mgpu(*a, scale=scale))
+  ref = jax.jit(lambda *a: sa.sparse_attention_reference(*a, scale=scale))
+  try:
+    ko, kl = kern(*args)
+  except Exception as e:  # a compile/launch failure is a failed check, reported with its message
+    print(f"# sparse_attention_mgpu {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return Result("sparse_attention_mgpu", name, False, float("inf"), *([float("nan")] * 7), 0, 0.0, 0.0)
+  ro, rl = ref(*args)
+  err = max(tol_ratio(ko, ro, 1.5e-2, 2e-2), tol_ratio(kl, rl, 1e-3, 1e-3))
+  uw, aw = unique_valid(wi, sa.pool_rows(wp))
+  uc, ac = unique_valid(ci, sa.pool_rows(cp))
+  flops = 2.0 * H * (aw + ac) * (D + D)
+  nbytes = N * H * D * 2 * 2 + uw * sa.pool_row_bytes(wp) + uc * sa.pool_row_bytes(cp)
+  return finish("sparse_attention_mgpu", name, err, kern, ref, args, 5, timing, flops, nbytes, hbm, peak, 1)
+
+
 def finish(op, name, err, kern, ref, args, slot, timing, flops, nbytes, hbm, peak, splits):
   ok = err <= 1.0
   k_ms = hot = x_ms = float("nan")
@@ -282,7 +304,55 @@ def parse_args(argv):
   p.add_argument("--no_time", action="store_true", help="correctness only")
   p.add_argument("--jsonl", default="", help="append each result here as soon as it exists")
   p.add_argument("--json", default="", help="also write all results as one JSON list at the end")
+  p.add_argument("--report", default="", metavar="DIR",
+                 help="gpu_check mode: DIR/results.jsonl (streamed), DIR/gpu_check.json, DIR/gpu_check.md, and on a "
+                      "GPU the per-op validations in pallas_kernels/validations.json")
   return p.parse_args(argv)
+
+
+def environment_line() -> dict:
+  env = dict(jax=jax.__version__, backend=jax.default_backend(), devices=[d.device_kind for d in jax.devices()],
+             python=sys.version.split()[0])
+  try:
+    import jaxlib
+    env["jaxlib"] = jaxlib.__version__
+  except Exception:  # pragma: no cover
+    pass
+  try:
+    import subprocess
+    env["nvidia_smi"] = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"],
+        capture_output=True, text=True, timeout=20).stdout.strip()
+  except Exception:
+    env["nvidia_smi"] = None
+  return env
+
+
+def write_report(out_dir: str, rows: list[dict], env: dict, record: bool) -> dict:
+  """gpu_check.json + a markdown table; on a GPU, record per-op validations (every case of the op correct)."""
+  from pallas_kernels import dispatch
+  by_op: dict[str, list[dict]] = {}
+  for r in rows:
+    by_op.setdefault(r["op"], []).append(r)
+  summary = {op: dict(cases=len(rs), ok=all(r["ok"] for r in rs), max_err_over_tol=max(r["max_err"] for r in rs))
+             for op, rs in by_op.items()}
+  with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+    json.dump(dict(env=env, summary=summary, results=rows), f, indent=1)
+  lines = [f"GPU check: jax {env.get('jax')} on {', '.join(env.get('devices', []))} "
+           f"({env.get('nvidia_smi') or 'no nvidia-smi'})", "",
+           "| op | case | ok | err/tol | ms (L2 flushed) | ms (hot) | XLA ms | TFLOP/s | GB/s | % HBM | % TC | splits |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['op']} | {r['case']} | {'ok' if r['ok'] else 'FAIL'} | {r['max_err']:.2f} | "
+                 f"{r['kernel_ms']:.4f} | {r['hot_ms']:.4f} | {r['xla_ms']:.4f} | {r['tflops']:.1f} | {r['gbps']:.0f} | "
+                 f"{r['pct_hbm']:.1f} | {r['pct_tc']:.1f} | {r['num_splits'] or ''} |")
+  with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  if record:
+    # The dispatcher's op names: the sparse kernel and the two indexer kernels.
+    for op, sm in summary.items():
+      dispatch.record_validation(op, sm["ok"], dict(cases=sm["cases"], max_err_over_tol=sm["max_err_over_tol"]))
+  return summary
 
 
 def main(argv=None):
@@ -315,6 +385,13 @@ def main(argv=None):
   print(f"# {json.dumps(env)}", flush=True)
   if interpret and not a.small:
     print("# WARNING: no GPU: kernels run in interpret mode; timings are meaningless", flush=True)
+  if a.report:
+    os.makedirs(a.report, exist_ok=True)
+    env = dict(environment_line(), interpret=interpret, small=a.small)
+    print(f"# env {json.dumps(env)}", flush=True)
+    a.jsonl = a.jsonl or os.path.join(a.report, "results.jsonl")
+    if os.path.exists(a.jsonl):
+      os.remove(a.jsonl)
   key = jax.random.PRNGKey(0)
   results = []
   jsonl = open(a.jsonl, "a") if a.jsonl else None
@@ -341,6 +418,8 @@ def main(argv=None):
           args = sparse_case(key, N=b, H=H, D=D, W=W, K=E if kind == "hca" else K, comp_rows_per_seq=E,
                              seqs=b, hca=kind == "hca", fmt=fmt, prefill=False, ctx=ctx, page_size=page)
           emit(bench_sparse(f"decode {kind} {fmt} b{b} ctx{ctx}", args, tuning=tuning, D=D, **common))
+          if on_gpu and fmt == "bf16" and H == 64 and D == 512:
+            emit(bench_sparse_mgpu(f"decode {kind} {fmt} b{b} ctx{ctx}", args, tuning=tuning, D=D, **common))
           del args
   if "sparse_prefill" in ops:
     for fmt in prefill_fmts:
@@ -348,6 +427,8 @@ def main(argv=None):
         args = sparse_case(key, N=pf_q, H=H, D=D, W=W, K=K, comp_rows_per_seq=ctx // 4, seqs=1, hca=False,
                            fmt=fmt, prefill=True, ctx=ctx, page_size=page)
         emit(bench_sparse(f"prefill csa {fmt} q{pf_q} ctx{ctx}", args, tuning=tuning, D=D, **common))
+        if on_gpu and fmt == "bf16" and H == 64 and D == 512:
+          emit(bench_sparse_mgpu(f"prefill csa {fmt} q{pf_q} ctx{ctx}", args, tuning=tuning, D=D, **common))
         del args
   key_fmts = ["bf16", "fp8"] if not a.small else ["fp8"]
   if "indexer_decode" in ops:
@@ -372,6 +453,9 @@ def main(argv=None):
   if a.json:
     with open(a.json, "w") as f:
       json.dump(dict(env=env, results=[dataclasses.asdict(r) for r in results]), f, indent=1)
+  if a.report:
+    summary = write_report(a.report, [dataclasses.asdict(r) for r in results], env, record=on_gpu)
+    print(f"# summary {json.dumps(summary)}", flush=True)
   bad = [r for r in results if not r.ok]
   if bad:
     print(f"# {len(bad)} check(s) FAILED", flush=True)
