@@ -105,3 +105,42 @@ def test_e2m1_tie_rule_and_bf16_dtype():
   assert out.dtype == jnp.bfloat16 and out.shape == xb.shape
   with pytest.raises(ValueError, match="format must be one of"):
     CQ.quantize_cache(xb, "int4")
+
+
+def test_model_switch_quantizes_the_cache_where_nemo_does():
+  """With `quantized_cache`, the window KV in the cache lies on the FP8 / 32-channel grid and the index keys on the
+  MXFP4 / 32-channel grid (re-quantizing them changes nothing: both scales are powers of two), and the logits
+  move; without it neither holds. (Logits vs NeMo with quantization on: experiments/v41_quant_cache_parity.py.)"""
+  import dataclasses
+  from dsv4 import caches
+  from dsv4 import config as C
+  from dsv4 import model
+  cfg = C.v41_tiny(engram=False)
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  B, T = 1, 24
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)), jnp.int32)
+
+  def run(c):
+    cache, swa, full = caches.init_contiguous(c, B, T)
+    idx = caches.BatchIndex(jnp.zeros(B, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.asarray(swa),
+                            jnp.asarray(full))
+    new_cache, logits, _ = model.forward_aux(params, c, tokens, cache, idx)
+    return new_cache, np.asarray(logits)
+
+  on_cache, on = run(dataclasses.replace(cfg, quantized_cache=True))
+  off_cache, off = run(cfg)
+  assert np.max(np.abs(on - off)) > 1e-3 * np.max(np.abs(off))
+  checked = 0
+  for plan, lon, loff in zip(cfg.layer_plan(), on_cache.layers, off_cache.layers):
+    for name, fmt in (("window_kv", "fp8"), ("index_keys", "mxfp4")):
+      if name not in lon:
+        continue
+      a_on, a_off = np.asarray(lon[name]), np.asarray(loff[name])
+      a_on = a_on.reshape(-1, a_on.shape[-1])
+      a_off = a_off.reshape(-1, a_off.shape[-1])
+      rows = np.abs(a_off).sum(-1) > 0   # written rows
+      assert rows.sum() >= 8, (plan.index, name)
+      np.testing.assert_array_equal(CQ.quantize_cache_reference(a_on[rows], fmt), a_on[rows])
+      assert not np.array_equal(CQ.quantize_cache_reference(a_off[rows], fmt), a_off[rows])
+      checked += 1
+  assert checked == cfg.num_layers + 2  # every layer's window KV + the two full layers' index keys
