@@ -112,11 +112,14 @@ def read_header(path: str) -> dict[str, _Entry]:
   return out
 
 
-def _read(entry: _Entry) -> np.ndarray:
+def _read(entry: _Entry, copy: bool = True) -> np.ndarray:
+  """The tensor's data; copy=False returns a read-only view of the memory-mapped file (no host buffer)."""
   dt = _DTYPES[entry.dtype]
   if entry.nbytes == 0:
     return np.zeros(entry.shape, dt)
   arr = np.memmap(entry.file, dtype=np.uint8, mode="r", offset=entry.start, shape=(entry.nbytes,))
+  if not copy:
+    return arr.view(dt).reshape(entry.shape)
   return np.array(arr).view(dt).reshape(entry.shape)  # copies: the result owns its memory
 
 
@@ -241,12 +244,15 @@ def _scale_pairs(entries: dict[str, _Entry], naming: str) -> dict[str, str]:
   return pairs
 
 
-def _dequant(e: _Entry, scale: _Entry | None, fp8_block: int) -> np.ndarray:
-  """Read one tensor; dequantize FP8 / FP4 when it has a scale. Returns float32 or integer arrays."""
+def _dequant(e: _Entry, scale: _Entry | None, fp8_block: int, native: bool = False) -> np.ndarray:
+  """Read one tensor; dequantize FP8 / FP4 when it has a scale. Returns float32 or integer arrays; with `native`,
+  plain float tensors come back in their stored dtype as a view of the mapped file (the caller casts / copies)."""
   where = f"tensor {e.name!r} (in {e.file})"
   if scale is None:
     if e.dtype in ("F8_E4M3", "F8_E5M2"):
       raise CheckpointError(f"{where}: dtype {e.dtype} needs a block-scale tensor, none found")
+    if native and e.dtype in _FLOAT_PLAIN:
+      return _read(e, copy=False)
     a = _read(e)
     return a.astype(np.float32) if e.dtype in _FLOAT_PLAIN else a
   if scale.dtype not in _SCALE_DTYPES:
@@ -275,7 +281,7 @@ def _check(name: str, x: np.ndarray, want_shape, integer: bool, e: _Entry, hf_na
   where = f"tensor {name!r}{alias} in {e.file}"
   if integer and not np.issubdtype(x.dtype, np.integer):
     raise CheckpointError(f"{where}: dtype {e.dtype}, expected an integer dtype (I64/I32)")
-  if not integer and not np.issubdtype(x.dtype, np.floating):
+  if not integer and not (np.issubdtype(x.dtype, np.floating) or x.dtype == ml_dtypes.bfloat16):
     raise CheckpointError(f"{where}: dtype {e.dtype}, expected a floating dtype (F32/BF16/F16, or F8_E4M3 / packed "
                           f"FP4 with a scale)")
   if tuple(x.shape) != tuple(want_shape):
@@ -288,8 +294,9 @@ class _TreeBuilder:
   arrives; a leaf is handed to `put` (e.g. jax.device_put) as soon as it is complete, so the host holds at most
   the tensors being converted plus the routed-expert leaves still being filled."""
 
-  def __init__(self, config: ModelConfig, dtype, put):
-    self.config, self.dtype, self.put = config, np.dtype(dtype), put
+  def __init__(self, config: ModelConfig, dtype, put, stack=None):
+    # stack: joins per-expert device arrays on the device (None: experts are assembled in a host buffer)
+    self.config, self.dtype, self.put, self.stack = config, np.dtype(dtype), put, stack
     self.specs = {s.name: s for s in N.original_specs(config)}
     self.params = N.empty_tree(config)
     self.left: dict = {}
@@ -306,18 +313,25 @@ class _TreeBuilder:
       if xp.size and (xp.min() < 0 or xp.max() >= E):
         raise CheckpointError(f"tensor {name!r}: expert ids must lie in [0, {E}), found [{xp.min()}, {xp.max()}]")
       xp = xp.astype(np.int32)
-    if sp.expert is None:
-      leaf = xp if sp.integer else np.asarray(xp, self.dtype)
-    else:
-      buf = self.bufs.get(sp.path)
-      if buf is None:
-        buf = self.bufs[sp.path] = np.empty((self.count[sp.path], *xp.shape), self.dtype)
-      buf[sp.expert] = xp
-      leaf = None
     self.left[sp.path] -= 1
-    if self.left[sp.path] == 0:
-      leaf = leaf if leaf is not None else self.bufs.pop(sp.path)
+    if sp.expert is None:
+      # one fresh C-ordered host copy in the target dtype (never the mapped file itself)
+      leaf = xp if sp.integer else np.array(xp, dtype=self.dtype, order="C")
       N._set(self.params, sp.path, self.put(np.ascontiguousarray(leaf)))
+      return
+    if self.stack is not None:  # one expert on the device at a time; stacked there when all have arrived
+      part = self.bufs.setdefault(sp.path, {})
+      part[sp.expert] = self.put(np.array(xp, dtype=self.dtype, order="C"))
+      if self.left[sp.path] == 0:
+        part = self.bufs.pop(sp.path)
+        N._set(self.params, sp.path, self.stack([part[e] for e in range(self.count[sp.path])]))
+      return
+    buf = self.bufs.get(sp.path)
+    if buf is None:
+      buf = self.bufs[sp.path] = np.empty((self.count[sp.path], *xp.shape), self.dtype)
+    buf[sp.expert] = xp
+    if self.left[sp.path] == 0:
+      N._set(self.params, sp.path, self.put(self.bufs.pop(sp.path)))
 
   def finish(self):
     todo = [p for p, n in self.left.items() if n]
@@ -386,16 +400,17 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
   if as_jax:
     import jax
     put = (lambda x: jax.device_put(x, device)) if device is not None else jax.numpy.asarray
+    stack = lambda xs: put(jax.numpy.stack(xs))  # noqa: E731
   else:
-    put = lambda x: x  # noqa: E731
-  builder = _TreeBuilder(config, dtype, put)
+    put, stack = (lambda x: x), None
+  builder = _TreeBuilder(config, dtype, put, stack)
   by_file: dict[str, list[str]] = {}
   for name in expected:
     by_file.setdefault(entries[name].file, []).append(name)
   for fp in sorted(by_file):
     for name in by_file[fp]:  # param-tree order within a shard
       e = entries[name]
-      x = _dequant(e, entries.get(pairs.get(name, ""), None), fp8_block)
+      x = _dequant(e, entries.get(pairs.get(name, ""), None), fp8_block, native=True)
       _check(stored[name], x, expected[name][0], expected[name][1], e, hf_of.get(name))
       if specs is None:
         builder.add(name, x)
