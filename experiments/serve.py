@@ -3,6 +3,9 @@
     python -m experiments.serve                       # embedded default: tiny V4 model, chat workload, CPU
     python -m experiments.serve --workload=switch --retention_interval=128
     python -m experiments.serve --requests=reqs.jsonl # {"id": ..., "prompt": [ids], "max_tokens": ..., ...}
+    python -m experiments.serve --checkpoint=DIR --requests=reqs.jsonl
+        # DIR: config.json + *.safetensors (any naming) + tokenizer.json; requests may then give "prompt" as text
+        # or "messages" (chat template), and "stop" strings; outputs.jsonl gets "text".
 
 Writes <out_dir>/outputs.jsonl and <out_dir>/metrics.json and prints a summary table.
 """
@@ -19,7 +22,8 @@ flags.DEFINE_enum("workload", "chat", ["chat", "agentic", "switch", "random"], "
 flags.DEFINE_string("requests", "", "JSONL of requests; overrides --workload.")
 flags.DEFINE_string("out_dir", "out/serve", "Where outputs.jsonl and metrics.json go.")
 flags.DEFINE_string("checkpoint", "auto", "'auto' = shipped trained tiny model if present, else random weights; "
-                    "'random' = random tiny V4; or a path to an orbax params dir (with --preset).")
+                    "'random' = random tiny V4; a checkpoint dir with config.json (+ safetensors, tokenizer); or a "
+                    "path to an orbax params dir (with --preset).")
 flags.DEFINE_string("preset", "v4_tiny", "Model preset when --checkpoint is random or a path.")
 flags.DEFINE_integer("seed", 0, "Seed for random weights and workloads.")
 flags.DEFINE_bool("prefix_caching", True, "Reuse cached prefixes.")
@@ -45,6 +49,10 @@ def load_model(checkpoint: str, preset: str, seed: int):
       return train_lib.load_trained("v4_retrieval")
     except Exception:  # no shipped checkpoint in this checkout: fall back to random weights
       checkpoint = "random"
+  if os.path.isfile(os.path.join(checkpoint, "config.json")):
+    from dsv4.loading.pretrained import load_pretrained
+    pre = load_pretrained(checkpoint)
+    return pre.config, pre.params
   cfg = C.get_preset(preset)
   if checkpoint == "random":
     return cfg, model.init_params(cfg, jax.random.PRNGKey(seed))
@@ -52,7 +60,27 @@ def load_model(checkpoint: str, preset: str, seed: int):
   return cfg, orbax_io.restore_params(checkpoint, cfg)
 
 
-def read_requests(path: str):
+def load_tokenizer(checkpoint: str):
+  """The checkpoint dir's tokenizer, or None (token-id requests only)."""
+  if not os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
+    return None
+  from dsv4.loading.tokenizer import Tokenizer
+  return Tokenizer.from_dir(checkpoint)
+
+
+def _prompt_ids(d: dict, tokenizer, where: str):
+  prompt = d.get("prompt", ())
+  if "messages" in d or isinstance(prompt, str):
+    if tokenizer is None:
+      raise ValueError(f"{where}: text / chat requests need --checkpoint=DIR with a tokenizer.json")
+    if "messages" in d:
+      return tuple(tokenizer.apply_chat_template(d["messages"], tokenize=True))
+    return tuple(tokenizer.encode(prompt))
+  return tuple(prompt)
+
+
+def read_requests(path: str, tokenizer=None, stops: dict | None = None):
+  """JSONL requests; with a tokenizer, "prompt" may be text and "messages" a chat; "stop" strings go to `stops`."""
   from dsv4.engine.sampling import SamplingParams
   from dsv4.engine.workloads import Turn, Workload
   turns = []
@@ -66,7 +94,9 @@ def read_requests(path: str):
                           seed=int(d.get("seed", 0)), stop_token_ids=tuple(d.get("stop_token_ids", ())),
                           ignore_eos=bool(d.get("ignore_eos", False)))
       rid = str(d.get("id", f"line{i}"))
-      turns.append(Turn(rid, tuple(d.get("prompt", ())), sp, rid=rid))
+      if stops is not None and d.get("stop"):
+        stops[rid] = [d["stop"]] if isinstance(d["stop"], str) else list(d["stop"])
+      turns.append(Turn(rid, _prompt_ids(d, tokenizer, f"{path}:{i + 1}"), sp, rid=rid))
   return Workload(os.path.basename(path), (tuple(turns),))
 
 
@@ -94,7 +124,9 @@ def main(argv):
                     num_full_blocks=FLAGS.num_full_blocks, num_swa_blocks=FLAGS.num_swa_blocks,
                     enable_prefix_caching=FLAGS.prefix_caching, retention_interval=FLAGS.retention_interval,
                     model_id=cfg.name)
-  wl = read_requests(FLAGS.requests) if FLAGS.requests else workloads.make(FLAGS.workload, cfg.vocab_size,
+  tok = load_tokenizer(FLAGS.checkpoint) if os.path.isdir(FLAGS.checkpoint) else None
+  stops: dict[str, list[str]] = {}
+  wl = read_requests(FLAGS.requests, tok, stops) if FLAGS.requests else workloads.make(FLAGS.workload, cfg.vocab_size,
                                                                              seed=FLAGS.seed)
   engine = Engine(params, cfg, ec)
   with tqdm(total=wl.num_requests, desc=f"{cfg.name} {wl.name}", unit="req") as bar:
@@ -102,8 +134,15 @@ def main(argv):
   os.makedirs(FLAGS.out_dir, exist_ok=True)
   with open(os.path.join(FLAGS.out_dir, "outputs.jsonl"), "w") as f:
     for o in report.outputs:
-      f.write(json.dumps({"id": o.rid, "prompt_len": len(o.prompt), "output": o.output, "finish_reason":
-                          o.finish_reason, "error": o.error, "hit_tokens": o.hit_tokens}) + "\n")
+      rec = {"id": o.rid, "prompt_len": len(o.prompt), "output": o.output, "finish_reason": o.finish_reason,
+             "error": o.error, "hit_tokens": o.hit_tokens}
+      if tok is not None:  # text, cut at the first stop string (checked after generation here)
+        text = tok.decode(o.output)
+        hits = [text.find(s) for s in stops.get(o.rid, ()) if s and s in text]
+        if hits:
+          text, rec["finish_reason"] = text[: min(hits)], "stop"
+        rec["text"] = text
+      f.write(json.dumps(rec) + "\n")
   summary = report.summary()
   summary["compiled_step_shapes"] = len(engine.runner.shapes_run)
   with open(os.path.join(FLAGS.out_dir, "metrics.json"), "w") as f:
