@@ -76,7 +76,7 @@ def load_model(model: str, checkpoint: str = "", preset: str = "v4_tiny", seed: 
       except ConfigError as e:
         raise ModelLoadError(str(e)) from e
       return pre.config, pre.params, None
-    if checkpoint and not os.path.exists(info_path):       # a bare orbax params directory
+    if checkpoint and not os.path.isdir(os.path.join(checkpoint, "params")):   # a bare orbax params directory
       from dsv4.loading import orbax_io
       return C.get_preset(preset), orbax_io.restore_params(checkpoint, C.get_preset(preset)), None
     if not os.path.isdir(directory):
