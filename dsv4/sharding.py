@@ -315,10 +315,13 @@ def names(axes: Iterable) -> str:
 # A sharded model step
 
 def jit_forward(config: ModelConfig, mesh, rules: Rules = Rules(), *, layout: caches.CacheLayout = caches.CacheLayout(),
-                batch: int, num_swa_blocks: int, num_full_blocks: int, kernel_cfg=None, logits_replicated=True):
+                batch: int, num_swa_blocks: int, num_full_blocks: int, kernel_cfg=None, logits_replicated=True,
+                step_fn=None):
   """`model.forward` jitted for `mesh`: params, cache and step inputs carry the rule shardings, the cache keeps
   its sharding from step to step (donated), logits come back replicated (readable by every process).
-  Returns (call(params, tokens, cache, index) -> (cache, logits), shardings dict)."""
+  `step_fn(params, config, layout, kernel_cfg, tokens, cache, index) -> (cache, logits)` replaces the full-logits
+  forward (the engine passes its last-token step). Returns (call(params, tokens, cache, index) -> (cache, logits),
+  shardings dict)."""
   from dsv4 import model
   from pallas_kernels import dispatch
   kernel_cfg = kernel_cfg or dispatch.KernelConfig()
@@ -328,6 +331,8 @@ def jit_forward(config: ModelConfig, mesh, rules: Rules = Rules(), *, layout: ca
   logits_sh = replicated(mesh) if logits_replicated else batch_sharding(mesh, batch, 3, rules)
 
   def step(params, tokens_BxT, cache, index):
+    if step_fn is not None:
+      return step_fn(params, config, layout, kernel_cfg, tokens_BxT, cache, index)
     return model.forward(params, config, tokens_BxT, cache, index, layout=layout, kernel_cfg=kernel_cfg)
 
   jitted = jax.jit(step, in_shardings=(sh["params"], sh["tokens"], sh["cache"], sh["index"]),
