@@ -51,7 +51,9 @@ class EngineConfig:
 
 class Engine:
 
-  def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig()):
+  def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *, mesh=None,
+               rules=None):
+    """mesh / rules: run the model step sharded on a device mesh (dsv4.sharding); None = one device."""
     engine_config.validate()
     self.config, self.ec = config, engine_config
     ec = engine_config
@@ -60,7 +62,8 @@ class Engine:
                                         model_id=ec.model_id)
     self.runner = ModelRunner(params, config, ec.layout, num_swa_blocks=ec.num_swa_blocks,
                               num_full_blocks=ec.num_full_blocks, max_num_seqs=ec.max_num_seqs,
-                              chunk_size=ec.chunk_size, max_model_len=ec.max_model_len, kernel_cfg=ec.kernel)
+                              chunk_size=ec.chunk_size, max_model_len=ec.max_model_len, kernel_cfg=ec.kernel,
+                              mesh=mesh, **({} if rules is None else {"rules": rules}))
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.requests: dict[str, Request] = {}
