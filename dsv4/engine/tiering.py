@@ -148,10 +148,11 @@ class Tiering:
     self._rid_keys: dict[str, set] = {}
     self._hashed: dict[str, tuple[RequestHasher, int]] = {}
     self._resident: dict[tuple[str, int], _Ident] = {}
+    self._resident_by_key: dict[str, tuple[str, int]] = {}   # record key -> (group, device block id)
     self._step_t0 = None
     self.stats = {"admissions_probed": 0, "tier_hit_tokens": 0, "loaded_records": 0, "rejected_records": 0,
-                  "chose_recompute": 0, "chose_load": 0, "degraded": 0, "demoted_blocks": 0, "no_room": 0,
-                  "load_s_total": 0.0}
+                  "chose_recompute": 0, "chose_load": 0, "l1_copied_records": 0, "degraded": 0, "demoted_blocks": 0,
+                  "no_room": 0, "load_s_total": 0.0}
     self.decisions: list[dict] = []
 
   # ---------------------------------------------------------------------------------------------- identity
@@ -210,14 +211,18 @@ class Tiering:
         ident = self._ident.get((ev.group, ev.block_hash))
         if ident is not None:
           self._resident[(ev.group, ev.block_id)] = ident
+          self._resident_by_key[ident.key] = (ev.group, ev.block_id)
           if self.tc.demote == "store":
             out.append((ev.group, ev.block_id, ident))
       elif isinstance(ev, BlockRemoved):
         ident = self._resident.pop((ev.group, ev.block_id), None)
-        if ident is not None and self.tc.demote == "evict":
-          out.append((ev.group, ev.block_id, ident))
+        if ident is not None:
+          self._resident_by_key.pop(ident.key, None)
+          if self.tc.demote == "evict":
+            out.append((ev.group, ev.block_id, ident))
       elif isinstance(ev, AllBlocksCleared):
         self._resident.clear()
+        self._resident_by_key.clear()
     self._demote(out)
 
   def _demote(self, blocks) -> None:
@@ -291,7 +296,9 @@ class Tiering:
                      | {j for b in pol.boundaries(h1, cands[-1], len(toks)) for j in pol.tail_blocks(b)})
     swa_ids = {j: self._ident_of(h, fp, toks, caches.SWA, j) for j in swa_idx}
     keys = [i.key for i in full_ids] + [swa_ids[j].key for j in swa_idx]
-    locs = dict(zip(keys, self.store.locate(keys)))
+    # Hybrid across L1 and the tiers: a block the device still caches (but the device hit could not use, because
+    # another group's block was evicted) is copied on the device (-1 = L1) instead of loaded.
+    locs = {k: ([-1] if k in self._resident_by_key else []) + l for k, l in zip(keys, self.store.locate(keys))}
     nf = 0
     while nf < len(full_ids) and locs[full_ids[nf].key]:
       nf += 1
@@ -307,6 +314,8 @@ class Tiering:
     plan_ids = full_ids[:need_full - j0] + [swa_ids[j] for j in sorted(need_swa)]
     plan: dict[str, list] = {}
     for ident in plan_ids:
+      if locs[ident.key][0] < 0:
+        continue
       t = self.store.tiers[locs[ident.key][0]].name
       n, b = plan.get(t, (0, 0))
       plan[t] = (1, b + sum(a.nbytes for a in self.manifest[ident.group]))
@@ -345,9 +354,12 @@ class Tiering:
     self._learn(req)
     self._process_events()
     for ident in full_ids[:nfull - j0]:
-      self.store.tiers[src[ident.key]].note_hit(ident.key, fb, 0)
+      if src[ident.key] >= 0:
+        self.store.tiers[src[ident.key]].note_hit(ident.key, fb, 0)
     for j in nswa:
-      self.store.tiers[src[swa_ids[j].key]].metrics["hit_records"] += 1
+      if src[swa_ids[j].key] >= 0:
+        self.store.tiers[src[swa_ids[j].key]].metrics["hit_records"] += 1
+    self.stats["l1_copied_records"] += sum(1 for v in src.values() if v < 0)
     self.stats["tier_hit_tokens"] += P2 - h1
     self.stats["load_s_total"] += time.perf_counter() - t_start
     return P2
@@ -358,6 +370,20 @@ class Tiering:
     arrays, src, data_of = {}, {}, {}
     by_key = {i.key: i for i in plan_ids}
     tries = {i.key: list(locs[i.key]) for i in plan_ids}
+    on_device = {}
+    for k, t in tries.items():
+      if t and t[0] < 0:
+        t.pop(0)
+        if k in self._resident_by_key:        # still cached on the device after our own allocation
+          on_device.setdefault(self._resident_by_key[k][0], []).append(k)
+        else:                                 # our allocation evicted (and so demoted) it: look again
+          tries[k] = self.store.locate([k])[0]
+    for g, ks in on_device.items():
+      ids = np.zeros(_bucket(len(ks)), np.int32)
+      ids[:len(ks)] = [self._resident_by_key[k][1] for k in ks]
+      rows = [np.asarray(x) for x in _read_blocks(self.runner.cache, self.names[g], jnp.asarray(ids))]
+      for i, k in enumerate(ks):
+        arrays[k], src[k] = [r[i] for r in rows], -1
     while True:
       wanted: dict[int, list[str]] = {}
       for k, t in tries.items():
@@ -385,7 +411,7 @@ class Tiering:
         src[k], data_of[k] = ti, data
         self.stats["loaded_records"] += 1
     for k, ti in src.items():
-      if ti > 0:
+      if ti > 0 and k in data_of:
         self.store.promote(k, data_of[k], by_key[k].fp.tenant, ti)
     return arrays, src
 
