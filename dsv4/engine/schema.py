@@ -118,8 +118,11 @@ def _text_prompt(d: dict, tokenizer) -> tuple[int, ...] | None:
   if not text and "messages" not in d and "stop" not in d:
     return None
   if tokenizer is None:
-    raise RequestError("text prompts, 'messages' and 'stop' strings need a checkpoint with a tokenizer "
-                       "(--checkpoint=DIR with tokenizer.json); 'prompt' must otherwise be a list of token ids")
+    if text:
+      raise RequestError("prompt must be a list of integer token ids, got str (text prompts need a checkpoint "
+                         "with a tokenizer: --checkpoint=DIR with tokenizer.json)")
+    raise RequestError("'messages' and 'stop' strings need a checkpoint with a tokenizer (--checkpoint=DIR with "
+                       "tokenizer.json)")
   if "messages" in d:
     if "prompt" in d:
       raise RequestError("give either 'prompt' or 'messages', not both")
