@@ -59,27 +59,62 @@ def _resolve(cfg: KernelConfig, op: str):
 
 
 def sparse_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, *,
-                     scale: float, cfg: KernelConfig = KernelConfig()):
+                     scale: float, cfg: KernelConfig = KernelConfig(), window_len_N=None, comp_len_N=None):
+  """Sparse MLA over a window pool and a compressed pool with a per-head sink -> (out_NxHxD, lse_NxH).
+
+  sparse_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD | None, comp_idx_NxK | None, sink_H, *,
+                   scale, cfg=KernelConfig(), window_len_N=None, comp_len_N=None)
+
+  window_len_N / comp_len_N: optional int32 [N], the number of valid *leading* ids of each query's window /
+  compressed id row (like FlashMLA's topk_length). Ids at positions >= len are ignored exactly like -1, whatever
+  they hold, and kernels stop their loops there (cost O(live ids), not O(W + K)). None = the whole row counts
+  (ids < 0 or >= pool rows are always invalid). See `sparse_attention.py` for the full contract.
+  """
   kw = _resolve(cfg, "sparse_attention")
   if kw is None:
     return _sparse.sparse_attention_reference(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD,
-                                              comp_idx_NxK, sink_H, scale=scale)
+                                              comp_idx_NxK, sink_H, scale=scale, window_len_N=window_len_N,
+                                              comp_len_N=comp_len_N)
   if cfg.sparse_tuning is not None:
     kw["tuning"] = cfg.sparse_tuning
   return _KERNELS["sparse_attention"](q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK,
-                                      sink_H, scale=scale, **kw)
+                                      sink_H, scale=scale, window_len_N=window_len_N, comp_len_N=comp_len_N, **kw)
 
 
 def indexer_scores(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None, *,
-                   cfg: KernelConfig = KernelConfig()):
+                   cfg: KernelConfig = KernelConfig(), num_keys_B=None):
+  """Lightning-indexer scores [B, T, M] (-inf where not visible).
+
+  indexer_scores(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None, *,
+                 cfg=KernelConfig(), num_keys_B=None)
+
+  num_visible_BxT: entries 0..n-1 are visible to query (b, t) (causality). num_keys_B: optional int32 [B], the
+  live length of sequence b's entry list (entries >= num_keys_B[b] are invisible and never read, so kernels cost
+  O(live entries)); None = all M. Visible = entry < min(num_visible, num_keys), row valid, and allowed (if given).
+  """
   kw = _resolve(cfg, "indexer_scores")
   if kw is None:
     return _indexer.indexer_scores_reference(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT,
-                                             allowed_BxTxM)
+                                             allowed_BxTxM, num_keys_B)
   if cfg.indexer_tuning is not None:
     kw["tuning"] = cfg.indexer_tuning
   return _KERNELS["indexer_scores"](q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT,
-                                    allowed_BxTxM, **kw)
+                                    allowed_BxTxM, num_keys_B=num_keys_B, **kw)
+
+
+def indexer_topk(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k: int, allowed_BxTxM=None, *,
+                 cfg: KernelConfig = KernelConfig(), num_keys_B=None):
+  """Top-k entry ids [B, T, min(k, M)] int32 (-1 for picks that are not visible; only the set matters), same
+  arguments as `indexer_scores`. Backends with a fused kernel ("indexer_topk") never write the scores out."""
+  kw = _resolve(cfg, "indexer_topk")
+  if kw is None:
+    scores = indexer_scores(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM,
+                            cfg=cfg, num_keys_B=num_keys_B)
+    return topk_from_scores(scores, k)[0]
+  if cfg.indexer_tuning is not None:
+    kw["tuning"] = cfg.indexer_tuning
+  return _KERNELS["indexer_topk"](q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k,
+                                  allowed_BxTxM, num_keys_B=num_keys_B, **kw)
 
 
 topk_from_scores = _indexer.topk_from_scores

@@ -5,6 +5,8 @@ Contract (shared by the reference and every kernel):
   window_pool_PxD, window_idx_NxW   rows of the SWA pool each query attends to (-1 = none).
   comp_pool_QxD,   comp_idx_NxK     rows of the compressed pool (top-k picks, or all visible HCA entries; -1 = none).
   sink_H         one logit per head, added to the softmax denominator only.
+  window_len_N, comp_len_N   optional int [N]: valid leading ids per query (ids at positions >= len are ignored
+                 like -1 and never read; the kernel's loops stop there). None = the whole row.
 Returns out_NxHxD = sum_j p_j v_j with p = exp(s_j) / (sum_j exp(s_j) + exp(sink)), and lse_NxH = log sum_j exp(s_j)
 over the real keys only (the sink is not included; -inf when a row has no valid key). K = V (one shared latent).
 
@@ -15,8 +17,9 @@ The Pallas kernel (`sparse_attention_pallas`) is written for the Pallas-Triton G
 grid (query token, head block, key split); each program keeps block_h heads of one query token in registers, walks
 the token's window ids and then its compressed ids block_k at a time, gathers those rows straight from the pool by
 indexing the pool ref with the id vector, and runs an online softmax (base 2). With one split it applies the sink and
-writes the final out/lse; with several splits (decode at small batch) it writes per-split partials that a tiny XLA
-epilogue merges (flash-decoding).
+writes the final out/lse; with 2 splits (decode with fewer programs than one wave of SMs) it writes per-split
+partials in the output dtype that a tiny XLA epilogue merges (flash-decoding). Rows behind invalid ids are never
+read (masked loads, zero fill), so non-finite data there cannot leak; fp32 inputs use HIGHEST (IEEE) dots.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class Fp8KVPool(NamedTuple):
 
 
 FP8_BLOCK = 64
+MAX_SPLITS = 2  # key splits per program row (flash decoding); see auto_num_splits
 _E4M3_MAX = 448.0
 
 
@@ -131,13 +135,39 @@ def _gather_rows(pool, idx_NxK):
   return rows, valid
 
 
+def apply_len(idx_NxK, len_N):
+  """Ids at positions >= len_N[n] become -1 (None = every position counts). The per-query valid length is an upper
+  bound on the live ids, like FlashMLA's topk_length: kernels stop their loops there."""
+  if len_N is None or idx_NxK is None:
+    return idx_NxK
+  pos = jnp.arange(idx_NxK.shape[-1], dtype=jnp.int32)
+  return jnp.where(pos[None, :] < jnp.asarray(len_N, jnp.int32)[:, None], idx_NxK, -1)
+
+
+def check_len(name, len_N, idx_NxK, N):
+  if len_N is None:
+    return
+  if idx_NxK is None:
+    raise ValueError(f"{name} given without ids")
+  if tuple(len_N.shape) != (N,) or not jnp.issubdtype(len_N.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array of shape ({N},), got {len_N.dtype}{tuple(len_N.shape)}")
+
+
 def sparse_attention_reference(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H,
-                               *, scale: float):
+                               *, scale: float, window_len_N=None, comp_len_N=None):
   """Plain-XLA reference. fp32 softmax; inputs may be bf16 or fp32 (or Fp8KVPool, dequantized first).
+
+  window_len_N / comp_len_N (optional int [N]): only the first len ids of each query's row count; the rest are
+  ignored exactly like -1 (None = all).
 
   Numerics: the key max m (not max(m, sink)) anchors the exponentials, so lse stays exact for sinks far above the
   logits; out uses denominator l + exp(sink - m) and is 0 when that is 0 or inf (all-invalid rows, sink = +inf).
   """
+  N = q_NxHxD.shape[0]
+  check_len("window_len_N", window_len_N, window_idx_NxW, N)
+  check_len("comp_len_N", comp_len_N, comp_idx_NxK, N)
+  window_idx_NxW = apply_len(window_idx_NxW, window_len_N)
+  comp_idx_NxK = apply_len(comp_idx_NxK, comp_len_N)
   kv, valid = _gather_rows(window_pool_PxD, window_idx_NxW)
   kv = kv.astype(jnp.float32)
   if comp_pool_QxD is not None and comp_idx_NxK is not None and comp_idx_NxK.shape[-1] > 0:
@@ -171,8 +201,8 @@ class SparseAttentionTuning:
 
   block_h: heads per program (power of two, >= 16 for the Triton dot; smaller H is padded).
   block_k: keys (gathered rows) per inner step (power of two).
-  num_splits: key splits per (token, head block); 0 = auto (split only when there are fewer programs than
-    target_programs / 2 = one wave of 132 H200 SMs; then aim for ~2 waves).
+  num_splits: key splits per (token, head block), 0 = auto (2 only when there are fewer programs than
+    target_programs / 2 = one wave of 132 H200 SMs, else 1); at most MAX_SPLITS = 2.
   chunk_d: the latent is processed in column chunks of this width (power of two; 0 = whole row for plain pools,
     the FP8 block for FP8 pools). Chunks bound register pressure and carry the per-block FP8 scales.
   """
@@ -191,8 +221,8 @@ class SparseAttentionTuning:
         raise ValueError(f"{name} must be a positive power of two, got {v}")
     if self.chunk_d and self.chunk_d & (self.chunk_d - 1):
       raise ValueError(f"chunk_d must be a power of two, got {self.chunk_d}")
-    if self.num_splits < 0:
-      raise ValueError("num_splits must be >= 0")
+    if not 0 <= self.num_splits <= MAX_SPLITS:
+      raise ValueError(f"num_splits must be 0 (auto) .. {MAX_SPLITS}, got {self.num_splits}")
 
 
 def _chunk_plan(D: int, pools, chunk_d: int):
@@ -212,38 +242,76 @@ def _pool_arrays(pool):
   return tuple(pool) if isinstance(pool, Fp8KVPool) else (pool,)
 
 
-def _load_chunk(refs, is_fp8, ids, c0, w, dtype):
-  """Gather rows `ids` (already clamped) of one column chunk from a pool, as `dtype` [len(ids), w]."""
+def _masked_gather(ref, safe_ids, valid, col0, w, other=0):
+  """Rows `safe_ids` x columns [col0, col0 + w) of a 2-D ref; masked (never read) where not `valid`, zero filled.
+
+  Zero fill matters: a row behind an invalid id is never touched, so a non-finite value there cannot reach the
+  output as 0 x NaN. Both indices are full [bk, w] int arrays (interpret mode discharges pure-array indexing)."""
+  bk = safe_ids.shape[0]
+  r = jnp.broadcast_to(safe_ids[:, None], (bk, w))
+  c = col0 + jax.lax.broadcasted_iota(jnp.int32, (bk, w), 1)
+  m = jnp.broadcast_to(valid[:, None], (bk, w))
+  if _pl_triton is None:  # pragma: no cover - no Triton backend: plain gather + select
+    return jnp.where(m, ref[r, c], jnp.asarray(other, ref.dtype))
+  return _pl_triton.load(ref.at[r, c], mask=m, other=jnp.asarray(other, ref.dtype))
+
+
+def _masked_gather_col(ref, safe_ids, valid, col, other):
+  """One column `col` of rows `safe_ids` ([bk]); `other` where not valid."""
+  c = jnp.full(safe_ids.shape, col, jnp.int32)
+  if _pl_triton is None:  # pragma: no cover
+    return jnp.where(valid, ref[safe_ids, c], jnp.asarray(other, ref.dtype))
+  return _pl_triton.load(ref.at[safe_ids, c], mask=valid, other=jnp.asarray(other, ref.dtype))
+
+
+def _load_chunk(refs, is_fp8, ids, valid, c0, w, dtype):
+  """Gather rows `ids` (already clamped) of one column chunk from a pool, as `dtype` [len(ids), w]; rows that are
+  not `valid` are never read and come back as zeros."""
   if not is_fp8:
-    return refs[0][ids, pl.ds(c0, w)].astype(dtype)
+    return _masked_gather(refs[0], ids, valid, c0, w).astype(dtype)
   nope_ref, scale_ref, rope_ref = refs
   Dn = nope_ref.shape[1]
   if c0 >= Dn:
-    return rope_ref[ids, pl.ds(c0 - Dn, w)].astype(dtype)
-  e = scale_ref[ids, c0 // FP8_BLOCK].astype(jnp.float32)
+    return _masked_gather(rope_ref, ids, valid, c0 - Dn, w).astype(dtype)
+  e = _masked_gather_col(scale_ref, ids, valid, c0 // FP8_BLOCK, 127).astype(jnp.float32)
   s = jnp.exp2(e - 127.0)
-  return (nope_ref[ids, pl.ds(c0, w)].astype(jnp.float32) * s[:, None]).astype(dtype)
+  return (_masked_gather(nope_ref, ids, valid, c0, w).astype(jnp.float32) * s[:, None]).astype(dtype)
 
 
-def _dot_nt(a, b):
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+def _dot_nt(a, b, precision=None):
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                             precision=precision)
 
 
-def _dot_nn(a, b):
-  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+def _dot_nn(a, b, precision=None):
+  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                             precision=precision)
 
 
-def _sparse_kernel(*refs, plan, pools_meta, block_k, nblocks, num_splits, per_split, qk_scale2, cdtype):
-  """One program: one query token, block_h heads, one split of the key blocks.
+def _precision_for(cdtype):
+  """fp32 MMA inputs get HIGHEST (Triton's default dot precision would silently be TF32); 16-bit inputs keep the
+  default (exact products, f32 accumulation)."""
+  return (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST) if cdtype == jnp.float32 else None
 
-  refs: q, sink, then per pool (idx, pool arrays...), then outputs (out, lse)."""
-  q_ref, sink_ref = refs[0], refs[1]
-  pos = 2
+
+def _pick(vec, i):
+  """Element i (static) of a short loaded vector, as a scalar (Triton has no vector indexing)."""
+  return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, vec.shape, 0) == i, vec, 0))
+
+
+def _sparse_kernel(*refs, plan, pools_meta, block_k, num_splits, qk_scale2, cdtype):
+  """One program: one query token, block_h heads, one split of the query's live key blocks.
+
+  refs: q, sink, lens (valid leading ids per pool for this query), then per pool (idx, pool arrays...), then
+  outputs (out, lse)."""
+  q_ref, sink_ref, lens_ref = refs[0], refs[1], refs[2]
+  pos = 3
   pool_refs = []
   for n_arr, is_fp8, P in pools_meta:
     pool_refs.append((refs[pos], refs[pos + 1:pos + 1 + n_arr], is_fp8, P))
     pos += 1 + n_arr
   o_ref, lse_ref = refs[pos], refs[pos + 1]
+  prec = _precision_for(cdtype)
 
   bh = q_ref.shape[0]
   q_chunks = [q_ref[:, pl.ds(c0, w)].astype(cdtype) for c0, w in plan]
@@ -252,20 +320,26 @@ def _sparse_kernel(*refs, plan, pools_meta, block_k, nblocks, num_splits, per_sp
   acc0 = tuple(jnp.zeros((bh, w), jnp.float32) for _, w in plan)
   carry = (m0, l0, acc0)
 
-  split = pl.program_id(2)
-  lo = split * per_split
-  hi = jnp.minimum(lo + per_split, sum(nblocks))
+  # Live blocks of this query: the loops stop at the per-query valid length (ids past it are never touched).
+  lens_vec = lens_ref[...]
+  lens = [_pick(lens_vec, i) for i in range(len(pool_refs))]
+  live = [(ln + block_k - 1) // block_k for ln in lens]
+  total = sum(live[1:], live[0])
+  per_split = (total + num_splits - 1) // num_splits
+  lo = pl.program_id(2) * per_split
+  hi = jnp.minimum(lo + per_split, total)
   base = 0
-  for (idx_ref, arrs, is_fp8, P), nb in zip(pool_refs, nblocks):
-    def body(j, carry, idx_ref=idx_ref, arrs=arrs, is_fp8=is_fp8, P=P):
+  for (idx_ref, arrs, is_fp8, P), nb, ln in zip(pool_refs, live, lens):
+    def body(j, carry, idx_ref=idx_ref, arrs=arrs, is_fp8=is_fp8, P=P, ln=ln):
       m, l, accs = carry
       ids = idx_ref[pl.ds(j * block_k, block_k)]
-      valid = (ids >= 0) & (ids < P)
+      posn = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+      valid = (ids >= 0) & (ids < P) & (posn < ln)
       safe = jnp.where(valid, ids, 0)  # explicit clamp: never rely on interpret-mode clamping
-      ks = [_load_chunk(arrs, is_fp8, safe, c0, w, cdtype) for c0, w in plan]
-      s = _dot_nt(q_chunks[0], ks[0])
+      ks = [_load_chunk(arrs, is_fp8, safe, valid, c0, w, cdtype) for c0, w in plan]
+      s = _dot_nt(q_chunks[0], ks[0], prec)
       for qc, kc in zip(q_chunks[1:], ks[1:]):
-        s = s + _dot_nt(qc, kc)
+        s = s + _dot_nt(qc, kc, prec)
       s = jnp.where(valid[None, :], s * qk_scale2, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -273,13 +347,13 @@ def _sparse_kernel(*refs, plan, pools_meta, block_k, nblocks, num_splits, per_sp
       p = jnp.exp2(s - m_safe[:, None])
       l = l * alpha + jnp.sum(p, axis=1)
       pc = p.astype(cdtype)
-      accs = tuple(a * alpha[:, None] + _dot_nn(pc, kc) for a, kc in zip(accs, ks))
+      accs = tuple(a * alpha[:, None] + _dot_nn(pc, kc, prec) for a, kc in zip(accs, ks))
       return m_new, l, accs
 
     start = jnp.clip(lo - base, 0, nb)
     stop = jnp.clip(hi - base, 0, nb)
     carry = jax.lax.fori_loop(start, stop, body, carry)
-    base += nb
+    base = base + nb
 
   m, l, accs = carry
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
@@ -302,7 +376,7 @@ def _merge_splits(o_NxSxHxD, lse_NxSxH, sink_H, out_dtype):
   w = jnp.exp(lse_NxSxH - m_safe[:, None, :])
   L = jnp.sum(w, axis=1)
   denom = L + jnp.exp(sink_H.astype(jnp.float32)[None, :] - m_safe)
-  acc = jnp.einsum("nsh,nshd->nhd", w, o_NxSxHxD, precision=jax.lax.Precision.HIGHEST)
+  acc = jnp.einsum("nsh,nshd->nhd", w, o_NxSxHxD.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   ok = (denom > 0) & jnp.isfinite(denom)
   out = jnp.where(ok[..., None], acc / jnp.where(ok, denom, 1.0)[..., None], 0.0)
   lse = jnp.where(L > 0, jnp.log(jnp.maximum(L, 1e-37)) + m_safe, -jnp.inf)
@@ -318,22 +392,28 @@ def _pad_idx(idx_NxK, block_k):
 
 
 def auto_num_splits(N: int, head_blocks: int, nblocks: int, target_programs: int) -> int:
+  """Split the keys only when there are too few rows of work to fill the GPU (fewer programs than one wave,
+  target_programs / 2), and then into at most MAX_SPLITS: every extra split costs a [block_h, D] partial written and
+  read back, which at batch 64 outweighed the gain (issue 15)."""
   progs = N * head_blocks
-  if 2 * progs >= target_programs:  # at least one full wave of SMs already
+  if 2 * progs >= target_programs or nblocks < 2:
     return 1
-  return max(1, min(nblocks, -(-target_programs // progs), 64))
+  return MAX_SPLITS
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "tuning"))
-def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, *,
+def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H,
+                            window_len_N=None, comp_len_N=None, *,
                             scale: float, interpret: bool = False, tuning: SparseAttentionTuning | None = None):
-  """Pallas (Triton-GPU) kernel with the contract of `sparse_attention_reference`."""
+  """Pallas (Triton-GPU) kernel with the contract of `sparse_attention_reference` (same optional lengths)."""
   t = tuning or SparseAttentionTuning()
   N, H, D = q_NxHxD.shape
-  pools = [(window_pool_PxD, window_idx_NxW)]
+  check_len("window_len_N", window_len_N, window_idx_NxW, N)
+  check_len("comp_len_N", comp_len_N, comp_idx_NxK, N)
+  pools = [(window_pool_PxD, window_idx_NxW, window_len_N)]
   if comp_pool_QxD is not None and comp_idx_NxK is not None and comp_idx_NxK.shape[-1] > 0:
-    pools.append((comp_pool_QxD, comp_idx_NxK))
-  plan = _chunk_plan(D, [p for p, _ in pools], t.chunk_d)
+    pools.append((comp_pool_QxD, comp_idx_NxK, comp_len_N))
+  plan = _chunk_plan(D, [p for p, _, _ in pools], t.chunk_d)
   cdtype = q_NxHxD.dtype if q_NxHxD.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) else jnp.bfloat16
 
   bh = min(t.block_h, max(16, _next_pow2(H)))
@@ -344,19 +424,22 @@ def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_
   nhb = Hp // bh
 
   bk = t.block_k
-  idxs = [_pad_idx(idx, bk) for _, idx in pools]
+  idxs = [_pad_idx(idx, bk) for _, idx, _ in pools]
+  # Per-query valid lengths (clipped to the id width); a power-of-two column count for the Triton block.
+  lens = [jnp.full((N,), idx.shape[1], jnp.int32) if ln is None else jnp.clip(ln.astype(jnp.int32), 0, idx.shape[1])
+          for (_, idx, ln) in pools]
+  lens_Nx2 = jnp.stack(lens + [jnp.zeros((N,), jnp.int32)] * (2 - len(lens)), axis=1)
   nblocks = tuple(i.shape[1] // bk for i in idxs)
   total = sum(nblocks)
   S = t.num_splits or auto_num_splits(N, nhb, total, t.target_programs)
   S = max(1, min(S, total))
-  per_split = -(-total // S)
-  S = -(-total // per_split)
 
-  args = [q, sink]
+  args = [q, sink, lens_Nx2]
   in_specs = [pl.BlockSpec((None, bh, D), lambda n, h, s: (n, h, 0)),
-              pl.BlockSpec((bh,), lambda n, h, s: (h,))]
+              pl.BlockSpec((bh,), lambda n, h, s: (h,)),
+              pl.BlockSpec((None, 2), lambda n, h, s: (n, 0))]
   meta = []
-  for (pool, _), idx in zip(pools, idxs):
+  for (pool, _, _), idx in zip(pools, idxs):
     args.append(idx)
     in_specs.append(pl.BlockSpec((None, idx.shape[1]), lambda n, h, s: (n, 0)))
     arrs = _pool_arrays(pool)
@@ -370,12 +453,13 @@ def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_
     out_specs = [pl.BlockSpec((None, bh, D), lambda n, h, s: (n, h, 0)),
                  pl.BlockSpec((None, bh), lambda n, h, s: (n, h))]
   else:
-    out_shape = [jax.ShapeDtypeStruct((N, S, Hp, D), jnp.float32), jax.ShapeDtypeStruct((N, S, Hp), jnp.float32)]
+    # Normalized partials in the output dtype (bf16 for bf16 q: half the bytes of f32 partials); lse stays f32.
+    out_shape = [jax.ShapeDtypeStruct((N, S, Hp, D), q_NxHxD.dtype), jax.ShapeDtypeStruct((N, S, Hp), jnp.float32)]
     out_specs = [pl.BlockSpec((None, None, bh, D), lambda n, h, s: (n, s, h, 0)),
                  pl.BlockSpec((None, None, bh), lambda n, h, s: (n, s, h))]
 
-  kernel = functools.partial(_sparse_kernel, plan=plan, pools_meta=tuple(meta), block_k=bk, nblocks=nblocks,
-                             num_splits=S, per_split=per_split, qk_scale2=float(scale) * _LOG2E, cdtype=cdtype)
+  kernel = functools.partial(_sparse_kernel, plan=plan, pools_meta=tuple(meta), block_k=bk, num_splits=S,
+                             qk_scale2=float(scale) * _LOG2E, cdtype=cdtype)
   compiler_params = None
   if _pl_triton is not None:
     compiler_params = _pl_triton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
@@ -388,10 +472,11 @@ def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_
 
 
 def sparse_attention_kernel(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, *,
-                            scale: float, interpret: bool = False, tuning: SparseAttentionTuning | None = None):
+                            scale: float, window_len_N=None, comp_len_N=None, interpret: bool = False,
+                            tuning: SparseAttentionTuning | None = None):
   """Dispatcher entry point (registered as "sparse_attention")."""
   return sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H,
-                                 scale=float(scale), interpret=interpret, tuning=tuning)
+                                 window_len_N, comp_len_N, scale=float(scale), interpret=interpret, tuning=tuning)
 
 
 KERNELS = {"sparse_attention": sparse_attention_kernel}

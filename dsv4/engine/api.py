@@ -12,9 +12,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from cache.hashing import ExtraKeys
 from dsv4.config import ModelConfig
 from dsv4.engine.engine import Engine, EngineConfig
-from dsv4.engine.request import RequestOutput
+from dsv4.engine.request import RequestOutput, Status
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.workloads import Workload
 
@@ -35,12 +36,24 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]],
   return [RequestOutput.of(engine.requests[r]) for r in rids]
 
 
+def grade(output: Sequence[int], expected: Sequence[int] | None) -> bool | None:
+  """Whether the output starts with the expected answer (None when there is nothing to grade)."""
+  if expected is None:
+    return None
+  return list(output[:len(expected)]) == list(expected)
+
+
 @dataclasses.dataclass
 class WorkloadReport:
   outputs: list[RequestOutput]
   wall_s: float
   stats: dict
   peak_blocks: dict
+  expected: list[tuple[int, ...] | None] = dataclasses.field(default_factory=list)   # per output, if known
+
+  def correct(self) -> list[bool | None]:
+    exp = self.expected or [None] * len(self.outputs)
+    return [None if e is None or o.error is not None else grade(o.output, e) for o, e in zip(self.outputs, exp)]
 
   def summary(self) -> dict:
     outs = [o for o in self.outputs if o.error is None]
@@ -49,12 +62,15 @@ class WorkloadReport:
     hit = sum(o.hit_tokens for o in outs)
     ttft = np.array([o.ttft_s for o in outs if o.ttft_s is not None])
     tpot = np.array([o.tpot_s for o in outs if o.tpot_s is not None])
+    # Accuracy over every request that expects an answer; a request that failed counts as wrong.
+    graded = [(c is True) for c, e in zip(self.correct(), self.expected or []) if e is not None]
 
     def pct(a, q):
       return float(np.percentile(a, q)) if a.size else float("nan")
 
+    acc = {"graded": len(graded), "accuracy": sum(graded) / len(graded)} if graded else {}
     return {
-        "requests": len(self.outputs), "errors": len(self.outputs) - len(outs),
+        "requests": len(self.outputs), "errors": len(self.outputs) - len(outs), **acc,
         "prompt_tokens": prompt, "generated_tokens": gen,
         "prefix_hit_tokens": hit, "prefix_hit_pct": 100.0 * hit / max(prompt, 1),
         "computed_tokens": int(self.stats.get("computed_tokens", 0)),
@@ -69,28 +85,41 @@ class WorkloadReport:
 
 
 def run_workload(engine: Engine, workload: Workload, progress: Callable[[int], None] | None = None) -> WorkloadReport:
-  """Submits the workload wave by wave; a turn's prompt is its session's history plus the turn's new tokens."""
-  history: dict[str, list[int]] = {}
+  """Submits the workload wave by wave; a turn's prompt is its session's history plus the turn's new tokens.
+
+  Sessions are per tenant (a tenant's session never continues another tenant's history; a turn with session "" has no history), and each turn's tenant
+  salts its cache keys. `progress(n)` is told about every request that ends, rejected ones included."""
+  history: dict[tuple[str, str], list[int]] = {}
   rids: list[str] = []
+  expected: list[tuple[int, ...] | None] = []
   t0 = time.perf_counter()
   for w, wave in enumerate(workload.waves):
     now = time.perf_counter()
     wave_rids = []
     for turn in wave:
-      prompt = history.get(turn.session, []) + list(turn.new_tokens)
+      key = (turn.tenant, turn.session) if turn.session else None     # no session: an independent request
+      prompt = history.get(key, []) + list(turn.new_tokens)
       rid = turn.rid or f"{turn.session}.t{w}"
-      req = engine.add_request(rid, prompt, turn.params, arrival=now)
-      wave_rids.append((rid, turn.session))
-      if req.error is not None and progress is not None:
-        progress(1)
-    engine.run(progress)
-    for rid, session in wave_rids:
+      engine.add_request(rid, prompt, turn.params, extra_keys=ExtraKeys(tenant=turn.tenant), arrival=now)
+      wave_rids.append((rid, key))
+      expected.append(turn.expected)
+    reported = 0
+    while True:
+      ended = sum(engine.requests[r].status in (Status.FINISHED, Status.REJECTED) for r, _ in wave_rids)
+      if progress is not None and ended > reported:
+        progress(ended - reported)
+      reported = ended
+      if not engine.has_work():
+        break
+      engine.step()
+    for rid, key in wave_rids:
       req = engine.requests[rid]
-      history[session] = req.all_tokens if req.error is None else history.get(session, [])
+      if key is not None:
+        history[key] = req.all_tokens if req.error is None else history.get(key, [])
       rids.append(rid)
   wall = time.perf_counter() - t0
   return WorkloadReport([RequestOutput.of(engine.requests[r]) for r in rids], wall, dict(engine.stats),
-                        dict(engine.peak_blocks))
+                        dict(engine.peak_blocks), expected)
 
 
 # ----------------------------------------------------------------------------------------------------------
