@@ -26,8 +26,8 @@ def _compare_backends(cfg, B, L, valid_len):
 
 
 def test_small_model_logits_match_between_backends():
-  """Runs by default: one layer of each kind (window, CSA with the indexer top-k, HCA; ~25 s CPU), 40 tokens, so the CSA
-  layer's 10 visible entries exceed top-k 8 and the sparse kernels really select."""
+  """Runs by default (~25 s CPU): one layer of each kind (window, CSA with the indexer top-k, HCA), 40 tokens, so
+  the CSA layer's 10 visible entries exceed top-k 8 and the sparse kernels really select."""
   _compare_backends(C.v4_tiny(num_layers=3), 2, 40, 29)
 
 
