@@ -2,7 +2,11 @@
 
     python -m experiments.serve                       # embedded default: tiny V4 model, chat workload, CPU
     python -m experiments.serve --workload=switch --retention_interval=128
-    python -m experiments.serve --requests=reqs.jsonl # {"id": ..., "prompt": [ids], "max_tokens": ..., ...}
+    python -m experiments.serve --requests=reqs.jsonl # {"id", "prompt": [ids], "max_tokens", "wave", "session", ...}
+    python -m experiments.serve --mesh=data:2,tensor:2,expert:2 --num_cpu_devices=8   # sharded step (CPU)
+    # one process per host under jax.distributed (here: 2 processes x 4 CPU devices on one machine)
+    python -m experiments.serve --mesh=data:2,tensor:2,expert:2 --num_cpu_devices=4 \
+        --coordinator=127.0.0.1:12345 --num_processes=2 --process_id=0 --out_dir=out/p0   # and process_id=1
 
 Writes <out_dir>/outputs.jsonl and <out_dir>/metrics.json and prints a summary table.
 """
@@ -30,6 +34,12 @@ flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget per step.")
 flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output).")
 flags.DEFINE_integer("num_full_blocks", 128, "Full-history blocks (128 tokens each).")
 flags.DEFINE_integer("num_swa_blocks", 256, "SWA blocks (32 tokens each).")
+flags.DEFINE_string("mesh", "", "Device mesh for the model step, e.g. data:2,tensor:2,expert:2 ('' = one device).")
+flags.DEFINE_enum("kv_latent", "replicated", ["replicated", "feature"], "Shard the K=V latent pools over tensor?")
+flags.DEFINE_integer("num_cpu_devices", 0, "On the CPU: host devices per process (0 = JAX default).")
+flags.DEFINE_string("coordinator", "", "host:port of the jax.distributed coordinator ('' = single process).")
+flags.DEFINE_integer("num_processes", 1, "Processes under jax.distributed.")
+flags.DEFINE_integer("process_id", 0, "This process's id under jax.distributed.")
 flags.DEFINE_string("compilation_cache_dir", "~/.cache/dsv4/jax", "Persistent XLA compilation cache ('' = off): "
                     "the step programs compile once per machine instead of once per run.")
 
@@ -55,7 +65,7 @@ def load_model(checkpoint: str, preset: str, seed: int):
 def read_requests(path: str):
   from dsv4.engine.sampling import SamplingParams
   from dsv4.engine.workloads import Turn, Workload
-  turns = []
+  waves: dict[int, list] = {}
   with open(path) as f:
     for i, line in enumerate(f):
       if not line.strip():
@@ -66,8 +76,11 @@ def read_requests(path: str):
                           seed=int(d.get("seed", 0)), stop_token_ids=tuple(d.get("stop_token_ids", ())),
                           ignore_eos=bool(d.get("ignore_eos", False)))
       rid = str(d.get("id", f"line{i}"))
-      turns.append(Turn(rid, tuple(d.get("prompt", ())), sp, rid=rid))
-  return Workload(os.path.basename(path), (tuple(turns),))
+      # Optional "wave" (submitted once the earlier waves finished) and "session" (the prompt extends that
+      # session's previous prompt + answer): multi-turn traces whose later turns are prefix hits.
+      waves.setdefault(int(d.get("wave", 0)), []).append(
+          Turn(str(d.get("session", rid)), tuple(d.get("prompt", ())), sp, rid=rid))
+  return Workload(os.path.basename(path), tuple(tuple(waves[w]) for w in sorted(waves)))
 
 
 def format_table(summary: dict) -> str:
@@ -77,9 +90,21 @@ def format_table(summary: dict) -> str:
   return "\n".join([line] + [f"| {k:<{w}} | {v:>12} |" for k, v in rows] + [line])
 
 
+def init_devices():
+  """CPU device count and jax.distributed must be set up before JAX touches a backend."""
+  import jax
+  if FLAGS.num_cpu_devices:
+    jax.config.update("jax_num_cpu_devices", FLAGS.num_cpu_devices)
+  if FLAGS.coordinator:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on the CPU
+    jax.distributed.initialize(FLAGS.coordinator, num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+
+
 def main(argv):
   del argv
   from tqdm import tqdm
+
+  init_devices()
 
   from dsv4.engine import workloads
   from dsv4.engine.api import run_workload
@@ -96,7 +121,11 @@ def main(argv):
                     model_id=cfg.name)
   wl = read_requests(FLAGS.requests) if FLAGS.requests else workloads.make(FLAGS.workload, cfg.vocab_size,
                                                                              seed=FLAGS.seed)
-  engine = Engine(params, cfg, ec)
+  mesh = rules = None
+  if FLAGS.mesh:
+    from dsv4 import sharding
+    mesh, rules = sharding.make_mesh(FLAGS.mesh), sharding.Rules(kv_latent=FLAGS.kv_latent)
+  engine = Engine(params, cfg, ec, mesh=mesh, rules=rules)
   with tqdm(total=wl.num_requests, desc=f"{cfg.name} {wl.name}", unit="req") as bar:
     report = run_workload(engine, wl, progress=bar.update)
   os.makedirs(FLAGS.out_dir, exist_ok=True)
@@ -108,6 +137,7 @@ def main(argv):
   summary["compiled_step_shapes"] = len(engine.runner.shapes_run)
   with open(os.path.join(FLAGS.out_dir, "metrics.json"), "w") as f:
     json.dump({"model": cfg.name, "workload": wl.name, "engine": {k: str(v) for k, v in vars(ec).items()},
+               "mesh": FLAGS.mesh, "process": [FLAGS.process_id, FLAGS.num_processes],
                "summary": summary}, f, indent=2)
   for o in report.outputs:
     if o.error:
