@@ -4,6 +4,10 @@
     python -m experiments.serve --model=v41_retrieval    # or v4_count (its own counting task)
     python -m experiments.serve --requests=reqs.jsonl    # one JSON object per line, see dsv4/engine/schema.py:
         {"id": "a", "prompt": [0, 5, ...], "max_tokens": 1, "expected": [41], "tenant": "t1", "session": "s1", ...}
+    python -m experiments.serve --mesh=data:2,tensor:2,expert:2 --num_cpu_devices=8   # sharded step (CPU)
+    # one process per host under jax.distributed (here: 2 processes x 4 CPU devices on one machine)
+    python -m experiments.serve --mesh=data:2,tensor:2,expert:2 --num_cpu_devices=4 \
+        --coordinator=127.0.0.1:12345 --num_processes=2 --process_id=0 --out_dir=out/p0   # and process_id=1
 
 The default workload ("task") asks the model questions in its own training format (experiments/task_workloads.py):
 multi-turn sessions over long shared documents, so prefix reuse happens naturally and each output is graded
@@ -45,6 +49,12 @@ flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget per step.")
 flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output).")
 flags.DEFINE_integer("num_full_blocks", 128, "Full-history blocks (128 tokens each).")
 flags.DEFINE_integer("num_swa_blocks", 256, "SWA blocks (32 tokens each).")
+flags.DEFINE_string("mesh", "", "Device mesh for the model step, e.g. data:2,tensor:2,expert:2 ('' = one device).")
+flags.DEFINE_enum("kv_latent", "replicated", ["replicated", "feature"], "Shard the K=V latent pools over tensor?")
+flags.DEFINE_integer("num_cpu_devices", 0, "On the CPU: host devices per process (0 = JAX default).")
+flags.DEFINE_string("coordinator", "", "host:port of the jax.distributed coordinator ('' = single process).")
+flags.DEFINE_integer("num_processes", 1, "Processes under jax.distributed.")
+flags.DEFINE_integer("process_id", 0, "This process's id under jax.distributed.")
 flags.DEFINE_string("compilation_cache_dir", "", "Persistent XLA compilation cache directory (opt-in; '' = off): "
                     "the step programs then compile once per machine instead of once per run.")
 
@@ -167,6 +177,16 @@ def format_table(summary: dict) -> str:
   return "\n".join([line] + [f"| {k:<{w}} | {v:>12} |" for k, v in rows] + [line])
 
 
+def init_devices():
+  """CPU device count and jax.distributed must be set up before JAX touches a backend."""
+  import jax
+  if FLAGS.num_cpu_devices:
+    jax.config.update("jax_num_cpu_devices", FLAGS.num_cpu_devices)
+  if FLAGS.coordinator:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on the CPU
+    jax.distributed.initialize(FLAGS.coordinator, num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+
+
 def main(argv):
   del argv
   if not FLAGS["verbosity"].present:
@@ -175,6 +195,8 @@ def main(argv):
     raise app.UsageError(f"--retention_interval={FLAGS.retention_interval}: must be 0 or a positive multiple of "
                          "128 (the full-attention block size)")
   from tqdm import tqdm
+
+  init_devices()
 
   from dsv4.engine import workloads
   from dsv4.engine.api import WorkloadReport, grade, run_workload
@@ -204,7 +226,11 @@ def main(argv):
     wl = task_workloads.for_task(spec if spec is not None else KVRecallSpec(), seed=FLAGS.seed)
   else:
     wl = workloads.make(FLAGS.workload, cfg.vocab_size, seed=FLAGS.seed)
-  engine = Engine(params, cfg, ec)
+  mesh = rules = None
+  if FLAGS.mesh:
+    from dsv4 import sharding
+    mesh, rules = sharding.make_mesh(FLAGS.mesh), sharding.Rules(kv_latent=FLAGS.kv_latent)
+  engine = Engine(params, cfg, ec, mesh=mesh, rules=rules)
   with tqdm(total=wl.num_requests + len(refused), desc=f"{cfg.name} {wl.name}", unit="req") as bar:
     bar.update(len(refused))
     report = run_workload(engine, wl, progress=bar.update)
@@ -247,6 +273,7 @@ def main(argv):
   summary["compiled_step_shapes"] = len(engine.runner.shapes_run)
   with open(os.path.join(FLAGS.out_dir, "metrics.json"), "w") as f:
     json.dump({"model": cfg.name, "workload": wl.name, "engine": {k: str(v) for k, v in vars(ec).items()},
+               "mesh": FLAGS.mesh, "process": [FLAGS.process_id, FLAGS.num_processes],
                "summary": summary}, f, indent=2)
   for o in report.outputs:
     if o.error:
