@@ -55,6 +55,11 @@ flags.DEFINE_integer("num_cpu_devices", 0, "On the CPU: host devices per process
 flags.DEFINE_string("coordinator", "", "host:port of the jax.distributed coordinator ('' = single process).")
 flags.DEFINE_integer("num_processes", 1, "Processes under jax.distributed.")
 flags.DEFINE_integer("process_id", 0, "This process's id under jax.distributed.")
+flags.DEFINE_string("kv_tiers", "", "KV tiers below the device, fastest first, e.g. 'host,disk,redis' "
+                    "(host, disk, redis, mooncake; '' = device only).")
+flags.DEFINE_string("kv_disk_dir", "", "Directory of the disk tier (one file per record).")
+flags.DEFINE_string("kv_store_url", "", "Shared store of the redis / mooncake tier: redis://127.0.0.1:6379/0 or "
+                    "mooncake://127.0.0.1:<rpc port>?metadata=http://127.0.0.1:<port>/metadata.")
 flags.DEFINE_string("compilation_cache_dir", "", "Persistent XLA compilation cache directory (opt-in; '' = off): "
                     "the step programs then compile once per machine instead of once per run.")
 
@@ -204,6 +209,7 @@ def main(argv):
   from dsv4.engine.request import RequestOutput
   from experiments import task_workloads
   from experiments.tasks import KVRecallSpec
+  from dsv4.engine.tiering import TieringConfig
   if FLAGS.compilation_cache_dir:
     import jax
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(FLAGS.compilation_cache_dir))
@@ -216,7 +222,8 @@ def main(argv):
                     chunk_size=FLAGS.chunk_size, max_model_len=FLAGS.max_model_len,
                     num_full_blocks=FLAGS.num_full_blocks, num_swa_blocks=FLAGS.num_swa_blocks,
                     enable_prefix_caching=FLAGS.prefix_caching, retention_interval=FLAGS.retention_interval,
-                    model_id=cfg.name)
+                    model_id=cfg.name,
+                    tiering=TieringConfig.from_flags(FLAGS.kv_tiers, FLAGS.kv_disk_dir, FLAGS.kv_store_url))
   refused, order, stops = [], None, {}
   tok = load_tokenizer(FLAGS.checkpoint)
   if FLAGS.requests:
@@ -271,10 +278,19 @@ def main(argv):
       f.write(json.dumps(rec) + "\n")
   summary = report.summary()
   summary["compiled_step_shapes"] = len(engine.runner.shapes_run)
+  tiers = None
+  if engine.tiering is not None:
+    engine.tiering.flush()
+    tiers = engine.tiering.summary()
+    summary["tier_hit_tokens"] = tiers["tier_hit_tokens"]
+    for t in tiers["tiers"]:
+      for k in ("hit_tokens", "bytes_read", "bytes_written", "load_ms_p50", "load_ms_p99", "rejected", "failures"):
+        summary[f"{t['tier']}_{k}"] = t.get(k, 0)
+    engine.tiering.close()
   with open(os.path.join(FLAGS.out_dir, "metrics.json"), "w") as f:
     json.dump({"model": cfg.name, "workload": wl.name, "engine": {k: str(v) for k, v in vars(ec).items()},
                "mesh": FLAGS.mesh, "process": [FLAGS.process_id, FLAGS.num_processes],
-               "summary": summary}, f, indent=2)
+               "summary": summary, "tiers": tiers}, f, indent=2, default=str)
   for o in report.outputs:
     if o.error:
       print(f"request {o.rid}: error: {o.error}")
