@@ -32,9 +32,10 @@ class Pretrained:
 
 
 def load_pretrained(path: str, *, dtype=ml_dtypes.bfloat16, strict: bool = True, device=None,
-                    fp8_block: int | None = None, tokenizer: bool = True) -> Pretrained:
+                    fp8_block: int | None = None, tokenizer: bool = True, keep_quantized: bool = False) -> Pretrained:
   """Read a checkpoint directory. Errors: ConfigError (config.json), CheckpointError (tensors, shards),
-  TokenizerError (tokenizer files); each names the file and the field / tensor."""
+  TokenizerError (tokenizer files); each names the file and the field / tensor. keep_quantized: FP4 routed experts
+  stay packed on the device and are dequantized inside the MoE step (dsv4/layers/expert_quant.py)."""
   if not os.path.isdir(path):
     raise CheckpointError(f"{path}: not a checkpoint directory")
   config, info = read_config(path, strict=strict)
@@ -43,7 +44,7 @@ def load_pretrained(path: str, *, dtype=ml_dtypes.bfloat16, strict: bool = True,
     raise CheckpointError(f"{path}: the tokenizer has {len(tok)} tokens but config.json vocab_size is "
                           f"{config.vocab_size}")
   params = load_checkpoint(path, config, fp8_block=fp8_block or info.fp8_block, dtype=dtype, strict=strict,
-                           device=device)
+                           device=device, keep_quantized=keep_quantized)
   if config.engram.layer_ids and tok is not None:
     from dsv4.layers.engram import compressed_token_map
     tm, n = compressed_token_map(tok)

@@ -304,6 +304,7 @@ class _TreeBuilder:
       self.left[sp.path] = self.left.get(sp.path, 0) + 1
     self.count = dict(self.left)  # routed-expert leaves: number of experts
     self.bufs: dict = {}
+    self.qbufs: dict = {}
 
   def add(self, name: str, x: np.ndarray):
     sp = self.specs[name]
@@ -314,6 +315,8 @@ class _TreeBuilder:
         raise CheckpointError(f"tensor {name!r}: expert ids must lie in [0, {E}), found [{xp.min()}, {xp.max()}]")
       xp = xp.astype(np.int32)
     self.left[sp.path] -= 1
+    if sp.path in self.qbufs:
+      raise CheckpointError(f"tensor {name!r}: mixes FP4-kept and dense experts in one leaf")
     if sp.expert is None:
       # one fresh C-ordered host copy in the target dtype (never the mapped file itself)
       leaf = xp if sp.integer else np.array(xp, dtype=self.dtype, order="C")
@@ -333,6 +336,22 @@ class _TreeBuilder:
     if self.left[sp.path] == 0:
       N._set(self.params, sp.path, self.put(self.bufs.pop(sp.path)))
 
+  def add_fp4(self, name: str, packed: np.ndarray, scale: np.ndarray):
+    """A routed expert kept in FP4 (stored layout [out, in/2] + e8m0 scale [out, in/32]); see layers/expert_quant."""
+    sp = self.specs[name]
+    if sp.expert is None or sp.path in self.bufs:
+      raise CheckpointError(f"tensor {name!r}: only routed experts can stay FP4, and all experts of a leaf must")
+    q = self.qbufs.get(sp.path)
+    if q is None:
+      n = self.count[sp.path]
+      q = self.qbufs[sp.path] = {"fp4": np.empty((n, *packed.shape), np.uint8),
+                                 "scale": np.empty((n, *scale.shape), np.uint8)}
+    q["fp4"][sp.expert], q["scale"][sp.expert] = packed, scale
+    self.left[sp.path] -= 1
+    if self.left[sp.path] == 0:
+      q = self.qbufs.pop(sp.path)
+      N._set(self.params, sp.path, {k: self.put(v) for k, v in q.items()})
+
   def finish(self):
     todo = [p for p, n in self.left.items() if n]
     if todo:
@@ -340,8 +359,24 @@ class _TreeBuilder:
     return N.fill_derived(self.params, self.config)
 
 
+def _fp4_bytes(e: _Entry, scale: _Entry, want_shape, where_name: str):
+  """Packed FP4 weight and e8m0 scale as uint8 arrays, shapes checked against the dequantized `want_shape`."""
+  R, C = want_shape[-2:]
+  lead = tuple(want_shape[:-2])
+  packed, sc = _read(e).view(np.uint8), _read(scale)
+  if scale.dtype == "F8_E8M0":
+    sc = sc.view(np.uint8)
+  elif scale.dtype != "U8":
+    raise CheckpointError(f"tensor {where_name!r}: keep_quantized needs e8m0 scales, found {scale.dtype} in "
+                          f"{scale.name!r}")
+  if tuple(packed.shape) != (*lead, R, C // 2) or tuple(sc.shape) != (*lead, R, C // Q.FP4_GROUP):
+    raise CheckpointError(f"tensor {where_name!r} (in {e.file}): packed FP4 shape {list(packed.shape)} / scale "
+                          f"{list(sc.shape)} do not fit {list(want_shape)}")
+  return packed, sc
+
+
 def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = None, as_jax: bool = True,
-                    strict: bool = True, dtype=np.float32, device=None):
+                    strict: bool = True, dtype=np.float32, device=None, keep_quantized: bool = False):
   """Load a safetensors checkpoint (file, directory, or sharded directory with an index) into a param tree.
 
   Detects the naming (original, transformers-converted HF, transformers save_pretrained, NeMo), dequantizes FP8
@@ -350,7 +385,8 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
   to `dtype` (float32 default; `ml_dtypes.bfloat16` for real checkpoints). Shards are streamed: all headers are
   validated first, then tensors are read shard by shard, one at a time, and each finished leaf goes to the device
   (`device`: a jax Device / Sharding, default device when None) before the next is read. Returns jax arrays
-  (as_jax) or numpy arrays.
+  (as_jax) or numpy arrays. keep_quantized: FP4 routed experts stay packed with their e8m0 scales
+  ({"fp4", "scale"} leaves, dequantized inside the MoE step: dsv4/layers/expert_quant.py).
   """
   fp8_block = fp8_block or Q.FP8_BLOCK[config.variant]
   entries = {k: v for k, v in read_entries(path).items() if not any(p.match(k) for p in _IGNORE)}
@@ -410,7 +446,20 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
   for fp in sorted(by_file):
     for name in by_file[fp]:  # param-tree order within a shard
       e = entries[name]
-      x = _dequant(e, entries.get(pairs.get(name, ""), None), fp8_block, native=True)
+      sc = entries.get(pairs.get(name, ""), None)
+      is_expert = (N._EXPERT_RE.match(name) is not None) if specs is None else \
+          specs[name].sources[0].expert is not None
+      if keep_quantized and is_expert and sc is not None and e.dtype in ("I8", "U8"):
+        packed, scale = _fp4_bytes(e, sc, expected[name][0], stored[name])
+        if specs is None:
+          builder.add_fp4(name, packed, scale)
+        else:  # stacked HF tensor: split rows per expert exactly like the dense tensor
+          parts_p, parts_s = N.unstack_experts(name, packed), N.unstack_experts(name, scale)
+          for s_ in specs[name].sources:
+            key = (s_.expert, s_.name.split(".")[-2])
+            builder.add_fp4(s_.name, parts_p[key], parts_s[key])
+        continue
+      x = _dequant(e, sc, fp8_block, native=True)
       _check(stored[name], x, expected[name][0], expected[name][1], e, hf_of.get(name))
       if specs is None:
         builder.add(name, x)

@@ -98,3 +98,29 @@ def test_missing_shard_is_named(tmp_path):
     load_checkpoint(str(tmp_path), cfg)
   with open(tmp_path / S.INDEX_FILE) as f:
     assert os.path.basename(files[1]) in json.load(f)["weight_map"].values()
+
+
+@pytest.mark.parametrize("naming", ["saved", "hf"])
+def test_fp4_experts_kept_quantized(tmp_path, naming):
+  """keep_quantized: routed experts stay packed FP4 + e8m0 scales (about 4x fewer bytes than bf16); the MoE step
+  dequantizes them to exactly the weights a dequantizing load gives, so the MoE output is identical."""
+  import jax.numpy as jnp
+  from dsv4.layers import expert_quant, moe
+  cfg = C.v4_tiny()
+  S.save_checkpoint(_random_params(cfg, 6), cfg, str(tmp_path), naming=naming, shard_bytes=60_000,
+                    quant=Quant(fp8_block=128))
+  dense = load_checkpoint(str(tmp_path), cfg)
+  kept = load_checkpoint(str(tmp_path), cfg, keep_quantized=True)
+  for i in range(cfg.num_layers):
+    e_d, e_q = dense["layers"][i]["ffn"]["experts"], kept["layers"][i]["ffn"]["experts"]
+    for k in ("w1", "w2", "w3"):
+      assert expert_quant.is_quantized(e_q[k]) and e_q[k]["fp4"].dtype == jnp.uint8
+      assert e_q[k]["fp4"].nbytes + e_q[k]["scale"].nbytes < e_d[k].nbytes / 6   # vs float32 here
+      np.testing.assert_array_equal(np.asarray(expert_quant.dequant_fp4_kernel(e_q[k], jnp.float32)),
+                                    np.asarray(e_d[k]))
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 12, cfg.hidden_size)), jnp.float32)
+  toks = jnp.arange(12, dtype=jnp.int32)[None]
+  for i, plan in enumerate(cfg.layer_plan()):
+    a = moe.moe(dense["layers"][i]["ffn"], x, toks, cfg.moe, plan.hash_moe)
+    b = jax.jit(moe.moe, static_argnums=(3, 4))(kept["layers"][i]["ffn"], x, toks, cfg.moe, plan.hash_moe)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
