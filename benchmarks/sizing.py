@@ -10,8 +10,10 @@ memory. A configuration that does not fit is reported as such, with its numbers.
 The AOT compile runs on this machine's backend over an abstract mesh of host devices (on the CPU:
 --xla_force_host_platform_device_count, set here): the compile time and memory analysis are XLA CPU's, not the GPU
 compiler's (no GPU compiler is installed here); the parameter and pool bytes are exact for any backend.
-`--aot_layers=N` compiles the first N layers (N = 0: all) and scales the per-layer activation bytes to the full
-depth; decode (T = 1) and one prefill chunk are compiled. See BUILD_NOTES.md, "issue 14", for a measured table.
+`--aot_layers=a,b` compiles the first a and b layers (0: all) and extrapolates the temp bytes linearly to the full
+depth (act GB); decode (T = 1) and one prefill chunk are compiled, the larger is reported. The activations are
+those of the XLA reference attention (fp32 gathers of window + top-k rows per query), an upper bound for the
+Pallas kernels, which never materialise them. See BUILD_NOTES.md, "issue 14", for a measured table.
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ def _parse():
   ap.add_argument("--reserve_gb", type=float, default=8.0, help="kept free per device (runtime, fragmentation)")
   ap.add_argument("--kv_dtype", default="bfloat16", help="dtype of the KV pools (bfloat16, float8_e4m3fn)")
   ap.add_argument("--kv_latent", default="replicated", choices=["replicated", "feature"])
-  ap.add_argument("--aot_layers", type=int, default=4, help="layers to AOT-compile (0 = full depth, -1 = skip)")
+  ap.add_argument("--aot_layers", default="2,4", help="depths to AOT-compile: one (0 = full depth) or two, "
+                                                       "extrapolated linearly to full depth; -1 = skip")
+  ap.add_argument("--aot_meshes", type=int, default=1, help="AOT-compile on the first N meshes only")
   ap.add_argument("--devices", type=int, default=8)
+  ap.add_argument("--scan", action="store_true", help="also AOT-compile the full-depth V4 step with a scan over "
+                                                     "the repeating layer groups (first mesh)")
   return ap.parse_args()
 
 
@@ -174,6 +180,130 @@ def aot_step(cfg, mesh, rules, layout, batch: int, T: int, context: int):
   return secs, mem
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Scan over the repeating layer groups (V4: the learned-routing CSA/HCA pairs), so the compiled program holds one
+# group body instead of every layer: compile time stops growing with depth.
+
+def layer_groups(cfg) -> tuple[int, int, int]:
+  """(first grouped layer s, group size g, number of groups n): layers [s, s + g*n) repeat every g layers with the
+  same plan up to the layer index; the rest run unrolled."""
+  plans = cfg.layer_plan()
+  g = 2
+
+  def same(a, b):
+    return dataclasses.replace(a, index=0, kv_source=0, index_source=0) == dataclasses.replace(
+        b, index=0, kv_source=0, index_source=0)
+
+  for s in range(cfg.num_layers):
+    n = 0
+    while s + g * (n + 1) <= cfg.num_layers and all(same(plans[s + k], plans[s + g * n + k]) for k in range(g)):
+      n += 1
+    if n >= 2:
+      return s, g, n
+  return cfg.num_layers, g, 0
+
+
+def stack_groups(layers: list, s: int, g: int, n: int, stack):
+  """Per-layer list -> (head list, group tuple of g stacked trees with leading axis n, tail list)."""
+  groups = tuple(jax_tree_map_stack([layers[s + g * i + k] for i in range(n)], stack) for k in range(g))
+  return layers[:s], groups, layers[s + g * n:]
+
+
+def jax_tree_map_stack(trees, stack):
+  import jax
+  return jax.tree_util.tree_map(lambda *xs: stack(xs), *trees)
+
+
+def scanned_step(params, config, layout, kernel_cfg, tokens_BxT, cache, index):
+  """The engine's last-token step for a V4 model whose params / cache layers come as (head, groups, tail)."""
+  import jax
+  import jax.numpy as jnp
+
+  from dsv4 import caches, model
+  from dsv4.layers import mhc
+  from dsv4.layers.norms import rms_norm
+  assert config.variant == "v4", "the scanned step covers V4 (V4.1 hands CSA2 state from layer to layer)"
+  s, g, n = layer_groups(config)
+  plans = config.layer_plan()
+  ctx = model._context(tokens_BxT, index, layout)
+  toks = jnp.clip(tokens_BxT.astype(jnp.int32), 0, config.vocab_size - 1)
+  h = params["embed"][toks]
+  X = jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], config.mhc.hc_mult, h.shape[-1]))
+  p_head, p_groups, p_tail = params["layers"]
+  c_head, c_groups, c_tail = cache.layers
+  new_head, new_tail = [], []
+  for i, (pl, cl) in enumerate(zip(p_head, c_head)):
+    cl, X, _ = model._block(pl, config, plans[i], X, toks, ctx, cl, kernel_cfg, False)
+    new_head.append(cl)
+
+  def body(X, xs):
+    pg, cg = xs
+    outs = []
+    for k in range(g):
+      cl, X, _ = model._block(pg[k], config, plans[s + k], X, toks, ctx, cg[k], kernel_cfg, False)
+      outs.append(cl)
+    return X, tuple(outs)
+
+  X, new_groups = jax.lax.scan(body, X, (p_groups, c_groups))
+  for j, (pl, cl) in enumerate(zip(p_tail, c_tail)):
+    cl, X, _ = model._block(pl, config, plans[s + g * n + j], X, toks, ctx, cl, kernel_cfg, False)
+    new_tail.append(cl)
+  h = rms_norm(mhc.hc_head(params["hc_head"], X, config.mhc, config.rms_norm_eps), params["norm"],
+               config.rms_norm_eps)
+  last = jnp.maximum(index.num_tokens_B - 1, 0)
+  h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+  logits = jnp.dot(h_last, params["lm_head"], precision=jax.lax.Precision.HIGHEST)
+  return caches.ModelCache((new_head, new_groups, new_tail)), logits
+
+
+def aot_scanned(cfg, mesh, rules, layout, batch: int, T: int, context: int):
+  """AOT compile of `scanned_step` at full depth on abstract inputs: (compile seconds, memory analysis, groups)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from dsv4 import caches, model, sharding
+  s, g, n = layer_groups(cfg)
+  n_swa, n_full = pool_blocks(cfg, layout, batch, context, T)
+  psh = sharding.param_shardings(cfg, mesh, rules)
+  csh = sharding.cache_shardings(cfg, layout, mesh, rules, n_swa, n_full)
+  bf = jnp.bfloat16
+
+  def sds(x, sh, dtype=None):
+    return jax.ShapeDtypeStruct(x.shape, dtype if (dtype and x.dtype == jnp.float32) else x.dtype, sharding=sh)
+
+  def stacked(xs):   # ShapeDtypeStructs of one leaf over the n groups: leading axis n, replicated
+    x = xs[0]
+    return jax.ShapeDtypeStruct((len(xs), *x.shape), x.dtype,
+                                sharding=NamedSharding(mesh, P(None, *x.sharding.spec)))
+
+  params = jax.tree_util.tree_map(lambda x, sh: sds(x, sh, bf), model.abstract_params(cfg), psh)
+  params = dict(params, layers=stack_groups(list(params["layers"]), s, g, n, stacked))
+  cache = jax.tree_util.tree_map(sds, jax.eval_shape(lambda: caches.init_cache(cfg, layout, n_swa, n_full)), csh)
+  cache = caches.ModelCache(stack_groups(list(cache.layers), s, g, n, stacked))
+  shard_of = lambda t: jax.tree_util.tree_map(lambda x: x.sharding, t)  # noqa: E731
+  ish = sharding.index_shardings(mesh, batch, rules)
+  nS, nF = caches.blocks_for(context, layout.swa_block_tokens), caches.blocks_for(context, layout.full_block_tokens)
+  i32 = jnp.int32
+  index = caches.BatchIndex(jax.ShapeDtypeStruct((batch,), i32, sharding=ish.start_pos_B),
+                            jax.ShapeDtypeStruct((batch,), i32, sharding=ish.num_tokens_B),
+                            jax.ShapeDtypeStruct((batch, nS), i32, sharding=ish.swa_table_BxS),
+                            jax.ShapeDtypeStruct((batch, nF), i32, sharding=ish.full_table_BxF))
+  tokens = jax.ShapeDtypeStruct((batch, T), i32, sharding=sharding.batch_sharding(mesh, batch, 2, rules))
+  from pallas_kernels import dispatch
+  fn = jax.jit(lambda p, t, c, i: scanned_step(p, cfg, layout, dispatch.KernelConfig(), t, c, i),
+               out_shardings=(shard_of(cache), sharding.replicated(mesh)), donate_argnums=(2,))
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):
+    compiled = fn.lower(params, tokens, cache, index).compile()
+  secs = time.perf_counter() - t0
+  try:
+    mem = compiled.memory_analysis()
+  except Exception:
+    mem = None
+  return secs, mem, (s, g, n)
+
+
 def _last_token_step(params, config, layout, kernel_cfg, tokens_BxT, cache, index):
   from dsv4.engine.runner import _last_token_step as step
   return step(params, config, layout, kernel_cfg, tokens_BxT, cache, index)
@@ -201,28 +331,51 @@ def main():
     print(f"\n== {name}: {cfg.num_layers} layers; pools {n_swa} swa + {n_full} full blocks")
     print(f"{'mesh (data,tensor,expert)':<26} {'params GB':>10} {'experts':>8} {'engram':>8} {'KV GB':>8} "
           f"{'act GB':>8} {'total GB':>9}  fits?")
-    for mspec in args.meshes.split(";"):
+    for mi, mspec in enumerate(args.meshes.split(";")):
       mesh = sharding.make_mesh(mspec)
       shape = tuple(sharding.axis_size(mesh, a) for a in sharding.AXES)
       total_p, dev_p, cats = param_table(cfg, mesh, rules)
       total_kv, dev_kv = pool_bytes(cfg, layout, mesh, rules, n_swa, n_full)
       act = float("nan")
       note = ""
-      if args.aot_layers >= 0:
-        small = reduced_depth(cfg, args.aot_layers)
-        acts, times = [], []
+      depths = [int(d) for d in args.aot_layers.split(",")]
+      if depths[0] >= 0 and mi < args.aot_meshes:
+        temps = {}
+        for T in (1, args.chunk):
+          for d in depths:
+            try:
+              small = reduced_depth(cfg, d)
+              secs, mem = aot_step(small, mesh, rules, layout, args.batch, T, args.context)
+            except Exception as e:  # report, do not crash
+              note += f"\n     T={T} {d} layers: compile failed: {type(e).__name__}: " \
+                      f"{str(e).splitlines()[0][:160]}"
+              continue
+            line = f"\n     T={T:<5} {small.num_layers:>2} layers: compile {secs:6.1f} s"
+            if mem is not None:
+              temps.setdefault(T, []).append((small.num_layers, mem.temp_size_in_bytes))
+              line += (f"; args {mem.argument_size_in_bytes / GB:.2f} GB, out {mem.output_size_in_bytes / GB:.2f} GB, "
+                       f"aliased {mem.alias_size_in_bytes / GB:.2f} GB, temp {mem.temp_size_in_bytes / GB:.2f} GB")
+            note += line
+        full = []
+        for T, pts in temps.items():
+          if len(pts) >= 2:
+            (l0, t0), (l1, t1) = pts[0], pts[-1]
+            full.append(t0 + (t1 - t0) / max(l1 - l0, 1) * (cfg.num_layers - l0))
+          else:
+            full.append(pts[0][1])
+        if full:
+          act = max(full) / GB
+      if args.scan and mi == 0 and cfg.variant == "v4":
         for T in (1, args.chunk):
           try:
-            secs, mem = aot_step(small, mesh, rules, layout, args.batch, T, args.context)
-          except Exception as e:  # report, do not crash: e.g. a temp buffer the backend cannot address
-            note += f" [T={T} compile failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}]"
+            secs, mem, (s0, g0, n0) = aot_scanned(cfg, mesh, rules, layout, args.batch, T, args.context)
+          except Exception as e:
+            note += f"\n     scan T={T}: compile failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
             continue
-          times.append(secs)
+          note += (f"\n     T={T:<5} all {cfg.num_layers} layers, scan over {n0} groups of {g0} (layers {s0}.."
+                   f"{s0 + g0 * n0 - 1}): compile {secs:6.1f} s")
           if mem is not None:
-            acts.append(mem.temp_size_in_bytes * cfg.num_layers / small.num_layers)
-        if acts:
-          act = max(acts) / GB
-        note += f" [AOT {small.num_layers} layers: compile {'/'.join(f'{t:.1f}' for t in times)} s (T=1/{args.chunk})]"
+            note += f"; temp {mem.temp_size_in_bytes / GB:.2f} GB, aliased {mem.alias_size_in_bytes / GB:.2f} GB"
       tot = dev_p / GB + dev_kv / GB + (0 if math.isnan(act) else act)
       fits = "yes" if tot <= budget else f"NO (over by {tot - budget:.1f} GB)"
       print(f"{str(shape):<26} {dev_p / GB:>10.2f} {cats.get('routed experts', 0) / GB:>8.2f} "
