@@ -22,6 +22,7 @@ from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
 from dsv4 import caches
 from dsv4.config import ModelConfig
+from dsv4.engine import schema
 from dsv4.engine.request import Request, RequestOutput, Status
 from dsv4.engine.runner import ModelRunner
 from dsv4.engine.sampling import SamplingParams, sample
@@ -42,6 +43,7 @@ class EngineConfig:
   record_logits: bool = False           # keep each sampled position's logits (tests, analysis)
   layout: caches.CacheLayout = caches.CacheLayout()
   kernel: dispatch.KernelConfig = dispatch.KernelConfig()
+  tiering: object = None                # dsv4.engine.tiering.TieringConfig: KV tiers below the device (None = off)
 
   def validate(self):
     if self.chunk_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -70,6 +72,10 @@ class Engine:
     self.stats = collections.Counter()
     self.peak_blocks = {g: 0 for g in self.cache_manager.groups}
     self.clock = time.perf_counter
+    self.tiering = None                 # KV tiers below the device: all the glue lives in dsv4/engine/tiering.py
+    if ec.tiering is not None:
+      from dsv4.engine.tiering import Tiering
+      self.tiering = Tiering(self, ec.tiering, params)
 
   # ------------------------------------------------------------------------------------------ intake
   def _reject(self, req: Request, why: str) -> Request:
@@ -82,22 +88,16 @@ class Engine:
     """Queue a request. Bad input is rejected with a clear per-request error; nothing else is affected."""
     if rid in self.requests:
       raise ValueError(f"duplicate request id {rid!r}")
+    # The one request schema (dsv4.engine.schema): types and ranges, nothing coerced, the sampler's limits included.
+    V = self.config.vocab_size
+    bad, prompt_list = None, []
     try:
-      prompt_list = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
-    except (TypeError, ValueError) as e:
-      prompt_list, bad = [], f"prompt is not a sequence of integer token ids ({e})"
-    else:
-      bad = None
+      prompt_list = list(schema.check_prompt(prompt, V))
+      schema.check_sampling(params, V)
+    except schema.RequestError as e:
+      bad = str(e)
     req = Request(rid, prompt_list, params, extra_keys, self.clock() if arrival is None else arrival)
     self.requests[rid] = req
-    V = self.config.vocab_size
-    if bad is None:
-      bad = params.validate()
-    if bad is None and not prompt_list:
-      bad = "empty prompt"
-    if bad is None and any(t < 0 or t >= V for t in prompt_list):
-      t = next(t for t in prompt_list if t < 0 or t >= V)
-      bad = f"token id {t} out of range [0, {V})"
     if bad is None and len(prompt_list) >= self.ec.max_model_len:
       bad = f"prompt of {len(prompt_list)} tokens does not fit max_model_len={self.ec.max_model_len}"
     if bad is None and len(prompt_list) + params.max_tokens > self.ec.max_model_len:
@@ -121,12 +121,15 @@ class Engine:
 
   def _admit(self, req: Request) -> int:
     hit = self.cache_manager.add_request(req.rid, req.all_tokens, req.cache_salt(self.ec.enable_prefix_caching))
-    req.num_computed = hit.num_tokens
+    n = hit.num_tokens
+    if self.tiering is not None:
+      n = self.tiering.on_admit(req, n)
+    req.num_computed = n
     if req.num_preemptions == 0:
-      req.hit_tokens = hit.num_tokens
+      req.hit_tokens = n
     else:
-      req.readmit_hit_tokens += hit.num_tokens
-    return hit.num_tokens
+      req.readmit_hit_tokens += n
+    return n
 
   def _track_usage(self):
     for g in self.cache_manager.groups:
@@ -162,11 +165,13 @@ class Engine:
     if not preempted:
       while self.waiting and len(self.running) < self.ec.max_num_seqs and budget > 0:
         req = self.waiting[0]
-        self._admit(req)
+        hit = self._admit(req)
         n = min(req.num_pending, budget, self.ec.chunk_size)
         if not self.cache_manager.allocate_for(req.rid, n):
           self.cache_manager.free(req.rid)
           req.num_computed = 0
+          if req.num_preemptions:       # a failed admission reuses nothing: count only the one that succeeds
+            req.readmit_hit_tokens -= hit
           if not self.running and not scheduled:
             self.waiting.popleft()
             self._reject(req, "the KV block pool is too small for this request even when it runs alone")
@@ -192,6 +197,8 @@ class Engine:
     scheduled = self.schedule()
     if not scheduled:
       return []
+    if self.tiering is not None:
+      self.tiering.before_run(scheduled)
     rows = []
     for req, n in scheduled:
       tables = self.cache_manager.block_tables(req.rid)
@@ -240,6 +247,8 @@ class Engine:
           self._finish(req, "length")
           done.append(req)
     self.stats["steps"] += 1
+    if self.tiering is not None:
+      self.tiering.after_step(scheduled)
     return done
 
   def has_work(self) -> bool:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4 import sharding
+from dsv4.layers import expert_quant
 from dsv4.config import MoEConfig
 
 _HI = jax.lax.Precision.HIGHEST
@@ -124,11 +125,14 @@ def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool):
   B, T, D = x_BxTxD.shape
   x = x_BxTxD.reshape(B * T, D)
   ids, w = route(params, x, token_ids_BxT.reshape(-1), cfg, hashed)
+  experts = params["experts"]
+  if any(expert_quant.is_quantized(v) for v in experts.values()):  # FP4 kept from the checkpoint: dequant here
+    experts = expert_quant.dense_experts(experts, params["shared"]["w1"].dtype if "shared" in params else x.dtype)
   mesh = sharding.active_mesh()
   if mesh is not None and sharding.axis_size(mesh, "expert") > 1 and cfg.n_routed_experts % sharding.axis_size(
       mesh, "expert") == 0:
-    routed = routed_experts_ep(params["experts"], x, ids, w, cfg, mesh)
+    routed = routed_experts_ep(experts, x, ids, w, cfg, mesh)
   else:
-    routed = routed_experts(params["experts"], x, ids, w, cfg)
+    routed = routed_experts(experts, x, ids, w, cfg)
   out = routed + shared_expert(params["shared"], x, cfg)
   return out.reshape(B, T, D)
