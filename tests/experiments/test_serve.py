@@ -124,3 +124,11 @@ def test_damaged_checkpoint_is_an_error_naming_the_file(tmp_path):
   os.remove(ck / "config.json")                               # missing config: names the file, no fallback
   proc = serve(tmp_path / "out", f"--checkpoint={ck}", check=False)
   assert proc.returncode != 0 and str(ck / "config.json") in proc.stderr
+
+
+def test_retention_interval_must_be_a_multiple_of_128(tmp_path):
+  proc = serve(tmp_path, "--retention_interval=100", check=False)
+  assert proc.returncode != 0 and "multiple of 128" in proc.stderr
+  help_text = subprocess.run([sys.executable, "-m", "experiments.serve", "--helpfull"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300).stdout
+  assert "multiple of 128" in help_text
