@@ -4,6 +4,10 @@
     python -m experiments.serve --model=v41_retrieval    # or v4_count (its own counting task)
     python -m experiments.serve --requests=reqs.jsonl    # one JSON object per line, see dsv4/engine/schema.py:
         {"id": "a", "prompt": [0, 5, ...], "max_tokens": 1, "expected": [41], "tenant": "t1", "session": "s1", ...}
+    python -m experiments.serve --mesh=data:2,tensor:2,expert:2 --num_cpu_devices=8   # sharded step (CPU)
+    # one process per host under jax.distributed (here: 2 processes x 4 CPU devices on one machine)
+    python -m experiments.serve --mesh=data:2,tensor:2,expert:2 --num_cpu_devices=4 \
+        --coordinator=127.0.0.1:12345 --num_processes=2 --process_id=0 --out_dir=out/p0   # and process_id=1
 
 The default workload ("task") asks the model questions in its own training format (experiments/task_workloads.py):
 multi-turn sessions over long shared documents, so prefix reuse happens naturally and each output is graded
@@ -25,8 +29,10 @@ SHIPPED_MODELS = ("v4_retrieval", "v41_retrieval", "v4_count")
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "v4_retrieval", [*SHIPPED_MODELS, "random"],
                   "Shipped trained model (experiments/checkpoints/<name>), or 'random' = random weights of --preset.")
-flags.DEFINE_string("checkpoint", "", "Overrides --model: a checkpoint directory (config.json + params/, as written "
-                    "by experiments.train) or an orbax params directory (config from --preset).")
+flags.DEFINE_string("checkpoint", "", "Overrides --model: a release checkpoint directory (config.json + safetensors "
+                    "shards in any naming + tokenizer.json; requests may then give text prompts, chat 'messages' "
+                    "and 'stop' strings), a directory written by experiments.train (config.json + params/), or an "
+                    "orbax params directory (config from --preset).")
 flags.DEFINE_string("preset", "v4_tiny", "Model preset for --model=random or an orbax params --checkpoint.")
 flags.DEFINE_enum("workload", "task", ["task", "chat", "agentic", "switch", "random"],
                   "'task' = graded sessions in the model's own task format; the others send random tokens "
@@ -43,6 +49,17 @@ flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget per step.")
 flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output).")
 flags.DEFINE_integer("num_full_blocks", 128, "Full-history blocks (128 tokens each).")
 flags.DEFINE_integer("num_swa_blocks", 256, "SWA blocks (32 tokens each).")
+flags.DEFINE_string("mesh", "", "Device mesh for the model step, e.g. data:2,tensor:2,expert:2 ('' = one device).")
+flags.DEFINE_enum("kv_latent", "replicated", ["replicated", "feature"], "Shard the K=V latent pools over tensor?")
+flags.DEFINE_integer("num_cpu_devices", 0, "On the CPU: host devices per process (0 = JAX default).")
+flags.DEFINE_string("coordinator", "", "host:port of the jax.distributed coordinator ('' = single process).")
+flags.DEFINE_integer("num_processes", 1, "Processes under jax.distributed.")
+flags.DEFINE_integer("process_id", 0, "This process's id under jax.distributed.")
+flags.DEFINE_string("kv_tiers", "", "KV tiers below the device, fastest first, e.g. 'host,disk,redis' "
+                    "(host, disk, redis, mooncake; '' = device only).")
+flags.DEFINE_string("kv_disk_dir", "", "Directory of the disk tier (one file per record).")
+flags.DEFINE_string("kv_store_url", "", "Shared store of the redis / mooncake tier: redis://127.0.0.1:6379/0 or "
+                    "mooncake://127.0.0.1:<rpc port>?metadata=http://127.0.0.1:<port>/metadata.")
 flags.DEFINE_string("compilation_cache_dir", "", "Persistent XLA compilation cache directory (opt-in; '' = off): "
                     "the step programs then compile once per machine instead of once per run.")
 
@@ -66,6 +83,14 @@ def load_model(model: str, checkpoint: str = "", preset: str = "v4_tiny", seed: 
   directory = checkpoint or os.path.join(train_lib.CHECKPOINT_ROOT, model)
   info_path = os.path.join(directory, "config.json")
   try:
+    if checkpoint and _is_pretrained_dir(checkpoint):       # config.json + safetensors (any naming) + tokenizer
+      from dsv4.config import ConfigError
+      from dsv4.loading.pretrained import load_pretrained
+      try:
+        pre = load_pretrained(checkpoint)
+      except ConfigError as e:
+        raise ModelLoadError(str(e)) from e
+      return pre.config, pre.params, None
     if checkpoint and not os.path.isdir(os.path.join(checkpoint, "params")):   # a bare orbax params directory
       from dsv4.loading import orbax_io
       return C.get_preset(preset), orbax_io.restore_params(checkpoint, C.get_preset(preset)), None
@@ -85,7 +110,22 @@ def load_model(model: str, checkpoint: str = "", preset: str = "v4_tiny", seed: 
     raise ModelLoadError(str(e)) from e
 
 
-def read_requests(path: str, vocab_size: int):
+def _is_pretrained_dir(path: str) -> bool:
+  """A checkpoint directory in a release layout (not one written by experiments.train): config.json beside
+  safetensors shards."""
+  return (os.path.isfile(os.path.join(path, "config.json")) and not os.path.isdir(os.path.join(path, "params"))
+          and any(f.endswith(".safetensors") or f.endswith(".safetensors.index.json") for f in os.listdir(path)))
+
+
+def load_tokenizer(checkpoint: str):
+  """The checkpoint dir's tokenizer (tokenizer.json + tokenizer_config.json chat template), or None."""
+  if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
+    return None
+  from dsv4.loading.tokenizer import Tokenizer
+  return Tokenizer.from_dir(checkpoint)
+
+
+def read_requests(path: str, vocab_size: int, tokenizer=None):
   """JSONL -> (Workload of the valid requests, [(line index, id, error)] of the refused ones, order).
 
   Every line is checked by the one request schema; a bad line (malformed JSON, unknown key, wrong type or range,
@@ -94,7 +134,7 @@ def read_requests(path: str, vocab_size: int):
   `order` lists ("ok", id) / ("refused", k) per non-blank line, in file order."""
   from dsv4.engine import schema
   from dsv4.engine.workloads import Turn, Workload
-  refused, order, seen = [], [], {}
+  refused, order, seen, stops = [], [], {}, {}
   waves: list[list[Turn]] = []
   turns_of: dict[tuple[str, str], int] = {}
   with open(path) as f:
@@ -108,7 +148,7 @@ def read_requests(path: str, vocab_size: int):
         d = json.loads(line)
       except ValueError as e:
         raise schema.RequestError(f"not valid JSON ({e})") from e
-      spec = schema.parse_request(d, vocab_size=vocab_size, default_id=default_id)
+      spec = schema.parse_request(d, vocab_size=vocab_size, default_id=default_id, tokenizer=tokenizer)
       if spec.id in seen:
         how = "id" if "id" in d else "default id"
         raise schema.RequestError(f"{how} {spec.id!r} is already used by line {seen[spec.id]}; ids must be unique")
@@ -129,8 +169,10 @@ def read_requests(path: str, vocab_size: int):
       waves.append([])
     waves[w].append(Turn(session, spec.prompt, spec.params, rid=spec.id, expected=spec.expected,
                          tenant=spec.tenant))
+    if spec.stop:
+      stops[spec.id] = spec.stop
     order.append(("ok", spec.id))
-  return Workload(os.path.basename(path), tuple(tuple(w) for w in waves)), refused, order
+  return Workload(os.path.basename(path), tuple(tuple(w) for w in waves)), refused, order, stops
 
 
 def format_table(summary: dict) -> str:
@@ -138,6 +180,16 @@ def format_table(summary: dict) -> str:
   w = max(len(k) for k, _ in rows)
   line = "+" + "-" * (w + 2) + "+" + "-" * 14 + "+"
   return "\n".join([line] + [f"| {k:<{w}} | {v:>12} |" for k, v in rows] + [line])
+
+
+def init_devices():
+  """CPU device count and jax.distributed must be set up before JAX touches a backend."""
+  import jax
+  if FLAGS.num_cpu_devices:
+    jax.config.update("jax_num_cpu_devices", FLAGS.num_cpu_devices)
+  if FLAGS.coordinator:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on the CPU
+    jax.distributed.initialize(FLAGS.coordinator, num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
 
 
 def main(argv):
@@ -149,12 +201,15 @@ def main(argv):
                          "128 (the full-attention block size)")
   from tqdm import tqdm
 
+  init_devices()
+
   from dsv4.engine import workloads
   from dsv4.engine.api import WorkloadReport, grade, run_workload
   from dsv4.engine.engine import Engine, EngineConfig
   from dsv4.engine.request import RequestOutput
   from experiments import task_workloads
   from experiments.tasks import KVRecallSpec
+  from dsv4.engine.tiering import TieringConfig
   if FLAGS.compilation_cache_dir:
     import jax
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(FLAGS.compilation_cache_dir))
@@ -167,16 +222,22 @@ def main(argv):
                     chunk_size=FLAGS.chunk_size, max_model_len=FLAGS.max_model_len,
                     num_full_blocks=FLAGS.num_full_blocks, num_swa_blocks=FLAGS.num_swa_blocks,
                     enable_prefix_caching=FLAGS.prefix_caching, retention_interval=FLAGS.retention_interval,
-                    model_id=cfg.name)
-  refused, order = [], None
+                    model_id=cfg.name,
+                    tiering=TieringConfig.from_flags(FLAGS.kv_tiers, FLAGS.kv_disk_dir, FLAGS.kv_store_url))
+  refused, order, stops = [], None, {}
+  tok = load_tokenizer(FLAGS.checkpoint)
   if FLAGS.requests:
-    wl, refused, order = read_requests(FLAGS.requests, cfg.vocab_size)
+    wl, refused, order, stops = read_requests(FLAGS.requests, cfg.vocab_size, tok)
   elif FLAGS.workload == "task":
     # A model without a task (random weights) is asked the recall task: its accuracy shows it knows nothing.
     wl = task_workloads.for_task(spec if spec is not None else KVRecallSpec(), seed=FLAGS.seed)
   else:
     wl = workloads.make(FLAGS.workload, cfg.vocab_size, seed=FLAGS.seed)
-  engine = Engine(params, cfg, ec)
+  mesh = rules = None
+  if FLAGS.mesh:
+    from dsv4 import sharding
+    mesh, rules = sharding.make_mesh(FLAGS.mesh), sharding.Rules(kv_latent=FLAGS.kv_latent)
+  engine = Engine(params, cfg, ec, mesh=mesh, rules=rules)
   with tqdm(total=wl.num_requests + len(refused), desc=f"{cfg.name} {wl.name}", unit="req") as bar:
     bar.update(len(refused))
     report = run_workload(engine, wl, progress=bar.update)
@@ -206,14 +267,30 @@ def main(argv):
              "finish_reason": o.finish_reason, "error": o.error, "hit_tokens": o.hit_tokens}
       if "line" in r:
         rec["line"] = r["line"]
+      if tok is not None and o.error is None:  # text, cut at the first stop string (checked after generation)
+        text = tok.decode(o.output)
+        hits = [text.find(x) for x in stops.get(o.rid, ()) if x and x in text]
+        if hits:
+          text, rec["finish_reason"] = text[: min(hits)], "stop"
+        rec["text"] = text
       if o.rid in tenant_session and any(tenant_session[o.rid]):
         rec["tenant"], rec["session"] = tenant_session[o.rid]
       f.write(json.dumps(rec) + "\n")
   summary = report.summary()
   summary["compiled_step_shapes"] = len(engine.runner.shapes_run)
+  tiers = None
+  if engine.tiering is not None:
+    engine.tiering.flush()
+    tiers = engine.tiering.summary()
+    summary["tier_hit_tokens"] = tiers["tier_hit_tokens"]
+    for t in tiers["tiers"]:
+      for k in ("hit_tokens", "bytes_read", "bytes_written", "load_ms_p50", "load_ms_p99", "rejected", "failures"):
+        summary[f"{t['tier']}_{k}"] = t.get(k, 0)
+    engine.tiering.close()
   with open(os.path.join(FLAGS.out_dir, "metrics.json"), "w") as f:
     json.dump({"model": cfg.name, "workload": wl.name, "engine": {k: str(v) for k, v in vars(ec).items()},
-               "summary": summary}, f, indent=2)
+               "mesh": FLAGS.mesh, "process": [FLAGS.process_id, FLAGS.num_processes],
+               "summary": summary, "tiers": tiers}, f, indent=2, default=str)
   for o in report.outputs:
     if o.error:
       print(f"request {o.rid}: error: {o.error}")

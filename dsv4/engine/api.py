@@ -120,3 +120,79 @@ def run_workload(engine: Engine, workload: Workload, progress: Callable[[int], N
   wall = time.perf_counter() - t0
   return WorkloadReport([RequestOutput.of(engine.requests[r]) for r in rids], wall, dict(engine.stats),
                         dict(engine.peak_blocks), expected)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Text in, text out (checkpoint tokenizer + chat template; dsv4.loading.tokenizer).
+
+@dataclasses.dataclass(frozen=True)
+class TextOutput:
+  rid: str
+  prompt_ids: list[int]
+  text: str                      # generated text, cut before the first stop string
+  token_ids: list[int]           # every generated token (the one completing a stop string included)
+  finish_reason: str | None      # "stop" (EOS / stop token / stop string), "length", "error"
+  stop: str | None               # the stop string that ended it, if any
+  error: str | None
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+  hits = [(text.find(s), s) for s in stops if s and s in text]
+  return min(hits) if hits else None
+
+
+def generate_text(params, config: ModelConfig, tokenizer, prompts: Sequence,
+                  sampling_params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+                  stop: Sequence[str] = (), engine_config: EngineConfig = EngineConfig(),
+                  engine: Engine | None = None, add_generation_prompt: bool = True,
+                  chat_template_kwargs: dict | None = None) -> list[TextOutput]:
+  """Like `generate`, with text: each prompt is a string (encoded as is) or a list of chat messages
+  ([{"role", "content"}], rendered with the tokenizer's chat template). Returns decoded text. A request stops as
+  soon as its decoded output contains one of `stop` (checked after every engine step, so no tokens are generated
+  past it); the returned text ends before the stop string."""
+  engine = engine or Engine(params, config, engine_config)
+  sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+  if len(sps) != len(prompts):
+    raise ValueError(f"generate_text: {len(prompts)} prompts but {len(sps)} sampling params")
+  stop = tuple(stop)
+  base = len(engine.requests)
+  rids, ids = [], []
+  for i, (p, sp) in enumerate(zip(prompts, sps)):
+    if isinstance(p, str):
+      toks = tokenizer.encode(p)
+    else:
+      toks = tokenizer.apply_chat_template(p, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                           **(chat_template_kwargs or {}))
+    rid = f"req{base + i}"
+    engine.add_request(rid, toks, sp)
+    rids.append(rid)
+    ids.append(toks)
+  hit: dict[str, str] = {}
+  mine = set(rids)
+  while engine.has_work():
+    engine.step()
+    if not stop:
+      continue
+    for req in list(engine.running):
+      if req.rid in mine and req.output and req.rid not in hit:
+        found = _find_stop(tokenizer.decode(req.output), stop)
+        if found is not None:
+          hit[req.rid] = found[1]
+          engine._finish(req, "stop")  # frees its blocks; same path as an EOS
+  outs = []
+  for rid, toks in zip(rids, ids):
+    r = engine.requests[rid]
+    text = tokenizer.decode(r.output) if r.error is None else ""
+    s = hit.get(rid)
+    if s is None and stop:  # the last step may have finished it for length / EOS with a stop string inside
+      found = _find_stop(text, stop)
+      s = found[1] if found else None
+    if s is not None:
+      text = text[: text.find(s)]
+    outs.append(TextOutput(rid, list(toks), text, list(r.output), "stop" if s else r.finish_reason, s, r.error))
+  return outs
+
+
+def chat(params, config: ModelConfig, tokenizer, conversations: Sequence[Sequence[dict]], **kwargs) -> list[TextOutput]:
+  """`generate_text` for a batch of chat conversations."""
+  return generate_text(params, config, tokenizer, [list(c) for c in conversations], **kwargs)

@@ -43,6 +43,7 @@ class EngineConfig:
   record_logits: bool = False           # keep each sampled position's logits (tests, analysis)
   layout: caches.CacheLayout = caches.CacheLayout()
   kernel: dispatch.KernelConfig = dispatch.KernelConfig()
+  tiering: object = None                # dsv4.engine.tiering.TieringConfig: KV tiers below the device (None = off)
 
   def validate(self):
     if self.chunk_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -51,7 +52,9 @@ class EngineConfig:
 
 class Engine:
 
-  def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig()):
+  def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *, mesh=None,
+               rules=None):
+    """mesh / rules: run the model step sharded on a device mesh (dsv4.sharding); None = one device."""
     engine_config.validate()
     self.config, self.ec = config, engine_config
     ec = engine_config
@@ -60,7 +63,8 @@ class Engine:
                                         model_id=ec.model_id)
     self.runner = ModelRunner(params, config, ec.layout, num_swa_blocks=ec.num_swa_blocks,
                               num_full_blocks=ec.num_full_blocks, max_num_seqs=ec.max_num_seqs,
-                              chunk_size=ec.chunk_size, max_model_len=ec.max_model_len, kernel_cfg=ec.kernel)
+                              chunk_size=ec.chunk_size, max_model_len=ec.max_model_len, kernel_cfg=ec.kernel,
+                              mesh=mesh, **({} if rules is None else {"rules": rules}))
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.requests: dict[str, Request] = {}
@@ -68,6 +72,10 @@ class Engine:
     self.stats = collections.Counter()
     self.peak_blocks = {g: 0 for g in self.cache_manager.groups}
     self.clock = time.perf_counter
+    self.tiering = None                 # KV tiers below the device: all the glue lives in dsv4/engine/tiering.py
+    if ec.tiering is not None:
+      from dsv4.engine.tiering import Tiering
+      self.tiering = Tiering(self, ec.tiering, params)
 
   # ------------------------------------------------------------------------------------------ intake
   def _reject(self, req: Request, why: str) -> Request:
@@ -113,12 +121,15 @@ class Engine:
 
   def _admit(self, req: Request) -> int:
     hit = self.cache_manager.add_request(req.rid, req.all_tokens, req.cache_salt(self.ec.enable_prefix_caching))
-    req.num_computed = hit.num_tokens
+    n = hit.num_tokens
+    if self.tiering is not None:
+      n = self.tiering.on_admit(req, n)
+    req.num_computed = n
     if req.num_preemptions == 0:
-      req.hit_tokens = hit.num_tokens
+      req.hit_tokens = n
     else:
-      req.readmit_hit_tokens += hit.num_tokens
-    return hit.num_tokens
+      req.readmit_hit_tokens += n
+    return n
 
   def _track_usage(self):
     for g in self.cache_manager.groups:
@@ -186,6 +197,8 @@ class Engine:
     scheduled = self.schedule()
     if not scheduled:
       return []
+    if self.tiering is not None:
+      self.tiering.before_run(scheduled)
     rows = []
     for req, n in scheduled:
       tables = self.cache_manager.block_tables(req.rid)
@@ -234,6 +247,8 @@ class Engine:
           self._finish(req, "length")
           done.append(req)
     self.stats["steps"] += 1
+    if self.tiering is not None:
+      self.tiering.after_step(scheduled)
     return done
 
   def has_work(self) -> bool:

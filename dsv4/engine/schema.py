@@ -103,14 +103,52 @@ class RequestSpec:
   tenant: str = ""
   session: str = ""
   expected: tuple[int, ...] | None = None
+  stop: tuple[str, ...] = ()        # stop strings (text requests; needs a tokenizer)
 
 
 _SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)}
-KEYS = frozenset({"id", "prompt", "tenant", "session", "expected"} | _SAMPLING_KEYS)
+TEXT_KEYS = frozenset({"messages", "stop"})   # only with a tokenizer (a checkpoint directory that ships one)
+KEYS = frozenset({"id", "prompt", "tenant", "session", "expected"} | _SAMPLING_KEYS | TEXT_KEYS)
 
 
-def parse_request(d: Any, *, vocab_size: int | None, default_id: str) -> RequestSpec:
-  """A request from its JSON object (every key optional but `prompt`), or RequestError. Nothing is coerced."""
+def _text_prompt(d: dict, tokenizer) -> tuple[int, ...] | None:
+  """Token ids of a text prompt ("prompt": str) or a chat ("messages": [{"role", "content"}]), or None when the
+  request gives token ids. Text without a tokenizer is refused, never read as digits."""
+  text = isinstance(d.get("prompt"), str)
+  if not text and "messages" not in d and "stop" not in d:
+    return None
+  if tokenizer is None:
+    if text:
+      raise RequestError("prompt must be a list of integer token ids, got str (text prompts need a checkpoint "
+                         "with a tokenizer: --checkpoint=DIR with tokenizer.json)")
+    raise RequestError("'messages' and 'stop' strings need a checkpoint with a tokenizer (--checkpoint=DIR with "
+                       "tokenizer.json)")
+  if "messages" in d:
+    if "prompt" in d:
+      raise RequestError("give either 'prompt' or 'messages', not both")
+    msgs = d["messages"]
+    if (not isinstance(msgs, list) or not msgs or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)):
+      raise RequestError("messages must be a non-empty list of {\"role\": str, \"content\": str} objects")
+    return tuple(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+  if text:
+    return tuple(tokenizer.encode(d["prompt"]))
+  return None
+
+
+def _stop_strings(d: dict) -> tuple[str, ...]:
+  if "stop" not in d:
+    return ()
+  stop = d["stop"]
+  stop = [stop] if isinstance(stop, str) else stop
+  if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+    raise RequestError("stop must be a non-empty string or a list of non-empty strings")
+  return tuple(stop)
+
+
+def parse_request(d: Any, *, vocab_size: int | None, default_id: str, tokenizer=None) -> RequestSpec:
+  """A request from its JSON object (every key optional but `prompt`), or RequestError. Nothing is coerced.
+  With a tokenizer, `prompt` may also be text, `messages` a chat (rendered with its template) and `stop` strings."""
   if not isinstance(d, dict):
     raise RequestError(f"a request must be a JSON object, got {type(d).__name__}")
   unknown = sorted(set(d) - KEYS)
@@ -122,9 +160,10 @@ def parse_request(d: Any, *, vocab_size: int | None, default_id: str) -> Request
   rid = check_name(d.get("id", default_id), "id")
   if not rid:
     raise RequestError("id must not be empty")
-  if "prompt" not in d:
+  text_ids = _text_prompt(d, tokenizer)
+  if text_ids is None and "prompt" not in d:
     raise RequestError("missing key 'prompt'")
-  prompt = check_prompt(d["prompt"], vocab_size)
+  prompt = check_prompt(d["prompt"] if text_ids is None else text_ids, vocab_size)
   kw = {}
   for k in _SAMPLING_KEYS & set(d):
     v = d[k]
@@ -137,4 +176,4 @@ def parse_request(d: Any, *, vocab_size: int | None, default_id: str) -> Request
   if "expected" in d:
     expected = _token_list(d["expected"], "expected", vocab_size)
   return RequestSpec(rid, prompt, params, check_name(d.get("tenant", ""), "tenant"),
-                     check_name(d.get("session", ""), "session"), expected)
+                     check_name(d.get("session", ""), "session"), expected, _stop_strings(d))
