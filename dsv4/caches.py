@@ -65,18 +65,25 @@ class ArraySpec:
     return int(np.prod(self.block_shape)) * jnp.dtype(self.dtype).itemsize
 
 
+def compressor_state_width(width: int, overlap: bool) -> int:
+  """Floats in one running-pool state row of a compressor with output width `width`: (lse, mean) of the entry
+  being pooled, plus (overlapping CSA) (lse, mean) of the A halves of the open window (the next entry's base)."""
+  return (4 if overlap else 2) * width
+
+
 def layer_array_specs(config: ModelConfig, layout: CacheLayout, plan: LayerPlan) -> list[ArraySpec]:
   a, ix = config.attention, config.indexer
   sb, fb = layout.swa_block_tokens, layout.full_block_tokens
   out = [ArraySpec(plan.index, "window_kv", SWA, (sb, a.head_dim), layout.kv_dtype)]
+  # Compressor state: ONE fp32 row per swa block (the running pool after the last token written into that block),
+  # not one row per token: a step reads the row of position start - 1 only, so a decode step is O(1) rows of work
+  # and a checkpoint carries one state row per pooling layer per block.
   if plan.has_compressor and plan.ratio > 1:
-    w = config.compressor_width(plan)
-    out += [ArraySpec(plan.index, "comp_state_kv", SWA, (sb, w), jnp.float32),
-            ArraySpec(plan.index, "comp_state_score", SWA, (sb, w), jnp.float32)]
+    out.append(ArraySpec(plan.index, "comp_state", SWA, (1, compressor_state_width(a.head_dim, plan.overlap)),
+                         jnp.float32))
   if plan.kind == "csa":  # V4 indexer has its own compressor
-    w = config.index_compressor_width(plan)
-    out += [ArraySpec(plan.index, "index_state_kv", SWA, (sb, w), jnp.float32),
-            ArraySpec(plan.index, "index_state_score", SWA, (sb, w), jnp.float32)]
+    out.append(ArraySpec(plan.index, "index_state", SWA, (1, compressor_state_width(ix.head_dim, plan.overlap)),
+                         jnp.float32))
   if config.engram.layer_ids and plan.index == config.engram.layer_ids[0]:
     # V4.1 Engram hashes the previous max_ngram_size - 1 token ids: kept as SWA-group rows (one copy, on the first
     # Engram layer), read back through the block table like the window.
@@ -94,12 +101,13 @@ def cache_array_specs(config: ModelConfig, layout: CacheLayout) -> list[ArraySpe
 
 
 def state_tail_tokens(config: ModelConfig) -> int:
-  """Tokens before a resume point whose SWA-group rows the next step reads (window and compressor states)."""
+  """Tokens before a resume point whose SWA-group rows the next step reads: the window (W - 1 rows), Engram's
+  previous ids, and the compressor state row of the block holding position start - 1 (1 token)."""
   need = config.attention.window - 1
   if config.engram.layer_ids:
     need = max(need, config.engram.max_ngram_size - 1)
-  for p in config.layer_plan():
-    need = max(need, config.compressor_state_tokens(p) - 1)
+  if any(p.has_compressor and p.ratio > 1 for p in config.layer_plan()):
+    need = max(need, 1)
   return need
 
 
@@ -122,6 +130,91 @@ class BatchIndex:
   num_tokens_B: jax.Array
   swa_table_BxS: jax.Array
   full_table_BxF: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepIndex:
+  """A ragged step: every row's tokens packed on one flat axis N (prefill chunks and decode tokens together).
+
+  token_row_N:      int32 [N] row (sequence slot, 0..R-1) of each flat token; -1 = padding (never written, its
+                    output is garbage to be ignored). A row's tokens are CONTIGUOUS on the flat axis and in
+                    increasing position order (row_start, row_start + 1, ...); padding may sit anywhere.
+  token_pos_N:      int32 [N] absolute position of each flat token (= row_start[row] + its offset in the row).
+  row_start_R:      int32 [R] first position computed this step (= tokens already in the cache for that row).
+  row_num_tokens_R: int32 [R] tokens of this row in the step; 0 = idle row.
+  tables:           per cache group name ("swa", "full"): int32 [R, S_g] block ids, -1 = none. S_g is whatever
+                    the caller buckets (the live length of the batch, not max_model_len): attention, indexer and
+                    compressed-id lists are sized by S_full * (full_block_tokens / ratio) entries. A table must
+                    cover every block the row's step touches (window rows back to start - window + 1, and the
+                    block of start - 1 whose compressor state row is read).
+
+  Shapes are static per compile: N (bucketed), R and each S_g. `make_step_index` builds one on the host.
+  """
+  token_row_N: jax.Array
+  token_pos_N: jax.Array
+  row_start_R: jax.Array
+  row_num_tokens_R: jax.Array
+  tables: dict[str, jax.Array]
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+  """Next power of two >= max(n, minimum): the few static sizes a serving step compiles for."""
+  n = max(int(n), int(minimum), 1)
+  return 1 << (n - 1).bit_length()
+
+
+def make_step_index(rows, num_rows: int, *, num_tokens: int | None = None,
+                    min_tokens: int = 8, table_widths: dict[str, int] | None = None,
+                    min_table_blocks: int = 1) -> tuple[np.ndarray, StepIndex]:
+  """Host helper: pack rows into a StepIndex of numpy arrays.
+
+  rows: list (length <= num_rows; row r = slot r) of None (idle) or (token ids to compute, start position,
+  {group: block-id list}). Returns (tokens_N int32, StepIndex). N = num_tokens or bucket(total, min_tokens);
+  table widths = table_widths or bucket(longest table) per group (at least min_table_blocks).
+  """
+  assert len(rows) <= num_rows
+  live = [(r, x) for r, x in enumerate(rows) if x is not None]
+  total = sum(len(x[0]) for _, x in live)
+  N = num_tokens if num_tokens is not None else bucket(total, min_tokens)
+  if total > N:
+    raise ValueError(f"make_step_index: {total} tokens do not fit the flat axis of {N}")
+  groups = sorted({g for _, x in live for g in x[2]} | set(table_widths or {}))
+  widths = dict(table_widths or {})
+  for g in groups:
+    if g not in widths:
+      widths[g] = bucket(max([len(x[2].get(g, ())) for _, x in live] + [1]), min_table_blocks)
+  tokens = np.zeros(N, np.int32)
+  row_N = np.full(N, -1, np.int32)
+  pos_N = np.zeros(N, np.int32)
+  start = np.zeros(num_rows, np.int32)
+  num = np.zeros(num_rows, np.int32)
+  tables = {g: np.full((num_rows, widths[g]), -1, np.int32) for g in groups}
+  o = 0
+  for r, (toks, pos, tabs) in live:
+    n = len(toks)
+    tokens[o:o + n] = toks
+    row_N[o:o + n] = r
+    pos_N[o:o + n] = pos + np.arange(n)
+    start[r], num[r] = pos, n
+    for g, t in tabs.items():
+      if len(t) > widths[g]:
+        raise ValueError(f"make_step_index: row {r} group {g!r} table of {len(t)} blocks exceeds width {widths[g]}")
+      tables[g][r, :len(t)] = t
+    o += n
+  return tokens, StepIndex(row_N, pos_N, start, num, tables)
+
+
+def step_index_from_batch(index: "BatchIndex", T: int) -> StepIndex:
+  """The [B, T] padded layout as a ragged step (in jit): flat token b*T + t is row b's token t; t >= num is pad."""
+  B = index.start_pos_B.shape[0]
+  start = index.start_pos_B.astype(jnp.int32)
+  num = index.num_tokens_B.astype(jnp.int32)
+  t = jnp.arange(T, dtype=jnp.int32)[None, :]
+  row = jnp.where(t < num[:, None], jnp.arange(B, dtype=jnp.int32)[:, None], -1).reshape(-1)
+  pos = (start[:, None] + t).reshape(-1)
+  return StepIndex(row, pos, start, num, {SWA: index.swa_table_BxS.astype(jnp.int32),
+                                          FULL: index.full_table_BxF.astype(jnp.int32)})
 
 
 def init_cache(config: ModelConfig, layout: CacheLayout, num_swa_blocks: int, num_full_blocks: int) -> ModelCache:
@@ -165,6 +258,19 @@ def slots_for(table_BxS, index_BxT, rows_per_block: int, valid_BxT):
   block_id = jnp.take_along_axis(table_BxS, jnp.clip(blk, 0, S - 1), axis=1)
   ok = valid_BxT & in_table & (block_id >= 0)
   return jnp.where(ok, block_id * rows_per_block + index_BxT % rows_per_block, -1).astype(jnp.int32)
+
+
+def row_slots(table_RxS, row_N_, index_N_, rows_per_block: int, valid_N_):
+  """Like `slots_for` but for flat tokens: `row` (broadcast against `index`) picks each one's block table."""
+  S = table_RxS.shape[1]
+  shape = jnp.broadcast_shapes(jnp.shape(row_N_), jnp.shape(index_N_), jnp.shape(valid_N_))
+  index_N_ = jnp.broadcast_to(index_N_, shape)
+  blk = index_N_ // rows_per_block
+  row = jnp.broadcast_to(row_N_, shape)
+  in_table = (index_N_ >= 0) & (blk < S) & (row >= 0)
+  block_id = table_RxS[jnp.maximum(row, 0), jnp.clip(blk, 0, S - 1)]
+  ok = valid_N_ & in_table & (block_id >= 0)
+  return jnp.where(ok, block_id * rows_per_block + index_N_ % rows_per_block, -1).astype(jnp.int32)
 
 
 def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_):
