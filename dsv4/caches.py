@@ -30,9 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4.config import LayerPlan, ModelConfig
+from pallas_kernels import dispatch
 
 SWA = "swa"
 FULL = "full"
+# `CacheLayout.kv_dtype` value selecting the V4 FP8 KV record (pallas_kernels' Fp8KVPool: e4m3 nope channels with
+# a UE8M0 scale per 64, bf16 RoPE channels; 584 bytes per 512-wide row). Window and compressed KV use it; index
+# keys are kept in bf16 (their FP8 format is not implemented in pallas_kernels).
+FP8 = "fp8_v4"
+KV_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp8": FP8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +46,20 @@ class CacheLayout:
   """How cache rows are grouped into blocks. Independent of the model weights."""
   swa_block_tokens: int = 32
   full_block_tokens: int = 128
-  kv_dtype: Any = jnp.float32
+  kv_dtype: Any = jnp.float32     # jnp.float32, jnp.bfloat16 or FP8 (window and compressed KV pools)
+
+  @property
+  def index_dtype(self):
+    return jnp.bfloat16 if self.kv_dtype == FP8 else self.kv_dtype
 
   def validate(self, config: ModelConfig) -> None:
+    if self.kv_dtype == FP8:
+      a = config.attention
+      if (a.head_dim - a.rope_head_dim) % 64:
+        raise ValueError(f"CacheLayout.kv_dtype: the V4 FP8 record quantizes the non-RoPE channels in blocks of 64; "
+                         f"head_dim - rope_head_dim = {a.head_dim - a.rope_head_dim} is not a multiple of 64")
+    elif jnp.dtype(self.kv_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+      raise ValueError(f"CacheLayout.kv_dtype: {self.kv_dtype} is not one of float32, bfloat16, {FP8!r}")
     align = config.full_block_alignment
     if self.full_block_tokens % align:
       raise ValueError(f"CacheLayout.full_block_tokens: {self.full_block_tokens} must be a multiple of every "
@@ -59,9 +76,21 @@ class ArraySpec:
   group: str
   block_shape: tuple[int, ...]
   dtype: Any
+  rope_dim: int = 0   # FP8 record only: trailing channels kept in bf16
+
+  @property
+  def fp8_parts(self) -> tuple[tuple[int, ...], ...]:
+    """Block shapes of the FP8 record's (nope e4m3, scale uint8, rope bf16) arrays."""
+    rows, D = self.block_shape
+    dn = D - self.rope_dim
+    cols = 1 << max(0, (dn // 64 - 1).bit_length())
+    return (rows, dn), (rows, cols), (rows, self.rope_dim)
 
   @property
   def bytes_per_block(self) -> int:
+    if self.dtype == FP8:
+      (r, dn), (_, c), (_, rd) = self.fp8_parts
+      return r * (dn + c + 2 * rd)
     return int(np.prod(self.block_shape)) * jnp.dtype(self.dtype).itemsize
 
 
@@ -74,7 +103,8 @@ def compressor_state_width(width: int, overlap: bool) -> int:
 def layer_array_specs(config: ModelConfig, layout: CacheLayout, plan: LayerPlan) -> list[ArraySpec]:
   a, ix = config.attention, config.indexer
   sb, fb = layout.swa_block_tokens, layout.full_block_tokens
-  out = [ArraySpec(plan.index, "window_kv", SWA, (sb, a.head_dim), layout.kv_dtype)]
+  rd = a.rope_head_dim
+  out = [ArraySpec(plan.index, "window_kv", SWA, (sb, a.head_dim), layout.kv_dtype, rd)]
   # Compressor state: ONE fp32 row per swa block (the running pool after the last token written into that block),
   # not one row per token: a step reads the row of position start - 1 only, so a decode step is O(1) rows of work
   # and a checkpoint carries one state row per pooling layer per block.
@@ -89,9 +119,9 @@ def layer_array_specs(config: ModelConfig, layout: CacheLayout, plan: LayerPlan)
     # Engram layer), read back through the block table like the window.
     out.append(ArraySpec(plan.index, "token_ids", SWA, (sb,), jnp.int32))
   if plan.has_compressor:
-    out.append(ArraySpec(plan.index, "comp_kv", FULL, (fb // plan.ratio, a.head_dim), layout.kv_dtype))
+    out.append(ArraySpec(plan.index, "comp_kv", FULL, (fb // plan.ratio, a.head_dim), layout.kv_dtype, rd))
   if plan.has_index_keys:
-    out.append(ArraySpec(plan.index, "index_keys", FULL, (fb // plan.ratio, ix.head_dim), layout.kv_dtype))
+    out.append(ArraySpec(plan.index, "index_keys", FULL, (fb // plan.ratio, ix.head_dim), layout.index_dtype))
   return out
 
 
@@ -221,8 +251,13 @@ def init_cache(config: ModelConfig, layout: CacheLayout, num_swa_blocks: int, nu
   layers = [dict() for _ in range(config.num_layers)]
   for s in cache_array_specs(config, layout):
     n = num_swa_blocks if s.group == SWA else num_full_blocks
-    fill = -jnp.inf if s.name.endswith("_score") else 0
-    layers[s.layer][s.name] = jnp.full((n, *s.block_shape), fill, s.dtype)
+    if s.dtype == FP8:
+      nope, scale, rope = s.fp8_parts
+      layers[s.layer][s.name] = dispatch.Fp8KVPool(jnp.zeros((n, *nope), jnp.float8_e4m3fn),
+                                                   jnp.zeros((n, *scale), jnp.uint8),
+                                                   jnp.zeros((n, *rope), jnp.bfloat16))
+    else:
+      layers[s.layer][s.name] = jnp.zeros((n, *s.block_shape), s.dtype)
   return ModelCache(tuple(layers))
 
 
@@ -274,7 +309,12 @@ def row_slots(table_RxS, row_N_, index_N_, rows_per_block: int, valid_N_):
 
 
 def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_):
-  """Scatter rows into a paged pool; slots of -1 are dropped (mapped out of bounds)."""
+  """Scatter rows into a paged pool; slots of -1 are dropped (mapped out of bounds). An FP8 pool quantizes the
+  rows to its record first (per row scales, so a row's bytes never depend on other rows)."""
+  if isinstance(pool_NBxRx_, dispatch.Fp8KVPool):
+    D = rows_BxTx_.shape[-1]
+    q = dispatch.quantize_kv_fp8(rows_BxTx_.reshape(-1, D).astype(jnp.float32), pool_NBxRx_.rope.shape[-1])
+    return dispatch.Fp8KVPool(*(write_rows(p, slots_BxT, r) for p, r in zip(pool_NBxRx_, q)))
   nb, r = pool_NBxRx_.shape[:2]
   flat = pool_NBxRx_.reshape(nb * r, *pool_NBxRx_.shape[2:])
   idx = jnp.where(slots_BxT >= 0, slots_BxT, nb * r).reshape(-1)
@@ -289,4 +329,13 @@ def read_rows(pool_NBxRx_, slots_BxT):
 
 
 def flat_pool(pool_NBxRx_):
+  if isinstance(pool_NBxRx_, dispatch.Fp8KVPool):
+    return dispatch.Fp8KVPool(*(flat_pool(p) for p in pool_NBxRx_))
   return pool_NBxRx_.reshape(pool_NBxRx_.shape[0] * pool_NBxRx_.shape[1], *pool_NBxRx_.shape[2:])
+
+
+def gather_flat(flat_PxD, rows_N_):
+  """Rows of a flat pool (dequantized to fp32 for an FP8 pool); rows < 0 read row 0 (mask them)."""
+  if isinstance(flat_PxD, dispatch.Fp8KVPool):
+    return dispatch.dequantize_kv_fp8(dispatch.Fp8KVPool(*(gather_flat(p, rows_N_) for p in flat_PxD)))
+  return jnp.take(flat_PxD, jnp.clip(rows_N_, 0, flat_PxD.shape[0] - 1), axis=0)

@@ -236,7 +236,17 @@ def forward_ragged(params, config: ModelConfig, tokens_N, cache: caches.ModelCac
 
 
 def lm_logits(params, h_Nx_D):
-  return jnp.dot(h_Nx_D, params["lm_head"], precision=jax.lax.Precision.HIGHEST)
+  """fp32 logits whatever the compute dtype (fp32 accumulation)."""
+  return jnp.dot(h_Nx_D, params["lm_head"], precision=jax.lax.Precision.HIGHEST,
+                 preferred_element_type=jnp.float32)
+
+
+def cast_params(params, dtype):
+  """Parameters in a compute dtype (e.g. jnp.bfloat16): the model then runs its activations in that dtype (the
+  embedding's), with fp32 norms, softmaxes (attention, compressor pooling, mHC Sinkhorn, router) and fp32 logits;
+  matmuls take bf16 operands and accumulate in fp32 (XLA's CPU and GPU dots do). Integer leaves are unchanged.
+  `cast_params(params, jnp.float32)` of fp32 params is the identity (today's results bit for bit)."""
+  return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg"), donate_argnames=("cache",))

@@ -66,7 +66,7 @@ def dense_compressed_attention(q_NxHxD, comp_pool_PxD, rows_NxM, ctx: StepContex
   The training target for the indexer (DeepSeek warm up their indexer with a KL loss toward it); not used at
   inference."""
   M = rows_NxM.shape[1]
-  keys = jnp.take(comp_pool_PxD, jnp.clip(rows_NxM, 0, comp_pool_PxD.shape[0] - 1), axis=0)
+  keys = caches.gather_flat(comp_pool_PxD, rows_NxM)
   logits = jnp.einsum("nhd,nmd->nhm", q_NxHxD.astype(jnp.float32), keys.astype(jnp.float32),
                       precision=_HI) * scale
   visible = (jnp.arange(M)[None, :] < num_visible(ctx, ratio)[:, None]) & (rows_NxM >= 0)

@@ -200,3 +200,49 @@ def test_step_shapes_follow_live_tables_not_max_len():
     assert h.shape == (64, cfg.hidden_size)
     csa = [a for a in auxes if "index_scores" in a]
     assert csa and all(a["index_scores"].shape == (64, layout.full_block_tokens // 4) for a in csa)
+
+
+def _fp8_capable_tiny():
+  import dataclasses
+  cfg = C.v4_tiny()
+  return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, head_dim=128, rope_head_dim=64))
+
+
+def test_precision_modes():
+  """fp32 cast is the identity (bit for bit); bf16 compute / bf16 KV / FP8 KV stay within stated tolerances of
+  fp32 (relative to the largest logit), and FP8 KV decoding == FP8 KV full prefill (quantization is per row)."""
+  cfg = _fp8_capable_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(5), (2, 70), 0, cfg.vocab_size))
+  _, ref = model.forward_full(params, cfg, tokens)
+  ref = np.asarray(ref)
+  scale = np.max(np.abs(ref))
+  _, same = model.forward_full(model.cast_params(params, jnp.float32), cfg, tokens)
+  np.testing.assert_array_equal(np.asarray(same), ref)
+  for cdt, kvdt, tol in ((jnp.bfloat16, jnp.float32, 0.05), (jnp.bfloat16, jnp.bfloat16, 0.05),
+                         (jnp.float32, caches.FP8, 0.05)):
+    layout = caches.CacheLayout(kv_dtype=kvdt)
+    _, got = model.forward_full(model.cast_params(params, cdt), cfg, tokens, layout=layout)
+    got = np.asarray(got, np.float32)
+    assert np.isfinite(got).all()
+    assert np.max(np.abs(got - ref)) / scale <= tol, (cdt, kvdt, np.max(np.abs(got - ref)) / scale)
+    assert np.max(np.abs(got - ref)) > 0  # the mode really changed the numerics
+  # FP8 KV: prefill 50 then decode 20 == full prefill with the same layout.
+  layout = caches.CacheLayout(kv_dtype=caches.FP8)
+  _, full_fp8 = model.forward_full(params, cfg, tokens, layout=layout)
+  cache, swa, full = caches.init_contiguous(cfg, 2, 70, layout)
+  assert isinstance(cache.layers[0]["window_kv"], model.dispatch.Fp8KVPool)
+  outs = []
+  for start, n in [(0, 50)] + [(50 + i, 1) for i in range(20)]:
+    idx = caches.BatchIndex(jnp.full(2, start, jnp.int32), jnp.full(2, n, jnp.int32), jnp.asarray(swa),
+                            jnp.asarray(full))
+    cache, lg = model.forward_jit(params, cfg, jnp.asarray(tokens[:, start:start + n]), cache, idx, layout)
+    outs.append(np.asarray(lg))
+  got = np.concatenate(outs, axis=1)
+  full_fp8 = np.asarray(full_fp8)
+  assert np.max(np.abs(got - full_fp8)) <= TOL * max(1.0, np.max(np.abs(full_fp8)))
+
+
+def test_fp8_rejects_unsupported_width():
+  with pytest.raises(ValueError, match="multiple of 64"):
+    caches.cache_array_specs(C.v4_tiny(), caches.CacheLayout(kv_dtype=caches.FP8))
