@@ -23,6 +23,7 @@ from cache.manager import KVCacheManager
 from dsv4 import caches
 from dsv4.config import ModelConfig
 from dsv4.engine import compile_stats
+from dsv4.engine import schema
 from dsv4.engine.request import Request, RequestOutput, Status
 from dsv4.engine.runner import ModelRunner, Row
 from dsv4.engine.sampling import SamplingParams
@@ -49,6 +50,7 @@ class EngineConfig:
   # Smallest block-table width (tokens) of a step; tables grow in powers of two with the live context up to
   # max_model_len, so a step's attention cost follows its context, not the configured limit.
   min_table_tokens: int = 4096
+  tiering: object = None                # dsv4.engine.tiering.TieringConfig: KV tiers below the device (None = off)
 
   def validate(self):
     if self.chunk_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -59,7 +61,9 @@ class EngineConfig:
 
 class Engine:
 
-  def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig()):
+  def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *, mesh=None,
+               rules=None):
+    """mesh / rules: run the model step sharded on a device mesh (dsv4.sharding); None = one device."""
     engine_config.validate()
     self.config, self.ec = config, engine_config
     ec = engine_config
@@ -72,7 +76,8 @@ class Engine:
                               chunk_size=ec.chunk_size, max_model_len=ec.max_model_len, kernel_cfg=ec.kernel,
                               batch_invariant=ec.batch_invariant, record_logits=ec.record_logits,
                               min_table_tokens=ec.min_table_tokens,
-                              max_num_batched_tokens=ec.max_num_batched_tokens)
+                              max_num_batched_tokens=ec.max_num_batched_tokens,
+                              mesh=mesh, **({} if rules is None else {"rules": rules}))
     self._tables: dict[str, object] = {}     # rid -> BlockTables of this step's allocation
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
@@ -81,6 +86,10 @@ class Engine:
     self.stats = collections.Counter()
     self.peak_blocks = {g: 0 for g in self.cache_manager.groups}
     self.clock = time.perf_counter
+    self.tiering = None                 # KV tiers below the device: all the glue lives in dsv4/engine/tiering.py
+    if ec.tiering is not None:
+      from dsv4.engine.tiering import Tiering
+      self.tiering = Tiering(self, ec.tiering, params)
 
   # ------------------------------------------------------------------------------------------ intake
   def _reject(self, req: Request, why: str) -> Request:
@@ -93,22 +102,16 @@ class Engine:
     """Queue a request. Bad input is rejected with a clear per-request error; nothing else is affected."""
     if rid in self.requests:
       raise ValueError(f"duplicate request id {rid!r}")
+    # The one request schema (dsv4.engine.schema): types and ranges, nothing coerced, the sampler's limits included.
+    V = self.config.vocab_size
+    bad, prompt_list = None, []
     try:
-      prompt_list = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
-    except (TypeError, ValueError) as e:
-      prompt_list, bad = [], f"prompt is not a sequence of integer token ids ({e})"
-    else:
-      bad = None
+      prompt_list = list(schema.check_prompt(prompt, V))
+      schema.check_sampling(params, V)
+    except schema.RequestError as e:
+      bad = str(e)
     req = Request(rid, prompt_list, params, extra_keys, self.clock() if arrival is None else arrival)
     self.requests[rid] = req
-    V = self.config.vocab_size
-    if bad is None:
-      bad = params.validate()
-    if bad is None and not prompt_list:
-      bad = "empty prompt"
-    if bad is None and any(t < 0 or t >= V for t in prompt_list):
-      t = next(t for t in prompt_list if t < 0 or t >= V)
-      bad = f"token id {t} out of range [0, {V})"
     if bad is None and len(prompt_list) >= self.ec.max_model_len:
       bad = f"prompt of {len(prompt_list)} tokens does not fit max_model_len={self.ec.max_model_len}"
     if bad is None and len(prompt_list) + params.max_tokens > self.ec.max_model_len:
@@ -132,12 +135,15 @@ class Engine:
 
   def _admit(self, req: Request) -> int:
     hit = self.cache_manager.add_request(req.rid, req.tokens, req.cache_salt(self.ec.enable_prefix_caching))
-    req.num_computed = hit.num_tokens
+    n = hit.num_tokens
+    if self.tiering is not None:
+      n = self.tiering.on_admit(req, n)
+    req.num_computed = n
     if req.num_preemptions == 0:
-      req.hit_tokens = hit.num_tokens
+      req.hit_tokens = n
     else:
-      req.readmit_hit_tokens += hit.num_tokens
-    return hit.num_tokens
+      req.readmit_hit_tokens += n
+    return n
 
   def _track_usage(self):
     for g in self.cache_manager.groups:
@@ -175,12 +181,14 @@ class Engine:
     if not preempted:
       while self.waiting and len(self.running) < self.ec.max_num_seqs and budget > 0:
         req = self.waiting[0]
-        self._admit(req)
+        hit = self._admit(req)
         n = min(req.num_pending, budget, self.ec.chunk_size)
         tables = self.cache_manager.allocate_for(req.rid, n)
         if not tables:
           self.cache_manager.free(req.rid)
           req.num_computed = 0
+          if req.num_preemptions:       # a failed admission reuses nothing: count only the one that succeeds
+            req.readmit_hit_tokens -= hit
           if not self.running and not scheduled:
             self.waiting.popleft()
             self._reject(req, "the KV block pool is too small for this request even when it runs alone")
@@ -220,6 +228,8 @@ class Engine:
     scheduled = self.schedule()
     if not scheduled:
       return []
+    if self.tiering is not None:
+      self.tiering.before_run(scheduled)
     rows = []
     for req, n in scheduled:
       tables = self._tables.pop(req.rid)
@@ -258,6 +268,8 @@ class Engine:
         self._finish(req, "length")
         done.append(req)
     self.stats["steps"] += 1
+    if self.tiering is not None:
+      self.tiering.after_step(scheduled)
     return done
 
   def compile_report(self) -> dict:

@@ -22,6 +22,11 @@ Batch-invariant mode (`batch_invariant=True`): every token of the step goes thro
 run per row at a fixed shape too. No reduction in a request's math then depends on what else shares the step or
 on how its prompt was chunked, so its logits are bitwise reproducible (at the cost of per-token work; measured in
 benchmarks/engine_bench.py).
+
+With a `mesh` (dsv4.sharding), the step runs sharded through `sharding.jit_forward` on the padded [max_num_seqs, T]
+layout with max_model_len-wide tables (params and pools carry the rule shardings, batch rows split over `data`,
+experts expert-parallel, logits replicated so every process samples the same tokens); sampling then runs in the
+jitted sampler on those logits. The block pools are one pool for all data shards (replicated over `data`).
 """
 
 from __future__ import annotations
@@ -33,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4 import caches, model
+from dsv4 import caches, model, sharding
 from dsv4.config import ModelConfig
-from dsv4.engine.sampling import SamplingParams, sample_rows_impl
+from dsv4.engine.sampling import SamplingParams, sample_rows, sample_rows_impl
 from pallas_kernels import dispatch
 
 _HI = jax.lax.Precision.HIGHEST
@@ -169,6 +174,16 @@ def invariant_step(params, cache, buf, *, config, layout, kernel_cfg, shape: Inv
   return cache, toks, (logits if record_logits else None)
 
 
+def _last_token_step(params, config, layout, kernel_cfg, tokens_BxT, cache, index):
+  """Padded-layout step for the sharded path: logits at each row's last computed token."""
+  cache, h_BxTxD, _ = model.forward_aux(params, config, tokens_BxT, cache, index, layout=layout,
+                                        kernel_cfg=kernel_cfg, return_hidden=True)
+  last = jnp.maximum(index.num_tokens_B - 1, 0)
+  h_last = jnp.take_along_axis(h_BxTxD, last[:, None, None], axis=1)[:, 0]
+  logits = jnp.dot(h_last, params["lm_head"], precision=_HI)
+  return cache, logits
+
+
 @dataclasses.dataclass
 class Row:
   """One request's work in a step, as the engine hands it to the runner."""
@@ -184,7 +199,8 @@ class ModelRunner:
   def __init__(self, params, config: ModelConfig, layout: caches.CacheLayout, *, num_swa_blocks: int,
                num_full_blocks: int, max_num_seqs: int, chunk_size: int, max_model_len: int,
                kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), batch_invariant: bool = False,
-               record_logits: bool = False, min_table_tokens: int = 4096, max_num_batched_tokens: int = 512):
+               record_logits: bool = False, min_table_tokens: int = 4096, max_num_batched_tokens: int = 512,
+               mesh=None, rules: sharding.Rules = sharding.Rules()):
     self.params, self.config, self.layout, self.kernel_cfg = params, config, layout, kernel_cfg
     self.max_num_seqs, self.chunk_size = max_num_seqs, chunk_size
     self.batch_invariant, self.record_logits = batch_invariant, record_logits
@@ -196,7 +212,18 @@ class ModelRunner:
     # at least min_table_tokens, so small engines compile a single width.
     need = max([config.indexer.topk * p.ratio for p in config.layer_plan() if p.has_index_query] + [1])
     self.min_full_width = min(self.max_full_width, caches.blocks_for(max(need, min_table_tokens), fb))
-    self.cache = caches.init_cache(config, layout, num_swa_blocks, num_full_blocks)
+    self.shapes_run: set = set()      # distinct step shapes used (a new one means a compile; tiering reads it)
+    self.mesh = mesh
+    if mesh is None:
+      self.cache = caches.init_cache(config, layout, num_swa_blocks, num_full_blocks)
+    else:
+      self._sharded_step, self.shardings = sharding.jit_forward(
+          config, mesh, rules, layout=layout, batch=max_num_seqs, num_swa_blocks=num_swa_blocks,
+          num_full_blocks=num_full_blocks, kernel_cfg=kernel_cfg, step_fn=_last_token_step)
+      self.params = sharding.put(params, self.shardings["params"])
+      # Built straight into its shards (no host copy), so it also works when no process sees the whole mesh.
+      self.cache = jax.jit(lambda: caches.init_cache(config, layout, num_swa_blocks, num_full_blocks),
+                           out_shardings=self.shardings["cache"])()
     # Persistent per-slot block-table rows (host), synced incrementally.
     S = max_num_seqs
     self.swa_host = np.full((S, self.max_swa_width), -1, np.int32)
@@ -296,9 +323,12 @@ class ModelRunner:
     per row [len(rows)], logits per row [len(rows), V] when record_logits else None). Rows whose sample is not
     wanted (mid-prompt chunks) are simply ignored by the caller."""
     assert 0 < len(rows) <= self.max_num_seqs
+    if self.mesh is not None:
+      return self._run_sharded(rows)
     kw = dict(config=self.config, layout=self.layout, kernel_cfg=self.kernel_cfg, record_logits=self.record_logits)
     if self.batch_invariant:
       shape, buf = self._invariant(rows)
+      self.shapes_run.add(shape)
       (dev,) = jax.device_put([buf])
       self.stats["device_puts"] += 1
       self.cache, toks, logits = invariant_step(self.params, self.cache, dev, shape=shape, **kw)
@@ -323,6 +353,7 @@ class ModelRunner:
     self.stats["device_puts"] += 1
     outs = []
     for (n, shape, _), dev in zip(groups, devs):
+      self.shapes_run.add(shape)
       self.cache, toks, logits = group_step(self.params, self.cache, dev, shape=shape, **kw)
       outs.append((n, toks, logits))
     fetched = jax.device_get([(t, l) for _, t, l in outs])  # the sampled tokens: one device->host transfer
@@ -335,6 +366,35 @@ class ModelRunner:
     inv = np.empty(len(order), np.int64)
     inv[np.asarray(order)] = np.arange(len(order))
     return toks[inv], (None if logits is None else logits[inv])
+
+  def _run_sharded(self, rows: list[Row]):
+    """Mesh path: the padded layout with full-width tables, then the jitted sampler on the replicated logits."""
+    B = self.max_num_seqs
+    T = 1 if all(len(r.tokens) == 1 for r in rows) else self.chunk_size
+    tokens = np.zeros((B, T), np.int32)
+    start = np.zeros(B, np.int32)
+    num = np.zeros(B, np.int32)
+    slots = np.array([r.slot for r in rows], np.int64)
+    swa = np.full((B, self.max_swa_width), -1, np.int32)
+    full = np.full((B, self.max_full_width), -1, np.int32)
+    swa[: len(rows)] = self.swa_host[slots]
+    full[: len(rows)] = self.full_host[slots]
+    a = {"temperature": np.zeros(B, np.float32), "top_k": np.zeros(B, np.int32), "top_p": np.ones(B, np.float32),
+         "seed": np.zeros(B, np.uint32), "step": np.zeros(B, np.int32)}
+    for b, r in enumerate(rows):
+      tokens[b, : len(r.tokens)] = r.tokens
+      start[b], num[b] = r.start, len(r.tokens)
+      self._sampling(a, b, r)
+    self.shapes_run.add((B, T))
+    sh = self.shardings
+    index = sharding.put(caches.BatchIndex(start, num, swa, full), sh["index"])
+    self.cache, logits = self._sharded_step(self.params, sharding.put(tokens, sh["tokens"]), self.cache, index)
+    logits = logits.addressable_data(0)  # replicated: this process's copy, a plain one-device array
+    toks = sample_rows(logits, *jax.device_put([a["temperature"], a["top_k"], a["top_p"], a["seed"], a["step"]]))
+    toks, logits = jax.device_get((toks, logits if self.record_logits else None))
+    self.stats["steps"] += 1
+    n = len(rows)
+    return np.asarray(toks)[:n], (None if logits is None else np.asarray(logits)[:n])
 
   def jitted_functions(self) -> dict:
     return {"group_step": group_step, "invariant_step": invariant_step}
