@@ -200,10 +200,11 @@ class ModelRunner:
                num_full_blocks: int, max_num_seqs: int, chunk_size: int, max_model_len: int,
                kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), batch_invariant: bool = False,
                record_logits: bool = False, min_table_tokens: int = 4096, max_num_batched_tokens: int = 512,
-               mesh=None, rules: sharding.Rules = sharding.Rules()):
+               mesh=None, rules: sharding.Rules = sharding.Rules(), split_groups: bool = True):
     self.params, self.config, self.layout, self.kernel_cfg = params, config, layout, kernel_cfg
     self.max_num_seqs, self.chunk_size = max_num_seqs, chunk_size
     self.batch_invariant, self.record_logits = batch_invariant, record_logits
+    self.split_groups = split_groups   # False: every row padded to chunk_size in one program (the old layout; benchmarks)
     self.max_num_batched_tokens = max_num_batched_tokens
     sb, fb = layout.swa_block_tokens, layout.full_block_tokens
     self.max_full_width = caches.blocks_for(max_model_len, fb)
@@ -343,8 +344,12 @@ class ModelRunner:
     order = [i for i, r in enumerate(rows) if len(r.tokens) == 1] + [i for i, r in enumerate(rows)
                                                                       if len(r.tokens) > 1]
     groups = []
-    dec = [rows[i] for i in order if len(rows[i].tokens) == 1]
-    pre = [rows[i] for i in order if len(rows[i].tokens) > 1]
+    if not self.split_groups and any(len(r.tokens) > 1 for r in rows):
+      order = list(range(len(rows)))
+      dec, pre = [], list(rows)
+    else:
+      dec = [rows[i] for i in order if len(rows[i].tokens) == 1]
+      pre = [rows[i] for i in order if len(rows[i].tokens) > 1]
     if dec:
       groups.append((len(dec), *self._group(dec, 1, ws, wf)))
     if pre:
