@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4 import caches
+from dsv4 import caches, sharding
 from dsv4.config import LayerPlan, ModelConfig
 from dsv4.layers import engram as engram_mod
 from dsv4.layers import mhc, moe
@@ -209,7 +209,7 @@ def forward_aux(params, config: ModelConfig, tokens_BxT, cache: caches.ModelCach
   """Like `forward`, plus a per-layer aux list (indexer picks and scores when collect_aux)."""
   ctx = _context(tokens_BxT, index, layout)
   tokens = jnp.clip(tokens_BxT.astype(jnp.int32), 0, config.vocab_size - 1)  # range is checked by the callers
-  h = params["embed"][tokens]
+  h = sharding.constrain_batch(params["embed"][tokens])  # no-op without a mesh (dsv4/sharding.py)
   X = jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], config.mhc.hc_mult, h.shape[-1]))
   new_layers, auxes = [], []
   if config.single_pass_mhc:

@@ -22,6 +22,7 @@ from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
 from dsv4 import caches
 from dsv4.config import ModelConfig
+from dsv4.engine import schema
 from dsv4.engine.request import Request, RequestOutput, Status
 from dsv4.engine.runner import ModelRunner
 from dsv4.engine.sampling import SamplingParams, sample
@@ -51,7 +52,9 @@ class EngineConfig:
 
 class Engine:
 
-  def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig()):
+  def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *, mesh=None,
+               rules=None):
+    """mesh / rules: run the model step sharded on a device mesh (dsv4.sharding); None = one device."""
     engine_config.validate()
     self.config, self.ec = config, engine_config
     ec = engine_config
@@ -60,7 +63,8 @@ class Engine:
                                         model_id=ec.model_id)
     self.runner = ModelRunner(params, config, ec.layout, num_swa_blocks=ec.num_swa_blocks,
                               num_full_blocks=ec.num_full_blocks, max_num_seqs=ec.max_num_seqs,
-                              chunk_size=ec.chunk_size, max_model_len=ec.max_model_len, kernel_cfg=ec.kernel)
+                              chunk_size=ec.chunk_size, max_model_len=ec.max_model_len, kernel_cfg=ec.kernel,
+                              mesh=mesh, **({} if rules is None else {"rules": rules}))
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.requests: dict[str, Request] = {}
@@ -84,22 +88,16 @@ class Engine:
     """Queue a request. Bad input is rejected with a clear per-request error; nothing else is affected."""
     if rid in self.requests:
       raise ValueError(f"duplicate request id {rid!r}")
+    # The one request schema (dsv4.engine.schema): types and ranges, nothing coerced, the sampler's limits included.
+    V = self.config.vocab_size
+    bad, prompt_list = None, []
     try:
-      prompt_list = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
-    except (TypeError, ValueError) as e:
-      prompt_list, bad = [], f"prompt is not a sequence of integer token ids ({e})"
-    else:
-      bad = None
+      prompt_list = list(schema.check_prompt(prompt, V))
+      schema.check_sampling(params, V)
+    except schema.RequestError as e:
+      bad = str(e)
     req = Request(rid, prompt_list, params, extra_keys, self.clock() if arrival is None else arrival)
     self.requests[rid] = req
-    V = self.config.vocab_size
-    if bad is None:
-      bad = params.validate()
-    if bad is None and not prompt_list:
-      bad = "empty prompt"
-    if bad is None and any(t < 0 or t >= V for t in prompt_list):
-      t = next(t for t in prompt_list if t < 0 or t >= V)
-      bad = f"token id {t} out of range [0, {V})"
     if bad is None and len(prompt_list) >= self.ec.max_model_len:
       bad = f"prompt of {len(prompt_list)} tokens does not fit max_model_len={self.ec.max_model_len}"
     if bad is None and len(prompt_list) + params.max_tokens > self.ec.max_model_len:
@@ -167,11 +165,13 @@ class Engine:
     if not preempted:
       while self.waiting and len(self.running) < self.ec.max_num_seqs and budget > 0:
         req = self.waiting[0]
-        self._admit(req)
+        hit = self._admit(req)
         n = min(req.num_pending, budget, self.ec.chunk_size)
         if not self.cache_manager.allocate_for(req.rid, n):
           self.cache_manager.free(req.rid)
           req.num_computed = 0
+          if req.num_preemptions:       # a failed admission reuses nothing: count only the one that succeeds
+            req.readmit_hit_tokens -= hit
           if not self.running and not scheduled:
             self.waiting.popleft()
             self._reject(req, "the KV block pool is too small for this request even when it runs alone")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 
 import numpy as np
 
@@ -52,8 +53,8 @@ class Request:
     """With prefix caching off, every admission gets keys nobody else (not even itself later) can match."""
     if prefix_caching:
       return self.extra_keys
-    return dataclasses.replace(self.extra_keys, adapter=f"{self.extra_keys.adapter}|nocache:{self.rid}:"
-                               f"{self.num_preemptions}")
+    # Its own field, JSON-encoded: no request id or adapter string can reproduce another admission's salt.
+    return dataclasses.replace(self.extra_keys, private=json.dumps(["nocache", self.rid, self.num_preemptions]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,14 +25,12 @@ class SamplingParams:
   ignore_eos: bool = False
 
   def validate(self) -> str | None:
-    if self.max_tokens < 1:
-      return f"max_tokens must be >= 1, got {self.max_tokens}"
-    if self.temperature < 0:
-      return f"temperature must be >= 0, got {self.temperature}"
-    if self.top_k < 0:
-      return f"top_k must be >= 0, got {self.top_k}"
-    if not 0.0 < self.top_p <= 1.0:
-      return f"top_p must be in (0, 1], got {self.top_p}"
+    """The error message, or None; the rules (types, ranges, the sampler's limits) are in dsv4.engine.schema."""
+    from dsv4.engine import schema   # schema imports this module
+    try:
+      schema.check_sampling(self)
+    except schema.RequestError as e:
+      return str(e)
     return None
 
 

@@ -66,10 +66,13 @@ def _emit_slots(ctx: StepContext, entry_BxE, ratio: int):
 
 
 def compress_step(p, x_BxTxD, spec: CompressorSpec, ctx: StepContext, state: dict | None, out_pool,
-                  inv_freq, eps: float, state_prefix: str = "comp_state", return_latent: bool = False):
+                  inv_freq, eps: float, state_prefix: str = "comp_state", return_latent: bool = False,
+                  quantize_rows=None):
   """Runs one chunk through a compressor. Returns (updated state pools {name: pool}, new out pool), plus, with
   `return_latent`, (pre-RoPE latent [B,E,w], entry ids [B,E], full-group slots [B,E] (-1: not emitted)) of the
-  entries considered in this chunk: V4.1 derives its index keys from that latent (spec §2.4)."""
+  entries considered in this chunk: V4.1 derives its index keys from that latent (spec §2.4). `quantize_rows`
+  (V4.1 quantized cache) is applied to the post-RoPE rows before they are stored."""
+  q_rows = quantize_rows or (lambda r: r)
   m, w = spec.ratio, spec.width
   a, z = project(p, x_BxTxD, spec, ctx.pos_BxT)
 
@@ -77,7 +80,7 @@ def compress_step(p, x_BxTxD, spec: CompressorSpec, ctx: StepContext, state: dic
     # Ratio 1: every token is its own entry, no pooling state.
     entry = ctx.pos_BxT
     latent = rms_norm(a, p["norm"], eps)
-    rows = apply_rope(latent, entry * m, inv_freq)
+    rows = q_rows(apply_rope(latent, entry * m, inv_freq))
     slots = _emit_slots(ctx, jnp.where(ctx.valid_BxT, entry, -1), m)
     if return_latent:
       return {}, caches.write_rows(out_pool, slots, rows), (latent, entry, slots)
@@ -118,7 +121,7 @@ def compress_step(p, x_BxTxD, spec: CompressorSpec, ctx: StepContext, state: dic
   pooled = jnp.sum(jnp.where(any_ok, probs, 0.0) * kv_w, axis=2)          # [B, E, w]
   entry_BxE = first_entry_B[:, None] + jnp.arange(n_entries)[None, :]
   latent = rms_norm(pooled, p["norm"], eps)
-  rows = apply_rope(latent, entry_BxE * m, inv_freq)
+  rows = q_rows(apply_rope(latent, entry_BxE * m, inv_freq))
   slots = _emit_slots(ctx, entry_BxE, m)
   if return_latent:
     return state, caches.write_rows(out_pool, slots, rows), (latent, entry_BxE, slots)
