@@ -5,7 +5,7 @@ Part A — more sessions than the device holds (seed §6: long shared documents 
 back). 8 sessions over 2 shared 1024-token documents, 3 turns each, submitted one at a time round-robin, so every
 session comes back after 7 others have run; the device pool holds ~1.5 sessions. Same engine config and workload
 with tiers off / L2 (host) / L2+L3 (host, disk) / L2+L3+L4 (host, disk, Redis), host and disk capacities limited
-(1/2 and 2 sessions' worth) so each lower tier has something to add. Cost model on (policy auto).
+(1/2 and 1 session's worth) so each lower tier has something to add. Cost model on (policy auto).
 
 Part B — one resumed session of 8k and 32k tokens: TTFT of the next turn when its prefix is reloaded from each tier
 (host, disk, Redis, Mooncake; device cache dropped) vs recomputed, and the cost model's choice (with the speeds
@@ -71,7 +71,7 @@ def part_a(cfg, params, redis_url, tmp):
     tc = None
     if tiers:
       disk = os.path.join(tmp, f"disk_{name}")
-      caps = (sess_bytes // 2, 2 * sess_bytes, 1 << 34)[:len(tiers)]
+      caps = (sess_bytes // 2, sess_bytes, 1 << 34)[:len(tiers)]
       tc = TieringConfig(tiers=tiers, disk_dir=disk, store_url=redis_url.replace("/0", f"/{len(rows) + 3}"),
                          capacity_bytes=caps, policy="auto", engine_id=name)
     eng = Engine(params, cfg, dataclasses.replace(ec, tiering=tc))

@@ -469,7 +469,10 @@ class Tiering:
       raise RuntimeError("drop_device_cache: requests still hold blocks")
     self._process_events()
     ec = self.engine.ec
-    self.runner.cache = caches.init_cache(self.engine.config, ec.layout, ec.num_swa_blocks, ec.num_full_blocks)
+    fresh = caches.init_cache(self.engine.config, ec.layout, ec.num_swa_blocks, ec.num_full_blocks)
+    if getattr(self.runner, "mesh", None) is not None:      # keep the sharded runner's pool layout
+      fresh = jax.device_put(fresh, self.runner.shardings["cache"])
+    self.runner.cache = fresh
     return self.stats["demoted_blocks"] - before
 
   def flush(self) -> None:
