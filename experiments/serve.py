@@ -4,6 +4,10 @@
     python -m experiments.serve --model=v41_retrieval    # or v4_count (its own counting task)
     python -m experiments.serve --requests=reqs.jsonl    # one JSON object per line, see dsv4/engine/schema.py:
         {"id": "a", "prompt": [0, 5, ...], "max_tokens": 1, "expected": [41], "tenant": "t1", "session": "s1", ...}
+    python -m experiments.serve --mesh=data:2,tensor:2,expert:2 --num_cpu_devices=8   # sharded step (CPU)
+    # one process per host under jax.distributed (here: 2 processes x 4 CPU devices on one machine)
+    python -m experiments.serve --mesh=data:2,tensor:2,expert:2 --num_cpu_devices=4 \
+        --coordinator=127.0.0.1:12345 --num_processes=2 --process_id=0 --out_dir=out/p0   # and process_id=1
 
 The default workload ("task") asks the model questions in its own training format (experiments/task_workloads.py):
 multi-turn sessions over long shared documents, so prefix reuse happens naturally and each output is graded
@@ -45,6 +49,17 @@ flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget per step.")
 flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output).")
 flags.DEFINE_integer("num_full_blocks", 128, "Full-history blocks (128 tokens each).")
 flags.DEFINE_integer("num_swa_blocks", 256, "SWA blocks (32 tokens each).")
+flags.DEFINE_string("mesh", "", "Device mesh for the model step, e.g. data:2,tensor:2,expert:2 ('' = one device).")
+flags.DEFINE_enum("kv_latent", "replicated", ["replicated", "feature"], "Shard the K=V latent pools over tensor?")
+flags.DEFINE_integer("num_cpu_devices", 0, "On the CPU: host devices per process (0 = JAX default).")
+flags.DEFINE_string("coordinator", "", "host:port of the jax.distributed coordinator ('' = single process).")
+flags.DEFINE_integer("num_processes", 1, "Processes under jax.distributed.")
+flags.DEFINE_integer("process_id", 0, "This process's id under jax.distributed.")
+flags.DEFINE_string("kv_tiers", "", "KV tiers below the device, fastest first, e.g. 'host,disk,redis' "
+                    "(host, disk, redis, mooncake; '' = device only).")
+flags.DEFINE_string("kv_disk_dir", "", "Directory of the disk tier (one file per record).")
+flags.DEFINE_string("kv_store_url", "", "Shared store of the redis / mooncake tier: redis://127.0.0.1:6379/0 or "
+                    "mooncake://127.0.0.1:<rpc port>?metadata=http://127.0.0.1:<port>/metadata.")
 flags.DEFINE_string("compilation_cache_dir", "", "Persistent XLA compilation cache directory (opt-in; '' = off): "
                     "the step programs then compile once per machine instead of once per run.")
 
@@ -167,6 +182,16 @@ def format_table(summary: dict) -> str:
   return "\n".join([line] + [f"| {k:<{w}} | {v:>12} |" for k, v in rows] + [line])
 
 
+def init_devices():
+  """CPU device count and jax.distributed must be set up before JAX touches a backend."""
+  import jax
+  if FLAGS.num_cpu_devices:
+    jax.config.update("jax_num_cpu_devices", FLAGS.num_cpu_devices)
+  if FLAGS.coordinator:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on the CPU
+    jax.distributed.initialize(FLAGS.coordinator, num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+
+
 def main(argv):
   del argv
   if not FLAGS["verbosity"].present:
@@ -176,12 +201,15 @@ def main(argv):
                          "128 (the full-attention block size)")
   from tqdm import tqdm
 
+  init_devices()
+
   from dsv4.engine import workloads
   from dsv4.engine.api import WorkloadReport, grade, run_workload
   from dsv4.engine.engine import Engine, EngineConfig
   from dsv4.engine.request import RequestOutput
   from experiments import task_workloads
   from experiments.tasks import KVRecallSpec
+  from dsv4.engine.tiering import TieringConfig
   if FLAGS.compilation_cache_dir:
     import jax
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(FLAGS.compilation_cache_dir))
@@ -194,7 +222,8 @@ def main(argv):
                     chunk_size=FLAGS.chunk_size, max_model_len=FLAGS.max_model_len,
                     num_full_blocks=FLAGS.num_full_blocks, num_swa_blocks=FLAGS.num_swa_blocks,
                     enable_prefix_caching=FLAGS.prefix_caching, retention_interval=FLAGS.retention_interval,
-                    model_id=cfg.name)
+                    model_id=cfg.name,
+                    tiering=TieringConfig.from_flags(FLAGS.kv_tiers, FLAGS.kv_disk_dir, FLAGS.kv_store_url))
   refused, order, stops = [], None, {}
   tok = load_tokenizer(FLAGS.checkpoint)
   if FLAGS.requests:
@@ -204,7 +233,11 @@ def main(argv):
     wl = task_workloads.for_task(spec if spec is not None else KVRecallSpec(), seed=FLAGS.seed)
   else:
     wl = workloads.make(FLAGS.workload, cfg.vocab_size, seed=FLAGS.seed)
-  engine = Engine(params, cfg, ec)
+  mesh = rules = None
+  if FLAGS.mesh:
+    from dsv4 import sharding
+    mesh, rules = sharding.make_mesh(FLAGS.mesh), sharding.Rules(kv_latent=FLAGS.kv_latent)
+  engine = Engine(params, cfg, ec, mesh=mesh, rules=rules)
   with tqdm(total=wl.num_requests + len(refused), desc=f"{cfg.name} {wl.name}", unit="req") as bar:
     bar.update(len(refused))
     report = run_workload(engine, wl, progress=bar.update)
@@ -245,9 +278,19 @@ def main(argv):
       f.write(json.dumps(rec) + "\n")
   summary = report.summary()
   summary["compiled_step_shapes"] = len(engine.runner.shapes_run)
+  tiers = None
+  if engine.tiering is not None:
+    engine.tiering.flush()
+    tiers = engine.tiering.summary()
+    summary["tier_hit_tokens"] = tiers["tier_hit_tokens"]
+    for t in tiers["tiers"]:
+      for k in ("hit_tokens", "bytes_read", "bytes_written", "load_ms_p50", "load_ms_p99", "rejected", "failures"):
+        summary[f"{t['tier']}_{k}"] = t.get(k, 0)
+    engine.tiering.close()
   with open(os.path.join(FLAGS.out_dir, "metrics.json"), "w") as f:
     json.dump({"model": cfg.name, "workload": wl.name, "engine": {k: str(v) for k, v in vars(ec).items()},
-               "summary": summary}, f, indent=2)
+               "mesh": FLAGS.mesh, "process": [FLAGS.process_id, FLAGS.num_processes],
+               "summary": summary, "tiers": tiers}, f, indent=2, default=str)
   for o in report.outputs:
     if o.error:
       print(f"request {o.rid}: error: {o.error}")

@@ -114,8 +114,14 @@ def _read_blocks(cache, names, ids_N):
   return tuple(cache.layers[l][n][ids_N] for l, n in names)
 
 
+_BUCKETS = (8, 64, 512)   # id-array widths of the copy programs: at most three compiles per group and direction
+
+
 def _bucket(n: int) -> int:
-  return max(8, 1 << (n - 1).bit_length())
+  for b in _BUCKETS:
+    if n <= b:
+      return b
+  return -(-n // _BUCKETS[-1]) * _BUCKETS[-1]
 
 
 class Tiering:
@@ -234,8 +240,8 @@ class Tiering:
       if not first.contains_many([ident.key])[0]:
         by_group.setdefault(g, []).append((b, ident))
     for g, items in by_group.items():
-      for lo in range(0, len(items), 256):
-        part = items[lo:lo + 256]
+      for lo in range(0, len(items), _BUCKETS[-1]):
+        part = items[lo:lo + _BUCKETS[-1]]
         ids = np.full(_bucket(len(part)), 0, np.int32)
         ids[:len(part)] = [b for b, _ in part]
         rows = [np.asarray(x) for x in _read_blocks(self.runner.cache, self.names[g], jnp.asarray(ids))]
@@ -246,14 +252,25 @@ class Tiering:
           self.stats["demoted_blocks"] += 1
 
   # ---------------------------------------------------------------------------------------------- engine hooks
+  def warmup(self) -> None:
+    """Compile the device copy programs for every bucket now (benchmarks: keeps compiles out of TTFT)."""
+    for g in self.groups:
+      nb = self.runner.cache.layers[self.names[g][0][0]][self.names[g][0][1]].shape[0]
+      for n in _BUCKETS:
+        ids = jnp.full((n,), nb, jnp.int32)                 # out of range: reads clamp, writes are dropped
+        rows = _read_blocks(self.runner.cache, self.names[g], ids)
+        self.runner.cache = _write_blocks(self.runner.cache, self.names[g], ids, rows)
+    jax.block_until_ready(self.runner.cache)
+
   def before_run(self, scheduled) -> None:
     self._process_events()
-    self._step_t0 = (time.perf_counter(), sum(n for _, n in scheduled), any(n > 1 for _, n in scheduled))
+    self._step_t0 = (time.perf_counter(), sum(n for _, n in scheduled), any(n > 1 for _, n in scheduled),
+                     len(self.runner.shapes_run))
 
   def after_step(self, scheduled) -> None:
     if self._step_t0 is not None:
-      t0, toks, prefill = self._step_t0
-      if prefill:
+      t0, toks, prefill, shapes = self._step_t0
+      if prefill and len(self.runner.shapes_run) == shapes:   # a step that compiled says nothing about the rate
         self.cost.observe_prefill(toks, time.perf_counter() - t0)
       self._step_t0 = None
     for req, _ in scheduled:
@@ -321,7 +338,7 @@ class Tiering:
       plan[t] = (1, b + sum(a.nbytes for a in self.manifest[ident.group]))
     dec = self.cost.decide(plan, best - h1, self.store.backlog_bytes())
     self.decisions.append({"rid": req.rid, "h1": h1, "P": best, "load_s": dec.load_s, "recompute_s": dec.recompute_s,
-                           "load": dec.load or self.tc.policy == "load"})
+                           "cost_model_load": dec.load, "plan": plan})
     if self.tc.policy == "auto" and not dec.load:
       self.stats["chose_recompute"] += 1
       return h1
@@ -329,10 +346,7 @@ class Tiering:
     budget = dec.budget_s if self.tc.policy == "auto" else self.tc.load_timeout_s
     t_start = time.perf_counter()
     deadline = time.monotonic() + budget
-    if not self.mgr.allocate_for(req.rid, best - h1):
-      self.stats["no_room"] += 1
-      return h1
-    self._process_events()          # demote what that allocation evicted before we overwrite it
+    # Fetch and verify first (into host memory), then allocate exactly what the verified point needs.
     arrays, src = self._fetch_verified(plan_ids, locs, deadline)
     # The largest point whose records all arrived and verified (degrade: never resume on incomplete state).
     P2 = h1
@@ -346,7 +360,11 @@ class Tiering:
     if P2 == h1:
       return h1
     nfull, nswa = self._required(h1, P2, len(toks))
-    tables = self.mgr.block_tables(req.rid)
+    tables = self.mgr.extend_for_load(req.rid, P2, nswa)
+    if not tables:
+      self.stats["no_room"] += 1
+      return h1
+    self._process_events()          # demote what that allocation evicted before we overwrite it
     self._write({caches.FULL: [(int(tables.full[j]), arrays[full_ids[j - j0].key]) for j in range(j0, nfull)],
                  caches.SWA: [(int(tables.swa[j]), arrays[swa_ids[j].key]) for j in sorted(nswa)]})
     self.mgr.commit(req.rid, P2)

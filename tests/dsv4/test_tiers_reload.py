@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from cache.tiers.servers import RedisServer, free_port
+from cache.tiers.servers import MooncakeServer, RedisServer, free_port
 from dsv4 import config as C
 from dsv4 import model
 from dsv4.engine.api import generate
@@ -38,6 +38,13 @@ RESUME = 256
 @pytest.fixture(scope="module")
 def redis_server():
   s = RedisServer()
+  yield s
+  s.stop()
+
+
+@pytest.fixture(scope="module")
+def mooncake_server():
+  s = MooncakeServer(segment="256MB")
   yield s
   s.stop()
 
@@ -115,6 +122,30 @@ def test_reload_gate_every_tier(world):
   # a fresh engine (empty device) per lower tier
   for tier in ("disk", "redis"):
     eng = world.engine((tier,), engine_id=f"reload-{tier}")
+    r = world.turn2(eng)
+    assert r.hit_tokens == RESUME, (tier, eng.tiering.summary())
+    assert _hits(eng, tier)[0] > 0 and _hits(eng, tier)[1] > 0, tier
+    assert eng.tiering.stats["rejected_records"] == 0
+    world.check_same(r)
+    eng.tiering.close()
+
+
+def test_reload_gate_mooncake(world, mooncake_server):
+  """The second L4 backend: engine A's records (same bytes, same keys) placed in Mooncake Store, then a fresh
+  engine whose only tier is Mooncake resumes the conversation from it."""
+  import redis
+  from cache.tiers.mooncake_store import MooncakeBackend
+  world.A.tiering.store.drain()
+  src = redis.Redis.from_url(world.url)
+  mc = MooncakeBackend(mooncake_server.url)
+  n = 0
+  for k in src.scan_iter("dsv4kv:*"):
+    mc.put(k.decode(), src.get(k))
+    n += 1
+  mc.close()
+  assert n > 0
+  for tier in ("mooncake",):
+    eng = world.engine((tier,), store_url=mooncake_server.url, engine_id="reload-mooncake")
     r = world.turn2(eng)
     assert r.hit_tokens == RESUME, (tier, eng.tiering.summary())
     assert _hits(eng, tier)[0] > 0 and _hits(eng, tier)[1] > 0, tier

@@ -128,3 +128,27 @@ def test_indexer_num_keys(backend):
   assert np.all(np.isinf(got[0, :, 5:])) and np.all(np.isinf(got[1, :, 17:]))
   ids = np.asarray(dispatch.indexer_topk(q, w, kp, rows, nv, 6, cfg=cfg, num_keys_B=nk))
   assert ids.shape == (B, T, 6) and ids[0].max() < 5 and ids[1].max() < 17
+
+
+def test_auto_needs_a_recorded_validation(tmp_path, monkeypatch):
+  """'auto' on a GPU uses a kernel only after the GPU check recorded it for this JAX version + device kind."""
+  path = str(tmp_path / "validations.json")
+  monkeypatch.setattr(dispatch, "VALIDATIONS_PATH", path)
+  monkeypatch.setattr(dispatch, "is_validated", lambda op, path=path: dispatch._validated(
+      op, jax.__version__, dispatch._device_kind(), path))
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  auto = dispatch.KernelConfig()
+  assert dispatch._resolve(auto, "sparse_attention") is None  # no record: XLA
+  dispatch.record_validation("sparse_attention", False, {"err_over_tol": 3.0}, path=path)
+  assert dispatch._resolve(auto, "sparse_attention") is None  # failed check: XLA
+  dispatch.record_validation("sparse_attention", True, {"err_over_tol": 0.2}, path=path)
+  assert dispatch._resolve(auto, "sparse_attention") == {"interpret": False}
+  assert dispatch._resolve(auto, "indexer_scores") is None  # validated per op
+  assert len(dispatch.load_validations(path)) == 1  # the record was replaced, not duplicated
+  with open(path) as f:
+    text = f.read().replace(jax.__version__, "0.0.1")
+  with open(path, "w") as f:
+    f.write(text)
+  dispatch._validated.cache_clear()
+  assert dispatch._resolve(auto, "sparse_attention") is None  # another JAX version: check again
+  assert dispatch._resolve(dispatch.KernelConfig("pallas"), "sparse_attention") == {"interpret": False}

@@ -209,3 +209,22 @@ def test_cost_model_picks_the_cheaper_path():
   assert not d.load and d.budget_s <= cm.max_load_s
   cm.observe_prefill(100, 1.0)
   assert cm.prefill_tps == 100.0 and cm.recompute_seconds(100) == pytest.approx(1.0)
+
+
+def test_mooncake_tier_roundtrip_and_server_gone():
+  from cache.tiers.mooncake_store import MooncakeBackend
+  from cache.tiers.servers import MooncakeServer
+  with MooncakeServer(segment="64MB") as s:
+    t = Tier(MooncakeBackend(s.url), TierPolicy(retry_after_s=0.2))
+    store = TieredStore([t], write_behind=WriteBehind(8))
+    data, arrs, exp = _record()
+    store.put("dsv4kv:m1", data, tenant="tenant-x")
+    store.drain()
+    assert t.metrics["stored"] == 1 and store.locate(["dsv4kv:m1", "dsv4kv:none"]) == [[0], []]
+    got = store.fetch({0: ["dsv4kv:m1", "dsv4kv:none"]}, time.monotonic() + 5)
+    assert list(got) == ["dsv4kv:m1"] and got["dsv4kv:m1"][1] == 0
+    assert all(np.array_equal(a, b) for a, b in zip(R.decode(got["dsv4kv:m1"][0], exp), arrs))
+    t2 = Tier(MooncakeBackend(s.url))                 # a second client (another engine) sees the record
+    assert t2.get_many(["dsv4kv:m1"]) == [data]
+    t2.close()
+    store.close()
