@@ -4,7 +4,7 @@
     python -m experiments.serve --model=v41_retrieval    # or v4_count (its own counting task)
     python -m experiments.serve --requests=reqs.jsonl    # one JSON object per line, see dsv4/engine/schema.py:
         {"id": "a", "prompt": [0, 5, ...], "max_tokens": 1, "expected": [41], "tenant": "t1", "session": "s1", ...}
-    python -m experiments.serve --mesh=data:2,tensor:2,expert:2 --num_cpu_devices=8   # sharded step (CPU)
+    python -m experiments.serve --mesh=data:2,tensor:2,expert:2      # sharded step (CPU: 8 host devices)
     # one process per host under jax.distributed (here: 2 processes x 4 CPU devices on one machine)
     python -m experiments.serve --mesh=data:2,tensor:2,expert:2 --num_cpu_devices=4 \
         --coordinator=127.0.0.1:12345 --num_processes=2 --process_id=0 --out_dir=out/p0   # and process_id=1
@@ -55,7 +55,8 @@ flags.DEFINE_enum("kv_dtype", "fp32", ["fp32", "bf16"], "Storage dtype of the KV
                   "keys); compressor state stays fp32.")
 flags.DEFINE_string("mesh", "", "Device mesh for the model step, e.g. data:2,tensor:2,expert:2 ('' = one device).")
 flags.DEFINE_enum("kv_latent", "replicated", ["replicated", "feature"], "Shard the K=V latent pools over tensor?")
-flags.DEFINE_integer("num_cpu_devices", 0, "On the CPU: host devices per process (0 = JAX default).")
+flags.DEFINE_integer("num_cpu_devices", 0, "On the CPU: host devices per process (0 = the mesh size with --mesh in "
+                     "one process, else JAX's default).")
 flags.DEFINE_string("coordinator", "", "host:port of the jax.distributed coordinator ('' = single process).")
 flags.DEFINE_integer("num_processes", 1, "Processes under jax.distributed.")
 flags.DEFINE_integer("process_id", 0, "This process's id under jax.distributed.")
@@ -189,8 +190,14 @@ def format_table(summary: dict) -> str:
 def init_devices():
   """CPU device count and jax.distributed must be set up before JAX touches a backend."""
   import jax
-  if FLAGS.num_cpu_devices:
-    jax.config.update("jax_num_cpu_devices", FLAGS.num_cpu_devices)
+  n_cpu = FLAGS.num_cpu_devices
+  if FLAGS.mesh and not n_cpu and not FLAGS.coordinator:
+    import math
+
+    from dsv4 import sharding
+    n_cpu = math.prod(sharding.parse_mesh_spec(FLAGS.mesh).values())  # only the CPU backend reads this
+  if n_cpu:
+    jax.config.update("jax_num_cpu_devices", n_cpu)
   if FLAGS.coordinator:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on the CPU
     jax.distributed.initialize(FLAGS.coordinator, num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)

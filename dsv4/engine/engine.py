@@ -64,6 +64,9 @@ class Engine:
   def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *, mesh=None,
                rules=None):
     """mesh / rules: run the model step sharded on a device mesh (dsv4.sharding); None = one device."""
+    if mesh is not None and engine_config.tiering is not None:
+      raise ValueError("Engine: KV tiers (EngineConfig.tiering) are not supported with a mesh yet: the tier glue "
+                       "reads and writes pool blocks of a one-device cache")
     engine_config.validate()
     self.config, self.ec = config, engine_config
     ec = engine_config
