@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4 import caches
+from dsv4 import caches, sharding
 from dsv4.config import LayerPlan, ModelConfig
 from dsv4.layers import engram as engram_mod
 from dsv4.layers import mhc, moe
@@ -198,7 +198,7 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
   ctx = StepContext.from_step(step, layout)
   tokens = jnp.clip(tokens_N.astype(jnp.int32), 0, config.vocab_size - 1)[None]  # range is checked by the callers
   # The flat axis rides as T of a batch of one through the per-token layers (mHC, MoE, Engram).
-  h = params["embed"][tokens]
+  h = sharding.constrain_batch(params["embed"][tokens])  # no-op without a mesh (dsv4/sharding.py)
   X = jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], config.mhc.hc_mult, h.shape[-1]))
   new_layers, auxes = [], []
   if config.single_pass_mhc:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from dsv4 import caches
 from dsv4.config import LayerPlan, ModelConfig
+from dsv4.layers import cache_quant
 from dsv4.layers.compressor import CompressorSpec, StepContext, compress_step
 from dsv4.layers.norms import rms_norm, unweighted_rms_norm
 from dsv4.layers.rope import apply_rope, inv_freq_for
@@ -50,6 +51,8 @@ def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: 
   N = x_NxD.shape[0]
   q = jnp.dot(cq_NxR, p["wq_b"], precision=_HI).reshape(N, ix.num_heads, ix.head_dim)
   q = apply_rope(q, ctx.pos_N[:, None], inv_freq)
+  if config.quantized_cache:  # NeMo: MXFP4 index queries (32 channels) after RoPE
+    q = cache_quant.mxfp4_index(q)
   w = jnp.dot(x_NxD, p["weights_proj"], precision=_HI).astype(jnp.float32)
   w = w * (ix.head_dim ** -0.5) * (ix.num_heads ** -0.5)
   nv = num_visible(ctx, plan.ratio)
@@ -137,6 +140,8 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
 
   # Window KV (K = V): write this step's rows, then read each query's window [t - W + 1, t].
   kv = apply_rope(rms_norm(jnp.dot(x_NxD, p["wkv"], precision=_HI), p["kv_norm"], eps), pos, inv_freq)
+  if config.quantized_cache:  # NeMo: FP8 window KV (32 channels) after RoPE
+    kv = cache_quant.fp8_window_kv(kv)
   cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], ctx.token_slots(), kv)
   win_pos = pos[:, None] - (a.window - 1) + jnp.arange(a.window)[None, :]
   win_idx = caches.row_slots(ctx.swa_table_RxS, ctx.row_N[:, None], win_pos, ctx.swa_block_tokens,
@@ -148,12 +153,15 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
     if plan.has_compressor:
       state, cache_layer["comp_kv"], (lat, ent, slots) = compress_step(
           p["compressor"], x_NxD, kv_compressor_spec(config, plan), ctx, cache_layer.get("comp_state"),
-          cache_layer["comp_kv"], inv_freq, eps, return_latent=True)
+          cache_layer["comp_kv"], inv_freq, eps, return_latent=True,
+          quantize_rows=cache_quant.nvfp4_compressed_kv if config.quantized_cache else None)
       if state is not None:
         cache_layer["comp_state"] = state
       if plan.has_index_keys:
         keys = rms_norm(jnp.dot(lat, p["indexer"]["wk"], precision=_HI), p["indexer"]["k_norm"], eps)
         keys = apply_rope(keys, ent * plan.ratio, inv_freq)
+        if config.quantized_cache:  # NeMo: MXFP4 index keys (32 channels) after RoPE
+          keys = cache_quant.mxfp4_index(keys)
         cache_layer["index_keys"] = caches.write_rows(cache_layer["index_keys"], slots, keys)
       shared = {"comp_pool": caches.flat_pool(cache_layer["comp_kv"]), "index_pool": cache_layer["index_keys"],
                 "ids": None, "cand": None}

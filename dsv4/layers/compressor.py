@@ -112,10 +112,12 @@ def _emit(ctx: StepContext, entry_N, emitted_N, ratio: int):
 
 
 def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, out_pool, inv_freq, eps: float,
-                  return_latent: bool = False):
+                  return_latent: bool = False, quantize_rows=None):
   """Runs one ragged step through a compressor. Returns (new state pool or None, new out pool), plus, with
   `return_latent`, (pre-RoPE latent [N,w], entry ids [N], full-group slots [N] (-1: not emitted)) of the entry each
-  token would close: V4.1 derives its index keys from that latent (spec §2.4)."""
+  token would close: V4.1 derives its index keys from that latent (spec §2.4). `quantize_rows` (V4.1 quantized
+  cache) is applied to the post-RoPE rows before they are stored."""
+  q_rows = quantize_rows or (lambda r: r)
   m, w = spec.ratio, spec.width
   a, z = project(p, x_NxD, spec, ctx.pos_N)
   pos = ctx.pos_N
@@ -123,7 +125,7 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   if not spec.gated or m == 1:
     # Ratio 1: every token is its own entry, no pooling state.
     latent = rms_norm(a, p["norm"], eps)
-    rows = apply_rope(latent, pos * m, inv_freq)
+    rows = q_rows(apply_rope(latent, pos * m, inv_freq))
     slots = _emit(ctx, pos, ctx.valid_N, m)
     new_out = caches.write_rows(out_pool, slots, rows)
     return (None, new_out, (latent, pos, slots)) if return_latent else (None, new_out)
@@ -167,7 +169,7 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
 
   entry = pos // m
   latent = rms_norm(cm, p["norm"], eps)
-  rows = apply_rope(latent, entry * m, inv_freq)
+  rows = q_rows(apply_rope(latent, entry * m, inv_freq))
   slots = _emit(ctx, entry, ctx.valid_N & (phase == m - 1), m)
   new_out = caches.write_rows(out_pool, slots, rows)
   return (state_pool, new_out, (latent, entry, slots)) if return_latent else (state_pool, new_out)
