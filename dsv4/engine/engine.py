@@ -54,7 +54,7 @@ class Engine:
     engine_config.validate()
     self.config, self.ec = config, engine_config
     ec = engine_config
-    self.cache_manager = KVCacheManager(config, ec.layout, num_full_blocks=ec.num_full_blocks,
+    self.cache_manager = KVCacheManager(caches.group_specs(config, ec.layout), num_full_blocks=ec.num_full_blocks,
                                         num_swa_blocks=ec.num_swa_blocks, retention_interval=ec.retention_interval,
                                         model_id=ec.model_id)
     self.runner = ModelRunner(params, config, ec.layout, num_swa_blocks=ec.num_swa_blocks,
