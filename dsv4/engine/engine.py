@@ -70,7 +70,7 @@ class Engine:
     engine_config.validate()
     self.config, self.ec = config, engine_config
     ec = engine_config
-    self.cache_manager = KVCacheManager(config, ec.layout, num_full_blocks=ec.num_full_blocks,
+    self.cache_manager = KVCacheManager(caches.group_specs(config, ec.layout), num_full_blocks=ec.num_full_blocks,
                                         num_swa_blocks=ec.num_swa_blocks, retention_interval=ec.retention_interval,
                                         model_id=ec.model_id)
     self.compile_log = compile_stats.CompileLog()   # every XLA compilation from here on (engine-caused)
