@@ -1,15 +1,27 @@
-"""Check and time the Pallas kernels against the XLA references; report TFLOP/s and GB/s (FlashMLA counting).
+"""Check, then time, the Pallas kernels against the XLA references; report TFLOP/s, GB/s and the split count.
 
-  python benchmarks/kernels_bench.py            # GPU: full sweep (decode batch 1..256 at 8k..128k, prefill 4k q)
-  python benchmarks/kernels_bench.py --small    # CPU (interpret mode) smoke run, used by CI so this cannot rot
+  python benchmarks/kernels_bench.py --jsonl out.jsonl          # GPU: the gpu_check case list (defaults below)
+  python benchmarks/kernels_bench.py --small --jsonl out.jsonl  # CPU interpret-mode smoke run (CI)
 
-Counting (see pallas_kernels/NOTES.md):
-  sparse attention FLOPs = 2 * H * attended * (d_qk + d_v), attended = valid (id >= 0, < pool rows) keys over all
-    queries (window + compressed); d_qk = d_v = 512.
-  sparse attention bytes = Q (bf16) + unique KV rows fetched x row bytes (1024 bf16, 584 FP8 record) + O (bf16).
-  indexer FLOPs = 2 * H_I * C * visible (query, entry) pairs; bytes = q + w + unique key rows x C x 2 + scores (f32).
-Timing: jit'd call, warm-up, then `iters` back-to-back calls blocked once, best of `repeats` (includes launch overhead,
-like FlashMLA's triton.testing.do_bench without L2 flush).
+Defaults = what benchmarks/gpu_check.sh needs: decode batch 64 and 256 at 8k and 128k (csa: 128 window + top-512;
+hca: 128 + ctx/128), bf16 and FP8 (paged layout) rows, prefill 4096 queries at 32k, the indexer (scores; fused
+top-512 with bf16 and FP8 keys).
+
+Order per case: build inputs, run kernel and reference once and compare (correctness first: a failing case is
+recorded and not timed), then time. Each result is appended to the JSONL file as soon as it exists.
+
+Timing is device-side: one jitted `lax.fori_loop` runs `iters` iterations of [flush L2, kernel]; a second jitted
+loop runs the flush alone; time per call = (loop - flush loop) / iters, best of `repeats`. The flush rewrites a
+buffer of `--flush_mb` (default 256 MB, > the H200's 50 MB L2) so every iteration reads its KV from HBM (batch-64
+decode would otherwise sit in L2 and read > 100% of HBM bandwidth). Iterations are chained through the sink /
+weights (a scalar carried from the previous output, times 0), so XLA can neither hoist nor overlap them; Python
+dispatch is paid once per loop. `hot_ms` is the same loop without the flush.
+
+Counting (pallas_kernels/NOTES.md has the roofline):
+  sparse attention FLOPs = 2 * H * attended * (d_qk + d_v) (attended = valid ids); bytes = Q + unique KV rows x row
+    bytes (1024 bf16, 584 FP8 paged incl. its scale tail) + O.
+  indexer FLOPs = 2 * H_I * C * visible pairs; bytes = q + w + unique key rows x (C x 2 bf16 | C + 4 FP8) + output
+    (f32 scores for indexer_scores, k int32 ids for indexer_topk).
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import indexer as ix  # noqa: E402
+from pallas_kernels import indexer_topk as itk  # noqa: E402
 from pallas_kernels import sparse_attention as sa  # noqa: E402
 
 
@@ -35,32 +48,70 @@ from pallas_kernels import sparse_attention as sa  # noqa: E402
 class Result:
   op: str
   case: str
-  kernel_ms: float
-  xla_ms: float
+  ok: bool
+  max_err: float  # max |err| / tol (<= 1 passes)
+  kernel_ms: float  # device time per call, L2 flushed (nan when not timed)
+  hot_ms: float  # same, without the flush
+  flush_ms: float  # the flush alone, per iteration (subtracted from the flushed loop)
+  xla_ms: float  # the XLA reference, L2 flushed
   tflops: float
   gbps: float
   pct_hbm: float
   pct_tc: float
-  max_err: float
-  ok: bool
+  num_splits: int  # sparse attention: the split count the kernel chose (0 = n/a)
+  flops: float
+  bytes: float
 
 
-def time_fn(f, args, iters, repeats):
-  out = f(*args)
-  jax.block_until_ready(out)
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = f(*args)
-    jax.block_until_ready(out)
-    best = min(best, (time.perf_counter() - t0) / iters)
-  return best * 1e3, out
+# ------------------------------------------------------------------------------------------------ timing
 
 
-def unique_valid(idx, rows):
-  idx = np.asarray(idx).ravel()
-  return np.unique(idx[(idx >= 0) & (idx < rows)]).size, int(((idx >= 0) & (idx < rows)).sum())
+def _chain(args, carry, slot):
+  """args with args[slot] += carry * 0 (a float scalar from the previous iteration): serializes iterations."""
+  a = list(args)
+  a[slot] = (a[slot].astype(jnp.float32) + carry * 0.0).astype(a[slot].dtype)
+  return tuple(a)
+
+
+def _first_scalar(out):
+  leaf = jax.tree_util.tree_leaves(out)[0]
+  return leaf.reshape(-1)[0].astype(jnp.float32)
+
+
+def device_time_ms(fn, args, slot, *, iters, repeats, flush_elems):
+  """(flushed ms, hot ms) per call of fn(*args), measured as loops inside one jit (see module docstring)."""
+
+  def loop(flush: bool, with_fn: bool):
+    def run(args, buf):
+      def body(i, c):
+        carry, buf = c
+        if flush:
+          buf = buf + carry * 0.0 + 1.0  # rewrite the whole buffer: evicts L2
+          carry = carry + buf[0] * 0.0
+        if with_fn:
+          carry = carry + _first_scalar(fn(*_chain(args, carry, slot))) * 0.0
+        return carry, buf
+      carry, buf = jax.lax.fori_loop(0, iters, body, (jnp.float32(0), buf))
+      return carry, buf
+    return jax.jit(run)
+
+  buf = jnp.zeros((flush_elems,), jnp.float32)
+
+  def best(f):
+    jax.block_until_ready(f(args, buf))  # compile + warm up
+    t = float("inf")
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(args, buf))
+      t = min(t, time.perf_counter() - t0)
+    return t
+
+  t_flush_fn = best(loop(True, True))
+  t_flush = best(loop(True, False))
+  t_hot = best(loop(False, True))
+  # A non-positive difference means the flush's jitter swamped the kernel: report nan, not a fake 0.
+  diff = t_flush_fn - t_flush
+  return (diff / iters * 1e3 if diff > 0 else float("nan")), t_hot / iters * 1e3, t_flush / iters * 1e3
 
 
 def tol_ratio(got, want, atol, rtol):
@@ -74,20 +125,26 @@ def tol_ratio(got, want, atol, rtol):
   return float(np.max(np.abs(got[fin] - want[fin]) / (atol + rtol * np.abs(want[fin]))))
 
 
+def unique_valid(idx, rows):
+  idx = np.asarray(idx).ravel()
+  v = (idx >= 0) & (idx < rows)
+  return np.unique(idx[v]).size, int(v.sum())
+
+
 # ------------------------------------------------------------------------------------------------ sparse attention
 
 
-def sparse_case(key, *, N, H, D, W, K, comp_rows_per_seq, seqs, hca, fmt, prefill, ctx):
+def sparse_case(key, *, N, H, D, W, K, comp_rows_per_seq, seqs, hca, fmt, prefill, ctx, page_size):
   """Decode: N = seqs sequences, one query each, own window rows and compressed region. Prefill: one sequence,
   N queries at the last N positions of a ctx-token context."""
   k1, k2, k3, k4, k5 = jax.random.split(key, 5)
   q = (jax.random.normal(k1, (N, H, D), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  E = comp_rows_per_seq
   if prefill:
     pos = ctx - N + jnp.arange(N)
     win_pool = jax.random.normal(k2, (ctx, D), jnp.bfloat16)
     win_idx = pos[:, None] - (W - 1) + jnp.arange(W)[None, :]
     win_idx = jnp.where(win_idx >= 0, win_idx, -1)
-    E = comp_rows_per_seq
     comp_pool = jax.random.normal(k3, (E, D), jnp.bfloat16)
     vis = (pos + 1) // 4
     r = jax.random.uniform(k4, (N, E))
@@ -97,7 +154,6 @@ def sparse_case(key, *, N, H, D, W, K, comp_rows_per_seq, seqs, hca, fmt, prefil
   else:
     win_pool = jax.random.normal(k2, (seqs * W, D), jnp.bfloat16)
     win_idx = jnp.arange(seqs)[:, None] * W + jnp.arange(W)[None, :]
-    E = comp_rows_per_seq
     comp_pool = jax.random.normal(k3, (seqs * E, D), jnp.bfloat16)
     if hca:
       comp_idx = jnp.arange(seqs)[:, None] * E + jnp.arange(E)[None, :]
@@ -106,63 +162,123 @@ def sparse_case(key, *, N, H, D, W, K, comp_rows_per_seq, seqs, hca, fmt, prefil
       comp_idx = jnp.arange(seqs)[:, None] * E + pick
   sink = jax.random.normal(k5, (H,), jnp.float32)
   if fmt == "fp8":
-    win_pool, comp_pool = sa.quantize_kv_fp8(win_pool), sa.quantize_kv_fp8(comp_pool)
+    win_pool = sa.record_to_paged(sa.quantize_kv_fp8(win_pool), page_size)
+    comp_pool = sa.record_to_paged(sa.quantize_kv_fp8(comp_pool), page_size)
   return q, win_pool, win_idx.astype(jnp.int32), comp_pool, comp_idx.astype(jnp.int32), sink
 
 
-def bench_sparse(name, args, *, interpret, tuning, iters, repeats, hbm, peak, check, D):
+def bench_sparse(name, args, *, interpret, tuning, timing, hbm, peak, D):
   q, wp, wi, cp, ci, sink = args
   N, H, _ = q.shape
   scale = D ** -0.5
   kern = jax.jit(lambda *a: sa.sparse_attention_pallas(*a, scale=scale, interpret=interpret, tuning=tuning))
   ref = jax.jit(lambda *a: sa.sparse_attention_reference(*a, scale=scale))
-  k_ms, (ko, kl) = time_fn(kern, args, iters, repeats)
-  x_ms, (ro, rl) = time_fn(ref, args, iters, repeats)
+  ko, kl = kern(*args)
+  ro, rl = ref(*args)
+  err = max(tol_ratio(ko, ro, 1.5e-2, 2e-2), tol_ratio(kl, rl, 1e-3, 1e-3))  # bf16 out, f32 lse
+  del ko, kl, ro, rl
   uw, aw = unique_valid(wi, sa.pool_rows(wp))
   uc, ac = unique_valid(ci, sa.pool_rows(cp))
   flops = 2.0 * H * (aw + ac) * (D + D)
   nbytes = N * H * D * 2 * 2 + uw * sa.pool_row_bytes(wp) + uc * sa.pool_row_bytes(cp)
-  err = max(tol_ratio(ko, ro, 1.5e-2, 2e-2), tol_ratio(kl, rl, 1e-3, 1e-3))  # bf16 out, f32 lse
-  ok = (not check) or err <= 1.0
+  splits = sa.chosen_num_splits(N, H, [wi.shape[1], ci.shape[1]], tuning)
+  return finish("sparse_attention", name, err, kern, ref, args, 5, timing, flops, nbytes, hbm, peak, splits)
+
+
+def bench_sparse_mgpu(name, args, *, interpret, tuning, timing, hbm, peak, D):
+  """The Mosaic GPU (plgpu) kernel on the same case (GPU only: it has no CPU interpret mode)."""
+  from pallas_kernels import sparse_attention_mgpu as mg
+  q, wp, wi, cp, ci, sink = args
+  N, H, _ = q.shape
+  scale = D ** -0.5
+  kern = jax.jit(lambda *a: mg.sparse_attention_mgpu(*a, scale=scale))
+  ref = jax.jit(lambda *a: sa.sparse_attention_reference(*a, scale=scale))
+  try:
+    ko, kl = kern(*args)
+  except Exception as e:  # a compile/launch failure is a failed check, reported with its message
+    print(f"# sparse_attention_mgpu {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return Result("sparse_attention_mgpu", name, False, float("inf"), *([float("nan")] * 8), 0, 0.0, 0.0)
+  ro, rl = ref(*args)
+  err = max(tol_ratio(ko, ro, 1.5e-2, 2e-2), tol_ratio(kl, rl, 1e-3, 1e-3))
+  uw, aw = unique_valid(wi, sa.pool_rows(wp))
+  uc, ac = unique_valid(ci, sa.pool_rows(cp))
+  flops = 2.0 * H * (aw + ac) * (D + D)
+  nbytes = N * H * D * 2 * 2 + uw * sa.pool_row_bytes(wp) + uc * sa.pool_row_bytes(cp)
+  return finish("sparse_attention_mgpu", name, err, kern, ref, args, 5, timing, flops, nbytes, hbm, peak, 1)
+
+
+def finish(op, name, err, kern, ref, args, slot, timing, flops, nbytes, hbm, peak, splits):
+  ok = err <= 1.0
+  k_ms = hot = x_ms = fl_ms = float("nan")
+  if ok and timing is not None:  # correctness first: a wrong kernel is not timed
+    k_ms, hot, fl_ms = device_time_ms(kern, args, slot, **{k: v for k, v in timing.items() if k != "time_xla"})
+    if timing.get("time_xla"):
+      x_ms, _, _ = device_time_ms(ref, args, slot, **{k: v for k, v in timing.items() if k != "time_xla"})
   s = k_ms * 1e-3
-  return Result("sparse_attention", name, k_ms, x_ms, flops / s / 1e12, nbytes / s / 1e9,
-                100 * nbytes / s / hbm, 100 * flops / s / peak, err, ok)
+  tf = flops / s / 1e12 if s > 0 else float("nan")  # nan propagates from an untimed / unresolved case
+  gb = nbytes / s / 1e9 if s > 0 else float("nan")
+  return Result(op, name, ok, err, k_ms, hot, fl_ms, x_ms, tf, gb, 100 * gb * 1e9 / hbm, 100 * tf * 1e12 / peak, splits,
+                flops, nbytes)
 
 
 # ------------------------------------------------------------------------------------------------ indexer
 
 
-def indexer_case(key, *, B, T, H, C, M, prefill, ctx):
+def indexer_case(key, *, B, T, H, C, M, prefill, ctx, fp8):
   k1, k2, k3 = jax.random.split(key, 3)
   q = jax.random.normal(k1, (B, T, H, C), jnp.bfloat16)
   w = jax.random.uniform(k2, (B, T, H), jnp.float32) * (C * H) ** -0.5
   pool = jax.random.normal(k3, (B * M, C), jnp.bfloat16)
+  if fp8:
+    pool = itk.quantize_index_keys(pool)
   rows = (jnp.arange(B)[:, None] * M + jnp.arange(M)[None, :]).astype(jnp.int32)
   if prefill:
     pos = ctx - T + jnp.arange(T)
     nv = jnp.broadcast_to(((pos + 1) // 4)[None, :], (B, T))
   else:
     nv = jnp.full((B, T), M)
-  return q, w, pool, rows, nv.astype(jnp.int32), None
+  return q, w, pool, rows, nv.astype(jnp.int32)
 
 
-def bench_indexer(name, args, *, interpret, tuning, iters, repeats, hbm, peak, check):
-  q, w, pool, rows, nv, allowed = args
+def _ref_pool(pool):
+  return itk.dequantize_index_keys(pool, jnp.bfloat16) if isinstance(pool, itk.Fp8IndexKeys) else pool
+
+
+def bench_indexer(name, args, *, interpret, tuning, timing, hbm, peak, topk, k):
+  q, w, pool, rows, nv = args
   B, T, H, C = q.shape
   M = rows.shape[1]
-  kern = jax.jit(lambda *a: ix.indexer_scores_pallas(*a, interpret=interpret, tuning=tuning))
-  ref = jax.jit(ix.indexer_scores_reference)
-  k_ms, ko = time_fn(kern, args, iters, repeats)
-  x_ms, ro = time_fn(ref, args, iters, repeats)
   pairs = float(np.minimum(np.asarray(nv), M).sum())
   flops = 2.0 * H * C * pairs
   uk, _ = unique_valid(rows, pool.shape[0])
-  nbytes = q.size * 2 + w.size * 4 + uk * C * 2 + B * T * M * 4
-  err = tol_ratio(ko, ro, 1e-3, 1e-3)
-  ok = (not check) or err <= 1.0
-  s = k_ms * 1e-3
-  return Result("indexer_scores", name, k_ms, x_ms, flops / s / 1e12, nbytes / s / 1e9,
-                100 * nbytes / s / hbm, 100 * flops / s / peak, err, ok)
+  row_bytes = pool.bytes_per_row if isinstance(pool, itk.Fp8IndexKeys) else C * 2
+  want = jax.jit(lambda q, w, p, r, n: ix.indexer_scores_reference(q, w, _ref_pool(p), r, n))(*args)
+  if topk:
+    kern = jax.jit(lambda *a: itk.indexer_topk_pallas(*a, k=k, interpret=interpret, tuning=tuning))
+    ref = jax.jit(lambda q, w, p, r, n: ix.topk_from_scores(ix.indexer_scores_reference(q, w, _ref_pool(p), r, n),
+                                                             k)[0])
+    got = np.asarray(kern(*args))
+    # Set comparison with ties at the k-th score tolerated: every pick must score >= the k-th reference score
+    # (minus a bf16-sized tolerance) and the count of valid picks must match.
+    ws = np.asarray(want)
+    kk = min(k, M)
+    kth = -np.sort(-ws, axis=-1)[..., kk - 1]
+    tol = 1e-2 * np.maximum(1.0, np.abs(kth))
+    picked = np.take_along_axis(ws, np.maximum(got, 0), axis=-1)
+    good = np.where(got >= 0, picked >= (kth - tol)[..., None], True)
+    n_ok = (got >= 0).sum(-1) == np.isfinite(ws).sum(-1).clip(max=kk)
+    uniq = all(len(set(r[r >= 0].tolist())) == (r >= 0).sum() for r in got.reshape(-1, got.shape[-1]))
+    err = 0.0 if (good.all() and n_ok.all() and uniq) else float("inf")
+    nbytes = q.size * 2 + w.size * 4 + uk * row_bytes + B * T * kk * 4
+    op = "indexer_topk"
+  else:
+    kern = jax.jit(lambda *a: ix.indexer_scores_pallas(*a, interpret=interpret, tuning=tuning))
+    ref = jax.jit(ix.indexer_scores_reference)
+    err = tol_ratio(kern(*args), want, 1e-2, 1e-2)
+    nbytes = q.size * 2 + w.size * 4 + uk * row_bytes + B * T * M * 4
+    op = "indexer_scores"
+  del want
+  return finish(op, name, err, kern, ref, args, 1, timing, flops, nbytes, hbm, peak, 0)
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -171,25 +287,78 @@ def bench_indexer(name, args, *, interpret, tuning, iters, repeats, hbm, peak, c
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--small", action="store_true", help="tiny shapes, interpret mode on CPU (CI smoke run)")
-  p.add_argument("--batches", default="1,16,64,128,256")
-  p.add_argument("--contexts", default="8192,32768,131072")
+  p.add_argument("--batches", default="64,256")
+  p.add_argument("--contexts", default="8192,131072")
   p.add_argument("--prefill_queries", type=int, default=4096)
-  p.add_argument("--prefill_contexts", default="8192,32768")
+  p.add_argument("--prefill_contexts", default="32768")
   p.add_argument("--formats", default="bf16,fp8")
   p.add_argument("--ops", default="sparse_decode,sparse_prefill,indexer_decode,indexer_prefill")
   p.add_argument("--kinds", default="csa,hca", help="decode layer kinds: csa (128 + top-512), hca (128 + ctx/128)")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--flush_mb", type=float, default=256.0)
   p.add_argument("--hbm_gbps", type=float, default=4800.0, help="H200 HBM3e")
   p.add_argument("--peak_tflops", type=float, default=989.0, help="H100/H200 dense bf16")
+  p.add_argument("--page_size", type=int, default=64)
   p.add_argument("--block_h", type=int, default=64)
   p.add_argument("--block_k", type=int, default=32)
   p.add_argument("--num_splits", type=int, default=0)
   p.add_argument("--num_warps", type=int, default=8)
   p.add_argument("--num_stages", type=int, default=2)
-  p.add_argument("--no_check", action="store_true")
-  p.add_argument("--json", default="", help="write results here")
+  p.add_argument("--no_time", action="store_true", help="correctness only")
+  p.add_argument("--time_xla", action="store_true",
+                 help="also time the XLA references (3 more compiles per case; off in the GPU check's budget)")
+  p.add_argument("--jsonl", default="", help="append each result here as soon as it exists")
+  p.add_argument("--json", default="", help="also write all results as one JSON list at the end")
+  p.add_argument("--report", default="", metavar="DIR",
+                 help="gpu_check mode: DIR/results.jsonl (streamed), DIR/gpu_check.json, DIR/gpu_check.md, and on a "
+                      "GPU the per-op validations in pallas_kernels/validations.json")
   return p.parse_args(argv)
+
+
+def environment_line() -> dict:
+  env = dict(jax=jax.__version__, backend=jax.default_backend(), devices=[d.device_kind for d in jax.devices()],
+             python=sys.version.split()[0])
+  try:
+    import jaxlib
+    env["jaxlib"] = jaxlib.__version__
+  except Exception:  # pragma: no cover
+    pass
+  try:
+    import subprocess
+    env["nvidia_smi"] = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"],
+        capture_output=True, text=True, timeout=20).stdout.strip()
+  except Exception:
+    env["nvidia_smi"] = None
+  return env
+
+
+def write_report(out_dir: str, rows: list[dict], env: dict, record: bool) -> dict:
+  """gpu_check.json + a markdown table; on a GPU, record per-op validations (every case of the op correct)."""
+  from pallas_kernels import dispatch
+  by_op: dict[str, list[dict]] = {}
+  for r in rows:
+    by_op.setdefault(r["op"], []).append(r)
+  summary = {op: dict(cases=len(rs), ok=all(r["ok"] for r in rs), max_err_over_tol=max(r["max_err"] for r in rs))
+             for op, rs in by_op.items()}
+  with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+    json.dump(dict(env=env, summary=summary, results=rows), f, indent=1)
+  lines = [f"GPU check: jax {env.get('jax')} on {', '.join(env.get('devices', []))} "
+           f"({env.get('nvidia_smi') or 'no nvidia-smi'})", "",
+           "| op | case | ok | err/tol | ms (L2 flushed) | ms (hot) | flush ms | XLA ms | TFLOP/s | GB/s | % HBM | % TC | splits |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['op']} | {r['case']} | {'ok' if r['ok'] else 'FAIL'} | {r['max_err']:.2f} | "
+                 f"{r['kernel_ms']:.4f} | {r['hot_ms']:.4f} | {r['flush_ms']:.4f} | {r['xla_ms']:.4f} | {r['tflops']:.1f} | {r['gbps']:.0f} | "
+                 f"{r['pct_hbm']:.1f} | {r['pct_tc']:.1f} | {r['num_splits'] or ''} |")
+  with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  if record:
+    # The dispatcher's op names: the sparse kernel and the two indexer kernels.
+    for op, sm in summary.items():
+      dispatch.record_validation(op, sm["ok"], dict(cases=sm["cases"], max_err_over_tol=sm["max_err_over_tol"]))
+  return summary
 
 
 def main(argv=None):
@@ -199,31 +368,49 @@ def main(argv=None):
   ints = lambda s: [int(x) for x in s.split(",") if x]
   ops = set(a.ops.split(","))
   if a.small:
-    H, D, W, K, HI, C = 16, 128, 16, 32, 16, 32
-    batches, contexts, pf_ctx, pf_q, iters, repeats = [2], [512], [512], 32, 1, 1
+    H, D, W, K, HI, C, TOPK = 16, 128, 16, 32, 16, 32, 16
+    batches, contexts, pf_ctx, pf_q, iters, repeats, page = [2], [512], [512], 16, 2, 1, 4
     tuning = sa.SparseAttentionTuning(block_h=16, block_k=16)
     ituning = ix.IndexerTuning(block_m=32)
+    ttuning = itk.IndexerTopkTuning(block_m=32, select_chunk=64)
+    flush_elems = 1024
   else:
-    H, D, W, K, HI, C = 64, 512, 128, 512, 64, 128
+    H, D, W, K, HI, C, TOPK = 64, 512, 128, 512, 64, 128, 512
     batches, contexts, pf_ctx, pf_q = ints(a.batches), ints(a.contexts), ints(a.prefill_contexts), a.prefill_queries
-    iters, repeats = a.iters, a.repeats
+    iters, repeats, page = a.iters, a.repeats, a.page_size
     tuning = sa.SparseAttentionTuning(block_h=a.block_h, block_k=a.block_k, num_splits=a.num_splits,
                                       num_warps=a.num_warps, num_stages=a.num_stages)
     ituning = ix.IndexerTuning()
+    ttuning = itk.IndexerTopkTuning()
+    flush_elems = int(a.flush_mb * 2 ** 20 / 4)
+  timing = None if a.no_time else dict(iters=iters, repeats=repeats, flush_elems=flush_elems,
+                                       time_xla=a.time_xla or a.small)
   hbm, peak = a.hbm_gbps * 1e9, a.peak_tflops * 1e12
-  common = dict(interpret=interpret, iters=iters, repeats=repeats, hbm=hbm, peak=peak, check=not a.no_check)
-  print(f"# backend={jax.default_backend()} devices={jax.devices()} jax={jax.__version__} "
-        f"interpret={interpret} small={a.small}", flush=True)
+  common = dict(interpret=interpret, timing=timing, hbm=hbm, peak=peak)
+  env = dict(backend=jax.default_backend(), devices=[d.device_kind for d in jax.devices()], jax=jax.__version__,
+             interpret=interpret, small=a.small)
+  print(f"# {json.dumps(env)}", flush=True)
   if interpret and not a.small:
     print("# WARNING: no GPU: kernels run in interpret mode; timings are meaningless", flush=True)
+  if a.report:
+    os.makedirs(a.report, exist_ok=True)
+    env = dict(environment_line(), interpret=interpret, small=a.small)
+    print(f"# env {json.dumps(env)}", flush=True)
+    a.jsonl = a.jsonl or os.path.join(a.report, "results.jsonl")
+    if os.path.exists(a.jsonl):
+      os.remove(a.jsonl)
   key = jax.random.PRNGKey(0)
   results = []
+  jsonl = open(a.jsonl, "a") if a.jsonl else None
 
   def emit(r):
     results.append(r)
-    print(f"{r.op:16s} {r.case:38s} kernel {r.kernel_ms:9.3f} ms  xla {r.xla_ms:9.3f} ms  "
-          f"{r.tflops:7.2f} TFLOP/s  {r.gbps:8.1f} GB/s ({r.pct_hbm:5.1f}% HBM, {r.pct_tc:5.1f}% TC)  "
-          f"err/tol {r.max_err:.2f} {'ok' if r.ok else 'FAIL'}", flush=True)
+    if jsonl:
+      jsonl.write(json.dumps(dict(dataclasses.asdict(r), env=env)) + "\n")
+      jsonl.flush()
+    print(f"{r.op:16s} {r.case:34s} {'ok  ' if r.ok else 'FAIL'} err/tol {r.max_err:6.2f}  kernel {r.kernel_ms:8.3f} ms"
+          f" (hot {r.hot_ms:8.3f})  xla {r.xla_ms:8.3f} ms  {r.tflops:7.2f} TFLOP/s  {r.gbps:8.1f} GB/s "
+          f"({r.pct_hbm:5.1f}% HBM, {r.pct_tc:5.1f}% TC)  splits {r.num_splits}", flush=True)
 
   formats, kinds = a.formats.split(","), a.kinds.split(",")
   decode_cfgs = [(k, f) for f in formats for k in kinds]
@@ -236,28 +423,46 @@ def main(argv=None):
         for b in batches:
           E = ctx // (128 if kind == "hca" else 4)
           args = sparse_case(key, N=b, H=H, D=D, W=W, K=E if kind == "hca" else K, comp_rows_per_seq=E,
-                             seqs=b, hca=kind == "hca", fmt=fmt, prefill=False, ctx=ctx)
+                             seqs=b, hca=kind == "hca", fmt=fmt, prefill=False, ctx=ctx, page_size=page)
           emit(bench_sparse(f"decode {kind} {fmt} b{b} ctx{ctx}", args, tuning=tuning, D=D, **common))
+          if on_gpu and fmt == "bf16" and H == 64 and D == 512:
+            emit(bench_sparse_mgpu(f"decode {kind} {fmt} b{b} ctx{ctx}", args, tuning=tuning, D=D, **common))
           del args
   if "sparse_prefill" in ops:
     for fmt in prefill_fmts:
       for ctx in pf_ctx:
         args = sparse_case(key, N=pf_q, H=H, D=D, W=W, K=K, comp_rows_per_seq=ctx // 4, seqs=1, hca=False,
-                           fmt=fmt, prefill=True, ctx=ctx)
+                           fmt=fmt, prefill=True, ctx=ctx, page_size=page)
         emit(bench_sparse(f"prefill csa {fmt} q{pf_q} ctx{ctx}", args, tuning=tuning, D=D, **common))
+        if on_gpu and fmt == "bf16" and H == 64 and D == 512:
+          emit(bench_sparse_mgpu(f"prefill csa {fmt} q{pf_q} ctx{ctx}", args, tuning=tuning, D=D, **common))
         del args
+  key_fmts = ["bf16", "fp8"] if not a.small else ["fp8"]
   if "indexer_decode" in ops:
     for ctx in contexts:
       for b in batches:
-        args = indexer_case(key, B=b, T=1, H=HI, C=C, M=ctx // 4, prefill=False, ctx=ctx)
-        emit(bench_indexer(f"decode b{b} ctx{ctx}", args, tuning=ituning, **common))
+        args = indexer_case(key, B=b, T=1, H=HI, C=C, M=ctx // 4, prefill=False, ctx=ctx, fp8=False)
+        emit(bench_indexer(f"decode bf16 b{b} ctx{ctx}", args, tuning=ituning, topk=False, k=TOPK, **common))
+        for kf in key_fmts:
+          args = indexer_case(key, B=b, T=1, H=HI, C=C, M=ctx // 4, prefill=False, ctx=ctx, fp8=kf == "fp8")
+          emit(bench_indexer(f"decode {kf} b{b} ctx{ctx} k{TOPK}", args, tuning=ttuning, topk=True, k=TOPK,
+                             **common))
+        del args
   if "indexer_prefill" in ops:
     for ctx in pf_ctx:
-      args = indexer_case(key, B=1, T=pf_q, H=HI, C=C, M=ctx // 4, prefill=True, ctx=ctx)
-      emit(bench_indexer(f"prefill q{pf_q} ctx{ctx}", args, tuning=ituning, **common))
+      args = indexer_case(key, B=1, T=pf_q, H=HI, C=C, M=ctx // 4, prefill=True, ctx=ctx, fp8=False)
+      emit(bench_indexer(f"prefill bf16 q{pf_q} ctx{ctx}", args, tuning=ituning, topk=False, k=TOPK, **common))
+      emit(bench_indexer(f"prefill bf16 q{pf_q} ctx{ctx} k{TOPK}", args, tuning=ttuning, topk=True, k=TOPK,
+                         **common))
+      del args
+  if jsonl:
+    jsonl.close()
   if a.json:
     with open(a.json, "w") as f:
-      json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
+      json.dump(dict(env=env, results=[dataclasses.asdict(r) for r in results]), f, indent=1)
+  if a.report:
+    summary = write_report(a.report, [dataclasses.asdict(r) for r in results], env, record=on_gpu)
+    print(f"# summary {json.dumps(summary)}", flush=True)
   bad = [r for r in results if not r.ok]
   if bad:
     print(f"# {len(bad)} check(s) FAILED", flush=True)

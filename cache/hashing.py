@@ -33,10 +33,12 @@ class ExtraKeys:
   model: str = ""         # weights identity (checkpoint name / revision)
   adapter: str = ""       # LoRA / adapter id, "" for none
   layout: str = ""        # filled in by the manager: `CacheSpecs.fingerprint`
+  private: str = ""       # per-admission key when prefix caching is off (the engine's salt): matches nothing else
 
   def blob(self) -> bytes:
+    # Every field length-prefixed: no choice of user strings can make two different key sets encode alike.
     out = b""
-    for v in (self.tenant, self.model, self.adapter, self.layout):
+    for v in (self.tenant, self.model, self.adapter, self.layout, self.private):
       b = v.encode("utf-8")
       out += len(b).to_bytes(4, "little") + b
     return out

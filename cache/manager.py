@@ -500,6 +500,40 @@ class KVCacheManager:
       self._free_ids(g, [b for b in reversed(r.tables[g]) if b >= 0])
     del self._requests[request_id]
 
+  # ------------------------------------------------------------------- tiers (issue 12): externally loaded prefix
+  def extend_for_load(self, request_id: str, num_tokens: int, swa_blocks) -> BlockTables | OutOfBlocks:
+    """Blocks to receive a prefix [num_computed, num_tokens) loaded from a lower tier: every full block up to
+    num_tokens, but swa blocks only at the given indices (the checkpoint tails the resume reads; -1 elsewhere, as
+    after a device hit). All or nothing. The caller writes the rows, then `commit(request_id, num_tokens)`."""
+    r = self._req(request_id)
+    if num_tokens % self.specs.align_tokens or num_tokens <= r.num_computed or num_tokens > len(r.tokens) - 1:
+      raise CacheError(f"extend_for_load: {num_tokens} must be aligned, > {r.num_computed} and < {len(r.tokens)}")
+    new = {}
+    for name in self.groups:
+      bt = self.specs.group(name).block_tokens
+      lo, hi = len(r.tables[name]), num_tokens // bt
+      new[name] = [j for j in range(lo, hi) if name != SWA or j in set(swa_blocks)]
+      if len(new[name]) > int(self.pools[name].num_free):
+        return OutOfBlocks(name, len(new[name]), int(self.pools[name].num_free))
+    for name in self.groups:
+      bt = self.specs.group(name).block_tokens
+      m = len(new[name])
+      ids = []
+      for lo in range(0, m, _WIDTH):
+        k = min(_WIDTH, m - lo)
+        self.pools[name], got, ev, ok = P.allocate(self.pools[name], k, max_n=_bucket(k))
+        if not bool(ok):
+          raise RuntimeError(f"allocate of {k} blocks failed in group {name} after the free check")
+        got, ev = np.asarray(got)[:k], np.asarray(ev)[:k]
+        for b, e in zip(got, ev):
+          if e:
+            key, tenant = self._identity.pop((name, int(b)))
+            self.events.emit(BlockRemoved(key, name, tenant, int(b)))
+        ids += [int(b) for b in got]
+      where = dict(zip(new[name], ids))
+      r.tables[name].extend(where.get(j, -1) for j in range(len(r.tables[name]), num_tokens // bt))
+    return self.block_tables(request_id)
+
   # -------------------------------------------------------------------------------------------- misc
   def take_events(self) -> list[KVEvent]:
     self.flush()

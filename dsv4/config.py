@@ -141,6 +141,14 @@ class ModelConfig:
   engram: EngramConfig = EngramConfig()
   bos_token_id: int = 0
   eos_token_id: int = 1
+  # Read from a checkpoint's config (dsv4.loading.config_json): V4 per-layer attention kinds ("swa" / "csa" /
+  # "hca"; empty = derived from the ratio: 0 window, 4 CSA, else HCA) and the hash-routed MoE layers (None = the
+  # first `moe.num_hash_layers`). Real configs name both explicitly, so nothing is inferred from the ratio then.
+  layer_kinds: tuple[str, ...] = ()
+  hash_layer_ids: tuple[int, ...] | None = None
+  # V4.1 as NeMo ships it: quantize-dequantize the cache (FP8 window KV, NVFP4 compressed KV, MXFP4 index q/k;
+  # dsv4/layers/cache_quant.py). Off = exact float cache.
+  quantized_cache: bool = False
 
   def __post_init__(self):
     a, ix, moe = self.attention, self.indexer, self.moe
@@ -167,6 +175,18 @@ class ModelConfig:
                and self.candidate_source_layer_id < 0, "kv_source_layer_ids",
                "CSA2 source lists are V4.1-only; leave them empty for variant 'v4'")
       _require(0 <= moe.num_hash_layers <= self.num_layers, "moe.num_hash_layers", "must be in [0, num_layers]")
+      if self.layer_kinds:
+        _require(len(self.layer_kinds) == self.num_layers, "layer_kinds",
+                 f"needs one entry per layer ({self.num_layers}), got {len(self.layer_kinds)}")
+        for i, (k, r) in enumerate(zip(self.layer_kinds, self.compress_ratios)):
+          _require(k in ("swa", "csa", "hca"), f"layer_kinds[{i}]", f"V4 kinds are swa/csa/hca, got {k!r}")
+          _require((k == "swa") == (r == 0), f"layer_kinds[{i}]", f"kind {k!r} does not fit compress ratio {r}")
+      if self.hash_layer_ids is not None:
+        ids = self.hash_layer_ids
+        _require(list(ids) == sorted(set(ids)) and all(0 <= i < self.num_layers for i in ids), "hash_layer_ids",
+                 "must be strictly increasing existing layer ids")
+        _require(len(ids) == moe.num_hash_layers, "moe.num_hash_layers", f"must equal len(hash_layer_ids)={len(ids)}")
+      _require(not self.quantized_cache, "quantized_cache", "the quantized cache mode is V4.1-only")
       if moe.num_hash_layers:
         _require(moe.num_experts_per_tok <= moe.n_routed_experts, "moe.num_hash_layers", "tid2eid width")
     else:
@@ -174,7 +194,9 @@ class ModelConfig:
     self.layer_plan()  # surfaces any remaining schedule error at construction
 
   def _validate_v41(self):
-    _require(self.moe.num_hash_layers == 0, "moe.num_hash_layers", "V4.1 has no hash routing; set it to 0")
+    _require(self.moe.num_hash_layers == 0 and not self.hash_layer_ids, "moe.num_hash_layers",
+             "V4.1 has no hash routing; set it to 0")
+    _require(not self.layer_kinds, "layer_kinds", "V4.1 roles come from the source-layer lists; leave it empty")
     ratios = self.compress_ratios
     for i, r in enumerate(ratios):
       _require(r in (0, 1, 2), f"compress_ratios[{i}]", f"V4.1 ratios are 0, 1 or 2, got {r}")
@@ -221,12 +243,13 @@ class ModelConfig:
     plans = []
     for i, r in enumerate(self.compress_ratios):
       if self.variant == "v4":
-        kind = "swa" if r == 0 else ("csa" if r == 4 else "hca")
+        kind = self.layer_kinds[i] if self.layer_kinds else ("swa" if r == 0 else ("csa" if r == 4 else "hca"))
+        hash_ids = range(self.moe.num_hash_layers) if self.hash_layer_ids is None else self.hash_layer_ids
         plans.append(LayerPlan(
             index=i, kind=kind, ratio=r, rope="main" if r == 0 else "compress", overlap=kind == "csa",
             has_compressor=r > 0, has_index_keys=kind == "csa", has_index_query=kind == "csa",
             dense_compressed=kind == "hca", kv_source=i if r > 0 else -1, index_source=-1,
-            candidate_source=False, uses_candidates=False, hash_moe=i < self.moe.num_hash_layers,
+            candidate_source=False, uses_candidates=False, hash_moe=i in hash_ids,
             q_head_norm=True))
         continue
       eng = i in self.engram.layer_ids

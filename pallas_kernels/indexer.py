@@ -6,6 +6,9 @@ Contract:
   key_rows_BxM    pool row of entry m of sequence b (-1 = not allocated).
   num_visible_BxT entries 0..num_visible-1 are visible to the query (causality).
   allowed_BxTxM   optional extra restriction (V4.1 candidate blocks).
+  num_keys_B      optional int [B]: only entries 0..num_keys_B[b]-1 of sequence b are live (the live length of the
+                  sequence's index keys, e.g. its context // ratio); entries beyond are invisible and kernels never
+                  read their rows or score them (cost O(live entries), not O(M)). None = all M entries.
 Scores are -inf where not visible / not allowed. Top-k returns entry ids (0..M-1) with -1 for picks that are not
 visible; only the set matters.
 """
@@ -16,7 +19,25 @@ import jax
 import jax.numpy as jnp
 
 
-def indexer_scores_reference(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None):
+def check_num_keys(num_keys_B, B):
+  if num_keys_B is None:
+    return
+  if tuple(num_keys_B.shape) != (B,) or not jnp.issubdtype(num_keys_B.dtype, jnp.integer):
+    raise ValueError(f"num_keys_B must be an integer array of shape ({B},), got "
+                     f"{num_keys_B.dtype}{tuple(num_keys_B.shape)}")
+
+
+def effective_visible(num_visible_BxT, num_keys_B):
+  """Entries 0..n-1 visible to each query, with the per-sequence live length applied."""
+  if num_keys_B is None:
+    return num_visible_BxT
+  return jnp.minimum(num_visible_BxT, jnp.asarray(num_keys_B, num_visible_BxT.dtype)[:, None])
+
+
+def indexer_scores_reference(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None,
+                             num_keys_B=None):
+  check_num_keys(num_keys_B, q_BxTxHxC.shape[0])
+  num_visible_BxT = effective_visible(num_visible_BxT, num_keys_B)
   P = key_pool_PxC.shape[0]
   keys_BxMxC = jnp.take(key_pool_PxC, jnp.clip(key_rows_BxM, 0, P - 1), axis=0).astype(jnp.float32)
   dots = jnp.einsum("bthc,bmc->bthm", q_BxTxHxC.astype(jnp.float32), keys_BxMxC,
@@ -39,9 +60,9 @@ def topk_from_scores(scores_BxTxM, k: int):
 
 
 def indexer_topk_reference(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k: int,
-                           allowed_BxTxM=None):
+                           allowed_BxTxM=None, num_keys_B=None):
   scores = indexer_scores_reference(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT,
-                                    allowed_BxTxM)
+                                    allowed_BxTxM, num_keys_B)
   ids, _ = topk_from_scores(scores, k)
   return ids, scores
 
@@ -106,9 +127,19 @@ def _indexer_kernel(*refs, has_allowed, P, H, block_t, block_m, skip_invisible, 
   def compute():
     rows = rows_ref[...]
     valid_row = (rows >= 0) & (rows < P)
-    keys = pool_ref[jnp.where(valid_row, rows, 0)].astype(cdtype)  # [bm, C]
+    safe = jnp.where(valid_row, rows, 0)
+    C = pool_ref.shape[1]
+    r2 = jnp.broadcast_to(safe[:, None], (block_m, C))
+    c2 = jax.lax.broadcasted_iota(jnp.int32, (block_m, C), 1)
+    m2 = jnp.broadcast_to(valid_row[:, None], (block_m, C))
+    if _pl_triton is None:  # pragma: no cover
+      keys = jnp.where(m2, pool_ref[r2, c2], jnp.zeros((), pool_ref.dtype))
+    else:  # masked: rows behind invalid ids are never read (zeros)
+      keys = _pl_triton.load(pool_ref.at[r2, c2], mask=m2, other=jnp.zeros((), pool_ref.dtype))
+    keys = keys.astype(cdtype)  # [bm, C]
+    prec = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST) if cdtype == jnp.float32 else None  # not TF32
     s = jax.lax.dot_general(q_ref[...].astype(cdtype), keys, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)  # [bt*H, bm]
+                            preferred_element_type=jnp.float32, precision=prec)  # [bt*H, bm]
     s = jnp.maximum(s, 0.0) * w_ref[...].astype(jnp.float32)[:, None]
     s = jnp.sum(s.reshape(block_t, H, block_m), axis=1)  # [bt, bm]
     ent = m0 + jax.lax.broadcasted_iota(jnp.int32, (block_t, block_m), 1)
@@ -125,11 +156,14 @@ def _indexer_kernel(*refs, has_allowed, P, H, block_t, block_m, skip_invisible, 
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
-def indexer_scores_pallas(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None, *,
-                          interpret: bool = False, tuning: IndexerTuning | None = None):
-  """Pallas (Triton-GPU) kernel with the contract of `indexer_scores_reference`."""
+def indexer_scores_pallas(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None,
+                          num_keys_B=None, *, interpret: bool = False, tuning: IndexerTuning | None = None):
+  """Pallas (Triton-GPU) kernel with the contract of `indexer_scores_reference`. num_keys_B is folded into the
+  per-query visible count, so tiles past a sequence's live length are skipped (never read)."""
   t = tuning or IndexerTuning()
   B, T, H, C = q_BxTxHxC.shape
+  check_num_keys(num_keys_B, B)
+  num_visible_BxT = effective_visible(num_visible_BxT, num_keys_B)
   P = key_pool_PxC.shape[0]
   M = key_rows_BxM.shape[1]
   assert H & (H - 1) == 0, "indexer heads must be a power of two"
@@ -167,10 +201,10 @@ def indexer_scores_pallas(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_vi
 
 
 def indexer_scores_kernel(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None, *,
-                          interpret: bool = False, tuning: IndexerTuning | None = None):
+                          num_keys_B=None, interpret: bool = False, tuning: IndexerTuning | None = None):
   """Dispatcher entry point (registered as "indexer_scores")."""
   return indexer_scores_pallas(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM,
-                               interpret=interpret, tuning=tuning)
+                               num_keys_B, interpret=interpret, tuning=tuning)
 
 
 KERNELS = {"indexer_scores": indexer_scores_kernel}

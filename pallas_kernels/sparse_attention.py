@@ -5,6 +5,8 @@ Contract (shared by the reference and every kernel):
   window_pool_PxD, window_idx_NxW   rows of the SWA pool each query attends to (-1 = none).
   comp_pool_QxD,   comp_idx_NxK     rows of the compressed pool (top-k picks, or all visible HCA entries; -1 = none).
   sink_H         one logit per head, added to the softmax denominator only.
+  window_len_N, comp_len_N   optional int [N]: valid leading ids per query (ids at positions >= len are ignored
+                 like -1 and never read; the kernel's loops stop there). None = the whole row.
 Returns out_NxHxD = sum_j p_j v_j with p = exp(s_j) / (sum_j exp(s_j) + exp(sink)), and lse_NxH = log sum_j exp(s_j)
 over the real keys only (the sink is not included; -inf when a row has no valid key). K = V (one shared latent).
 
@@ -15,8 +17,9 @@ The Pallas kernel (`sparse_attention_pallas`) is written for the Pallas-Triton G
 grid (query token, head block, key split); each program keeps block_h heads of one query token in registers, walks
 the token's window ids and then its compressed ids block_k at a time, gathers those rows straight from the pool by
 indexing the pool ref with the id vector, and runs an online softmax (base 2). With one split it applies the sink and
-writes the final out/lse; with several splits (decode at small batch) it writes per-split partials that a tiny XLA
-epilogue merges (flash-decoding).
+writes the final out/lse; with 2 splits (decode with fewer programs than one wave of SMs) it writes per-split
+partials in the output dtype that a tiny XLA epilogue merges (flash-decoding). Rows behind invalid ids are never
+read (masked loads, zero fill), so non-finite data there cannot leak; fp32 inputs use HIGHEST (IEEE) dots.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import fp8 as _fp8
+
 try:  # Pallas-Triton: deprecated in JAX 0.11 but still shipped; see NOTES.md.
   from jax.experimental.pallas import triton as _pl_triton
 except ImportError:  # pragma: no cover - future JAX without the Triton backend.
@@ -39,78 +44,30 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# FP8 cache rows (V4 serving record, spec §1.9 / anchors §0): the first D - R channels as e4m3 in blocks of 64 with
-# one power-of-two (UE8M0) scale per block, the last R (RoPE) channels kept bf16. The record's 7 scales + 1 pad byte
-# are stored as 8 uint8 exponents (bias 127) so every in-kernel shape stays a power of two.
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class Fp8KVPool(NamedTuple):
-  """A quantized KV pool (a pytree). nope_PxDn float8_e4m3fn, scale_PxS uint8 UE8M0 exponents (S >= Dn / block,
-  unused columns are padding), rope_PxR bfloat16. Row r dequantizes to
-  concat(nope[r, c] * 2^(scale[r, c // block] - 127), rope[r])."""
-  nope: jax.Array
-  scale: jax.Array
-  rope: jax.Array
-
-  @property
-  def shape(self):
-    return (self.nope.shape[0], self.nope.shape[1] + self.rope.shape[1])
-
-  @property
-  def block(self) -> int:
-    return FP8_BLOCK
-
-  @property
-  def bytes_per_row(self) -> int:
-    return (self.nope.shape[1] * self.nope.dtype.itemsize + self.scale.shape[1] * self.scale.dtype.itemsize
-            + self.rope.shape[1] * self.rope.dtype.itemsize)
-
-
-FP8_BLOCK = 64
-_E4M3_MAX = 448.0
+FP8_BLOCK = _fp8.FP8_BLOCK
+Fp8KVPool = _fp8.Fp8KVPool
+Fp8PagedPool = _fp8.Fp8PagedPool
+quantize_kv_fp8 = _fp8.quantize_kv_fp8
+dequantize_kv_fp8 = _fp8.dequantize_kv_fp8
+record_to_paged = _fp8.record_to_paged
+paged_to_record = _fp8.paged_to_record
+MAX_SPLITS = 2  # key splits per program row (flash decoding); see auto_num_splits
 
 
 def _next_pow2(x: int) -> int:
   return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def quantize_kv_fp8(x_PxD, rope_dim: int = 64) -> Fp8KVPool:
-  """Quantize KV rows to the V4 FP8 record: e4m3 + UE8M0 scale per 64 channels (nope part), bf16 RoPE part."""
-  P, D = x_PxD.shape
-  Dn = D - rope_dim
-  assert Dn % FP8_BLOCK == 0, (D, rope_dim)
-  nb = Dn // FP8_BLOCK
-  xn = x_PxD[:, :Dn].astype(jnp.float32).reshape(P, nb, FP8_BLOCK)
-  amax = jnp.max(jnp.abs(xn), axis=-1)
-  # Smallest power of two with amax / 2^e <= 448 (UE8M0: scale = 2^(e8 - 127)).
-  e = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30) / _E4M3_MAX))
-  e = jnp.where(amax > 0, e, 0.0)
-  e8 = jnp.clip(e + 127.0, 0.0, 254.0)
-  scale = jnp.exp2(e8 - 127.0)
-  q = jnp.clip(xn / scale[..., None], -_E4M3_MAX, _E4M3_MAX).astype(jnp.float8_e4m3fn).reshape(P, Dn)
-  s_cols = _next_pow2(nb)
-  scale_u8 = jnp.zeros((P, s_cols), jnp.uint8).at[:, :nb].set(e8.astype(jnp.uint8))
-  return Fp8KVPool(q, scale_u8, x_PxD[:, Dn:].astype(jnp.bfloat16))
-
-
-def dequantize_kv_fp8(pool: Fp8KVPool, dtype=jnp.float32):
-  """Reference dequantization of a whole pool (or of gathered rows: any leading shape)."""
-  Dn = pool.nope.shape[-1]
-  nb = Dn // FP8_BLOCK
-  sc = jnp.exp2(pool.scale[..., :nb].astype(jnp.float32) - 127.0)
-  nope = pool.nope.astype(jnp.float32).reshape(*pool.nope.shape[:-1], nb, FP8_BLOCK) * sc[..., None]
-  nope = nope.reshape(pool.nope.shape)
-  return jnp.concatenate([nope, pool.rope.astype(jnp.float32)], axis=-1).astype(dtype)
-
-
 def pool_rows(pool) -> int:
   return pool.shape[0]
 
 
+def is_fp8_pool(pool) -> bool:
+  return isinstance(pool, (Fp8KVPool, Fp8PagedPool))
+
+
 def pool_row_bytes(pool) -> int:
-  if isinstance(pool, Fp8KVPool):
+  if is_fp8_pool(pool):
     return pool.bytes_per_row
   return pool.shape[1] * jnp.dtype(pool.dtype).itemsize
 
@@ -124,20 +81,49 @@ def _gather_rows(pool, idx_NxK):
   P = pool_rows(pool)
   valid = (idx_NxK >= 0) & (idx_NxK < P)
   safe = jnp.where(valid, idx_NxK, 0)
+  if isinstance(pool, Fp8PagedPool):
+    pool = paged_to_record(pool)  # the reference reads the interchange record
   if isinstance(pool, Fp8KVPool):
     rows = dequantize_kv_fp8(Fp8KVPool(*(jnp.take(a, safe, axis=0) for a in pool)), jnp.float32)
   else:
     rows = jnp.take(pool, safe, axis=0)
-  return rows, valid
+  # Rows behind invalid ids are zeros (not row 0's data): a non-finite row there must not give 0 x NaN.
+  return jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype)), valid
+
+
+def apply_len(idx_NxK, len_N):
+  """Ids at positions >= len_N[n] become -1 (None = every position counts). The per-query valid length is an upper
+  bound on the live ids, like FlashMLA's topk_length: kernels stop their loops there."""
+  if len_N is None or idx_NxK is None:
+    return idx_NxK
+  pos = jnp.arange(idx_NxK.shape[-1], dtype=jnp.int32)
+  return jnp.where(pos[None, :] < jnp.asarray(len_N, jnp.int32)[:, None], idx_NxK, -1)
+
+
+def check_len(name, len_N, idx_NxK, N):
+  if len_N is None:
+    return
+  if idx_NxK is None:
+    raise ValueError(f"{name} given without ids")
+  if tuple(len_N.shape) != (N,) or not jnp.issubdtype(len_N.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array of shape ({N},), got {len_N.dtype}{tuple(len_N.shape)}")
 
 
 def sparse_attention_reference(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H,
-                               *, scale: float):
+                               *, scale: float, window_len_N=None, comp_len_N=None):
   """Plain-XLA reference. fp32 softmax; inputs may be bf16 or fp32 (or Fp8KVPool, dequantized first).
+
+  window_len_N / comp_len_N (optional int [N]): only the first len ids of each query's row count; the rest are
+  ignored exactly like -1 (None = all).
 
   Numerics: the key max m (not max(m, sink)) anchors the exponentials, so lse stays exact for sinks far above the
   logits; out uses denominator l + exp(sink - m) and is 0 when that is 0 or inf (all-invalid rows, sink = +inf).
   """
+  N = q_NxHxD.shape[0]
+  check_len("window_len_N", window_len_N, window_idx_NxW, N)
+  check_len("comp_len_N", comp_len_N, comp_idx_NxK, N)
+  window_idx_NxW = apply_len(window_idx_NxW, window_len_N)
+  comp_idx_NxK = apply_len(comp_idx_NxK, comp_len_N)
   kv, valid = _gather_rows(window_pool_PxD, window_idx_NxW)
   kv = kv.astype(jnp.float32)
   if comp_pool_QxD is not None and comp_idx_NxK is not None and comp_idx_NxK.shape[-1] > 0:
@@ -171,10 +157,15 @@ class SparseAttentionTuning:
 
   block_h: heads per program (power of two, >= 16 for the Triton dot; smaller H is padded).
   block_k: keys (gathered rows) per inner step (power of two).
-  num_splits: key splits per (token, head block); 0 = auto (split only when there are fewer programs than
-    target_programs / 2 = one wave of 132 H200 SMs; then aim for ~2 waves).
-  chunk_d: the latent is processed in column chunks of this width (power of two; 0 = whole row for plain pools,
-    the FP8 block for FP8 pools). Chunks bound register pressure and carry the per-block FP8 scales.
+  num_splits: key splits per (token, head block), 0 = auto (2 only when there are fewer programs than
+    target_programs / 2 = one wave of 132 H200 SMs, else 1); at most MAX_SPLITS = 2.
+  chunk_d: column chunk width when every pool is a plain array (power of two; 0 = whole row). With an FP8 pool
+    the plan is fixed: each 64-channel FP8 block is two 32-wide chunks (even / odd channels: the two bytes of a
+    uint16 word), then the RoPE channels.
+  fp8_u16_min_elems: a record pool's e4m3 array with at least this many elements is read through a uint16 view
+    (the paged layout's path), because 32-bit element offsets overflow at 2^31 one-byte elements while JAX's
+    Triton lowering only switches to 64-bit offsets above 2^32 bytes. Tests lower it to force that path.
+  debug: print the kernel jaxpr and Triton module when lowering (pallas_call(debug=True)).
   """
   block_h: int = 64
   block_k: int = 32
@@ -183,6 +174,8 @@ class SparseAttentionTuning:
   num_warps: int = 8
   num_stages: int = 2
   target_programs: int = 264
+  fp8_u16_min_elems: int = 2 ** 31
+  debug: bool = False
 
   def __post_init__(self):
     for name in ("block_h", "block_k"):
@@ -191,81 +184,190 @@ class SparseAttentionTuning:
         raise ValueError(f"{name} must be a positive power of two, got {v}")
     if self.chunk_d and self.chunk_d & (self.chunk_d - 1):
       raise ValueError(f"chunk_d must be a power of two, got {self.chunk_d}")
-    if self.num_splits < 0:
-      raise ValueError("num_splits must be >= 0")
+    if not 0 <= self.num_splits <= MAX_SPLITS:
+      raise ValueError(f"num_splits must be 0 (auto) .. {MAX_SPLITS}, got {self.num_splits}")
 
 
 def _chunk_plan(D: int, pools, chunk_d: int):
-  """Column chunks (start, width) shared by every pool: FP8 pools force FP8_BLOCK-aligned chunks that do not
-  straddle the nope/rope boundary."""
-  fp8 = [p for p in pools if isinstance(p, Fp8KVPool)]
-  w = chunk_d or (FP8_BLOCK if fp8 else D)
-  if fp8:
-    w = min(w, FP8_BLOCK)
-    for p in fp8:
-      assert p.nope.shape[1] % w == 0 and p.shape[1] == D, (p.nope.shape, p.rope.shape, D)
-  assert D % w == 0, (D, w)
-  return tuple((c, w) for c in range(0, D, w))
+  """Column chunks shared by q, the accumulators and every pool: tuples (q_col0, width, recipe).
+
+  Without FP8 pools: ("plain", c0) chunks of chunk_d (default: whole row). With FP8 pools (all sharing the nope
+  width Dn and D = Dn + R): ("nope", blk, parity) = channels blk*64 + 2j + parity (j < 32), then ("rope", r0) =
+  channels Dn + r0 + j. q is permuted into this chunk order by the wrapper and the output permuted back, so a
+  uint16 word's two e4m3 bytes land in two chunks without any in-kernel interleave."""
+  fp8 = [p for p in pools if is_fp8_pool(p)]
+  if not fp8:
+    w = chunk_d or D
+    if D % w:
+      raise ValueError(f"chunk_d {w} does not divide d {D}")
+    return tuple((c, w, ("plain", c)) for c in range(0, D, w))
+  Dn = _nope_dim(fp8[0])
+  for p in fp8:
+    if _nope_dim(p) != Dn or p.shape[1] != D or Dn % FP8_BLOCK:
+      raise ValueError(f"FP8 pools must share nope width {Dn} (multiple of {FP8_BLOCK}) and d {D}")
+  half = FP8_BLOCK // 2
+  plan = [((blk * 2 + par) * half, half, ("nope", blk, par)) for blk in range(Dn // FP8_BLOCK) for par in (0, 1)]
+  R = D - Dn
+  rw = min(R, FP8_BLOCK) if R else 0
+  plan += [(Dn + r0, rw, ("rope", r0)) for r0 in range(0, R, rw)] if R else []
+  return tuple(plan)
 
 
-def _pool_arrays(pool):
-  return tuple(pool) if isinstance(pool, Fp8KVPool) else (pool,)
+def _nope_dim(pool) -> int:
+  return pool.nope_dim if isinstance(pool, Fp8PagedPool) else pool.nope.shape[1]
 
 
-def _load_chunk(refs, is_fp8, ids, c0, w, dtype):
-  """Gather rows `ids` (already clamped) of one column chunk from a pool, as `dtype` [len(ids), w]."""
-  if not is_fp8:
-    return refs[0][ids, pl.ds(c0, w)].astype(dtype)
+def _plan_perm(plan, Dn):
+  """Channel order of the chunk plan (a permutation of range(D))."""
+  cols = []
+  for _, w, rec in plan:
+    if rec[0] == "plain":
+      cols += list(range(rec[1], rec[1] + w))
+    elif rec[0] == "nope":
+      cols += [rec[1] * FP8_BLOCK + 2 * j + rec[2] for j in range(w)]
+    else:
+      cols += list(range(Dn + rec[1], Dn + rec[1] + w))
+  return cols
+
+
+def _pool_kind_arrays(pool, u16_min_elems: int):
+  """(kind, arrays) the kernel reads: "plain" [P, D]; "rec" (e4m3 nope, scale, rope); "rec16" (the same with the
+  e4m3 array viewed as uint16 [P, Dn / 2]); "paged" (uint16 pages)."""
+  if isinstance(pool, Fp8PagedPool):
+    return "paged", (pool.pages,)
+  if isinstance(pool, Fp8KVPool):
+    if pool.nope.size >= u16_min_elems:
+      return "rec16", (_fp8._to_u16(pool.nope), pool.scale, pool.rope)
+    return "rec", tuple(pool)
+  return "plain", (pool,)
+
+
+def _masked_gather(ref, r, c, m, other=0):
+  """ref[r, c] for full [bk, w] int index arrays, masked (never read) where not `m`, filled with `other`.
+
+  Zero fill matters: a row behind an invalid id is never touched, so a non-finite value there cannot reach the
+  output as 0 x NaN. Pure-array indexing also keeps interpret mode able to discharge the load."""
+  if _pl_triton is None:  # pragma: no cover - no Triton backend: plain gather + select
+    return jnp.where(m, ref[r, c], jnp.asarray(other, ref.dtype))
+  return _pl_triton.load(ref.at[r, c], mask=m, other=jnp.asarray(other, ref.dtype))
+
+
+def _byte(words, parity):
+  """Byte `parity` (0 = low) of uint16 words, as int32."""
+  w = words.astype(jnp.int32)
+  return (jnp.right_shift(w, 8) if parity else w) & 0xFF
+
+
+def _load_chunk(refs, kind, meta, ids, valid, chunk, Dn, dtype):
+  """Rows `ids` (clamped) of one plan chunk from a pool, dequantized, as `dtype` [bk, w]; rows that are not
+  `valid` are never read (zeros; FP8 scales read as 2^0)."""
+  _, w, rec = chunk
+  bk = ids.shape[0]
+  j = jax.lax.broadcasted_iota(jnp.int32, (bk, w), 1)
+  rows = jnp.broadcast_to(ids[:, None], (bk, w))
+  m = jnp.broadcast_to(valid[:, None], (bk, w))
+  if rec[0] == "plain":
+    cols = rec[1] + j
+  elif rec[0] == "nope":
+    cols = rec[1] * FP8_BLOCK + 2 * j + rec[2]
+  else:
+    cols = Dn + rec[1] + j
+  if kind == "plain":
+    return _masked_gather(refs[0], rows, cols, m).astype(dtype)
+
+  if kind == "paged":
+    (pages_ref,) = refs
+    ps, rw, sw, tail0 = meta
+    page, slot = ids // ps, ids % ps
+    prow = jnp.broadcast_to(page[:, None], (bk, w))
+    base = jnp.broadcast_to((slot * rw)[:, None], (bk, w))
+    if rec[0] == "rope":
+      x = bf16_words(_masked_gather(pages_ref, prow, base + Dn // 2 + rec[1] + j, m))
+      return x.astype(dtype)
+    blk, par = rec[1], rec[2]
+    b = _byte(_masked_gather(pages_ref, prow, base + blk * (FP8_BLOCK // 2) + j, m), par)
+    swd = _masked_gather(pages_ref, page, tail0 + slot * sw + blk // 2, valid, 127 * 257)
+    e8 = _byte(swd, blk % 2)
+    return _fp8.e4m3_bytes_to_f32(b, e8[:, None]).astype(dtype)
+
   nope_ref, scale_ref, rope_ref = refs
-  Dn = nope_ref.shape[1]
-  if c0 >= Dn:
-    return rope_ref[ids, pl.ds(c0 - Dn, w)].astype(dtype)
-  e = scale_ref[ids, c0 // FP8_BLOCK].astype(jnp.float32)
-  s = jnp.exp2(e - 127.0)
-  return (nope_ref[ids, pl.ds(c0, w)].astype(jnp.float32) * s[:, None]).astype(dtype)
+  if rec[0] == "rope":
+    return _masked_gather(rope_ref, rows, rec[1] + j, m).astype(dtype)
+  blk, par = rec[1], rec[2]
+  e8 = _masked_gather(scale_ref, ids, jnp.full((bk,), blk, jnp.int32), valid, 127).astype(jnp.int32)
+  if kind == "rec16":
+    b = _byte(_masked_gather(nope_ref, rows, blk * (FP8_BLOCK // 2) + j, m), par)
+  else:
+    b = jax.lax.bitcast_convert_type(_masked_gather(nope_ref, rows, cols, m), jnp.uint8).astype(jnp.int32)
+  return _fp8.e4m3_bytes_to_f32(b, e8[:, None]).astype(dtype)
 
 
-def _dot_nt(a, b):
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+bf16_words = _fp8.bf16_words_to_f32
 
 
-def _dot_nn(a, b):
-  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+def _dot_nt(a, b, precision=None):
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                             precision=precision)
 
 
-def _sparse_kernel(*refs, plan, pools_meta, block_k, nblocks, num_splits, per_split, qk_scale2, cdtype):
-  """One program: one query token, block_h heads, one split of the key blocks.
+def _dot_nn(a, b, precision=None):
+  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                             precision=precision)
 
-  refs: q, sink, then per pool (idx, pool arrays...), then outputs (out, lse)."""
-  q_ref, sink_ref = refs[0], refs[1]
-  pos = 2
+
+def _precision_for(cdtype):
+  """fp32 MMA inputs get HIGHEST (Triton's default dot precision would silently be TF32); 16-bit inputs keep the
+  default (exact products, f32 accumulation)."""
+  return (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST) if cdtype == jnp.float32 else None
+
+
+def _pick(vec, i):
+  """Element i (static) of a short loaded vector, as a scalar (Triton has no vector indexing)."""
+  return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, vec.shape, 0) == i, vec, 0))
+
+
+def _sparse_kernel(*refs, plan, Dn, pools_meta, block_k, num_splits, qk_scale2, cdtype):
+  """One program: one query token, block_h heads, one split of the query's live key blocks.
+
+  refs: q, sink, lens (valid leading ids per pool for this query), then per pool (idx, pool arrays...), then
+  outputs (out, lse)."""
+  q_ref, sink_ref, lens_ref = refs[0], refs[1], refs[2]
+  pos = 3
   pool_refs = []
-  for n_arr, is_fp8, P in pools_meta:
-    pool_refs.append((refs[pos], refs[pos + 1:pos + 1 + n_arr], is_fp8, P))
+  for n_arr, kind, P, meta in pools_meta:
+    pool_refs.append((refs[pos], refs[pos + 1:pos + 1 + n_arr], (kind, meta), P))
     pos += 1 + n_arr
   o_ref, lse_ref = refs[pos], refs[pos + 1]
+  prec = _precision_for(cdtype)
 
   bh = q_ref.shape[0]
-  q_chunks = [q_ref[:, pl.ds(c0, w)].astype(cdtype) for c0, w in plan]
+  q_chunks = [q_ref[:, pl.ds(c0, w)].astype(cdtype) for c0, w, _ in plan]
   m0 = jnp.full((bh,), -jnp.inf, jnp.float32)
   l0 = jnp.zeros((bh,), jnp.float32)
-  acc0 = tuple(jnp.zeros((bh, w), jnp.float32) for _, w in plan)
+  acc0 = tuple(jnp.zeros((bh, w), jnp.float32) for _, w, _ in plan)
   carry = (m0, l0, acc0)
 
-  split = pl.program_id(2)
-  lo = split * per_split
-  hi = jnp.minimum(lo + per_split, sum(nblocks))
+  # Live blocks of this query: the loops stop at the per-query valid length (ids past it are never touched).
+  lens_vec = lens_ref[...]
+  lens = [_pick(lens_vec, i) for i in range(len(pool_refs))]
+  live = [(ln + block_k - 1) // block_k for ln in lens]
+  total = sum(live[1:], live[0])
+  per_split = (total + num_splits - 1) // num_splits
+  lo = pl.program_id(2) * per_split
+  hi = jnp.minimum(lo + per_split, total)
   base = 0
-  for (idx_ref, arrs, is_fp8, P), nb in zip(pool_refs, nblocks):
-    def body(j, carry, idx_ref=idx_ref, arrs=arrs, is_fp8=is_fp8, P=P):
+  for (idx_ref, arrs, kind_meta, P), nb, ln in zip(pool_refs, live, lens):
+    def body(j, carry, idx_ref=idx_ref, arrs=arrs, kind_meta=kind_meta, P=P, ln=ln):
+      kind, meta = kind_meta
       m, l, accs = carry
       ids = idx_ref[pl.ds(j * block_k, block_k)]
-      valid = (ids >= 0) & (ids < P)
+      posn = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+      valid = (ids >= 0) & (ids < P) & (posn < ln)
       safe = jnp.where(valid, ids, 0)  # explicit clamp: never rely on interpret-mode clamping
-      ks = [_load_chunk(arrs, is_fp8, safe, c0, w, cdtype) for c0, w in plan]
-      s = _dot_nt(q_chunks[0], ks[0])
+      ks = [_load_chunk(arrs, kind, meta, safe, valid, chunk, Dn, cdtype) for chunk in plan]
+      s = _dot_nt(q_chunks[0], ks[0], prec)
       for qc, kc in zip(q_chunks[1:], ks[1:]):
-        s = s + _dot_nt(qc, kc)
+        s = s + _dot_nt(qc, kc, prec)
       s = jnp.where(valid[None, :], s * qk_scale2, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -273,13 +375,13 @@ def _sparse_kernel(*refs, plan, pools_meta, block_k, nblocks, num_splits, per_sp
       p = jnp.exp2(s - m_safe[:, None])
       l = l * alpha + jnp.sum(p, axis=1)
       pc = p.astype(cdtype)
-      accs = tuple(a * alpha[:, None] + _dot_nn(pc, kc) for a, kc in zip(accs, ks))
+      accs = tuple(a * alpha[:, None] + _dot_nn(pc, kc, prec) for a, kc in zip(accs, ks))
       return m_new, l, accs
 
     start = jnp.clip(lo - base, 0, nb)
     stop = jnp.clip(hi - base, 0, nb)
     carry = jax.lax.fori_loop(start, stop, body, carry)
-    base += nb
+    base = base + nb
 
   m, l, accs = carry
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
@@ -291,7 +393,7 @@ def _sparse_kernel(*refs, plan, pools_meta, block_k, nblocks, num_splits, per_sp
     denom = l
   ok = (denom > 0) & (denom < jnp.inf)
   inv = jnp.where(ok, 1.0 / jnp.where(ok, denom, 1.0), 0.0)
-  for (c0, w), a in zip(plan, accs):
+  for (c0, w, _), a in zip(plan, accs):
     o_ref[:, pl.ds(c0, w)] = (a * inv[:, None]).astype(o_ref.dtype)
   lse_ref[...] = lse
 
@@ -302,7 +404,7 @@ def _merge_splits(o_NxSxHxD, lse_NxSxH, sink_H, out_dtype):
   w = jnp.exp(lse_NxSxH - m_safe[:, None, :])
   L = jnp.sum(w, axis=1)
   denom = L + jnp.exp(sink_H.astype(jnp.float32)[None, :] - m_safe)
-  acc = jnp.einsum("nsh,nshd->nhd", w, o_NxSxHxD, precision=jax.lax.Precision.HIGHEST)
+  acc = jnp.einsum("nsh,nshd->nhd", w, o_NxSxHxD.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   ok = (denom > 0) & jnp.isfinite(denom)
   out = jnp.where(ok[..., None], acc / jnp.where(ok, denom, 1.0)[..., None], 0.0)
   lse = jnp.where(L > 0, jnp.log(jnp.maximum(L, 1e-37)) + m_safe, -jnp.inf)
@@ -318,80 +420,109 @@ def _pad_idx(idx_NxK, block_k):
 
 
 def auto_num_splits(N: int, head_blocks: int, nblocks: int, target_programs: int) -> int:
+  """Split the keys only when there are too few rows of work to fill the GPU (fewer programs than one wave,
+  target_programs / 2), and then into at most MAX_SPLITS: every extra split costs a [block_h, D] partial written and
+  read back, which at batch 64 outweighed the gain (issue 15)."""
   progs = N * head_blocks
-  if 2 * progs >= target_programs:  # at least one full wave of SMs already
+  if 2 * progs >= target_programs or nblocks < 2:
     return 1
-  return max(1, min(nblocks, -(-target_programs // progs), 64))
+  return MAX_SPLITS
+
+
+def chosen_num_splits(N: int, H: int, id_widths, tuning: SparseAttentionTuning | None = None) -> int:
+  """The split count the kernel uses for N queries, H heads and id rows of these widths (benchmarks report it)."""
+  t = tuning or SparseAttentionTuning()
+  bh = min(t.block_h, max(16, _next_pow2(H)))
+  nhb = -(-H // bh)
+  total = sum(max(1, -(-w // t.block_k)) for w in id_widths)
+  S = t.num_splits or auto_num_splits(N, nhb, total, t.target_programs)
+  return max(1, min(S, total))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "tuning"))
-def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, *,
+def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H,
+                            window_len_N=None, comp_len_N=None, *,
                             scale: float, interpret: bool = False, tuning: SparseAttentionTuning | None = None):
-  """Pallas (Triton-GPU) kernel with the contract of `sparse_attention_reference`."""
+  """Pallas (Triton-GPU) kernel with the contract of `sparse_attention_reference` (same optional lengths)."""
   t = tuning or SparseAttentionTuning()
   N, H, D = q_NxHxD.shape
-  pools = [(window_pool_PxD, window_idx_NxW)]
+  check_len("window_len_N", window_len_N, window_idx_NxW, N)
+  check_len("comp_len_N", comp_len_N, comp_idx_NxK, N)
+  pools = [(window_pool_PxD, window_idx_NxW, window_len_N)]
   if comp_pool_QxD is not None and comp_idx_NxK is not None and comp_idx_NxK.shape[-1] > 0:
-    pools.append((comp_pool_QxD, comp_idx_NxK))
-  plan = _chunk_plan(D, [p for p, _ in pools], t.chunk_d)
+    pools.append((comp_pool_QxD, comp_idx_NxK, comp_len_N))
+  plan = _chunk_plan(D, [p for p, _, _ in pools], t.chunk_d)
+  fp8_pools = [p for p, _, _ in pools if is_fp8_pool(p)]
+  Dn = _nope_dim(fp8_pools[0]) if fp8_pools else D
+  perm = _plan_perm(plan, Dn)
+  identity = perm == list(range(D))
   cdtype = q_NxHxD.dtype if q_NxHxD.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) else jnp.bfloat16
 
   bh = min(t.block_h, max(16, _next_pow2(H)))
   Hp = -(-H // bh) * bh
-  q = q_NxHxD if Hp == H else jnp.pad(q_NxHxD, ((0, 0), (0, Hp - H), (0, 0)))
+  q = q_NxHxD if identity else q_NxHxD[:, :, jnp.asarray(perm)]
+  q = q if Hp == H else jnp.pad(q, ((0, 0), (0, Hp - H), (0, 0)))
   sink = sink_H.astype(jnp.float32)
   sink = sink if Hp == H else jnp.pad(sink, (0, Hp - H))
   nhb = Hp // bh
 
   bk = t.block_k
-  idxs = [_pad_idx(idx, bk) for _, idx in pools]
-  nblocks = tuple(i.shape[1] // bk for i in idxs)
-  total = sum(nblocks)
-  S = t.num_splits or auto_num_splits(N, nhb, total, t.target_programs)
-  S = max(1, min(S, total))
-  per_split = -(-total // S)
-  S = -(-total // per_split)
+  idxs = [_pad_idx(idx, bk) for _, idx, _ in pools]
+  # Per-query valid lengths (clipped to the id width); a power-of-two column count for the Triton block.
+  lens = [jnp.full((N,), idx.shape[1], jnp.int32) if ln is None else jnp.clip(ln.astype(jnp.int32), 0, idx.shape[1])
+          for (_, idx, ln) in pools]
+  lens_Nx2 = jnp.stack(lens + [jnp.zeros((N,), jnp.int32)] * (2 - len(lens)), axis=1)
+  S = chosen_num_splits(N, H, [i.shape[1] for i in idxs], t)
 
-  args = [q, sink]
+  args = [q, sink, lens_Nx2]
   in_specs = [pl.BlockSpec((None, bh, D), lambda n, h, s: (n, h, 0)),
-              pl.BlockSpec((bh,), lambda n, h, s: (h,))]
+              pl.BlockSpec((bh,), lambda n, h, s: (h,)),
+              pl.BlockSpec((None, 2), lambda n, h, s: (n, 0))]
   meta = []
-  for (pool, _), idx in zip(pools, idxs):
+  for (pool, _, _), idx in zip(pools, idxs):
     args.append(idx)
     in_specs.append(pl.BlockSpec((None, idx.shape[1]), lambda n, h, s: (n, 0)))
-    arrs = _pool_arrays(pool)
+    kind, arrs = _pool_kind_arrays(pool, t.fp8_u16_min_elems)
     for a in arrs:
       args.append(a)
       in_specs.append(pl.BlockSpec(a.shape, lambda n, h, s, nd=a.ndim: (0,) * nd))
-    meta.append((len(arrs), isinstance(pool, Fp8KVPool), pool_rows(pool)))
+    pmeta = None
+    if kind == "paged":
+      pmeta = (pool.page_size, pool.row_words, pool.scale_cols // 2, pool.tail_word0)
+    meta.append((len(arrs), kind, pool_rows(pool), pmeta))
 
   if S == 1:
     out_shape = [jax.ShapeDtypeStruct((N, Hp, D), q_NxHxD.dtype), jax.ShapeDtypeStruct((N, Hp), jnp.float32)]
     out_specs = [pl.BlockSpec((None, bh, D), lambda n, h, s: (n, h, 0)),
                  pl.BlockSpec((None, bh), lambda n, h, s: (n, h))]
   else:
-    out_shape = [jax.ShapeDtypeStruct((N, S, Hp, D), jnp.float32), jax.ShapeDtypeStruct((N, S, Hp), jnp.float32)]
+    # Normalized partials in the output dtype (bf16 for bf16 q: half the bytes of f32 partials); lse stays f32.
+    out_shape = [jax.ShapeDtypeStruct((N, S, Hp, D), q_NxHxD.dtype), jax.ShapeDtypeStruct((N, S, Hp), jnp.float32)]
     out_specs = [pl.BlockSpec((None, None, bh, D), lambda n, h, s: (n, s, h, 0)),
                  pl.BlockSpec((None, None, bh), lambda n, h, s: (n, s, h))]
 
-  kernel = functools.partial(_sparse_kernel, plan=plan, pools_meta=tuple(meta), block_k=bk, nblocks=nblocks,
-                             num_splits=S, per_split=per_split, qk_scale2=float(scale) * _LOG2E, cdtype=cdtype)
+  kernel = functools.partial(_sparse_kernel, plan=plan, Dn=Dn, pools_meta=tuple(meta), block_k=bk, num_splits=S,
+                             qk_scale2=float(scale) * _LOG2E, cdtype=cdtype)
   compiler_params = None
   if _pl_triton is not None:
     compiler_params = _pl_triton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
   out, lse = pl.pallas_call(
       kernel, grid=(N, nhb, S), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=compiler_params, interpret=interpret, name="dsv4_sparse_mla")(*args)
+      compiler_params=compiler_params, interpret=interpret, debug=t.debug, name="dsv4_sparse_mla")(*args)
   if S > 1:
     out, lse = _merge_splits(out, lse, sink, q_NxHxD.dtype)
-  return out[:, :H], lse[:, :H]
+  out = out[:, :H]
+  if not identity:
+    out = out[:, :, jnp.asarray(sorted(range(D), key=perm.__getitem__))]
+  return out, lse[:, :H]
 
 
 def sparse_attention_kernel(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, *,
-                            scale: float, interpret: bool = False, tuning: SparseAttentionTuning | None = None):
+                            scale: float, window_len_N=None, comp_len_N=None, interpret: bool = False,
+                            tuning: SparseAttentionTuning | None = None):
   """Dispatcher entry point (registered as "sparse_attention")."""
   return sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H,
-                                 scale=float(scale), interpret=interpret, tuning=tuning)
+                                 window_len_N, comp_len_N, scale=float(scale), interpret=interpret, tuning=tuning)
 
 
 KERNELS = {"sparse_attention": sparse_attention_kernel}

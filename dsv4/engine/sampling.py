@@ -25,20 +25,20 @@ class SamplingParams:
   ignore_eos: bool = False
 
   def validate(self) -> str | None:
-    if self.max_tokens < 1:
-      return f"max_tokens must be >= 1, got {self.max_tokens}"
-    if self.temperature < 0:
-      return f"temperature must be >= 0, got {self.temperature}"
-    if self.top_k < 0:
-      return f"top_k must be >= 0, got {self.top_k}"
-    if not 0.0 < self.top_p <= 1.0:
-      return f"top_p must be in (0, 1], got {self.top_p}"
+    """The error message, or None; the rules (types, ranges, the sampler's limits) are in dsv4.engine.schema."""
+    from dsv4.engine import schema   # schema imports this module
+    try:
+      schema.check_sampling(self)
+    except schema.RequestError as e:
+      return str(e)
     return None
 
 
-@jax.jit
-def sample_rows(logits_BxV, temperature_B, top_k_B, top_p_B, seed_B, step_B):
-  """Greedy where temperature == 0, otherwise temperature / top-k / top-p sampling with per-row keys."""
+def sample_rows_impl(logits_BxV, temperature_B, top_k_B, top_p_B, seed_B, step_B):
+  """Greedy where temperature == 0, otherwise temperature / top-k / top-p sampling with per-row keys.
+
+  Traceable body: the engine's step program calls it on device logits (no host round trip); `sample_rows` is the
+  standalone jitted version."""
   logits = logits_BxV.astype(jnp.float32)
   greedy = jnp.argmax(logits, axis=-1)
   V = logits.shape[-1]
@@ -62,6 +62,9 @@ def sample_rows(logits_BxV, temperature_B, top_k_B, top_p_B, seed_B, step_B):
 
   sampled = jax.vmap(draw)(seed_B, step_B, scaled)
   return jnp.where(temperature_B > 0, sampled, greedy).astype(jnp.int32)
+
+
+sample_rows = jax.jit(sample_rows_impl)
 
 
 def sample(logits_BxV, params: list[SamplingParams], steps: list[int]) -> np.ndarray:

@@ -2,7 +2,9 @@
 
 A workload is a list of waves; a wave is a list of turns submitted together once the previous wave has finished.
 A turn appends new user tokens to its session's history (previous prompt + previous answer), which is what makes
-later turns prefix hits. Kinds:
+later turns prefix hits. A turn may carry the answer it expects (`expected`): the report then grades each output
+(`experiments/task_workloads.py` builds graded workloads in a trained model's own task format). Kinds here
+(synthetic random tokens, nothing to grade):
   chat      multi-turn chat sessions sharing one system prompt
   agentic   sessions whose turns append long tool outputs and short instructions
   switch    session switching A -> A -> B -> A (the regression of seeds/session_switch_prefix_cache_bug.txt)
@@ -24,6 +26,8 @@ class Turn:
   new_tokens: tuple[int, ...]
   params: SamplingParams
   rid: str = ""           # request id; default "<session>.t<wave>"
+  expected: tuple[int, ...] | None = None   # the answer's leading tokens, if the workload knows it (graded)
+  tenant: str = ""        # cache salt: turns of different tenants never share cached blocks
 
 
 @dataclasses.dataclass(frozen=True)

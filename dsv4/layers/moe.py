@@ -1,6 +1,12 @@
 """Mixture of experts: sqrt-softplus scores, bias-corrected (or hash) choice, clamped SwiGLU experts, shared
 expert. Routed experts run as one grouped matmul (`lax.ragged_dot`) over token-expert pairs sorted by expert.
 Spec §1.8.
+
+On a mesh with an `expert` axis (under `jax.set_mesh`), routed experts run expert-parallel instead
+(`routed_experts_ep`): tokens split over (data, expert), each device ships its token-expert pairs to the expert
+shard that owns the expert with one all-to-all, the owner runs its local experts as one grouped matmul (its slice of
+the intermediate dimension when there is a `tensor` axis, then a psum), and a second all-to-all brings the results
+back. Without such a mesh the single-device path below runs unchanged.
 """
 
 from __future__ import annotations
@@ -8,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv4 import sharding
+from dsv4.layers import expert_quant
 from dsv4.config import MoEConfig
 
 _HI = jax.lax.Precision.HIGHEST
@@ -46,6 +54,67 @@ def routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
   return jnp.zeros_like(x_NxD).at[token_of].add(h.astype(x_NxD.dtype))
 
 
+def routed_experts_ep(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, mesh):
+  """Expert-parallel `routed_experts` (same result up to fp32 summation order). Exact: the all-to-all buffers hold
+  every pair a device could send to one shard (capacity n*K per destination, no token is ever dropped), which costs
+  ep x the minimal buffer; a capacity factor would trade exactness for memory."""
+  from jax.sharding import PartitionSpec as P
+  N, K = ids_NxK.shape
+  D = x_NxD.shape[1]
+  E, I = cfg.n_routed_experts, params["w1"].shape[-1]
+  ep = sharding.axis_size(mesh, "expert")
+  tp = sharding.axis_size(mesh, "tensor")
+  tok_axes = tuple(a for a in ("data", "expert") if sharding.axis_size(mesh, a) > 1)
+  mlp_axis = "tensor" if tp > 1 and I % tp == 0 else None
+  n_shards = 1
+  for a in tok_axes:
+    n_shards *= sharding.axis_size(mesh, a)
+  pad = (-N) % n_shards
+  valid = jnp.arange(N + pad) < N
+  if pad:
+    x_NxD = jnp.pad(x_NxD, ((0, pad), (0, 0)))
+    ids_NxK = jnp.pad(ids_NxK, ((0, pad), (0, 0)))
+    w_NxK = jnp.pad(w_NxK, ((0, pad), (0, 0)))
+  El = E // ep
+
+  def local(x, ids, w, ok, w1, w3, w2):
+    n = x.shape[0]
+    C = n * K
+    flat_ids = ids.reshape(-1)
+    pair_ok = jnp.repeat(ok, K)
+    dest = jnp.where(pair_ok, flat_ids // El, ep)              # ep = "nowhere" (padding rows)
+    order = jnp.argsort(dest, stable=True)
+    dest_s = dest[order]
+    counts = jnp.bincount(dest, length=ep + 1)
+    starts = jnp.cumsum(counts) - counts
+    pos = jnp.arange(C) - starts[dest_s]
+    send_x = jnp.zeros((ep, C, D), x.dtype).at[dest_s, pos].set(x[order // K], mode="drop")
+    send_e = jnp.full((ep, C), El, jnp.int32).at[dest_s, pos].set(flat_ids[order] % El, mode="drop")
+    recv_x = jax.lax.all_to_all(send_x, "expert", 0, 0, tiled=True).reshape(ep * C, D)
+    recv_e = jax.lax.all_to_all(send_e, "expert", 0, 0, tiled=True).reshape(ep * C)
+    o2 = jnp.argsort(recv_e, stable=True)
+    xs = recv_x[o2]
+    sizes = jnp.bincount(recv_e, length=El).astype(jnp.int32)  # the "nowhere" rows sort last, outside every group
+    gate = jax.lax.ragged_dot(xs, w1, sizes, precision=_HI)
+    up = jax.lax.ragged_dot(xs, w3, sizes, precision=_HI)
+    h = jax.lax.ragged_dot(swiglu(gate, up, cfg.swiglu_limit).astype(x.dtype), w2, sizes, precision=_HI)
+    h = jnp.where((recv_e[o2] < El)[:, None], h, 0)
+    if mlp_axis is not None:
+      h = jax.lax.psum(h, mlp_axis)
+    back = jnp.zeros((ep * C, D), h.dtype).at[o2].set(h)
+    back = jax.lax.all_to_all(back.reshape(ep, C, D), "expert", 0, 0, tiled=True)
+    res = back[jnp.minimum(dest_s, ep - 1), pos]
+    res = jnp.where(pair_ok[order][:, None], res, 0) * w.reshape(-1)[order][:, None].astype(h.dtype)
+    return jnp.zeros_like(x).at[order // K].add(res.astype(x.dtype))
+
+  tok = P(tok_axes or None, None)
+  out = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, P(tok_axes or None), P("expert", None, mlp_axis),
+                                                  P("expert", None, mlp_axis), P("expert", mlp_axis, None)),
+                      out_specs=tok, check_vma=False)(x_NxD, ids_NxK, w_NxK, valid, params["w1"], params["w3"],
+                                                      params["w2"])
+  return out[:N]
+
+
 def shared_expert(params, x_NxD, cfg: MoEConfig):
   gate = jnp.dot(x_NxD, params["w1"], precision=_HI)
   up = jnp.dot(x_NxD, params["w3"], precision=_HI)
@@ -56,5 +125,14 @@ def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool):
   B, T, D = x_BxTxD.shape
   x = x_BxTxD.reshape(B * T, D)
   ids, w = route(params, x, token_ids_BxT.reshape(-1), cfg, hashed)
-  out = routed_experts(params["experts"], x, ids, w, cfg) + shared_expert(params["shared"], x, cfg)
+  experts = params["experts"]
+  if any(expert_quant.is_quantized(v) for v in experts.values()):  # FP4 kept from the checkpoint: dequant here
+    experts = expert_quant.dense_experts(experts, params["shared"]["w1"].dtype if "shared" in params else x.dtype)
+  mesh = sharding.active_mesh()
+  if mesh is not None and sharding.axis_size(mesh, "expert") > 1 and cfg.n_routed_experts % sharding.axis_size(
+      mesh, "expert") == 0:
+    routed = routed_experts_ep(experts, x, ids, w, cfg, mesh)
+  else:
+    routed = routed_experts(experts, x, ids, w, cfg)
+  out = routed + shared_expert(params["shared"], x, cfg)
   return out.reshape(B, T, D)

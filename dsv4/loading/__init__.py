@@ -1,9 +1,13 @@
 """Checkpoint loading and saving: HF / original safetensors (FP8 and FP4 dequantized on load), orbax for the
 project's own params. See NOTES.md."""
 
-from dsv4.loading.safetensors_io import (CheckpointError, Quant, load_checkpoint, save_hf_safetensors,
+from dsv4.loading.safetensors_io import (CheckpointError, Quant, load_checkpoint, save_checkpoint, save_hf_safetensors,
                                          save_original_safetensors)
 from dsv4.loading.orbax_io import restore_params, save_params
+from dsv4.loading.config_json import load_config, read_config
+from dsv4.loading.tokenizer import Tokenizer, TokenizerError
+from dsv4.loading.pretrained import Pretrained, load_pretrained
 
-__all__ = ["CheckpointError", "Quant", "load_checkpoint", "save_hf_safetensors", "save_original_safetensors",
-           "save_params", "restore_params"]
+__all__ = ["CheckpointError", "Quant", "load_checkpoint", "save_checkpoint", "save_hf_safetensors",
+           "save_original_safetensors", "save_params", "restore_params", "load_config", "read_config", "Tokenizer",
+           "TokenizerError", "Pretrained", "load_pretrained"]

@@ -381,6 +381,63 @@ def nemo_to_original(tensors: dict[str, np.ndarray], config: ModelConfig) -> dic
   return out
 
 
+def nemo_tensor_to_original(name: str, x: np.ndarray, spec: HFSpec) -> list[tuple[str, np.ndarray]]:
+  """One NeMo-named tensor -> its original-named tensors (unstacks and transposes routed experts)."""
+  if spec.sources[0].expert is None:
+    return [(spec.sources[0].name, x)]
+  I = x.shape[2] // 2 if name.endswith("gate_and_up_projs") else None
+  out = []
+  for s in spec.sources:
+    w, e = s.name.split(".")[-2], s.expert
+    part = x[e, :, :I] if w == "w1" else (x[e, :, I:] if w == "w3" else x[e])
+    out.append((s.name, part.T))
+  return out
+
+
+def hf_tensor_to_original(name: str, x: np.ndarray, spec: HFSpec) -> list[tuple[str, np.ndarray]]:
+  """One HF-named tensor -> its original-named tensors (unstacks routed experts)."""
+  if spec.sources[0].expert is None:
+    return [(spec.sources[0].name, x)]
+  parts = unstack_experts(name, x)
+  return [(s.name, parts[(s.expert, s.name.split(".")[-2])]) for s in spec.sources]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# transformers `save_pretrained` names: transformers reverses its load-time renames when saving, and for
+# DeepSeek-V4 only some of them come back: the result is the original name with a `model.` prefix, except
+# `head.weight` (no prefix), `model.embed_tokens.weight` and `model.hc_head.hc_{fn,base,scale}`. Routed experts
+# come back per expert (`model.layers.N.ffn.experts.E.w1.weight`), the KV norm as `model.layers.N.attn.norm.weight`.
+# (Observed with transformers 5.23.0 `DeepseekV4ForCausalLM.save_pretrained`; tests/dsv4/test_loading_namings.py.)
+
+_SAVED_HC_HEAD = re.compile(r"^hc_head\.hc_(fn|base|scale)$")
+# transformers' `.norm.` -> `.kv_norm.` rename is not invertible: reversed, the attention's own KV norm
+# (original `attn.kv_norm`) comes back as `attn.norm`.
+_SAVED_KV_NORM = re.compile(r"^(layers\.\d+\.attn)\.norm\.weight$")
+_ORIG_KV_NORM = re.compile(r"^(layers\.\d+\.attn)\.kv_norm\.weight$")
+
+
+def saved_to_original_name(name: str) -> str:
+  n = name.removeprefix("model.")
+  if n == "embed_tokens.weight":
+    return "embed.weight"
+  if n == "lm_head.weight":
+    return "head.weight"
+  m = _SAVED_HC_HEAD.match(n)
+  if m:
+    return f"hc_head_{m.group(1)}"
+  return _SAVED_KV_NORM.sub(r"\1.kv_norm.weight", n)
+
+
+def original_to_saved_name(name: str) -> str:
+  if name.startswith("head."):
+    return name
+  if name == "embed.weight":
+    return "model.embed_tokens.weight"
+  if name.startswith("hc_head_"):
+    return "model.hc_head.hc_" + name.removeprefix("hc_head_")
+  return "model." + _ORIG_KV_NORM.sub(r"\1.norm.weight", name)
+
+
 def original_to_nemo(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
   out = {}
   for name, spec in nemo_specs(config).items():

@@ -6,10 +6,17 @@
 `restore_params` reads the checkpoint's metadata first and compares its tree, shapes and dtypes with
 `dsv4.model.abstract_params(config)`, so a checkpoint of another config fails with a `CheckpointError` that names
 the param path instead of an orbax/tensorstore error.
+
+Integrity: `save_params` also writes `dsv4_digests.json` (blake2b of every leaf's bytes) into the directory, and
+`restore_params` checks every restored tensor: shape and dtype as the config says, floats finite and below
+`MAX_ABS` in magnitude (flipped exponent bits), and, when the digest file is there, the exact bytes. Every failure
+(truncated or corrupted data files included) is a `CheckpointError` that names the directory or file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 import jax
@@ -29,12 +36,60 @@ def _path_str(path) -> str:
   return "/".join(out)
 
 
+DIGEST_FILE = "dsv4_digests.json"
+# No weight of a working model is near this; random bit flips in float data mostly land far above it (or on NaN).
+MAX_ABS = 1e6
+
+
+def _leaf_digest(x) -> str:
+  a = np.ascontiguousarray(np.asarray(x))
+  return hashlib.blake2b(str(a.dtype).encode() + str(a.shape).encode() + a.tobytes(), digest_size=16).hexdigest()
+
+
+def write_digests(params, directory: str) -> str:
+  """Write the per-leaf digest file of `params` into the checkpoint `directory`; returns its path."""
+  path = os.path.join(os.path.abspath(directory), DIGEST_FILE)
+  with open(path, "w") as f:
+    json.dump({k: _leaf_digest(v) for k, v in sorted(_flat(params).items())}, f, indent=0)
+  return path
+
+
 def save_params(params, directory: str, *, force: bool = False) -> None:
-  """Write `params` to `directory` (must not exist unless force=True). Blocks until written."""
+  """Write `params` to `directory` (must not exist unless force=True), plus its digest file. Blocks until written."""
   directory = os.path.abspath(directory)
   ck = ocp.StandardCheckpointer()
   ck.save(directory, params, force=force)
   ck.wait_until_finished()
+  write_digests(jax.device_get(params), directory)
+
+
+def check_params(params, config: ModelConfig, where: str, digests: dict | None = None) -> None:
+  """Every leaf has the shape and dtype of `abstract_params(config)`, float leaves are finite and below MAX_ABS,
+  and (if given) the bytes match `digests`. Raises CheckpointError naming `where` and the param."""
+  want = _flat(abstract_params(config))
+  have = _flat(params)
+  if set(want) != set(have):
+    k = sorted(set(want) ^ set(have))[0]
+    raise CheckpointError(f"{where}: restored tree differs from config {config.name!r} at param {k!r}")
+  for k, w in want.items():
+    a = np.asarray(have[k])
+    if tuple(a.shape) != tuple(w.shape) or a.dtype != np.dtype(w.dtype):
+      raise CheckpointError(f"{where}: param {k!r} restored as {a.dtype}{list(a.shape)}, expected "
+                            f"{np.dtype(w.dtype)}{list(w.shape)}")
+    if np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16":
+      f = a.astype(np.float32)
+      if not np.all(np.isfinite(f)):
+        raise CheckpointError(f"{where}: param {k!r} has {int(np.sum(~np.isfinite(f)))} non-finite values "
+                              "(corrupted data?)")
+      m = float(np.max(np.abs(f))) if f.size else 0.0
+      if m > MAX_ABS:
+        raise CheckpointError(f"{where}: param {k!r} has a value of magnitude {m:.3g} > {MAX_ABS:g} "
+                              "(corrupted data?)")
+    if digests is not None:
+      if k not in digests:
+        raise CheckpointError(f"{where}: param {k!r} has no digest in {DIGEST_FILE}")
+      if _leaf_digest(a) != digests[k]:
+        raise CheckpointError(f"{where}: param {k!r} does not match its digest in {DIGEST_FILE} (corrupted data)")
 
 
 def _flat(tree):
@@ -69,4 +124,17 @@ def restore_params(directory: str, config: ModelConfig):
       raise CheckpointError(f"param {k!r} in {directory}: shape {list(h.shape)}, expected {list(w.shape)}")
     if np.dtype(h.dtype) != np.dtype(w.dtype):
       raise CheckpointError(f"param {k!r} in {directory}: dtype {np.dtype(h.dtype)}, expected {np.dtype(w.dtype)}")
-  return ck.restore(directory, abstract_params(config))
+  digests = None
+  digest_path = os.path.join(directory, DIGEST_FILE)
+  if os.path.exists(digest_path):
+    try:
+      with open(digest_path) as f:
+        digests = json.load(f)
+    except (OSError, ValueError) as e:
+      raise CheckpointError(f"{digest_path}: unreadable digest file ({e})") from e
+  try:
+    params = ck.restore(directory, abstract_params(config))
+  except Exception as e:  # tensorstore / orbax raise many types for missing, truncated or corrupted data files
+    raise CheckpointError(f"{directory}: cannot read the param data ({type(e).__name__}: {e})") from e
+  check_params(params, config, directory, digests)
+  return params

@@ -78,7 +78,12 @@ def dequant_fp8_block(weight, scale, block: int | tuple[int, int] = 128) -> np.n
   if tuple(s.shape) != want:
     raise QuantError(f"FP8 scale shape {list(s.shape)} does not fit weight {list(w.shape)} with "
                      f"{br}x{bc} blocks (expected {list(want)})")
-  return w.astype(np.float32) * _expand_blocks(e8m0_to_float(s), R, C, br, bc)
+  sf = e8m0_to_float(s)
+  if R % br == 0 and C % bc == 0:  # broadcast per block: no full-size scale array (host memory while loading)
+    out = w.astype(np.float32).reshape(*w.shape[:-2], R // br, br, C // bc, bc)
+    out *= sf[..., :, None, :, None]
+    return out.reshape(w.shape)
+  return w.astype(np.float32) * _expand_blocks(sf, R, C, br, bc)
 
 
 def unpack_fp4(packed) -> np.ndarray:
@@ -102,7 +107,9 @@ def dequant_fp4(packed, scale, group: int = FP4_GROUP) -> np.ndarray:
   if tuple(s.shape) != want:
     raise QuantError(f"FP4 scale shape {list(s.shape)} does not fit packed weight {list(np.shape(packed))} "
                      f"(expected {list(want)}: one scale per row and {group} columns)")
-  return (v.reshape(*want, group) * e8m0_to_float(s)[..., None]).reshape(v.shape)
+  out = v.reshape(*want, group)
+  out *= e8m0_to_float(s)[..., None]  # in place: unpack_fp4 returned a fresh array
+  return out.reshape(v.shape)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -112,11 +112,14 @@ def read_header(path: str) -> dict[str, _Entry]:
   return out
 
 
-def _read(entry: _Entry) -> np.ndarray:
+def _read(entry: _Entry, copy: bool = True) -> np.ndarray:
+  """The tensor's data; copy=False returns a read-only view of the memory-mapped file (no host buffer)."""
   dt = _DTYPES[entry.dtype]
   if entry.nbytes == 0:
     return np.zeros(entry.shape, dt)
   arr = np.memmap(entry.file, dtype=np.uint8, mode="r", offset=entry.start, shape=(entry.nbytes,))
+  if not copy:
+    return arr.view(dt).reshape(entry.shape)
   return np.array(arr).view(dt).reshape(entry.shape)  # copies: the result owns its memory
 
 
@@ -198,9 +201,20 @@ def read_entries(path: str) -> dict[str, _Entry]:
 _IGNORE = (re.compile(r"^(model\.)?mtp\."),)  # MTP / draft block: not part of the text backbone (HF drops it too)
 
 
+_SAVED_RE = re.compile(r"^model\.(layers\.\d+\.(attn\.|ffn\.|attn_norm\.|ffn_norm\.|hc_attn_|hc_ffn_))")  # model.hc_head.* is common to both
+
+
 def detect_naming(tensor_names) -> str:
+  """'nemo' | 'saved' (transformers save_pretrained) | 'hf' (transformers-converted) | 'original'."""
   if any(n.endswith((".sinks_param.weight", ".experts.gate_and_up_projs")) for n in tensor_names):
     return "nemo"  # NeMo Automodel deepseek_v41 (model.layers.N.attn.sinks_param.weight, attn_hc.fn, ...)
+  if any(_SAVED_RE.match(n) for n in tensor_names):
+    # original module names under `model.` (+ `head.weight`): what transformers' save_pretrained writes
+    hf_only = [n for n in tensor_names if re.search(r"\.(self_attn|mlp)\.", n)]
+    if hf_only:
+      raise CheckpointError(f"checkpoint mixes transformers save_pretrained names (model.layers.N.attn.*) and "
+                            f"converted HF names (e.g. {hf_only[0]!r})")
+    return "saved"
   hf = any(n.startswith(("model.", "lm_head.")) for n in tensor_names)
   orig = any(n.startswith(("layers.", "embed.", "head.", "hc_head_")) for n in tensor_names)
   if hf and orig:
@@ -217,6 +231,8 @@ def _scale_pairs(entries: dict[str, _Entry], naming: str) -> dict[str, str]:
   for s in entries:
     if naming == "original" and s.endswith(".scale"):
       w = s[: -len(".scale")] + ".weight"
+    elif naming == "original" and s.endswith(".weight_scale_inv"):  # save_pretrained of an FP8-quantized model
+      w = s[: -len("_scale_inv")]
     elif naming in ("hf", "nemo") and s.endswith(".weight_scale_inv"):
       w = s[: -len("_scale_inv")]
     elif naming in ("hf", "nemo") and s.endswith("_scale_inv"):
@@ -228,12 +244,15 @@ def _scale_pairs(entries: dict[str, _Entry], naming: str) -> dict[str, str]:
   return pairs
 
 
-def _dequant(e: _Entry, scale: _Entry | None, fp8_block: int) -> np.ndarray:
-  """Read one tensor; dequantize FP8 / FP4 when it has a scale. Returns float32 or integer arrays."""
+def _dequant(e: _Entry, scale: _Entry | None, fp8_block: int, native: bool = False) -> np.ndarray:
+  """Read one tensor; dequantize FP8 / FP4 when it has a scale. Returns float32 or integer arrays; with `native`,
+  plain float tensors come back in their stored dtype as a view of the mapped file (the caller casts / copies)."""
   where = f"tensor {e.name!r} (in {e.file})"
   if scale is None:
     if e.dtype in ("F8_E4M3", "F8_E5M2"):
       raise CheckpointError(f"{where}: dtype {e.dtype} needs a block-scale tensor, none found")
+    if native and e.dtype in _FLOAT_PLAIN:
+      return _read(e, copy=False)
     a = _read(e)
     return a.astype(np.float32) if e.dtype in _FLOAT_PLAIN else a
   if scale.dtype not in _SCALE_DTYPES:
@@ -262,7 +281,7 @@ def _check(name: str, x: np.ndarray, want_shape, integer: bool, e: _Entry, hf_na
   where = f"tensor {name!r}{alias} in {e.file}"
   if integer and not np.issubdtype(x.dtype, np.integer):
     raise CheckpointError(f"{where}: dtype {e.dtype}, expected an integer dtype (I64/I32)")
-  if not integer and not np.issubdtype(x.dtype, np.floating):
+  if not integer and not (np.issubdtype(x.dtype, np.floating) or x.dtype == ml_dtypes.bfloat16):
     raise CheckpointError(f"{where}: dtype {e.dtype}, expected a floating dtype (F32/BF16/F16, or F8_E4M3 / packed "
                           f"FP4 with a scale)")
   if tuple(x.shape) != tuple(want_shape):
@@ -270,31 +289,129 @@ def _check(name: str, x: np.ndarray, want_shape, integer: bool, e: _Entry, hf_na
     raise CheckpointError(f"{where}: shape {list(x.shape)}{q}, expected {list(want_shape)}")
 
 
+class _TreeBuilder:
+  """Collects original-named tensors one at a time into the param tree, casting each to the target dtype as it
+  arrives; a leaf is handed to `put` (e.g. jax.device_put) as soon as it is complete, so the host holds at most
+  the tensors being converted plus the routed-expert leaves still being filled."""
+
+  def __init__(self, config: ModelConfig, dtype, put, stack=None):
+    # stack: joins per-expert device arrays on the device (None: experts are assembled in a host buffer)
+    self.config, self.dtype, self.put, self.stack = config, np.dtype(dtype), put, stack
+    self.specs = {s.name: s for s in N.original_specs(config)}
+    self.params = N.empty_tree(config)
+    self.left: dict = {}
+    for sp in self.specs.values():
+      self.left[sp.path] = self.left.get(sp.path, 0) + 1
+    self.count = dict(self.left)  # routed-expert leaves: number of experts
+    self.bufs: dict = {}
+    self.qbufs: dict = {}
+
+  def add(self, name: str, x: np.ndarray):
+    sp = self.specs[name]
+    xp = sp.to_param(x)
+    if sp.integer:
+      E = self.config.moe.n_routed_experts
+      if xp.size and (xp.min() < 0 or xp.max() >= E):
+        raise CheckpointError(f"tensor {name!r}: expert ids must lie in [0, {E}), found [{xp.min()}, {xp.max()}]")
+      xp = xp.astype(np.int32)
+    self.left[sp.path] -= 1
+    if sp.path in self.qbufs:
+      raise CheckpointError(f"tensor {name!r}: mixes FP4-kept and dense experts in one leaf")
+    if sp.expert is None:
+      # one fresh C-ordered host copy in the target dtype (never the mapped file itself)
+      leaf = xp if sp.integer else np.array(xp, dtype=self.dtype, order="C")
+      N._set(self.params, sp.path, self.put(np.ascontiguousarray(leaf)))
+      return
+    if self.stack is not None:  # one expert on the device at a time; stacked there when all have arrived
+      part = self.bufs.setdefault(sp.path, {})
+      part[sp.expert] = self.put(np.array(xp, dtype=self.dtype, order="C"))
+      if self.left[sp.path] == 0:
+        part = self.bufs.pop(sp.path)
+        N._set(self.params, sp.path, self.stack([part[e] for e in range(self.count[sp.path])]))
+      return
+    buf = self.bufs.get(sp.path)
+    if buf is None:
+      buf = self.bufs[sp.path] = np.empty((self.count[sp.path], *xp.shape), self.dtype)
+    buf[sp.expert] = xp
+    if self.left[sp.path] == 0:
+      N._set(self.params, sp.path, self.put(self.bufs.pop(sp.path)))
+
+  def add_fp4(self, name: str, packed: np.ndarray, scale: np.ndarray):
+    """A routed expert kept in FP4 (stored layout [out, in/2] + e8m0 scale [out, in/32]); see layers/expert_quant."""
+    sp = self.specs[name]
+    if sp.expert is None or sp.path in self.bufs:
+      raise CheckpointError(f"tensor {name!r}: only routed experts can stay FP4, and all experts of a leaf must")
+    q = self.qbufs.get(sp.path)
+    if q is None:
+      n = self.count[sp.path]
+      q = self.qbufs[sp.path] = {"fp4": np.empty((n, *packed.shape), np.uint8),
+                                 "scale": np.empty((n, *scale.shape), np.uint8)}
+    q["fp4"][sp.expert], q["scale"][sp.expert] = packed, scale
+    self.left[sp.path] -= 1
+    if self.left[sp.path] == 0:
+      q = self.qbufs.pop(sp.path)
+      N._set(self.params, sp.path, {k: self.put(v) for k, v in q.items()})
+
+  def finish(self):
+    todo = [p for p, n in self.left.items() if n]
+    if todo:
+      raise CheckpointError(f"param {'/'.join(map(str, todo[0]))}: not every tensor feeding it was loaded")
+    return N.fill_derived(self.params, self.config)
+
+
+def _fp4_bytes(e: _Entry, scale: _Entry, want_shape, where_name: str):
+  """Packed FP4 weight and e8m0 scale as uint8 arrays, shapes checked against the dequantized `want_shape`."""
+  R, C = want_shape[-2:]
+  lead = tuple(want_shape[:-2])
+  packed, sc = _read(e).view(np.uint8), _read(scale)
+  if scale.dtype == "F8_E8M0":
+    sc = sc.view(np.uint8)
+  elif scale.dtype != "U8":
+    raise CheckpointError(f"tensor {where_name!r}: keep_quantized needs e8m0 scales, found {scale.dtype} in "
+                          f"{scale.name!r}")
+  if tuple(packed.shape) != (*lead, R, C // 2) or tuple(sc.shape) != (*lead, R, C // Q.FP4_GROUP):
+    raise CheckpointError(f"tensor {where_name!r} (in {e.file}): packed FP4 shape {list(packed.shape)} / scale "
+                          f"{list(sc.shape)} do not fit {list(want_shape)}")
+  return packed, sc
+
+
 def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = None, as_jax: bool = True,
-                    strict: bool = True):
+                    strict: bool = True, dtype=np.float32, device=None, keep_quantized: bool = False):
   """Load a safetensors checkpoint (file, directory, or sharded directory with an index) into a param tree.
 
-  Detects HF vs original naming, dequantizes FP8 (block `fp8_block`, default 128 for V4 and 32 for V4.1) and FP4
-  tensors, validates every tensor against the config. strict=False tolerates unexpected tensors (still validates
-  the expected ones). Returns jax arrays (as_jax) or numpy arrays.
+  Detects the naming (original, transformers-converted HF, transformers save_pretrained, NeMo), dequantizes FP8
+  (block `fp8_block`, default 128 for V4 and 32 for V4.1) and FP4 tensors, validates every tensor against the
+  config. strict=False tolerates unexpected tensors (still validates the expected ones). Floating leaves are cast
+  to `dtype` (float32 default; `ml_dtypes.bfloat16` for real checkpoints). Shards are streamed: all headers are
+  validated first, then tensors are read shard by shard, one at a time, and each finished leaf goes to the device
+  (`device`: a jax Device / Sharding, default device when None) before the next is read. Returns jax arrays
+  (as_jax) or numpy arrays. keep_quantized: FP4 routed experts stay packed with their e8m0 scales
+  ({"fp4", "scale"} leaves, dequantized inside the MoE step: dsv4/layers/expert_quant.py).
   """
   fp8_block = fp8_block or Q.FP8_BLOCK[config.variant]
   entries = {k: v for k, v in read_entries(path).items() if not any(p.match(k) for p in _IGNORE)}
   naming = detect_naming(entries)
+  if naming == "saved":  # key by original name; each entry keeps its stored name for messages
+    renamed = {}
+    for k, e in entries.items():
+      o = N.saved_to_original_name(k)
+      if o in renamed:
+        raise CheckpointError(f"tensors {renamed[o].name!r} and {k!r} both map to original name {o!r}")
+      renamed[o] = e
+    entries, naming = renamed, "original"
   pairs = _scale_pairs(entries, naming)
   scale_names = set(pairs.values())
 
   orig_specs = N.original_specs(config)
-  hf = N.hf_specs(config)
   if naming == "original":
-    expected = {s.name: (s.shape, s.integer, None) for s in orig_specs}
+    specs = None
+    expected = {s.name: (s.shape, s.integer) for s in orig_specs}
     hf_of = {s.name: (N.expert_target(s.name) or (N.original_to_hf_name(s.name),))[0] for s in orig_specs}
-  elif naming == "nemo":
-    expected = {n: (s.shape, s.integer, None) for n, s in N.nemo_specs(config).items()}
-    hf_of = {}
   else:
-    expected = {n: (s.shape, s.integer, None) for n, s in hf.items()}
-    hf_of = {n: n for n in hf}
+    specs = N.nemo_specs(config) if naming == "nemo" else N.hf_specs(config)
+    expected = {n: (s.shape, s.integer) for n, s in specs.items()}
+    hf_of = {n: n for n in specs} if naming == "hf" else {}
+  stored = {k: e.name for k, e in entries.items()}
 
   present = set(entries) - scale_names
   missing = sorted(set(expected) - present)
@@ -306,34 +423,52 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
                           f"missing{': ' + ', '.join(missing[1:4]) if len(missing) > 1 else ''})")
   unexpected = sorted(present - set(expected))
   if unexpected and strict:
-    raise CheckpointError(f"tensor {unexpected[0]!r} (in {entries[unexpected[0]].file}) is not a {naming}-named "
-                          f"tensor of config {config.name!r} ({len(unexpected)} unexpected)")
-
-  tensors = {}
-  for name, (shape, integer, _) in expected.items():
+    u = entries[unexpected[0]]
+    raise CheckpointError(f"tensor {u.name!r} (in {u.file}) is not a {naming}-named tensor of config "
+                          f"{config.name!r} ({len(unexpected)} unexpected)")
+  # Shapes are checked from the headers before any data is read (a bad shard fails in seconds, not after
+  # reading the ones before it); dequantized shapes are checked again after reading.
+  for name, (shape, integer) in expected.items():
     e = entries[name]
-    sc = entries.get(pairs.get(name, ""), None)
-    x = _dequant(e, sc, fp8_block)
-    _check(name, x, shape, integer, e, hf_of.get(name))
-    tensors[name] = x
+    if not pairs.get(name) and tuple(e.shape) != tuple(shape):
+      _check(stored[name], np.empty(e.shape, np.int32 if integer else np.float32), shape, integer, e, hf_of.get(name))
 
-  if naming == "hf":
-    tensors = N.hf_to_original(tensors, config)
-  elif naming == "nemo":
-    tensors = N.nemo_to_original(tensors, config)
-  for s in orig_specs:
-    if s.integer:
-      x = tensors[s.name]
-      E = config.moe.n_routed_experts
-      if x.size and (x.min() < 0 or x.max() >= E):
-        raise CheckpointError(f"tensor {s.name!r}: expert ids must lie in [0, {E}), found [{x.min()}, {x.max()}]")
-      tensors[s.name] = x.astype(np.int32)
-  params = N.original_to_params(tensors, config)
   if as_jax:
-    import jax.numpy as jnp
     import jax
-    params = jax.tree_util.tree_map(jnp.asarray, params)
-  return params
+    put = (lambda x: jax.device_put(x, device)) if device is not None else jax.numpy.asarray
+    stack = lambda xs: put(jax.numpy.stack(xs))  # noqa: E731
+  else:
+    put, stack = (lambda x: x), None
+  builder = _TreeBuilder(config, dtype, put, stack)
+  by_file: dict[str, list[str]] = {}
+  for name in expected:
+    by_file.setdefault(entries[name].file, []).append(name)
+  for fp in sorted(by_file):
+    for name in by_file[fp]:  # param-tree order within a shard
+      e = entries[name]
+      sc = entries.get(pairs.get(name, ""), None)
+      is_expert = (N._EXPERT_RE.match(name) is not None) if specs is None else \
+          specs[name].sources[0].expert is not None
+      if keep_quantized and is_expert and sc is not None and e.dtype in ("I8", "U8"):
+        packed, scale = _fp4_bytes(e, sc, expected[name][0], stored[name])
+        if specs is None:
+          builder.add_fp4(name, packed, scale)
+        else:  # stacked HF tensor: split rows per expert exactly like the dense tensor
+          parts_p, parts_s = N.unstack_experts(name, packed), N.unstack_experts(name, scale)
+          for s_ in specs[name].sources:
+            key = (s_.expert, s_.name.split(".")[-2])
+            builder.add_fp4(s_.name, parts_p[key], parts_s[key])
+        continue
+      x = _dequant(e, sc, fp8_block, native=True)
+      _check(stored[name], x, expected[name][0], expected[name][1], e, hf_of.get(name))
+      if specs is None:
+        builder.add(name, x)
+      else:
+        split = N.nemo_tensor_to_original if naming == "nemo" else N.hf_tensor_to_original
+        for oname, xo in split(name, x, specs[name]):
+          builder.add(oname, xo)
+      del x
+  return builder.finish()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -432,3 +567,29 @@ def save_original_safetensors(params, config: ModelConfig, path: str, *, shard_b
   t = N.params_to_original(_np_params(params), config)
   t = {k: (v.astype(np.int32) if np.issubdtype(v.dtype, np.integer) else v.astype(np.float32)) for k, v in t.items()}
   return _write_dir(_quantize_dict(t, config, quant, "original"), path, shard_bytes, "pt")
+
+
+NAMINGS = ("original", "hf", "saved", "nemo")
+
+
+def save_checkpoint(params, config: ModelConfig, path: str, *, naming: str = "original",
+                    shard_bytes: int | None = None, quant: Quant | None = None, dtype=np.float32) -> list[str]:
+  """Write params in any naming the loader reads: "original", "hf" (transformers-converted), "saved"
+  (transformers save_pretrained) or "nemo" (NeMo Automodel; quant must be None). Floating tensors are stored as
+  `dtype` (float32, or ml_dtypes.bfloat16 like the released checkpoints)."""
+  if naming not in NAMINGS:
+    raise ValueError(f"naming must be one of {NAMINGS}, got {naming!r}")
+  t = N.params_to_original(_np_params(params), config)
+  t = {k: (v.astype(np.int32) if np.issubdtype(v.dtype, np.integer) else v.astype(dtype)) for k, v in t.items()}
+  if naming == "hf":
+    t = {k: (v.astype(np.int64) if np.issubdtype(v.dtype, np.integer) else v) for k, v in
+         N.original_to_hf(t, config).items()}
+    return _write_dir(_quantize_dict(t, config, quant, "hf"), path, shard_bytes, "pt")
+  if naming == "nemo":
+    if quant is not None:
+      raise ValueError("save_checkpoint: quantized NeMo checkpoints are not written (NeMo stores them dequantized)")
+    return _write_dir(N.original_to_nemo(t, config), path, shard_bytes, "pt")
+  t = _quantize_dict(t, config, quant, "original")
+  if naming == "saved":
+    t = {N.original_to_saved_name(k): v for k, v in t.items()}
+  return _write_dir(t, path, shard_bytes, "pt")

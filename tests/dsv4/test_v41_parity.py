@@ -5,7 +5,7 @@ full + candidate source, reuse, candidate-restricted reindex, reuse after it, an
 reference's random fp32 weights go through a NeMo-named safetensors file and the project's loader. The reference's
 cache fake-quantization is switched off (tests/dsv4/v41_oracle.py). Positions are compared only where the reference
 agrees with itself across several sequence widths (top-k tie-breaking depends on the row width); the count is
-printed and must cover most positions.
+printed, and at most 3 of the 320 positions may be excluded (measured: none).
 """
 
 import os
@@ -93,7 +93,11 @@ def test_logits_match_nemo(oracle):
   assert (T // cfg.indexer.candidate_block_size - cfg.indexer.candidate_topk_blocks) >= 2
   print(f"\nV4.1 parity: {stable.sum()} of {stable.size} positions stable across widths {WIDTHS + (T,)}; "
         f"max rel err there {err[stable].max():.2e}; over all positions {err.max():.2e}")
-  assert stable.sum() >= 0.9 * stable.size
+  # Measured: the reference agrees with itself at all 320 positions (no top-k tie at this seed), so every position
+  # is compared. At most 3 (1%) may drop out on another CPU, whose float kernels can straddle the 1e-5 self-agreement
+  # test at a near-tie; more than that is not tie-breaking and fails here instead of being excluded silently.
+  excluded = np.argwhere(~stable)
+  assert len(excluded) <= 3, f"{len(excluded)} positions excluded as unstable: {excluded.tolist()[:10]}"
   assert err[stable].max() <= TOL
 
 

@@ -103,13 +103,38 @@ def test_ablation_small(tmp_path, script, stem):
   for ext in ("csv", "json", "png"):
     assert (tmp_path / f"{stem}.{ext}").stat().st_size > 0
   rows = json.load(open(tmp_path / f"{stem}.json"))["rows"]
-  assert rows and all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
+  # --small evaluates 16 held-out answers (deterministic seeds) at 128 tokens. The shipped model scores 0.98 there
+  # over 512 answers with its trained top-k 8 / window 16, and chance (1/24) without the compressed path:
+  # >= 0.9 allows one miss, <= 0.25 allows four lucky guesses.
+  if stem == "topk":
+    trained = [r for r in rows if r["path"] == "topk" and r["k"] == 8]
+    blind = [r for r in rows if r["path"] == "no_compressed"]
+    assert len(trained) == 1 and trained[0]["accuracy"] >= 0.9 and blind and blind[0]["accuracy"] <= 0.25
+  else:
+    trained = [r for r in rows if r["window"] == 16]
+    assert len(trained) == 1 and trained[0]["accuracy"] >= 0.9 and trained[0]["accuracy_no_compressed"] <= 0.25
+
+
+@pytest.mark.parametrize("name", ["v4_retrieval", "v41_retrieval", "v4_count"])
+def test_shipped_headline_accuracy(name):
+  """The accuracies recorded in each shipped checkpoint's config.json (final_eval at 128 tokens, trained top-k, and
+  with the compressed path zeroed) are reproduced on the first held-out eval batches (deterministic seeds)."""
+  directory = os.path.join(REPO, "experiments", "checkpoints", name)
+  config, params, info = L.load_checkpoint_dir(directory)
+  spec = L.task_spec_from_info(info, seq_len=128)
+  rec = info["final_eval"]["128"]
+  full = L.evaluate(params, config, spec, num_batches=2, batch=16)
+  blind = L.evaluate(params, config, spec, num_batches=2, batch=16, ablate="no_compressed")
+  # 128 answers (32 for counting): a margin of 0.07 below the recorded 512 / 256-answer figure (0.98-1.0) is
+  # ~2 standard errors at p = 0.98 with 128 answers; without the compressed path the model must stay near chance.
+  assert full["accuracy"] >= rec["full_topk"]["accuracy"] - 0.07, (full, rec["full_topk"])
+  assert full["accuracy"] >= 0.9 and blind["accuracy"] <= 0.25, (full, blind)
 
 
 @pytest.mark.skipif(not os.path.isdir(CKPT), reason="shipped checkpoint missing")
 def test_shipped_checkpoint_loads_and_is_small():
   config, params = L.load_trained("v4_retrieval")
-  assert config.variant == "v4" and L.count_params(params) > 0 if hasattr(L, "count_params") else True
+  assert config.variant == "v4" and L.count_params(params) > 100_000
   size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(CKPT) for f in fs)
   assert size <= 20 * 2**20
 

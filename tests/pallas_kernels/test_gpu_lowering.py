@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import indexer as ix
+from pallas_kernels import indexer_topk as it
 from pallas_kernels import lowering
 from pallas_kernels import sparse_attention as sa
 
@@ -60,3 +61,107 @@ def test_lowering_check_has_teeth():
     lowering.export_for_cuda(
         sa.sparse_attention_pallas, S((4, H, 576), jnp.bfloat16), S((1024, 576), jnp.bfloat16), S((4, W), jnp.int32),
         S((1024, 576), jnp.bfloat16), S((4, TOPK), jnp.int32), S((H,), jnp.float32), scale=576 ** -0.5)
+
+
+def paged_spec(rows, page_size=64):
+  pg = sa.Fp8PagedPool(S((rows // page_size, page_size * 292), jnp.uint16), page_size)
+  return pg
+
+
+@pytest.mark.parametrize("name,N,K", [("decode_b64_csa", 64, TOPK), ("prefill_4k_csa", 4096, TOPK)])
+def test_paged_fp8_lowers_for_cuda(name, N, K):
+  """The TMA-friendly page layout (576 B rows + per-page scale tail, uint16 storage) at V4-Flash shapes."""
+  ctx = 131072
+  exp = lowering.export_for_cuda(
+      sa.sparse_attention_pallas, S((N, H, D), jnp.bfloat16), paged_spec(max(N, 256) * W), S((N, W), jnp.int32),
+      paged_spec(max(N, 64) * ctx // 4), S((N, K), jnp.int32), S((H,), jnp.float32), S((N,), jnp.int32),
+      S((N,), jnp.int32), scale=D ** -0.5)
+  assert TRITON in lowering.custom_call_targets(exp)
+  assert exp.out_avals[0].shape == (N, H, D)
+
+
+def test_huge_fp8_record_pool_goes_through_uint16_view():
+  """An e4m3 array past 2^31 elements (but under 2^32 bytes) would overflow JAX-Triton's 32-bit element offsets:
+  the kernel reads it as uint16 words (offsets < 2^31), visible as a ui16 operand of the Triton custom call."""
+  rows = (2 ** 31) // 448 + 1024  # 2^31 + 458752 e4m3 elements, < 2^32 bytes
+  exp = lowering.export_for_cuda(
+      sa.sparse_attention_pallas, S((64, H, D), jnp.bfloat16), pool_spec(256 * W, False), S((64, W), jnp.int32),
+      pool_spec(rows, True), S((64, TOPK), jnp.int32), S((H,), jnp.float32), scale=D ** -0.5)
+  assert f"tensor<{rows}x224xui16>" in exp.mlir_module()
+  small = lowering.export_for_cuda(
+      sa.sparse_attention_pallas, S((64, H, D), jnp.bfloat16), pool_spec(256 * W, False), S((64, W), jnp.int32),
+      pool_spec(4096, True), S((64, TOPK), jnp.int32), S((H,), jnp.float32), scale=D ** -0.5)
+  assert "tensor<4096x448xf8E4M3FN>" in small.mlir_module()
+
+
+@pytest.mark.parametrize("default_precision", [False, True], ids=["kernel", "teeth"])
+def test_fp32_dots_are_ieee_not_tf32(default_precision, capsys, monkeypatch):
+  """Triton's default dot precision for f32 is TF32; the kernel asks for HIGHEST, which lowers to IEEE (printed
+  without an inputPrecision attribute). With the default precision forced back, tf32 appears: the check has teeth."""
+  if default_precision:
+    monkeypatch.setattr(sa, "_precision_for", lambda cdtype: None)
+  N = 8 if default_precision else 4  # distinct shapes: the jit trace cache must not hand back the other variant
+  lowering.export_for_cuda(
+      sa.sparse_attention_pallas, S((N, 16, 64), jnp.float32), S((256, 64), jnp.float32), S((N, 16), jnp.int32),
+      None, None, S((16,), jnp.float32), scale=0.125, tuning=sa.SparseAttentionTuning(block_k=16, debug=True))
+  dots = [ln for ln in capsys.readouterr().out.splitlines() if "tt.dot" in ln]
+  assert len(dots) == 2
+  assert all(("inputPrecision = tf32" in ln) == default_precision for ln in dots), dots
+
+
+@pytest.mark.parametrize("keys", ["bf16", "fp8"])
+@pytest.mark.parametrize("name,B,T,M,cand", [
+    ("decode_b64_128k", 64, 1, 131072 // 4, False),   # 8 chunks of 4096 on chip, merged
+    ("decode_b64_8k", 64, 1, 8192 // 4, False),       # one chunk: only the k ids are written
+    ("prefill_4k", 1, 4096, 16384 // 4, False),
+    ("decode_b64_128k_v41", 64, 1, 131072 // 4, True),  # 64 candidate blocks of 8
+])
+def test_indexer_topk_lowers_for_cuda(name, B, T, M, cand, keys):
+  HI, C, K = 64, 128, 512
+  P = B * M
+  pool = (it.Fp8IndexKeys(S((P, C), jnp.float8_e4m3fn), S((P,), jnp.float32)) if keys == "fp8"
+          else S((P, C), jnp.bfloat16))
+  exp = lowering.export_for_cuda(
+      it.indexer_topk_pallas, S((B, T, HI, C), jnp.bfloat16), S((B, T, HI), jnp.float32), pool,
+      S((B, M), jnp.int32), S((B, T), jnp.int32), None, S((B,), jnp.int32),
+      S((B, T, 64), jnp.int32) if cand else None, k=K)
+  assert TRITON in lowering.custom_call_targets(exp)
+  assert exp.out_avals[0].shape == (B, T, K)
+
+
+@pytest.mark.parametrize("name,N,K", [
+    ("decode_b64_csa", 64, TOPK),
+    ("decode_b256_hca_128k", 256, 1024),
+    ("prefill_4k_csa", 4096, TOPK),
+    ("window_only", 64, 0),
+])
+def test_mosaic_gpu_kernel_lowers_for_cuda(name, N, K):
+  """The Mosaic GPU (plgpu) producer/consumer kernel lowers for CUDA on the CPU (it has no CPU interpret mode; its
+  numbers are checked against the reference by benchmarks/gpu_check.sh on a GPU)."""
+  from pallas_kernels import sparse_attention_mgpu as mg
+  comp = (S((max(N, 64) * 32768, D), jnp.bfloat16), S((N, K), jnp.int32)) if K else (None, None)
+  exp = lowering.export_for_cuda(
+      mg.sparse_attention_mgpu, S((N, H, D), jnp.bfloat16), S((max(N, 256) * W, D), jnp.bfloat16),
+      S((N, W), jnp.int32), comp[0], comp[1], S((H,), jnp.float32), S((N,), jnp.int32),
+      S((N,), jnp.int32) if K else None, scale=D ** -0.5)
+  assert "mosaic_gpu_v2" in lowering.custom_call_targets(exp)
+  assert exp.out_avals[0].shape == (N, H, D) and exp.out_avals[1].shape == (N, H)
+
+
+def test_mosaic_gpu_id_layout():
+  """The id row the Mosaic kernel reads: lengths and range applied (-1), blocks padded, live block counts in the
+  tail (the kernel's loop bounds)."""
+  import numpy as np
+  from pallas_kernels import sparse_attention_mgpu as mg
+  wi = jnp.asarray([[0, 1, 2, 3], [5, -1, 7, 99]], jnp.int32)
+  ci = jnp.asarray(np.arange(2 * 70).reshape(2, 70), jnp.int32)
+  ids, w_width = mg._ids_layout(wi, ci, jnp.asarray([4, 3]), jnp.asarray([70, 0]), 10, 200)
+  ids = np.asarray(ids)
+  assert w_width == 64 and ids.shape[1] % 128 == 0 and ids.shape[1] >= 64 + 128 + 128
+  np.testing.assert_array_equal(ids[0, :4], [0, 1, 2, 3])
+  np.testing.assert_array_equal(ids[1, :4], [5, -1, 7, -1])  # -1 kept, 99 >= P, position 3 past length 3
+  assert np.all(ids[:, 4:64] == -1)
+  np.testing.assert_array_equal(ids[0, 64:134], np.arange(70))
+  assert np.all(ids[1, 64:192] == -1)  # comp length 0
+  tail = ids[:, -128:]
+  np.testing.assert_array_equal(tail[:, :2], [[1, 2], [1, 0]])

@@ -1,0 +1,172 @@
+"""Byte stores behind one small interface. A backend only moves bytes; capacity, LRU, TTL, quotas, metrics and
+failure handling live in `tier.Tier`. Every method may raise `TierError` (or any OSError / client error, which the
+tier turns into a miss): a backend never decides what a failure means for a request.
+
+    get_many(keys) -> list[bytes | None]      put(key, data, ttl_s) -> None      delete(key) -> None
+    exists_many(keys) -> list[bool]           close() -> None
+
+Backends: `HostBackend` (process memory, numpy-free bytes), `DiskBackend` (one file per record, written to a temp
+name then renamed, so a reader never sees half a record), `RedisBackend` (a real Redis server; the L4 store shared
+by engines in other processes), `MooncakeBackend` (mooncake_store.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+
+class TierError(RuntimeError):
+  """A tier could not serve or take a record (down, timed out, full, unwritable)."""
+
+
+class HostBackend:
+  name = "host"
+  shared = False
+
+  def __init__(self):
+    self._d: dict[str, bytes] = {}
+    self._lock = threading.Lock()
+
+  def get_many(self, keys):
+    with self._lock:
+      return [self._d.get(k) for k in keys]
+
+  def put(self, key, data, ttl_s=None):
+    with self._lock:
+      self._d[key] = bytes(data)
+
+  def delete(self, key):
+    with self._lock:
+      self._d.pop(key, None)
+
+  def exists_many(self, keys):
+    with self._lock:
+      return [k in self._d for k in keys]
+
+  def keys_with_sizes(self):
+    with self._lock:
+      return [(k, len(v)) for k, v in self._d.items()]
+
+  def close(self):
+    pass
+
+
+class DiskBackend:
+  """One file per record under `root`. Writes go to a unique temp name in the same directory and are renamed into
+  place (atomic on POSIX), so a crash or a full disk leaves either the old state or a stray temp file, never a
+  torn record under a real name. No fsync: this is a cache, a lost record is a miss."""
+  name = "disk"
+  shared = False
+
+  def __init__(self, root: str):
+    self.root = os.path.abspath(os.path.expanduser(root))
+    try:
+      os.makedirs(self.root, exist_ok=True)
+    except OSError as e:  # unwritable / not a directory: the tier starts down, requests still run
+      raise TierError(f"disk tier: cannot create {self.root}: {e}") from e
+
+  def _path(self, key):
+    return os.path.join(self.root, key.replace(":", "_") + ".rec")
+
+  def get_many(self, keys):
+    out = []
+    for k in keys:
+      try:
+        with open(self._path(k), "rb") as f:
+          out.append(f.read())
+      except FileNotFoundError:
+        out.append(None)
+    return out
+
+  def put(self, key, data, ttl_s=None):
+    tmp = os.path.join(self.root, f".tmp-{os.getpid()}-{threading.get_ident()}-{key.replace(':', '_')}")
+    try:
+      with open(tmp, "wb") as f:
+        f.write(data)
+      os.replace(tmp, self._path(key))
+    except BaseException:
+      try:
+        os.unlink(tmp)
+      except OSError:
+        pass
+      raise
+
+  def delete(self, key):
+    try:
+      os.unlink(self._path(key))
+    except FileNotFoundError:
+      pass
+
+  def exists_many(self, keys):
+    return [os.path.exists(self._path(k)) for k in keys]
+
+  def keys_with_sizes(self):
+    """Records already on disk (a restarted engine reuses them), oldest first."""
+    out = []
+    for n in os.listdir(self.root):
+      if n.endswith(".rec") and not n.startswith(".tmp-"):
+        p = os.path.join(self.root, n)
+        try:
+          st = os.stat(p)
+        except OSError:
+          continue
+        out.append((st.st_mtime, n[:-4].replace("_", ":", 1), st.st_size))
+    return [(k, s) for _, k, s in sorted(out)]
+
+  def close(self):
+    pass
+
+
+class RedisBackend:
+  """A Redis server (`redis://host:port/db`). Values are whole records; TTL is enforced by the server (PX)."""
+  name = "redis"
+  shared = True
+
+  def __init__(self, url: str, timeout_s: float = 1.0):
+    import redis  # the client; imported here so the other tiers work without it
+    self.url = url
+    self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                       health_check_interval=0, retry_on_timeout=False)
+
+  def get_many(self, keys):
+    if not keys:
+      return []
+    return list(self.client.mget(keys))
+
+  def put(self, key, data, ttl_s=None):
+    self.client.set(key, data, px=int(ttl_s * 1000) if ttl_s else None)
+
+  def delete(self, key):
+    self.client.delete(key)
+
+  def exists_many(self, keys):
+    if not keys:
+      return []
+    p = self.client.pipeline(transaction=False)
+    for k in keys:
+      p.exists(k)
+    return [bool(x) for x in p.execute()]
+
+  def close(self):
+    self.client.close()
+
+
+def make_backend(kind: str, *, disk_dir: str = "", store_url: str = "", timeout_s: float = 1.0):
+  if kind == "host":
+    return HostBackend()
+  if kind == "disk":
+    if not disk_dir:
+      raise ValueError("the disk tier needs a directory (--kv_disk_dir)")
+    return DiskBackend(disk_dir)
+  if kind == "redis":
+    return RedisBackend(store_url or "redis://127.0.0.1:6379/0", timeout_s)
+  if kind == "mooncake":
+    from cache.tiers.mooncake_store import MooncakeBackend
+    return MooncakeBackend(store_url, timeout_s)
+  raise ValueError(f"unknown KV tier {kind!r} (host, disk, redis, mooncake)")
+
+
+def now() -> float:
+  return time.monotonic()

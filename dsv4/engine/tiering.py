@@ -1,0 +1,488 @@
+"""Glue between the engine's device cache (L1) and the tiers below it (cache/tiers): which rows make a record,
+when blocks are demoted, and what an admission loads.
+
+* **Identity.** After every step the blocks each scheduled request has computed get their chained digests (the same
+  `RequestHasher` the manager uses), so a `BlockStored` event (group, device key, block id) tells us exactly which
+  prefix a device block holds. One record = one block of one group, every layer's arrays (full: compressed KV +
+  index keys; swa: window rows + raw compressor rows + Engram token ids). An SWA checkpoint at P is the
+  `need_blocks` swa records right before P: window rows *and* the compressor rows a resume at P still reads.
+* **Demotion** (`demote="evict"`, default): when the manager evicts a cached block (BlockRemoved at allocation), its
+  rows are copied off the device before the step overwrites them and written host-first, then write-behind to
+  disk / the shared store. `demote="store"` writes every block when it is registered (what engines sharing an L4
+  store want: the other engine can hit a conversation this engine still holds).
+* **Promotion** at admission: after the device hit h1, look for the longest aligned point P > h1 that the tiers can
+  complete for *every* group (full blocks [h1, P), the swa tails of P and of every checkpoint boundary the manager
+  registers on the way), ask the cost model whether loading beats recomputing P - h1 tokens, allocate device
+  blocks, fetch under the time budget, verify every record (checksum, fingerprint, digest, parent, tokens,
+  manifest), write the rows into the device pools, and commit P' (the largest point whose records all arrived and
+  verified). Anything else (tier down, timeout, corrupt or foreign record) just lowers P' down to h1: the request
+  recomputes, it never fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cache.hashing import ExtraKeys, RequestHasher, device_key, key_int
+from cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from cache.tiers import record as R
+from cache.tiers.backends import TierError, make_backend
+from cache.tiers.cost import CostModel
+from cache.tiers.store import TieredStore
+from cache.tiers.tier import Tier, TierPolicy
+from cache.tiers.writeback import WriteBehind
+from dsv4 import caches
+
+TIER_KINDS = ("host", "disk", "redis", "mooncake")
+
+
+@dataclasses.dataclass(frozen=True)
+class TieringConfig:
+  tiers: tuple[str, ...] = ("host",)       # order = L2, L3, L4
+  disk_dir: str = ""
+  store_url: str = ""                      # redis://127.0.0.1:6379/0 or mooncake://master_host:port
+  capacity_bytes: tuple[int, ...] = ()     # per tier (default 1 GiB each)
+  ttl_s: float | None = None
+  tenant_quota_bytes: int | None = None
+  write_queue: int = 256                   # write-behind bound (records); 0 = synchronous writes
+  policy: str = "auto"                     # auto (cost model) | load (always, for gates) | recompute (never)
+  load_timeout_s: float = 5.0              # hard cap of a load's time budget
+  tier_timeout_s: float = 1.0              # socket timeout of remote tiers
+  retry_after_s: float = 2.0
+  demote: str = "evict"                    # evict | store
+  tokenizer_id: str = ""
+  model_digest: str = ""                   # "" = computed from the params
+  engine_id: str = "e0"
+  key_bits: int = 128                      # < 128 only to force key collisions in tests
+  prefill_tokens_per_s: float = 2000.0     # prior until steps are measured
+
+  def validate(self):
+    bad = [t for t in self.tiers if t not in TIER_KINDS]
+    if bad:
+      raise ValueError(f"--kv_tiers: unknown tier(s) {bad}; choose from {TIER_KINDS}")
+    if self.policy not in ("auto", "load", "recompute") or self.demote not in ("evict", "store"):
+      raise ValueError(f"TieringConfig: bad policy {self.policy!r} or demote {self.demote!r}")
+
+  @staticmethod
+  def from_flags(kv_tiers: str, disk_dir: str = "", store_url: str = "", **kw) -> "TieringConfig | None":
+    tiers = tuple(t.strip() for t in kv_tiers.split(",") if t.strip())
+    return TieringConfig(tiers=tiers, disk_dir=disk_dir, store_url=store_url, **kw) if tiers else None
+
+
+def params_digest(params) -> str:
+  """Weights identity for the record fingerprint: structure, shapes, dtypes and bytes (leaves above 4 MiB: their
+  first and last MiB, so a large model is not hashed whole at start-up)."""
+  h = hashlib.blake2b(digest_size=16)
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  h.update(str(tree).encode())
+  for x in leaves:
+    a = np.asarray(x)
+    h.update(f"{a.shape}{a.dtype}".encode())
+    b = a.reshape(-1).view(np.uint8)
+    h.update(b.tobytes() if b.size <= 4 << 20 else b[:1 << 20].tobytes() + b[-(1 << 20):].tobytes())
+  return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ident:
+  group: str
+  key: str                 # record key
+  fp: R.Fingerprint
+  digest: bytes
+  parent: bytes
+  start: int
+  tokens: tuple[int, ...]
+
+
+@functools.partial(jax.jit, static_argnames=("names",), donate_argnums=(0,))
+def _write_blocks(cache, names, ids_N, rows):
+  layers = [dict(d) for d in cache.layers]
+  for (l, n), r in zip(names, rows):
+    layers[l][n] = layers[l][n].at[ids_N].set(r.astype(layers[l][n].dtype), mode="drop")
+  return caches.ModelCache(tuple(layers))
+
+
+@functools.partial(jax.jit, static_argnames=("names",))
+def _read_blocks(cache, names, ids_N):
+  return tuple(cache.layers[l][n][ids_N] for l, n in names)
+
+
+_BUCKETS = (8, 64, 512)   # id-array widths of the copy programs: at most three compiles per group and direction
+
+
+def _bucket(n: int) -> int:
+  for b in _BUCKETS:
+    if n <= b:
+      return b
+  return -(-n // _BUCKETS[-1]) * _BUCKETS[-1]
+
+
+class Tiering:
+
+  def __init__(self, engine, tc: TieringConfig, params=None):
+    tc.validate()
+    self.tc, self.engine = tc, engine
+    self.mgr, self.runner = engine.cache_manager, engine.runner
+    self.specs = self.mgr.specs
+    self.groups = {g.name: g for g in self.specs.groups}
+    self.names = {g: tuple((a.layer, a.name) for a in spec.arrays) for g, spec in self.groups.items()}
+    self.manifest = {g: tuple(R.ArrayEntry(f"L{a.layer}/{a.name}", np.dtype(a.dtype).str, tuple(a.block_shape))
+                              for a in spec.arrays) for g, spec in self.groups.items()}
+    self.model_digest = tc.model_digest or (params_digest(params) if params is not None else "")
+    self.layout_fp = f"{self.specs.fingerprint}/rec{R.FORMAT_VERSION}"
+    caps = list(tc.capacity_bytes) + [1 << 30] * (len(tc.tiers) - len(tc.capacity_bytes))
+    tiers = []
+    self.startup_errors = []
+    for kind, cap in zip(tc.tiers, caps):
+      pol = TierPolicy(cap, tc.ttl_s, tc.tenant_quota_bytes, tc.retry_after_s)
+      try:
+        tiers.append(Tier(make_backend(kind, disk_dir=tc.disk_dir, store_url=tc.store_url,
+                                       timeout_s=tc.tier_timeout_s), pol))
+      except (TierError, OSError, ImportError, RuntimeError) as e:  # a tier that cannot start is left out
+        self.startup_errors.append(f"{kind}: {e}")
+    self.store = TieredStore(tiers, engine_id=tc.engine_id,
+                             write_behind=WriteBehind(tc.write_queue) if tc.write_queue else None)
+    self.cost = CostModel(tc.prefill_tokens_per_s, max_load_s=tc.load_timeout_s)
+    self._ident: dict[tuple[str, int], _Ident] = {}
+    self._rid_keys: dict[str, set] = {}
+    self._hashed: dict[str, tuple[RequestHasher, int]] = {}
+    self._resident: dict[tuple[str, int], _Ident] = {}
+    self._resident_by_key: dict[str, tuple[str, int]] = {}   # record key -> (group, device block id)
+    self._step_t0 = None
+    self.stats = {"admissions_probed": 0, "tier_hit_tokens": 0, "loaded_records": 0, "rejected_records": 0,
+                  "chose_recompute": 0, "chose_load": 0, "l1_copied_records": 0, "degraded": 0, "demoted_blocks": 0,
+                  "no_room": 0, "load_s_total": 0.0}
+    self.decisions: list[dict] = []
+
+  # ---------------------------------------------------------------------------------------------- identity
+  def _fingerprint(self, extra: ExtraKeys) -> R.Fingerprint:
+    return R.Fingerprint(f"{self.model_digest}|{extra.model or self.mgr.model_id}", self.tc.tokenizer_id,
+                         self.layout_fp, extra.tenant, extra.adapter)
+
+  def _hasher(self, extra: ExtraKeys, tokens) -> RequestHasher:
+    h = RequestHasher(dataclasses.replace(extra, model=extra.model or self.mgr.model_id,
+                                          layout=self.specs.fingerprint), self.specs.hash_tokens, self.mgr.key_bits)
+    h.update(np.asarray(tokens, np.int32))
+    return h
+
+  def _ident_of(self, h: RequestHasher, fp: R.Fingerprint, tokens, group: str, j: int) -> _Ident:
+    bt = self.groups[group].block_tokens
+    upb = bt // self.specs.hash_tokens
+    d = h.digests[(j + 1) * upb - 1]
+    return _Ident(group, R.record_key(fp, group, d, self.tc.key_bits), fp, d, h.parent(j * upb), j * bt,
+                  tuple(int(t) for t in tokens[j * bt:(j + 1) * bt]))
+
+  def _learn(self, req) -> None:
+    """Identities of the blocks req has computed, so BlockStored events can be mapped to prefixes."""
+    extra = req.cache_salt(self.engine.ec.enable_prefix_caching)
+    toks = req.all_tokens[:req.num_computed]
+    prev = self._hashed.get(req.rid)
+    if prev is None or prev[1] > len(toks):
+      prev = (self._hasher(extra, []), 0)
+    h, done = prev
+    h.update(np.asarray(toks, np.int32))
+    fp = self._fingerprint(extra)
+    keys = self._rid_keys.setdefault(req.rid, set())
+    for g, spec in self.groups.items():
+      bt = spec.block_tokens
+      for j in range(done // bt, len(toks) // bt):
+        ident = self._ident_of(h, fp, toks, g, j)
+        k = (g, key_int(device_key(ident.digest, self.mgr.key_bits)))
+        self._ident[k] = ident
+        keys.add(k)
+    self._hashed[req.rid] = (h, len(toks) // self.specs.hash_tokens * self.specs.hash_tokens)
+
+  def _forget_finished(self) -> None:
+    from dsv4.engine.request import Status
+    for rid in list(self._rid_keys):
+      r = self.engine.requests.get(rid)
+      if r is None or r.status in (Status.FINISHED, Status.REJECTED):
+        for k in self._rid_keys.pop(rid):
+          self._ident.pop(k, None)
+        self._hashed.pop(rid, None)
+
+  # ---------------------------------------------------------------------------------------------- demotion
+  def _process_events(self) -> None:
+    """Map new BlockStored to prefixes; demote what the manager evicted (before the step overwrites it)."""
+    out = []
+    for ev in self.mgr.take_events():
+      if isinstance(ev, BlockStored):
+        ident = self._ident.get((ev.group, ev.block_hash))
+        if ident is not None:
+          self._resident[(ev.group, ev.block_id)] = ident
+          self._resident_by_key[ident.key] = (ev.group, ev.block_id)
+          if self.tc.demote == "store":
+            out.append((ev.group, ev.block_id, ident))
+      elif isinstance(ev, BlockRemoved):
+        ident = self._resident.pop((ev.group, ev.block_id), None)
+        if ident is not None:
+          self._resident_by_key.pop(ident.key, None)
+          if self.tc.demote == "evict":
+            out.append((ev.group, ev.block_id, ident))
+      elif isinstance(ev, AllBlocksCleared):
+        self._resident.clear()
+        self._resident_by_key.clear()
+    self._demote(out)
+
+  def _demote(self, blocks) -> None:
+    if not blocks or not self.store.tiers:
+      return
+    first = self.store.tiers[0]
+    by_group: dict[str, list] = {}
+    for g, b, ident in blocks:
+      if not first.contains_many([ident.key])[0]:
+        by_group.setdefault(g, []).append((b, ident))
+    for g, items in by_group.items():
+      for lo in range(0, len(items), _BUCKETS[-1]):
+        part = items[lo:lo + _BUCKETS[-1]]
+        ids = np.full(_bucket(len(part)), 0, np.int32)
+        ids[:len(part)] = [b for b, _ in part]
+        rows = [np.asarray(x) for x in _read_blocks(self.runner.cache, self.names[g], jnp.asarray(ids))]
+        for i, (_, ident) in enumerate(part):
+          hdr = R.RecordHeader(ident.fp, g, ident.digest, ident.parent, ident.start, ident.tokens, self.manifest[g])
+          data = R.encode(hdr, [r[i] for r in rows])
+          self.store.put(ident.key, data, ident.fp.tenant)
+          self.stats["demoted_blocks"] += 1
+
+  # ---------------------------------------------------------------------------------------------- engine hooks
+  def warmup(self) -> None:
+    """Compile the device copy programs for every bucket now (benchmarks: keeps compiles out of TTFT)."""
+    for g in self.groups:
+      nb = self.runner.cache.layers[self.names[g][0][0]][self.names[g][0][1]].shape[0]
+      for n in _BUCKETS:
+        ids = jnp.full((n,), nb, jnp.int32)                 # out of range: reads clamp, writes are dropped
+        rows = _read_blocks(self.runner.cache, self.names[g], ids)
+        self.runner.cache = _write_blocks(self.runner.cache, self.names[g], ids, rows)
+    jax.block_until_ready(self.runner.cache)
+
+  def before_run(self, scheduled) -> None:
+    self._process_events()
+    self._step_t0 = (time.perf_counter(), sum(n for _, n in scheduled), any(n > 1 for _, n in scheduled),
+                     len(self.runner.shapes_run))
+
+  def after_step(self, scheduled) -> None:
+    if self._step_t0 is not None:
+      t0, toks, prefill, shapes = self._step_t0
+      if prefill and len(self.runner.shapes_run) == shapes:   # a step that compiled says nothing about the rate
+        self.cost.observe_prefill(toks, time.perf_counter() - t0)
+      self._step_t0 = None
+    for req, _ in scheduled:
+      self._learn(req)
+    self._process_events()
+    self._forget_finished()
+
+  def _candidates(self, h1: int, cap: int) -> list[int]:
+    A = self.specs.align_tokens
+    return list(range(h1 + A, cap // A * A + 1, A))
+
+  def _required(self, h1: int, P: int, prompt_len: int) -> tuple[int, set[int]]:
+    """Full blocks [h1/fb, P/fb) and the swa block indices a resume at P needs from the tiers."""
+    pol = self.mgr.policy
+    swa = set()
+    for b in set(pol.boundaries(h1, P, prompt_len)) | {P}:
+      swa.update(pol.tail_blocks(b))
+    nfull = P // self.groups[caches.FULL].block_tokens if caches.FULL in self.groups else 0
+    if swa and min(swa) < h1 // self.groups[caches.SWA].block_tokens:
+      # a tail reaching behind the device hit (window longer than the alignment): those swa rows are neither in the
+      # request's table nor loadable into it, so this P cannot be served from the tiers
+      return nfull, None
+    return nfull, swa
+
+  def on_admit(self, req, h1: int) -> int:
+    """Extend the device hit h1 from the tiers. Returns the tokens the request may skip (>= h1)."""
+    if self.tc.policy == "recompute" or not self.store.tiers:
+      return h1
+    self._process_events()
+    toks = req.all_tokens
+    cands = self._candidates(h1, len(toks) - 1)
+    if not cands:
+      return h1
+    self.stats["admissions_probed"] += 1
+    extra = req.cache_salt(self.engine.ec.enable_prefix_caching)
+    h = self._hasher(extra, toks)
+    fp = self._fingerprint(extra)
+    has_full = caches.FULL in self.groups
+    fb = self.groups[caches.FULL].block_tokens if has_full else 1
+    j0 = h1 // fb
+    full_ids = [self._ident_of(h, fp, toks, caches.FULL, j) for j in range(j0, cands[-1] // fb)] if has_full else []
+    pol = self.mgr.policy
+    swa_idx = sorted({j for P in cands for j in pol.tail_blocks(P)}
+                     | {j for b in pol.boundaries(h1, cands[-1], len(toks)) for j in pol.tail_blocks(b)})
+    swa_ids = {j: self._ident_of(h, fp, toks, caches.SWA, j) for j in swa_idx}
+    keys = [i.key for i in full_ids] + [swa_ids[j].key for j in swa_idx]
+    # Hybrid across L1 and the tiers: a block the device still caches (but the device hit could not use, because
+    # another group's block was evicted) is copied on the device (-1 = L1) instead of loaded.
+    locs = {k: ([-1] if k in self._resident_by_key else []) + l for k, l in zip(keys, self.store.locate(keys))}
+    nf = 0
+    while nf < len(full_ids) and locs[full_ids[nf].key]:
+      nf += 1
+    best = None
+    for P in reversed(cands):
+      need_full, need_swa = self._required(h1, P, len(toks))
+      if need_swa is not None and need_full - j0 <= nf and all(locs[swa_ids[j].key] for j in need_swa):
+        best = P
+        break
+    if best is None:
+      return h1
+    need_full, need_swa = self._required(h1, best, len(toks))
+    plan_ids = full_ids[:need_full - j0] + [swa_ids[j] for j in sorted(need_swa)]
+    plan: dict[str, list] = {}
+    for ident in plan_ids:
+      if locs[ident.key][0] < 0:
+        continue
+      t = self.store.tiers[locs[ident.key][0]].name
+      n, b = plan.get(t, (0, 0))
+      plan[t] = (1, b + sum(a.nbytes for a in self.manifest[ident.group]))
+    dec = self.cost.decide(plan, best - h1, self.store.backlog_bytes())
+    self.decisions.append({"rid": req.rid, "h1": h1, "P": best, "load_s": dec.load_s, "recompute_s": dec.recompute_s,
+                           "cost_model_load": dec.load, "plan": plan})
+    if self.tc.policy == "auto" and not dec.load:
+      self.stats["chose_recompute"] += 1
+      return h1
+    self.stats["chose_load"] += 1
+    budget = dec.budget_s if self.tc.policy == "auto" else self.tc.load_timeout_s
+    t_start = time.perf_counter()
+    deadline = time.monotonic() + budget
+    # Fetch and verify first (into host memory), then allocate exactly what the verified point needs.
+    arrays, src = self._fetch_verified(plan_ids, locs, deadline)
+    # The largest point whose records all arrived and verified (degrade: never resume on incomplete state).
+    P2 = h1
+    for P in reversed([c for c in cands if c <= best]):
+      nfull, nswa = self._required(h1, P, len(toks))
+      if nswa is not None and all(i.key in arrays for i in full_ids[:nfull - j0]) and \
+         all(swa_ids[j].key in arrays for j in nswa):
+        P2 = P
+        break
+    if P2 < best:
+      self.stats["degraded"] += 1
+    if P2 == h1:
+      return h1
+    nfull, nswa = self._required(h1, P2, len(toks))
+    tables = self.mgr.extend_for_load(req.rid, P2, nswa)
+    if not tables:
+      self.stats["no_room"] += 1
+      return h1
+    self._process_events()          # demote what that allocation evicted before we overwrite it
+    self._write({caches.FULL: [(int(tables.full[j]), arrays[full_ids[j - j0].key]) for j in range(j0, nfull)],
+                 caches.SWA: [(int(tables.swa[j]), arrays[swa_ids[j].key]) for j in sorted(nswa)]})
+    self.mgr.commit(req.rid, P2)
+    req.num_computed = P2
+    self._learn(req)
+    self._process_events()
+    for ident in full_ids[:nfull - j0]:
+      if src[ident.key] >= 0:
+        self.store.tiers[src[ident.key]].note_hit(ident.key, fb, 0)
+    for j in nswa:
+      if src[swa_ids[j].key] >= 0:
+        self.store.tiers[src[swa_ids[j].key]].metrics["hit_records"] += 1
+    self.stats["l1_copied_records"] += sum(1 for v in src.values() if v < 0)
+    self.stats["tier_hit_tokens"] += P2 - h1
+    self.stats["load_s_total"] += time.perf_counter() - t_start
+    return P2
+
+  def _fetch_verified(self, plan_ids, locs, deadline):
+    """Fetch every planned record from the first tier that has it; on a miss, failure or bad record try the next
+    tier that has it, while the budget lasts. Returns (key -> arrays, key -> source tier index)."""
+    arrays, src, data_of = {}, {}, {}
+    by_key = {i.key: i for i in plan_ids}
+    tries = {i.key: list(locs[i.key]) for i in plan_ids}
+    on_device = {}
+    for k, t in tries.items():
+      if t and t[0] < 0:
+        t.pop(0)
+        if k in self._resident_by_key:        # still cached on the device after our own allocation
+          on_device.setdefault(self._resident_by_key[k][0], []).append(k)
+        else:                                 # our allocation evicted (and so demoted) it: look again
+          tries[k] = self.store.locate([k])[0]
+    for g, ks in on_device.items():
+      ids = np.zeros(_bucket(len(ks)), np.int32)
+      ids[:len(ks)] = [self._resident_by_key[k][1] for k in ks]
+      rows = [np.asarray(x) for x in _read_blocks(self.runner.cache, self.names[g], jnp.asarray(ids))]
+      for i, k in enumerate(ks):
+        arrays[k], src[k] = [r[i] for r in rows], -1
+    while True:
+      wanted: dict[int, list[str]] = {}
+      for k, t in tries.items():
+        if k not in arrays and t:
+          wanted.setdefault(t.pop(0), []).append(k)
+      if not wanted or time.monotonic() >= deadline:
+        break
+      t0 = time.perf_counter()
+      got = self.store.fetch(wanted, deadline)
+      dt = time.perf_counter() - t0
+      for ti, ks in wanted.items():
+        b = sum(len(got[k][0]) for k in ks if k in got)
+        if b:
+          self.cost.observe_load(self.store.tiers[ti].name, b, dt)
+      for k, (data, ti) in got.items():
+        ident = by_key[k]
+        exp = R.Expect(ident.fp, ident.group, ident.digest, ident.parent, ident.start, ident.tokens,
+                       self.manifest[ident.group])
+        try:
+          arrays[k] = R.decode(data, exp)
+        except R.RecordError as e:
+          self.store.tiers[ti].reject(k, str(e))
+          self.stats["rejected_records"] += 1
+          continue
+        src[k], data_of[k] = ti, data
+        self.stats["loaded_records"] += 1
+    for k, ti in src.items():
+      if ti > 0 and k in data_of:
+        self.store.promote(k, data_of[k], by_key[k].fp.tenant, ti)
+    return arrays, src
+
+  def _write(self, per_group) -> None:
+    for g, items in per_group.items():
+      if not items:
+        continue
+      n = _bucket(len(items))
+      nb = self.runner.cache.layers[self.names[g][0][0]][self.names[g][0][1]].shape[0]
+      ids = np.full(n, nb, np.int32)          # out of range = dropped
+      ids[:len(items)] = [b for b, _ in items]
+      if (ids < 0).any():                     # -1 would wrap to the last block: never write there
+        raise RuntimeError(f"tier load into an unallocated {g} block: {ids[:len(items)]}")
+      rows = []
+      for a_i, e in enumerate(self.manifest[g]):
+        r = np.zeros((n, *e.shape), np.dtype(e.dtype))
+        for i, (_, arrs) in enumerate(items):
+          r[i] = arrs[a_i]
+        rows.append(jnp.asarray(r))
+      self.runner.cache = _write_blocks(self.runner.cache, self.names[g], jnp.asarray(ids), tuple(rows))
+
+  # ---------------------------------------------------------------------------------------------- control
+  def drop_device_cache(self) -> int:
+    """Demote every block the device still caches, then drop L1 (prefix identities and the pool contents). Only
+    between requests. Returns the number of blocks demoted."""
+    self._process_events()
+    blocks = [(g, b, ident) for (g, b), ident in self._resident.items()]
+    before = self.stats["demoted_blocks"]
+    self._demote(blocks)
+    self.store.drain()
+    if not self.mgr.reset_prefix_cache():
+      raise RuntimeError("drop_device_cache: requests still hold blocks")
+    self._process_events()
+    ec = self.engine.ec
+    fresh = caches.init_cache(self.engine.config, ec.layout, ec.num_swa_blocks, ec.num_full_blocks)
+    if getattr(self.runner, "mesh", None) is not None:      # keep the sharded runner's pool layout
+      fresh = jax.device_put(fresh, self.runner.shardings["cache"])
+    self.runner.cache = fresh
+    return self.stats["demoted_blocks"] - before
+
+  def flush(self) -> None:
+    self._process_events()
+    self.store.drain()
+
+  def summary(self) -> dict:
+    return {**self.stats, "prefill_tokens_per_s": self.cost.prefill_tps, "tiers": self.store.summary(),
+            "write_behind": dict(self.store.wb.stats) if self.store.wb else {},
+            "startup_errors": self.startup_errors}
+
+  def close(self) -> None:
+    self.store.close()

@@ -1,0 +1,355 @@
+"""The model on a JAX device mesh: logical axis names for every parameter and cache array, and rules that map them
+to the mesh axes `data`, `tensor`, `expert` (MaxText-style: arrays name what their dimensions *are*; a rule table
+says which mesh axes, if any, split each kind of dimension).
+
+    mesh = sharding.make_mesh("data:2,tensor:2,expert:2")
+    rules = sharding.Rules()                           # or Rules(kv_latent="feature")
+    params = sharding.put(params, sharding.param_shardings(config, mesh, rules))
+    with jax.set_mesh(mesh):                           # activates the expert-parallel MoE path (dsv4.layers.moe)
+      cache, logits = jitted_forward(params, ...)
+
+Names come from the single sources of truth: `model.param_shapes` (the checkpoint spelling) and
+`caches.cache_array_specs`. A dimension whose size is not divisible by its mesh axes (or whose unit count, e.g.
+heads, is not) stays replicated instead of failing: tiny test configs and odd meshes still run, and
+`explain_fallbacks` lists what was replicated so sizing reports show it.
+
+Decisions (numbers in BUILD_NOTES.md, "issue 14"):
+* attention heads, the indexer heads, the grouped output projection, the shared expert's and routed experts'
+  intermediate dimension and the vocabulary are split over `tensor`;
+* routed experts are split over `expert`, tokens reach them through `shard_map` + all-to-all (moe.py);
+* batch rows are split over `data`; the KV block pools are replicated over `data` (one pool for all shards);
+* the shared K = V latent (one head) and its pools are replicated over `tensor` by default (`Rules.kv_latent`
+  = "replicated"); "feature" splits its feature dimension over `tensor` instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dsv4 import caches
+from dsv4.config import ModelConfig
+
+AXES = ("data", "tensor", "expert")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Mesh
+
+def parse_mesh_spec(spec: str) -> dict[str, int]:
+  """'data:2,tensor:2,expert:2' -> {'data': 2, 'tensor': 2, 'expert': 2} (missing axes are 1)."""
+  out = {a: 1 for a in AXES}
+  if not spec:
+    return out
+  for part in spec.split(","):
+    name, _, size = part.strip().partition(":")
+    if name not in AXES:
+      raise ValueError(f"mesh: unknown axis {name!r} in {spec!r}; axes are {AXES}")
+    try:
+      out[name] = int(size)
+    except ValueError:
+      raise ValueError(f"mesh: axis {name!r} needs an integer size, got {size!r} in {spec!r}") from None
+    if out[name] < 1:
+      raise ValueError(f"mesh: axis {name!r} must be >= 1, got {out[name]}")
+  return out
+
+
+def make_mesh(spec: str | dict[str, int] | tuple[int, int, int], devices=None) -> jax.sharding.Mesh:
+  """A (data, tensor, expert) mesh with Auto axes (GSPMD propagation outside the explicit shard_map regions)."""
+  if isinstance(spec, str):
+    spec = parse_mesh_spec(spec)
+  if isinstance(spec, tuple):
+    spec = dict(zip(AXES, spec))
+  shape = tuple(int(spec.get(a, 1)) for a in AXES)
+  devices = jax.devices() if devices is None else list(devices)
+  need = math.prod(shape)
+  if need > len(devices):
+    raise ValueError(f"mesh: {dict(zip(AXES, shape))} needs {need} devices, only {len(devices)} available "
+                     f"(on the CPU set XLA_FLAGS=--xla_force_host_platform_device_count={need})")
+  return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices[:need])
+
+
+def active_mesh():
+  """The mesh of the enclosing `jax.set_mesh` (an AbstractMesh while tracing), or None."""
+  m = jax.sharding.get_abstract_mesh()
+  return None if m.empty else m
+
+
+def axis_size(mesh, name: str) -> int:
+  return int(dict(mesh.shape).get(name, 1)) if mesh is not None else 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rules
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+  """Logical axis -> mesh axes. `kv_latent`: the shared K = V latent is one head, so it cannot follow the heads;
+  "replicated" keeps it whole on every tensor shard, "feature" splits its feature dimension over `tensor`."""
+  kv_latent: str = "replicated"
+  table: tuple[tuple[str, tuple[str, ...]], ...] = (
+      ("batch", ("data",)),
+      ("vocab", ("tensor",)),
+      ("heads", ("tensor",)),
+      ("heads_x_dim", ("tensor",)),
+      ("o_groups", ("tensor",)),
+      ("o_groups_x_lora", ("tensor",)),
+      ("index_heads", ("tensor",)),
+      ("index_heads_x_dim", ("tensor",)),
+      ("experts", ("expert",)),
+      ("expert_mlp", ("tensor",)),
+      ("mlp", ("tensor",)),
+      # Engram tables are the largest arrays of V4.1-Flash (2 x 384M rows): split over every device.
+      ("engram_rows", ("tensor", "expert", "data")),
+      ("engram_out", ("tensor",)),
+  )
+
+  def __post_init__(self):
+    if self.kv_latent not in ("replicated", "feature"):
+      raise ValueError(f"Rules.kv_latent: 'replicated' or 'feature', got {self.kv_latent!r}")
+
+  def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+    if logical is None:
+      return ()
+    if logical == "kv_latent":
+      return ("tensor",) if self.kv_latent == "feature" else ()
+    return dict(self.table).get(logical, ())
+
+
+def _units(config: ModelConfig) -> dict[str, int]:
+  """How many indivisible units a logical dimension holds (a split must not cut a head in two)."""
+  a, ix = config.attention, config.indexer
+  return {"heads_x_dim": a.num_heads, "index_heads_x_dim": ix.num_heads, "o_groups_x_lora": a.o_groups}
+
+
+def spec_for(logical_axes: tuple, shape: tuple[int, ...], mesh, rules: Rules, units: dict | None = None,
+             fallbacks: list | None = None, what: str = "") -> P:
+  """PartitionSpec for one array; dims that do not divide stay replicated (and are recorded in `fallbacks`)."""
+  assert len(logical_axes) == len(shape), (what, logical_axes, shape)
+  used: set[str] = set()
+  out = []
+  for name, size in zip(logical_axes, shape):
+    axes = tuple(m for m in rules.mesh_axes(name) if axis_size(mesh, m) > 1 and m not in used)
+    n = math.prod(axis_size(mesh, m) for m in axes)
+    unit = (units or {}).get(name, size)
+    if axes and (size % n or unit % n):
+      if fallbacks is not None:
+        fallbacks.append(f"{what}: {name}={size} not divisible by {'x'.join(axes)}={n}; replicated")
+      axes = ()
+    used.update(axes)
+    out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
+  return P(*out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Logical axes of the parameters (checkpoint spelling; see model.param_shapes)
+
+_PARAM_AXES = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "norm": ("embed",),
+    "engram_token_map": ("vocab_table",),
+    "attn_norm": ("embed",), "ffn_norm": ("embed",),
+    "hc/fn": ("hc_in", "hc_out"), "hc/base": ("hc_out",), "hc/scale": (None,),
+    "attn/wq_a": ("embed", "q_lora"), "attn/q_norm": ("q_lora",),
+    "attn/wq_b": ("q_lora", "heads_x_dim"),
+    "attn/wkv": ("embed", "kv_latent"), "attn/kv_norm": ("kv_latent",),
+    "attn/wo_a": ("o_groups", "o_group_in", "o_lora"),
+    "attn/wo_b": ("o_groups_x_lora", "embed"),
+    "attn/sink": ("heads",),
+    # Compressors feed the compressed pools and the index keys; small (D x 2d), replicated.
+    "compressor/wkv": ("embed", "comp_proj"), "compressor/wgate": ("embed", "comp_proj"),
+    "compressor/ape": (None, "comp_proj"), "compressor/norm": ("comp_latent",),
+    "indexer/wq_b": ("q_lora", "index_heads_x_dim"), "indexer/weights_proj": ("embed", "index_heads"),
+    "indexer/wk": ("comp_latent", "index_dim"), "indexer/k_norm": ("index_dim",),
+    "ffn/gate": ("embed", "router"), "ffn/bias": ("router",), "ffn/bias_vl": ("router",),
+    "ffn/tid2eid": ("vocab_table", None),
+    "experts/w1": ("experts", "embed", "expert_mlp"), "experts/w3": ("experts", "embed", "expert_mlp"),
+    "experts/w2": ("experts", "expert_mlp", "embed"),
+    "shared/w1": ("embed", "mlp"), "shared/w3": ("embed", "mlp"), "shared/w2": ("mlp", "embed"),
+    "engram/embed": ("engram_rows", "engram_dim"), "engram/wkv": ("engram_in", "engram_out"),
+    "engram/q_weight": ("hc", "embed"), "engram/k_weight": ("hc", "embed"),
+}
+
+
+def _path_names(path) -> list[str]:
+  return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+
+
+def logical_axes_of(names: list[str]) -> tuple:
+  """Most specific match first: 'a/b/c' tries 'b/c' (after mapping hc_* to 'hc'), then 'c'."""
+  names = ["hc" if n.startswith("hc_") else n for n in names]
+  for k in (2, 1):
+    key = "/".join(names[-k:])
+    if len(names) >= k and key in _PARAM_AXES:
+      return _PARAM_AXES[key]
+  raise KeyError(f"sharding: no logical axes for parameter {'/'.join(names)}; add it to _PARAM_AXES")
+
+
+def param_logical_axes(config: ModelConfig) -> dict:
+  from dsv4 import model  # local: model imports this module's hooks
+  shapes = model.param_shapes(config)
+
+  def one(path, leaf):
+    axes = logical_axes_of(_path_names(path))
+    if len(axes) != len(leaf[0]):
+      raise ValueError(f"sharding: {'/'.join(_path_names(path))} has shape {leaf[0]} but axes {axes}")
+    return axes
+
+  return jax.tree_util.tree_map_with_path(one, shapes, is_leaf=model._is_leaf)
+
+
+def param_specs(config: ModelConfig, mesh, rules: Rules = Rules(), fallbacks: list | None = None) -> dict:
+  from dsv4 import model
+  shapes = model.param_shapes(config)
+  units = _units(config)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: spec_for(logical_axes_of(_path_names(path)), leaf[0], mesh, rules, units, fallbacks,
+                                  "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)),
+      shapes, is_leaf=model._is_leaf)
+
+
+def param_shardings(config: ModelConfig, mesh, rules: Rules = Rules(), fallbacks: list | None = None) -> dict:
+  return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), param_specs(config, mesh, rules, fallbacks),
+                                is_leaf=lambda x: isinstance(x, P))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cache arrays and step inputs
+
+_CACHE_AXES = {
+    "window_kv": ("cache_blocks", "block_rows", "kv_latent"),
+    "comp_kv": ("cache_blocks", "block_rows", "kv_latent"),
+    "index_keys": ("cache_blocks", "block_rows", "index_dim"),
+    "comp_state_kv": ("cache_blocks", "block_rows", "comp_proj"),
+    "comp_state_score": ("cache_blocks", "block_rows", "comp_proj"),
+    "index_state_kv": ("cache_blocks", "block_rows", "comp_proj"),
+    "index_state_score": ("cache_blocks", "block_rows", "comp_proj"),
+    # running-pool compressor state: one row per swa block (dsv4/layers/compressor.py)
+    "comp_state": ("cache_blocks", "block_rows", "comp_proj"),
+    "index_state": ("cache_blocks", "block_rows", "comp_proj"),
+    "token_ids": ("cache_blocks", "block_rows"),
+}
+
+
+def cache_logical_axes(spec: caches.ArraySpec) -> tuple:
+  if spec.name not in _CACHE_AXES:
+    raise KeyError(f"sharding: no logical axes for cache array {spec.name}; add it to _CACHE_AXES")
+  return _CACHE_AXES[spec.name]
+
+
+def cache_shardings(config: ModelConfig, layout: caches.CacheLayout, mesh, rules: Rules = Rules(),
+                    num_swa_blocks: int = 1, num_full_blocks: int = 1, fallbacks: list | None = None):
+  """A ModelCache of NamedShardings matching `caches.init_cache(config, layout, num_swa, num_full)`."""
+  layers = [dict() for _ in range(config.num_layers)]
+  for s in caches.cache_array_specs(config, layout):
+    n = num_swa_blocks if s.group == caches.SWA else num_full_blocks
+    spec = spec_for(cache_logical_axes(s), (n, *s.block_shape), mesh, rules, None, fallbacks,
+                    f"cache/{s.layer}/{s.name}")
+    layers[s.layer][s.name] = NamedSharding(mesh, spec)
+  return caches.ModelCache(tuple(layers))
+
+
+def batch_sharding(mesh, batch: int, rank: int, rules: Rules = Rules()) -> NamedSharding:
+  """Rows over `data` (replicated when the batch does not divide)."""
+  return NamedSharding(mesh, spec_for(("batch",) + (None,) * (rank - 1), (batch,) + (1,) * (rank - 1), mesh, rules))
+
+
+def index_shardings(mesh, batch: int, rules: Rules = Rules()) -> caches.BatchIndex:
+  return caches.BatchIndex(batch_sharding(mesh, batch, 1, rules), batch_sharding(mesh, batch, 1, rules),
+                           batch_sharding(mesh, batch, 2, rules), batch_sharding(mesh, batch, 2, rules))
+
+
+def replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def put(tree, shardings):
+  """Places host values onto (possibly multi-process) shardings. Every process passes the same full value; each
+  keeps only its addressable shards, so this works under `jax.distributed` as well as in one process."""
+  want, got = jax.tree_util.tree_structure(shardings), jax.tree_util.tree_structure(tree)
+  if want != got:
+    # e.g. routed experts kept packed (FP4 + scales) by the loader: the rules describe dense parameters only.
+    raise ValueError("sharding.put: the tree does not have the structure the shardings were made for "
+                     f"(expected {want}, got {got}); quantized (packed) experts are not supported on a mesh yet")
+
+  def one(x, s):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+  return jax.tree_util.tree_map(one, tree, shardings)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hooks used inside the model (no-ops without an active mesh)
+
+def constrain_batch(x):
+  """Pins an activation's leading (batch) axis to `data`, so embedding lookups from a vocab-split table and the
+  shard_map regions see rows where the step's inputs put them."""
+  m = active_mesh()
+  d = axis_size(m, "data")
+  if m is None or d <= 1 or x.shape[0] % d:
+    return x
+  return jax.lax.with_sharding_constraint(x, P("data", *([None] * (x.ndim - 1))))
+
+
+def explain_fallbacks(config: ModelConfig, mesh, rules: Rules = Rules()) -> list[str]:
+  out: list[str] = []
+  param_specs(config, mesh, rules, out)
+  return out
+
+
+def per_device_bytes(tree_shapes, tree_specs, mesh, itemsize_of=None) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs under PartitionSpecs."""
+  total = 0
+  for x, s in zip(jax.tree_util.tree_leaves(tree_shapes), jax.tree_util.tree_leaves(
+      tree_specs, is_leaf=lambda v: isinstance(v, P))):
+    n = int(np.prod(x.shape))
+    for entry in s:
+      for a in ((entry,) if isinstance(entry, str) else (entry or ())):
+        n //= axis_size(mesh, a)
+    total += n * (itemsize_of(x) if itemsize_of else np.dtype(x.dtype).itemsize)
+  return total
+
+
+def names(axes: Iterable) -> str:
+  return ",".join("-" if a is None else str(a) for a in axes)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A sharded model step
+
+def jit_forward(config: ModelConfig, mesh, rules: Rules = Rules(), *, layout: caches.CacheLayout = caches.CacheLayout(),
+                batch: int, num_swa_blocks: int, num_full_blocks: int, kernel_cfg=None, logits_replicated=True,
+                step_fn=None):
+  """`model.forward` jitted for `mesh`: params, cache and step inputs carry the rule shardings, the cache keeps
+  its sharding from step to step (donated), logits come back replicated (readable by every process).
+  `step_fn(params, config, layout, kernel_cfg, tokens, cache, index) -> (cache, logits)` replaces the full-logits
+  forward (the engine passes its last-token step). Returns (call(params, tokens, cache, index) -> (cache, logits),
+  shardings dict)."""
+  from dsv4 import model
+  from pallas_kernels import dispatch
+  kernel_cfg = kernel_cfg or dispatch.KernelConfig()
+  sh = dict(params=param_shardings(config, mesh, rules),
+            cache=cache_shardings(config, layout, mesh, rules, num_swa_blocks, num_full_blocks),
+            tokens=batch_sharding(mesh, batch, 2, rules), index=index_shardings(mesh, batch, rules))
+  logits_sh = replicated(mesh) if logits_replicated else batch_sharding(mesh, batch, 3, rules)
+
+  def step(params, tokens_BxT, cache, index):
+    if step_fn is not None:
+      return step_fn(params, config, layout, kernel_cfg, tokens_BxT, cache, index)
+    return model.forward(params, config, tokens_BxT, cache, index, layout=layout, kernel_cfg=kernel_cfg)
+
+  jitted = jax.jit(step, in_shardings=(sh["params"], sh["tokens"], sh["cache"], sh["index"]),
+                   out_shardings=(sh["cache"], logits_sh), donate_argnums=(2,))
+
+  def call(params, tokens_BxT, cache, index):
+    with jax.set_mesh(mesh):
+      return jitted(params, tokens_BxT, cache, index)
+
+  call.jitted = jitted
+  return call, sh

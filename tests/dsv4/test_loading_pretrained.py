@@ -1,0 +1,99 @@
+"""load_pretrained + `python -m experiments.serve --checkpoint=DIR` on tiny synthetic checkpoint directories
+(config.json + safetensors shards + tokenizer) in every naming, and the errors a broken directory gives."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dsv4 import config as C
+from dsv4.config import ConfigError
+from dsv4.loading import CheckpointError
+from dsv4.loading import safetensors_io as S
+from dsv4.loading.pretrained import load_pretrained
+from tests.dsv4 import oracle_util as O
+from tests.dsv4 import v41_oracle as V
+from tests.dsv4.test_loading import _max_diff, _random_params, _v41_tiny
+from tests.dsv4.test_tokenizer import make_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def make_checkpoint_dir(path, naming: str, seed: int = 0, *, shard_bytes: int = 80_000):
+  """A tiny checkpoint directory as a user would download it: bf16 shards + index, config.json, tokenizer."""
+  if naming == "nemo":
+    cfg = _v41_tiny()
+    conf = {"model_type": "deepseek_v41_text", **V.nemo_text_kwargs(cfg)}
+  else:
+    cfg = C.v4_tiny()
+    conf = {"model_type": "deepseek_v4", **O.HF_TINY_KWARGS}
+  params = _random_params(cfg, seed)
+  os.makedirs(path, exist_ok=True)
+  S.save_checkpoint(params, cfg, str(path), naming=naming, shard_bytes=shard_bytes, dtype=ml_dtypes.bfloat16)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(conf, f)
+  make_tokenizer(cfg.vocab_size).save(str(path))
+  return cfg, params
+
+
+@pytest.mark.parametrize("naming", ["original", "hf", "saved", "nemo"])
+def test_load_pretrained_every_naming(tmp_path, naming):
+  cfg, params = make_checkpoint_dir(tmp_path, naming)
+  pre = load_pretrained(str(tmp_path))
+  assert pre.config.layer_plan() == cfg.layer_plan()
+  assert pre.tokenizer is not None and pre.tokenizer.eos_token_id == pre.config.eos_token_id
+  leaves = jax.tree_util.tree_leaves(pre.params)
+  assert all(x.dtype in (np.int32, ml_dtypes.bfloat16) for x in leaves)
+  want = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16)
+                                if np.issubdtype(np.asarray(x).dtype, np.floating) else np.asarray(x), params)
+  assert _max_diff(want, jax.tree_util.tree_map(np.asarray, pre.params)) == 0.0
+
+
+def test_broken_directories_fail_clearly(tmp_path):
+  make_checkpoint_dir(tmp_path, "saved")
+  conf = (tmp_path / "config.json").read_text()
+  (tmp_path / "config.json").write_text(conf[:-5])
+  with pytest.raises(ConfigError, match=r"config\.json: malformed JSON"):
+    load_pretrained(str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps({**json.loads(conf), "hidden_size": 96}))
+  with pytest.raises(CheckpointError, match=r"shape \[\d+(, \d+)*\], expected \[.*96"):
+    load_pretrained(str(tmp_path))
+  (tmp_path / "config.json").write_text(conf)
+  shard = sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors"))[2]
+  os.remove(tmp_path / shard)
+  with pytest.raises(CheckpointError, match=f"shard '{shard}'.*does not exist"):
+    load_pretrained(str(tmp_path))
+
+
+def test_serve_main_job_on_a_checkpoint_dir(tmp_path):
+  """The acceptance command on a synthetic dir (transformers save_pretrained naming): text, chat and stop strings."""
+  ckpt = tmp_path / "ckpt"
+  make_checkpoint_dir(ckpt, "saved")
+  reqs = tmp_path / "reqs.jsonl"
+  reqs.write_text("\n".join(json.dumps(d) for d in [
+      {"id": "text", "prompt": "w10 w11 w12", "max_tokens": 6, "ignore_eos": True},
+      {"id": "chat", "messages": [{"role": "user", "content": "w40 w41"}], "max_tokens": 6, "ignore_eos": True,
+       "stop": ["never-there"]},
+      {"id": "ids", "prompt": [10, 11, 12], "max_tokens": 6, "ignore_eos": True},
+  ]) + "\n")
+  out = tmp_path / "out"
+  cmd = [sys.executable, "-m", "experiments.serve", f"--checkpoint={ckpt}", f"--requests={reqs}",
+         f"--out_dir={out}", "--max_num_seqs=2", "--max_num_batched_tokens=64", "--chunk_size=32",
+         "--max_model_len=256", "--num_full_blocks=8", "--num_swa_blocks=32", "--compilation_cache_dir="]
+  r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = {d["id"]: d for d in map(json.loads, (out / "outputs.jsonl").read_text().splitlines())}
+  assert all(rows[k]["error"] is None and len(rows[k]["output"]) == 6 for k in rows)
+  assert rows["text"]["output"] == rows["ids"]["output"]  # text prompt == the same ids
+  tok = make_tokenizer(512)
+  assert rows["text"]["text"] == tok.decode(rows["text"]["output"]) and rows["text"]["text"]
+  assert rows["chat"]["prompt_len"] == 6  # <s> <|user|> w40 w41 <|end|> <|assistant|>
+  # a bad directory: clear error, non-zero exit
+  (ckpt / "config.json").write_text("{")
+  r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+  assert r.returncode != 0 and "config.json: malformed JSON" in r.stderr

@@ -1,0 +1,154 @@
+"""The model on a mesh (dsv4/sharding.py). One-device checks run here; the 8-device checks run in a subprocess
+(tests/dsv4/sharding_worker.py) with XLA_FLAGS=--xla_force_host_platform_device_count=8, because the rest of the
+suite runs with one device and JAX fixes the host device count at start-up."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dsv4 import caches, model, sharding
+from dsv4 import config as C
+from dsv4.layers import moe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_worker(*args, timeout=1500):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=ROOT)
+  r = subprocess.run([sys.executable, "-m", "tests.dsv4.sharding_worker", *args], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=timeout)
+  print(r.stdout)
+  assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-3000:] + r.stderr[-3000:]
+  return r.stdout
+
+
+@pytest.mark.parametrize("variant", ["v4", "v41"])
+def test_sharded_forward_matches_one_device(variant):
+  """Meshes (8,1,1), (1,1,8), (2,2,2), (1,8,1): prefill + decode, fp32, <= 1e-5 relative."""
+  run_worker("forward", variant)
+
+
+def test_kv_latent_split_by_feature_matches_one_device():
+  run_worker("forward_feature", "v4")
+
+
+def test_engine_on_mesh_same_tokens_with_prefix_hits():
+  out = run_worker("engine")
+  assert "same tokens" in out
+
+
+# ------------------------------------------------------------------------------------------ one device
+
+@pytest.mark.parametrize("preset", ["v4_tiny", "v41_tiny", "v4_flash", "v41_flash"])
+def test_every_parameter_and_cache_array_has_logical_axes(preset):
+  cfg = C.get_preset(preset)
+  axes = sharding.param_logical_axes(cfg)
+  shapes = model.abstract_params(cfg)
+  flat_axes = jax.tree_util.tree_leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+  flat_shapes = jax.tree_util.tree_leaves(shapes)
+  assert len(flat_axes) == len(flat_shapes)
+  for a, s in zip(flat_axes, flat_shapes):
+    assert len(a) == len(s.shape)
+  for spec in caches.cache_array_specs(cfg, caches.CacheLayout()):
+    assert len(sharding.cache_logical_axes(spec)) == 1 + len(spec.block_shape)
+
+
+def test_flash_rules_split_what_the_plan_says():
+  """On the abstract 8-way meshes of the real models: heads over tensor, experts over expert, nothing replicated
+  by accident."""
+  cfg = C.v4_flash()
+  mesh = jax.sharding.AbstractMesh((1, 2, 4), sharding.AXES)
+  specs = sharding.param_specs(cfg, mesh)
+  layer = specs["layers"][3]
+  assert layer["attn"]["wq_b"] == P(None, "tensor")
+  assert layer["attn"]["wkv"] == P(None, None)                      # K=V latent replicated (default rule)
+  assert layer["ffn"]["experts"]["w1"] == P("expert", None, "tensor")
+  assert layer["ffn"]["experts"]["w2"] == P("expert", "tensor", None)
+  assert specs["embed"] == P("tensor", None)
+  assert sharding.explain_fallbacks(cfg, mesh) == []
+  feat = sharding.param_specs(cfg, mesh, sharding.Rules(kv_latent="feature"))
+  assert feat["layers"][3]["attn"]["wkv"] == P(None, "tensor")
+
+
+def test_indivisible_dims_stay_replicated_and_are_reported():
+  mesh = jax.sharding.AbstractMesh((1, 8, 1), sharding.AXES)
+  cfg = C.v4_tiny()           # 4 heads, 2 output groups: cannot split 8 ways
+  fallbacks = sharding.explain_fallbacks(cfg, mesh)
+  assert any("attn/wq_b" in f for f in fallbacks)
+  assert sharding.param_specs(cfg, mesh)["layers"][0]["attn"]["wq_b"] == P(None, None)
+
+
+def test_mesh_spec_errors_are_clear():
+  assert sharding.parse_mesh_spec("data:2,tensor:2,expert:2") == {"data": 2, "tensor": 2, "expert": 2}
+  assert sharding.parse_mesh_spec("expert:4") == {"data": 1, "tensor": 1, "expert": 4}
+  with pytest.raises(ValueError, match="unknown axis 'model'"):
+    sharding.parse_mesh_spec("model:2")
+  with pytest.raises(ValueError, match="integer size"):
+    sharding.parse_mesh_spec("data:x")
+  with pytest.raises(ValueError, match="needs 64 devices"):
+    sharding.make_mesh("data:4,tensor:4,expert:4")
+  with pytest.raises(ValueError, match="kv_latent"):
+    sharding.Rules(kv_latent="heads")
+
+
+def test_moe_without_mesh_is_the_unsharded_path():
+  """No active mesh: `moe` is exactly routed_experts + shared_expert (bit for bit)."""
+  cfg = C.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))["layers"][1]["ffn"]
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 5, cfg.hidden_size))
+  toks = jnp.arange(10).reshape(2, 5)
+  got = jax.jit(lambda p, x: moe.moe(p, x, toks, cfg.moe, False))(params, x)
+
+  def unsharded(p, x):   # the body of `moe` before the expert-parallel branch existed
+    flat = x.reshape(10, -1)
+    ids, w = moe.route(p, flat, toks.reshape(-1), cfg.moe, False)
+    out = moe.routed_experts(p["experts"], flat, ids, w, cfg.moe) + moe.shared_expert(p["shared"], flat, cfg.moe)
+    return out.reshape(2, 5, -1)
+
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(unsharded)(params, x)))
+
+
+def test_scanned_layer_groups_step_matches_the_unrolled_step():
+  """benchmarks/sizing.py compiles the full-depth V4 step as a scan over its repeating layer groups: same logits
+  and cache as the engine's unrolled step."""
+  from benchmarks import sizing
+  from dsv4.engine.runner import _last_token_step
+  from pallas_kernels import dispatch
+  cfg = C.v4_tiny(num_layers=8)
+  s, g, n = sizing.layer_groups(cfg)
+  assert (g, n) == (2, 3) and s + g * n <= cfg.num_layers
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  layout = caches.CacheLayout()
+  B, T = 2, 24
+  cache, swa, full = caches.init_contiguous(cfg, B, T, layout)
+  index = caches.BatchIndex(jnp.zeros(B, jnp.int32), jnp.asarray([T, T - 5], jnp.int32), jnp.asarray(swa),
+                            jnp.asarray(full))
+  toks = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, cfg.vocab_size)
+  kc = dispatch.KernelConfig()
+  want_cache, want = jax.jit(lambda p, c: _last_token_step(p, cfg, layout, kc, toks, c, index))(params, cache)
+  stack = lambda xs: jnp.stack(xs)  # noqa: E731
+  p2 = dict(params, layers=sizing.stack_groups(list(params["layers"]), s, g, n, stack))
+  c2 = caches.ModelCache(sizing.stack_groups(list(cache.layers), s, g, n, stack))
+  got_cache, got = jax.jit(lambda p, c: sizing.scanned_step(p, cfg, layout, kc, toks, c, index))(p2, c2)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  head, groups, tail = got_cache.layers
+  np.testing.assert_allclose(np.asarray(groups[1]["comp_kv"][2]), np.asarray(want_cache.layers[s + 2 * 2 + 1]["comp_kv"]),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(tail[-1]["window_kv"]), np.asarray(want_cache.layers[-1]["window_kv"]),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_put_rejects_a_tree_the_rules_do_not_describe():
+  mesh = sharding.make_mesh("data:1")
+  cfg = C.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  sh = sharding.param_shardings(cfg, mesh)
+  params["layers"][0]["ffn"]["experts"]["w1"] = {"packed": np.zeros(3), "scale": np.zeros(1)}
+  with pytest.raises(ValueError, match="structure"):
+    sharding.put(params, sh)

@@ -1,0 +1,144 @@
+"""Fused indexer top-k kernel (interpret mode) vs the reference: id sets compared order-insensitively, excluding
+queries whose reference scores tie at the k-th place (those only need valid near-cut picks)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dispatch
+from pallas_kernels import indexer as ix
+from pallas_kernels import indexer_topk as it
+from tests.pallas_kernels.test_indexer import make_case
+
+
+def assert_ids_match(got_ids, want_scores, k, tie_tol):
+  """Each query: same number of picks; the set equals the reference's top-k unless the k-th and (k+1)-th reference
+  scores tie within tie_tol, in which case every pick must score >= the k-th score - tie_tol and all strictly
+  larger scores must be picked. Returns the number of tied queries."""
+  got, ws = np.asarray(got_ids), np.asarray(want_scores)
+  wid, _ = ix.topk_from_scores(jnp.asarray(ws), k)
+  wid = np.asarray(wid)
+  kk = min(k, ws.shape[-1])
+  srt = -np.sort(-ws, axis=-1)
+  ties = 0
+  for idx in np.ndindex(*got.shape[:-1]):
+    g = got[idx][got[idx] >= 0]
+    assert len(set(g.tolist())) == len(g), ("duplicate picks", idx, g)
+    w = set(wid[idx][wid[idx] >= 0].tolist())
+    assert len(g) == len(w), (idx, sorted(g), sorted(w))
+    kth = srt[idx][kk - 1]
+    nxt = srt[idx][kk] if kk < ws.shape[-1] else -np.inf
+    if np.isfinite(nxt) and abs(kth - nxt) <= tie_tol:
+      ties += 1
+      assert np.all(ws[idx][g] >= kth - tie_tol), idx
+      assert set(np.nonzero(ws[idx] > kth + tie_tol)[0].tolist()) <= set(g.tolist()), idx
+    else:
+      assert set(g.tolist()) == w, (idx, sorted(set(g.tolist()) ^ w))
+  return ties
+
+
+@pytest.mark.parametrize("T,block_t,chunk,with_allowed", [
+    (1, 0, 4096, False),   # decode, one chunk: only k ids leave the kernel
+    (1, 0, 16, True),      # decode, 3 chunks merged
+    (7, 2, 32, False),     # ragged prefill tile, 2 chunks
+    (5, 4, 64, True),
+])
+def test_topk_f32(T, block_t, chunk, with_allowed):
+  B, H, C, P, M = 3, 16, 32, 200, 45
+  args = make_case(T * 13 + chunk, B, T, H, C, P, M, jnp.float32, with_allowed)
+  q, w, kp, rows, nv, al = args
+  nk = jnp.asarray([M, 20, 0], jnp.int32)
+  want = ix.indexer_scores_reference(q, w, kp, rows, nv, al, nk)
+  tun = it.IndexerTopkTuning(block_t=block_t, block_m=16, select_chunk=chunk)
+  got = it.indexer_topk_pallas(q, w, kp, rows, nv, al, nk, k=8, interpret=True, tuning=tun)
+  assert got.shape == (B, T, 8) and got.dtype == jnp.int32
+  assert_ids_match(got, want, 8, 1e-4)
+  assert np.all(np.asarray(got)[2] == -1)  # num_keys = 0: nothing visible
+  assert np.all(np.asarray(got)[0, 0] == -1)  # num_visible = 0
+
+
+def test_topk_k_larger_than_visible_and_ties_detected():
+  """Duplicated key rows give exact ties at the cut; k > visible entries pads with -1."""
+  B, T, H, C, P, M = 2, 2, 16, 32, 64, 32
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((B, T, H, C)), jnp.float32)
+  w = jnp.asarray(np.abs(rng.standard_normal((B, T, H))), jnp.float32)
+  base = rng.standard_normal((8, C)).astype(np.float32)
+  kp = jnp.asarray(base[rng.integers(0, 8, P)])  # only 8 distinct keys: ties everywhere
+  rows = jnp.asarray(rng.permutation(P)[:B * M].reshape(B, M), jnp.int32)
+  nv = jnp.asarray([[M, 5], [17, M]], jnp.int32)
+  want = ix.indexer_scores_reference(q, w, kp, rows, nv)
+  got = it.indexer_topk_pallas(q, w, kp, rows, nv, k=10, interpret=True,
+                               tuning=it.IndexerTopkTuning(block_m=16, select_chunk=16))
+  ties = assert_ids_match(got, want, 10, 1e-5)
+  assert ties >= 1  # the tie detector really saw ties
+  assert np.sum(np.asarray(got)[0, 1] >= 0) == 5  # 5 visible < k
+
+
+def test_topk_fp8_keys_and_bf16():
+  B, T, H, C, P, M = 2, 3, 16, 64, 120, 40
+  q, w, kp, rows, nv, _ = make_case(3, B, T, H, C, P, M, jnp.bfloat16, False)
+  w = jnp.abs(w)
+  fk = it.quantize_index_keys(kp.astype(jnp.float32) * 3.0)
+  assert fk.keys.dtype == jnp.float8_e4m3fn and fk.scale.shape == (P,)
+  deq = it.dequantize_index_keys(fk)
+  want = ix.indexer_scores_reference(q, w, deq, rows, nv)
+  got = it.indexer_topk_pallas(q, w, fk, rows, nv, k=6, interpret=True, tuning=it.IndexerTopkTuning(block_m=16))
+  assert_ids_match(got, want, 6, 2e-2 * float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(want), want, 0)))))
+  ref = it.indexer_topk_reference(q, w, fk, rows, nv, 6)
+  assert ref.shape == got.shape
+  # The dispatcher's XLA path accepts FP8 keys too.
+  assert dispatch.indexer_topk(q, w, fk, rows, nv, 6).shape == got.shape
+
+
+def test_topk_v41_candidate_blocks():
+  """Candidate blocks (with a repeated and an out-of-range id): the kernel scores only those blocks and matches the
+  reference with the dense candidate mask."""
+  B, T, H, C, P, M, bs = 2, 3, 16, 32, 200, 45, 8
+  q, w, kp, rows, nv, _ = make_case(5, B, T, H, C, P, M, jnp.float32, False)
+  rng = np.random.default_rng(5)
+  cb = rng.integers(-1, 6, (B, T, 4))
+  cb[0, 0] = [2, 2, 9, 0]  # repeated + out of range
+  cb = jnp.asarray(cb, jnp.int32)
+  allowed = ix.candidate_blocks_to_allowed(cb, M, bs)
+  want = ix.indexer_scores_reference(q, w, kp, rows, nv, allowed)
+  got = it.indexer_topk_pallas(q, w, kp, rows, nv, None, None, cb, k=8, block_size=bs, interpret=True,
+                               tuning=it.IndexerTopkTuning(block_m=16))
+  assert_ids_match(got, want, 8, 1e-4)
+  ref = it.indexer_topk_reference(q, w, kp, rows, nv, 8, candidate_blocks_BxTxC=cb, block_size=bs)
+  assert_ids_match(ref, want, 8, 1e-4)
+
+
+def test_dispatch_indexer_topk_interpret():
+  B, T, H, C, P, M = 2, 2, 16, 32, 90, 30
+  q, w, kp, rows, nv, al = make_case(9, B, T, H, C, P, M, jnp.float32, True)
+  nk = jnp.asarray([30, 11], jnp.int32)
+  got = dispatch.indexer_topk(q, w, kp, rows, nv, 5, al, cfg=dispatch.KernelConfig("interpret"), num_keys_B=nk)
+  want = ix.indexer_scores_reference(q, w, kp, rows, nv, al, nk)
+  assert_ids_match(got, want, 5, 1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["scores", "topk"])
+def test_nonfinite_key_rows_behind_invalid_ids(fused):
+  """Key rows reachable only through invalid rows (-1 -> row 0, >= P) or past num_keys hold NaN: never read."""
+  B, T, H, C, P, M = 2, 2, 16, 32, 60, 24
+  q, w, kp, rows, nv, _ = make_case(8, B, T, H, C, P, M, jnp.float32, False)
+  w = jnp.abs(w)
+  rows = jnp.where(rows == 0, 1, rows)
+  rows = rows.at[:, 20:].set(P - 1)  # past num_keys below
+  rows = jnp.where(rows == P - 1, jnp.where(jnp.arange(M)[None, :] >= 20, P - 1, 2), rows)
+  nk = jnp.asarray([20, 20], jnp.int32)
+  bad = kp.at[0].set(jnp.nan).at[P - 1].set(jnp.inf)
+  want = ix.indexer_scores_reference(q, w, kp.at[0].set(0.0).at[P - 1].set(0.0), rows, nv, None, nk)
+  if fused:
+    got = it.indexer_topk_pallas(q, w, bad, rows, nv, None, nk, k=6, interpret=True,
+                                 tuning=it.IndexerTopkTuning(block_m=8))
+    assert_ids_match(got, want, 6, 1e-4)
+  else:
+    got = np.asarray(ix.indexer_scores_pallas(q, w, bad, rows, nv, None, nk, interpret=True,
+                                              tuning=ix.IndexerTuning(block_m=8)))
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(np.asarray(want)))
+    f = np.isfinite(np.asarray(want))
+    np.testing.assert_allclose(got[f], np.asarray(want)[f], rtol=2e-5, atol=2e-5)
