@@ -22,6 +22,8 @@ A paged pool (cache/ and the engine) allocates blocks and hands the model block 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import math
 from typing import Any
 
@@ -29,10 +31,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs, GroupSpec
 from dsv4.config import LayerPlan, ModelConfig
+from pallas_kernels import dispatch
 
 SWA = "swa"
 FULL = "full"
+# `CacheLayout.kv_dtype` value selecting the V4 FP8 KV record (pallas_kernels' Fp8KVPool: e4m3 nope channels with
+# a UE8M0 scale per 64, bf16 RoPE channels; 584 bytes per 512-wide row). Window and compressed KV use it; index
+# keys are kept in bf16 (their FP8 format is not implemented in pallas_kernels).
+FP8 = "fp8_v4"
+KV_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp8": FP8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +49,20 @@ class CacheLayout:
   """How cache rows are grouped into blocks. Independent of the model weights."""
   swa_block_tokens: int = 32
   full_block_tokens: int = 128
-  kv_dtype: Any = jnp.float32
+  kv_dtype: Any = jnp.float32     # jnp.float32, jnp.bfloat16 or FP8 (window and compressed KV pools)
+
+  @property
+  def index_dtype(self):
+    return jnp.bfloat16 if self.kv_dtype == FP8 else self.kv_dtype
 
   def validate(self, config: ModelConfig) -> None:
+    if self.kv_dtype == FP8:
+      a = config.attention
+      if (a.head_dim - a.rope_head_dim) % 64:
+        raise ValueError(f"CacheLayout.kv_dtype: the V4 FP8 record quantizes the non-RoPE channels in blocks of 64; "
+                         f"head_dim - rope_head_dim = {a.head_dim - a.rope_head_dim} is not a multiple of 64")
+    elif jnp.dtype(self.kv_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+      raise ValueError(f"CacheLayout.kv_dtype: {self.kv_dtype} is not one of float32, bfloat16, {FP8!r}")
     align = config.full_block_alignment
     if self.full_block_tokens % align:
       raise ValueError(f"CacheLayout.full_block_tokens: {self.full_block_tokens} must be a multiple of every "
@@ -59,32 +79,52 @@ class ArraySpec:
   group: str
   block_shape: tuple[int, ...]
   dtype: Any
+  rope_dim: int = 0   # FP8 record only: trailing channels kept in bf16
+
+  @property
+  def fp8_parts(self) -> tuple[tuple[int, ...], ...]:
+    """Block shapes of the FP8 record's (nope e4m3, scale uint8, rope bf16) arrays."""
+    rows, D = self.block_shape
+    dn = D - self.rope_dim
+    cols = 1 << max(0, (dn // 64 - 1).bit_length())
+    return (rows, dn), (rows, cols), (rows, self.rope_dim)
 
   @property
   def bytes_per_block(self) -> int:
+    if self.dtype == FP8:
+      (r, dn), (_, c), (_, rd) = self.fp8_parts
+      return r * (dn + c + 2 * rd)
     return int(np.prod(self.block_shape)) * jnp.dtype(self.dtype).itemsize
+
+
+def compressor_state_width(width: int, overlap: bool) -> int:
+  """Floats in one running-pool state row of a compressor with output width `width`: (lse, mean) of the entry
+  being pooled, plus (overlapping CSA) (lse, mean) of the A halves of the open window (the next entry's base)."""
+  return (4 if overlap else 2) * width
 
 
 def layer_array_specs(config: ModelConfig, layout: CacheLayout, plan: LayerPlan) -> list[ArraySpec]:
   a, ix = config.attention, config.indexer
   sb, fb = layout.swa_block_tokens, layout.full_block_tokens
-  out = [ArraySpec(plan.index, "window_kv", SWA, (sb, a.head_dim), layout.kv_dtype)]
+  rd = a.rope_head_dim
+  out = [ArraySpec(plan.index, "window_kv", SWA, (sb, a.head_dim), layout.kv_dtype, rd)]
+  # Compressor state: ONE fp32 row per swa block (the running pool after the last token written into that block),
+  # not one row per token: a step reads the row of position start - 1 only, so a decode step is O(1) rows of work
+  # and a checkpoint carries one state row per pooling layer per block.
   if plan.has_compressor and plan.ratio > 1:
-    w = config.compressor_width(plan)
-    out += [ArraySpec(plan.index, "comp_state_kv", SWA, (sb, w), jnp.float32),
-            ArraySpec(plan.index, "comp_state_score", SWA, (sb, w), jnp.float32)]
+    out.append(ArraySpec(plan.index, "comp_state", SWA, (1, compressor_state_width(a.head_dim, plan.overlap)),
+                         jnp.float32))
   if plan.kind == "csa":  # V4 indexer has its own compressor
-    w = config.index_compressor_width(plan)
-    out += [ArraySpec(plan.index, "index_state_kv", SWA, (sb, w), jnp.float32),
-            ArraySpec(plan.index, "index_state_score", SWA, (sb, w), jnp.float32)]
+    out.append(ArraySpec(plan.index, "index_state", SWA, (1, compressor_state_width(ix.head_dim, plan.overlap)),
+                         jnp.float32))
   if config.engram.layer_ids and plan.index == config.engram.layer_ids[0]:
     # V4.1 Engram hashes the previous max_ngram_size - 1 token ids: kept as SWA-group rows (one copy, on the first
     # Engram layer), read back through the block table like the window.
     out.append(ArraySpec(plan.index, "token_ids", SWA, (sb,), jnp.int32))
   if plan.has_compressor:
-    out.append(ArraySpec(plan.index, "comp_kv", FULL, (fb // plan.ratio, a.head_dim), layout.kv_dtype))
+    out.append(ArraySpec(plan.index, "comp_kv", FULL, (fb // plan.ratio, a.head_dim), layout.kv_dtype, rd))
   if plan.has_index_keys:
-    out.append(ArraySpec(plan.index, "index_keys", FULL, (fb // plan.ratio, ix.head_dim), layout.kv_dtype))
+    out.append(ArraySpec(plan.index, "index_keys", FULL, (fb // plan.ratio, ix.head_dim), layout.index_dtype))
   return out
 
 
@@ -94,12 +134,13 @@ def cache_array_specs(config: ModelConfig, layout: CacheLayout) -> list[ArraySpe
 
 
 def state_tail_tokens(config: ModelConfig) -> int:
-  """Tokens before a resume point whose SWA-group rows the next step reads (window and compressor states)."""
+  """Tokens before a resume point whose SWA-group rows the next step reads: the window (W - 1 rows), Engram's
+  previous ids, and the compressor state row of the block holding position start - 1 (1 token)."""
   need = config.attention.window - 1
   if config.engram.layer_ids:
     need = max(need, config.engram.max_ngram_size - 1)
-  for p in config.layer_plan():
-    need = max(need, config.compressor_state_tokens(p) - 1)
+  if any(p.has_compressor and p.ratio > 1 for p in config.layer_plan()):
+    need = max(need, 1)
   return need
 
 
@@ -124,12 +165,102 @@ class BatchIndex:
   full_table_BxF: jax.Array
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepIndex:
+  """A ragged step: every row's tokens packed on one flat axis N (prefill chunks and decode tokens together).
+
+  token_row_N:      int32 [N] row (sequence slot, 0..R-1) of each flat token; -1 = padding (never written, its
+                    output is garbage to be ignored). A row's tokens are CONTIGUOUS on the flat axis and in
+                    increasing position order (row_start, row_start + 1, ...); padding may sit anywhere.
+  token_pos_N:      int32 [N] absolute position of each flat token (= row_start[row] + its offset in the row).
+  row_start_R:      int32 [R] first position computed this step (= tokens already in the cache for that row).
+  row_num_tokens_R: int32 [R] tokens of this row in the step; 0 = idle row.
+  tables:           per cache group name ("swa", "full"): int32 [R, S_g] block ids, -1 = none. S_g is whatever
+                    the caller buckets (the live length of the batch, not max_model_len): attention, indexer and
+                    compressed-id lists are sized by S_full * (full_block_tokens / ratio) entries. A table must
+                    cover every block the row's step touches (window rows back to start - window + 1, and the
+                    block of start - 1 whose compressor state row is read).
+
+  Shapes are static per compile: N (bucketed), R and each S_g. `make_step_index` builds one on the host.
+  """
+  token_row_N: jax.Array
+  token_pos_N: jax.Array
+  row_start_R: jax.Array
+  row_num_tokens_R: jax.Array
+  tables: dict[str, jax.Array]
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+  """Next power of two >= max(n, minimum): the few static sizes a serving step compiles for."""
+  n = max(int(n), int(minimum), 1)
+  return 1 << (n - 1).bit_length()
+
+
+def make_step_index(rows, num_rows: int, *, num_tokens: int | None = None,
+                    min_tokens: int = 8, table_widths: dict[str, int] | None = None,
+                    min_table_blocks: int = 1) -> tuple[np.ndarray, StepIndex]:
+  """Host helper: pack rows into a StepIndex of numpy arrays.
+
+  rows: list (length <= num_rows; row r = slot r) of None (idle) or (token ids to compute, start position,
+  {group: block-id list}). Returns (tokens_N int32, StepIndex). N = num_tokens or bucket(total, min_tokens);
+  table widths = table_widths or bucket(longest table) per group (at least min_table_blocks).
+  """
+  assert len(rows) <= num_rows
+  live = [(r, x) for r, x in enumerate(rows) if x is not None]
+  total = sum(len(x[0]) for _, x in live)
+  N = num_tokens if num_tokens is not None else bucket(total, min_tokens)
+  if total > N:
+    raise ValueError(f"make_step_index: {total} tokens do not fit the flat axis of {N}")
+  groups = sorted({g for _, x in live for g in x[2]} | set(table_widths or {}))
+  widths = dict(table_widths or {})
+  for g in groups:
+    if g not in widths:
+      widths[g] = bucket(max([len(x[2].get(g, ())) for _, x in live] + [1]), min_table_blocks)
+  tokens = np.zeros(N, np.int32)
+  row_N = np.full(N, -1, np.int32)
+  pos_N = np.zeros(N, np.int32)
+  start = np.zeros(num_rows, np.int32)
+  num = np.zeros(num_rows, np.int32)
+  tables = {g: np.full((num_rows, widths[g]), -1, np.int32) for g in groups}
+  o = 0
+  for r, (toks, pos, tabs) in live:
+    n = len(toks)
+    tokens[o:o + n] = toks
+    row_N[o:o + n] = r
+    pos_N[o:o + n] = pos + np.arange(n)
+    start[r], num[r] = pos, n
+    for g, t in tabs.items():
+      if len(t) > widths[g]:
+        raise ValueError(f"make_step_index: row {r} group {g!r} table of {len(t)} blocks exceeds width {widths[g]}")
+      tables[g][r, :len(t)] = t
+    o += n
+  return tokens, StepIndex(row_N, pos_N, start, num, tables)
+
+
+def step_index_from_batch(index: "BatchIndex", T: int) -> StepIndex:
+  """The [B, T] padded layout as a ragged step (in jit): flat token b*T + t is row b's token t; t >= num is pad."""
+  B = index.start_pos_B.shape[0]
+  start = index.start_pos_B.astype(jnp.int32)
+  num = index.num_tokens_B.astype(jnp.int32)
+  t = jnp.arange(T, dtype=jnp.int32)[None, :]
+  row = jnp.where(t < num[:, None], jnp.arange(B, dtype=jnp.int32)[:, None], -1).reshape(-1)
+  pos = (start[:, None] + t).reshape(-1)
+  return StepIndex(row, pos, start, num, {SWA: index.swa_table_BxS.astype(jnp.int32),
+                                          FULL: index.full_table_BxF.astype(jnp.int32)})
+
+
 def init_cache(config: ModelConfig, layout: CacheLayout, num_swa_blocks: int, num_full_blocks: int) -> ModelCache:
   layers = [dict() for _ in range(config.num_layers)]
   for s in cache_array_specs(config, layout):
     n = num_swa_blocks if s.group == SWA else num_full_blocks
-    fill = -jnp.inf if s.name.endswith("_score") else 0
-    layers[s.layer][s.name] = jnp.full((n, *s.block_shape), fill, s.dtype)
+    if s.dtype == FP8:
+      nope, scale, rope = s.fp8_parts
+      layers[s.layer][s.name] = dispatch.Fp8KVPool(jnp.zeros((n, *nope), jnp.float8_e4m3fn),
+                                                   jnp.zeros((n, *scale), jnp.uint8),
+                                                   jnp.zeros((n, *rope), jnp.bfloat16))
+    else:
+      layers[s.layer][s.name] = jnp.zeros((n, *s.block_shape), s.dtype)
   return ModelCache(tuple(layers))
 
 
@@ -167,8 +298,26 @@ def slots_for(table_BxS, index_BxT, rows_per_block: int, valid_BxT):
   return jnp.where(ok, block_id * rows_per_block + index_BxT % rows_per_block, -1).astype(jnp.int32)
 
 
+def row_slots(table_RxS, row_N_, index_N_, rows_per_block: int, valid_N_):
+  """Like `slots_for` but for flat tokens: `row` (broadcast against `index`) picks each one's block table."""
+  S = table_RxS.shape[1]
+  shape = jnp.broadcast_shapes(jnp.shape(row_N_), jnp.shape(index_N_), jnp.shape(valid_N_))
+  index_N_ = jnp.broadcast_to(index_N_, shape)
+  blk = index_N_ // rows_per_block
+  row = jnp.broadcast_to(row_N_, shape)
+  in_table = (index_N_ >= 0) & (blk < S) & (row >= 0)
+  block_id = table_RxS[jnp.maximum(row, 0), jnp.clip(blk, 0, S - 1)]
+  ok = valid_N_ & in_table & (block_id >= 0)
+  return jnp.where(ok, block_id * rows_per_block + index_N_ % rows_per_block, -1).astype(jnp.int32)
+
+
 def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_):
-  """Scatter rows into a paged pool; slots of -1 are dropped (mapped out of bounds)."""
+  """Scatter rows into a paged pool; slots of -1 are dropped (mapped out of bounds). An FP8 pool quantizes the
+  rows to its record first (per row scales, so a row's bytes never depend on other rows)."""
+  if isinstance(pool_NBxRx_, dispatch.Fp8KVPool):
+    D = rows_BxTx_.shape[-1]
+    q = dispatch.quantize_kv_fp8(rows_BxTx_.reshape(-1, D).astype(jnp.float32), pool_NBxRx_.rope.shape[-1])
+    return dispatch.Fp8KVPool(*(write_rows(p, slots_BxT, r) for p, r in zip(pool_NBxRx_, q)))
   nb, r = pool_NBxRx_.shape[:2]
   flat = pool_NBxRx_.reshape(nb * r, *pool_NBxRx_.shape[2:])
   idx = jnp.where(slots_BxT >= 0, slots_BxT, nb * r).reshape(-1)
@@ -183,4 +332,41 @@ def read_rows(pool_NBxRx_, slots_BxT):
 
 
 def flat_pool(pool_NBxRx_):
+  if isinstance(pool_NBxRx_, dispatch.Fp8KVPool):
+    return dispatch.Fp8KVPool(*(flat_pool(p) for p in pool_NBxRx_))
   return pool_NBxRx_.reshape(pool_NBxRx_.shape[0] * pool_NBxRx_.shape[1], *pool_NBxRx_.shape[2:])
+
+
+def gather_flat(flat_PxD, rows_N_):
+  """Rows of a flat pool (dequantized to fp32 for an FP8 pool); rows < 0 read row 0 (mask them)."""
+  if isinstance(flat_PxD, dispatch.Fp8KVPool):
+    return dispatch.dequantize_kv_fp8(dispatch.Fp8KVPool(*(gather_flat(p, rows_N_) for p in flat_PxD)))
+  return jnp.take(flat_PxD, jnp.clip(rows_N_, 0, flat_PxD.shape[0] - 1), axis=0)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Group specs for the block allocator (cache/ works from these plain specs and never imports the model).
+
+def _layout_fingerprint(config: ModelConfig, layout: CacheLayout, arrays: list[ArraySpec]) -> str:
+  # Blocks are only interchangeable between engines whose arrays mean the same thing: hash the config and the
+  # exact array shapes (not the weights; a different checkpoint must use a different `model` extra key).
+  h = hashlib.blake2b(digest_size=8)
+  h.update(repr(config).encode())
+  h.update(repr((layout.swa_block_tokens, layout.full_block_tokens, str(layout.kv_dtype))).encode())
+  h.update(repr([(a.layer, a.name, a.group, a.block_shape, str(a.dtype)) for a in arrays]).encode())
+  return h.hexdigest()
+
+
+@functools.cache
+def group_specs(config: ModelConfig, layout: CacheLayout = CacheLayout()) -> CacheSpecs:
+  """The model's paged groups as plain `cache.specs.CacheSpecs`: "full" (full history: compressed KV, indexer
+  keys) and "swa" (sliding window: window rows + raw compressor projections; resume tail = state_tail_tokens)."""
+  arrays = cache_array_specs(config, layout)
+  full = [a for a in arrays if a.group == FULL]
+  swa = [a for a in arrays if a.group == SWA]
+  groups = []
+  if full:  # a window-only model has no full-history group
+    groups.append(GroupSpec(FULL, FULL_HISTORY, layout.full_block_tokens, sum(a.bytes_per_block for a in full), 0,
+                            note=",".join(sorted({a.name for a in full}))))
+  groups.append(GroupSpec(SWA, SLIDING_WINDOW, layout.swa_block_tokens, sum(a.bytes_per_block for a in swa),
+                          state_tail_tokens(config), note=",".join(sorted({a.name for a in swa}))))
+  return CacheSpecs(tuple(groups), _layout_fingerprint(config, layout, arrays))

@@ -146,6 +146,34 @@ def count_params(tree) -> int:
 # ----------------------------------------------------------------------------------------------------------
 # Forward
 
+def _engram_hashes(params, config: ModelConfig, tokens_N, ctx: StepContext, cache_layers):
+  """Writes this step's token ids into the SWA-group `token_ids` rows, reads each token's previous max_ngram-1
+  ids back through its row's block table, and hashes. Returns (updated cache layer dict, hashes [N, L, heads])."""
+  e = config.engram
+  owner = e.layer_ids[0]
+  cl = dict(cache_layers[owner])
+  cl["token_ids"] = caches.write_rows(cl["token_ids"], ctx.token_slots(), tokens_N)
+  P = e.max_ngram_size - 1
+  prev_pos = ctx.pos_N[:, None] - P + jnp.arange(P)[None, :]
+  slots = caches.row_slots(ctx.swa_table_RxS, ctx.row_N[:, None], prev_pos, ctx.swa_block_tokens,
+                           ctx.valid_N[:, None] & (prev_pos >= 0))
+  prev, ok = caches.read_rows(cl["token_ids"], slots)
+  ext = jnp.concatenate([jnp.where(ok, prev, -1), tokens_N[:, None]], axis=1)
+  return cl, engram_mod.hash_ids(params["engram_token_map"], ext, e, 1)[:, 0]
+
+
+def _block(params_l, config: ModelConfig, plan: LayerPlan, X, tokens, ctx, cache_l, kernel_cfg, collect_aux):
+  cfg_hc, eps = config.mhc, config.rms_norm_eps
+  pre, post, comb = mhc.hc_coefficients(params_l["hc_attn"], X, cfg_hc, eps)
+  u = rms_norm(mhc.collapse(pre, X), params_l["attn_norm"], eps)
+  cache_l, y, aux = attention_layer(params_l["attn"], config, plan, u[0], ctx, cache_l, kernel_cfg, collect_aux)
+  X = mhc.expand(y[None], X, post, comb)
+  pre, post, comb = mhc.hc_coefficients(params_l["hc_ffn"], X, cfg_hc, eps)
+  u = rms_norm(mhc.collapse(pre, X), params_l["ffn_norm"], eps)
+  y = moe.moe(params_l["ffn"], u, tokens, config.moe, plan.hash_moe)
+  return cache_l, mhc.expand(y, X, post, comb), aux
+
+
 def _block_single_pass(params_l, config: ModelConfig, plan: LayerPlan, X, pre_prev, tokens, ctx, cache_l, kernel_cfg,
                        collect_aux, shared, engram_hash):
   """V4.1 block (spec §2.6): Engram, then single-pass mHC: each sublayer collapses with the previous one's `pre`."""
@@ -154,61 +182,22 @@ def _block_single_pass(params_l, config: ModelConfig, plan: LayerPlan, X, pre_pr
     X = engram_mod.engram(params_l["engram"], X, engram_hash, eps)
   pre, post, comb = mhc.hc_coefficients(params_l["hc_attn"], X, cfg_hc, eps)
   u = rms_norm(mhc.collapse(pre_prev, X), params_l["attn_norm"], eps)
-  cache_l, y, aux, shared = attention_layer_shared(params_l["attn"], config, plan, u, ctx, cache_l, kernel_cfg,
+  cache_l, y, aux, shared = attention_layer_shared(params_l["attn"], config, plan, u[0], ctx, cache_l, kernel_cfg,
                                                    collect_aux, shared)
-  X = mhc.expand(y, X, post, comb)
+  X = mhc.expand(y[None], X, post, comb)
   pre2, post2, comb2 = mhc.hc_coefficients(params_l["hc_ffn"], X, cfg_hc, eps)
   u = rms_norm(mhc.collapse(pre, X), params_l["ffn_norm"], eps)
   y = moe.moe(params_l["ffn"], u, tokens, config.moe, plan.hash_moe)
   return cache_l, mhc.expand(y, X, post2, comb2), pre2, aux, shared
 
 
-def _engram_hashes(params, config: ModelConfig, tokens, ctx: StepContext, cache_layers):
-  """Writes this chunk's token ids into the SWA-group `token_ids` rows, reads the previous max_ngram-1 back through
-  the block table, and hashes. Returns (updated cache layer dict, hash rows [B, T, L, hash_heads])."""
-  e = config.engram
-  owner = e.layer_ids[0]
-  cl = dict(cache_layers[owner])
-  cl["token_ids"] = caches.write_rows(cl["token_ids"], ctx.token_slots(), tokens)
-  P = e.max_ngram_size - 1
-  B, T = tokens.shape
-  prev_pos = ctx.start_B[:, None] - P + jnp.arange(P)[None, :]
-  slots = caches.slots_for(ctx.swa_table_BxS, prev_pos, ctx.swa_block_tokens, prev_pos >= 0)
-  prev, ok = caches.read_rows(cl["token_ids"], slots)
-  ext = jnp.concatenate([jnp.where(ok, prev, -1), tokens], axis=1)
-  return cl, engram_mod.hash_ids(params["engram_token_map"], ext, e, T)
-
-
-def _block(params_l, config: ModelConfig, plan: LayerPlan, X, tokens, ctx, cache_l, kernel_cfg, collect_aux):
-  cfg_hc, eps = config.mhc, config.rms_norm_eps
-  pre, post, comb = mhc.hc_coefficients(params_l["hc_attn"], X, cfg_hc, eps)
-  u = rms_norm(mhc.collapse(pre, X), params_l["attn_norm"], eps)
-  cache_l, y, aux = attention_layer(params_l["attn"], config, plan, u, ctx, cache_l, kernel_cfg, collect_aux)
-  X = mhc.expand(y, X, post, comb)
-  pre, post, comb = mhc.hc_coefficients(params_l["hc_ffn"], X, cfg_hc, eps)
-  u = rms_norm(mhc.collapse(pre, X), params_l["ffn_norm"], eps)
-  y = moe.moe(params_l["ffn"], u, tokens, config.moe, plan.hash_moe)
-  return cache_l, mhc.expand(y, X, post, comb), aux
-
-
-def _context(tokens_BxT, index: caches.BatchIndex, layout: caches.CacheLayout) -> StepContext:
-  B, T = tokens_BxT.shape
-  start = index.start_pos_B.astype(jnp.int32)
-  num = index.num_tokens_B.astype(jnp.int32)
-  ar = jnp.arange(T, dtype=jnp.int32)[None, :]
-  return StepContext(pos_BxT=start[:, None] + ar, valid_BxT=ar < num[:, None], start_B=start, end_B=start + num,
-                     swa_table_BxS=index.swa_table_BxS.astype(jnp.int32),
-                     full_table_BxF=index.full_table_BxF.astype(jnp.int32),
-                     swa_block_tokens=layout.swa_block_tokens, full_block_tokens=layout.full_block_tokens)
-
-
-def forward_aux(params, config: ModelConfig, tokens_BxT, cache: caches.ModelCache, index: caches.BatchIndex, *,
-                layout: caches.CacheLayout = caches.CacheLayout(),
-                kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), collect_aux: bool = False,
-                return_hidden: bool = False):
-  """Like `forward`, plus a per-layer aux list (indexer picks and scores when collect_aux)."""
-  ctx = _context(tokens_BxT, index, layout)
-  tokens = jnp.clip(tokens_BxT.astype(jnp.int32), 0, config.vocab_size - 1)  # range is checked by the callers
+def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.ModelCache, step: caches.StepIndex, *,
+                       layout: caches.CacheLayout = caches.CacheLayout(),
+                       kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), collect_aux: bool = False):
+  """`forward_ragged` plus a per-layer aux list (indexer picks [N,k], scores [N,M] when collect_aux)."""
+  ctx = StepContext.from_step(step, layout)
+  tokens = jnp.clip(tokens_N.astype(jnp.int32), 0, config.vocab_size - 1)[None]  # range is checked by the callers
+  # The flat axis rides as T of a batch of one through the per-token layers (mHC, MoE, Engram).
   h = sharding.constrain_batch(params["embed"][tokens])  # no-op without a mesh (dsv4/sharding.py)
   X = jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], config.mhc.hc_mult, h.shape[-1]))
   new_layers, auxes = [], []
@@ -216,11 +205,11 @@ def forward_aux(params, config: ModelConfig, tokens_BxT, cache: caches.ModelCach
     layers_in = list(cache.layers)
     hashes = None
     if config.engram.layer_ids:
-      layers_in[config.engram.layer_ids[0]], hashes = _engram_hashes(params, config, tokens, ctx, layers_in)
+      layers_in[config.engram.layer_ids[0]], hashes = _engram_hashes(params, config, tokens[0], ctx, layers_in)
     pre = jnp.zeros((*h.shape[:2], config.mhc.hc_mult), jnp.float32).at[..., 0].set(1.0)
     shared = None
     for plan, params_l, cache_l in zip(config.layer_plan(), params["layers"], layers_in):
-      eh = hashes[:, :, config.engram.layer_ids.index(plan.index)] if plan.engram else None
+      eh = hashes[None, :, config.engram.layer_ids.index(plan.index)] if plan.engram else None
       cache_l, X, pre, aux, shared = _block_single_pass(params_l, config, plan, X, pre, tokens, ctx, cache_l,
                                                         kernel_cfg, collect_aux, shared, eh)
       new_layers.append(cache_l)
@@ -232,11 +221,56 @@ def forward_aux(params, config: ModelConfig, tokens_BxT, cache: caches.ModelCach
       new_layers.append(cache_l)
       auxes.append(aux)
     h = mhc.hc_head(params["hc_head"], X, config.mhc, config.rms_norm_eps)
-  h = rms_norm(h, params["norm"], config.rms_norm_eps)
+  h = rms_norm(h, params["norm"], config.rms_norm_eps)[0]
+  return caches.ModelCache(tuple(new_layers)), h, auxes
+
+
+def forward_ragged(params, config: ModelConfig, tokens_N, cache: caches.ModelCache, step: caches.StepIndex, *,
+                   layout: caches.CacheLayout = caches.CacheLayout(),
+                   kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
+  """One ragged serving step (see `caches.StepIndex`): returns (new cache, final-norm hidden_NxD).
+
+  Logits of chosen tokens: `lm_logits(params, hidden[idx])` (a server needs only each row's last token)."""
+  cache, h, _ = forward_ragged_aux(params, config, tokens_N, cache, step, layout=layout, kernel_cfg=kernel_cfg)
+  return cache, h
+
+
+def lm_logits(params, h_Nx_D):
+  """fp32 logits whatever the compute dtype (fp32 accumulation)."""
+  return jnp.dot(h_Nx_D, params["lm_head"], precision=jax.lax.Precision.HIGHEST,
+                 preferred_element_type=jnp.float32)
+
+
+def cast_params(params, dtype):
+  """Parameters in a compute dtype (e.g. jnp.bfloat16): the model then runs its activations in that dtype (the
+  embedding's), with fp32 norms, softmaxes (attention, compressor pooling, mHC Sinkhorn, router) and fp32 logits;
+  matmuls take bf16 operands and accumulate in fp32 (XLA's CPU and GPU dots do). Integer leaves are unchanged.
+  `cast_params(params, jnp.float32)` of fp32 params is the identity (today's results bit for bit)."""
+  return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg"), donate_argnames=("cache",))
+def forward_ragged_jit(params, config, tokens_N, cache, step, layout=caches.CacheLayout(),
+                       kernel_cfg=dispatch.KernelConfig()):
+  return forward_ragged(params, config, tokens_N, cache, step, layout=layout, kernel_cfg=kernel_cfg)
+
+
+def forward_aux(params, config: ModelConfig, tokens_BxT, cache: caches.ModelCache, index: caches.BatchIndex, *,
+                layout: caches.CacheLayout = caches.CacheLayout(),
+                kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), collect_aux: bool = False,
+                return_hidden: bool = False):
+  """Like `forward`, plus a per-layer aux list (indexer picks [B,T,k] and scores [B,T,M] when collect_aux).
+
+  The padded [B, T] layout is a ragged step whose flat token b*T + t is row b's token t (padding: t >= num)."""
+  B, T = tokens_BxT.shape
+  step = caches.step_index_from_batch(index, T)
+  cache, h, auxes = forward_ragged_aux(params, config, tokens_BxT.reshape(B * T), cache, step, layout=layout,
+                                       kernel_cfg=kernel_cfg, collect_aux=collect_aux)
+  h = h.reshape(B, T, -1)
+  auxes = [{k: v.reshape(B, T, *v.shape[1:]) for k, v in aux.items()} for aux in auxes]
   if return_hidden:
-    return caches.ModelCache(tuple(new_layers)), h, auxes
-  logits = jnp.dot(h, params["lm_head"], precision=jax.lax.Precision.HIGHEST)
-  return caches.ModelCache(tuple(new_layers)), logits, auxes
+    return cache, h, auxes
+  return cache, lm_logits(params, h), auxes
 
 
 def forward(params, config: ModelConfig, tokens_BxT, cache: caches.ModelCache, index: caches.BatchIndex, *,

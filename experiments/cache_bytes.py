@@ -4,8 +4,10 @@
 
 Row counts come from `dsv4.caches.cache_array_specs` (which arrays exist on which layer, rows per block), not from
 hard-coded layer lists: full-group arrays (compressed KV, index keys) grow with the context (rows per token =
-block rows / full_block_tokens); SWA-group arrays are a ring: the window KV keeps min(L, window) rows, the raw
-compressor rows keep `ModelConfig.compressor_state_tokens` rows (fp32), Engram token ids keep max_ngram - 1 ids.
+block rows / full_block_tokens); SWA-group arrays are a ring: the window KV keeps min(L, window) rows, each pooling
+compressor keeps one running-pool state row (fp32, `caches.compressor_state_width`), Engram token ids keep
+max_ngram - 1 ids. Also printed: bytes of one SWA checkpoint (the swa blocks a resume at an aligned point keeps)
+against the bytes such a resume actually reads, per KV dtype.
 Record sizes per row (spec §2.5, §3.5; vLLM records [S6/S7]):
 
   compressed KV / window KV: bf16 1024 B, fp32 2048 B, V4 fp8 record 584 B (448 fp8 + 64 bf16 + 7 UE8M0 + pad),
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from absl import app, flags
+import jax.numpy as jnp
 
 from dsv4 import caches
 from dsv4 import config as C
@@ -58,9 +61,8 @@ def cache_bytes(config: C.ModelConfig, fmt: Format, context: int,
       out["window"] += min(context, config.attention.window) * fmt.window_row
     elif s.name == "token_ids":
       out["token_ids"] += (config.engram.max_ngram_size - 1) * 4
-    else:  # raw compressor rows, fp32
-      width = s.block_shape[1]
-      out["compressor_state"] += config.compressor_state_tokens(p) * width * 4
+    else:  # running-pool compressor state: one fp32 row per layer
+      out["compressor_state"] += s.block_shape[1] * 4
   out["total"] = sum(out.values())
   return out
 
@@ -71,7 +73,49 @@ def per_token_bytes(config: C.ModelConfig, fmt: Format, layout: caches.CacheLayo
   return (cache_bytes(config, fmt, 2 * big, layout)["total"] - cache_bytes(config, fmt, big, layout)["total"]) / big
 
 
+def checkpoint_bytes(config: C.ModelConfig, layout: caches.CacheLayout) -> dict[str, float]:
+  """One SWA checkpoint = the `need_blocks` swa blocks before an aligned resume point, every swa array of every
+  layer; `reads` = what the next step actually reads there (W - 1 window rows, the state row of the block before
+  the resume point, Engram's previous ids)."""
+  specs = [s for s in caches.cache_array_specs(config, layout) if s.group == caches.SWA]
+  tail = caches.state_tail_tokens(config)
+  need = -(-tail // layout.swa_block_tokens)
+  ckpt = need * sum(s.bytes_per_block for s in specs)
+  reads = 0
+  for s in specs:
+    row = s.bytes_per_block // s.block_shape[0]
+    if s.name == "window_kv":
+      reads += (config.attention.window - 1) * row
+    elif s.name == "token_ids":
+      reads += (config.engram.max_ngram_size - 1) * row
+    else:
+      reads += row
+  return {"blocks": need, "checkpoint": ckpt, "reads": reads}
+
+
+def legacy_checkpoint_bytes(config: C.ModelConfig, block_tokens: int = 32) -> float:
+  """The layout before the running-pool state: fp32 window + raw fp32 projections (a, z) of every token."""
+  per_token = 0
+  for p in config.layer_plan():
+    per_token += config.attention.head_dim * 4
+    if p.has_compressor and p.ratio > 1:
+      per_token += 2 * config.compressor_width(p) * 4
+    if p.kind == "csa":
+      per_token += 2 * config.index_compressor_width(p) * 4
+    if config.engram.layer_ids and p.index == config.engram.layer_ids[0]:
+      per_token += 4
+  need = -(-(config.attention.window - 1) // block_tokens)
+  return need * block_tokens * per_token
+
+
 def main(_):
+  mib = 1 << 20
+  for cfg in (C.v4_flash(), C.v41_flash()):
+    print(f"== {cfg.name}: bytes per SWA checkpoint (legacy layout {legacy_checkpoint_bytes(cfg) / mib:.2f} MiB)")
+    for dt in (jnp.float32, jnp.bfloat16):
+      c = checkpoint_bytes(cfg, caches.CacheLayout(kv_dtype=dt))
+      print(f"  kv {jnp.dtype(dt).name:9s} {c['blocks']} blocks = {c['checkpoint'] / mib:6.2f} MiB; a resume reads "
+            f"{c['reads'] / mib:6.2f} MiB (+{100 * (c['checkpoint'] / c['reads'] - 1):.1f}%)")
   L = _CONTEXT.value
   for cfg in (C.v4_flash(), C.v41_flash()):
     print(f"== {cfg.name}  (context {L:,} tokens)")

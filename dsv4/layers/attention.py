@@ -12,9 +12,9 @@ import jax.numpy as jnp
 
 from dsv4 import caches
 from dsv4.config import LayerPlan, ModelConfig
+from dsv4.layers import cache_quant
 from dsv4.layers.compressor import CompressorSpec, StepContext, compress_step
 from dsv4.layers.norms import rms_norm, unweighted_rms_norm
-from dsv4.layers import cache_quant
 from dsv4.layers.rope import apply_rope, inv_freq_for
 from pallas_kernels import dispatch
 
@@ -31,50 +31,52 @@ def index_compressor_spec(config: ModelConfig, plan: LayerPlan) -> CompressorSpe
                         position_bias=True)
 
 
-def entry_rows(ctx: StepContext, ratio: int, num_entries: int):
-  """Pool rows of entries 0..num_entries-1 of each sequence (-1 where no block)."""
-  B = ctx.pos_BxT.shape[0]
-  ids = jnp.broadcast_to(jnp.arange(num_entries)[None, :], (B, num_entries))
-  return caches.slots_for(ctx.full_table_BxF, ids, ctx.full_block_tokens // ratio, jnp.ones_like(ids, bool))
+def entry_rows(ctx: StepContext, ratio: int):
+  """Pool rows [N, M] of entries 0..M-1 of each token's row (-1 where no block); M = live table width in entries."""
+  rpb = ctx.full_block_tokens // ratio
+  M = ctx.full_table_RxF.shape[1] * rpb
+  ids = jnp.arange(M, dtype=jnp.int32)[None, :]
+  return caches.row_slots(ctx.full_table_RxF, ctx.row_N[:, None], ids, rpb, ctx.valid_N[:, None])
 
 
-def max_entries(ctx: StepContext, ratio: int) -> int:
-  return ctx.full_table_BxF.shape[1] * (ctx.full_block_tokens // ratio)
+def num_visible(ctx: StepContext, ratio: int):
+  """Compressed entries each query may see (its causal prefix); 0 for padding tokens."""
+  return jnp.where(ctx.valid_N, (ctx.pos_N + 1) // ratio, 0)
 
 
-def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, cq_BxTxR, ctx: StepContext, key_pool,
-                   inv_freq, kernel_cfg, allowed=None):
-  """Lightning indexer: returns (top-k entry ids [B,T,k] with -1 for invisible picks, scores [B,T,M])."""
+def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool, rows_NxM,
+                   inv_freq, kernel_cfg, allowed_NxM=None):
+  """Lightning indexer: returns (top-k entry ids [N,k] with -1 for invisible picks, scores [N,M])."""
   ix = config.indexer
-  B, T, _ = x_BxTxD.shape
-  q = jnp.dot(cq_BxTxR, p["wq_b"], precision=_HI).reshape(B, T, ix.num_heads, ix.head_dim)
-  q = apply_rope(q, ctx.pos_BxT[:, :, None], inv_freq)
+  N = x_NxD.shape[0]
+  q = jnp.dot(cq_NxR, p["wq_b"], precision=_HI).reshape(N, ix.num_heads, ix.head_dim)
+  q = apply_rope(q, ctx.pos_N[:, None], inv_freq)
   if config.quantized_cache:  # NeMo: MXFP4 index queries (32 channels) after RoPE
     q = cache_quant.mxfp4_index(q)
-  w = jnp.dot(x_BxTxD, p["weights_proj"], precision=_HI).astype(jnp.float32)
+  w = jnp.dot(x_NxD, p["weights_proj"], precision=_HI).astype(jnp.float32)
   w = w * (ix.head_dim ** -0.5) * (ix.num_heads ** -0.5)
-  M = max_entries(ctx, plan.ratio)
-  rows = entry_rows(ctx, plan.ratio, M)
-  num_visible = (ctx.pos_BxT + 1) // plan.ratio
-  scores = dispatch.indexer_scores(q, w, caches.flat_pool(key_pool), rows, num_visible, allowed, cfg=kernel_cfg)
+  nv = num_visible(ctx, plan.ratio)
+  # One query per "batch row" (B = N, T = 1): each flat token brings its own row's entry list.
+  scores = dispatch.indexer_scores(q[:, None], w[:, None], caches.flat_pool(key_pool), rows_NxM, nv[:, None],
+                                   None if allowed_NxM is None else allowed_NxM[:, None], cfg=kernel_cfg)[:, 0]
   ids, _ = dispatch.topk_from_scores(scores, ix.topk)
   return ids, scores
 
 
-def dense_compressed_attention(q_BxTxHxD, comp_pool_PxD, rows_BxM, ctx: StepContext, ratio: int, scale: float):
-  """Head-averaged attention distribution of the queries over *all* visible compressed entries [B, T, M].
+def dense_compressed_attention(q_NxHxD, comp_pool_PxD, rows_NxM, ctx: StepContext, ratio: int, scale: float):
+  """Head-averaged attention distribution of the queries over *all* visible compressed entries [N, M].
 
   The training target for the indexer (DeepSeek warm up their indexer with a KL loss toward it); not used at
   inference."""
-  M = rows_BxM.shape[1]
-  keys = jnp.take(comp_pool_PxD, jnp.clip(rows_BxM, 0, comp_pool_PxD.shape[0] - 1), axis=0)
-  logits = jnp.einsum("bthd,bmd->bthm", q_BxTxHxD.astype(jnp.float32), keys.astype(jnp.float32),
+  M = rows_NxM.shape[1]
+  keys = caches.gather_flat(comp_pool_PxD, rows_NxM)
+  logits = jnp.einsum("nhd,nmd->nhm", q_NxHxD.astype(jnp.float32), keys.astype(jnp.float32),
                       precision=_HI) * scale
-  visible = (jnp.arange(M)[None, None, :] < ((ctx.pos_BxT + 1) // ratio)[:, :, None]) & (rows_BxM >= 0)[:, None]
-  logits = jnp.where(visible[:, :, None, :], logits, -jnp.inf)
-  any_vis = jnp.any(visible, axis=-1)[:, :, None, None]
+  visible = (jnp.arange(M)[None, :] < num_visible(ctx, ratio)[:, None]) & (rows_NxM >= 0)
+  logits = jnp.where(visible[:, None, :], logits, -jnp.inf)
+  any_vis = jnp.any(visible, axis=-1)[:, None, None]
   probs = jax.nn.softmax(jnp.where(any_vis, logits, 0.0), axis=-1)
-  return jnp.where(any_vis, probs, 0.0).mean(axis=2)
+  return jnp.where(any_vis, probs, 0.0).mean(axis=1)
 
 
 def candidate_mask(scores_BxTxM, num_visible_BxT, visible_BxTxM, block_size: int, topk_blocks: int):
@@ -99,57 +101,62 @@ def candidate_mask(scores_BxTxM, num_visible_BxT, visible_BxTxM, block_size: int
   return jnp.repeat(keep, block_size, axis=-1)[..., :M] & visible_BxTxM
 
 
-def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, ctx: StepContext, cache_layer: dict,
+def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: StepContext, cache_layer: dict,
                     kernel_cfg: dispatch.KernelConfig, collect_aux: bool = False):
-  """Returns (new cache_layer, out_BxTxD, aux dict)."""
-  cache_layer, out, aux, _ = attention_layer_shared(p, config, plan, x_BxTxD, ctx, cache_layer, kernel_cfg,
+  """Returns (new cache_layer, out_NxD, aux dict)."""
+  cache_layer, out, aux, _ = attention_layer_shared(p, config, plan, x_NxD, ctx, cache_layer, kernel_cfg,
                                                     collect_aux, None)
   return cache_layer, out, aux
 
 
-def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, ctx: StepContext, cache_layer: dict,
-                           kernel_cfg: dispatch.KernelConfig, collect_aux: bool, shared: dict | None):
-  """`attention_layer` plus the V4.1 CSA2 state handed from layer to layer (spec §2.2):
+def _entry_pool_rows(ids_NxK, rows_NxM):
+  return jnp.where(ids_NxK >= 0, jnp.take_along_axis(rows_NxM, jnp.maximum(ids_NxK, 0), axis=1), -1)
 
-  shared = {"comp_pool": the latest KV source's compressed-KV pool (flat, already holding this chunk's entries),
-            "index_pool": its index-key pool, "ids": the latest top-k entry ids [B,T,k], "cand": the candidate
-            mask [B,T,M] of the candidate source (or None)}.
+
+def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: StepContext, cache_layer: dict,
+                           kernel_cfg: dispatch.KernelConfig, collect_aux: bool, shared: dict | None):
+  """`attention_layer` plus the V4.1 CSA2 state handed from layer to layer (spec §2.2), on the flat token axis:
+
+  shared = {"comp_pool": the latest KV source's compressed-KV pool (flat, already holding this step's entries),
+            "index_pool": its index-key pool, "ids": the latest top-k entry ids [N,k], "cand": the candidate
+            mask [N,M] of the candidate source (or None)}.
   A full layer replaces it, a reindex layer replaces "ids" (and the candidate source sets "cand"), a reuse layer
   reads it unchanged. Reuse / reindex layers own no full-group arrays. Returns (cache_layer, out, aux, shared).
   """
   a, eps = config.attention, config.rms_norm_eps
-  B, T, _ = x_BxTxD.shape
+  N, _ = x_NxD.shape
   H, d = a.num_heads, a.head_dim
   inv_freq = inv_freq_for(a, plan.rope)
   cache_layer = dict(cache_layer)
   aux = {}
+  pos = ctx.pos_N
 
   # Query path: low-rank, q_a norm, optional weightless per-head norm, RoPE.
-  cq = rms_norm(jnp.dot(x_BxTxD, p["wq_a"], precision=_HI), p["q_norm"], eps)
-  q = jnp.dot(cq, p["wq_b"], precision=_HI).reshape(B, T, H, d)
+  cq = rms_norm(jnp.dot(x_NxD, p["wq_a"], precision=_HI), p["q_norm"], eps)
+  q = jnp.dot(cq, p["wq_b"], precision=_HI).reshape(N, H, d)
   if plan.q_head_norm:
     q = unweighted_rms_norm(q, eps)
-  q = apply_rope(q, ctx.pos_BxT[:, :, None], inv_freq)
+  q = apply_rope(q, pos[:, None], inv_freq)
 
-  # Window KV (K = V): write this chunk's rows, then read each query's window [t - W + 1, t].
-  kv = apply_rope(rms_norm(jnp.dot(x_BxTxD, p["wkv"], precision=_HI), p["kv_norm"], eps), ctx.pos_BxT, inv_freq)
+  # Window KV (K = V): write this step's rows, then read each query's window [t - W + 1, t].
+  kv = apply_rope(rms_norm(jnp.dot(x_NxD, p["wkv"], precision=_HI), p["kv_norm"], eps), pos, inv_freq)
   if config.quantized_cache:  # NeMo: FP8 window KV (32 channels) after RoPE
     kv = cache_quant.fp8_window_kv(kv)
-  tok_slots = ctx.token_slots()
-  cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], tok_slots, kv)
-  win_pos = ctx.pos_BxT[:, :, None] - (a.window - 1) + jnp.arange(a.window)[None, None, :]
-  win_idx = caches.slots_for(ctx.swa_table_BxS, win_pos.reshape(B, -1), ctx.swa_block_tokens,
-                             (win_pos >= 0).reshape(B, -1)).reshape(B, T, a.window)
+  cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], ctx.token_slots(), kv)
+  win_pos = pos[:, None] - (a.window - 1) + jnp.arange(a.window)[None, :]
+  win_idx = caches.row_slots(ctx.swa_table_RxS, ctx.row_N[:, None], win_pos, ctx.swa_block_tokens,
+                             ctx.valid_N[:, None] & (win_pos >= 0))
 
   comp_pool, comp_idx = None, None
   if plan.kind in ("full", "reindex", "reuse"):
     ix = config.indexer
     if plan.has_compressor:
       state, cache_layer["comp_kv"], (lat, ent, slots) = compress_step(
-          p["compressor"], x_BxTxD, kv_compressor_spec(config, plan), ctx, cache_layer, cache_layer["comp_kv"],
-          inv_freq, eps, return_latent=True,
+          p["compressor"], x_NxD, kv_compressor_spec(config, plan), ctx, cache_layer.get("comp_state"),
+          cache_layer["comp_kv"], inv_freq, eps, return_latent=True,
           quantize_rows=cache_quant.nvfp4_compressed_kv if config.quantized_cache else None)
-      cache_layer.update(state)
+      if state is not None:
+        cache_layer["comp_state"] = state
       if plan.has_index_keys:
         keys = rms_norm(jnp.dot(lat, p["indexer"]["wk"], precision=_HI), p["indexer"]["k_norm"], eps)
         keys = apply_rope(keys, ent * plan.ratio, inv_freq)
@@ -162,55 +169,52 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_BxTxD, ctx
       raise ValueError(f"layer {plan.index}: a CSA2 {plan.kind} layer needs its KV source (layer {plan.kv_source}) "
                        f"to run earlier in the same step")
     comp_pool = shared["comp_pool"]
-    M = max_entries(ctx, plan.ratio)
-    rows = entry_rows(ctx, plan.ratio, M)
+    rows = entry_rows(ctx, plan.ratio)
+    M = rows.shape[1]
     if plan.has_index_query:
       allowed = shared["cand"] if plan.uses_candidates else None
-      ids, scores = indexer_select(p["indexer"], config, plan, x_BxTxD, cq, ctx, shared["index_pool"], inv_freq,
-                                   kernel_cfg, allowed)
+      ids, scores = indexer_select(p["indexer"], config, plan, x_NxD, cq, ctx, shared["index_pool"], rows,
+                                   inv_freq, kernel_cfg, allowed)
       shared = dict(shared, ids=ids)
       if plan.candidate_source:
-        num_visible = (ctx.pos_BxT + 1) // plan.ratio
-        visible = (jnp.arange(M)[None, None, :] < num_visible[..., None]) & (rows >= 0)[:, None, :]
-        shared["cand"] = candidate_mask(scores, num_visible, visible, ix.candidate_block_size,
-                                        ix.candidate_topk_blocks)
+        nv = num_visible(ctx, plan.ratio)
+        visible = (jnp.arange(M)[None, :] < nv[:, None]) & (rows >= 0)
+        shared["cand"] = candidate_mask(scores[:, None], nv[:, None], visible[:, None], ix.candidate_block_size,
+                                        ix.candidate_topk_blocks)[:, 0]
       if collect_aux:
         aux.update(topk_ids=ids, index_scores=scores,
                    comp_attn_target=dense_compressed_attention(q, comp_pool, rows, ctx, plan.ratio, d ** -0.5))
-    ids = shared["ids"]
-    comp_idx = jnp.where(ids >= 0, jnp.take_along_axis(rows[:, None, :], jnp.maximum(ids, 0), axis=2), -1)
+    comp_idx = _entry_pool_rows(shared["ids"], rows)
   elif plan.has_compressor:
     state, cache_layer["comp_kv"] = compress_step(
-        p["compressor"], x_BxTxD, kv_compressor_spec(config, plan), ctx, cache_layer, cache_layer["comp_kv"],
-        inv_freq, eps)
-    cache_layer.update(state)
+        p["compressor"], x_NxD, kv_compressor_spec(config, plan), ctx, cache_layer.get("comp_state"),
+        cache_layer["comp_kv"], inv_freq, eps)
+    if state is not None:
+      cache_layer["comp_state"] = state
     comp_pool = caches.flat_pool(cache_layer["comp_kv"])
   if plan.kind == "csa":
-    state, cache_layer["index_keys"] = compress_step(
-        p["indexer"]["compressor"], x_BxTxD, index_compressor_spec(config, plan), ctx, cache_layer,
-        cache_layer["index_keys"], inv_freq, eps, state_prefix="index_state")
-    cache_layer.update(state)
-    ids, scores = indexer_select(p["indexer"], config, plan, x_BxTxD, cq, ctx, cache_layer["index_keys"],
+    cache_layer["index_state"], cache_layer["index_keys"] = compress_step(
+        p["indexer"]["compressor"], x_NxD, index_compressor_spec(config, plan), ctx, cache_layer["index_state"],
+        cache_layer["index_keys"], inv_freq, eps)
+    rows = entry_rows(ctx, plan.ratio)
+    ids, scores = indexer_select(p["indexer"], config, plan, x_NxD, cq, ctx, cache_layer["index_keys"], rows,
                                  inv_freq, kernel_cfg)
-    rows = entry_rows(ctx, plan.ratio, max_entries(ctx, plan.ratio))
-    comp_idx = jnp.where(ids >= 0, jnp.take_along_axis(rows[:, None, :], jnp.maximum(ids, 0), axis=2), -1)
+    comp_idx = _entry_pool_rows(ids, rows)
     if collect_aux:
       aux.update(topk_ids=ids, index_scores=scores,
                  comp_attn_target=dense_compressed_attention(q, comp_pool, rows, ctx, plan.ratio, d ** -0.5))
   elif plan.dense_compressed:
-    M = max_entries(ctx, plan.ratio)
-    rows = entry_rows(ctx, plan.ratio, M)
-    visible = jnp.arange(M)[None, None, :] < ((ctx.pos_BxT + 1) // plan.ratio)[:, :, None]
-    comp_idx = jnp.where(visible, rows[:, None, :], -1)
+    rows = entry_rows(ctx, plan.ratio)
+    visible = jnp.arange(rows.shape[1])[None, :] < num_visible(ctx, plan.ratio)[:, None]
+    comp_idx = jnp.where(visible, rows, -1)
 
   out, _ = dispatch.sparse_attention(
-      q.reshape(B * T, H, d), caches.flat_pool(cache_layer["window_kv"]), win_idx.reshape(B * T, -1),
-      comp_pool, None if comp_idx is None else comp_idx.reshape(B * T, -1), p["sink"],
+      q, caches.flat_pool(cache_layer["window_kv"]), win_idx, comp_pool, comp_idx, p["sink"],
       scale=d ** -0.5, cfg=kernel_cfg)
-  out = apply_rope(out.reshape(B, T, H, d), ctx.pos_BxT[:, :, None], inv_freq, inverse=True)
+  out = apply_rope(out.reshape(N, H, d), pos[:, None], inv_freq, inverse=True)
 
   # Grouped low-rank output projection: group g of heads -> its own o_lora block, then one mixing matrix.
   G = a.o_groups
-  grouped = out.reshape(B, T, G, (H // G) * d)
-  o = jnp.einsum("btgi,gir->btgr", grouped, p["wo_a"], precision=_HI).reshape(B, T, G * a.o_lora_rank)
+  grouped = out.reshape(N, G, (H // G) * d)
+  o = jnp.einsum("ngi,gir->ngr", grouped, p["wo_a"], precision=_HI).reshape(N, G * a.o_lora_rank)
   return cache_layer, jnp.dot(o, p["wo_b"], precision=_HI), aux, shared

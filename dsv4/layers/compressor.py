@@ -1,10 +1,17 @@
 """KV compressors: V4 CSA (ratio m, overlapping windows of 2m, stride m, position bias), V4 HCA (ratio m,
 non-overlapping), V4.1 CSA2 ratio 2 (gated pooling, no bias) and ratio 1 (projection only). Spec §1.6, §2.3.
 
-Chunked and incremental use share one path: the chunk's raw projections (a_j, z_j + ape) are written into the
-SWA-group state pools first; then every window that completes inside the chunk is pooled from rows read back
-through the block table (rows of earlier chunks and of this one alike), normalised, RoPE'd at the window start and
-written into the full-group pool as entry n = window index. A window that is still open produces nothing.
+Incremental (running-pool) form, one path for full prefill, chunked prefill and decode on a ragged step:
+softmax-gated pooling per channel, sum_j softmax(z)_j a_j over a window, is kept as a running pair
+(lse = logsumexp(z_j), mean = sum_j exp(z_j - lse) a_j) that merges associatively. Within a step the pairs of
+each row's tokens are combined by a segmented associative scan (segments restart at every window start and at
+every row's first token, which instead merges in the state row read from the cache); a token that closes a window
+emits entry n = pos // m from its running pair. Overlapping CSA keeps two pairs: the entry being pooled (A halves of
+the previous window + B halves of this one so far) and the A halves of the open window (the next entry's base).
+
+The cache holds ONE state row per swa block: the running pairs after the last token written into that block.
+A step reads the row of position start - 1 only: an HCA decode step does O(1) rows of work, and a resume point
+needs one state row per pooling layer (none at a window boundary for non-overlapping compressors).
 """
 
 from __future__ import annotations
@@ -33,96 +40,136 @@ class CompressorSpec:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepContext:
-  """Per-step addressing shared by all layers."""
-  pos_BxT: jax.Array
-  valid_BxT: jax.Array
-  start_B: jax.Array
-  end_B: jax.Array          # start + num_tokens
-  swa_table_BxS: jax.Array
-  full_table_BxF: jax.Array
+  """Per-step addressing shared by all layers, for the flat token axis N of a ragged step."""
+  row_N: jax.Array          # row of each token (clipped to >= 0; see valid_N)
+  valid_N: jax.Array        # False for padding tokens
+  pos_N: jax.Array
+  first_N: jax.Array        # first token of its row in this step
+  last_N: jax.Array         # last token of its row in this step
+  swa_table_RxS: jax.Array
+  full_table_RxF: jax.Array
   swa_block_tokens: int = dataclasses.field(metadata=dict(static=True))
   full_block_tokens: int = dataclasses.field(metadata=dict(static=True))
 
+  @staticmethod
+  def from_step(step: "caches.StepIndex", layout: "caches.CacheLayout") -> "StepContext":
+    row = step.token_row_N.astype(jnp.int32)
+    valid = row >= 0
+    r = jnp.maximum(row, 0)
+    pos = jnp.where(valid, step.token_pos_N.astype(jnp.int32), 0)
+    start = step.row_start_R.astype(jnp.int32)[r]
+    end = start + step.row_num_tokens_R.astype(jnp.int32)[r]
+    R = step.row_start_R.shape[0]
+    swa = step.tables[caches.SWA].astype(jnp.int32)
+    full = step.tables.get(caches.FULL)
+    full = jnp.full((R, 1), -1, jnp.int32) if full is None else full.astype(jnp.int32)
+    return StepContext(row_N=r, valid_N=valid, pos_N=pos, first_N=valid & (pos == start),
+                       last_N=valid & (pos == end - 1), swa_table_RxS=swa, full_table_RxF=full,
+                       swa_block_tokens=layout.swa_block_tokens, full_block_tokens=layout.full_block_tokens)
+
   def token_slots(self):
-    return caches.slots_for(self.swa_table_BxS, self.pos_BxT, self.swa_block_tokens, self.valid_BxT)
+    return caches.row_slots(self.swa_table_RxS, self.row_N, self.pos_N, self.swa_block_tokens, self.valid_N)
+
+  def state_slots(self, pos_N, ok_N):
+    """Compressor-state pool row (one per swa block) of the block holding position pos."""
+    return caches.row_slots(self.swa_table_RxS, self.row_N, pos_N // self.swa_block_tokens, 1, ok_N)
 
 
-def project(p, x_BxTxD, spec: CompressorSpec, pos_BxT):
+def project(p, x_NxD, spec: CompressorSpec, pos_N):
   """Raw per-token projections: a (kv) and z (score, with the position bias), fp32."""
-  a = jnp.dot(x_BxTxD.astype(jnp.float32), p["wkv"].astype(jnp.float32), precision=_HI)
+  a = jnp.dot(x_NxD.astype(jnp.float32), p["wkv"].astype(jnp.float32), precision=_HI)
   if not spec.gated:
     return a, None
-  z = jnp.dot(x_BxTxD.astype(jnp.float32), p["wgate"].astype(jnp.float32), precision=_HI)
+  z = jnp.dot(x_NxD.astype(jnp.float32), p["wgate"].astype(jnp.float32), precision=_HI)
   if spec.position_bias:
-    z = z + p["ape"].astype(jnp.float32)[pos_BxT % spec.ratio]
+    z = z + p["ape"].astype(jnp.float32)[pos_N % spec.ratio]
   return a, z
 
 
-def _emit_slots(ctx: StepContext, entry_BxE, ratio: int):
-  """Full-group pool rows for entries that complete inside this chunk; -1 otherwise."""
-  last_tok = entry_BxE * ratio + ratio - 1
-  emitted = (entry_BxE >= 0) & (last_tok >= ctx.start_B[:, None]) & (last_tok < ctx.end_B[:, None])
-  return caches.slots_for(ctx.full_table_BxF, entry_BxE, ctx.full_block_tokens // ratio, emitted)
+def merge(l1, m1, l2, m2):
+  """Combine two running pools (lse, mean) over disjoint token sets. Finite inputs only (no -inf: an empty pool
+  is never merged, it is selected around), so the gradient stays finite too."""
+  lse = jnp.maximum(l1, l2) + jnp.log1p(jnp.exp(-jnp.abs(l1 - l2)))
+  return lse, m1 * jnp.exp(l1 - lse) + m2 * jnp.exp(l2 - lse)
 
 
-def compress_step(p, x_BxTxD, spec: CompressorSpec, ctx: StepContext, state: dict | None, out_pool,
-                  inv_freq, eps: float, state_prefix: str = "comp_state", return_latent: bool = False,
-                  quantize_rows=None):
-  """Runs one chunk through a compressor. Returns (updated state pools {name: pool}, new out pool), plus, with
-  `return_latent`, (pre-RoPE latent [B,E,w], entry ids [B,E], full-group slots [B,E] (-1: not emitted)) of the
-  entries considered in this chunk: V4.1 derives its index keys from that latent (spec §2.4). `quantize_rows`
-  (V4.1 quantized cache) is applied to the post-RoPE rows before they are stored."""
+def segmented_pool_scan(reset_N, lse_NxW, mean_NxW):
+  """Inclusive running pool along the flat axis; restarts at every token with reset set."""
+
+  def combine(left, right):
+    fl, ll, ml = left
+    fr, lr, mr = right
+    lm, mm = merge(ll, ml, lr, mr)
+    keep = fr[:, None]
+    return fl | fr, jnp.where(keep, lr, lm), jnp.where(keep, mr, mm)
+
+  _, lse, mean = jax.lax.associative_scan(combine, (reset_N, lse_NxW, mean_NxW), axis=0)
+  return lse, mean
+
+
+def _emit(ctx: StepContext, entry_N, emitted_N, ratio: int):
+  return caches.row_slots(ctx.full_table_RxF, ctx.row_N, entry_N, ctx.full_block_tokens // ratio, emitted_N)
+
+
+def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, out_pool, inv_freq, eps: float,
+                  return_latent: bool = False, quantize_rows=None):
+  """Runs one ragged step through a compressor. Returns (new state pool or None, new out pool), plus, with
+  `return_latent`, (pre-RoPE latent [N,w], entry ids [N], full-group slots [N] (-1: not emitted)) of the entry each
+  token would close: V4.1 derives its index keys from that latent (spec §2.4). `quantize_rows` (V4.1 quantized
+  cache) is applied to the post-RoPE rows before they are stored."""
   q_rows = quantize_rows or (lambda r: r)
   m, w = spec.ratio, spec.width
-  a, z = project(p, x_BxTxD, spec, ctx.pos_BxT)
+  a, z = project(p, x_NxD, spec, ctx.pos_N)
+  pos = ctx.pos_N
 
   if not spec.gated or m == 1:
     # Ratio 1: every token is its own entry, no pooling state.
-    entry = ctx.pos_BxT
     latent = rms_norm(a, p["norm"], eps)
-    rows = q_rows(apply_rope(latent, entry * m, inv_freq))
-    slots = _emit_slots(ctx, jnp.where(ctx.valid_BxT, entry, -1), m)
-    if return_latent:
-      return {}, caches.write_rows(out_pool, slots, rows), (latent, entry, slots)
-    return {}, caches.write_rows(out_pool, slots, rows)
+    rows = q_rows(apply_rope(latent, pos * m, inv_freq))
+    slots = _emit(ctx, pos, ctx.valid_N, m)
+    new_out = caches.write_rows(out_pool, slots, rows)
+    return (None, new_out, (latent, pos, slots)) if return_latent else (None, new_out)
 
-  kv_name, score_name = f"{state_prefix}_kv", f"{state_prefix}_score"
-  tok_slots = ctx.token_slots()
-  state = {kv_name: state[kv_name], score_name: state[score_name]}
-  state[kv_name] = caches.write_rows(state[kv_name], tok_slots, a)
-  state[score_name] = caches.write_rows(state[score_name], tok_slots, z)
+  phase = pos % m
+  win_start = phase == 0
+  # The state row of position start - 1 (first token of each row only; a window start needs no "cur" state).
+  prev_ok = ctx.first_N & (pos > 0)
+  prev_rows, _ = caches.read_rows(state_pool, ctx.state_slots(pos - 1, prev_ok))
+  prev_rows = jnp.where(prev_ok[:, None], prev_rows, 0.0)
+  reset = ctx.first_N | win_start | ~ctx.valid_N
 
-  # Rows from the start of the earliest window that can complete in this chunk (minus one window if overlapping)
-  # to the end of the chunk. Static length: the chunk plus up to 2m - 1 earlier rows, rounded up to windows.
-  B, T = ctx.pos_BxT.shape
-  lead = 2 * m if spec.overlap else m
-  t_ext = -(-(T + lead - 1) // m) * m
-  base_B = (ctx.start_B // m) * m - (m if spec.overlap else 0)
-  ext_pos = base_B[:, None] + jnp.arange(t_ext)[None, :]
-  ext_ok = (ext_pos >= 0) & (ext_pos < ctx.end_B[:, None])
-  ext_slots = caches.slots_for(ctx.swa_table_BxS, ext_pos, ctx.swa_block_tokens, ext_ok)
-  kv_rows, ok_kv = caches.read_rows(state[kv_name], ext_slots)
-  sc_rows, _ = caches.read_rows(state[score_name], ext_slots)
-  kv_rows = jnp.where(ok_kv[..., None], kv_rows, 0.0)
-  sc_rows = jnp.where(ok_kv[..., None], sc_rows, -jnp.inf)
-
-  nw = t_ext // m
-  kv_w = kv_rows.reshape(B, nw, m, -1)
-  sc_w = sc_rows.reshape(B, nw, m, -1)
-  first_entry_B = base_B // m
   if spec.overlap:
-    # Entry n pools window n-1's A halves and window n's B halves over 2m slots.
-    kv_w = jnp.concatenate([kv_w[:, :-1, :, :w], kv_w[:, 1:, :, w:]], axis=2)
-    sc_w = jnp.concatenate([sc_w[:, :-1, :, :w], sc_w[:, 1:, :, w:]], axis=2)
-    first_entry_B = first_entry_B + 1
-  n_entries = kv_w.shape[1]
-  any_ok = jnp.any(jnp.isfinite(sc_w), axis=2, keepdims=True)
-  probs = jax.nn.softmax(jnp.where(any_ok, sc_w, 0.0), axis=2)
-  pooled = jnp.sum(jnp.where(any_ok, probs, 0.0) * kv_w, axis=2)          # [B, E, w]
-  entry_BxE = first_entry_B[:, None] + jnp.arange(n_entries)[None, :]
-  latent = rms_norm(pooled, p["norm"], eps)
-  rows = q_rows(apply_rope(latent, entry_BxE * m, inv_freq))
-  slots = _emit_slots(ctx, entry_BxE, m)
-  if return_latent:
-    return state, caches.write_rows(out_pool, slots, rows), (latent, entry_BxE, slots)
-  return state, caches.write_rows(out_pool, slots, rows)
+    aA, aB, zA, zB = a[:, :w], a[:, w:], z[:, :w], z[:, w:]
+    p_cl, p_cm, p_nl, p_nm = (prev_rows[:, i * w:(i + 1) * w] for i in range(4))
+    # Next-entry pool: A halves of the open window.
+    mid = (ctx.first_N & ~win_start)[:, None]
+    l0, m0 = merge(p_nl, p_nm, zA, aA)
+    nl, nm = segmented_pool_scan(reset, jnp.where(mid, l0, zA), jnp.where(mid, m0, aA))
+    # Current-entry pool: at a window start it begins from the previous window's A halves (the previous token's
+    # next-entry pool, or the cached one for a row's first token); entry 0 has no previous window.
+    base_l = jnp.where(ctx.first_N[:, None], p_nl, jnp.roll(nl, 1, axis=0))
+    base_m = jnp.where(ctx.first_N[:, None], p_nm, jnp.roll(nm, 1, axis=0))
+    has_base = (win_start & (pos > 0))[:, None]
+    sl, sm = merge(base_l, base_m, zB, aB)
+    cl0, cm0 = merge(p_cl, p_cm, zB, aB)
+    el = jnp.where(has_base, sl, jnp.where(mid, cl0, zB))
+    em = jnp.where(has_base, sm, jnp.where(mid, cm0, aB))
+    cl, cm = segmented_pool_scan(reset, el, em)
+    state_rows = jnp.concatenate([cl, cm, nl, nm], axis=-1)
+  else:
+    p_cl, p_cm = prev_rows[:, :w], prev_rows[:, w:]
+    mid = (ctx.first_N & ~win_start)[:, None]
+    cl0, cm0 = merge(p_cl, p_cm, z, a)
+    cl, cm = segmented_pool_scan(reset, jnp.where(mid, cl0, z), jnp.where(mid, cm0, a))
+    state_rows = jnp.concatenate([cl, cm], axis=-1)
+
+  # Keep the state after the last token of each block touched (a later step reads the row of its start - 1).
+  keep = ctx.valid_N & (ctx.last_N | (pos % ctx.swa_block_tokens == ctx.swa_block_tokens - 1))
+  state_pool = caches.write_rows(state_pool, ctx.state_slots(pos, keep)[:, None], state_rows[:, None])
+
+  entry = pos // m
+  latent = rms_norm(cm, p["norm"], eps)
+  rows = q_rows(apply_rope(latent, entry * m, inv_freq))
+  slots = _emit(ctx, entry, ctx.valid_N & (phase == m - 1), m)
+  new_out = caches.write_rows(out_pool, slots, rows)
+  return (state_pool, new_out, (latent, entry, slots)) if return_latent else (state_pool, new_out)

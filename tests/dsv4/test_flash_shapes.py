@@ -38,12 +38,12 @@ def test_v4_flash_cache_shapes_after_a_prefill():
     assert layer["window_kv"].shape == (L // 32, 32, 512)
     if plan.kind == "swa":
       assert set(layer) == {"window_kv"}
-    if plan.kind == "csa":  # floor(L/4) entries of 512 and index keys of 128; 2m-row overlapping states
+    if plan.kind == "csa":  # floor(L/4) entries of 512 and index keys of 128; one running-pool row per swa block
       assert np.prod(layer["comp_kv"].shape[:2]) == L // 4 and layer["comp_kv"].shape[-1] == 512
       assert np.prod(layer["index_keys"].shape[:2]) == L // 4 and layer["index_keys"].shape[-1] == 128
-      assert layer["comp_state_kv"].shape[-1] == 1024 and layer["index_state_kv"].shape[-1] == 256
+      assert layer["comp_state"].shape == (L // 32, 1, 4 * 512) and layer["index_state"].shape == (L // 32, 1, 4 * 128)
     if plan.kind == "hca":
-      assert np.prod(layer["comp_kv"].shape[:2]) == L // 128 and layer["comp_state_kv"].shape[-1] == 512
+      assert np.prod(layer["comp_kv"].shape[:2]) == L // 128 and layer["comp_state"].shape == (L // 32, 1, 2 * 512)
       assert "index_keys" not in layer
   assert caches.state_tail_tokens(cfg) == 127
 

@@ -114,7 +114,7 @@ def test_padded_rows_do_not_touch_other_sequences(setup):
   for old_l, new_l in zip(old_layers, new_cache.layers):
     for name in old_l:
       a, b = np.asarray(old_l[name]), np.asarray(new_l[name])
-      if name in ("window_kv", "comp_state_kv", "comp_state_score", "index_state_kv", "index_state_score"):
+      if name in ("window_kv", "comp_state", "index_state"):
         rows = swa[1]
       else:
         rows = full[1]

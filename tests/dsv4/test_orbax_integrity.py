@@ -1,5 +1,5 @@
 """Orbax checkpoint integrity: a truncated data file, corrupted data under intact metadata (a NaN-making flip, and a
-single mantissa bit that leaves every value plausible), and a tree of the wrong shape all fail with a
+single bit), a saved value off by one ulp (only the digest sees it), and a tree of the wrong shape all fail with a
 `CheckpointError` that names the checkpoint; nothing damaged is returned."""
 
 import glob
@@ -69,11 +69,27 @@ def test_corrupted_data_with_intact_metadata(saved, tmp_path):
     restore_params(bad, cfg)
   assert bad in str(e.value)
 
-  def flip_one_low_bit(b):
-    b[len(b) // 2] ^= 0x01                                  # lowest mantissa bit of one value: still plausible
+  def flip_one_bit(b):
+    b[len(b) // 2] ^= 0x01
     return b
 
-  bad = _damaged_copy(d, tmp_path / "b", flip_one_low_bit)
+  bad = _damaged_copy(d, tmp_path / "b", flip_one_bit)
+  with pytest.raises(CheckpointError, match=r"non-finite|magnitude|does not match its digest") as e:
+    restore_params(bad, cfg)
+  assert bad in str(e.value)
+
+
+def test_digest_catches_plausible_values(saved, tmp_path):
+  """Data that differs from what was saved by one ulp of one value (finite, small): only the digest sees it."""
+  import shutil
+  cfg, params, d = saved
+  bad = str(tmp_path / "params")
+  shutil.copytree(d, bad)
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  i = next(i for i, x in enumerate(leaves) if np.issubdtype(x.dtype, np.floating))
+  x = np.array(leaves[i])
+  x.flat[0] = np.nextafter(x.flat[0], np.float32(np.inf), dtype=x.dtype)
+  orbax_io.write_digests(jax.tree_util.tree_unflatten(tree, leaves[:i] + [x] + leaves[i + 1:]), bad)
   with pytest.raises(CheckpointError, match="does not match its digest") as e:
     restore_params(bad, cfg)
   assert bad in str(e.value)

@@ -142,3 +142,13 @@ def test_scanned_layer_groups_step_matches_the_unrolled_step():
                              rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(tail[-1]["window_kv"]), np.asarray(want_cache.layers[-1]["window_kv"]),
                              rtol=1e-5, atol=1e-6)
+
+
+def test_put_rejects_a_tree_the_rules_do_not_describe():
+  mesh = sharding.make_mesh("data:1")
+  cfg = C.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  sh = sharding.param_shardings(cfg, mesh)
+  params["layers"][0]["ffn"]["experts"]["w1"] = {"packed": np.zeros(3), "scale": np.zeros(1)}
+  with pytest.raises(ValueError, match="structure"):
+    sharding.put(params, sh)

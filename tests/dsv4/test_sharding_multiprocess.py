@@ -21,15 +21,15 @@ def free_port() -> int:
 
 
 def write_requests(path, vocab):
-  """Two sessions x two waves sharing a 140-token system prompt: the second wave extends each session's history,
-  so its prompts are prefix hits."""
+  """Two sessions x two turns sharing a 140-token system prompt: a session's second turn (run once the first has
+  finished) extends its history, so its prompt is a prefix hit."""
   rng = np.random.default_rng(0)
   system = rng.integers(3, vocab, 140).tolist()
   with open(path, "w") as f:
     for wave in range(2):
       for s in range(2):
         new = (system if wave == 0 else []) + rng.integers(3, vocab, 10 + 5 * s).tolist()
-        f.write(json.dumps({"id": f"s{s}.t{wave}", "session": f"s{s}", "wave": wave, "prompt": new,
+        f.write(json.dumps({"id": f"s{s}.t{wave}", "session": f"s{s}", "prompt": new,
                             "max_tokens": 4, "ignore_eos": True}) + "\n")
 
 
@@ -39,7 +39,7 @@ def read_outputs(out_dir):
 
 
 def serve_cmd(reqs, out_dir, *extra):
-  return [sys.executable, "-m", "experiments.serve", "--checkpoint=random", "--preset=v4_tiny",
+  return [sys.executable, "-m", "experiments.serve", "--model=random", "--preset=v4_tiny",
           f"--requests={reqs}", f"--out_dir={out_dir}", "--compilation_cache_dir=", "--max_num_seqs=4",
           "--chunk_size=64", *extra]
 

@@ -49,7 +49,7 @@ def test_v41_cache_arrays_per_role(setup):
     names = by_layer[p.index]
     assert "window_kv" in names
     assert ("comp_kv" in names) == ("index_keys" in names) == (p.index in cfg.kv_source_layer_ids)
-    assert ("comp_state_kv" in names) == (p.index in cfg.kv_source_layer_ids and p.ratio == 2)
+    assert ("comp_state" in names) == (p.index in cfg.kv_source_layer_ids and p.ratio == 2)
     assert ("token_ids" in names) == (p.index == cfg.engram.layer_ids[0])
     if p.kind in ("reuse", "reindex", "swa"):
       assert names <= {"window_kv", "token_ids"}
