@@ -52,6 +52,7 @@ class Result:
   max_err: float  # max |err| / tol (<= 1 passes)
   kernel_ms: float  # device time per call, L2 flushed (nan when not timed)
   hot_ms: float  # same, without the flush
+  flush_ms: float  # the flush alone, per iteration (subtracted from the flushed loop)
   xla_ms: float  # the XLA reference, L2 flushed
   tflops: float
   gbps: float
@@ -108,7 +109,9 @@ def device_time_ms(fn, args, slot, *, iters, repeats, flush_elems):
   t_flush_fn = best(loop(True, True))
   t_flush = best(loop(True, False))
   t_hot = best(loop(False, True))
-  return max(t_flush_fn - t_flush, 0.0) / iters * 1e3, t_hot / iters * 1e3
+  # A non-positive difference means the flush's jitter swamped the kernel: report nan, not a fake 0.
+  diff = t_flush_fn - t_flush
+  return (diff / iters * 1e3 if diff > 0 else float("nan")), t_hot / iters * 1e3, t_flush / iters * 1e3
 
 
 def tol_ratio(got, want, atol, rtol):
@@ -194,7 +197,7 @@ def bench_sparse_mgpu(name, args, *, interpret, tuning, timing, hbm, peak, D):
     ko, kl = kern(*args)
   except Exception as e:  # a compile/launch failure is a failed check, reported with its message
     print(f"# sparse_attention_mgpu {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    return Result("sparse_attention_mgpu", name, False, float("inf"), *([float("nan")] * 7), 0, 0.0, 0.0)
+    return Result("sparse_attention_mgpu", name, False, float("inf"), *([float("nan")] * 8), 0, 0.0, 0.0)
   ro, rl = ref(*args)
   err = max(tol_ratio(ko, ro, 1.5e-2, 2e-2), tol_ratio(kl, rl, 1e-3, 1e-3))
   uw, aw = unique_valid(wi, sa.pool_rows(wp))
@@ -206,14 +209,15 @@ def bench_sparse_mgpu(name, args, *, interpret, tuning, timing, hbm, peak, D):
 
 def finish(op, name, err, kern, ref, args, slot, timing, flops, nbytes, hbm, peak, splits):
   ok = err <= 1.0
-  k_ms = hot = x_ms = float("nan")
+  k_ms = hot = x_ms = fl_ms = float("nan")
   if ok and timing is not None:  # correctness first: a wrong kernel is not timed
-    k_ms, hot = device_time_ms(kern, args, slot, **timing)
-    x_ms, _ = device_time_ms(ref, args, slot, **timing)
+    k_ms, hot, fl_ms = device_time_ms(kern, args, slot, **{k: v for k, v in timing.items() if k != "time_xla"})
+    if timing.get("time_xla"):
+      x_ms, _, _ = device_time_ms(ref, args, slot, **{k: v for k, v in timing.items() if k != "time_xla"})
   s = k_ms * 1e-3
-  tf = flops / s / 1e12 if s > 0 else float("nan")
+  tf = flops / s / 1e12 if s > 0 else float("nan")  # nan propagates from an untimed / unresolved case
   gb = nbytes / s / 1e9 if s > 0 else float("nan")
-  return Result(op, name, ok, err, k_ms, hot, x_ms, tf, gb, 100 * gb * 1e9 / hbm, 100 * tf * 1e12 / peak, splits,
+  return Result(op, name, ok, err, k_ms, hot, fl_ms, x_ms, tf, gb, 100 * gb * 1e9 / hbm, 100 * tf * 1e12 / peak, splits,
                 flops, nbytes)
 
 
@@ -302,6 +306,8 @@ def parse_args(argv):
   p.add_argument("--num_warps", type=int, default=8)
   p.add_argument("--num_stages", type=int, default=2)
   p.add_argument("--no_time", action="store_true", help="correctness only")
+  p.add_argument("--time_xla", action="store_true",
+                 help="also time the XLA references (3 more compiles per case; off in the GPU check's budget)")
   p.add_argument("--jsonl", default="", help="append each result here as soon as it exists")
   p.add_argument("--json", default="", help="also write all results as one JSON list at the end")
   p.add_argument("--report", default="", metavar="DIR",
@@ -340,11 +346,11 @@ def write_report(out_dir: str, rows: list[dict], env: dict, record: bool) -> dic
     json.dump(dict(env=env, summary=summary, results=rows), f, indent=1)
   lines = [f"GPU check: jax {env.get('jax')} on {', '.join(env.get('devices', []))} "
            f"({env.get('nvidia_smi') or 'no nvidia-smi'})", "",
-           "| op | case | ok | err/tol | ms (L2 flushed) | ms (hot) | XLA ms | TFLOP/s | GB/s | % HBM | % TC | splits |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| op | case | ok | err/tol | ms (L2 flushed) | ms (hot) | flush ms | XLA ms | TFLOP/s | GB/s | % HBM | % TC | splits |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['op']} | {r['case']} | {'ok' if r['ok'] else 'FAIL'} | {r['max_err']:.2f} | "
-                 f"{r['kernel_ms']:.4f} | {r['hot_ms']:.4f} | {r['xla_ms']:.4f} | {r['tflops']:.1f} | {r['gbps']:.0f} | "
+                 f"{r['kernel_ms']:.4f} | {r['hot_ms']:.4f} | {r['flush_ms']:.4f} | {r['xla_ms']:.4f} | {r['tflops']:.1f} | {r['gbps']:.0f} | "
                  f"{r['pct_hbm']:.1f} | {r['pct_tc']:.1f} | {r['num_splits'] or ''} |")
   with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
@@ -377,7 +383,8 @@ def main(argv=None):
     ituning = ix.IndexerTuning()
     ttuning = itk.IndexerTopkTuning()
     flush_elems = int(a.flush_mb * 2 ** 20 / 4)
-  timing = None if a.no_time else dict(iters=iters, repeats=repeats, flush_elems=flush_elems)
+  timing = None if a.no_time else dict(iters=iters, repeats=repeats, flush_elems=flush_elems,
+                                       time_xla=a.time_xla or a.small)
   hbm, peak = a.hbm_gbps * 1e9, a.peak_tflops * 1e12
   common = dict(interpret=interpret, timing=timing, hbm=hbm, peak=peak)
   env = dict(backend=jax.default_backend(), devices=[d.device_kind for d in jax.devices()], jax=jax.__version__,

@@ -269,6 +269,12 @@ def replicated(mesh) -> NamedSharding:
 def put(tree, shardings):
   """Places host values onto (possibly multi-process) shardings. Every process passes the same full value; each
   keeps only its addressable shards, so this works under `jax.distributed` as well as in one process."""
+  want, got = jax.tree_util.tree_structure(shardings), jax.tree_util.tree_structure(tree)
+  if want != got:
+    # e.g. routed experts kept packed (FP4 + scales) by the loader: the rules describe dense parameters only.
+    raise ValueError("sharding.put: the tree does not have the structure the shardings were made for "
+                     f"(expected {want}, got {got}); quantized (packed) experts are not supported on a mesh yet")
+
   def one(x, s):
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])

@@ -4,7 +4,7 @@
     python -m experiments.serve --model=v41_retrieval    # or v4_count (its own counting task)
     python -m experiments.serve --requests=reqs.jsonl    # one JSON object per line, see dsv4/engine/schema.py:
         {"id": "a", "prompt": [0, 5, ...], "max_tokens": 1, "expected": [41], "tenant": "t1", "session": "s1", ...}
-    python -m experiments.serve --mesh=data:2,tensor:2,expert:2 --num_cpu_devices=8   # sharded step (CPU)
+    python -m experiments.serve --mesh=data:2,tensor:2,expert:2      # sharded step (CPU: 8 host devices)
     # one process per host under jax.distributed (here: 2 processes x 4 CPU devices on one machine)
     python -m experiments.serve --mesh=data:2,tensor:2,expert:2 --num_cpu_devices=4 \
         --coordinator=127.0.0.1:12345 --num_processes=2 --process_id=0 --out_dir=out/p0   # and process_id=1
@@ -49,9 +49,14 @@ flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget per step.")
 flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output).")
 flags.DEFINE_integer("num_full_blocks", 128, "Full-history blocks (128 tokens each).")
 flags.DEFINE_integer("num_swa_blocks", 256, "SWA blocks (32 tokens each).")
+flags.DEFINE_bool("batch_invariant", False, "Bitwise-reproducible logits whatever shares a step and however a "
+                  "prompt is chunked (every token runs one fixed-shape program; slower).")
+flags.DEFINE_enum("kv_dtype", "fp32", ["fp32", "bf16"], "Storage dtype of the KV pools (window, compressed, index "
+                  "keys); compressor state stays fp32.")
 flags.DEFINE_string("mesh", "", "Device mesh for the model step, e.g. data:2,tensor:2,expert:2 ('' = one device).")
 flags.DEFINE_enum("kv_latent", "replicated", ["replicated", "feature"], "Shard the K=V latent pools over tensor?")
-flags.DEFINE_integer("num_cpu_devices", 0, "On the CPU: host devices per process (0 = JAX default).")
+flags.DEFINE_integer("num_cpu_devices", 0, "On the CPU: host devices per process (0 = the mesh size with --mesh in "
+                     "one process, else JAX's default).")
 flags.DEFINE_string("coordinator", "", "host:port of the jax.distributed coordinator ('' = single process).")
 flags.DEFINE_integer("num_processes", 1, "Processes under jax.distributed.")
 flags.DEFINE_integer("process_id", 0, "This process's id under jax.distributed.")
@@ -185,8 +190,14 @@ def format_table(summary: dict) -> str:
 def init_devices():
   """CPU device count and jax.distributed must be set up before JAX touches a backend."""
   import jax
-  if FLAGS.num_cpu_devices:
-    jax.config.update("jax_num_cpu_devices", FLAGS.num_cpu_devices)
+  n_cpu = FLAGS.num_cpu_devices
+  if FLAGS.mesh and not n_cpu and not FLAGS.coordinator:
+    import math
+
+    from dsv4 import sharding
+    n_cpu = math.prod(sharding.parse_mesh_spec(FLAGS.mesh).values())  # only the CPU backend reads this
+  if n_cpu:
+    jax.config.update("jax_num_cpu_devices", n_cpu)
   if FLAGS.coordinator:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # cross-process collectives on the CPU
     jax.distributed.initialize(FLAGS.coordinator, num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
@@ -210,6 +221,9 @@ def main(argv):
   from experiments import task_workloads
   from experiments.tasks import KVRecallSpec
   from dsv4.engine.tiering import TieringConfig
+  import jax.numpy as jnp
+
+  from dsv4 import caches
   if FLAGS.compilation_cache_dir:
     import jax
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(FLAGS.compilation_cache_dir))
@@ -222,7 +236,8 @@ def main(argv):
                     chunk_size=FLAGS.chunk_size, max_model_len=FLAGS.max_model_len,
                     num_full_blocks=FLAGS.num_full_blocks, num_swa_blocks=FLAGS.num_swa_blocks,
                     enable_prefix_caching=FLAGS.prefix_caching, retention_interval=FLAGS.retention_interval,
-                    model_id=cfg.name,
+                    model_id=cfg.name, batch_invariant=FLAGS.batch_invariant,
+                    layout=caches.CacheLayout(kv_dtype={"fp32": jnp.float32, "bf16": jnp.bfloat16}[FLAGS.kv_dtype]),
                     tiering=TieringConfig.from_flags(FLAGS.kv_tiers, FLAGS.kv_disk_dir, FLAGS.kv_store_url))
   refused, order, stops = [], None, {}
   tok = load_tokenizer(FLAGS.checkpoint)
@@ -277,7 +292,9 @@ def main(argv):
         rec["tenant"], rec["session"] = tenant_session[o.rid]
       f.write(json.dumps(rec) + "\n")
   summary = report.summary()
-  summary["compiled_step_shapes"] = len(engine.runner.shapes_run)
+  compiles = engine.compile_report()   # real XLA compilations (all functions) since the engine was built
+  summary["compilations"] = compiles["compilations"]
+  summary["compile_s"] = compiles["compile_seconds"]
   tiers = None
   if engine.tiering is not None:
     engine.tiering.flush()
@@ -290,7 +307,7 @@ def main(argv):
   with open(os.path.join(FLAGS.out_dir, "metrics.json"), "w") as f:
     json.dump({"model": cfg.name, "workload": wl.name, "engine": {k: str(v) for k, v in vars(ec).items()},
                "mesh": FLAGS.mesh, "process": [FLAGS.process_id, FLAGS.num_processes],
-               "summary": summary, "tiers": tiers}, f, indent=2, default=str)
+               "summary": summary, "compiles": compiles, "tiers": tiers}, f, indent=2, default=str)
   for o in report.outputs:
     if o.error:
       print(f"request {o.rid}: error: {o.error}")

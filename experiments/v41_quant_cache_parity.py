@@ -10,6 +10,9 @@ whose group's scale) lies within 1e-5 relative of a rounding boundary is a "near
 change every position >= t of that sequence (later tokens read t's cache entries), so a disagreeing position is
 "explained" when a near tie at or before it exists in its row. With fp32 on both sides the pre-quantization values
 differ by ~1e-7 relative (different matmul order), so only values that close to a boundary can round apart.
+Then our own quantizer inputs are recorded as well (jax.debug.callback), both sides are quantized with the same
+bit-exact quantizer, and the groups that round differently ("flips") are located: a disagreeing position is traced
+when it lies at or after the first flip of its row.
 """
 
 from __future__ import annotations
@@ -115,9 +118,31 @@ def main(argv):
     cache, swa, full = caches.init_contiguous(c, B, T)
     idx = caches.BatchIndex(jnp.zeros(B, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.asarray(swa),
                             jnp.asarray(full))
-    return np.asarray(jax.jit(lambda p, t: model.forward_aux(p, c, t, cache, idx)[1])(params, jnp.asarray(tokens)))
+    out = jax.jit(lambda p, t: model.forward_aux(p, c, t, cache, idx, collect_aux=True)[1:])(params,
+                                                                                             jnp.asarray(tokens))
+    aux_box.append(out[1])
+    return np.asarray(out[0])
 
-  got, got_off = ours(cfg_q), ours(cfg)
+  aux_box = []
+
+  # record our own quantizer inputs too (trace-time ids give program order, the same order as NeMo's calls)
+  from dsv4.layers import cache_quant as CQ
+  ours_in, counter = {}, [0]
+
+  def wrap(fmt, fn):
+    def f(x):
+      cid = counter[0]
+      counter[0] += 1
+      jax.debug.callback(lambda v, cid=cid: ours_in.__setitem__(cid, (fmt, np.asarray(v, np.float32))), x)
+      return fn(x)
+    return f
+
+  saved = (CQ.fp8_window_kv, CQ.nvfp4_compressed_kv, CQ.mxfp4_index)
+  CQ.fp8_window_kv, CQ.nvfp4_compressed_kv, CQ.mxfp4_index = (wrap("fp8", saved[0]), wrap("nvfp4", saved[1]),
+                                                              wrap("mxfp4", saved[2]))
+  got = ours(cfg_q)
+  CQ.fp8_window_kv, CQ.nvfp4_compressed_kv, CQ.mxfp4_index = saved
+  got_off = ours(cfg)
   scale = np.max(np.abs(want))
   err = np.max(np.abs(got - want), -1) / scale
   agree = err <= 1e-4
@@ -152,6 +177,61 @@ def main(argv):
   before = np.arange(T)[None, :] < first_tie[:, None]
   print(f"  positions before the first near tie of their row: {int((agree & before).sum())} of "
         f"{int(before.sum())} agree")
+  # rounding flips: quantize NeMo's input and ours with the same (bit-exact) quantizer; where the results differ,
+  # the two inputs (equal up to fp32 summation order) fell on different sides of a rounding boundary
+  assert len(ours_in) == len(rec_full), (len(ours_in), len(rec_full))
+  flip_tok = np.full(B, T)
+  first = {}  # row -> (token, call index, fmt, near tie at 1e-5, at 1e-6) of the earliest flip seen so far
+  n_flip_groups = n_flip_near = 0
+  for k, (fmt, block, vn) in enumerate(rec_full):
+    fo, vo = ours_in[k]
+    assert fo == fmt, (k, fo, fmt)
+    L = min(vn.shape[1], vo.shape[1])
+    vn32, vo = vn[:, :L].astype(np.float32), vo[:, :L]
+    qn = CQ.quantize_cache_reference(vn32, fmt, block)
+    qo = CQ.quantize_cache_reference(vo, fmt, block)
+    C_ = vn32.shape[-1]
+    pad = -C_ % block
+    dif = np.pad(qn != qo, [(0, 0)] * (qn.ndim - 1) + [(0, pad)]).reshape(*qn.shape[:-1], -1, block).any(-1)
+    near = near_ties(vn[:, :L], fmt, block, FLAGS.near)
+    n_flip_groups += int(dif.sum())
+    n_flip_near += int((dif & near).sum())
+    ratio = max(T // vn.shape[1], 1)
+    per_tok = dif.reshape(B, L, -1).any(-1)
+    near6 = near_ties(vn[:, :L], fmt, block, 1e-6)
+    for b in range(B):
+      if per_tok[b].any():
+        j = int(np.argmax(per_tok[b]))
+        t = min((j + 1) * ratio - 1, T - 1)
+        if t < flip_tok[b]:
+          g = dif[b, j].reshape(-1)
+          first[b] = (t, k, fmt, bool(near[b, j].reshape(-1)[g].all()), bool(near6[b, j].reshape(-1)[g].all()))
+        flip_tok[b] = min(flip_tok[b], t)
+  after = np.arange(T)[None, :] >= flip_tok[:, None]
+  # exact ties at the top-k boundary of our (quantized) index scores: quantized q and k make scores discrete, and
+  # a tie between the k-th and (k+1)-th score is broken differently by NeMo's torch.topk and ours
+  auxes = aux_box[0]
+  k_ = cfg.indexer.topk
+  for b in range(B):
+    t = int(flip_tok[b])
+    if t >= T:
+      continue
+    ties = []
+    for plan, a in zip(cfg.layer_plan(), auxes):
+      if plan.has_index_query and "index_scores" in a:
+        sc = np.asarray(a["index_scores"])[b, t]
+        sc = np.sort(sc[np.isfinite(sc)])[::-1]
+        if len(sc) > k_ and sc[k_ - 1] == sc[k_]:
+          ties.append(plan.index)
+    print(f"  row {b}: layers with an exact tie between the {k_}-th and {k_ + 1}-th index score at token {t}: {ties}")
+  for b, (t, k, fmt, n5, n6) in sorted(first.items()):
+    print(f"  row {b}: first flip at token {t}, quantizer call {k} ({fmt}); every group flipped there is within "
+          f"1e-5 of a rounding boundary: {n5} (within 1e-6: {n6})")
+  print(f"  rounding flips (NeMo's and our quantizer inputs rounded to different values): {n_flip_groups} groups, "
+        f"{n_flip_near} of them within {FLAGS.near:g} of a rounding boundary; first flip per row at token "
+        f"{flip_tok.tolist()}")
+  print(f"  disagreeing stable positions at or after their row's first flip: {int((bad & after).sum())} of "
+        f"{int(bad.sum())}; positions before it: {int((agree & ~after).sum())} of {int((~after).sum())} agree")
   err_off = np.max(np.abs(got_off - want_off), -1) / np.max(np.abs(want_off))
   eff = np.max(np.abs(want - want_off), -1) / scale
   print(f"  for scale: quantization itself moves NeMo's logits by {eff.mean():.2e} (mean rel) / {eff.max():.2e} (max); "

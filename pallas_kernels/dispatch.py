@@ -43,6 +43,7 @@ class KernelConfig:
   backend: Backend = "auto"
   sparse_tuning: SparseAttentionTuning | None = None  # None = kernel defaults
   indexer_tuning: IndexerTuning | None = None
+  topk_tuning: IndexerTopkTuning | None = None  # the fused indexer top-k kernel
 
 
 # op name -> callable(*args, interpret: bool, tuning=..., **kw). Filled by kernel modules.
@@ -167,8 +168,8 @@ def indexer_topk(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT
     scores = indexer_scores(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM,
                             cfg=cfg, num_keys_B=num_keys_B)
     return topk_from_scores(scores, k)[0]
-  if cfg.indexer_tuning is not None:
-    kw["tuning"] = cfg.indexer_tuning
+  if cfg.topk_tuning is not None:
+    kw["tuning"] = cfg.topk_tuning
   return _KERNELS["indexer_topk"](q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k,
                                   allowed_BxTxM, num_keys_B=num_keys_B, **kw)
 

@@ -127,9 +127,19 @@ def _indexer_kernel(*refs, has_allowed, P, H, block_t, block_m, skip_invisible, 
   def compute():
     rows = rows_ref[...]
     valid_row = (rows >= 0) & (rows < P)
-    keys = pool_ref[jnp.where(valid_row, rows, 0)].astype(cdtype)  # [bm, C]
+    safe = jnp.where(valid_row, rows, 0)
+    C = pool_ref.shape[1]
+    r2 = jnp.broadcast_to(safe[:, None], (block_m, C))
+    c2 = jax.lax.broadcasted_iota(jnp.int32, (block_m, C), 1)
+    m2 = jnp.broadcast_to(valid_row[:, None], (block_m, C))
+    if _pl_triton is None:  # pragma: no cover
+      keys = jnp.where(m2, pool_ref[r2, c2], jnp.zeros((), pool_ref.dtype))
+    else:  # masked: rows behind invalid ids are never read (zeros)
+      keys = _pl_triton.load(pool_ref.at[r2, c2], mask=m2, other=jnp.zeros((), pool_ref.dtype))
+    keys = keys.astype(cdtype)  # [bm, C]
+    prec = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST) if cdtype == jnp.float32 else None  # not TF32
     s = jax.lax.dot_general(q_ref[...].astype(cdtype), keys, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)  # [bt*H, bm]
+                            preferred_element_type=jnp.float32, precision=prec)  # [bt*H, bm]
     s = jnp.maximum(s, 0.0) * w_ref[...].astype(jnp.float32)[:, None]
     s = jnp.sum(s.reshape(block_t, H, block_m), axis=1)  # [bt, bm]
     ent = m0 + jax.lax.broadcasted_iota(jnp.int32, (block_t, block_m), 1)

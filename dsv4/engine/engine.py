@@ -22,10 +22,11 @@ from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
 from dsv4 import caches
 from dsv4.config import ModelConfig
+from dsv4.engine import compile_stats
 from dsv4.engine import schema
 from dsv4.engine.request import Request, RequestOutput, Status
-from dsv4.engine.runner import ModelRunner
-from dsv4.engine.sampling import SamplingParams, sample
+from dsv4.engine.runner import ModelRunner, Row
+from dsv4.engine.sampling import SamplingParams
 from pallas_kernels import dispatch
 
 
@@ -43,11 +44,19 @@ class EngineConfig:
   record_logits: bool = False           # keep each sampled position's logits (tests, analysis)
   layout: caches.CacheLayout = caches.CacheLayout()
   kernel: dispatch.KernelConfig = dispatch.KernelConfig()
+  # A request's logits are bitwise the same whatever shares its step and however its prompt is chunked (every
+  # token runs one fixed-shape program; slower, see runner.py).
+  batch_invariant: bool = False
+  # Smallest block-table width (tokens) of a step; tables grow in powers of two with the live context up to
+  # max_model_len, so a step's attention cost follows its context, not the configured limit.
+  min_table_tokens: int = 4096
   tiering: object = None                # dsv4.engine.tiering.TieringConfig: KV tiers below the device (None = off)
 
   def validate(self):
     if self.chunk_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
       raise ValueError("EngineConfig: chunk_size, max_num_batched_tokens and max_num_seqs must be >= 1")
+    if self.min_table_tokens < 1:
+      raise ValueError("EngineConfig: min_table_tokens must be >= 1")
 
 
 class Engine:
@@ -55,16 +64,24 @@ class Engine:
   def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *, mesh=None,
                rules=None):
     """mesh / rules: run the model step sharded on a device mesh (dsv4.sharding); None = one device."""
+    if mesh is not None and engine_config.tiering is not None:
+      raise ValueError("Engine: KV tiers (EngineConfig.tiering) are not supported with a mesh yet: the tier glue "
+                       "reads and writes pool blocks of a one-device cache")
     engine_config.validate()
     self.config, self.ec = config, engine_config
     ec = engine_config
     self.cache_manager = KVCacheManager(config, ec.layout, num_full_blocks=ec.num_full_blocks,
                                         num_swa_blocks=ec.num_swa_blocks, retention_interval=ec.retention_interval,
                                         model_id=ec.model_id)
+    self.compile_log = compile_stats.CompileLog()   # every XLA compilation from here on (engine-caused)
     self.runner = ModelRunner(params, config, ec.layout, num_swa_blocks=ec.num_swa_blocks,
                               num_full_blocks=ec.num_full_blocks, max_num_seqs=ec.max_num_seqs,
                               chunk_size=ec.chunk_size, max_model_len=ec.max_model_len, kernel_cfg=ec.kernel,
+                              batch_invariant=ec.batch_invariant, record_logits=ec.record_logits,
+                              min_table_tokens=ec.min_table_tokens,
+                              max_num_batched_tokens=ec.max_num_batched_tokens,
                               mesh=mesh, **({} if rules is None else {"rules": rules}))
+    self._tables: dict[str, object] = {}     # rid -> BlockTables of this step's allocation
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.requests: dict[str, Request] = {}
@@ -112,7 +129,7 @@ class Engine:
   def _preempt(self, victim: Request):
     """Preemption by recompute: give back every block, keep the generated tokens, requeue at the front."""
     self.cache_manager.free(victim.rid)
-    self.running.remove(victim)
+    self._leave(victim)
     victim.num_computed = 0
     victim.num_preemptions += 1
     victim.status = Status.WAITING
@@ -120,7 +137,7 @@ class Engine:
     self.stats["preemptions"] += 1
 
   def _admit(self, req: Request) -> int:
-    hit = self.cache_manager.add_request(req.rid, req.all_tokens, req.cache_salt(self.ec.enable_prefix_caching))
+    hit = self.cache_manager.add_request(req.rid, req.tokens, req.cache_salt(self.ec.enable_prefix_caching))
     n = hit.num_tokens
     if self.tiering is not None:
       n = self.tiering.on_admit(req, n)
@@ -147,14 +164,16 @@ class Engine:
         continue
       n = min(req.num_pending, budget, self.ec.chunk_size)
       while True:
-        if self.cache_manager.allocate_for(req.rid, n):
+        tables = self.cache_manager.allocate_for(req.rid, n)
+        if tables:
+          self._tables[req.rid] = tables
           scheduled.append((req, n))
           budget -= n
           break
         if self.running == [req]:
           # Alone and still out of blocks: it can never fit. Reject it rather than preempt it forever.
           self.cache_manager.free(req.rid)
-          self.running.remove(req)
+          self._leave(req)
           self._reject(req, "the KV block pool is too small for this request even when it runs alone")
           break
         victim = self.running[-1]
@@ -167,7 +186,8 @@ class Engine:
         req = self.waiting[0]
         hit = self._admit(req)
         n = min(req.num_pending, budget, self.ec.chunk_size)
-        if not self.cache_manager.allocate_for(req.rid, n):
+        tables = self.cache_manager.allocate_for(req.rid, n)
+        if not tables:
           self.cache_manager.free(req.rid)
           req.num_computed = 0
           if req.num_preemptions:       # a failed admission reuses nothing: count only the one that succeeds
@@ -179,21 +199,35 @@ class Engine:
           break
         self.waiting.popleft()
         req.status = Status.RUNNING
+        req.slot = self.runner.acquire_slot()
         self.running.append(req)
+        self._tables[req.rid] = tables
         scheduled.append((req, n))
         budget -= n
     self._track_usage()
     return scheduled
 
   # ------------------------------------------------------------------------------------------ step
+  def _leave(self, req: Request):
+    """Out of the running set (finish, preemption, rejection): give its runner slot back."""
+    self.running.remove(req)
+    self._tables.pop(req.rid, None)
+    if req.slot >= 0:
+      self.runner.release_slot(req.slot)
+      req.slot = -1
+
   def _finish(self, req: Request, reason: str):
     req.status, req.finish_reason = Status.FINISHED, reason
     self.cache_manager.free(req.rid)
-    self.running.remove(req)
+    self._leave(req)
     self.finished.append(req)
 
   def step(self) -> list[Request]:
-    """One scheduler step + one model call. Returns the requests that finished in it."""
+    """One scheduler step + one model call. Returns the requests that finished in it.
+
+    Host work is O(new tokens): each row's chunk is a slice of the request's incrementally kept token list, its
+    block tables are synced into the runner's slot rows by what changed, and the runner makes one transfer of the
+    step plan and one of the sampled tokens."""
     scheduled = self.schedule()
     if not scheduled:
       return []
@@ -201,11 +235,13 @@ class Engine:
       self.tiering.before_run(scheduled)
     rows = []
     for req, n in scheduled:
-      tables = self.cache_manager.block_tables(req.rid)
-      toks = req.all_tokens[req.num_computed: req.num_computed + n]
-      rows.append((toks, req.num_computed, tables.swa, tables.full))
-    logits = self.runner.run(rows)
-    sample_rows, sample_idx = [], []
+      tables = self._tables.pop(req.rid)
+      self.runner.sync_tables(req.slot, tables.swa, tables.full)
+      start = req.num_computed
+      rows.append(Row(req.slot, req.tokens[start:start + n], start, req.params, len(req.output)))
+    sampled, logits = self.runner.run(rows)
+    done = []
+    now = None
     for i, (req, n) in enumerate(scheduled):
       start = req.num_computed
       recomputed = max(0, min(start + n, req.max_computed) - start)
@@ -216,40 +252,44 @@ class Engine:
       req.num_computed = start + n
       req.max_computed = max(req.max_computed, req.num_computed)
       self.cache_manager.commit(req.rid, req.num_computed)
-      if req.num_pending == 0:
-        sample_rows.append(req)
-        sample_idx.append(i)
-    done = []
-    if sample_rows:
-      # Sample every row of the fixed-shape batch (one compiled sampler), keep the rows that finished a prompt.
-      row_params = [SamplingParams()] * logits.shape[0]
-      row_steps = [0] * logits.shape[0]
-      for req, i in zip(sample_rows, sample_idx):
-        row_params[i], row_steps[i] = req.params, len(req.output)
-      all_toks = sample(logits, row_params, row_steps)
-      toks = [all_toks[i] for i in sample_idx]
-      now = self.clock()
-      logits_np = np.asarray(logits) if self.ec.record_logits else None
-      for j, (req, tok) in enumerate(zip(sample_rows, toks)):
-        tok = int(tok)
-        req.output.append(tok)
-        self.cache_manager.append_tokens(req.rid, [tok])
-        if self.ec.record_logits:
-          req.token_logits = (req.token_logits or []) + [logits_np[sample_idx[j]]]
-        if req.first_token_time is None:
-          req.first_token_time = now
-        req.last_token_time = now
-        p = req.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok == self.config.eos_token_id):
-          self._finish(req, "stop")
-          done.append(req)
-        elif len(req.output) >= p.max_tokens:
-          self._finish(req, "length")
-          done.append(req)
+      if req.num_pending:
+        continue                      # mid-prompt chunk: its row's sample is not wanted
+      tok = int(sampled[i])
+      req.append_output(tok)
+      self.cache_manager.append_tokens(req.rid, [tok])
+      if self.ec.record_logits:
+        req.token_logits = (req.token_logits or []) + [logits[i]]
+      now = self.clock() if now is None else now
+      if req.first_token_time is None:
+        req.first_token_time = now
+      req.last_token_time = now
+      p = req.params
+      if tok in p.stop_token_ids or (not p.ignore_eos and tok == self.config.eos_token_id):
+        self._finish(req, "stop")
+        done.append(req)
+      elif len(req.output) >= p.max_tokens:
+        self._finish(req, "length")
+        done.append(req)
     self.stats["steps"] += 1
     if self.tiering is not None:
       self.tiering.after_step(scheduled)
     return done
+
+  def compile_report(self) -> dict:
+    """Real compilations since this engine was built (every jitted function and eager op, by name), the
+    distinct programs held by the engine's own jitted functions, and the transfers the runner made."""
+    from cache import pool as cache_pool
+    from cache import prefix as cache_prefix
+    fns = dict(self.runner.jitted_functions())
+    fns.update({f"pool.{n}": getattr(cache_pool, n) for n in ("allocate", "free", "touch", "register", "reset",
+                                                               "lookup") if hasattr(cache_pool, n)})
+    fns["prefix.find_hits"] = cache_prefix.find_hits
+    by_name = self.compile_log.delta()
+    return {"compilations": sum(by_name.values()), "compile_seconds": round(self.compile_log.seconds(), 3),
+            "persistent_cache_hits": self.compile_log.persistent_cache_hits(),
+            "compilations_by_function": dict(sorted(by_name.items())),
+            "jit_programs": compile_stats.jit_cache_sizes(fns),
+            "runner": dict(self.runner.stats)}
 
   def has_work(self) -> bool:
     return bool(self.waiting or self.running)

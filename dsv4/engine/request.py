@@ -40,14 +40,25 @@ class Request:
   first_token_time: float | None = None
   last_token_time: float | None = None
   token_logits: list[np.ndarray] | None = None
+  slot: int = -1                   # runner slot (persistent block-table rows) while running
+  # prompt + output, maintained incrementally (append_output) so a step never rebuilds it
+  tokens: list[int] = dataclasses.field(default_factory=list)
+
+  def __post_init__(self):
+    self.tokens = list(self.prompt) + list(self.output)
+
+  def append_output(self, tok: int) -> None:
+    self.output.append(tok)
+    self.tokens.append(tok)
 
   @property
   def all_tokens(self) -> list[int]:
-    return self.prompt + self.output
+    """A copy of prompt + output (callers may keep it)."""
+    return list(self.tokens)
 
   @property
   def num_pending(self) -> int:
-    return len(self.prompt) + len(self.output) - self.num_computed
+    return len(self.tokens) - self.num_computed
 
   def cache_salt(self, prefix_caching: bool) -> ExtraKeys:
     """With prefix caching off, every admission gets keys nobody else (not even itself later) can match."""

@@ -1,17 +1,37 @@
-"""Model runner: owns the params and the paged cache pytree, runs one jitted step per scheduler step.
+"""Model runner: owns the params and the paged cache pytree; turns one scheduler step into jitted device work with
+one host->device transfer of the step plan and one device->host fetch of the sampled tokens.
 
-Shapes are bucketed so compilation happens a bounded number of times: the batch axis is always
-`max_num_seqs` (idle rows have num_tokens = 0), the token axis is 1 for pure-decode steps and `chunk_size` when any
-row prefills, and block tables always span `max_model_len`. So at most two step programs are compiled per engine.
+Host side (numpy, O(new tokens) per step): each running request owns a *slot* with persistent block-table rows.
+`sync_tables` copies only what changed since the last step (new blocks at the end, swa blocks released behind the
+window at the front), so a step never rebuilds a request's whole table or token list.
 
-With a `mesh` (dsv4.sharding), the same step runs sharded: params and pools carry the rule shardings, the batch rows
-are split over `data`, routed experts run expert-parallel, and the logits come back replicated so every process
-(one per host under `jax.distributed`) samples the same tokens. The block pools are one pool for all data shards
-(replicated over `data`), not one pool per shard.
+Device side: the rows of a step are split into two groups, each run by its own jitted program on one packed int32
+buffer (tokens, positions, block tables, sampling parameters):
+
+* decode group: rows computing 1 token ([rows, 1]);
+* prefill group: rows computing a chunk ([rows, chunk_size]).
+
+So a mixed step (one prefill chunk + many decodes) costs the chunk plus the decode rows, not every row padded to
+chunk_size. Sampling runs inside the same programs on device logits. Shapes are bucketed so compilation stays
+bounded: rows to powers of four (decode from 8, capped at max_num_seqs), block tables to a power-of-two width that covers the
+live context of the step (capped at max_model_len). Both groups' buffers go to the device in one `device_put` call;
+the sampled tokens (and logits when recorded) come back in one `device_get` call.
+
+Batch-invariant mode (`batch_invariant=True`): every token of the step goes through one fixed-shape program
+([1 row, 1 token], block tables at the max_model_len width) in order, inside one jitted loop; logits and sampling
+run per row at a fixed shape too. No reduction in a request's math then depends on what else shares the step or
+on how its prompt was chunked, so its logits are bitwise reproducible (at the cost of per-token work; measured in
+benchmarks/engine_bench.py).
+
+With a `mesh` (dsv4.sharding), the step runs sharded through `sharding.jit_forward` on the padded [max_num_seqs, T]
+layout with max_model_len-wide tables (params and pools carry the rule shardings, batch rows split over `data`,
+experts expert-parallel, logits replicated so every process samples the same tokens); sampling then runs in the
+jitted sampler on those logits. The block pools are one pool for all data shards (replicated over `data`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -20,69 +40,366 @@ import numpy as np
 
 from dsv4 import caches, model, sharding
 from dsv4.config import ModelConfig
+from dsv4.engine.sampling import SamplingParams, sample_rows, sample_rows_impl
 from pallas_kernels import dispatch
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def pow2_at_least(n: int, lo: int = 1) -> int:
+  n = max(n, lo, 1)
+  return 1 << (n - 1).bit_length()
+
+
+def pow4_at_least(n: int, lo: int = 1) -> int:
+  """Row buckets grow 4x (1, 4, 16, 64, 256): few programs, at most 4x padding of the (cheap) row axis."""
+  b = max(lo, 1)
+  while b < n:
+    b *= 4
+  return b
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupShape:
+  """Static shape of one group program (part of the jit key)."""
+  rows: int
+  tokens: int
+  swa_width: int
+  full_width: int
+
+  def fields(self):
+    R, T = self.rows, self.tokens
+    return (("tokens", (R, T)), ("start", (R,)), ("num", (R,)), ("swa", (R, self.swa_width)),
+            ("full", (R, self.full_width)), ("temperature", (R,)), ("top_k", (R,)), ("top_p", (R,)),
+            ("seed", (R,)), ("step", (R,)))
+
+  @property
+  def size(self) -> int:
+    return sum(int(np.prod(s)) for _, s in self.fields())
+
+
+@dataclasses.dataclass(frozen=True)
+class InvariantShape:
+  """Static shape of the batch-invariant program: a flat token axis and fixed-width per-row tables."""
+  tokens: int
+  rows: int
+  swa_width: int
+  full_width: int
+
+  def fields(self):
+    N, R = self.tokens, self.rows
+    return (("n_real", (1,)), ("tokens", (N,)), ("row", (N,)), ("pos", (N,)), ("last", (R,)),
+            ("swa", (R, self.swa_width)), ("full", (R, self.full_width)), ("temperature", (R,)), ("top_k", (R,)),
+            ("top_p", (R,)), ("seed", (R,)), ("step", (R,)))
+
+  @property
+  def size(self) -> int:
+    return sum(int(np.prod(s)) for _, s in self.fields())
+
+
+def _unpack(buf, shape):
+  """Slices the packed int32 buffer back into named arrays (float fields travel as their bit patterns)."""
+  out, o = {}, 0
+  for name, s in shape.fields():
+    n = int(np.prod(s))
+    x = buf[o:o + n].reshape(s)
+    if name in ("temperature", "top_p"):
+      x = jax.lax.bitcast_convert_type(x, jnp.float32)
+    elif name == "seed":
+      x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    out[name] = x
+    o += n
+  return out
+
+
+def _pack(arrays: dict, shape) -> np.ndarray:
+  buf = np.empty(shape.size, np.int32)
+  o = 0
+  for name, s in shape.fields():
+    n = int(np.prod(s))
+    a = np.asarray(arrays[name])
+    if a.dtype != np.int32:
+      a = a.astype(np.float32).view(np.int32) if name in ("temperature", "top_p") else a.astype(np.int32)
+    buf[o:o + n] = a.reshape(-1)
+    o += n
+  return buf
+
+
+def _sample(p, logits_RxV):
+  return sample_rows_impl(logits_RxV, p["temperature"], p["top_k"], p["top_p"], p["seed"], p["step"])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg", "shape", "record_logits"),
+                   donate_argnames=("cache",))
+def group_step(params, cache, buf, *, config, layout, kernel_cfg, shape: GroupShape, record_logits: bool):
+  """One group of rows: forward, logits at each row's last computed token, sampling. Returns (cache, tokens_R,
+  logits_RxV or None)."""
+  p = _unpack(buf, shape)
+  index = caches.BatchIndex(p["start"], p["num"], p["swa"], p["full"])
+  cache, h_RxTxD, _ = model.forward_aux(params, config, p["tokens"], cache, index, layout=layout,
+                                        kernel_cfg=kernel_cfg, return_hidden=True)
+  last = jnp.maximum(p["num"] - 1, 0)
+  h_last = jnp.take_along_axis(h_RxTxD, last[:, None, None], axis=1)[:, 0]
+  logits = jnp.dot(h_last, params["lm_head"], precision=_HI)
+  return cache, _sample(p, logits), (logits if record_logits else None)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg", "shape", "record_logits"),
+                   donate_argnames=("cache",))
+def invariant_step(params, cache, buf, *, config, layout, kernel_cfg, shape: InvariantShape, record_logits: bool):
+  """Batch-invariant step: each real token runs the same [1, 1] program in order (a loop with a dynamic trip
+  count, so padding costs nothing); then each row's logits and sample at a fixed [1, D] / [1, V] shape."""
+  p = _unpack(buf, shape)
+  D = params["lm_head"].shape[0]
+
+  def body(i, carry):
+    cache, h_NxD = carry
+    row = jnp.maximum(p["row"][i], 0)
+    index = caches.BatchIndex(p["pos"][i][None], jnp.ones((1,), jnp.int32), p["swa"][row][None],
+                              p["full"][row][None])
+    cache, h, _ = model.forward_aux(params, config, p["tokens"][i][None, None], cache, index, layout=layout,
+                                    kernel_cfg=kernel_cfg, return_hidden=True)
+    return cache, h_NxD.at[i].set(h[0, 0].astype(h_NxD.dtype))
+
+  h0 = jnp.zeros((shape.tokens, D), params["lm_head"].dtype)
+  cache, h_NxD = jax.lax.fori_loop(0, p["n_real"][0], body, (cache, h0))
+
+  def per_row(r):
+    h = h_NxD[jnp.maximum(p["last"][r], 0)][None]
+    logits = jnp.dot(h, params["lm_head"], precision=_HI)
+    q = {k: p[k][r][None] for k in ("temperature", "top_k", "top_p", "seed", "step")}
+    return _sample(q, logits)[0], logits[0]
+
+  toks, logits = jax.lax.map(per_row, jnp.arange(shape.rows))
+  return cache, toks, (logits if record_logits else None)
 
 
 def _last_token_step(params, config, layout, kernel_cfg, tokens_BxT, cache, index):
+  """Padded-layout step for the sharded path: logits at each row's last computed token."""
   cache, h_BxTxD, _ = model.forward_aux(params, config, tokens_BxT, cache, index, layout=layout,
                                         kernel_cfg=kernel_cfg, return_hidden=True)
   last = jnp.maximum(index.num_tokens_B - 1, 0)
   h_last = jnp.take_along_axis(h_BxTxD, last[:, None, None], axis=1)[:, 0]
-  logits = jnp.dot(h_last, params["lm_head"], precision=jax.lax.Precision.HIGHEST)
+  logits = jnp.dot(h_last, params["lm_head"], precision=_HI)
   return cache, logits
 
 
-_step = functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg"),
-                          donate_argnames=("cache",))(_last_token_step)
+@dataclasses.dataclass
+class Row:
+  """One request's work in a step, as the engine hands it to the runner."""
+  slot: int
+  tokens: list[int]              # the token ids to compute (len = n)
+  start: int                     # position of tokens[0]
+  params: SamplingParams
+  step: int                      # index of the token to sample in the request's output (the sampler's key)
 
 
 class ModelRunner:
 
   def __init__(self, params, config: ModelConfig, layout: caches.CacheLayout, *, num_swa_blocks: int,
                num_full_blocks: int, max_num_seqs: int, chunk_size: int, max_model_len: int,
-               kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), mesh=None,
-               rules: sharding.Rules = sharding.Rules()):
+               kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), batch_invariant: bool = False,
+               record_logits: bool = False, min_table_tokens: int = 4096, max_num_batched_tokens: int = 512,
+               mesh=None, rules: sharding.Rules = sharding.Rules(), split_groups: bool = True):
     self.params, self.config, self.layout, self.kernel_cfg = params, config, layout, kernel_cfg
     self.max_num_seqs, self.chunk_size = max_num_seqs, chunk_size
-    self.swa_width = caches.blocks_for(max_model_len, layout.swa_block_tokens)
-    self.full_width = caches.blocks_for(max_model_len, layout.full_block_tokens)
-    self.shapes_run: set[tuple[int, int]] = set()
+    self.batch_invariant, self.record_logits = batch_invariant, record_logits
+    self.split_groups = split_groups   # False: every row padded to chunk_size in one program (the old layout; benchmarks)
+    self.max_num_batched_tokens = max_num_batched_tokens
+    sb, fb = layout.swa_block_tokens, layout.full_block_tokens
+    self.max_full_width = caches.blocks_for(max_model_len, fb)
+    self.max_swa_width = caches.blocks_for(max_model_len, sb)
+    # Smallest table bucket: enough entries for every top-k (so a short context selects exactly as a long one) and
+    # at least min_table_tokens, so small engines compile a single width.
+    need = max([config.indexer.topk * p.ratio for p in config.layer_plan() if p.has_index_query] + [1])
+    self.min_full_width = min(self.max_full_width, caches.blocks_for(max(need, min_table_tokens), fb))
+    self.shapes_run: set = set()      # distinct step shapes used (a new one means a compile; tiering reads it)
     self.mesh = mesh
     if mesh is None:
       self.cache = caches.init_cache(config, layout, num_swa_blocks, num_full_blocks)
-      return
-    self._sharded_step, self.shardings = sharding.jit_forward(
-        config, mesh, rules, layout=layout, batch=max_num_seqs, num_swa_blocks=num_swa_blocks,
-        num_full_blocks=num_full_blocks, kernel_cfg=kernel_cfg, step_fn=_last_token_step)
-    self.params = sharding.put(params, self.shardings["params"])
-    # Built straight into its shards (no host copy), so it also works when no process sees the whole mesh.
-    self.cache = jax.jit(lambda: caches.init_cache(config, layout, num_swa_blocks, num_full_blocks),
-                         out_shardings=self.shardings["cache"])()
+    else:
+      self._sharded_step, self.shardings = sharding.jit_forward(
+          config, mesh, rules, layout=layout, batch=max_num_seqs, num_swa_blocks=num_swa_blocks,
+          num_full_blocks=num_full_blocks, kernel_cfg=kernel_cfg, step_fn=_last_token_step)
+      self.params = sharding.put(params, self.shardings["params"])
+      # Built straight into its shards (no host copy), so it also works when no process sees the whole mesh.
+      self.cache = jax.jit(lambda: caches.init_cache(config, layout, num_swa_blocks, num_full_blocks),
+                           out_shardings=self.shardings["cache"])()
+    # Persistent per-slot block-table rows (host), synced incrementally.
+    S = max_num_seqs
+    self.swa_host = np.full((S, self.max_swa_width), -1, np.int32)
+    self.full_host = np.full((S, self.max_full_width), -1, np.int32)
+    self.swa_synced = np.zeros(S, np.int64)    # entries copied so far
+    self.swa_lo = np.zeros(S, np.int64)        # entries before this index are known released (-1)
+    self.full_synced = np.zeros(S, np.int64)
+    self.free_slots = list(range(S - 1, -1, -1))
+    self.stats = {"steps": 0, "device_puts": 0, "device_gets": 0, "table_entries_copied": 0}
 
-  def run(self, rows):
-    """rows: list of (token ids to compute, start position, swa table, full table). Returns logits [len(rows), V]
-    at each row's last computed token, padded to max_num_seqs rows."""
+  # ------------------------------------------------------------------------------------------ slots / tables
+  def acquire_slot(self) -> int:
+    return self.free_slots.pop()
+
+  def release_slot(self, slot: int) -> None:
+    self.swa_host[slot, : self.swa_synced[slot]] = -1
+    self.full_host[slot, : self.full_synced[slot]] = -1
+    self.swa_synced[slot] = self.swa_lo[slot] = self.full_synced[slot] = 0
+    self.free_slots.append(slot)
+
+  def sync_tables(self, slot: int, swa_ids: np.ndarray, full_ids: np.ndarray) -> None:
+    """Copy what changed in a request's tables since the last sync: full blocks only grow at the end; swa blocks
+    grow at the end and are released (-1) from the front, behind the window. Cost O(window + new blocks)."""
+    n, k = len(full_ids), int(self.full_synced[slot])
+    if n > k:
+      self.full_host[slot, k:n] = full_ids[k:n]
+      self.stats["table_entries_copied"] += n - k
+    self.full_synced[slot] = max(n, k)
+    n, lo = len(swa_ids), int(self.swa_lo[slot])
+    if n > lo:
+      seg = swa_ids[lo:n]
+      self.swa_host[slot, lo:n] = seg
+      self.stats["table_entries_copied"] += n - lo
+      live = np.flatnonzero(seg >= 0)
+      self.swa_lo[slot] = lo + (int(live[0]) if live.size else len(seg))
+    self.swa_synced[slot] = max(n, int(self.swa_synced[slot]))
+
+  # ------------------------------------------------------------------------------------------ buckets
+  def _widths(self, end_tokens: int) -> tuple[int, int]:
+    fb, sb = self.layout.full_block_tokens, self.layout.swa_block_tokens
+    wf = min(self.max_full_width, pow2_at_least(caches.blocks_for(end_tokens, fb), self.min_full_width))
+    ws = min(self.max_swa_width, caches.blocks_for(wf * fb, sb))
+    return ws, wf
+
+  def _group(self, rows: list[Row], T: int, ws: int, wf: int):
+    # Decode rows are cheap: at least 8 per program. Prefill rows cost chunk_size tokens each: from 1.
+    R = min(self.max_num_seqs, pow4_at_least(len(rows), 8 if T == 1 else 1))
+    shape = GroupShape(R, T, ws, wf)
+    a = {"tokens": np.zeros((R, T), np.int32), "start": np.zeros(R, np.int32), "num": np.zeros(R, np.int32),
+         "temperature": np.zeros(R, np.float32), "top_k": np.zeros(R, np.int32), "top_p": np.ones(R, np.float32),
+         "seed": np.zeros(R, np.uint32), "step": np.zeros(R, np.int32)}
+    slots = np.array([r.slot for r in rows], np.int64)
+    a["swa"] = np.full((R, ws), -1, np.int32)
+    a["full"] = np.full((R, wf), -1, np.int32)
+    a["swa"][: len(rows)] = self.swa_host[slots, :ws]
+    a["full"][: len(rows)] = self.full_host[slots, :wf]
+    for i, r in enumerate(rows):
+      a["tokens"][i, : len(r.tokens)] = r.tokens
+      a["start"][i], a["num"][i] = r.start, len(r.tokens)
+      self._sampling(a, i, r)
+    return shape, _pack(a, shape)
+
+  @staticmethod
+  def _sampling(a, i, r: Row):
+    sp = r.params
+    a["temperature"][i], a["top_k"][i], a["top_p"][i] = sp.temperature, sp.top_k, sp.top_p
+    a["seed"][i], a["step"][i] = sp.seed & 0xFFFFFFFF, r.step
+
+  def _invariant(self, rows: list[Row]):
+    R = self.max_num_seqs
+    total = sum(len(r.tokens) for r in rows)
+    N = pow2_at_least(total, 8)
+    shape = InvariantShape(N, R, self.max_swa_width, self.max_full_width)
+    a = {"n_real": np.array([total], np.int32), "tokens": np.zeros(N, np.int32), "row": np.full(N, -1, np.int32),
+         "pos": np.zeros(N, np.int32), "last": np.full(R, -1, np.int32),
+         "temperature": np.zeros(R, np.float32), "top_k": np.zeros(R, np.int32), "top_p": np.ones(R, np.float32),
+         "seed": np.zeros(R, np.uint32), "step": np.zeros(R, np.int32)}
+    slots = np.array([r.slot for r in rows], np.int64)
+    a["swa"] = np.full((R, shape.swa_width), -1, np.int32)
+    a["full"] = np.full((R, shape.full_width), -1, np.int32)
+    a["swa"][: len(rows)] = self.swa_host[slots]
+    a["full"][: len(rows)] = self.full_host[slots]
+    o = 0
+    for i, r in enumerate(rows):
+      n = len(r.tokens)
+      a["tokens"][o:o + n] = r.tokens
+      a["row"][o:o + n] = i
+      a["pos"][o:o + n] = np.arange(r.start, r.start + n)
+      a["last"][i] = o + n - 1
+      self._sampling(a, i, r)
+      o += n
+    return shape, _pack(a, shape)
+
+  # ------------------------------------------------------------------------------------------ run
+  def run(self, rows: list[Row]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Computes the rows' tokens, samples one token per row at its last computed token. Returns (sampled token
+    per row [len(rows)], logits per row [len(rows), V] when record_logits else None). Rows whose sample is not
+    wanted (mid-prompt chunks) are simply ignored by the caller."""
+    assert 0 < len(rows) <= self.max_num_seqs
+    if self.mesh is not None:
+      return self._run_sharded(rows)
+    kw = dict(config=self.config, layout=self.layout, kernel_cfg=self.kernel_cfg, record_logits=self.record_logits)
+    if self.batch_invariant:
+      shape, buf = self._invariant(rows)
+      self.shapes_run.add(shape)
+      (dev,) = jax.device_put([buf])
+      self.stats["device_puts"] += 1
+      self.cache, toks, logits = invariant_step(self.params, self.cache, dev, shape=shape, **kw)
+      toks, logits = jax.device_get((toks, logits))
+      self.stats["device_gets"] += 1
+      self.stats["steps"] += 1
+      n = len(rows)
+      return np.asarray(toks)[:n], (None if logits is None else np.asarray(logits)[:n])
+
+    end = max(r.start + len(r.tokens) for r in rows)
+    ws, wf = self._widths(end)
+    order = [i for i, r in enumerate(rows) if len(r.tokens) == 1] + [i for i, r in enumerate(rows)
+                                                                      if len(r.tokens) > 1]
+    groups = []
+    if not self.split_groups and any(len(r.tokens) > 1 for r in rows):
+      order = list(range(len(rows)))
+      dec, pre = [], list(rows)
+    else:
+      dec = [rows[i] for i in order if len(rows[i].tokens) == 1]
+      pre = [rows[i] for i in order if len(rows[i].tokens) > 1]
+    if dec:
+      groups.append((len(dec), *self._group(dec, 1, ws, wf)))
+    if pre:
+      groups.append((len(pre), *self._group(pre, self.chunk_size, ws, wf)))
+    devs = jax.device_put([buf for _, _, buf in groups])      # the step plan: one host->device transfer
+    self.stats["device_puts"] += 1
+    outs = []
+    for (n, shape, _), dev in zip(groups, devs):
+      self.shapes_run.add(shape)
+      self.cache, toks, logits = group_step(self.params, self.cache, dev, shape=shape, **kw)
+      outs.append((n, toks, logits))
+    fetched = jax.device_get([(t, l) for _, t, l in outs])  # the sampled tokens: one device->host transfer
+    self.stats["device_gets"] += 1
+    self.stats["steps"] += 1
+    toks = np.concatenate([np.asarray(t)[:n] for (n, _, _), (t, _) in zip(outs, fetched)])
+    logits = None
+    if self.record_logits:
+      logits = np.concatenate([np.asarray(l)[:n] for (n, _, _), (_, l) in zip(outs, fetched)])
+    inv = np.empty(len(order), np.int64)
+    inv[np.asarray(order)] = np.arange(len(order))
+    return toks[inv], (None if logits is None else logits[inv])
+
+  def _run_sharded(self, rows: list[Row]):
+    """Mesh path: the padded layout with full-width tables, then the jitted sampler on the replicated logits."""
     B = self.max_num_seqs
-    assert 0 < len(rows) <= B
-    T = 1 if all(len(r[0]) == 1 for r in rows) else self.chunk_size
+    T = 1 if all(len(r.tokens) == 1 for r in rows) else self.chunk_size
     tokens = np.zeros((B, T), np.int32)
     start = np.zeros(B, np.int32)
     num = np.zeros(B, np.int32)
-    swa = np.full((B, self.swa_width), -1, np.int32)
-    full = np.full((B, self.full_width), -1, np.int32)
-    for b, (toks, pos, swa_t, full_t) in enumerate(rows):
-      assert len(toks) <= T
-      tokens[b, : len(toks)] = toks
-      start[b], num[b] = pos, len(toks)
-      swa[b, : len(swa_t)] = swa_t
-      full[b, : len(full_t)] = full_t
+    slots = np.array([r.slot for r in rows], np.int64)
+    swa = np.full((B, self.max_swa_width), -1, np.int32)
+    full = np.full((B, self.max_full_width), -1, np.int32)
+    swa[: len(rows)] = self.swa_host[slots]
+    full[: len(rows)] = self.full_host[slots]
+    a = {"temperature": np.zeros(B, np.float32), "top_k": np.zeros(B, np.int32), "top_p": np.ones(B, np.float32),
+         "seed": np.zeros(B, np.uint32), "step": np.zeros(B, np.int32)}
+    for b, r in enumerate(rows):
+      tokens[b, : len(r.tokens)] = r.tokens
+      start[b], num[b] = r.start, len(r.tokens)
+      self._sampling(a, b, r)
     self.shapes_run.add((B, T))
-    if self.mesh is not None:
-      sh = self.shardings
-      index = sharding.put(caches.BatchIndex(start, num, swa, full), sh["index"])
-      self.cache, logits = self._sharded_step(self.params, sharding.put(tokens, sh["tokens"]), self.cache, index)
-      return logits.addressable_data(0)  # replicated: this process's copy, a plain one-device array
-    index = caches.BatchIndex(jnp.asarray(start), jnp.asarray(num), jnp.asarray(swa), jnp.asarray(full))
-    self.cache, logits = _step(self.params, self.config, self.layout, self.kernel_cfg, jnp.asarray(tokens),
-                               self.cache, index)
-    return logits  # [max_num_seqs, V]: fixed shape, so nothing downstream recompiles per batch size
+    sh = self.shardings
+    index = sharding.put(caches.BatchIndex(start, num, swa, full), sh["index"])
+    self.cache, logits = self._sharded_step(self.params, sharding.put(tokens, sh["tokens"]), self.cache, index)
+    logits = logits.addressable_data(0)  # replicated: this process's copy, a plain one-device array
+    toks = sample_rows(logits, *jax.device_put([a["temperature"], a["top_k"], a["top_p"], a["seed"], a["step"]]))
+    toks, logits = jax.device_get((toks, logits if self.record_logits else None))
+    self.stats["steps"] += 1
+    n = len(rows)
+    return np.asarray(toks)[:n], (None if logits is None else np.asarray(logits)[:n])
+
+  def jitted_functions(self) -> dict:
+    return {"group_step": group_step, "invariant_step": invariant_step}

@@ -34,9 +34,11 @@ class SamplingParams:
     return None
 
 
-@jax.jit
-def sample_rows(logits_BxV, temperature_B, top_k_B, top_p_B, seed_B, step_B):
-  """Greedy where temperature == 0, otherwise temperature / top-k / top-p sampling with per-row keys."""
+def sample_rows_impl(logits_BxV, temperature_B, top_k_B, top_p_B, seed_B, step_B):
+  """Greedy where temperature == 0, otherwise temperature / top-k / top-p sampling with per-row keys.
+
+  Traceable body: the engine's step program calls it on device logits (no host round trip); `sample_rows` is the
+  standalone jitted version."""
   logits = logits_BxV.astype(jnp.float32)
   greedy = jnp.argmax(logits, axis=-1)
   V = logits.shape[-1]
@@ -60,6 +62,9 @@ def sample_rows(logits_BxV, temperature_B, top_k_B, top_p_B, seed_B, step_B):
 
   sampled = jax.vmap(draw)(seed_B, step_B, scaled)
   return jnp.where(temperature_B > 0, sampled, greedy).astype(jnp.int32)
+
+
+sample_rows = jax.jit(sample_rows_impl)
 
 
 def sample(logits_BxV, params: list[SamplingParams], steps: list[int]) -> np.ndarray:

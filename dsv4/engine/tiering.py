@@ -289,6 +289,10 @@ class Tiering:
     for b in set(pol.boundaries(h1, P, prompt_len)) | {P}:
       swa.update(pol.tail_blocks(b))
     nfull = P // self.groups[caches.FULL].block_tokens if caches.FULL in self.groups else 0
+    if swa and min(swa) < h1 // self.groups[caches.SWA].block_tokens:
+      # a tail reaching behind the device hit (window longer than the alignment): those swa rows are neither in the
+      # request's table nor loadable into it, so this P cannot be served from the tiers
+      return nfull, None
     return nfull, swa
 
   def on_admit(self, req, h1: int) -> int:
@@ -322,7 +326,7 @@ class Tiering:
     best = None
     for P in reversed(cands):
       need_full, need_swa = self._required(h1, P, len(toks))
-      if need_full - j0 <= nf and all(locs[swa_ids[j].key] for j in need_swa):
+      if need_swa is not None and need_full - j0 <= nf and all(locs[swa_ids[j].key] for j in need_swa):
         best = P
         break
     if best is None:
@@ -352,7 +356,8 @@ class Tiering:
     P2 = h1
     for P in reversed([c for c in cands if c <= best]):
       nfull, nswa = self._required(h1, P, len(toks))
-      if all(i.key in arrays for i in full_ids[:nfull - j0]) and all(swa_ids[j].key in arrays for j in nswa):
+      if nswa is not None and all(i.key in arrays for i in full_ids[:nfull - j0]) and \
+         all(swa_ids[j].key in arrays for j in nswa):
         P2 = P
         break
     if P2 < best:
@@ -441,6 +446,8 @@ class Tiering:
       nb = self.runner.cache.layers[self.names[g][0][0]][self.names[g][0][1]].shape[0]
       ids = np.full(n, nb, np.int32)          # out of range = dropped
       ids[:len(items)] = [b for b, _ in items]
+      if (ids < 0).any():                     # -1 would wrap to the last block: never write there
+        raise RuntimeError(f"tier load into an unallocated {g} block: {ids[:len(items)]}")
       rows = []
       for a_i, e in enumerate(self.manifest[g]):
         r = np.zeros((n, *e.shape), np.dtype(e.dtype))
@@ -462,7 +469,10 @@ class Tiering:
       raise RuntimeError("drop_device_cache: requests still hold blocks")
     self._process_events()
     ec = self.engine.ec
-    self.runner.cache = caches.init_cache(self.engine.config, ec.layout, ec.num_swa_blocks, ec.num_full_blocks)
+    fresh = caches.init_cache(self.engine.config, ec.layout, ec.num_swa_blocks, ec.num_full_blocks)
+    if getattr(self.runner, "mesh", None) is not None:      # keep the sharded runner's pool layout
+      fresh = jax.device_put(fresh, self.runner.shardings["cache"])
+    self.runner.cache = fresh
     return self.stats["demoted_blocks"] - before
 
   def flush(self) -> None:

@@ -112,3 +112,43 @@ def test_moe_without_mesh_is_the_unsharded_path():
     return out.reshape(2, 5, -1)
 
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(unsharded)(params, x)))
+
+
+def test_scanned_layer_groups_step_matches_the_unrolled_step():
+  """benchmarks/sizing.py compiles the full-depth V4 step as a scan over its repeating layer groups: same logits
+  and cache as the engine's unrolled step."""
+  from benchmarks import sizing
+  from dsv4.engine.runner import _last_token_step
+  from pallas_kernels import dispatch
+  cfg = C.v4_tiny(num_layers=8)
+  s, g, n = sizing.layer_groups(cfg)
+  assert (g, n) == (2, 3) and s + g * n <= cfg.num_layers
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  layout = caches.CacheLayout()
+  B, T = 2, 24
+  cache, swa, full = caches.init_contiguous(cfg, B, T, layout)
+  index = caches.BatchIndex(jnp.zeros(B, jnp.int32), jnp.asarray([T, T - 5], jnp.int32), jnp.asarray(swa),
+                            jnp.asarray(full))
+  toks = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, cfg.vocab_size)
+  kc = dispatch.KernelConfig()
+  want_cache, want = jax.jit(lambda p, c: _last_token_step(p, cfg, layout, kc, toks, c, index))(params, cache)
+  stack = lambda xs: jnp.stack(xs)  # noqa: E731
+  p2 = dict(params, layers=sizing.stack_groups(list(params["layers"]), s, g, n, stack))
+  c2 = caches.ModelCache(sizing.stack_groups(list(cache.layers), s, g, n, stack))
+  got_cache, got = jax.jit(lambda p, c: sizing.scanned_step(p, cfg, layout, kc, toks, c, index))(p2, c2)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  head, groups, tail = got_cache.layers
+  np.testing.assert_allclose(np.asarray(groups[1]["comp_kv"][2]), np.asarray(want_cache.layers[s + 2 * 2 + 1]["comp_kv"]),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(tail[-1]["window_kv"]), np.asarray(want_cache.layers[-1]["window_kv"]),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_put_rejects_a_tree_the_rules_do_not_describe():
+  mesh = sharding.make_mesh("data:1")
+  cfg = C.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  sh = sharding.param_shardings(cfg, mesh)
+  params["layers"][0]["ffn"]["experts"]["w1"] = {"packed": np.zeros(3), "scale": np.zeros(1)}
+  with pytest.raises(ValueError, match="structure"):
+    sharding.put(params, sh)

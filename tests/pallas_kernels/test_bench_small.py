@@ -19,7 +19,8 @@ def test_gpu_check_small(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
   assert {r["op"] for r in rows} == {"sparse_attention", "indexer_scores", "indexer_topk"}
-  assert all(r["ok"] and r["kernel_ms"] >= 0 and r["hot_ms"] > 0 and r["bytes"] > 0 for r in rows)
+  # CPU interpret-mode timings are meaningless (the flushed difference may even be nan); they must exist.
+  assert all(r["ok"] and r["hot_ms"] > 0 and r["flush_ms"] > 0 and r["bytes"] > 0 for r in rows)
   assert all(r["num_splits"] in (1, 2) for r in rows if r["op"] == "sparse_attention")
   report = json.loads((out / "gpu_check.json").read_text())
   assert report["env"]["backend"] == "cpu" and len(report["results"]) == len(rows)

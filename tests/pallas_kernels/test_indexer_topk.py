@@ -117,3 +117,28 @@ def test_dispatch_indexer_topk_interpret():
   got = dispatch.indexer_topk(q, w, kp, rows, nv, 5, al, cfg=dispatch.KernelConfig("interpret"), num_keys_B=nk)
   want = ix.indexer_scores_reference(q, w, kp, rows, nv, al, nk)
   assert_ids_match(got, want, 5, 1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["scores", "topk"])
+def test_nonfinite_key_rows_behind_invalid_ids(fused):
+  """Key rows reachable only through invalid rows (-1 -> row 0, >= P) or past num_keys hold NaN: never read."""
+  B, T, H, C, P, M = 2, 2, 16, 32, 60, 24
+  q, w, kp, rows, nv, _ = make_case(8, B, T, H, C, P, M, jnp.float32, False)
+  w = jnp.abs(w)
+  rows = jnp.where(rows == 0, 1, rows)
+  rows = rows.at[:, 20:].set(P - 1)  # past num_keys below
+  rows = jnp.where(rows == P - 1, jnp.where(jnp.arange(M)[None, :] >= 20, P - 1, 2), rows)
+  nk = jnp.asarray([20, 20], jnp.int32)
+  bad = kp.at[0].set(jnp.nan).at[P - 1].set(jnp.inf)
+  want = ix.indexer_scores_reference(q, w, kp.at[0].set(0.0).at[P - 1].set(0.0), rows, nv, None, nk)
+  if fused:
+    got = it.indexer_topk_pallas(q, w, bad, rows, nv, None, nk, k=6, interpret=True,
+                                 tuning=it.IndexerTopkTuning(block_m=8))
+    assert_ids_match(got, want, 6, 1e-4)
+  else:
+    got = np.asarray(ix.indexer_scores_pallas(q, w, bad, rows, nv, None, nk, interpret=True,
+                                              tuning=ix.IndexerTuning(block_m=8)))
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(np.asarray(want)))
+    f = np.isfinite(np.asarray(want))
+    np.testing.assert_allclose(got[f], np.asarray(want)[f], rtol=2e-5, atol=2e-5)

@@ -1,0 +1,121 @@
+"""Engine step cost vs live context and real token count, one run, CPU (ratios are what to read).
+
+1. Decode step time, batch 8, at contexts 2k / 8k / 32k / 64k with max_model_len fixed at 1M (tiny V4: window +
+   CSA top-k + HCA layers), with block tables bucketed by the live context ("after") and spanning max_model_len
+   ("before", what the runner did until now: min_table_tokens = max_model_len).
+2. Mixed step (1 prefill chunk of 64 + 63 decodes, 64 rows) vs the chunk alone, with the decode / prefill row
+   groups ("after") and with every row padded to chunk_size in one program ("before").
+3. Compiled temp memory of a decode step (`memory_analysis().temp_size_in_bytes`) at max_model_len 64k vs 1M.
+4. Batch-invariant mode: the same mixed 8-row step, normal vs invariant.
+
+The runner is driven directly with synthetic block tables (block contents do not change the work).
+
+    python -m benchmarks.step_bench [--repeats=5]
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from dsv4 import caches
+from dsv4 import config as C
+from dsv4 import model
+from dsv4.engine import runner as R
+from dsv4.engine.sampling import SamplingParams
+
+flags.DEFINE_integer("repeats", 5, "Timed repeats per point (median reported).")
+FLAGS = flags.FLAGS
+M1 = 1 << 20
+
+
+def make_runner(cfg, params, *, max_model_len, max_num_seqs, chunk_size=64, min_table_tokens=4096, **kw):
+  layout = caches.CacheLayout()
+  nf = 8 * 64 * 1024 // layout.full_block_tokens + 8
+  return R.ModelRunner(params, cfg, layout, num_swa_blocks=4 * max_num_seqs + 64, num_full_blocks=nf,
+                       max_num_seqs=max_num_seqs, chunk_size=chunk_size, max_model_len=max_model_len,
+                       min_table_tokens=min_table_tokens, max_num_batched_tokens=4096, **kw)
+
+
+def rows_at(run: R.ModelRunner, contexts, ntoks, rng):
+  """One row per context: tables cover [0, ctx + n) (full blocks distinct per row, swa blocks only for the tail
+  the window reads, released (-1) before it, as in serving)."""
+  lay = run.layout
+  out = []
+  for i, (ctx, n) in enumerate(zip(contexts, ntoks)):
+    slot = i
+    end = ctx + n
+    nfb = -(-end // lay.full_block_tokens)
+    full = (np.arange(nfb) + i * (64 * 1024 // lay.full_block_tokens)) % run.cache.layers[1]["comp_kv"].shape[0]
+    nsb = -(-end // lay.swa_block_tokens)
+    swa = np.full(nsb, -1, np.int32)
+    live = max(0, (ctx - 64) // lay.swa_block_tokens)
+    swa[live:] = (np.arange(nsb - live) + 4 * i) % run.cache.layers[0]["window_kv"].shape[0]
+    if slot not in run.free_slots:
+      run.release_slot(slot)            # reuse: forget the previous synthetic tables
+    run.free_slots.remove(slot)
+    run.sync_tables(slot, swa, full.astype(np.int32))
+    out.append(R.Row(slot, [int(t) for t in rng.integers(2, 500, n)], ctx, SamplingParams(), 0))
+  return out
+
+
+def timed(run, rows, repeats):
+  run.run(rows)  # compile + warm
+  ts = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    run.run(rows)
+    ts.append(time.perf_counter() - t)
+  return float(np.median(ts))
+
+
+def main(argv):
+  del argv
+  cfg = C.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  rng = np.random.default_rng(0)
+  res = {"config": cfg.name}
+  # 1. decode vs context at max_model_len 1M
+  for label, mtt in (("after", 4096), ("before", M1)):
+    run = make_runner(cfg, params, max_model_len=M1, max_num_seqs=8, min_table_tokens=mtt)
+    for ctx in (2048, 8192, 32768, 65536):
+      res[f"decode_b8_ctx{ctx // 1024}k_ms_{label}"] = 1e3 * timed(run, rows_at(run, [ctx] * 8, [1] * 8, rng),
+                                                                   FLAGS.repeats)
+    del run
+  for label in ("after", "before"):
+    res[f"decode_64k_over_2k_{label}"] = res[f"decode_b8_ctx64k_ms_{label}"] / res[f"decode_b8_ctx2k_ms_{label}"]
+  # 2. mixed step vs chunk alone (64 rows, contexts 1k)
+  for label, split in (("after", True), ("before", False)):
+    run = make_runner(cfg, params, max_model_len=8192, max_num_seqs=64, split_groups=split)
+    chunk = rows_at(run, [1024], [64], rng)
+    t_chunk = timed(run, chunk, FLAGS.repeats)
+    mixed = rows_at(run, [1024] * 64, [64] + [1] * 63, rng)
+    t_mixed = timed(run, mixed, FLAGS.repeats)
+    res[f"chunk_alone_ms_{label}"], res[f"mixed_1chunk_63dec_ms_{label}"] = 1e3 * t_chunk, 1e3 * t_mixed
+    res[f"mixed_over_chunk_{label}"] = t_mixed / t_chunk
+    del run
+  # 3. compiled temp memory of a decode step vs max_model_len (live context 2k)
+  for mml in (65536, M1):
+    run = make_runner(cfg, params, max_model_len=mml, max_num_seqs=8)
+    rows = rows_at(run, [2048] * 8, [1] * 8, rng)
+    ws, wf = run._widths(2049)
+    shape, buf = run._group(rows, 1, ws, wf)
+    comp = R.group_step.lower(run.params, run.cache, jax.numpy.asarray(buf), config=cfg, layout=run.layout,
+                              kernel_cfg=run.kernel_cfg, shape=shape, record_logits=False).compile()
+    res[f"decode_temp_bytes_max_len_{mml // 1024}k"] = int(comp.memory_analysis().temp_size_in_bytes)
+    del run
+  # 4. batch-invariant cost: 8 rows (1 chunk of 32 + 7 decodes), max_model_len 4096
+  for label, inv in (("normal", False), ("invariant", True)):
+    run = make_runner(cfg, params, max_model_len=4096, max_num_seqs=8, chunk_size=32, batch_invariant=inv)
+    res[f"mixed8_ms_{label}"] = 1e3 * timed(run, rows_at(run, [1024] * 8, [32] + [1] * 7, rng), FLAGS.repeats)
+    del run
+  res["invariant_cost_x"] = res["mixed8_ms_invariant"] / res["mixed8_ms_normal"]
+  print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}, indent=1))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,159 @@
+"""The engine's step: equals `forward_full` on random mixes of prefill chunks and decodes (prefix hits resuming from
+SWA checkpoints, released window blocks, preemption), makes one host->device and one device->host transfer per
+step, compiles a bounded number of programs, and in batch-invariant mode gives bitwise-identical logits whatever
+shares the step and however the prompt is chunked."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from dsv4 import config as C
+from dsv4 import model
+from dsv4.engine import workloads
+from dsv4.engine.api import generate, run_workload
+from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.sampling import SamplingParams
+
+BASE = EngineConfig(max_num_seqs=4, max_num_batched_tokens=96, chunk_size=32, max_model_len=1024,
+                    num_full_blocks=48, num_swa_blocks=160, record_logits=True)
+TINY_POOL = dataclasses.replace(BASE, num_full_blocks=4, num_swa_blocks=14)
+
+
+@pytest.fixture(scope="module", params=["v4", "v41"])
+def tiny(request):
+  cfg = C.v4_tiny() if request.param == "v4" else C.v41_tiny()
+  return cfg, model.init_params(cfg, jax.random.PRNGKey(0))
+
+
+def _reference_logits(cfg, params, reqs, T=512):
+  """forward_full over each request's prompt + output (one padded batch, one compile): the logits that should
+  have produced output token i sit at position len(prompt) - 1 + i."""
+  toks = np.zeros((len(reqs), T), np.int32)
+  for b, r in enumerate(reqs):
+    seq = r.prompt + r.output[:-1]
+    assert len(seq) <= T
+    toks[b, :len(seq)] = seq
+  _, logits = model.forward_full(params, cfg, toks)
+  return np.asarray(logits)
+
+
+def _assert_matches_forward_full(cfg, params, eng, rids):
+  reqs = [eng.requests[r] for r in rids]
+  ref = _reference_logits(cfg, params, reqs)
+  for b, r in enumerate(reqs):
+    assert r.error is None, r.error
+    got = np.stack(r.token_logits)
+    want = ref[b, len(r.prompt) - 1: len(r.prompt) - 1 + len(r.output)]
+    err = np.max(np.abs(got - want)) / max(1.0, np.max(np.abs(want)))
+    assert err <= 1e-5, (r.rid, err)
+
+
+def test_engine_equals_forward_full(tiny):
+  """Chat sessions (shared system prompt: later turns resume from SWA checkpoints; prompts longer than the window
+  release blocks behind it), chunked prefill mixed with decodes, caching on and a tiny pool that preempts."""
+  cfg, params = tiny
+  wl = workloads.chat(cfg.vocab_size, sessions=3, turns=2, system_len=140, seed=3)
+  for ec in (BASE, TINY_POOL):
+    eng = Engine(params, cfg, ec)
+    rep = run_workload(eng, wl)
+    s = rep.summary()
+    if ec is BASE:
+      assert s["prefix_hit_tokens"] > 0
+    else:
+      assert s["preemptions"] > 0
+    _assert_matches_forward_full(cfg, params, eng, [o.rid for o in rep.outputs])
+
+
+def test_one_transfer_each_way_per_step(monkeypatch):
+  """Inside the runner nothing moves between host and device implicitly (transfer guard), and each step makes
+  exactly one device_put call (the packed plan) and one device_get call (the sampled tokens)."""
+  cfg = C.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  eng = Engine(params, cfg, BASE)
+  calls = {"put": 0, "get": 0}
+  put, get = jax.device_put, jax.device_get
+
+  def counting_put(*a, **k):
+    calls["put"] += 1
+    return put(*a, **k)
+
+  def counting_get(*a, **k):
+    calls["get"] += 1
+    return get(*a, **k)
+
+  run = eng.runner.run
+  per_step = []
+
+  def guarded_run(rows):
+    before = dict(calls)
+    with jax.transfer_guard("disallow"):
+      out = run(rows)
+    per_step.append((calls["put"] - before["put"], calls["get"] - before["get"], len(rows)))
+    return out
+
+  monkeypatch.setattr(jax, "device_put", counting_put)
+  monkeypatch.setattr(jax, "device_get", counting_get)
+  monkeypatch.setattr(eng.runner, "run", guarded_run)
+  rng = np.random.default_rng(0)
+  prompts = [[int(t) for t in rng.integers(2, cfg.vocab_size, n)] for n in (70, 5, 40, 130)]
+  outs = generate(params, cfg, prompts, SamplingParams(max_tokens=6, ignore_eos=True), engine=eng)
+  assert all(o.error is None and len(o.output) == 6 for o in outs)
+  assert per_step and all(p == 1 and g == 1 for p, g, _ in per_step), per_step
+  assert any(n > 1 for _, _, n in per_step), "some step must batch several rows"
+
+
+def test_compilation_is_bounded_and_counted():
+  """A workload compiles at most the bucket count of step programs; a second engine with the same shapes
+  compiles no step program at all; the report counts what really compiled."""
+  cfg = C.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  wl = workloads.random_prompts(cfg.vocab_size, requests=6, prompt_len=(20, 150), seed=4)
+  first = Engine(params, cfg, BASE)
+  run_workload(first, wl)
+  rep = first.compile_report()
+  # decode group: one row bucket (4 rows); prefill group: rows 1 or 4; one table width (1024 < min_table_tokens)
+  assert rep["compilations_by_function"].get("jit(group_step)", 0) <= 3, rep
+  assert rep["runner"]["device_puts"] == rep["runner"]["steps"] == rep["runner"]["device_gets"]
+  second = Engine(params, cfg, BASE)
+  run_workload(second, wl)
+  rep2 = second.compile_report()
+  assert rep2["compilations_by_function"].get("jit(group_step)", 0) == 0, rep2
+  assert rep2["jit_programs"]["group_step"] >= 1
+
+
+def _invariant_runs(cfg, params, prompts, sp, ec):
+  """Each prompt alone, all batched, a different chunk size, and a tiny pool that preempts: token logits."""
+  runs = {}
+  alone = []
+  for p in prompts:
+    eng = Engine(params, cfg, ec)
+    (o,) = generate(params, cfg, [p], sp, engine=eng)
+    alone.append((o.output, np.stack(eng.requests[o.rid].token_logits)))
+  runs["alone"] = alone
+  for name, e in (("batched", ec), ("chunk8", dataclasses.replace(ec, chunk_size=8, max_num_batched_tokens=24)),
+                  ("preempted", dataclasses.replace(ec, num_full_blocks=3, num_swa_blocks=8))):
+    eng = Engine(params, cfg, e)
+    outs = generate(params, cfg, prompts, sp, engine=eng)
+    runs[name] = [(o.output, np.stack(eng.requests[o.rid].token_logits)) for o in outs]
+    if name == "preempted":
+      assert eng.stats["preemptions"] > 0
+  return runs
+
+
+def test_batch_invariant_mode_is_bitwise(tiny):
+  """V4 greedy, V4.1 sampled (each variant's run covers alone / batched / chunk 8 / preempted)."""
+  cfg, params = tiny
+  temperature = 0.0 if cfg.variant == "v4" else 0.9
+  ec = dataclasses.replace(BASE, batch_invariant=True, max_model_len=384, num_full_blocks=16, num_swa_blocks=48,
+                           max_num_batched_tokens=64)
+  rng = np.random.default_rng(7)
+  prompts = [[int(t) for t in rng.integers(2, cfg.vocab_size, n)] for n in (70, 33, 140)]
+  sp = SamplingParams(max_tokens=4, temperature=temperature, top_k=20, seed=3, ignore_eos=True)
+  runs = _invariant_runs(cfg, params, prompts, sp, ec)
+  ref = runs.pop("alone")
+  for name, outs in runs.items():
+    for (tok_a, log_a), (tok_b, log_b) in zip(ref, outs):
+      assert tok_a == tok_b, name
+      assert np.array_equal(log_a.view(np.uint32), log_b.view(np.uint32)), name
