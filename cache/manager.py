@@ -263,6 +263,11 @@ class KVCacheManager:
       elif s == P.INVALID:
         raise RuntimeError(f"register refused block {b} of group {g}")
 
+  @property
+  def policy(self) -> CheckpointPolicy:
+    """The policy of the sliding group named "swa" (or the first sliding group): today's engine / tiers."""
+    return self.policies["swa"] if "swa" in self.policies else next(iter(self.policies.values()))
+
   # ------------------------------------------------------------------------------------------------ lookup
   def _hasher(self, tokens: np.ndarray, extra: ExtraKeys) -> RequestHasher:
     h = RequestHasher(dataclasses.replace(extra, model=extra.model or self.model_id,
@@ -509,16 +514,24 @@ class KVCacheManager:
     r = self._req(request_id)
     if num_tokens % self.specs.align_tokens or num_tokens <= r.num_computed or num_tokens > len(r.tokens) - 1:
       raise CacheError(f"extend_for_load: {num_tokens} must be aligned, > {r.num_computed} and < {len(r.tokens)}")
-    keep = set(tail_blocks)
+    if any(x is None for g in self.groups for x in r.tables[g]):
+      self.flush()
+    wanted = set(int(j) for j in tail_blocks)
     new = {}
     for g, bt in zip(self.groups, self._bt):
-      sliding = self.specs.group(g).kind == SLIDING_WINDOW
-      new[g] = [j for j in range(len(r.tables[g]), num_tokens // bt) if not sliding or j in keep]
+      lo, hi = len(r.tables[g]), num_tokens // bt
+      if self.specs.group(g).kind != SLIDING_WINDOW:
+        new[g] = list(range(lo, hi))
+      elif g == "swa":
+        new[g] = [j for j in range(lo, hi) if j in wanted]
+      else:   # other sliding groups: the tail a resume at num_tokens reads
+        new[g] = [j for j in self.policies[g].tail_blocks(num_tokens) if j >= lo]
       if len(new[g]) > self._nfree[g]:
         return OutOfBlocks(g, len(new[g]), self._nfree[g])
     for g, bt in zip(self.groups, self._bt):
-      sel = set(new[g])
-      r.tables[g].extend(None if j in sel else -1 for j in range(len(r.tables[g]), num_tokens // bt))
+      lo, hi = len(r.tables[g]), num_tokens // bt
+      want = set(new[g])
+      r.tables[g].extend(None if j in want else -1 for j in range(lo, hi))
       if new[g]:
         self._q_alloc[g].append((r, new[g]))
         self._q_nalloc[g] += len(new[g])

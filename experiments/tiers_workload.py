@@ -50,10 +50,10 @@ def _submit(eng, rid, prompt, max_tokens):
 def part_a(cfg, params, redis_url, tmp):
   from dsv4.engine.engine import Engine, EngineConfig
   from dsv4.engine.tiering import TieringConfig
-  from cache.specs import cache_specs
+  from dsv4.caches import group_specs
   ec = EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, chunk_size=256, max_model_len=4096,
                     num_full_blocks=24, num_swa_blocks=64, record_logits=False)
-  sp = cache_specs(cfg, ec.layout)
+  sp = group_specs(cfg, ec.layout)
   rng = np.random.default_rng(0)
   V = cfg.vocab_size
   docs = [list(rng.integers(2, V, 1024)) for _ in range(2)]

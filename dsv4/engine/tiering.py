@@ -132,8 +132,9 @@ class Tiering:
     self.mgr, self.runner = engine.cache_manager, engine.runner
     self.specs = self.mgr.specs
     self.groups = {g.name: g for g in self.specs.groups}
+    # cache.specs are plain (no arrays): the model's arrays per group come from dsv4.caches
     arrays = caches.cache_array_specs(engine.config, engine.ec.layout)
-    by_group = {g: [a for a in arrays if a.group == g] for g in self.groups}
+    by_group = {g: tuple(a for a in arrays if a.group == g) for g in self.groups}
     self.names = {g: tuple((a.layer, a.name) for a in by_group[g]) for g in self.groups}
     self.manifest = {g: tuple(R.ArrayEntry(f"L{a.layer}/{a.name}", np.dtype(a.dtype).str, tuple(a.block_shape))
                               for a in by_group[g]) for g in self.groups}
