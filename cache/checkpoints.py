@@ -1,19 +1,27 @@
-"""SWA checkpoint policy: which window-sized tails of swa blocks are kept (hashed) and which are released.
+"""Checkpoint policy for sliding-window groups: which tails of blocks are kept (hashed) and which are released.
 
-A checkpoint at boundary P (a multiple of the resume alignment) is the `need_blocks` swa blocks right before P,
-registered under their chained hashes. They hold the window rows *and* the raw compressor projections, so the
-compressor state at P is restored with them (no replay, nothing else to store).
+A checkpoint at boundary P (a multiple of the resume alignment) is, in every sliding group, the `need_blocks`
+blocks right before P, registered under their chained hashes. They hold what a resume at P reads (window rows,
+pending compressor rows), so nothing is replayed.
 
-Checkpoints are taken at
-* the prompt boundary floor((prompt_len - 1) / align) * align: the largest hit an identical prompt can get
-  (the last prompt token is always recomputed);
-* the end of the request, floor(num_computed / align) * align: where the next turn of a conversation resumes;
-* every `retention_interval` tokens when it is > 0 (a multiple of align).
+Where checkpoints are taken (NOTES.md "Checkpoint placement" has the memory cost):
+* **dense start**: at align * 2^k (128, 256, 512, ...) inside the prompt, so sessions that share only a system
+  prompt (or any prefix) hit a boundary at least half as long as the shared part, and the very first follower of
+  the very first session already hits a power-of-two system prompt completely (vLLM 0.33 misses it);
+* the **prompt boundary** floor((prompt_len - 1) / align) * align: the largest hit an identical prompt can get;
+* the **re-render boundary** floor((prompt_len - 1 - rerender_tokens) / align) * align: chat templates re-render
+  the last tokens of the previous prompt, so the next turn diverges just before the prompt end; this keeps the
+  largest aligned boundary before such a divergence (up to `rerender_tokens` tokens re-rendered);
+* the **junction**: where a request's full-history run ends inside another cached prefix (the prefix search
+  reports it), i.e. the point where this request leaves a prefix someone else already computed; a later request
+  sharing that prefix hits all of it (vLLM 0.33 pins this junction too);
+* the **end of the request**, floor(num_computed / align) * align: where the next turn of a conversation resumes;
+* every `retention_interval` tokens when it is > 0 (a multiple of align): the research knob.
 
-Every other swa block is transient: it is never hashed, and it is released (one reference dropped) as soon as it
-falls behind both the window of the current position and the tail of the latest aligned boundary (kept so that
-the end-of-request checkpoint is still possible whenever the request stops). Released transient blocks go to the
-head of the free queue; released checkpoint blocks keep their identity and go to the tail.
+Every other block of a sliding group is transient: never hashed, released as soon as it falls behind both the
+group's tail at the current position and the tail of the latest aligned boundary (so the end-of-request
+checkpoint is still possible whenever the request stops). Released transient blocks go to the head of the free
+queue; released checkpoint blocks keep their identity and go to the tail.
 """
 
 from __future__ import annotations
@@ -24,31 +32,44 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class CheckpointPolicy:
   align_tokens: int
-  block_tokens: int         # swa block size
-  tail_tokens: int          # rows before a resume point the next step reads (state_tail_tokens)
+  block_tokens: int         # this sliding group's block size
+  tail_tokens: int          # rows before a resume point the next step reads
   retention_interval: int = 0
+  dense_start: bool = True
+  rerender_tokens: int = 64
 
   def __post_init__(self):
     if self.retention_interval < 0 or self.retention_interval % self.align_tokens:
       raise ValueError(f"retention_interval: {self.retention_interval} must be >= 0 and a multiple of the resume "
                        f"alignment ({self.align_tokens})")
+    if self.rerender_tokens < 0:
+      raise ValueError(f"rerender_tokens: {self.rerender_tokens} must be >= 0")
 
   @property
   def need_blocks(self) -> int:
     return -(-self.tail_tokens // self.block_tokens)
 
   def floor_align(self, n: int) -> int:
-    return n // self.align_tokens * self.align_tokens
+    return max(n, 0) // self.align_tokens * self.align_tokens
 
   def prompt_boundary(self, prompt_len: int) -> int:
     return self.floor_align(max(prompt_len - 1, 0))
 
-  def boundaries(self, lo: int, hi: int, prompt_len: int) -> list[int]:
+  def planned(self, prompt_len: int) -> set[int]:
+    """Boundaries fixed at admission (besides retention multiples, junctions and the end of the request)."""
+    out = {self.prompt_boundary(prompt_len)}
+    if self.rerender_tokens:
+      out.add(self.floor_align(prompt_len - 1 - self.rerender_tokens))
+    if self.dense_start:
+      p = self.align_tokens
+      while p < prompt_len:
+        out.add(p)
+        p *= 2
+    return out
+
+  def boundaries(self, lo: int, hi: int, prompt_len: int, extra: tuple[int, ...] = ()) -> list[int]:
     """Checkpoint boundaries P with lo < P <= hi (tokens computed before / after a step), excluding 0."""
-    out = set()
-    pb = self.prompt_boundary(prompt_len)
-    if lo < pb <= hi:
-      out.add(pb)
+    out = {p for p in self.planned(prompt_len) | set(extra) if lo < p <= hi}
     if self.retention_interval:
       r = self.retention_interval
       out.update(range((lo // r + 1) * r, hi + 1, r))
@@ -59,7 +80,7 @@ class CheckpointPolicy:
     return range(max(0, e - self.need_blocks), e)
 
   def releasable_blocks(self, num_computed: int) -> int:
-    """Leading swa blocks no longer needed: behind the window at num_computed and behind the latest aligned
+    """Leading blocks no longer needed: behind the tail at num_computed and behind the latest aligned
     boundary's tail (a future checkpoint never needs them: every later boundary is at least one alignment on)."""
     keep_from = min(num_computed - self.tail_tokens,
                     self.floor_align(num_computed) - self.need_blocks * self.block_tokens)

@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsv4.caches import CacheLayout
-from dsv4.config import ModelConfig
-
 from cache import pool as P
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog
 from cache.manager import KVCacheManager
+from cache.specs import CacheSpecs
 
 POLICIES = ("lru", "legacy_dense", "append_uncached", "head_first", "fifo")
 
@@ -58,14 +56,15 @@ class _StampingLog(EventLog):
 class PolicyCacheManager(KVCacheManager):
   """KVCacheManager with a named eviction policy (see module docstring). Same public API."""
 
-  def __init__(self, config: ModelConfig, layout: CacheLayout = CacheLayout(), *, policy: str = "lru", **kw):
+  def __init__(self, specs: CacheSpecs, *, policy: str = "lru", **kw):
     if policy not in POLICIES:
       raise ValueError(f"eviction policy {policy!r}: known {POLICIES}")
     if "legacy_dense_swa" in kw:
       raise ValueError("PolicyCacheManager: choose policy='legacy_dense' instead of legacy_dense_swa")
     enable_events = kw.pop("enable_events", True)
-    super().__init__(config, layout, legacy_dense_swa=policy == "legacy_dense", enable_events=enable_events, **kw)
+    super().__init__(specs, legacy_dense_swa=policy == "legacy_dense", enable_events=enable_events, **kw)
     self.policy_name = policy
+    self.prepend_uncached = policy not in ("legacy_dense", "append_uncached")
     self.events = _StampingLog(enable_events)
     self.stats["fifo_reorders"] = 0
 
@@ -73,16 +72,13 @@ class PolicyCacheManager(KVCacheManager):
     # Callers pass blocks newest-first (tail-first); head_first releases them oldest-first instead.
     if self.policy_name == "head_first":
       ids = list(reversed(ids))
-    prepend = self.policy_name not in ("legacy_dense", "append_uncached")
-    for chunk in self._chunks(ids):
-      self.pools[name], ok = P.free(self.pools[name], chunk, prepend_uncached=prepend)
-      if not bool(ok):
-        raise RuntimeError(f"free refused blocks of group {name}: {ids}")
+    super()._free_ids(name, ids)
     if self.policy_name == "fifo" and ids:
       self._fifo_reorder(name)
 
   def _fifo_reorder(self, name: str) -> None:
-    st = self.pools[name]
+    self.flush()     # the release above is queued; apply it, then re-sort (reference and free counts unchanged)
+    st = self._pools[name]
     cached = np.asarray(st.cached_N)
     queue = P.free_queue(st)
     tail = [b for b in queue if cached[b]]
@@ -91,16 +87,23 @@ class PolicyCacheManager(KVCacheManager):
     if want == tail:
       return
     self.stats["fifo_reorders"] += 1
-    for chunk in self._chunks(tail):
-      self.pools[name], ok = P.touch(self.pools[name], chunk)
+    for chunk in _chunks(tail):
+      self._pools[name], ok = P.touch(self._pools[name], chunk)
       assert bool(ok)
-    for chunk in self._chunks(want):
-      self.pools[name], ok = P.free(self.pools[name], chunk, prepend_uncached=True)
+    for chunk in _chunks(want):
+      self._pools[name], ok = P.free(self._pools[name], chunk, prepend_uncached=True)
       assert bool(ok)
 
 
-def make_manager(config: ModelConfig, policy: str = "lru", **kw) -> KVCacheManager:
+def _chunks(ids, width=256):
+  for lo in range(0, len(ids), width):
+    part = ids[lo:lo + width]
+    m = 16 if len(part) <= 16 else width
+    yield np.asarray(list(part) + [-1] * (m - len(part)), np.int32)
+
+
+def make_manager(specs: CacheSpecs, policy: str = "lru", **kw) -> KVCacheManager:
   """The plain manager for 'lru' (exactly the engine's), a PolicyCacheManager otherwise."""
   if policy == "lru":
-    return KVCacheManager(config, **kw)
-  return PolicyCacheManager(config, policy=policy, **kw)
+    return KVCacheManager(specs, **kw)
+  return PolicyCacheManager(specs, policy=policy, **kw)

@@ -1,37 +1,34 @@
 """KVCacheManager: the host-side facade the engine calls. Owns one block pool per cache group (jitted, donated
-array state), the requests' block tables and hashes, SWA checkpoints, and the KV event stream.
+array state), the requests' block tables and hashes, checkpoints of the sliding groups, and the KV event stream.
+
+It works from plain `cache.specs.CacheSpecs` (any number of full-history and sliding-window groups); the model
+side builds them (`dsv4.caches.group_specs(config, layout)`).
 
 Lifecycle of a request (all token counts are absolute positions in the request):
 
-    mgr = KVCacheManager(config, num_full_blocks=..., num_swa_blocks=..., retention_interval=0)
+    mgr = KVCacheManager(specs, num_blocks={"full": ..., "swa": ...}, retention_interval=0)
     hit = mgr.add_request("r1", prompt_ids, ExtraKeys(tenant="t"))   # lookup + claim; hit.num_tokens to skip
     tables = mgr.allocate_for("r1", n)         # BlockTables covering positions [0, num_computed + n), or
                                                # OutOfBlocks (nothing changed: the scheduler waits or preempts)
     ... model step writes KV for the chunk ...
-    mgr.commit("r1", num_computed)             # register full blocks + SWA checkpoints, release swa rows behind
-                                               # the window
+    mgr.commit("r1", num_computed)             # register full blocks + checkpoints, release rows behind the tail
     mgr.append_tokens("r1", [sampled])         # outputs, so later blocks can be hashed
     mgr.free("r1")                             # end-of-request checkpoint, then release everything (tail first)
     mgr.take_events()                          # BlockStored / BlockRemoved / AllBlocksCleared
 
-Public API:
-    KVCacheManager(config, layout=CacheLayout(), *, num_full_blocks, num_swa_blocks, retention_interval=0,
-                   model_id="", key_bits=64, max_probe=16, enable_events=True, legacy_dense_swa=False)
-    lookup(token_ids, extra_keys=ExtraKeys()) -> PrefixHit            (pure)
-    lookup_batch([(token_ids, extra_keys), ...]) -> list[PrefixHit]   (pure, one jitted call)
-    add_request(request_id, prompt_token_ids, extra_keys=ExtraKeys()) -> PrefixHit
-    allocate_for(request_id, num_new_tokens) -> BlockTables | OutOfBlocks
-    append_tokens(request_id, token_ids) -> None
-    commit(request_id, num_computed_tokens) -> None
-    free(request_id) -> None
-    block_tables(request_id) -> BlockTables
-    take_events() -> list[KVEvent]
-    reset_prefix_cache() -> bool
-    num_free_blocks(group) -> int ; usage(group) -> float ; is_cached(group, token_ids, extra_keys, block) -> bool
+**One device call per step.** Operations are queued on the host and applied by ONE jitted `step.apply_step`
+(one transfer in, one out) when a result is needed:
+* `commit`, `free` and `allocate_for` never call the device: registrations and frees are queued; allocations are
+  decided against an exact host mirror of the free counts (so OutOfBlocks is answered at once) and their block ids
+  are filled in by the next call. `BlockTables` returned by allocate_for resolve lazily on first access.
+* `add_requests([...])` (or `add_request`) runs the queued work plus the batched search, the claim and, with
+  `allocate_tokens`, the first allocation of every admitted request, in that one call.
+* `flush()` applies what is queued (the engine calls it, or `block_tables`, once per step before the model runs).
+So a decode step costs one call; a step that admits requests through `add_requests` costs one call too.
 
 Errors: unknown / duplicate request ids, commits beyond allocated or known tokens, and negative counts raise
 `CacheError`; running out of blocks is a return value (`OutOfBlocks`), never an exception or a silent failure.
-`legacy_dense_swa=True` reproduces vLLM <= 0.22 (every swa block hashed, every freed block appended) for the
+`legacy_dense_swa=True` reproduces vLLM <= 0.22 (every sliding block hashed, every freed block appended) for the
 session-switch regression test only.
 """
 
@@ -39,18 +36,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
-
-from dsv4.caches import FULL, SWA, CacheLayout
-from dsv4.config import ModelConfig
 
 from cache import pool as P
 from cache.checkpoints import CheckpointPolicy
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent
 from cache.hashing import ExtraKeys, RequestHasher, device_key, digest_words, key_int
 from cache.prefix import find_hits, group_searches
-from cache.specs import FULL_HISTORY, cache_specs
+from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs
+from cache.step import AdmitPlan, GroupPlan, apply_step
 
 
 class CacheError(ValueError):
@@ -60,13 +56,43 @@ class CacheError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class PrefixHit:
   num_tokens: int                      # tokens to skip (aligned; 0 = miss)
-  block_ids: dict[str, np.ndarray]     # per group, the table prefix for [0, num_tokens); swa: -1 before the tail
+  block_ids: dict[str, np.ndarray]     # per group, the table prefix for [0, num_tokens); sliding: -1 before the tail
+
+  @property
+  def full(self) -> np.ndarray:
+    return self.block_ids["full"]
+
+  @property
+  def swa(self) -> np.ndarray:
+    return self.block_ids["swa"]
 
 
-@dataclasses.dataclass(frozen=True)
 class BlockTables:
-  full: np.ndarray                     # block ids, one per full_block_tokens of the request so far
-  swa: np.ndarray                      # block ids, one per swa_block_tokens; -1 where released / not needed
+  """Per-group block tables of one request (dict by group name; `.full` / `.swa` for today's engine). Built
+  lazily: the ids of blocks allocated since the last device call are filled in on first access."""
+
+  def __init__(self, mgr: "KVCacheManager | None", rid: str | None, tables: dict[str, np.ndarray] | None = None):
+    self._mgr, self._rid, self._tables = mgr, rid, tables
+
+  @property
+  def tables(self) -> dict[str, np.ndarray]:
+    if self._tables is None:
+      self._tables = self._mgr._tables_now(self._rid)
+    return self._tables
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    return self.tables[name]
+
+  @property
+  def full(self) -> np.ndarray:
+    return self.tables.get("full", np.zeros(0, np.int32))
+
+  @property
+  def swa(self) -> np.ndarray:
+    return self.tables["swa"]
+
+  def __bool__(self):
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,46 +113,155 @@ class _Request:
   tenant: str
   prompt_len: int
   num_computed: int
-  tables: dict[str, list[int]]
-  num_registered: dict[str, int]       # leading blocks of the group already offered to the cache
-  swa_released: int = 0                # leading swa blocks already released
+  tables: dict[str, list[int]]         # -1: released / not needed; None: allocated, id not known yet
+  num_registered: dict[str, int]       # full groups: leading blocks already offered to the cache
+  released: dict[str, int]             # sliding groups: leading blocks already released
+  junctions: tuple[int, ...] = ()      # extra checkpoint boundaries (shared-prefix junction)
 
 
-_WIDTH = 256   # most ids per jitted pool call; callers chunk longer lists
-
-
-def _bucket(n: int) -> int:
-  """Id-array width for n entries: two widths only, so each pool op compiles at most twice per group."""
-  return 16 if n <= 16 else _WIDTH
+def _bucket(n: int, lo: int = 16) -> int:
+  """Static widths in powers of 4 from `lo`, so each shape compiles a handful of times at most."""
+  w = lo
+  while w < n:
+    w *= 4
+  return w
 
 
 def _units_bucket(n: int) -> int:
   """Hash units per request in a search: powers of 4 from 64 (2048 tokens at 32-token units)."""
-  u = 64
-  while u < n:
-    u *= 4
-  return u
+  return _bucket(n, 64)
 
 
 class KVCacheManager:
 
-  def __init__(self, config: ModelConfig, layout: CacheLayout = CacheLayout(), *, num_full_blocks: int,
-               num_swa_blocks: int, retention_interval: int = 0, model_id: str = "", key_bits: int = 64,
-               max_probe: int = P.DEFAULT_MAX_PROBE, enable_events: bool = True, legacy_dense_swa: bool = False):
-    self.specs = cache_specs(config, layout)
-    self.groups = tuple(g.name for g in self.specs.groups)
-    self._searches = group_searches(self.specs)
-    swa = self.specs.swa
-    self.policy = CheckpointPolicy(self.specs.align_tokens, swa.block_tokens, swa.tail_tokens, retention_interval)
-    sizes = {FULL: num_full_blocks, SWA: num_swa_blocks}
-    self.pools = {g.name: P.init_pool(sizes[g.name], g.block_tokens, max_probe) for g in self.specs.groups}
+  def __init__(self, specs: CacheSpecs, *, num_blocks: dict[str, int] | None = None,
+               num_full_blocks: int | None = None, num_swa_blocks: int | None = None, retention_interval: int = 0,
+               model_id: str = "", key_bits: int = 64, max_probe: int = P.DEFAULT_MAX_PROBE,
+               enable_events: bool = True, legacy_dense_swa: bool = False, dense_start: bool = True,
+               rerender_tokens: int = 64, junction_checkpoints: bool = True):
+    if not isinstance(specs, CacheSpecs):
+      raise TypeError("KVCacheManager: pass cache.specs.CacheSpecs (the model side builds them: "
+                      "dsv4.caches.group_specs(config, layout))")
+    self.specs = specs
+    self.groups = specs.names
+    sizes = dict(num_blocks or {})
+    if num_full_blocks is not None:
+      sizes.setdefault("full", num_full_blocks)
+    if num_swa_blocks is not None:
+      sizes.setdefault("swa", num_swa_blocks)
+    missing = [g for g in self.groups if g not in sizes]
+    if missing or set(sizes) - set(self.groups):
+      raise ValueError(f"KVCacheManager: num_blocks must name exactly the groups {list(self.groups)}; got "
+                       f"{sorted(sizes)}")
+    self._searches = group_searches(specs)
+    self._bt = tuple(g.block_tokens for g in specs.groups)
+    self.policies = {g.name: CheckpointPolicy(specs.align_tokens, g.block_tokens, g.tail_tokens,
+                                              retention_interval, dense_start and not legacy_dense_swa,
+                                              0 if legacy_dense_swa else rerender_tokens)
+                     for g in specs.groups if g.kind == SLIDING_WINDOW}
+    if not self.policies:   # validate the knob even without sliding groups
+      CheckpointPolicy(specs.align_tokens, specs.align_tokens, 0, retention_interval)
+    self.junction_checkpoints = junction_checkpoints and not legacy_dense_swa
+    self._pools = {g.name: P.init_pool(sizes[g.name], g.block_tokens, max_probe) for g in specs.groups}
+    self.num_blocks = {g: sizes[g] for g in self.groups}
     self.model_id, self.key_bits = model_id, key_bits
     self.legacy = legacy_dense_swa
+    self.prepend_uncached = not legacy_dense_swa
     self.events = EventLog(enable_events)
     self._requests: dict[str, _Request] = {}
     # (group, block id) -> (key, tenant) of cached blocks, only to label BlockRemoved events.
     self._identity: dict[tuple[str, int], tuple[int, str]] = {}
-    self.stats = {"table_full": 0, "duplicate": 0, "queried_tokens": 0, "hit_tokens": 0}
+    # Host mirror of reference counts and free counts (exact): allocate_for answers without the device.
+    self._ref = {g: np.zeros(sizes[g], np.int32) for g in self.groups}
+    self._nfree = dict(sizes)
+    self._reset_queue()
+    self.stats = {"table_full": 0, "duplicate": 0, "queried_tokens": 0, "hit_tokens": 0, "device_calls": 0}
+
+  # ------------------------------------------------------------------------------------------ queue
+  def _reset_queue(self):
+    self._q_reg = {g: [] for g in self.groups}      # (block id, key2, par4, tokens, event info)
+    self._q_free = {g: [] for g in self.groups}
+    self._q_alloc = {g: [] for g in self.groups}    # (request, table index list) waiting for ids
+    self._q_nalloc = {g: 0 for g in self.groups}
+
+  @property
+  def pools(self) -> dict:
+    """The pool states, with everything queued applied first (tests, debugging, eviction policies)."""
+    self.flush()
+    return self._pools
+
+  def flush(self) -> None:
+    """Apply every queued operation in one device call (no-op when nothing is queued)."""
+    if any(self._q_reg[g] or self._q_free[g] or self._q_nalloc[g] for g in self.groups):
+      self._check_free_counts(self._apply(None))
+
+  def _group_plan(self, g: str) -> GroupPlan:
+    bt = self.specs.group(g).block_tokens
+    regs, frees = self._q_reg[g], self._q_free[g]
+    r, f = _bucket(len(regs)), _bucket(len(frees))
+    ids = np.full(r, -1, np.int32)
+    key = np.zeros((r, 2), np.int32)
+    par = np.zeros((r, 4), np.int32)
+    tok = np.zeros((r, bt), np.int32)
+    for i, (b, k, p, t, _) in enumerate(regs):
+      ids[i], key[i], par[i], tok[i] = b, k, p, t
+    fr = np.full(f, -1, np.int32)
+    fr[:len(frees)] = frees
+    return GroupPlan(ids, key, par, tok, fr, np.int32(self._q_nalloc[g]))
+
+  def _apply(self, admit: AdmitPlan | None, admit_widths=None):
+    plans = tuple(self._group_plan(g) for g in self.groups)
+    alloc_w = tuple(_bucket(self._q_nalloc[g]) for g in self.groups)
+    if admit_widths is None:
+      admit_widths = tuple(16 for _ in self.groups)
+    pools = tuple(self._pools[g] for g in self.groups)
+    pools, res = apply_step(pools, plans, admit, groups=self._searches, block_tokens=self._bt,
+                            align=self.specs.align_tokens, hash_tokens=self.specs.hash_tokens,
+                            prepend=self.prepend_uncached, alloc_widths=alloc_w, admit_widths=admit_widths)
+    res = jax.device_get(res)             # the one device -> host transfer
+    self.stats["device_calls"] += 1
+    self._pools = dict(zip(self.groups, pools))
+    for gi, g in enumerate(self.groups):
+      if not res["free_ok"][gi]:
+        raise RuntimeError(f"free refused blocks of group {g}: {self._q_free[g]}")
+      if not res["alloc_ok"][gi]:
+        raise RuntimeError(f"allocate of {self._q_nalloc[g]} blocks failed in group {g} after the free check")
+      self._after_register(g, res["status"][gi])
+      ids, ev = res["alloc_ids"][gi], res["alloc_ev"][gi]
+      self._removed(g, ids[:self._q_nalloc[g]], ev[:self._q_nalloc[g]])
+      k = 0
+      for r, idx in self._q_alloc[g]:
+        for j in idx:
+          r.tables[g][j] = int(ids[k])
+          k += 1
+      self._ref[g][ids[:self._q_nalloc[g]]] = 1
+    self._reset_queue()
+    return res
+
+  def _check_free_counts(self, res):
+    for gi, g in enumerate(self.groups):
+      if int(res["num_free"][gi]) != self._nfree[g]:
+        raise RuntimeError(f"group {g}: device free count {int(res['num_free'][gi])} != host {self._nfree[g]}")
+
+  def _removed(self, g, ids, ev):
+    for b, e in zip(ids, ev):
+      if e:
+        k, tenant = self._identity.pop((g, int(b)))
+        self.events.emit(BlockRemoved(k, g, tenant, int(b)))
+
+  def _after_register(self, g, status):
+    for (b, k, _, _, info), s in zip(self._q_reg[g], status):
+      if s == P.STORED:
+        kk = key_int(k)
+        parent, tenant, bt = info
+        self._identity[(g, b)] = (kk, tenant)
+        self.events.emit(BlockStored(kk, parent, g, tenant, b, bt))
+      elif s == P.DUPLICATE:
+        self.stats["duplicate"] += 1
+      elif s == P.TABLE_FULL:
+        self.stats["table_full"] += 1
+      elif s == P.INVALID:
+        raise RuntimeError(f"register refused block {b} of group {g}")
 
   # ------------------------------------------------------------------------------------------------ lookup
   def _hasher(self, tokens: np.ndarray, extra: ExtraKeys) -> RequestHasher:
@@ -135,43 +270,48 @@ class KVCacheManager:
     h.update(tokens)
     return h
 
-  def lookup(self, token_ids, extra_keys: ExtraKeys = ExtraKeys()) -> PrefixHit:
-    return self.lookup_batch([(token_ids, extra_keys)])[0]
-
-  def lookup_batch(self, requests) -> list[PrefixHit]:
-    toks = [np.asarray(t, np.int32) for t, _ in requests]
-    hashers = [self._hasher(t, e) for t, (_, e) in zip(toks, requests)]
-    return self._search(toks, hashers)
-
-  def _search(self, toks, hashers) -> list[PrefixHit]:
+  def _pack(self, toks, hashers, targets=None) -> AdmitPlan:
     g = self.specs.hash_tokens
-    b = 1 << max(0, len(toks) - 1).bit_length()
+    per_align = self.specs.align_tokens // g
+    b = _bucket(len(toks), 1)
     u = _units_bucket(max(len(t) // g for t in toks))
-    u = -(-u // (self.specs.align_tokens // g)) * (self.specs.align_tokens // g)
+    u = -(-u // per_align) * per_align
     key = np.zeros((b, u, 2), np.int32)
     par = np.zeros((b, u, 4), np.int32)
     tok = np.zeros((b, u, g), np.int32)
     max_len = np.zeros(b, np.int32)
+    target = np.full(b, -1, np.int32)
     for i, (t, h) in enumerate(zip(toks, hashers)):
       key[i], par[i] = h.arrays(u)
       nu = len(t) // g
       tok[i, :nu] = t[:nu * g].reshape(nu, g)
       max_len[i] = max(len(t) - 1, 0)
-    pools = tuple(self.pools[n] for n in self.groups)
-    hit, ids = find_hits(pools, jnp.asarray(key), jnp.asarray(par), jnp.asarray(tok), jnp.asarray(max_len),
-                         groups=self._searches, align_tokens=self.specs.align_tokens, hash_tokens=g)
-    hit, ids = np.asarray(hit), [np.asarray(x) for x in ids]
-    out = []
-    for i, t in enumerate(toks):
-      n = int(hit[i])
-      blocks = {}
-      for name, gid in zip(self.groups, ids):
-        bt = self.specs.group(name).block_tokens
-        blocks[name] = gid[i, :n // bt].copy()
-      out.append(PrefixHit(n, blocks))
-      self.stats["queried_tokens"] += len(t)
-      self.stats["hit_tokens"] += n
-    return out
+      if targets is not None and targets[i] is not None:
+        target[i] = targets[i]
+    return AdmitPlan(key, par, tok, max_len, target)
+
+  def lookup(self, token_ids, extra_keys: ExtraKeys = ExtraKeys()) -> PrefixHit:
+    return self.lookup_batch([(token_ids, extra_keys)])[0]
+
+  def lookup_batch(self, requests) -> list[PrefixHit]:
+    """Pure search (nothing claimed), one jitted call after applying what is queued."""
+    toks = [np.asarray(t, np.int32) for t, _ in requests]
+    hashers = [self._hasher(t, e) for t, (_, e) in zip(toks, requests)]
+    self.flush()
+    plan = self._pack(toks, hashers)
+    pools = tuple(self._pools[n] for n in self.groups)
+    hit, ids = find_hits(pools, plan.key_BxUx2, plan.par_BxUx4, plan.tok_BxUxG, plan.max_len_B,
+                         groups=self._searches, align_tokens=self.specs.align_tokens,
+                         hash_tokens=self.specs.hash_tokens)
+    hit, ids = jax.device_get((hit, ids))
+    return [self._hit(i, len(t), hit, ids) for i, t in enumerate(toks)]
+
+  def _hit(self, i, n_query, hit, ids) -> PrefixHit:
+    n = int(hit[i])
+    blocks = {name: gid[i, :n // bt].copy() for name, gid, bt in zip(self.groups, ids, self._bt)}
+    self.stats["queried_tokens"] += n_query
+    self.stats["hit_tokens"] += n
+    return PrefixHit(n, blocks)
 
   # ------------------------------------------------------------------------------------------- requests
   def _req(self, rid: str) -> _Request:
@@ -181,215 +321,234 @@ class KVCacheManager:
 
   def add_request(self, request_id: str, prompt_token_ids, extra_keys: ExtraKeys = ExtraKeys()) -> PrefixHit:
     """Look up the prompt and claim the hit blocks (every group before any allocation)."""
-    if request_id in self._requests:
-      raise CacheError(f"request {request_id!r} already exists")
-    toks = np.asarray(prompt_token_ids, np.int32)
-    if toks.ndim != 1 or len(toks) == 0:
-      raise CacheError("add_request: prompt_token_ids must be a non-empty 1-D sequence")
-    hasher = self._hasher(toks, extra_keys)
-    hit = self._search([toks], [hasher])[0]
-    for name in self.groups:
-      ids = hit.block_ids[name]
-      for chunk in self._chunks([int(x) for x in ids if x >= 0]):
-        self.pools[name], ok = P.touch(self.pools[name], chunk)
-        if not bool(ok):
-          raise RuntimeError(f"touch refused hit blocks of group {name}: {ids}")
-    tables = {name: [int(x) for x in hit.block_ids[name]] for name in self.groups}
-    n = hit.num_tokens
-    self._requests[request_id] = _Request(
-        request_id, toks.tolist(), hasher, extra_keys.tenant, len(toks), n, tables,
-        {name: len(tables[name]) for name in self.groups},
-        swa_released=max(0, n // self.specs.swa.block_tokens - self.policy.need_blocks))
-    return hit
+    return self.add_requests([(request_id, prompt_token_ids, extra_keys)])[0]
+
+  def add_requests(self, requests, allocate_tokens=None) -> list[PrefixHit]:
+    """Admit several requests in ONE device call (with everything queued): search, claim, and with
+    `allocate_tokens[i]` (total tokens to cover, e.g. hit + first chunk; None = no allocation) their first
+    allocation. If the pools cannot cover every admitted request's allocation, none is made (check
+    `block_tables` / call allocate_for)."""
+    reqs = []
+    seen = set()
+    for rid, prompt, extra in requests:
+      if rid in self._requests or rid in seen:
+        raise CacheError(f"request {rid!r} already exists")
+      toks = np.asarray(prompt, np.int32)
+      if toks.ndim != 1 or len(toks) == 0:
+        raise CacheError("add_request: prompt_token_ids must be a non-empty 1-D sequence")
+      seen.add(rid)
+      reqs.append((rid, toks, extra))
+    if allocate_tokens is not None and len(allocate_tokens) != len(reqs):
+      raise CacheError("add_requests: allocate_tokens must have one entry per request")
+    if allocate_tokens is not None and any(t is not None and t < 0 for t in allocate_tokens):
+      raise CacheError("add_requests: allocate_tokens must be >= 0")
+    hashers = [self._hasher(t, e) for _, t, e in reqs]
+    plan = self._pack([t for _, t, _ in reqs], hashers, allocate_tokens)
+    widths = tuple(_bucket(sum(-(-int(t) // bt) for t in plan.target_B if t >= 0)) for bt in self._bt)
+    res = self._apply(plan, widths)
+    hit, run, ids = res["hit"], res["run"], res["hit_ids"]
+    out = []
+    for i, (rid, toks, extra) in enumerate(reqs):
+      h = self._hit(i, len(toks), hit, ids)
+      for g in self.groups:     # claims (device did them) mirrored on the host
+        got = h.block_ids[g]
+        got = got[got >= 0]
+        was_free = np.unique(got[self._ref[g][got] == 0])
+        self._nfree[g] -= len(was_free)
+        np.add.at(self._ref[g], got, 1)
+      n = h.num_tokens
+      junction = ()
+      if self.junction_checkpoints and int(run[i]) > n:
+        junction = (int(run[i]),)
+      tables = {g: [int(x) for x in h.block_ids[g]] for g in self.groups}
+      released = {g: max(0, n // p.block_tokens - p.need_blocks) for g, p in self.policies.items()}
+      r = _Request(rid, toks.tolist(), hashers[i], extra.tenant, len(toks), n, tables,
+                   {g: len(tables[g]) for g in self.groups}, released, junction)
+      self._requests[rid] = r
+      out.append(h)
+    if allocate_tokens is not None:
+      if res["admit_ok"]:
+        for gi, g in enumerate(self.groups):
+          ids_g = res["admit_ids"][gi]
+          k = 0
+          bt = self._bt[gi]
+          for i, (rid, _, _) in enumerate(reqs):
+            t = allocate_tokens[i]
+            if t is None:
+              continue
+            r = self._requests[rid]
+            need = max(0, -(-t // bt) - len(r.tables[g]))
+            new = [int(x) for x in ids_g[k:k + need]]
+            k += need
+            r.tables[g].extend(new)
+            self._ref[g][new] = 1
+            self._nfree[g] -= need
+          self._removed(g, ids_g[:k], res["admit_ev"][gi][:k])
+    self._check_free_counts(res)
+    return out
 
   def append_tokens(self, request_id: str, token_ids) -> None:
     r = self._req(request_id)
     r.tokens.extend(int(t) for t in np.atleast_1d(np.asarray(token_ids, np.int64)))
 
   def allocate_for(self, request_id: str, num_new_tokens: int) -> BlockTables | OutOfBlocks:
-    """Blocks for positions up to num_computed + num_new_tokens in every group, all or nothing."""
+    """Blocks for positions up to num_computed + num_new_tokens in every group, all or nothing. Decided on the
+    host (exact free counts); the ids are filled in by the next device call (the returned tables are lazy)."""
     r = self._req(request_id)
     if num_new_tokens < 0:
       raise CacheError(f"allocate_for: num_new_tokens must be >= 0, got {num_new_tokens}")
     total = r.num_computed + num_new_tokens
     need = {}
-    for name in self.groups:
-      bt = self.specs.group(name).block_tokens
-      need[name] = max(0, -(-total // bt) - len(r.tables[name]))
-      free = int(self.pools[name].num_free)
-      if need[name] > free:
-        return OutOfBlocks(name, need[name], free)
-    for name in self.groups:
-      left = need[name]
-      while left:
-        m = min(left, _WIDTH)
-        self.pools[name], ids, ev, ok = P.allocate(self.pools[name], m, max_n=_bucket(m))
-        if not bool(ok):
-          raise RuntimeError(f"allocate of {m} blocks failed in group {name} after the free check")
-        ids, ev = np.asarray(ids)[:m], np.asarray(ev)[:m]
-        for b, e in zip(ids, ev):
-          if e:
-            k, tenant = self._identity.pop((name, int(b)))
-            self.events.emit(BlockRemoved(k, name, tenant, int(b)))
-        r.tables[name].extend(int(b) for b in ids)
-        left -= m
-    return self.block_tables(request_id)
+    for g, bt in zip(self.groups, self._bt):
+      need[g] = max(0, -(-total // bt) - len(r.tables[g]))
+      if need[g] > self._nfree[g]:
+        return OutOfBlocks(g, need[g], self._nfree[g])
+    for g in self.groups:
+      if need[g]:
+        start = len(r.tables[g])
+        r.tables[g].extend([None] * need[g])
+        self._q_alloc[g].append((r, range(start, start + need[g])))
+        self._q_nalloc[g] += need[g]
+        self._nfree[g] -= need[g]
+    return BlockTables(self, request_id)
+
+  def _tables_now(self, request_id: str) -> dict[str, np.ndarray]:
+    r = self._req(request_id)
+    if any(x is None for g in self.groups for x in r.tables[g]):
+      self.flush()
+    return {g: np.asarray(r.tables[g], np.int32) for g in self.groups}
 
   def block_tables(self, request_id: str) -> BlockTables:
-    r = self._req(request_id)
-    return BlockTables(np.asarray(r.tables.get(FULL, []), np.int32), np.asarray(r.tables[SWA], np.int32))
+    """The request's tables now (applies what is queued if some ids are not known yet)."""
+    return BlockTables(None, None, self._tables_now(request_id))
 
   # ------------------------------------------------------------------------------------------ register
-  def _register(self, r: _Request, name: str, block_idx: list[int]) -> None:
-    """Offer blocks (by table index) of a group to the cache under the request's hashes."""
-    bt = self.specs.group(name).block_tokens
+  def _register(self, r: _Request, g: str, block_idx) -> None:
+    """Queue blocks (by table index) of a group for registration under the request's hashes."""
+    bt = self.specs.group(g).block_tokens
     upb = bt // self.specs.hash_tokens
     h = r.hasher
-    entries = [(j, r.tables[name][j]) for j in block_idx if r.tables[name][j] >= 0]
-    for lo in range(0, len(entries), _WIDTH):
-      part = entries[lo:lo + _WIDTH]
-      m = _bucket(len(part))
-      ids = np.full(m, -1, np.int32)
-      key = np.zeros((m, 2), np.int32)
-      par = np.zeros((m, 4), np.int32)
-      tok = np.zeros((m, bt), np.int32)
-      for i, (j, b) in enumerate(part):
-        ids[i] = b
-        key[i] = device_key(h.digests[(j + 1) * upb - 1], self.key_bits)
-        par[i] = digest_words(h.parent(j * upb))
-        tok[i] = r.tokens[j * bt:(j + 1) * bt]
-      self.pools[name], status = P.register(self.pools[name], jnp.asarray(ids), jnp.asarray(key),
-                                            jnp.asarray(par), jnp.asarray(tok))
-      for i, ((j, b), s) in enumerate(zip(part, np.asarray(status))):
-        if s == P.STORED:
-          k = key_int(key[i])
-          parent = key_int(device_key(h.digests[j * upb - 1], self.key_bits)) if j else None
-          self._identity[(name, b)] = (k, r.tenant)
-          self.events.emit(BlockStored(k, parent, name, r.tenant, b, bt))
-        elif s == P.DUPLICATE:
-          self.stats["duplicate"] += 1
-        elif s == P.TABLE_FULL:
-          self.stats["table_full"] += 1
-        elif s == P.INVALID:
-          raise RuntimeError(f"register refused block {b} of group {name} (request {r.rid}, index {j})")
+    for j in block_idx:
+      b = r.tables[g][j]
+      if b is None or b < 0:
+        continue
+      key = device_key(h.digests[(j + 1) * upb - 1], self.key_bits)
+      par = digest_words(h.parent(j * upb))
+      tok = r.tokens[j * bt:(j + 1) * bt]
+      parent = key_int(device_key(h.digests[j * upb - 1], self.key_bits)) if j else None
+      self._q_reg[g].append((b, key, par, tok, (parent, r.tenant, bt)))
 
   def _checkpoint(self, r: _Request, boundary: int) -> None:
-    idx = list(self.policy.tail_blocks(boundary))
-    if idx and all(r.tables[SWA][j] >= 0 for j in idx):
-      self._register(r, SWA, idx)
+    for g, pol in self.policies.items():
+      idx = list(pol.tail_blocks(boundary))
+      if idx and all(r.tables[g][j] is not None and r.tables[g][j] >= 0 for j in idx):
+        self._register(r, g, idx)
 
   def commit(self, request_id: str, num_computed_tokens: int) -> None:
     """The model has written KV for positions [0, num_computed_tokens): cache what is reusable, release what the
-    request no longer reads."""
+    request no longer reads (both queued for the next device call)."""
     r = self._req(request_id)
+    if any(x is None for g in self.groups for x in r.tables[g]):
+      self.flush()              # the engine reads block_tables (one flush) before the model runs; tests may not
     n = num_computed_tokens
     if n < r.num_computed:
       raise CacheError(f"commit: num_computed_tokens went backwards ({r.num_computed} -> {n})")
     if n > len(r.tokens):
       raise CacheError(f"commit: {n} computed tokens but only {len(r.tokens)} tokens known (append_tokens first)")
-    for name in self.groups:
-      bt = self.specs.group(name).block_tokens
-      if -(-n // bt) > len(r.tables[name]):
-        raise CacheError(f"commit: {n} tokens exceed the blocks allocated in group {name}")
+    for g, bt in zip(self.groups, self._bt):
+      if -(-n // bt) > len(r.tables[g]):
+        raise CacheError(f"commit: {n} tokens exceed the blocks allocated in group {g}")
     r.hasher.update(np.asarray(r.tokens[:n], np.int32))
     prev, r.num_computed = r.num_computed, n
-    for name in self.groups:
-      bt = self.specs.group(name).block_tokens
-      if self.specs.group(name).kind == FULL_HISTORY or self.legacy:
-        self._register(r, name, list(range(r.num_registered[name], n // bt)))
-        r.num_registered[name] = max(r.num_registered[name], n // bt)
-    if not self.legacy:
-      for p in self.policy.boundaries(prev, n, r.prompt_len):
+    for g, bt in zip(self.groups, self._bt):
+      if self.specs.group(g).kind == FULL_HISTORY or self.legacy:
+        self._register(r, g, range(r.num_registered[g], n // bt))
+        r.num_registered[g] = max(r.num_registered[g], n // bt)
+    if not self.legacy and self.policies:
+      pol = next(iter(self.policies.values()))
+      for p in pol.boundaries(prev, n, r.prompt_len, r.junctions):
         self._checkpoint(r, p)
-    self._release_swa(r, self.policy.releasable_blocks(n))
+    for g, pol in self.policies.items():
+      self._release(r, g, pol.releasable_blocks(n))
 
-  def _release_swa(self, r: _Request, upto: int) -> None:
-    tab = r.tables[SWA]
-    ids = [tab[j] for j in range(upto - 1, r.swa_released - 1, -1) if tab[j] >= 0]  # newest-out first
-    for j in range(r.swa_released, upto):
+  def _release(self, r: _Request, g: str, upto: int) -> None:
+    tab = r.tables[g]
+    ids = [tab[j] for j in range(upto - 1, r.released[g] - 1, -1) if tab[j] is not None and tab[j] >= 0]
+    for j in range(r.released[g], upto):
       tab[j] = -1
-    r.swa_released = max(r.swa_released, upto)
-    self._free_ids(SWA, ids)
+    r.released[g] = max(r.released[g], upto)
+    self._free_ids(g, ids)
 
-  def _free_ids(self, name: str, ids: list[int]) -> None:
-    for chunk in self._chunks(ids):
-      self.pools[name], ok = P.free(self.pools[name], chunk, prepend_uncached=not self.legacy)
-      if not bool(ok):
-        raise RuntimeError(f"free refused blocks of group {name}: {ids}")
-
-  @staticmethod
-  def _chunks(ids: list[int], width: int = _WIDTH):
-    for lo in range(0, len(ids), width):
-      part = ids[lo:lo + width]
-      m = _bucket(len(part))
-      yield jnp.asarray(part + [-1] * (m - len(part)), jnp.int32)
+  def _free_ids(self, g: str, ids: list[int]) -> None:
+    """Queue releases (eviction order) and update the host mirror."""
+    if not ids:
+      return
+    a = np.asarray(ids, np.int64)
+    np.subtract.at(self._ref[g], a, 1)
+    self._nfree[g] += int(np.count_nonzero(self._ref[g][np.unique(a)] == 0))
+    self._q_free[g].extend(ids)
 
   def free(self, request_id: str) -> None:
-    """End of request: checkpoint the swa tail where the next turn resumes, then release every block, tail
+    """End of request: checkpoint the sliding tails where the next turn resumes, then release every block, tail
     first (a chain's last blocks become evictable before its head)."""
     r = self._req(request_id)
-    if not self.legacy:
-      self._checkpoint(r, self.policy.floor_align(r.num_computed))
-    for name in self.groups:
-      self._free_ids(name, [b for b in reversed(r.tables[name]) if b >= 0])
+    if any(x is None for g in self.groups for x in r.tables[g]):
+      self.flush()              # ids of blocks allocated since the last call are needed to release them
+    if not self.legacy and self.policies:
+      self._checkpoint(r, next(iter(self.policies.values())).floor_align(r.num_computed))
+    for g in self.groups:
+      self._free_ids(g, [b for b in reversed(r.tables[g]) if b >= 0])
     del self._requests[request_id]
 
   # ------------------------------------------------------------------- tiers (issue 12): externally loaded prefix
-  def extend_for_load(self, request_id: str, num_tokens: int, swa_blocks) -> BlockTables | OutOfBlocks:
-    """Blocks to receive a prefix [num_computed, num_tokens) loaded from a lower tier: every full block up to
-    num_tokens, but swa blocks only at the given indices (the checkpoint tails the resume reads; -1 elsewhere, as
-    after a device hit). All or nothing. The caller writes the rows, then `commit(request_id, num_tokens)`."""
+  def extend_for_load(self, request_id: str, num_tokens: int, tail_blocks) -> BlockTables | OutOfBlocks:
+    """Blocks to receive a prefix [num_computed, num_tokens) loaded from a lower tier: every full-history block up
+    to num_tokens, but sliding-group blocks only at the table indices in `tail_blocks` (the checkpoint tails the
+    resume reads; -1 elsewhere, as after a device hit). All or nothing; applied at once (ids known, BlockRemoved
+    events emitted). The caller writes the rows, then `commit(request_id, num_tokens)`."""
     r = self._req(request_id)
     if num_tokens % self.specs.align_tokens or num_tokens <= r.num_computed or num_tokens > len(r.tokens) - 1:
       raise CacheError(f"extend_for_load: {num_tokens} must be aligned, > {r.num_computed} and < {len(r.tokens)}")
+    keep = set(tail_blocks)
     new = {}
-    for name in self.groups:
-      bt = self.specs.group(name).block_tokens
-      lo, hi = len(r.tables[name]), num_tokens // bt
-      new[name] = [j for j in range(lo, hi) if name != SWA or j in set(swa_blocks)]
-      if len(new[name]) > int(self.pools[name].num_free):
-        return OutOfBlocks(name, len(new[name]), int(self.pools[name].num_free))
-    for name in self.groups:
-      bt = self.specs.group(name).block_tokens
-      m = len(new[name])
-      ids = []
-      for lo in range(0, m, _WIDTH):
-        k = min(_WIDTH, m - lo)
-        self.pools[name], got, ev, ok = P.allocate(self.pools[name], k, max_n=_bucket(k))
-        if not bool(ok):
-          raise RuntimeError(f"allocate of {k} blocks failed in group {name} after the free check")
-        got, ev = np.asarray(got)[:k], np.asarray(ev)[:k]
-        for b, e in zip(got, ev):
-          if e:
-            key, tenant = self._identity.pop((name, int(b)))
-            self.events.emit(BlockRemoved(key, name, tenant, int(b)))
-        ids += [int(b) for b in got]
-      where = dict(zip(new[name], ids))
-      r.tables[name].extend(where.get(j, -1) for j in range(len(r.tables[name]), num_tokens // bt))
+    for g, bt in zip(self.groups, self._bt):
+      sliding = self.specs.group(g).kind == SLIDING_WINDOW
+      new[g] = [j for j in range(len(r.tables[g]), num_tokens // bt) if not sliding or j in keep]
+      if len(new[g]) > self._nfree[g]:
+        return OutOfBlocks(g, len(new[g]), self._nfree[g])
+    for g, bt in zip(self.groups, self._bt):
+      sel = set(new[g])
+      r.tables[g].extend(None if j in sel else -1 for j in range(len(r.tables[g]), num_tokens // bt))
+      if new[g]:
+        self._q_alloc[g].append((r, new[g]))
+        self._q_nalloc[g] += len(new[g])
+        self._nfree[g] -= len(new[g])
+    self.flush()
     return self.block_tables(request_id)
 
   # -------------------------------------------------------------------------------------------- misc
   def take_events(self) -> list[KVEvent]:
+    self.flush()
     return self.events.take()
 
   def reset_prefix_cache(self) -> bool:
     """Drop every cached identity; refused (False) while any request holds blocks."""
     if self._requests:
       return False
-    for name in self.groups:
-      self.pools[name], ok = P.reset(self.pools[name])
+    self.flush()
+    for g in self.groups:
+      self._pools[g], ok = P.reset(self._pools[g])
       assert bool(ok)
     self._identity.clear()
     self.events.emit(AllBlocksCleared())
     return True
 
   def num_free_blocks(self, group: str) -> int:
-    return int(self.pools[group].num_free)
+    return self._nfree[group]
 
   def usage(self, group: str) -> float:
     """Fraction of blocks held by requests (cached-but-free blocks count as free, as in vLLM)."""
-    p = self.pools[group]
-    return 1.0 - int(p.num_free) / p.num_blocks
+    return 1.0 - self._nfree[group] / self.num_blocks[group]
 
   def is_cached(self, group: str, token_ids, extra_keys: ExtraKeys, block: int) -> bool:
     """Whether block `block` of `group` for this token prefix is findable (tests, debugging)."""

@@ -1,29 +1,35 @@
-"""A paged block pool as a pytree of arrays, with pure jitted operations (state donated in, new state out).
+"""A paged block pool as a pytree of arrays, with pure jitted operations whose cost follows the blocks touched.
 
-One pool per cache group: the model's swa arrays and full arrays have different block shapes, so a block id
-indexes exactly one group's arrays (NOTES.md, "pool layout"). The hash table is per pool, so its key is
-(block hash, group) with the group implicit.
+One pool per cache group (a block id indexes exactly one group's arrays). The hash table is per pool, so its key
+is (block hash, group) with the group implicit.
 
-State (N blocks, S = table slots, a power of two >= 2N):
-* ``ref_N``: holders per block. Invariant: a block is in the free queue  <=>  ref == 0.
-* ``next_P`` / ``prev_P`` (P = N + 1): the free queue as an intrusive doubly linked circular list threaded
-  through the blocks; index N is the sentinel (next[N] = head = evicted first, prev[N] = tail). O(1) removal
-  from the middle when a cached free block is claimed by a hit.
-* ``num_free``: length of the free queue.
-* ``cached_N``, ``key_Nx2``, ``parent_Nx4``, ``tokens_NxT``, ``slot_N``: a block's cached identity: truncated
-  hash key, the full 128-bit digest of its parent prefix, its tokens (T = block tokens), and the table slot that
-  points at it. A hit compares key, parent and tokens, so key collisions never alias prefixes.
+Free blocks form one logical queue, head (reused first) to tail, made of two parts:
+* a **stack** of free blocks put at the head (`free(..., prepend_uncached=True)` of blocks without a cached
+  identity, and every block at start in id order): `stack_N[:stack_top]`, top = head. Allocation pops a slice.
+* a **ring** of blocks appended at the tail (cached blocks, in release order = LRU): `ring_R`, absolute positions
+  [ring_head, ring_tail); position order is release order, so the oldest release is evicted first.
+Both use lazy deletion: block b's live entry is the one at `pos_N[b]` while `loc_N[b]` says where it is; a hit that
+claims a free block just sets `loc_N[b] = HELD`, leaving a stale entry behind. Allocation skips stale ring entries
+as it walks from the head (each is skipped once); stale stack entries (only from claiming a stack block, which the
+manager never does: stack blocks have no identity) and a full ring trigger an O(N) compaction, rare and amortised.
+So allocate / free / touch / register / lookup / evict cost O(ids in the call x probe length), independent of N
+(the one exception is the amortised compaction).
+
+Other state (N blocks, S = table slots, a power of two >= 2N):
+* ``ref_N``: holders per block. Invariant: a block is free (loc != HELD)  <=>  ref == 0.
+* ``cached_N``, ``key_Nx2``, ``parent_Nx4``, ``tokens_NxT``, ``slot_N``: a block's cached identity (truncated key,
+  128-bit parent digest, its tokens, its table slot). A hit compares key, parent and tokens, so key collisions
+  never alias prefixes.
 * ``table_S``: open addressing, linear probing at most `max_probe` slots from `key.lo & (S-1)`; entries are a
-  block id, EMPTY or TOMB (a removed entry; lookups probe past it, inserts reuse it).
+  block id, EMPTY or TOMB (removed; lookups probe past it, inserts reuse it).
+* ``claim_S``: scratch for batched insertion (all BIG between calls; see `_register_core`).
 
-Eviction is lazy (as in vLLM): a freed cached block keeps its identity in the free queue and is findable until
-`allocate` actually hands it out; only then is the identity dropped (and reported so the host emits
-BlockRemoved). `free` appends cached blocks at the tail (LRU; callers pass a request's blocks tail-first) and
-prepends uncached ones at the head, so transient blocks (partial blocks, SWA rows that left the window and are
-not checkpoints) are reused before any cached block: the fix for the A -> B -> A session-switch bug.
+Eviction is lazy (as in vLLM): a freed cached block keeps its identity and stays findable until `allocate` hands
+it out; only then is its identity dropped (reported so the host emits BlockRemoved).
 
 Every operation validates its input and reports failure instead of corrupting state: `ok` false means the state
-came back unchanged.
+came back unchanged. Batched `register` has exactly the semantics of registering its entries one after another
+(the plain reference does that), see `_register_core`.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ from cache.hashing import DIGEST_WORDS
 EMPTY = -1
 TOMB = -2
 DEFAULT_MAX_PROBE = 16
+BIG = np.iinfo(np.int32).max
+
+HELD, STACK, RING = 0, 1, 2
+_RING_REBASE = 1 << 30     # rebase ring positions (a compaction) before int32 overflows
 
 # register() status per entry
 SKIPPED = 0       # id -1 (padding)
@@ -49,16 +59,22 @@ DUPLICATE = 3     # another block already holds this exact content; this one sta
 TABLE_FULL = 4    # no free slot within max_probe; the block stays uncached (correct, just not reusable)
 INVALID = -1      # bad id, block not held, or held under a different identity
 
+_FIELDS = ["ref_N", "loc_N", "pos_N", "stack_N", "stack_top", "stack_stale", "ring_R", "ring_head", "ring_tail",
+           "num_free", "cached_N", "key_Nx2", "parent_Nx4", "tokens_NxT", "slot_N", "table_S", "claim_S"]
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["ref_N", "next_P", "prev_P", "num_free", "cached_N", "key_Nx2", "parent_Nx4",
-                                "tokens_NxT", "slot_N", "table_S"],
-                   meta_fields=["max_probe"])
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=_FIELDS, meta_fields=["max_probe"])
 @dataclasses.dataclass
 class PoolState:
   ref_N: jax.Array
-  next_P: jax.Array
-  prev_P: jax.Array
+  loc_N: jax.Array
+  pos_N: jax.Array
+  stack_N: jax.Array
+  stack_top: jax.Array
+  stack_stale: jax.Array
+  ring_R: jax.Array
+  ring_head: jax.Array
+  ring_tail: jax.Array
   num_free: jax.Array
   cached_N: jax.Array
   key_Nx2: jax.Array
@@ -66,6 +82,7 @@ class PoolState:
   tokens_NxT: jax.Array
   slot_N: jax.Array
   table_S: jax.Array
+  claim_S: jax.Array
   max_probe: int = DEFAULT_MAX_PROBE
 
   @property
@@ -85,236 +102,370 @@ def init_pool(num_blocks: int, block_tokens: int, max_probe: int = DEFAULT_MAX_P
   if num_blocks <= 0 or block_tokens <= 0:
     raise ValueError(f"init_pool: num_blocks ({num_blocks}) and block_tokens ({block_tokens}) must be positive")
   n = num_blocks
-  ids = np.arange(n + 1, dtype=np.int32)
+  ids = np.arange(n, dtype=np.int32)
+  s = table_slots(n)
   return PoolState(
-      ref_N=jnp.zeros(n, jnp.int32),
-      next_P=jnp.asarray((ids + 1) % (n + 1)),    # sentinel -> 0 -> 1 -> ... -> n-1 -> sentinel
-      prev_P=jnp.asarray((ids - 1) % (n + 1)),
-      num_free=jnp.asarray(n, jnp.int32),
-      cached_N=jnp.zeros(n, bool),
-      key_Nx2=jnp.zeros((n, 2), jnp.int32),
-      parent_Nx4=jnp.zeros((n, DIGEST_WORDS), jnp.int32),
-      tokens_NxT=jnp.zeros((n, block_tokens), jnp.int32),
-      slot_N=jnp.full(n, -1, jnp.int32),
-      table_S=jnp.full(table_slots(n), EMPTY, jnp.int32),
-      max_probe=max_probe)
+      ref_N=jnp.zeros(n, jnp.int32), loc_N=jnp.full(n, STACK, jnp.int32),
+      pos_N=jnp.asarray(n - 1 - ids),              # block 0 on top of the stack: handed out first
+      stack_N=jnp.asarray(ids[::-1].copy()), stack_top=jnp.asarray(n, jnp.int32),
+      stack_stale=jnp.asarray(0, jnp.int32),
+      ring_R=jnp.zeros(2 * n, jnp.int32), ring_head=jnp.asarray(0, jnp.int32),
+      ring_tail=jnp.asarray(0, jnp.int32), num_free=jnp.asarray(n, jnp.int32),
+      cached_N=jnp.zeros(n, bool), key_Nx2=jnp.zeros((n, 2), jnp.int32),
+      parent_Nx4=jnp.zeros((n, DIGEST_WORDS), jnp.int32), tokens_NxT=jnp.zeros((n, block_tokens), jnp.int32),
+      slot_N=jnp.full(n, -1, jnp.int32), table_S=jnp.full(s, EMPTY, jnp.int32),
+      claim_S=jnp.full(s, BIG, jnp.int32), max_probe=max_probe)
+
+
+def _rep(st, **kw) -> PoolState:
+  return dataclasses.replace(st, **kw)
+
+
+def _drop(idx, ok, size):
+  """Scatter index that is dropped (out of bounds) where not ok."""
+  return jnp.where(ok, idx, size)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Free-queue primitives (b is a block id; the sentinel is N).
+# Duplicates inside one id list, found by sorting (O(M log M), never O(N)).
 
-def _unlink(st: PoolState, b) -> PoolState:
-  p, nx = st.prev_P[b], st.next_P[b]
-  return dataclasses.replace(st, next_P=st.next_P.at[p].set(nx), prev_P=st.prev_P.at[nx].set(p),
-                             num_free=st.num_free - 1)
-
-
-def _append(st: PoolState, b) -> PoolState:
-  s = st.num_blocks
-  t = st.prev_P[s]
-  nxt = st.next_P.at[t].set(b).at[b].set(s)
-  prv = st.prev_P.at[b].set(t).at[s].set(b)
-  return dataclasses.replace(st, next_P=nxt, prev_P=prv, num_free=st.num_free + 1)
-
-
-def _prepend(st: PoolState, b) -> PoolState:
-  s = st.num_blocks
-  h = st.next_P[s]
-  nxt = st.next_P.at[s].set(b).at[b].set(h)
-  prv = st.prev_P.at[h].set(b).at[b].set(s)
-  return dataclasses.replace(st, next_P=nxt, prev_P=prv, num_free=st.num_free + 1)
-
-
-def _drop_identity(st: PoolState, b) -> PoolState:
-  """Forget block b's cached identity (table entry -> tombstone). Caller checks cached_N[b]."""
-  return dataclasses.replace(st, table_S=st.table_S.at[st.slot_N[b]].set(TOMB),
-                             cached_N=st.cached_N.at[b].set(False), slot_N=st.slot_N.at[b].set(-1),
-                             key_Nx2=st.key_Nx2.at[b].set(0))
+def _occurrences(ids_M, valid_M):
+  """(first_M, last_M, count_M, prev_M): first / last occurrence of its id among valid entries, how many valid
+  entries share its id, and the index of the previous valid entry with the same id (-1 if none)."""
+  m = ids_M.shape[0]
+  k = jnp.where(valid_M, ids_M, BIG)
+  order = jnp.argsort(k, stable=True)
+  sk = k[order]
+  new_run = jnp.concatenate([jnp.ones(1, bool), sk[1:] != sk[:-1]])
+  end_run = jnp.concatenate([sk[1:] != sk[:-1], jnp.ones(1, bool)])
+  left = jnp.searchsorted(sk, sk, side="left")
+  right = jnp.searchsorted(sk, sk, side="right")
+  prev_sorted = jnp.where(new_run, -1, jnp.concatenate([jnp.full(1, -1, order.dtype), order[:-1]]))
+  inv = jnp.zeros(m, jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
+  first, last = new_run[inv] & valid_M, end_run[inv] & valid_M
+  count = jnp.where(valid_M, (right - left)[inv], 0)
+  prev = jnp.where(valid_M, prev_sorted[inv], -1).astype(jnp.int32)
+  return first, last, count, prev
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Hash table probing.
+# Compactions (rare; O(N) each, amortised over >= N cheap operations).
 
-def _matches(st: PoolState, b, key2, parent4, tokens_T):
-  return (jnp.all(st.key_Nx2[b] == key2) & jnp.all(st.parent_Nx4[b] == parent4)
-          & jnp.all(st.tokens_NxT[b] == tokens_T))
+def _compact_ring(st: PoolState) -> PoolState:
+  r = st.ring_R.shape[0]
+  p = st.ring_head + jnp.arange(r, dtype=jnp.int32)
+  b = st.ring_R[p % r]
+  live = (p < st.ring_tail) & (st.loc_N[b] == RING) & (st.pos_N[b] == p)
+  rank = jnp.cumsum(live, dtype=jnp.int32) - 1
+  ring = jnp.zeros_like(st.ring_R).at[_drop(rank, live, r)].set(b, mode="drop")
+  pos = st.pos_N.at[_drop(b, live, st.num_blocks)].set(rank, mode="drop")
+  n_live = jnp.sum(live, dtype=jnp.int32)
+  return _rep(st, ring_R=ring, pos_N=pos, ring_head=jnp.int32(0), ring_tail=n_live)
 
 
-def _find(st: PoolState, key2, parent4, tokens_T):
-  """Block holding exactly this identity, or -1. Probes until a match, an EMPTY slot or max_probe slots."""
+def _compact_stack(st: PoolState) -> PoolState:
+  n = st.num_blocks
+  i = jnp.arange(n, dtype=jnp.int32)
+  b = st.stack_N
+  live = (i < st.stack_top) & (st.loc_N[b] == STACK) & (st.pos_N[b] == i)
+  rank = jnp.cumsum(live, dtype=jnp.int32) - 1
+  stack = jnp.zeros_like(b).at[_drop(rank, live, n)].set(b, mode="drop")
+  pos = st.pos_N.at[_drop(b, live, n)].set(rank, mode="drop")
+  return _rep(st, stack_N=stack, pos_N=pos, stack_top=jnp.sum(live, dtype=jnp.int32), stack_stale=jnp.int32(0))
+
+
+def _maybe(pred, fn, st):
+  return jax.lax.cond(pred, fn, lambda s: s, st)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Identity matching and table probing, vectorised over entries and probe positions.
+
+def _window(st: PoolState, key_Mx2):
   mask = st.table_S.shape[0] - 1
-  home = jnp.bitwise_and(key2[1], mask)
+  home_M = jnp.bitwise_and(key_Mx2[:, 1], mask)
+  slots_MxP = (home_M[:, None] + jnp.arange(st.max_probe, dtype=jnp.int32)[None]) & mask
+  return home_M, slots_MxP
+
+
+def _first_true(x_MxP):
+  """Index of the first true per row, or P if none."""
+  p = x_MxP.shape[1]
+  return jnp.where(jnp.any(x_MxP, 1), jnp.argmax(x_MxP, 1), p).astype(jnp.int32)
+
+
+def _first_match(st: PoolState, e_MxP, cand_MxP, key_Mx2, parent_Mx4, tokens_MxT, extra=None):
+  """First probe position whose entry holds exactly (key, parent, tokens), or P.
+
+  Entries e >= N name entries of `extra` = (key, parent, tokens) arrays (insertions of the running batch).
+  Keys and parents (cheap) are compared everywhere; tokens only for the single key+parent candidate per row
+  unless some row has several (forced key collisions in tests), when a full compare runs instead."""
+  n = st.num_blocks
+  p = e_MxP.shape[1]
+  eb = jnp.clip(e_MxP, 0, n - 1)
+
+  def ident(field_N, field_X, e):
+    own = field_N[jnp.clip(e, 0, n - 1)]
+    if extra is None:
+      return own
+    other = field_X[jnp.clip(e - n, 0, field_X.shape[0] - 1)]
+    sel = (e >= n).reshape(e.shape + (1,) * (own.ndim - e.ndim))
+    return jnp.where(sel, other, own)
+
+  ek, ep, et = (None, None, None) if extra is None else extra
+  kp = (cand_MxP & (e_MxP >= 0)
+        & jnp.all(ident(st.key_Nx2, ek, e_MxP) == key_Mx2[:, None], -1)
+        & jnp.all(ident(st.parent_Nx4, ep, e_MxP) == parent_Mx4[:, None], -1))
+  del eb
+
+  def fast(_):
+    j = _first_true(kp)
+    e = jnp.take_along_axis(e_MxP, jnp.minimum(j, p - 1)[:, None], 1)[:, 0]
+    ok = (j < p) & jnp.all(ident(st.tokens_NxT, et, e) == tokens_MxT, -1)
+    return jnp.where(ok, j, p).astype(jnp.int32)
+
+  def slow(_):
+    full = kp & jnp.all(ident(st.tokens_NxT, et, e_MxP) == tokens_MxT[:, None], -1)
+    return _first_true(full)
+
+  return jax.lax.cond(jnp.any(jnp.sum(kp, 1) > 1), slow, fast, None)
+
+
+def lookup_blocks(st: PoolState, key_Mx2, parent_Mx4, tokens_MxT):
+  """Block id holding each exact identity, or -1 (traceable). Probes until a match, an EMPTY slot or max_probe."""
+  _, slots = _window(st, key_Mx2)
+  e = st.table_S[slots]
+  before_empty = jnp.cumsum(e == EMPTY, 1) == 0
+  j = _first_match(st, e, before_empty, key_Mx2, parent_Mx4, tokens_MxT)
+  p = e.shape[1]
+  return jnp.where(j < p, jnp.take_along_axis(e, jnp.minimum(j, p - 1)[:, None], 1)[:, 0], -1)
+
+
+lookup = jax.jit(lookup_blocks)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Core operations (traceable; composed by the jitted single ops below and by apply_step).
+
+def _allocate_core(st: PoolState, n, max_n: int):
+  n = jnp.asarray(n, jnp.int32)
+  ok = (n >= 0) & (n <= max_n) & (n <= st.num_free)
+  n = jnp.where(ok, n, 0)
+  st = _maybe(st.stack_stale > 0, _compact_stack, st)
+  i = jnp.arange(max_n, dtype=jnp.int32)
+  s = jnp.minimum(n, st.stack_top)
+  from_stack = st.stack_N[jnp.clip(st.stack_top - 1 - i, 0, st.num_blocks - 1)]
+  r_need = n - s
+  r = st.ring_R.shape[0]
 
   def cond(c):
-    i, found = c
-    return (i < st.max_probe) & (found < 0) & (st.table_S[(home + i) & mask] != EMPTY)
+    return c[1] < r_need
 
   def body(c):
-    i, _ = c
-    e = st.table_S[(home + i) & mask]
-    hit = (e >= 0) & _matches(st, jnp.maximum(e, 0), key2, parent4, tokens_T)
-    return i + 1, jnp.where(hit, e, -1)
+    head, got, ids = c
+    p = head + i
+    b = st.ring_R[p % r]
+    live = (p < st.ring_tail) & (st.loc_N[b] == RING) & (st.pos_N[b] == p)
+    rank = jnp.cumsum(live, dtype=jnp.int32) - 1
+    take = live & (rank < r_need - got)
+    ids = ids.at[_drop(s + got + rank, take, max_n)].set(b, mode="drop")
+    n_take = jnp.sum(take, dtype=jnp.int32)
+    last = jnp.max(jnp.where(take, i, -1))
+    head = jnp.where(got + n_take >= r_need, head + last + 1, jnp.minimum(head + max_n, st.ring_tail))
+    return head, got + n_take, ids
 
-  return jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(-1)))[1]
+  ids0 = jnp.where(i < s, from_stack, -1)
+  head, _, ids = jax.lax.while_loop(cond, body, (st.ring_head, jnp.int32(0), ids0))
+  take = i < n
+  ids = jnp.where(take, ids, -1)
+  safe = jnp.maximum(ids, 0)
+  ev = take & st.cached_N[safe]
+  nb, ns = st.num_blocks, st.table_S.shape[0]
+  st = _rep(st,
+            table_S=st.table_S.at[_drop(st.slot_N[safe], ev, ns)].set(TOMB, mode="drop"),
+            cached_N=st.cached_N.at[_drop(ids, ev, nb)].set(False, mode="drop"),
+            slot_N=st.slot_N.at[_drop(ids, ev, nb)].set(-1, mode="drop"),
+            key_Nx2=st.key_Nx2.at[_drop(ids, ev, nb)].set(0, mode="drop"),
+            ref_N=st.ref_N.at[_drop(ids, take, nb)].set(1, mode="drop"),
+            loc_N=st.loc_N.at[_drop(ids, take, nb)].set(HELD, mode="drop"),
+            stack_top=st.stack_top - s, ring_head=head, num_free=st.num_free - n)
+  return st, ids, ev, ok
 
-
-def _insert_scan(st: PoolState, key2, parent4, tokens_T):
-  """(block already holding this identity or -1, first reusable slot within max_probe or -1)."""
-  mask = st.table_S.shape[0] - 1
-  home = jnp.bitwise_and(key2[1], mask)
-
-  def cond(c):
-    i, dup, free, seen_empty = c
-    return (i < st.max_probe) & (dup < 0) & ~seen_empty
-
-  def body(c):
-    i, dup, free, seen_empty = c
-    s = (home + i) & mask
-    e = st.table_S[s]
-    free = jnp.where((free < 0) & (e < 0), s, free)
-    dup = jnp.where((e >= 0) & _matches(st, jnp.maximum(e, 0), key2, parent4, tokens_T), e, -1)
-    return i + 1, dup, free, e == EMPTY
-
-  _, dup, free, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(-1), jnp.int32(-1), False))
-  return dup, free
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Operations. Ids arrays are fixed-size with -1 padding so each op compiles once per (pool, size) shape.
 
 def _ids_valid(st: PoolState, ids_M):
   return jnp.all((ids_M >= -1) & (ids_M < st.num_blocks))
 
 
+def _touch_core(st: PoolState, ids_M):
+  ok = _ids_valid(st, ids_M)
+  act = ok & (ids_M >= 0)
+  first, _, _, _ = _occurrences(ids_M, act)
+  safe = jnp.maximum(ids_M, 0)
+  was_free = first & (st.ref_N[safe] == 0)
+  nb = st.num_blocks
+  st = _rep(st,
+            stack_stale=st.stack_stale + jnp.sum(was_free & (st.loc_N[safe] == STACK), dtype=jnp.int32),
+            loc_N=st.loc_N.at[_drop(ids_M, was_free, nb)].set(HELD, mode="drop"),
+            num_free=st.num_free - jnp.sum(was_free, dtype=jnp.int32),
+            ref_N=st.ref_N.at[_drop(ids_M, act, nb)].add(1, mode="drop"))
+  return st, ok
+
+
+def _free_core(st: PoolState, ids_M, prepend_uncached: bool):
+  nb = st.num_blocks
+  in_range = _ids_valid(st, ids_M)
+  valid = (ids_M >= 0) & (ids_M < nb)
+  safe = jnp.clip(ids_M, 0, nb - 1)
+  _, last, count, _ = _occurrences(ids_M, valid)
+  ok = in_range & jnp.all(~valid | (count <= st.ref_N[safe]))
+  act = valid & ok
+  ref = st.ref_N.at[_drop(ids_M, act, nb)].add(-1, mode="drop")
+  zero = act & last & (ref[safe] == 0)
+  to_tail = zero & (st.cached_N[safe] | (not prepend_uncached))
+  to_head = zero & ~to_tail
+  n_tail = jnp.sum(to_tail, dtype=jnp.int32)
+  n_head = jnp.sum(to_head, dtype=jnp.int32)
+  st = _rep(st, ref_N=ref)
+  r = st.ring_R.shape[0]
+  st = _maybe((st.ring_tail + n_tail - st.ring_head > r) | (st.ring_tail > _RING_REBASE), _compact_ring, st)
+  st = _maybe(st.stack_top + n_head > nb, _compact_stack, st)
+  p = st.ring_tail + jnp.cumsum(to_tail, dtype=jnp.int32) - 1
+  # the first listed block must end on top of the stack (the very head): push in reverse list order
+  q = st.stack_top + n_head - jnp.cumsum(to_head, dtype=jnp.int32)
+  pos = st.pos_N.at[_drop(ids_M, to_tail, nb)].set(p, mode="drop").at[_drop(ids_M, to_head, nb)].set(q, mode="drop")
+  loc = st.loc_N.at[_drop(ids_M, to_tail, nb)].set(RING, mode="drop").at[_drop(ids_M, to_head, nb)].set(
+      STACK, mode="drop")
+  st = _rep(st, pos_N=pos, loc_N=loc,
+            ring_R=st.ring_R.at[_drop(p % r, to_tail, r)].set(ids_M, mode="drop"),
+            stack_N=st.stack_N.at[_drop(q, to_head, nb)].set(ids_M, mode="drop"),
+            ring_tail=st.ring_tail + n_tail, stack_top=st.stack_top + n_head,
+            num_free=st.num_free + n_tail + n_head)
+  return st, ok
+
+
+def _register_core(st: PoolState, ids_M, key_Mx2, parent_Mx4, tokens_MxT):
+  """Batched insertion with exactly the result of inserting the entries one after another.
+
+  Rounds: every unresolved entry scans its probe window against the current table; an entry is resolved in a
+  round unless a lower-index unresolved entry could change what it sees: one whose probe window overlaps its own
+  (found through `claim_S`: each unresolved entry writes its index into its window slots with scatter-min) or one
+  for the same block. The lowest unresolved entry always resolves, so rounds <= M; with random keys there are
+  only a few. Insertions of the running batch enter the table as N + entry index until the end."""
+  nb, ns, m = st.num_blocks, st.table_S.shape[0], ids_M.shape[0]
+  p = st.max_probe
+  b = ids_M
+  in_range = (b >= 0) & (b < nb)
+  bb = jnp.clip(b, 0, nb - 1)
+  held = in_range & (st.ref_N[bb] > 0)
+  _, _, _, prev = _occurrences(ids_M, in_range)
+  _, slots = _window(st, key_Mx2)
+  idx = jnp.arange(m, dtype=jnp.int32)
+  code0 = jnp.where(b == -1, SKIPPED, INVALID)
+  same_block_ident = (jnp.all(st.key_Nx2[bb] == key_Mx2, -1) & jnp.all(st.parent_Nx4[bb] == parent_Mx4, -1)
+                      & jnp.all(st.tokens_NxT[bb] == tokens_MxT, -1))
+  prevc = jnp.maximum(prev, 0)
+
+  def cond(c):
+    return jnp.any(c[2])
+
+  def body(c):
+    table, claim, pending, code, slot_of, owner = c
+    # who may resolve this round
+    claim = claim.at[jnp.where(pending[:, None], slots, ns)].min(
+        jnp.broadcast_to(idx[:, None], slots.shape), mode="drop")
+    lower_overlap = jnp.min(claim[slots], 1) < idx
+    claim = claim.at[jnp.where(pending[:, None], slots, ns)].set(BIG, mode="drop")
+    prev_pending = (prev >= 0) & pending[prevc]
+    ready = pending & ~lower_overlap & ~prev_pending
+    # the block's identity now: from before the call, or stored by an earlier entry for the same block
+    cached_before = st.cached_N[bb]
+    own = jnp.where(prev >= 0, owner[prevc], -1)
+    ownc = jnp.maximum(own, 0)
+    same_owner_ident = (jnp.all(key_Mx2[ownc] == key_Mx2, -1) & jnp.all(parent_Mx4[ownc] == parent_Mx4, -1)
+                        & jnp.all(tokens_MxT[ownc] == tokens_MxT, -1))
+    cached_now = cached_before | (own >= 0)
+    same = jnp.where(cached_before, same_block_ident, same_owner_ident)
+    e = table[slots]
+    upto_empty = jnp.cumsum(e == EMPTY, 1) - (e == EMPTY) == 0        # scan stops after the first EMPTY
+    j_dup = _first_match(st, e, upto_empty, key_Mx2, parent_Mx4, tokens_MxT, (key_Mx2, parent_Mx4, tokens_MxT))
+    j_free = _first_true(upto_empty & (e < 0))
+    free_slot = jnp.take_along_axis(slots, jnp.minimum(j_free, p - 1)[:, None], 1)[:, 0]
+    new_code = jnp.where(cached_now, jnp.where(same, ALREADY, INVALID),
+                         jnp.where(j_dup < p, DUPLICATE, jnp.where(j_free < p, STORED, TABLE_FULL)))
+    store = ready & (new_code == STORED)
+    table = table.at[_drop(free_slot, store, ns)].set(nb + idx, mode="drop")
+    code = jnp.where(ready, new_code, code)
+    slot_of = jnp.where(store, free_slot, slot_of)
+    owner = jnp.where(ready, jnp.where(store, idx, own), owner)
+    return table, claim, pending & ~ready, code, slot_of, owner
+
+  table, claim, _, code, slot_of, _ = jax.lax.while_loop(
+      cond, body, (st.table_S, st.claim_S, held, code0, jnp.full(m, -1, jnp.int32), jnp.full(m, -1, jnp.int32)))
+  store = code == STORED
+  table = table.at[_drop(slot_of, store, ns)].set(b, mode="drop")
+  tgt = _drop(b, store, nb)
+  st = _rep(st, table_S=table, claim_S=claim,
+            cached_N=st.cached_N.at[tgt].set(True, mode="drop"), slot_N=st.slot_N.at[tgt].set(slot_of, mode="drop"),
+            key_Nx2=st.key_Nx2.at[tgt].set(key_Mx2, mode="drop"),
+            parent_Nx4=st.parent_Nx4.at[tgt].set(parent_Mx4, mode="drop"),
+            tokens_NxT=st.tokens_NxT.at[tgt].set(tokens_MxT, mode="drop"))
+  return st, code
+
+
+def _evict_core(st: PoolState, ids_M):
+  nb, ns = st.num_blocks, st.table_S.shape[0]
+  valid = (ids_M >= 0) & (ids_M < nb)
+  first, _, _, _ = _occurrences(ids_M, valid)
+  safe = jnp.clip(ids_M, 0, nb - 1)
+  act = first & (st.ref_N[safe] == 0) & st.cached_N[safe]
+  tgt = _drop(ids_M, act, nb)
+  st = _rep(st, table_S=st.table_S.at[_drop(st.slot_N[safe], act, ns)].set(TOMB, mode="drop"),
+            cached_N=st.cached_N.at[tgt].set(False, mode="drop"), slot_N=st.slot_N.at[tgt].set(-1, mode="drop"),
+            key_Nx2=st.key_Nx2.at[tgt].set(0, mode="drop"))
+  return st, act
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Single jitted operations (state donated). Id arrays are fixed width with -1 padding.
+
 @functools.partial(jax.jit, static_argnames=("max_n",), donate_argnums=0)
 def allocate(st: PoolState, n, *, max_n: int):
-  """Pop n blocks from the head of the free queue (ref = 1), dropping each one's cached identity.
+  """Take n blocks from the head of the free queue (ref = 1), dropping each one's cached identity.
 
   Returns (state, ids_M, evicted_M, ok): ids padded with -1; evicted_M[i] says ids[i] lost a cached identity
   (the host emits BlockRemoved). ok is false, and nothing changes, if n < 0, n > max_n or n > num_free.
   """
-  n = jnp.asarray(n, jnp.int32)
-  ok = (n >= 0) & (n <= max_n) & (n <= st.num_free)
-  n_eff = jnp.where(ok, n, 0)
-  ids = jnp.full(max_n, -1, jnp.int32)
-  ev = jnp.zeros(max_n, bool)
-
-  def body(c):
-    i, s, ids, ev = c
-    b = s.next_P[s.num_blocks]
-    s = _unlink(s, b)
-    was = s.cached_N[b]
-    s = jax.lax.cond(was, _drop_identity, lambda s, b: s, s, b)
-    s = dataclasses.replace(s, ref_N=s.ref_N.at[b].set(1))
-    return i + 1, s, ids.at[i].set(b), ev.at[i].set(was)
-
-  _, st, ids, ev = jax.lax.while_loop(lambda c: c[0] < n_eff, body, (jnp.int32(0), st, ids, ev))
-  return st, ids, ev, ok
+  return _allocate_core(st, n, max_n)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def touch(st: PoolState, ids_M):
   """Claim blocks (prefix hit): a free one leaves the free queue; ref += 1. -1 entries are skipped."""
-  ok = _ids_valid(st, ids_M)
-
-  def body(i, s):
-    b = ids_M[i]
-    bb = jnp.maximum(b, 0)
-
-    def claim(s):
-      s = jax.lax.cond(s.ref_N[bb] == 0, _unlink, lambda s, b: s, s, bb)
-      return dataclasses.replace(s, ref_N=s.ref_N.at[bb].add(1))
-
-    return jax.lax.cond(ok & (b >= 0), claim, lambda s: s, s)
-
-  return jax.lax.fori_loop(0, ids_M.shape[0], body, st), ok
+  return _touch_core(st, ids_M)
 
 
 @functools.partial(jax.jit, static_argnames=("prepend_uncached",), donate_argnums=0)
 def free(st: PoolState, ids_M, *, prepend_uncached: bool = True):
   """Release one reference per listed block, given in eviction order (a request's tail blocks first).
 
-  Blocks reaching ref 0: cached ones are appended to the free-queue tail in list order (kept longest, LRU);
-  uncached ones are put at the head in list order (reused first). `prepend_uncached=False` is the legacy
-  (vLLM <= 0.22) behaviour, kept only so tests can show the session-switch bug. ok false (state unchanged) if an
-  id is out of range or a block would drop below ref 0.
+  Blocks reaching ref 0: cached ones are appended to the tail in list order (kept longest, LRU); uncached ones
+  are put at the head in list order (reused first). `prepend_uncached=False` is the legacy (vLLM <= 0.22)
+  behaviour. ok false (state unchanged) if an id is out of range or a block would drop below ref 0.
   """
-  valid = ids_M >= 0
-  dec_N = jnp.zeros_like(st.ref_N).at[jnp.where(valid, ids_M, st.num_blocks)].add(1, mode="drop")
-  ok = _ids_valid(st, ids_M) & jnp.all(dec_N <= st.ref_N)
-  m = ids_M.shape[0]
-
-  def dec(i, c):
-    s, zero = c
-    b = ids_M[i]
-    bb = jnp.maximum(b, 0)
-    act = ok & (b >= 0)
-    s = dataclasses.replace(s, ref_N=s.ref_N.at[bb].add(jnp.where(act, -1, 0)))
-    hit0 = act & (s.ref_N[bb] == 0)
-    to_tail = hit0 & (s.cached_N[bb] | (not prepend_uncached))
-    s = jax.lax.cond(to_tail, _append, lambda s, b: s, s, bb)
-    return s, zero.at[i].set(hit0 & ~to_tail)
-
-  st, zero = jax.lax.fori_loop(0, m, dec, (st, jnp.zeros(m, bool)))
-
-  def pre(j, s):  # reverse walk so the first listed uncached block ends up at the very head
-    i = m - 1 - j
-    return jax.lax.cond(zero[i], _prepend, lambda s, b: s, s, jnp.maximum(ids_M[i], 0))
-
-  return jax.lax.fori_loop(0, m, pre, st), ok
+  return _free_core(st, ids_M, prepend_uncached)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def register(st: PoolState, ids_M, key_Mx2, parent_Mx4, tokens_MxT):
   """Record the cached identity of held, full blocks. Returns (state, status_M) with the codes above."""
-
-  def body(i, c):
-    s, status = c
-    b = ids_M[i]
-    bb = jnp.clip(b, 0, s.num_blocks - 1)
-    key2, par4, tok = key_Mx2[i], parent_Mx4[i], tokens_MxT[i]
-    in_range = (b >= 0) & (b < s.num_blocks)
-    held = in_range & (s.ref_N[bb] > 0)
-    same = s.cached_N[bb] & _matches(s, bb, key2, par4, tok)
-    dup, slot = _insert_scan(s, key2, par4, tok)
-    fresh = held & ~s.cached_N[bb]
-    code = jnp.where(b == -1, SKIPPED, jnp.where(
-        ~held, INVALID, jnp.where(s.cached_N[bb], jnp.where(same, ALREADY, INVALID), jnp.where(
-            dup >= 0, DUPLICATE, jnp.where(slot >= 0, STORED, TABLE_FULL)))))
-    store = fresh & (dup < 0) & (slot >= 0)
-
-    def do_store(s):
-      return dataclasses.replace(
-          s, table_S=s.table_S.at[slot].set(bb), cached_N=s.cached_N.at[bb].set(True),
-          slot_N=s.slot_N.at[bb].set(slot), key_Nx2=s.key_Nx2.at[bb].set(key2),
-          parent_Nx4=s.parent_Nx4.at[bb].set(par4), tokens_NxT=s.tokens_NxT.at[bb].set(tok))
-
-    s = jax.lax.cond(store, do_store, lambda s: s, s)
-    return s, status.at[i].set(code)
-
-  return jax.lax.fori_loop(0, ids_M.shape[0], body, (st, jnp.zeros(ids_M.shape[0], jnp.int32)))
-
-
-def lookup_blocks(st: PoolState, key_Mx2, parent_Mx4, tokens_MxT):
-  """Block id holding each exact identity, or -1 (traceable; used inside the prefix search)."""
-  return jax.vmap(lambda k, p, t: _find(st, k, p, t))(key_Mx2, parent_Mx4, tokens_MxT)
-
-
-lookup = jax.jit(lookup_blocks)
+  return _register_core(st, ids_M, key_Mx2, parent_Mx4, tokens_MxT)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def evict(st: PoolState, ids_M):
-  """Drop the cached identity of free blocks (an external eviction). Held or uncached ids are ignored."""
-
-  def body(i, c):
-    s, ev = c
-    b = ids_M[i]
-    bb = jnp.clip(b, 0, s.num_blocks - 1)
-    act = (b >= 0) & (b < s.num_blocks) & (s.ref_N[bb] == 0) & s.cached_N[bb]
-    return jax.lax.cond(act, _drop_identity, lambda s, b: s, s, bb), ev.at[i].set(act)
-
-  return jax.lax.fori_loop(0, ids_M.shape[0], body, (st, jnp.zeros(ids_M.shape[0], bool)))
+  """Drop the cached identity of free blocks (an external eviction). Held or uncached ids are ignored; a freed
+  block keeps its place in the free queue."""
+  return _evict_core(st, ids_M)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -330,10 +481,13 @@ def reset(st: PoolState):
 # Host-side views (tests, debugging).
 
 def free_queue(st: PoolState) -> list[int]:
-  """The free queue head (evicted first) to tail, walked on the host."""
-  nxt = np.asarray(st.next_P)
-  out, b = [], int(nxt[st.num_blocks])
-  while b != st.num_blocks and len(out) <= st.num_blocks:
-    out.append(b)
-    b = int(nxt[b])
+  """The free queue head (reused first) to tail: live stack entries top-down, then live ring entries."""
+  loc, pos = np.asarray(st.loc_N), np.asarray(st.pos_N)
+  stack, top = np.asarray(st.stack_N), int(st.stack_top)
+  out = [int(stack[i]) for i in range(top - 1, -1, -1) if loc[stack[i]] == STACK and pos[stack[i]] == i]
+  ring, r = np.asarray(st.ring_R), st.ring_R.shape[0]
+  for p in range(int(st.ring_head), int(st.ring_tail)):
+    b = int(ring[p % r])
+    if loc[b] == RING and pos[b] == p:
+      out.append(b)
   return out

@@ -1,20 +1,21 @@
-"""Longest prefix hit across cache groups: jitted, batched over requests.
+"""Longest prefix hit across cache groups: jitted, batched over requests, reading only what a hit needs.
 
 For a request with hash units u = 0..U-1 (a unit is `hash_tokens` tokens) the host passes per unit the device
 key, the parent digest (128 bits) and the tokens. A block of a group with k units per block is block j =
 units [jk, (j+1)k): key of its last unit, parent digest of its first unit, its tokens. A block is present iff
 its pool's table holds a block with exactly that (key, parent, tokens).
 
-* full-history groups: scan left to right from block 0, stop at the first miss (chained hashes make any miss
-  final); the group supports every aligned L up to the end of its run.
+* full-history groups: ONE batched lookup of every block of every request (vectorised probing); the run is the
+  leading present blocks (chained hashes make any miss final); it supports every aligned L up to its end.
 * sliding-window groups: a resume at L needs only the `need` blocks before L. Candidates are tried from the
-  largest aligned L the full groups allow, right to left in steps of the alignment.
+  largest aligned L the full groups allow, right to left in steps of the alignment; each step looks up only the
+  tail blocks of the candidates still open (all requests at once).
 * the hit is the largest aligned L (a multiple of lcm of the block sizes) that every group supports, capped by
   `max_len` (callers pass num_tokens - 1: the last prompt token is always recomputed for its logits).
 
-Returns hit_B and, per group, block ids [B, U // k] (-1 where no block is needed: past the hit, and for
-sliding-window groups before the tail). The compressor state at L is in those swa tail rows (specs.py), so the
-hit is exact for every piece of state the next step reads.
+Returns hit_B, the full-history run (aligned, capped; where a hit would end if every sliding tail existed: the
+"junction" the checkpoint policy pins) and, per group, block ids [B, U // k] (-1 where no block is needed: past
+the hit, and for sliding-window groups before the tail).
 """
 
 from __future__ import annotations
@@ -40,56 +41,93 @@ def group_searches(specs: CacheSpecs) -> tuple[GroupSearch, ...]:
   return tuple(GroupSearch(g.kind, g.block_tokens // specs.hash_tokens, g.need_blocks) for g in specs.groups)
 
 
-def _search_one(pools, key_Ux2, parent_Ux4, tokens_UxG, max_len, groups, align, hash_tokens):
-  num_units = key_Ux2.shape[0]
-  g_tok = tokens_UxG.shape[1]
+def _block_idents(key_BxUx2, parent_BxUx4, tokens_BxUxG, upb, j_BxK):
+  """(key, parent, tokens) of blocks j (shape [B, K]) of a group with `upb` units per block, flattened to B*K."""
+  b, u, g = tokens_BxUxG.shape
+  nb = u // upb
+  j = jnp.clip(j_BxK, 0, nb - 1)
+  bi = jnp.arange(b)[:, None]
+  key = key_BxUx2[bi, j * upb + upb - 1]
+  par = parent_BxUx4[bi, j * upb]
+  tok = tokens_BxUxG.reshape(b, nb, upb * g)[bi, j]
+  k = j_BxK.shape[1]
+  return key.reshape(b * k, 2), par.reshape(b * k, -1), tok.reshape(b * k, -1)
 
-  def find(pool, upb, j):
-    j = jnp.clip(j, 0, num_units // upb - 1)
-    u0 = j * upb
-    tok = jax.lax.dynamic_slice(tokens_UxG, (u0, 0), (upb, g_tok)).reshape(-1)
-    return P._find(pool, key_Ux2[u0 + upb - 1], parent_Ux4[u0], tok)
 
-  limit = jnp.minimum(max_len, num_units * hash_tokens) // align * align
-  hit = limit
-  for grp, pool in zip(groups, pools):
+def _lookup(pool, key_BxUx2, parent_BxUx4, tokens_BxUxG, upb, j_BxK):
+  ids = P.lookup_blocks(pool, *_block_idents(key_BxUx2, parent_BxUx4, tokens_BxUxG, upb, j_BxK))
+  return ids.reshape(j_BxK.shape)
+
+
+def search(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, groups, align, hash_tokens):
+  """Traceable batched search (see module doc). Returns (hit_B, full_run_B, ids per group)."""
+  b, num_units, _ = key_BxUx2.shape
+  limit = jnp.minimum(max_len_B, num_units * hash_tokens) // align * align
+  run_tokens = limit
+  full_ids = {}
+  for gi, (grp, pool) in enumerate(zip(groups, pools)):
     if grp.kind != FULL_HISTORY:
       continue
     bt = grp.units_per_block * hash_tokens
-
-    def cond(j, pool=pool, grp=grp, bt=bt):
-      return ((j + 1) * bt <= limit) & (find(pool, grp.units_per_block, j) >= 0)
-
-    run = jax.lax.while_loop(cond, lambda j: j + 1, jnp.int32(0))
-    hit = jnp.minimum(hit, run * bt // align * align)
-
-  def tail_ok(L):
-    ok = jnp.bool_(True)
-    for grp, pool in zip(groups, pools):
-      if grp.kind == FULL_HISTORY:
-        continue
-      e = L // (grp.units_per_block * hash_tokens)
-      for k in range(grp.need_blocks):
-        j = e - grp.need_blocks + k
-        ok &= (j < 0) | (find(pool, grp.units_per_block, j) >= 0)
-    return ok
-
-  hit = jax.lax.while_loop(lambda L: (L > 0) & ~tail_ok(L), lambda L: L - align, hit)
-
-  ids = []
-  for grp, pool in zip(groups, pools):
     nb = num_units // grp.units_per_block
-    js = jnp.arange(nb)
+    js = jnp.broadcast_to(jnp.arange(nb), (b, nb))
+    ids = _lookup(pool, key_BxUx2, parent_BxUx4, tokens_BxUxG, grp.units_per_block, js)
+    run = jnp.sum(jnp.cumprod(ids >= 0, axis=1), axis=1)
+    run_tokens = jnp.minimum(run_tokens, run * bt // align * align)
+    full_ids[gi] = ids
+  sliding = [(gi, grp, pool) for gi, (grp, pool) in enumerate(zip(groups, pools)) if grp.kind != FULL_HISTORY]
+
+  def tails(L_B):
+    """Per sliding group the tail ids at L (-1 = missing or not needed) and whether every tail is present."""
+    ok = jnp.ones(b, bool)
+    out = []
+    for gi, grp, pool in sliding:
+      e = L_B // (grp.units_per_block * hash_tokens)
+      js = e[:, None] - grp.need_blocks + jnp.arange(grp.need_blocks)[None]
+      ids = _lookup(pool, key_BxUx2, parent_BxUx4, tokens_BxUxG, grp.units_per_block, js)
+      ids = jnp.where(js >= 0, ids, -1)
+      ok &= jnp.all((js < 0) | (ids >= 0), axis=1)
+      out.append(ids)
+    return ok, out
+
+  hit = run_tokens
+  tail_ids = [jnp.full((b, grp.need_blocks), -1, jnp.int32) for _, grp, _ in sliding]
+  if sliding:
+    def cond(c):
+      return jnp.any(c[1])
+
+    def body(c):
+      L, open_, kept = c
+      ok, ids = tails(L)
+      done = open_ & (ok | (L <= 0))
+      kept = [jnp.where(done[:, None], i, k) for i, k in zip(ids, kept)]
+      L = jnp.where(open_ & ~done, L - align, L)
+      return L, open_ & ~done, kept
+
+    hit, _, tail_ids = jax.lax.while_loop(cond, body, (hit, jnp.ones(b, bool), tail_ids))
+    hit = jnp.maximum(hit, 0)
+  out = []
+  si = 0
+  for gi, grp in enumerate(groups):
+    nb = num_units // grp.units_per_block
     e = hit // (grp.units_per_block * hash_tokens)
-    lo = 0 if grp.kind == FULL_HISTORY else jnp.maximum(0, e - grp.need_blocks)
-    want = (js >= lo) & (js < e)
-    ids.append(jnp.where(want, jax.vmap(lambda j, pool=pool, grp=grp: find(pool, grp.units_per_block, j))(js),
-                         -1))
-  return hit, tuple(ids)
+    js = jnp.arange(nb)[None]
+    if grp.kind == FULL_HISTORY:
+      out.append(jnp.where(js < e[:, None], full_ids[gi], -1))
+    else:
+      t = tail_ids[si]
+      si += 1
+      tj = e[:, None] - grp.need_blocks + jnp.arange(grp.need_blocks)[None]
+      rows = jnp.broadcast_to(jnp.arange(b)[:, None], tj.shape)
+      keep = (tj >= 0) & (e[:, None] > 0)
+      ids = jnp.full((b, nb), -1, jnp.int32).at[rows, jnp.where(keep, tj, nb)].set(t, mode="drop")
+      out.append(ids)
+  return hit, run_tokens, tuple(out)
 
 
 @functools.partial(jax.jit, static_argnames=("groups", "align_tokens", "hash_tokens"))
 def find_hits(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, *, groups, align_tokens, hash_tokens):
-  """Batched hybrid prefix search. pools: tuple of PoolState in the order of `groups`. Pure (no claim)."""
-  return jax.vmap(lambda k, p, t, m: _search_one(pools, k, p, t, m, groups, align_tokens, hash_tokens))(
-      key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B)
+  """Batched hybrid prefix search. pools: tuple of PoolState in the order of `groups`. Pure (no claim).
+  Returns (hit_B, ids per group)."""
+  hit, _, ids = search(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, groups, align_tokens, hash_tokens)
+  return hit, ids

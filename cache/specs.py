@@ -1,113 +1,117 @@
-"""Cache-group specs derived from a model config: what the block pools hold and how hits align.
+"""Cache-group specs: plain data describing what the block pools hold and how hits align.
 
-The model (dsv4/caches.py) pages its caches in two groups; this module describes them for the allocator:
+`cache/` knows nothing about the model: the model side (`dsv4.caches.group_specs`) derives a `CacheSpecs` from its
+config and hands it to `KVCacheManager`. A group is one block table per request and one block pool:
 
-* ``full`` (kind ``full_history``): one block = `CacheLayout.full_block_tokens` tokens of history, i.e. the
-  compressed KV entries and (V4 CSA / V4.1 KV-source layers) indexer keys of that span. Every future token may
-  select any of them, so a resume at position L needs every block before L (scan left to right).
-* ``swa`` (kind ``sliding_window``): one row per token: window KV of every layer plus the raw compressor
-  projections. A resume at L needs only the `state_tail_tokens(config)` rows before L (window and compressor
-  state), i.e. the last `need_blocks` blocks before L (search right to left).
-* The per-request compressor state is NOT a separate pool: it is exactly the last
-  `ModelConfig.compressor_state_tokens` rows of the swa group, so it travels with every SWA checkpoint and
-  `compressor_state` below only reports its size (it is never prefix-cached on its own).
+* kind FULL_HISTORY: every future token may read any block (compressed KV, indexer keys), so a resume at L needs
+  every block before L (scan left to right, stop at the first miss).
+* kind SLIDING_WINDOW: a resume at L reads only the `tail_tokens` rows before L (window rows, pending compressor
+  rows), i.e. the last `need_blocks` blocks before L. Any number of such groups, each with its own block size and
+  tail, may coexist (e.g. a window group in the KV dtype plus small compressor-state groups).
 
-V4.1 needs no special case here: `dsv4.caches.cache_array_specs` already gives compressed KV / index keys only
-to KV-source ("full") layers, and reindex/reuse layers own only their window rows.
-
-Hashing interval = gcd of the prefix-cacheable block sizes (every group's block boundary is a hash boundary);
-resume alignment = lcm (a hit ends on a block edge of every group).
+Hashing interval = gcd of the group block sizes (every block boundary is a hash boundary); resume alignment = lcm
+(a hit ends on a block edge of every group).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import math
-
-from dsv4.caches import FULL, SWA, ArraySpec, CacheLayout, cache_array_specs, state_tail_tokens
-from dsv4.config import ModelConfig
 
 FULL_HISTORY = "full_history"
 SLIDING_WINDOW = "sliding_window"
+KINDS = (FULL_HISTORY, SLIDING_WINDOW)
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupSpec:
-  """One paged cache group: a block table per request and one block pool."""
-  name: str                       # "full" or "swa": the `ArraySpec.group` of its arrays
+  """One paged cache group."""
+  name: str
   kind: str                       # FULL_HISTORY or SLIDING_WINDOW
   block_tokens: int
-  bytes_per_block: int            # summed over every layer's array of this group
-  tail_tokens: int                # SLIDING_WINDOW: rows before a resume point the next step reads; else 0
-  arrays: tuple[ArraySpec, ...]
+  bytes_per_block: int            # summed over every layer's array of this group (memory accounting only)
+  tail_tokens: int = 0            # SLIDING_WINDOW: rows before a resume point the next step reads; else 0
+  note: str = ""                  # free text for reports (which arrays the model keeps here)
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"GroupSpec {self.name!r}: kind {self.kind!r} not in {KINDS}")
+    if self.block_tokens <= 0 or self.bytes_per_block < 0 or self.tail_tokens < 0:
+      raise ValueError(f"GroupSpec {self.name!r}: block_tokens must be > 0, bytes and tail >= 0")
+    if self.kind == FULL_HISTORY and self.tail_tokens:
+      raise ValueError(f"GroupSpec {self.name!r}: a full-history group has no tail")
 
   @property
   def need_blocks(self) -> int:
-    """SWA blocks that must be cached right before a resume point (0 for full-history groups)."""
+    """Blocks that must be cached right before a resume point (0 for full-history groups: all of them)."""
     return -(-self.tail_tokens // self.block_tokens) if self.kind == SLIDING_WINDOW else 0
 
-
-@dataclasses.dataclass(frozen=True)
-class CompressorStateSpec:
-  """The per-request compressor state: rows of the swa group (never a pool or a prefix-cache entry of its own)."""
-  tokens: int                     # max over layers of `compressor_state_tokens`
-  bytes_per_token: int            # comp_state_* and index_state_* rows of all layers, one token
-  stored_in: str = SWA
+  @property
+  def checkpoint_bytes(self) -> int:
+    """Bytes one checkpoint (the tail before a resume point) of this group pins; 0 for full-history groups."""
+    return self.need_blocks * self.bytes_per_block
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpecs:
-  groups: tuple[GroupSpec, ...]   # full-history groups first (they bound the hit search)
-  hash_tokens: int                # gcd of group block sizes: one chained hash per this many tokens
-  align_tokens: int               # lcm of group block sizes: every hit is a multiple of this
-  compressor_state: CompressorStateSpec
-  fingerprint: str                # model + layout identity, part of every block hash (extra key)
+  groups: tuple[GroupSpec, ...]
+  fingerprint: str = ""           # model + layout identity, part of every block hash (extra key)
+
+  def __post_init__(self):
+    if not self.groups:
+      raise ValueError("CacheSpecs: at least one group")
+    names = [g.name for g in self.groups]
+    if len(set(names)) != len(names):
+      raise ValueError(f"CacheSpecs: duplicate group names {names}")
+    # full-history groups first: they bound the hit search before the sliding groups are checked
+    order = sorted(self.groups, key=lambda g: g.kind != FULL_HISTORY)
+    object.__setattr__(self, "groups", tuple(order))
+
+  @property
+  def hash_tokens(self) -> int:
+    return functools.reduce(math.gcd, [g.block_tokens for g in self.groups])
+
+  @property
+  def align_tokens(self) -> int:
+    return functools.reduce(math.lcm, [g.block_tokens for g in self.groups])
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    return tuple(g.name for g in self.groups)
 
   def group(self, name: str) -> GroupSpec:
     for g in self.groups:
       if g.name == name:
         return g
-    raise KeyError(f"no cache group {name!r}; groups: {[g.name for g in self.groups]}")
+    raise KeyError(f"no cache group {name!r}; groups: {list(self.names)}")
+
+  def of_kind(self, kind: str) -> tuple[GroupSpec, ...]:
+    return tuple(g for g in self.groups if g.kind == kind)
 
   @property
   def full(self) -> GroupSpec:
-    return self.group(FULL)
+    """The group named "full" (today's engine), else the first full-history group."""
+    return self._named_or_first("full", FULL_HISTORY)
 
   @property
   def swa(self) -> GroupSpec:
-    return self.group(SWA)
+    """The group named "swa" (today's engine), else the first sliding-window group."""
+    return self._named_or_first("swa", SLIDING_WINDOW)
+
+  def _named_or_first(self, name, kind):
+    for g in self.groups:
+      if g.name == name:
+        return g
+    g = self.of_kind(kind)
+    if not g:
+      raise KeyError(f"no {kind} group; groups: {list(self.names)}")
+    return g[0]
 
   def units_per_block(self, name: str) -> int:
     return self.group(name).block_tokens // self.hash_tokens
 
-
-def _fingerprint(config: ModelConfig, layout: CacheLayout, arrays: list[ArraySpec]) -> str:
-  # Blocks are only interchangeable between engines whose arrays mean the same thing: hash the config and the
-  # exact array shapes (not the weights; a different checkpoint must use a different `model` extra key).
-  h = hashlib.blake2b(digest_size=8)
-  h.update(repr(config).encode())
-  h.update(repr((layout.swa_block_tokens, layout.full_block_tokens, str(layout.kv_dtype))).encode())
-  h.update(repr([(a.layer, a.name, a.group, a.block_shape, str(a.dtype)) for a in arrays]).encode())
-  return h.hexdigest()
-
-
-@functools.cache
-def cache_specs(config: ModelConfig, layout: CacheLayout = CacheLayout()) -> CacheSpecs:
-  arrays = cache_array_specs(config, layout)
-  by_group = {FULL: [a for a in arrays if a.group == FULL], SWA: [a for a in arrays if a.group == SWA]}
-  groups = []
-  if by_group[FULL]:  # a window-only model has no full-history group
-    groups.append(GroupSpec(FULL, FULL_HISTORY, layout.full_block_tokens,
-                            sum(a.bytes_per_block for a in by_group[FULL]), 0, tuple(by_group[FULL])))
-  groups.append(GroupSpec(SWA, SLIDING_WINDOW, layout.swa_block_tokens,
-                          sum(a.bytes_per_block for a in by_group[SWA]), state_tail_tokens(config),
-                          tuple(by_group[SWA])))
-  sizes = [g.block_tokens for g in groups]
-  state_arrays = [a for a in by_group[SWA] if a.name.startswith(("comp_state", "index_state"))]
-  comp = CompressorStateSpec(
-      tokens=max([config.compressor_state_tokens(p) for p in config.layer_plan()] + [0]),
-      bytes_per_token=sum(a.bytes_per_block for a in state_arrays) // layout.swa_block_tokens)
-  return CacheSpecs(tuple(groups), functools.reduce(math.gcd, sizes), functools.reduce(math.lcm, sizes), comp,
-                    _fingerprint(config, layout, arrays))
+  @property
+  def checkpoint_bytes(self) -> int:
+    """Bytes one resume checkpoint pins across all sliding groups (the tails a resume reads)."""
+    return sum(g.checkpoint_bytes for g in self.groups)

@@ -4,11 +4,10 @@ Two cache groups share the block tables of a step (spec §3, kv_lifecycle.md §1
 
 * ``swa`` group, blocks of `CacheLayout.swa_block_tokens` tokens, one row per token:
   - ``window_kv``: post-norm, post-RoPE K=V latent of every layer (the sliding window reads the last W rows);
-  - ``comp_state_kv`` / ``comp_state_score``: the raw compressor projections (a_j, z_j + ape) of every token, fp32,
-    on layers that pool (ratio > 1). The compressor state at any position is simply the last
-    `ModelConfig.compressor_state_tokens` rows, so a window-sized tail of SWA blocks is an exact resume point
-    (no separate per-request compressor state to save or restore);
-  - ``index_state_kv`` / ``index_state_score``: the same for the V4 Lightning indexer's own compressor.
+  - ``comp_state`` / ``index_state``: ONE fp32 running-pool row per block (dsv4/layers/compressor.py) on layers
+    that pool (ratio > 1), for the KV compressor and the V4 Lightning indexer's own compressor: the pooled state
+    after the last token written into the block. A step reads the row of position start - 1 only, so a tail of
+    swa blocks covering the window is an exact resume point (no separate per-request state to save or restore).
   - ``token_ids`` (V4.1 Engram, int32, on the first Engram layer only): the raw token ids, so the n-gram hash of a
     chunk reads the previous max_ngram_size - 1 ids back through the block table like the window.
 * ``full`` group, blocks of `CacheLayout.full_block_tokens` tokens (a multiple of every ratio), one row per
@@ -22,6 +21,8 @@ A paged pool (cache/ and the engine) allocates blocks and hands the model block 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import math
 from typing import Any
 
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs, GroupSpec
 from dsv4.config import LayerPlan, ModelConfig
 from pallas_kernels import dispatch
 
@@ -339,3 +341,31 @@ def gather_flat(flat_PxD, rows_N_):
   if isinstance(flat_PxD, dispatch.Fp8KVPool):
     return dispatch.dequantize_kv_fp8(dispatch.Fp8KVPool(*(gather_flat(p, rows_N_) for p in flat_PxD)))
   return jnp.take(flat_PxD, jnp.clip(rows_N_, 0, flat_PxD.shape[0] - 1), axis=0)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Group specs for the block allocator (cache/ works from these plain specs and never imports the model).
+
+def _layout_fingerprint(config: ModelConfig, layout: CacheLayout, arrays: list[ArraySpec]) -> str:
+  # Blocks are only interchangeable between engines whose arrays mean the same thing: hash the config and the
+  # exact array shapes (not the weights; a different checkpoint must use a different `model` extra key).
+  h = hashlib.blake2b(digest_size=8)
+  h.update(repr(config).encode())
+  h.update(repr((layout.swa_block_tokens, layout.full_block_tokens, str(layout.kv_dtype))).encode())
+  h.update(repr([(a.layer, a.name, a.group, a.block_shape, str(a.dtype)) for a in arrays]).encode())
+  return h.hexdigest()
+
+
+@functools.cache
+def group_specs(config: ModelConfig, layout: CacheLayout = CacheLayout()) -> CacheSpecs:
+  """The model's paged groups as plain `cache.specs.CacheSpecs`: "full" (full history: compressed KV, indexer
+  keys) and "swa" (sliding window: window rows + one compressor-state row per block; resume tail = state_tail_tokens)."""
+  arrays = cache_array_specs(config, layout)
+  full = [a for a in arrays if a.group == FULL]
+  swa = [a for a in arrays if a.group == SWA]
+  groups = []
+  if full:  # a window-only model has no full-history group
+    groups.append(GroupSpec(FULL, FULL_HISTORY, layout.full_block_tokens, sum(a.bytes_per_block for a in full), 0,
+                            note=",".join(sorted({a.name for a in full}))))
+  groups.append(GroupSpec(SWA, SLIDING_WINDOW, layout.swa_block_tokens, sum(a.bytes_per_block for a in swa),
+                          state_tail_tokens(config), note=",".join(sorted({a.name for a in swa}))))
+  return CacheSpecs(tuple(groups), _layout_fingerprint(config, layout, arrays))

@@ -27,6 +27,7 @@ from absl import app, flags, logging
 
 from cache.eviction import POLICIES, make_manager
 from dsv4 import config as C
+from dsv4.caches import group_specs
 from experiments import plotting
 from experiments.ablate_retention import Spec, cached_blocks, define_common_flags, run_trace, synthetic_answer
 
@@ -74,7 +75,7 @@ def run(config_name: str, policies, full_blocks, swa_ratio: int, requests: int, 
   for nf in full_blocks:
     for pol in policies:
       t0 = time.time()
-      m = make_manager(config, pol, num_full_blocks=nf, num_swa_blocks=swa_ratio * nf, enable_events=pol == "fifo")
+      m = make_manager(group_specs(config), pol, num_full_blocks=nf, num_swa_blocks=swa_ratio * nf, enable_events=pol == "fifo")
       res = run_trace(m, trace, answer)
       prompt, hit = sum(r["prompt"] for r in res), sum(r["hit"] for r in res)
       rows.append(dict(policy=pol, num_full_blocks=nf, num_swa_blocks=swa_ratio * nf, requests=len(res),

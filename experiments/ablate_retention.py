@@ -36,6 +36,7 @@ from absl import app, flags, logging
 
 from cache.hashing import ExtraKeys
 from dsv4 import config as C
+from dsv4.caches import group_specs
 from experiments import plotting
 
 FLAGS = flags.FLAGS
@@ -261,7 +262,7 @@ def verify_engine(intervals=(0, 128), seed: int = 0) -> list[dict]:
     wall = time.time() - t0
     from dsv4.engine.request import RequestOutput
     eng_hits = {rid: RequestOutput.of(eng.requests[rid]).hit_tokens for rid in answers}
-    m = KVCacheManager(config, num_full_blocks=64, num_swa_blocks=128, retention_interval=R, model_id=ec.model_id)
+    m = KVCacheManager(group_specs(config), num_full_blocks=64, num_swa_blocks=128, retention_interval=R, model_id=ec.model_id)
     rows = run_trace(m, trace, lambda spec, prompt: answers[spec.rid])
     sim = {r["rid"]: r["hit"] for r in rows}
     agree = all(sim[k] == eng_hits[k] for k in sim)
@@ -286,7 +287,7 @@ def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, c
     nf, ns = need // 128 + 64, need // 32 + 64            # never evicts: held = what the policy keeps
     for R in intervals:
       t0 = time.time()
-      m = KVCacheManager(config, num_full_blocks=nf, num_swa_blocks=ns, retention_interval=R, enable_events=False)
+      m = KVCacheManager(group_specs(config), num_full_blocks=nf, num_swa_blocks=ns, retention_interval=R, enable_events=False)
       res = run_trace(m, trace, answer)
       rows.append(dict(workload=name, retention_interval=R, **summarize(res, m), wall_s=round(time.time() - t0, 2)))
       logging.info("%s R=%d: %s", name, R, rows[-1])
@@ -295,8 +296,7 @@ def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, c
               engine_check=engine_rows,
               note="cache-only: KVCacheManager driven directly with synthetic answers (hits do not depend on "
                    "model outputs); recomputed = prompt tokens not covered by the admission hit")
-  from cache.specs import cache_specs
-  sp = cache_specs(config)
+  sp = group_specs(config)
   meta["swa_bytes_per_block"] = sp.swa.bytes_per_block
   meta["full_bytes_per_block"] = sp.group("full").bytes_per_block
   csv_path, json_path = plotting.write_table(rows, out_dir, stem, meta)

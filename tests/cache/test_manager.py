@@ -4,6 +4,7 @@ checkpoints, out-of-blocks, bad input, events."""
 import numpy as np
 import pytest
 
+from dsv4.caches import group_specs
 from dsv4.config import v4_flash, v41_flash
 from cache import pool as P
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -45,7 +46,7 @@ def sessions(seed=0):
 def test_session_switch_a_b_a(legacy):
   a, b = sessions()
   n_swa = 128
-  m = KVCacheManager(CFG, num_full_blocks=128, num_swa_blocks=n_swa, legacy_dense_swa=legacy)
+  m = KVCacheManager(group_specs(CFG), num_full_blocks=128, num_swa_blocks=n_swa, legacy_dense_swa=legacy)
   assert serve(m, "a1", a, 1000, 60, 256) == 0          # computed 1059 tokens; end checkpoint at 1024
   assert m.lookup(a[:1160]).num_tokens == 1024          # next turn: prompt + answer + 100 new tokens
   assert m.lookup(a[:1000]).num_tokens == 896           # the same prompt again: prompt boundary
@@ -77,17 +78,21 @@ def test_session_switch_a_b_a(legacy):
 
 def test_hit_independent_of_other_allocation_count():
   a, b = sessions(1)
-  m = KVCacheManager(CFG, num_full_blocks=NF, num_swa_blocks=NS)
+  m = KVCacheManager(group_specs(CFG), num_full_blocks=NF, num_swa_blocks=NS)
   serve(m, "a1", a, 1000, 60, 256)
   for i in range(3):       # B three times over: ~600 swa allocations through a 96-block pool
     serve(m, f"b{i}", b, 6000, 2, 1024)
     assert m.lookup(a[:1160]).num_tokens == 1024
 
 
-@pytest.mark.parametrize("interval,expect", [(0, 0), (256, 512), (128, 640)])
-def test_retention_interval(interval, expect):
+@pytest.mark.parametrize("interval,dense,expect", [(0, False, 0), (256, False, 512), (128, False, 640),
+                                                   (0, True, 512), (128, True, 640)])
+def test_retention_interval(interval, dense, expect):
+  """A 700-token divergence from a 1000-token prompt: retention multiples / the dense start schedule (128, 256,
+  512) decide the largest checkpoint before it."""
   a, _ = sessions(2)
-  m = KVCacheManager(CFG, num_full_blocks=NF, num_swa_blocks=NS, retention_interval=interval)
+  m = KVCacheManager(group_specs(CFG), num_full_blocks=NF, num_swa_blocks=NS, retention_interval=interval,
+                     dense_start=dense)
   serve(m, "a1", a, 1000, 4, 256)
   diverged = np.concatenate([a[:700], np.full(300, 7)])   # shares 700 tokens: full blocks 0..4 (640)
   assert m.lookup(diverged).num_tokens == expect
@@ -95,23 +100,23 @@ def test_retention_interval(interval, expect):
 
 def test_bad_retention_interval():
   with pytest.raises(ValueError, match="retention_interval"):
-    KVCacheManager(CFG, num_full_blocks=NF, num_swa_blocks=NS, retention_interval=100)
+    KVCacheManager(group_specs(CFG), num_full_blocks=NF, num_swa_blocks=NS, retention_interval=100)
 
 
 def test_tenants_and_extra_keys_isolate():
   a, _ = sessions(3)
-  m = KVCacheManager(CFG, num_full_blocks=NF, num_swa_blocks=NS)
+  m = KVCacheManager(group_specs(CFG), num_full_blocks=NF, num_swa_blocks=NS)
   serve(m, "a1", a, 1000, 4, 512, ExtraKeys(tenant="x"))
   assert m.lookup(a[:1000], ExtraKeys(tenant="x")).num_tokens == 896
   assert m.lookup(a[:1000], ExtraKeys(tenant="y")).num_tokens == 0
   assert m.lookup(a[:1000], ExtraKeys(tenant="x", adapter="lora1")).num_tokens == 0
-  m2 = KVCacheManager(v41_flash(), num_full_blocks=NF, num_swa_blocks=NS)
+  m2 = KVCacheManager(group_specs(v41_flash()), num_full_blocks=NF, num_swa_blocks=NS)
   assert m2.specs.fingerprint != m.specs.fingerprint   # layouts never share blocks
 
 
 def test_hit_blocks_are_claimed_and_tables_consistent():
   a, _ = sessions(4)
-  m = KVCacheManager(CFG, num_full_blocks=NF, num_swa_blocks=NS)
+  m = KVCacheManager(group_specs(CFG), num_full_blocks=NF, num_swa_blocks=NS)
   serve(m, "a1", a, 1000, 4, 512)
   hit = m.add_request("a2", a[:1000])
   assert hit.num_tokens == 896
@@ -130,7 +135,7 @@ def test_hit_blocks_are_claimed_and_tables_consistent():
 
 def test_out_of_blocks_is_reported_and_changes_nothing():
   a, _ = sessions(5)
-  m = KVCacheManager(CFG, num_full_blocks=NF, num_swa_blocks=NS)
+  m = KVCacheManager(group_specs(CFG), num_full_blocks=NF, num_swa_blocks=NS)
   m.add_request("r", a[:1000])
   res = m.allocate_for("r", 20000)      # needs 157 full blocks, pool has 128
   assert isinstance(res, OutOfBlocks) and not res and res.group == "full" and res.needed == 157 and res.free == NF
@@ -143,7 +148,7 @@ def test_out_of_blocks_is_reported_and_changes_nothing():
 
 
 def test_bad_input_raises():
-  m = KVCacheManager(CFG, num_full_blocks=NF, num_swa_blocks=NS)
+  m = KVCacheManager(group_specs(CFG), num_full_blocks=NF, num_swa_blocks=NS)
   with pytest.raises(CacheError, match="unknown request"):
     m.free("nope")
   m.add_request("r", np.arange(300))
@@ -169,7 +174,7 @@ def test_bad_input_raises():
 
 def test_events_stream():
   a, b = sessions(6)
-  m = KVCacheManager(CFG, num_full_blocks=NF, num_swa_blocks=NS)
+  m = KVCacheManager(group_specs(CFG), num_full_blocks=NF, num_swa_blocks=NS)
   serve(m, "a1", a, 1000, 4, 512, ExtraKeys(tenant="t1"))
   ev = m.take_events()
   stored = [e for e in ev if isinstance(e, BlockStored)]

@@ -5,6 +5,7 @@ import numpy as np
 import jax.numpy as jnp
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from dsv4.caches import group_specs
 from dsv4.config import v4_flash
 from cache import pool as P
 from cache.hashing import ExtraKeys
@@ -50,7 +51,7 @@ def check_against_reference(m, toks, extra):
 @given(st.data())
 def test_hybrid_search_matches_reference(d):
   key_bits = d.draw(st.sampled_from([64, 3]))    # 3 bits: almost every key collides
-  m = KVCacheManager(CFG, num_full_blocks=NF, num_swa_blocks=NS, key_bits=key_bits,
+  m = KVCacheManager(group_specs(CFG), num_full_blocks=NF, num_swa_blocks=NS, key_bits=key_bits,
                      retention_interval=d.draw(st.sampled_from([0, 128, 256])))
   tenants = [ExtraKeys(), ExtraKeys(tenant="t")]
   for i in range(d.draw(st.integers(1, 4))):
@@ -86,7 +87,7 @@ def test_hybrid_search_matches_reference(d):
 
 
 def test_batched_lookup_equals_single():
-  m = KVCacheManager(CFG, num_full_blocks=NF, num_swa_blocks=NS)
+  m = KVCacheManager(group_specs(CFG), num_full_blocks=NF, num_swa_blocks=NS)
   toks = np.concatenate([SEGMENTS[0], SEGMENTS[1], SEGMENTS[2], SEGMENTS[3]] * 3)
   m.add_request("r", toks)
   assert m.allocate_for("r", len(toks))
@@ -95,12 +96,13 @@ def test_batched_lookup_equals_single():
   qs = [(toks, ExtraKeys()), (toks[:700], ExtraKeys()), (toks, ExtraKeys(tenant="x")), (toks[:50], ExtraKeys())]
   batch = m.lookup_batch(qs)
   single = [m.lookup(t, e) for t, e in qs]
-  assert [h.num_tokens for h in batch] == [h.num_tokens for h in single] == [1024, 0, 0, 0]
+  assert [h.num_tokens for h in batch] == [h.num_tokens for h in single] == [1024, 512, 0, 0]   # 700 tokens: dense-start checkpoint at 512
 
 
 def test_collision_never_aliases():
   """key_bits=0: every block of every prefix has the same device key; hits must still be exact."""
-  m = KVCacheManager(CFG, num_full_blocks=NF, num_swa_blocks=NS, key_bits=0)
+  m = KVCacheManager(group_specs(CFG), num_full_blocks=NF, num_swa_blocks=NS, key_bits=0, dense_start=False,
+                     rerender_tokens=0)   # few checkpoints: 16-slot probe chains hold both requests' blocks
   rng = np.random.default_rng(1)
   a, b = rng.integers(2, 99, 700), rng.integers(2, 99, 700)
   for rid, t in (("a", a), ("b", b)):

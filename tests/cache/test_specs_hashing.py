@@ -2,38 +2,53 @@
 
 import numpy as np
 
-from dsv4.caches import CacheLayout, init_cache, state_tail_tokens
+from dsv4.caches import CacheLayout, cache_array_specs, group_specs, init_cache, state_tail_tokens
 from dsv4.config import v4_flash, v41_flash, v4_tiny
 from cache.checkpoints import CheckpointPolicy
 from cache.hashing import ExtraKeys, RequestHasher, device_key, key_int
-from cache.specs import FULL_HISTORY, SLIDING_WINDOW, cache_specs
+from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs, GroupSpec
 
 
 def test_v4_flash_specs():
-  s = cache_specs(v4_flash())
+  s = group_specs(v4_flash())
+  arrays = cache_array_specs(v4_flash(), CacheLayout())
   assert (s.hash_tokens, s.align_tokens) == (32, 128)
   assert [(g.name, g.kind, g.block_tokens) for g in s.groups] == [("full", FULL_HISTORY, 128),
                                                                    ("swa", SLIDING_WINDOW, 32)]
   assert s.swa.tail_tokens == state_tail_tokens(v4_flash()) == 127 and s.swa.need_blocks == 4
-  assert s.compressor_state.stored_in == "swa" and s.compressor_state.tokens == 128
-  assert {a.name for a in s.full.arrays} == {"comp_kv", "index_keys"}
-  assert s.full.bytes_per_block == sum(a.bytes_per_block for a in s.full.arrays)
+  assert {a.name for a in arrays if a.group == "full"} == {"comp_kv", "index_keys"}
+  assert s.full.bytes_per_block == sum(a.bytes_per_block for a in arrays if a.group == "full")
+  assert s.swa.bytes_per_block == sum(a.bytes_per_block for a in arrays if a.group == "swa")
 
 
 def test_v41_only_kv_sources_own_global_state():
   c = v41_flash()
-  s = cache_specs(c)
-  assert {a.layer for a in s.full.arrays} == set(c.kv_source_layer_ids)
-  assert {a.layer for a in s.swa.arrays} == set(range(c.num_layers))
+  arrays = cache_array_specs(c, CacheLayout())
+  assert {a.layer for a in arrays if a.group == "full"} == set(c.kv_source_layer_ids)
+  assert {a.layer for a in arrays if a.group == "swa"} == set(range(c.num_layers))
+  assert group_specs(c).fingerprint != group_specs(v4_flash()).fingerprint
 
 
 def test_model_arrays_shaped_from_specs():
   c, layout = v4_tiny(), CacheLayout()
-  s = cache_specs(c, layout)
   cache = init_cache(c, layout, num_swa_blocks=3, num_full_blocks=2)
-  for g, n in ((s.swa, 3), (s.full, 2)):
-    for a in g.arrays:
-      assert cache.layers[a.layer][a.name].shape == (n, *a.block_shape)
+  for a in cache_array_specs(c, layout):
+    n = {"swa": 3, "full": 2}[a.group]
+    assert cache.layers[a.layer][a.name].shape == (n, *a.block_shape)
+
+
+def test_plain_specs_generic_groups():
+  """cache.specs is plain data: any number of groups, alignment from block sizes, bad specs refused."""
+  s = CacheSpecs((GroupSpec("win", SLIDING_WINDOW, 64, 10, 127), GroupSpec("st", SLIDING_WINDOW, 16, 2, 7),
+                  GroupSpec("hist", FULL_HISTORY, 128, 5)), "fp")
+  assert s.names == ("hist", "win", "st") and (s.hash_tokens, s.align_tokens) == (16, 128)
+  assert [g.need_blocks for g in s.groups] == [0, 2, 1] and s.checkpoint_bytes == 2 * 10 + 2
+  assert s.full.name == "hist" and s.swa.name == "win"
+  import pytest
+  with pytest.raises(ValueError):
+    GroupSpec("x", "bogus", 32, 1)
+  with pytest.raises(ValueError):
+    CacheSpecs((GroupSpec("a", FULL_HISTORY, 32, 1), GroupSpec("a", SLIDING_WINDOW, 32, 1, 3)))
 
 
 def test_hash_chain():
@@ -59,9 +74,19 @@ def test_hash_chain():
 
 
 def test_checkpoint_policy():
-  p = CheckpointPolicy(align_tokens=128, block_tokens=32, tail_tokens=127, retention_interval=256)
+  p = CheckpointPolicy(align_tokens=128, block_tokens=32, tail_tokens=127, retention_interval=256,
+                       dense_start=False, rerender_tokens=0)
   assert p.prompt_boundary(1000) == 896 and p.prompt_boundary(1025) == 1024 and p.prompt_boundary(128) == 0
   assert p.boundaries(0, 1000, 1000) == [256, 512, 768, 896]
   assert list(p.tail_blocks(896)) == [24, 25, 26, 27] and list(p.tail_blocks(64)) == [0, 1]
   # at 1059 computed, keep rows from min(1059-127, 1024-128) = 896 -> 28 leading blocks releasable
   assert p.releasable_blocks(1059) == 28 and p.releasable_blocks(100) == 0
+
+
+def test_checkpoint_placement_v2():
+  """Dense start (128 * 2^k inside the prompt), prompt boundary, re-render boundary, junctions."""
+  p = CheckpointPolicy(align_tokens=128, block_tokens=32, tail_tokens=127)
+  assert p.boundaries(0, 1000, 1000) == [128, 256, 512, 896]          # 999 - 64 = 935 -> 896 as well
+  assert p.boundaries(0, 1030, 1030) == [128, 256, 512, 896, 1024]    # 1029 - 64 = 965 -> 896: re-render
+  assert p.boundaries(0, 2000, 1030, extra=(1152,)) == [128, 256, 512, 896, 1024, 1152]
+  assert p.boundaries(300, 600, 1030) == [512]

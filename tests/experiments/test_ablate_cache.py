@@ -12,12 +12,14 @@ import pytest
 from cache import pool as P
 from cache.eviction import POLICIES, PolicyCacheManager, make_manager
 from cache.manager import KVCacheManager
+from dsv4.caches import group_specs
 from dsv4.config import v4_flash
 from experiments.ablate_eviction import multi_tenant
 from experiments.ablate_retention import run_trace, synthetic_answer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = v4_flash()
+SPECS = group_specs(CFG)
 NF, NS = 24, 48          # one pool shape for every test here (each shape compiles the pool ops once)
 
 
@@ -45,7 +47,7 @@ def _check_queue(m, policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_policy_invariants(policy):
-  m = make_manager(CFG, policy, num_full_blocks=NF, num_swa_blocks=NS)
+  m = make_manager(SPECS, policy, num_full_blocks=NF, num_swa_blocks=NS)
   rows = run_trace(m, _trace(), synthetic_answer(CFG.vocab_size), on_request=lambda m, r: _check_queue(m, policy))
   assert len(rows) == 14 and all(0 <= r["hit"] < r["prompt"] for r in rows)
   assert sum(r["hit"] for r in rows) > 0
@@ -55,8 +57,8 @@ def test_lru_and_legacy_plumbing_equal_plain_manager():
   """PolicyCacheManager's 'lru' / 'legacy_dense' must behave exactly as the engine's manager (hits + queue)."""
   ans = synthetic_answer(CFG.vocab_size)
   for policy, legacy in [("lru", False), ("legacy_dense", True)]:
-    a = PolicyCacheManager(CFG, policy=policy, num_full_blocks=NF, num_swa_blocks=NS)
-    b = KVCacheManager(CFG, num_full_blocks=NF, num_swa_blocks=NS, legacy_dense_swa=legacy)
+    a = PolicyCacheManager(SPECS, policy=policy, num_full_blocks=NF, num_swa_blocks=NS)
+    b = KVCacheManager(SPECS, num_full_blocks=NF, num_swa_blocks=NS, legacy_dense_swa=legacy)
     assert run_trace(a, _trace(), ans) == run_trace(b, _trace(), ans)
     for g in a.groups:
       assert P.free_queue(a.pools[g]) == P.free_queue(b.pools[g])
@@ -67,7 +69,7 @@ def test_release_order_head_first_vs_lru():
   head (evicted first), head_first its head."""
   toks = np.arange(2, 2 + 700)
   for policy in ("lru", "head_first"):
-    m = PolicyCacheManager(CFG, policy=policy, num_full_blocks=NF, num_swa_blocks=NS)
+    m = PolicyCacheManager(SPECS, policy=policy, num_full_blocks=NF, num_swa_blocks=NS)
     m.add_request("r", toks)
     assert m.allocate_for("r", 700)
     m.commit("r", 700)
@@ -84,7 +86,7 @@ def test_fifo_no_refresh_on_hit():
   a, b = rng.integers(2, 1000, 400), rng.integers(2, 1000, 400)
   out = {}
   for policy in ("lru", "fifo"):
-    m = PolicyCacheManager(CFG, policy=policy, num_full_blocks=NF, num_swa_blocks=NS)
+    m = PolicyCacheManager(SPECS, policy=policy, num_full_blocks=NF, num_swa_blocks=NS)
     for rid, t in [("a", a), ("b", b), ("a2", a)]:
       m.add_request(rid, t)
       m.allocate_for(rid, 0 if rid == "a2" else len(t))
@@ -100,7 +102,7 @@ def test_fifo_no_refresh_on_hit():
 
 def test_unknown_policy():
   with pytest.raises(ValueError):
-    PolicyCacheManager(CFG, policy="mru", num_full_blocks=NF, num_swa_blocks=NS)
+    PolicyCacheManager(SPECS, policy="mru", num_full_blocks=NF, num_swa_blocks=NS)
 
 
 def _run(args, timeout=400):

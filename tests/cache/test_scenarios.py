@@ -1,0 +1,92 @@
+"""Checkpoint placement scenarios on V4-Flash geometry (128-token full blocks = alignment, 32-token swa blocks,
+4-block tail), expected hits computed by hand; V1 = cache v1 placement (prompt boundary + end of request only)."""
+
+import numpy as np
+import pytest
+
+from dsv4.caches import group_specs
+from dsv4.config import v4_flash
+from cache.manager import KVCacheManager
+
+SPECS = group_specs(v4_flash())
+NF, NS = 128, 128
+V1 = dict(dense_start=False, rerender_tokens=0, junction_checkpoints=False)
+
+
+def serve(m, rid, prompt, n_out=4, chunk=512):
+  hit = m.add_request(rid, prompt)
+  n = hit.num_tokens
+  while n < len(prompt):
+    c = min(chunk, len(prompt) - n)
+    assert m.allocate_for(rid, c)
+    n += c
+    m.commit(rid, n)
+  for i in range(n_out - 1):
+    m.append_tokens(rid, [3 + i])
+    assert m.allocate_for(rid, 1)
+    n += 1
+    m.commit(rid, n)
+  m.append_tokens(rid, [2])
+  m.free(rid)
+  return hit.num_tokens
+
+
+@pytest.mark.parametrize("sys_len,v1,want", [
+    (256, False, [0, 256, 256, 256]),   # dense start: 256 = 2 * 128 is a checkpoint of the very first session
+    (384, False, [0, 256, 384, 384]),   # 384: session 2 hits 256 (dense) and pins the junction at 384
+    (256, True, [0, 0, 0, 0]),          # cache v1: no checkpoint at the junction, ever (retention 0)
+])
+def test_siblings_sharing_only_a_system_prompt(sys_len, v1, want):
+  rng = np.random.default_rng(sys_len)
+  sys = rng.integers(2, 1000, sys_len)
+  m = KVCacheManager(SPECS, num_full_blocks=NF, num_swa_blocks=NS, **(V1 if v1 else {}))
+  got = [serve(m, f"s{i}", np.concatenate([sys, rng.integers(2, 1000, 700 + 37 * i)])) for i in range(4)]
+  assert got == want
+
+
+@pytest.mark.parametrize("prompt_len,v1,want", [
+    (1028, False, 896),    # divergence at 1020: largest aligned boundary before it is 896 (re-render boundary)
+    (1028, True, 0),       # v1: only 1024 (prompt boundary) and 1152 (end), both past the divergence
+    (1100, False, 1024),   # divergence at 1092: the prompt boundary 1024 is before it
+])
+def test_rerendered_last_turn_hits_before_divergence(prompt_len, v1, want):
+  rng = np.random.default_rng(prompt_len)
+  conv = rng.integers(2, 1000, 4000)
+  m = KVCacheManager(SPECS, num_full_blocks=NF, num_swa_blocks=NS, **(V1 if v1 else {}))
+  serve(m, "t1", conv[:prompt_len], n_out=130)
+  # next turn: the chat template re-renders the last 8 prompt tokens, then answer + new user message
+  nxt = np.concatenate([conv[:prompt_len - 8], rng.integers(2, 1000, 8), conv[prompt_len:prompt_len + 300]])
+  assert m.lookup(nxt).num_tokens == want
+  if not v1:
+    assert want == (prompt_len - 8) // 128 * 128
+
+
+def test_batched_admission_one_device_call():
+  """add_requests with allocate_tokens admits a batch (search + claim + first allocation) and applies the
+  previous step's queued registrations and frees in ONE device call; tables equal the per-request path."""
+  rng = np.random.default_rng(5)
+  sys = rng.integers(2, 1000, 256)
+  prompts = [np.concatenate([sys, rng.integers(2, 1000, 300)]) for _ in range(3)]
+  m = KVCacheManager(SPECS, num_full_blocks=NF, num_swa_blocks=NS)
+  serve(m, "warm", prompts[0])
+  calls = m.stats["device_calls"]
+  hits = m.add_requests([(f"r{i}", p, m_extra()) for i, p in enumerate(prompts)],
+                        allocate_tokens=[len(p) for p in prompts])
+  assert m.stats["device_calls"] == calls + 1
+  assert [h.num_tokens for h in hits] == [512, 256, 256]
+  for i, p in enumerate(prompts):
+    t = m.block_tables(f"r{i}")
+    assert len(t.full) == -(-len(p) // 128) and np.all(t.full >= 0)
+    assert len(t.swa) == -(-len(p) // 32) and np.all(t.swa[hits[i].num_tokens // 32 - 4:] >= 0)
+  assert m.stats["device_calls"] == calls + 1        # tables were known: no further call
+  for i, p in enumerate(prompts):
+    m.commit(f"r{i}", len(p))
+    m.free(f"r{i}")
+  assert m.num_free_blocks("full") == NF and m.num_free_blocks("swa") == NS
+  m.flush()
+  assert m.stats["device_calls"] == calls + 2
+
+
+def m_extra():
+  from cache.hashing import ExtraKeys
+  return ExtraKeys()
