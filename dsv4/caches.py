@@ -4,11 +4,10 @@ Two cache groups share the block tables of a step (spec §3, kv_lifecycle.md §1
 
 * ``swa`` group, blocks of `CacheLayout.swa_block_tokens` tokens, one row per token:
   - ``window_kv``: post-norm, post-RoPE K=V latent of every layer (the sliding window reads the last W rows);
-  - ``comp_state_kv`` / ``comp_state_score``: the raw compressor projections (a_j, z_j + ape) of every token, fp32,
-    on layers that pool (ratio > 1). The compressor state at any position is simply the last
-    `ModelConfig.compressor_state_tokens` rows, so a window-sized tail of SWA blocks is an exact resume point
-    (no separate per-request compressor state to save or restore);
-  - ``index_state_kv`` / ``index_state_score``: the same for the V4 Lightning indexer's own compressor.
+  - ``comp_state`` / ``index_state``: ONE fp32 running-pool row per block (dsv4/layers/compressor.py) on layers
+    that pool (ratio > 1), for the KV compressor and the V4 Lightning indexer's own compressor: the pooled state
+    after the last token written into the block. A step reads the row of position start - 1 only, so a tail of
+    swa blocks covering the window is an exact resume point (no separate per-request state to save or restore).
   - ``token_ids`` (V4.1 Engram, int32, on the first Engram layer only): the raw token ids, so the n-gram hash of a
     chunk reads the previous max_ngram_size - 1 ids back through the block table like the window.
 * ``full`` group, blocks of `CacheLayout.full_block_tokens` tokens (a multiple of every ratio), one row per
@@ -359,7 +358,7 @@ def _layout_fingerprint(config: ModelConfig, layout: CacheLayout, arrays: list[A
 @functools.cache
 def group_specs(config: ModelConfig, layout: CacheLayout = CacheLayout()) -> CacheSpecs:
   """The model's paged groups as plain `cache.specs.CacheSpecs`: "full" (full history: compressed KV, indexer
-  keys) and "swa" (sliding window: window rows + raw compressor projections; resume tail = state_tail_tokens)."""
+  keys) and "swa" (sliding window: window rows + one compressor-state row per block; resume tail = state_tail_tokens)."""
   arrays = cache_array_specs(config, layout)
   full = [a for a in arrays if a.group == FULL]
   swa = [a for a in arrays if a.group == SWA]
