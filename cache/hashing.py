@@ -98,10 +98,17 @@ class RequestHasher:
     return self.digests[u - 1] if u else self.root
 
   def arrays(self, num_units: int) -> tuple[np.ndarray, np.ndarray]:
-    """(key_Ux2, parent_Ux4) for units [0, num_units), zero-padded past the hashed ones."""
+    """(key_Ux2, parent_Ux4) for units [0, num_units), zero-padded past the hashed ones (vectorised)."""
     key = np.zeros((num_units, 2), np.int32)
     par = np.zeros((num_units, DIGEST_WORDS), np.int32)
-    for u in range(min(num_units, len(self.digests))):
-      key[u] = device_key(self.digests[u], self.key_bits)
-      par[u] = digest_words(self.parent(u))
+    n = min(num_units, len(self.digests))
+    if n:
+      w = np.frombuffer(b"".join(self.digests[:n]), dtype="<u4").reshape(n, DIGEST_WORDS)
+      k = w[:, 0].astype(np.uint64) | (w[:, 1].astype(np.uint64) << np.uint64(32))
+      if self.key_bits < 64:
+        k &= np.uint64((1 << self.key_bits) - 1)
+      key[:n, 0] = (k >> np.uint64(32)).astype(np.uint32).view(np.int32)
+      key[:n, 1] = (k & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+      par[0] = np.frombuffer(self.root, dtype="<i4")
+      par[1:n] = w[:n - 1].view(np.int32)
     return key, par

@@ -501,37 +501,29 @@ class KVCacheManager:
     del self._requests[request_id]
 
   # ------------------------------------------------------------------- tiers (issue 12): externally loaded prefix
-  def extend_for_load(self, request_id: str, num_tokens: int, swa_blocks) -> BlockTables | OutOfBlocks:
-    """Blocks to receive a prefix [num_computed, num_tokens) loaded from a lower tier: every full block up to
-    num_tokens, but swa blocks only at the given indices (the checkpoint tails the resume reads; -1 elsewhere, as
-    after a device hit). All or nothing. The caller writes the rows, then `commit(request_id, num_tokens)`."""
+  def extend_for_load(self, request_id: str, num_tokens: int, tail_blocks) -> BlockTables | OutOfBlocks:
+    """Blocks to receive a prefix [num_computed, num_tokens) loaded from a lower tier: every full-history block up
+    to num_tokens, but sliding-group blocks only at the table indices in `tail_blocks` (the checkpoint tails the
+    resume reads; -1 elsewhere, as after a device hit). All or nothing; applied at once (ids known, BlockRemoved
+    events emitted). The caller writes the rows, then `commit(request_id, num_tokens)`."""
     r = self._req(request_id)
     if num_tokens % self.specs.align_tokens or num_tokens <= r.num_computed or num_tokens > len(r.tokens) - 1:
       raise CacheError(f"extend_for_load: {num_tokens} must be aligned, > {r.num_computed} and < {len(r.tokens)}")
+    keep = set(tail_blocks)
     new = {}
-    for name in self.groups:
-      bt = self.specs.group(name).block_tokens
-      lo, hi = len(r.tables[name]), num_tokens // bt
-      new[name] = [j for j in range(lo, hi) if name != SWA or j in set(swa_blocks)]
-      if len(new[name]) > int(self.pools[name].num_free):
-        return OutOfBlocks(name, len(new[name]), int(self.pools[name].num_free))
-    for name in self.groups:
-      bt = self.specs.group(name).block_tokens
-      m = len(new[name])
-      ids = []
-      for lo in range(0, m, _WIDTH):
-        k = min(_WIDTH, m - lo)
-        self.pools[name], got, ev, ok = P.allocate(self.pools[name], k, max_n=_bucket(k))
-        if not bool(ok):
-          raise RuntimeError(f"allocate of {k} blocks failed in group {name} after the free check")
-        got, ev = np.asarray(got)[:k], np.asarray(ev)[:k]
-        for b, e in zip(got, ev):
-          if e:
-            key, tenant = self._identity.pop((name, int(b)))
-            self.events.emit(BlockRemoved(key, name, tenant, int(b)))
-        ids += [int(b) for b in got]
-      where = dict(zip(new[name], ids))
-      r.tables[name].extend(where.get(j, -1) for j in range(len(r.tables[name]), num_tokens // bt))
+    for g, bt in zip(self.groups, self._bt):
+      sliding = self.specs.group(g).kind == SLIDING_WINDOW
+      new[g] = [j for j in range(len(r.tables[g]), num_tokens // bt) if not sliding or j in keep]
+      if len(new[g]) > self._nfree[g]:
+        return OutOfBlocks(g, len(new[g]), self._nfree[g])
+    for g, bt in zip(self.groups, self._bt):
+      sel = set(new[g])
+      r.tables[g].extend(None if j in sel else -1 for j in range(len(r.tables[g]), num_tokens // bt))
+      if new[g]:
+        self._q_alloc[g].append((r, new[g]))
+        self._q_nalloc[g] += len(new[g])
+        self._nfree[g] -= len(new[g])
+    self.flush()
     return self.block_tables(request_id)
 
   # -------------------------------------------------------------------------------------------- misc

@@ -98,12 +98,13 @@ def test_hit_accounting_on_a_scripted_trace(tiny):
   """Worked out by hand. r0: 300-token prompt, 10 answer tokens. r1 = r0's prompt + answer + 50 tokens resumes at
   floor((300 + 10 - 1) / 128) * 128 = 256. r2 shares only r0's first 200 tokens: its full blocks match up to 128, but
   a resume point needs an SWA checkpoint there: with retention_interval 0 the only checkpoints are at 256 (prompt
-  boundary / end of r0, r1's) -> 0 hit tokens; with retention_interval 128 there is one at 128 -> 128 hit tokens."""
+  boundary / end of r0, r1's) plus cache v2's dense-start checkpoints (128 * 2^k inside the prompt: 128, 256), so
+  r2 hits 128 under either retention_interval (cache v1 gave 0 with retention 0)."""
   cfg, params = tiny
   rng = np.random.default_rng(11)
   p0 = [int(t) for t in rng.integers(2, cfg.vocab_size, 300)]
   sp = SamplingParams(max_tokens=10, ignore_eos=True)
-  for retention, expected_r2 in [(0, 0), (128, 128)]:
+  for retention, expected_r2 in [(0, 128), (128, 128)]:
     eng = Engine(params, cfg, dataclasses.replace(BASE, retention_interval=retention))
     (r0,) = generate(params, cfg, [p0], sp, engine=eng)
     p1 = p0 + r0.output + [int(t) for t in rng.integers(2, cfg.vocab_size, 50)]
