@@ -185,6 +185,8 @@ def main(argv):
   for k, (fmt, block, vn) in enumerate(rec_full):
     fo, vo = ours_in[k]
     assert fo == fmt, (k, fo, fmt)
+    if vo.shape != vn.shape and vo.ndim == vn.ndim - 1:  # ragged model: rows of all sequences in one axis
+      vo = vo.reshape(B, -1, *vo.shape[1:])
     L = min(vn.shape[1], vo.shape[1])
     vn32, vo = vn[:, :L].astype(np.float32), vo[:, :L]
     qn = CQ.quantize_cache_reference(vn32, fmt, block)
