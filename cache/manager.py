@@ -263,11 +263,6 @@ class KVCacheManager:
       elif s == P.INVALID:
         raise RuntimeError(f"register refused block {b} of group {g}")
 
-  @property
-  def policy(self) -> CheckpointPolicy:
-    """The policy of the sliding group named "swa" (or the first sliding group): today's engine / tiers."""
-    return self.policies["swa"] if "swa" in self.policies else next(iter(self.policies.values()))
-
   # ------------------------------------------------------------------------------------------------ lookup
   def _hasher(self, tokens: np.ndarray, extra: ExtraKeys) -> RequestHasher:
     h = RequestHasher(dataclasses.replace(extra, model=extra.model or self.model_id,
@@ -506,35 +501,29 @@ class KVCacheManager:
     del self._requests[request_id]
 
   # ------------------------------------------------------------------- tiers (issue 12): externally loaded prefix
-  def extend_for_load(self, request_id: str, num_tokens: int, swa_blocks) -> BlockTables | OutOfBlocks:
-    """Blocks to receive a prefix [num_computed, num_tokens) loaded from a lower tier: every full block up to
-    num_tokens, but swa blocks only at the given indices (the checkpoint tails the resume reads; -1 elsewhere, as
-    after a device hit). All or nothing. The caller writes the rows, then `commit(request_id, num_tokens)`."""
+  def extend_for_load(self, request_id: str, num_tokens: int, tail_blocks) -> BlockTables | OutOfBlocks:
+    """Blocks to receive a prefix [num_computed, num_tokens) loaded from a lower tier: every full-history block up
+    to num_tokens, but sliding-group blocks only at the table indices in `tail_blocks` (the checkpoint tails the
+    resume reads; -1 elsewhere, as after a device hit). All or nothing; applied at once (ids known, BlockRemoved
+    events emitted). The caller writes the rows, then `commit(request_id, num_tokens)`."""
     r = self._req(request_id)
     if num_tokens % self.specs.align_tokens or num_tokens <= r.num_computed or num_tokens > len(r.tokens) - 1:
       raise CacheError(f"extend_for_load: {num_tokens} must be aligned, > {r.num_computed} and < {len(r.tokens)}")
-    if any(x is None for g in self.groups for x in r.tables[g]):
-      self.flush()
-    wanted = set(int(j) for j in swa_blocks)
+    keep = set(tail_blocks)
     new = {}
     for g, bt in zip(self.groups, self._bt):
-      lo, hi = len(r.tables[g]), num_tokens // bt
-      if self.specs.group(g).kind != SLIDING_WINDOW:
-        new[g] = list(range(lo, hi))
-      elif g == "swa":
-        new[g] = [j for j in range(lo, hi) if j in wanted]
-      else:   # other sliding groups: the tail a resume at num_tokens reads
-        new[g] = [j for j in self.policies[g].tail_blocks(num_tokens) if j >= lo]
+      sliding = self.specs.group(g).kind == SLIDING_WINDOW
+      new[g] = [j for j in range(len(r.tables[g]), num_tokens // bt) if not sliding or j in keep]
       if len(new[g]) > self._nfree[g]:
         return OutOfBlocks(g, len(new[g]), self._nfree[g])
     for g, bt in zip(self.groups, self._bt):
-      lo, hi = len(r.tables[g]), num_tokens // bt
-      want = set(new[g])
-      r.tables[g].extend(None if j in want else -1 for j in range(lo, hi))
+      sel = set(new[g])
+      r.tables[g].extend(None if j in sel else -1 for j in range(len(r.tables[g]), num_tokens // bt))
       if new[g]:
         self._q_alloc[g].append((r, new[g]))
         self._q_nalloc[g] += len(new[g])
         self._nfree[g] -= len(new[g])
+    self.flush()
     return self.block_tables(request_id)
 
   # -------------------------------------------------------------------------------------------- misc

@@ -51,8 +51,10 @@ flags.DEFINE_integer("num_full_blocks", 128, "Full-history blocks (128 tokens ea
 flags.DEFINE_integer("num_swa_blocks", 256, "SWA blocks (32 tokens each).")
 flags.DEFINE_bool("batch_invariant", False, "Bitwise-reproducible logits whatever shares a step and however a "
                   "prompt is chunked (every token runs one fixed-shape program; slower).")
-flags.DEFINE_enum("kv_dtype", "fp32", ["fp32", "bf16"], "Storage dtype of the KV pools (window, compressed, index "
-                  "keys); compressor state stays fp32.")
+flags.DEFINE_enum("kv_dtype", "fp32", ["fp32", "bf16", "fp8"], "Storage of the KV pools: fp32, bf16, or fp8 (the "
+                  "V4 584-byte record for window + compressed KV; index keys bf16); compressor state stays fp32.")
+flags.DEFINE_enum("dtype", "fp32", ["fp32", "bf16"], "Compute dtype of params / activations (fp32 norms, softmaxes "
+                  "and logits in bf16).")
 flags.DEFINE_string("mesh", "", "Device mesh for the model step, e.g. data:2,tensor:2,expert:2 ('' = one device).")
 flags.DEFINE_enum("kv_latent", "replicated", ["replicated", "feature"], "Shard the K=V latent pools over tensor?")
 flags.DEFINE_integer("num_cpu_devices", 0, "On the CPU: host devices per process (0 = the mesh size with --mesh in "
@@ -237,7 +239,8 @@ def main(argv):
                     num_full_blocks=FLAGS.num_full_blocks, num_swa_blocks=FLAGS.num_swa_blocks,
                     enable_prefix_caching=FLAGS.prefix_caching, retention_interval=FLAGS.retention_interval,
                     model_id=cfg.name, batch_invariant=FLAGS.batch_invariant,
-                    layout=caches.CacheLayout(kv_dtype={"fp32": jnp.float32, "bf16": jnp.bfloat16}[FLAGS.kv_dtype]),
+                    layout=caches.CacheLayout(kv_dtype={"fp32": jnp.float32, "bf16": jnp.bfloat16,
+                                                        "fp8": caches.FP8}[FLAGS.kv_dtype]), dtype=FLAGS.dtype,
                     tiering=TieringConfig.from_flags(FLAGS.kv_tiers, FLAGS.kv_disk_dir, FLAGS.kv_store_url))
   refused, order, stops = [], None, {}
   tok = load_tokenizer(FLAGS.checkpoint)

@@ -82,7 +82,6 @@ def main(argv):
   from tests.dsv4 import v41_oracle as O
   root = O.ensure_nemo()
   sys.path.insert(0, root)
-  import torch
   from nemo_automodel.components.models.deepseek_v41 import attention as A
   from nemo_automodel.components.models.deepseek_v41 import quantization as NQ
 

@@ -11,7 +11,9 @@ Returns out_NxHxD = sum_j p_j v_j with p = exp(s_j) / (sum_j exp(s_j) + exp(sink
 over the real keys only (the sink is not included; -inf when a row has no valid key). K = V (one shared latent).
 
 Ids outside [0, pool rows) are invalid exactly like -1 (clamped for the read and masked explicitly).
-A pool is either a plain [P, D] array (any float dtype) or an `Fp8KVPool` (V4 FP8 record, dequantized in-kernel).
+A pool is a plain [P, D] array (any float dtype), an `Fp8KVPool` (the V4 584-byte FP8 record, the interchange
+format) or an `Fp8PagedPool` (576-byte rows + per-page scale tail, uint16 storage; see fp8.py); FP8 rows are
+dequantized in-kernel by exponent add.
 
 The Pallas kernel (`sparse_attention_pallas`) is written for the Pallas-Triton GPU backend (see NOTES.md for why):
 grid (query token, head block, key split); each program keeps block_h heads of one query token in registers, walks

@@ -23,7 +23,9 @@ from dsv4.engine.workloads import Workload
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]],
              sampling_params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
              engine_config: EngineConfig = EngineConfig(), engine: Engine | None = None) -> list[RequestOutput]:
-  """Runs a batch of prompts to completion. Per-request errors come back in `RequestOutput.error`."""
+  """Runs a batch of prompts to completion. Every prompt and sampling params is checked by the one request schema
+  (dsv4/engine/schema.py) at `Engine.add_request`: a bad one comes back with `RequestOutput.error` and never reaches
+  the model; the rest of the batch, and later batches on the same engine, are served."""
   engine = engine or Engine(params, config, engine_config)
   sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
   if len(sps) != len(prompts):

@@ -50,11 +50,16 @@ class EngineConfig:
   # Smallest block-table width (tokens) of a step; tables grow in powers of two with the live context up to
   # max_model_len, so a step's attention cost follows its context, not the configured limit.
   min_table_tokens: int = 4096
+  # Compute dtype of params / activations: "fp32" (bit for bit today's) or "bf16" (fp32 norms, softmaxes, logits;
+  # model.cast_params). The KV pools' dtype is layout.kv_dtype (fp32, bf16 or caches.FP8).
+  dtype: str = "fp32"
   tiering: object = None                # dsv4.engine.tiering.TieringConfig: KV tiers below the device (None = off)
 
   def validate(self):
     if self.chunk_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
       raise ValueError("EngineConfig: chunk_size, max_num_batched_tokens and max_num_seqs must be >= 1")
+    if self.dtype not in ("fp32", "bf16"):
+      raise ValueError(f"EngineConfig.dtype: 'fp32' or 'bf16', got {self.dtype!r}")
     if self.min_table_tokens < 1:
       raise ValueError("EngineConfig: min_table_tokens must be >= 1")
 
@@ -74,6 +79,11 @@ class Engine:
                                         num_swa_blocks=ec.num_swa_blocks, retention_interval=ec.retention_interval,
                                         model_id=ec.model_id)
     self.compile_log = compile_stats.CompileLog()   # every XLA compilation from here on (engine-caused)
+    if ec.dtype == "bf16":
+      import jax.numpy as jnp
+
+      from dsv4 import model
+      params = model.cast_params(params, jnp.bfloat16)
     self.runner = ModelRunner(params, config, ec.layout, num_swa_blocks=ec.num_swa_blocks,
                               num_full_blocks=ec.num_full_blocks, max_num_seqs=ec.max_num_seqs,
                               chunk_size=ec.chunk_size, max_model_len=ec.max_model_len, kernel_cfg=ec.kernel,

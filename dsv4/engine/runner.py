@@ -140,7 +140,7 @@ def group_step(params, cache, buf, *, config, layout, kernel_cfg, shape: GroupSh
                                         kernel_cfg=kernel_cfg, return_hidden=True)
   last = jnp.maximum(p["num"] - 1, 0)
   h_last = jnp.take_along_axis(h_RxTxD, last[:, None, None], axis=1)[:, 0]
-  logits = jnp.dot(h_last, params["lm_head"], precision=_HI)
+  logits = jnp.dot(h_last, params["lm_head"], precision=_HI, preferred_element_type=jnp.float32)
   return cache, _sample(p, logits), (logits if record_logits else None)
 
 
@@ -166,7 +166,7 @@ def invariant_step(params, cache, buf, *, config, layout, kernel_cfg, shape: Inv
 
   def per_row(r):
     h = h_NxD[jnp.maximum(p["last"][r], 0)][None]
-    logits = jnp.dot(h, params["lm_head"], precision=_HI)
+    logits = jnp.dot(h, params["lm_head"], precision=_HI, preferred_element_type=jnp.float32)
     q = {k: p[k][r][None] for k in ("temperature", "top_k", "top_p", "seed", "step")}
     return _sample(q, logits)[0], logits[0]
 
@@ -180,7 +180,7 @@ def _last_token_step(params, config, layout, kernel_cfg, tokens_BxT, cache, inde
                                         kernel_cfg=kernel_cfg, return_hidden=True)
   last = jnp.maximum(index.num_tokens_B - 1, 0)
   h_last = jnp.take_along_axis(h_BxTxD, last[:, None, None], axis=1)[:, 0]
-  logits = jnp.dot(h_last, params["lm_head"], precision=_HI)
+  logits = jnp.dot(h_last, params["lm_head"], precision=_HI, preferred_element_type=jnp.float32)
   return cache, logits
 
 

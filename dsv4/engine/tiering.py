@@ -132,9 +132,8 @@ class Tiering:
     self.mgr, self.runner = engine.cache_manager, engine.runner
     self.specs = self.mgr.specs
     self.groups = {g.name: g for g in self.specs.groups}
-    # cache.specs are plain (no arrays): the model's arrays per group come from dsv4.caches
     arrays = caches.cache_array_specs(engine.config, engine.ec.layout)
-    by_group = {g: tuple(a for a in arrays if a.group == g) for g in self.groups}
+    by_group = {g: [a for a in arrays if a.group == g] for g in self.groups}
     self.names = {g: tuple((a.layer, a.name) for a in by_group[g]) for g in self.groups}
     self.manifest = {g: tuple(R.ArrayEntry(f"L{a.layer}/{a.name}", np.dtype(a.dtype).str, tuple(a.block_shape))
                               for a in by_group[g]) for g in self.groups}
@@ -287,7 +286,7 @@ class Tiering:
 
   def _required(self, h1: int, P: int, prompt_len: int) -> tuple[int, set[int]]:
     """Full blocks [h1/fb, P/fb) and the swa block indices a resume at P needs from the tiers."""
-    pol = self.mgr.policy
+    pol = self.mgr.policies[caches.SWA]
     swa = set()
     for b in set(pol.boundaries(h1, P, prompt_len)) | {P}:
       swa.update(pol.tail_blocks(b))
@@ -315,7 +314,7 @@ class Tiering:
     fb = self.groups[caches.FULL].block_tokens if has_full else 1
     j0 = h1 // fb
     full_ids = [self._ident_of(h, fp, toks, caches.FULL, j) for j in range(j0, cands[-1] // fb)] if has_full else []
-    pol = self.mgr.policy
+    pol = self.mgr.policies[caches.SWA]
     swa_idx = sorted({j for P in cands for j in pol.tail_blocks(P)}
                      | {j for b in pol.boundaries(h1, cands[-1], len(toks)) for j in pol.tail_blocks(b)})
     swa_ids = {j: self._ident_of(h, fp, toks, caches.SWA, j) for j in swa_idx}

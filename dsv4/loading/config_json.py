@@ -32,7 +32,6 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any
 
 from dsv4.config import (AttentionConfig, ConfigError, EngramConfig, IndexerConfig, MHCConfig, ModelConfig, MoEConfig,
                          YarnConfig)

@@ -97,3 +97,28 @@ def test_serve_main_job_on_a_checkpoint_dir(tmp_path):
   (ckpt / "config.json").write_text("{")
   r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
   assert r.returncode != 0 and "config.json: malformed JSON" in r.stderr
+
+
+def test_v41_engram_token_map_comes_from_the_tokenizer(tmp_path):
+  """A NeMo V4.1 dir with Engram: the normalised-vocabulary token map is derived from the dir's tokenizer.json
+  and equals the map computed from the transformers tokenizer it was saved from."""
+  from dsv4 import model
+  from dsv4.layers import engram as E
+  cfg = C.v41_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  S.save_checkpoint(params, cfg, str(tmp_path), naming="nemo", shard_bytes=300_000)
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump({"model_type": "deepseek_v41_text", **V.nemo_text_kwargs(cfg)}, f)
+  hf_tok = V.tiny_tokenizer(cfg.vocab_size)
+  hf_tok.save_pretrained(str(tmp_path))
+  pre = load_pretrained(str(tmp_path), dtype=np.float32)
+  want, n = E.compressed_token_map(hf_tok)
+  assert n == cfg.engram.compressed_vocab_size
+  np.testing.assert_array_equal(np.asarray(pre.params["engram_token_map"]), want)
+  assert not np.array_equal(want, np.arange(cfg.vocab_size))  # the map is not the identity
+  # a tokenizer whose normalised vocabulary does not match config.json is refused by name
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump({"model_type": "deepseek_v41_text", **V.nemo_text_kwargs(cfg),
+               "engram_compressed_vocab_size": cfg.engram.compressed_vocab_size + 1}, f)
+  with pytest.raises(CheckpointError, match="engram_compressed_vocab_size"):
+    load_pretrained(str(tmp_path))

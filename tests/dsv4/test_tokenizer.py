@@ -2,7 +2,6 @@
 downloaded), encode / decode / template, text and chat prompts through the engine, stop strings, clear errors."""
 
 import json
-import os
 
 import jax
 import pytest
