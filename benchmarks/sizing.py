@@ -226,8 +226,11 @@ def scanned_step(params, config, layout, kernel_cfg, tokens_BxT, cache, index):
   assert config.variant == "v4", "the scanned step covers V4 (V4.1 hands CSA2 state from layer to layer)"
   s, g, n = layer_groups(config)
   plans = config.layer_plan()
-  ctx = model._context(tokens_BxT, index, layout)
-  toks = jnp.clip(tokens_BxT.astype(jnp.int32), 0, config.vocab_size - 1)
+  from dsv4.layers.compressor import StepContext
+  B, T = tokens_BxT.shape
+  # As model.forward_aux: the padded [B, T] step is a ragged step of B*T tokens riding as a batch of one.
+  ctx = StepContext.from_step(caches.step_index_from_batch(index, T), layout)
+  toks = jnp.clip(tokens_BxT.reshape(B * T).astype(jnp.int32), 0, config.vocab_size - 1)[None]
   h = params["embed"][toks]
   X = jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], config.mhc.hc_mult, h.shape[-1]))
   p_head, p_groups, p_tail = params["layers"]
@@ -250,10 +253,10 @@ def scanned_step(params, config, layout, kernel_cfg, tokens_BxT, cache, index):
     cl, X, _ = model._block(pl, config, plans[s + g * n + j], X, toks, ctx, cl, kernel_cfg, False)
     new_tail.append(cl)
   h = rms_norm(mhc.hc_head(params["hc_head"], X, config.mhc, config.rms_norm_eps), params["norm"],
-               config.rms_norm_eps)
+               config.rms_norm_eps)[0].reshape(B, T, -1)
   last = jnp.maximum(index.num_tokens_B - 1, 0)
   h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-  logits = jnp.dot(h_last, params["lm_head"], precision=jax.lax.Precision.HIGHEST)
+  logits = model.lm_logits(params, h_last)
   return caches.ModelCache((new_head, new_groups, new_tail)), logits
 
 

@@ -139,9 +139,9 @@ def test_scanned_layer_groups_step_matches_the_unrolled_step():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   head, groups, tail = got_cache.layers
   np.testing.assert_allclose(np.asarray(groups[1]["comp_kv"][2]), np.asarray(want_cache.layers[s + 2 * 2 + 1]["comp_kv"]),
-                             rtol=1e-5, atol=1e-6)
+                             rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(tail[-1]["window_kv"]), np.asarray(want_cache.layers[-1]["window_kv"]),
-                             rtol=1e-5, atol=1e-6)
+                             rtol=1e-5, atol=1e-5)
 
 
 def test_put_rejects_a_tree_the_rules_do_not_describe():
