@@ -208,7 +208,8 @@ def test_step_shapes_follow_live_tables_not_max_len():
 def _fp8_capable_tiny():
   import dataclasses
   cfg = C.v4_tiny()
-  return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, head_dim=128, rope_head_dim=64))
+  return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, head_dim=128, rope_head_dim=64),
+                             indexer=dataclasses.replace(cfg.indexer, head_dim=64))
 
 
 def test_precision_modes():
