@@ -29,6 +29,7 @@ from dsv4.engine import runner as R
 from dsv4.engine.sampling import SamplingParams
 
 flags.DEFINE_integer("repeats", 5, "Timed repeats per point (median reported).")
+flags.DEFINE_bool("decode_only", False, "Run part 1 (decode vs context) only.")
 FLAGS = flags.FLAGS
 M1 = 1 << 20
 
@@ -88,6 +89,9 @@ def main(argv):
     del run
   for label in ("after", "before"):
     res[f"decode_64k_over_2k_{label}"] = res[f"decode_b8_ctx64k_ms_{label}"] / res[f"decode_b8_ctx2k_ms_{label}"]
+  if FLAGS.decode_only:  # the model-side breakdown of this part: benchmarks/decode_bench.py
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}, indent=1))
+    return
   # 2. mixed step vs chunk alone (64 rows, contexts 1k)
   for label, split in (("after", True), ("before", False)):
     run = make_runner(cfg, params, max_model_len=8192, max_num_seqs=64, split_groups=split)
