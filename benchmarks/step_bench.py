@@ -31,6 +31,8 @@ from dsv4.engine.sampling import SamplingParams
 
 flags.DEFINE_integer("repeats", 5, "Timed repeats per point (median reported).")
 flags.DEFINE_list("parts", ["decode", "mixed", "memory", "invariant"], "Which measurements to run.")
+flags.DEFINE_bool("decode_only", False, "Run part 1 (decode vs context) only (= --parts=decode; the model-side "
+                  "breakdown of this part: benchmarks/decode_bench.py).")
 FLAGS = flags.FLAGS
 M1 = 1 << 20
 
@@ -150,7 +152,7 @@ def main(argv):
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   rng = np.random.default_rng(0)
   res = {"config": cfg.name}
-  parts = FLAGS.parts
+  parts = ["decode"] if FLAGS.decode_only else FLAGS.parts
   if "decode" in parts:
     decode(cfg, params, rng, res)
   if "mixed" in parts:

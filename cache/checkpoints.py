@@ -8,7 +8,8 @@ Where checkpoints are taken (NOTES.md "Checkpoint placement" has the memory cost
 * **dense start**: at align * 2^k (128, 256, 512, ...) inside the prompt, so sessions that share only a system
   prompt (or any prefix) hit a boundary at least half as long as the shared part, and the very first follower of
   the very first session already hits a power-of-two system prompt completely (vLLM 0.33 misses it);
-* the **prompt boundary** floor((prompt_len - 1) / align) * align: the largest hit an identical prompt can get;
+* the **prompt boundary** floor((prompt_len - 1) / align) * align: the largest hit an identical prompt can get
+  (merged into the re-render boundary when that one lies one alignment before it: `merge_prompt_boundary`);
 * the **re-render boundary** floor((prompt_len - 1 - rerender_tokens) / align) * align: chat templates re-render
   the last tokens of the previous prompt, so the next turn diverges just before the prompt end; this keeps the
   largest aligned boundary before such a divergence (up to `rerender_tokens` tokens re-rendered);
@@ -37,6 +38,7 @@ class CheckpointPolicy:
   retention_interval: int = 0
   dense_start: bool = True
   rerender_tokens: int = 64
+  merge_prompt_boundary: bool = True   # drop the prompt boundary when the re-render boundary is one alignment before
 
   def __post_init__(self):
     if self.retention_interval < 0 or self.retention_interval % self.align_tokens:
@@ -57,9 +59,16 @@ class CheckpointPolicy:
 
   def planned(self, prompt_len: int) -> set[int]:
     """Boundaries fixed at admission (besides retention multiples, junctions and the end of the request)."""
-    out = {self.prompt_boundary(prompt_len)}
+    pb = self.prompt_boundary(prompt_len)
+    out = {pb}
     if self.rerender_tokens:
-      out.add(self.floor_align(prompt_len - 1 - self.rerender_tokens))
+      rr = self.floor_align(prompt_len - 1 - self.rerender_tokens)
+      out.add(rr)
+      if 0 < rr < pb and self.merge_prompt_boundary:
+        # one checkpoint instead of two within one alignment: the re-render boundary serves both a next turn that
+        # re-renders and an identical prompt (at most `align` more tokens recomputed). Under a fixed budget two
+        # per prompt made round-robin sessions evict each other's useful checkpoint (BUILD_NOTES, i10c).
+        out.discard(pb)
     if self.dense_start:
       p = self.align_tokens
       while p < prompt_len:

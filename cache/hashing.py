@@ -86,13 +86,17 @@ class RequestHasher:
     self.root = root_digest(self.extra_blob)
     self.digests: list[bytes] = []      # digests[u] names the prefix [0, (u+1)*hash_tokens)
 
-  def update(self, tokens: np.ndarray) -> None:
-    """Hash every complete unit of `tokens` (the request's full token list) not hashed yet."""
-    n = len(tokens) // self.hash_tokens
+  def update(self, tokens: np.ndarray, offset: int = 0) -> None:
+    """Hash every complete unit not hashed yet. `tokens` = the request's tokens from position `offset` on (a
+    multiple of hash_tokens, at most the first unhashed position), so callers can pass only the new part."""
     g = self.hash_tokens
+    if offset % g or offset > len(self.digests) * g:
+      raise ValueError(f"RequestHasher.update: offset {offset} must be a multiple of {g} <= {len(self.digests) * g}")
+    n = (offset + len(tokens)) // g
     for u in range(len(self.digests), n):
       parent = self.digests[u - 1] if u else self.root
-      self.digests.append(unit_digest(parent, tokens[u * g:(u + 1) * g], self.extra_blob))
+      s = u * g - offset
+      self.digests.append(unit_digest(parent, tokens[s:s + g], self.extra_blob))
 
   def parent(self, u: int) -> bytes:
     return self.digests[u - 1] if u else self.root

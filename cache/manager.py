@@ -183,6 +183,7 @@ class KVCacheManager:
     self._q_free = {g: [] for g in self.groups}
     self._q_alloc = {g: [] for g in self.groups}    # (request, table index list) waiting for ids
     self._q_nalloc = {g: 0 for g in self.groups}
+    self._q_rids = set()          # requests whose tables hold None (ids of queued allocations, not known yet)
 
   @property
   def pools(self) -> dict:
@@ -365,7 +366,7 @@ class KVCacheManager:
       junction = ()
       if self.junction_checkpoints and int(run[i]) > n:
         junction = (int(run[i]),)
-      tables = {g: [int(x) for x in h.block_ids[g]] for g in self.groups}
+      tables = {g: h.block_ids[g].tolist() for g in self.groups}
       released = {g: max(0, n // p.block_tokens - p.need_blocks) for g, p in self.policies.items()}
       r = _Request(rid, toks.tolist(), hashers[i], extra.tenant, len(toks), n, tables,
                    {g: len(tables[g]) for g in self.groups}, released, junction)
@@ -413,13 +414,14 @@ class KVCacheManager:
         start = len(r.tables[g])
         r.tables[g].extend([None] * need[g])
         self._q_alloc[g].append((r, range(start, start + need[g])))
+        self._q_rids.add(r.rid)
         self._q_nalloc[g] += need[g]
         self._nfree[g] -= need[g]
     return BlockTables(self, request_id)
 
   def _tables_now(self, request_id: str) -> dict[str, np.ndarray]:
     r = self._req(request_id)
-    if any(x is None for g in self.groups for x in r.tables[g]):
+    if r.rid in self._q_rids:
       self.flush()
     return {g: np.asarray(r.tables[g], np.int32) for g in self.groups}
 
@@ -453,7 +455,7 @@ class KVCacheManager:
     """The model has written KV for positions [0, num_computed_tokens): cache what is reusable, release what the
     request no longer reads (both queued for the next device call)."""
     r = self._req(request_id)
-    if any(x is None for g in self.groups for x in r.tables[g]):
+    if r.rid in self._q_rids:
       self.flush()              # the engine reads block_tables (one flush) before the model runs; tests may not
     n = num_computed_tokens
     if n < r.num_computed:
@@ -463,7 +465,9 @@ class KVCacheManager:
     for g, bt in zip(self.groups, self._bt):
       if -(-n // bt) > len(r.tables[g]):
         raise CacheError(f"commit: {n} tokens exceed the blocks allocated in group {g}")
-    r.hasher.update(np.asarray(r.tokens[:n], np.int32))
+    start = len(r.hasher.digests) * self.specs.hash_tokens     # hash only the new units: O(new tokens)
+    if n > start:
+      r.hasher.update(np.asarray(r.tokens[start:n], np.int32), offset=start)
     prev, r.num_computed = r.num_computed, n
     for g, bt in zip(self.groups, self._bt):
       if self.specs.group(g).kind == FULL_HISTORY or self.legacy:
@@ -497,7 +501,7 @@ class KVCacheManager:
     """End of request: checkpoint the sliding tails where the next turn resumes, then release every block, tail
     first (a chain's last blocks become evictable before its head)."""
     r = self._req(request_id)
-    if any(x is None for g in self.groups for x in r.tables[g]):
+    if r.rid in self._q_rids:
       self.flush()              # ids of blocks allocated since the last call are needed to release them
     if not self.legacy and self.policies:
       self._checkpoint(r, next(iter(self.policies.values())).floor_align(r.num_computed))
@@ -514,7 +518,7 @@ class KVCacheManager:
     r = self._req(request_id)
     if num_tokens % self.specs.align_tokens or num_tokens <= r.num_computed or num_tokens > len(r.tokens) - 1:
       raise CacheError(f"extend_for_load: {num_tokens} must be aligned, > {r.num_computed} and < {len(r.tokens)}")
-    if any(x is None for g in self.groups for x in r.tables[g]):
+    if r.rid in self._q_rids:
       self.flush()
     wanted = set(int(j) for j in tail_blocks)
     new = {}
@@ -534,6 +538,7 @@ class KVCacheManager:
       r.tables[g].extend(None if j in want else -1 for j in range(lo, hi))
       if new[g]:
         self._q_alloc[g].append((r, new[g]))
+        self._q_rids.add(r.rid)
         self._q_nalloc[g] += len(new[g])
         self._nfree[g] -= len(new[g])
     self.flush()

@@ -157,10 +157,11 @@ def _compact_ring(st: PoolState) -> PoolState:
   b = st.ring_R[p % r]
   live = (p < st.ring_tail) & (st.loc_N[b] == RING) & (st.pos_N[b] == p)
   rank = jnp.cumsum(live, dtype=jnp.int32) - 1
-  ring = jnp.zeros_like(st.ring_R).at[_drop(rank, live, r)].set(b, mode="drop")
+  # written in place (entries past the new tail are never live), so both branches of `_maybe` alias the input
+  ring = st.ring_R.at[_drop(rank, live, r)].set(b, mode="drop")
   pos = st.pos_N.at[_drop(b, live, st.num_blocks)].set(rank, mode="drop")
   n_live = jnp.sum(live, dtype=jnp.int32)
-  return _rep(st, ring_R=ring, pos_N=pos, ring_head=jnp.int32(0), ring_tail=n_live)
+  return dict(ring_R=ring, pos_N=pos, ring_head=jnp.int32(0), ring_tail=n_live)
 
 
 def _compact_stack(st: PoolState) -> PoolState:
@@ -169,13 +170,38 @@ def _compact_stack(st: PoolState) -> PoolState:
   b = st.stack_N
   live = (i < st.stack_top) & (st.loc_N[b] == STACK) & (st.pos_N[b] == i)
   rank = jnp.cumsum(live, dtype=jnp.int32) - 1
-  stack = jnp.zeros_like(b).at[_drop(rank, live, n)].set(b, mode="drop")
-  pos = st.pos_N.at[_drop(b, live, n)].set(rank, mode="drop")
-  return _rep(st, stack_N=stack, pos_N=pos, stack_top=jnp.sum(live, dtype=jnp.int32), stack_stale=jnp.int32(0))
+  # gather the live entries into a temporary first, then write them back into stack_N in place (a scatter whose
+  # updates were the array itself would make XLA copy it, in the skip branch too)
+  src = jnp.zeros_like(b).at[_drop(rank, live, n)].set(i, mode="drop")
+  vals = b[src]
+  n_live = jnp.sum(live, dtype=jnp.int32)
+  keep = jnp.where(i < n_live, i, n)
+  stack = st.stack_N.at[_after(keep, n, vals)].set(vals, mode="drop")
+  pos = st.pos_N.at[_drop(vals, i < n_live, n)].set(i, mode="drop")
+  return dict(stack_N=stack, pos_N=pos, stack_top=n_live, stack_stale=jnp.int32(0))
 
 
 def _maybe(pred, fn, st):
-  return jax.lax.cond(pred, fn, lambda s: s, st)
+  """Run a compaction when pred. Only the fields it changes go through the cond (unchanged fields passed through
+  a cond are copied by XLA), and the compactions write in place, so the skip branch costs nothing."""
+  keys = sorted(jax.eval_shape(fn, st))
+  out = jax.lax.cond(pred, lambda s: tuple(fn(s)[k] for k in keys), lambda s: tuple(getattr(s, k) for k in keys), st)
+  return _rep(st, **dict(zip(keys, out)))
+
+
+_NEVER = np.iinfo(np.int32).min   # no state array ever holds this value
+
+
+def _after(idx, size, *gathered):
+  """`idx` (scatter indices) made data-dependent on values gathered from the array it scatters into.
+
+  XLA updates a donated array in place only if every read of it provably happens before the write; without a data
+  dependency it inserts a whole-array copy (measured: one pool-sized copy per such array per call). The condition
+  is always true (`_NEVER` is never stored), so the indices are unchanged."""
+  c = jnp.bool_(True)
+  for g in gathered:
+    c &= jnp.all(g != _NEVER)
+  return jnp.where(c, idx, size)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -281,10 +307,11 @@ def _allocate_core(st: PoolState, n, max_n: int):
   safe = jnp.maximum(ids, 0)
   ev = take & st.cached_N[safe]
   nb, ns = st.num_blocks, st.table_S.shape[0]
+  slot = st.slot_N[safe]
   st = _rep(st,
-            table_S=st.table_S.at[_drop(st.slot_N[safe], ev, ns)].set(TOMB, mode="drop"),
+            table_S=st.table_S.at[_drop(slot, ev, ns)].set(TOMB, mode="drop"),
             cached_N=st.cached_N.at[_drop(ids, ev, nb)].set(False, mode="drop"),
-            slot_N=st.slot_N.at[_drop(ids, ev, nb)].set(-1, mode="drop"),
+            slot_N=st.slot_N.at[_after(_drop(ids, ev, nb), nb, slot)].set(-1, mode="drop"),
             key_Nx2=st.key_Nx2.at[_drop(ids, ev, nb)].set(0, mode="drop"),
             ref_N=st.ref_N.at[_drop(ids, take, nb)].set(1, mode="drop"),
             loc_N=st.loc_N.at[_drop(ids, take, nb)].set(HELD, mode="drop"),
@@ -301,13 +328,14 @@ def _touch_core(st: PoolState, ids_M):
   act = ok & (ids_M >= 0)
   first, _, _, _ = _occurrences(ids_M, act)
   safe = jnp.maximum(ids_M, 0)
-  was_free = first & (st.ref_N[safe] == 0)
+  ref_M, loc_M = st.ref_N[safe], st.loc_N[safe]
+  was_free = first & (ref_M == 0)
   nb = st.num_blocks
   st = _rep(st,
-            stack_stale=st.stack_stale + jnp.sum(was_free & (st.loc_N[safe] == STACK), dtype=jnp.int32),
-            loc_N=st.loc_N.at[_drop(ids_M, was_free, nb)].set(HELD, mode="drop"),
+            stack_stale=st.stack_stale + jnp.sum(was_free & (loc_M == STACK), dtype=jnp.int32),
+            loc_N=st.loc_N.at[_after(_drop(ids_M, was_free, nb), nb, loc_M)].set(HELD, mode="drop"),
             num_free=st.num_free - jnp.sum(was_free, dtype=jnp.int32),
-            ref_N=st.ref_N.at[_drop(ids_M, act, nb)].add(1, mode="drop"))
+            ref_N=st.ref_N.at[_after(_drop(ids_M, act, nb), nb, ref_M)].add(1, mode="drop"))
   return st, ok
 
 
@@ -333,8 +361,9 @@ def _free_core(st: PoolState, ids_M, prepend_uncached: bool):
   # the first listed block must end on top of the stack (the very head): push in reverse list order
   q = st.stack_top + n_head - jnp.cumsum(to_head, dtype=jnp.int32)
   pos = st.pos_N.at[_drop(ids_M, to_tail, nb)].set(p, mode="drop").at[_drop(ids_M, to_head, nb)].set(q, mode="drop")
-  loc = st.loc_N.at[_drop(ids_M, to_tail, nb)].set(RING, mode="drop").at[_drop(ids_M, to_head, nb)].set(
-      STACK, mode="drop")
+  # the compactions above read loc_N: its writes must come after them
+  loc = st.loc_N.at[_after(_drop(ids_M, to_tail, nb), nb, p, q)].set(RING, mode="drop").at[
+      _drop(ids_M, to_head, nb)].set(STACK, mode="drop")
   st = _rep(st, pos_N=pos, loc_N=loc,
             ring_R=st.ring_R.at[_drop(p % r, to_tail, r)].set(ids_M, mode="drop"),
             stack_N=st.stack_N.at[_drop(q, to_head, nb)].set(ids_M, mode="drop"),
@@ -373,8 +402,9 @@ def _register_core(st: PoolState, ids_M, key_Mx2, parent_Mx4, tokens_MxT):
     # who may resolve this round
     claim = claim.at[jnp.where(pending[:, None], slots, ns)].min(
         jnp.broadcast_to(idx[:, None], slots.shape), mode="drop")
-    lower_overlap = jnp.min(claim[slots], 1) < idx
-    claim = claim.at[jnp.where(pending[:, None], slots, ns)].set(BIG, mode="drop")
+    lowest = jnp.min(claim[slots], 1)
+    lower_overlap = lowest < idx
+    claim = claim.at[_after(jnp.where(pending[:, None], slots, ns), ns, lowest)].set(BIG, mode="drop")
     prev_pending = (prev >= 0) & pending[prevc]
     ready = pending & ~lower_overlap & ~prev_pending
     # the block's identity now: from before the call, or stored by an earlier entry for the same block
@@ -419,8 +449,10 @@ def _evict_core(st: PoolState, ids_M):
   safe = jnp.clip(ids_M, 0, nb - 1)
   act = first & (st.ref_N[safe] == 0) & st.cached_N[safe]
   tgt = _drop(ids_M, act, nb)
-  st = _rep(st, table_S=st.table_S.at[_drop(st.slot_N[safe], act, ns)].set(TOMB, mode="drop"),
-            cached_N=st.cached_N.at[tgt].set(False, mode="drop"), slot_N=st.slot_N.at[tgt].set(-1, mode="drop"),
+  slot = st.slot_N[safe]
+  st = _rep(st, table_S=st.table_S.at[_drop(slot, act, ns)].set(TOMB, mode="drop"),
+            cached_N=st.cached_N.at[tgt].set(False, mode="drop"),
+            slot_N=st.slot_N.at[_after(tgt, nb, slot)].set(-1, mode="drop"),
             key_Nx2=st.key_Nx2.at[tgt].set(0, mode="drop"))
   return st, act
 

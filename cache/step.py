@@ -60,7 +60,9 @@ def apply_step(pools, plans, admit, *, groups, block_tokens, align, hash_tokens,
   for i, plan in enumerate(plans):
     st = pools[i]
     st, status = P._register_core(st, plan.reg_ids_R, plan.reg_key_Rx2, plan.reg_par_Rx4, plan.reg_tok_RxT)
-    st, fok = P._free_core(st, plan.free_ids_F, prepend)
+    # register read ref_N (held blocks) and free writes it: make the write depend on that read so that XLA keeps
+    # ref_N in place (pool.py, `_after`)
+    st, fok = P._free_core(st, P._after(plan.free_ids_F, -1, status), prepend)
     st, ids, ev, aok = P._allocate_core(st, plan.alloc_n, alloc_widths[i])
     pools[i] = st
     res["status"].append(status)

@@ -22,6 +22,7 @@ from typing import Callable, Literal
 import jax
 
 from pallas_kernels import indexer as _indexer
+from pallas_kernels import indexer_paged as _indexer_paged
 from pallas_kernels import indexer_topk as _indexer_topk
 from pallas_kernels import sparse_attention as _sparse
 
@@ -106,6 +107,11 @@ def _resolve(cfg: KernelConfig, op: str):
   return dict(interpret=(backend == "interpret"))
 
 
+def uses_kernel(cfg: KernelConfig, op: str) -> bool:
+  """Whether `cfg` sends `op` to a Pallas kernel (or its interpret mode) rather than the XLA reference."""
+  return _resolve(cfg, op) is not None
+
+
 def sparse_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, *,
                      scale: float, cfg: KernelConfig = KernelConfig(), window_len_N=None, comp_len_N=None):
   """Sparse MLA over a window pool and a compressed pool with a per-head sink -> (out_NxHxD, lse_NxH).
@@ -175,3 +181,10 @@ def indexer_topk(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT
 
 
 topk_from_scores = _indexer.topk_from_scores
+
+# Plain-XLA paged indexer (pallas_kernels/indexer_paged.py): block reads through the table, chunked running top-k,
+# V4.1 candidates as block ids. The model's path when no indexer kernel is selected.
+indexer_topk_paged = _indexer_paged.indexer_topk_paged
+indexer_topk_candidates = _indexer_paged.indexer_topk_candidates
+candidate_blocks = _indexer_paged.candidate_blocks
+candidate_blocks_to_allowed = _indexer.candidate_blocks_to_allowed

@@ -44,9 +44,8 @@ def num_visible(ctx: StepContext, ratio: int):
   return jnp.where(ctx.valid_N, (ctx.pos_N + 1) // ratio, 0)
 
 
-def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool, rows_NxM,
-                   inv_freq, kernel_cfg, allowed_NxM=None):
-  """Lightning indexer: returns (top-k entry ids [N,k] with -1 for invisible picks, scores [N,M])."""
+def _indexer_qw(p, config: ModelConfig, x_NxD, cq_NxR, ctx: StepContext, inv_freq):
+  """Indexer queries [N, H, C] (RoPE'd) and head weights [N, H] (fp32, scales folded in)."""
   ix = config.indexer
   N = x_NxD.shape[0]
   q = jnp.dot(cq_NxR, p["wq_b"], precision=_HI).reshape(N, ix.num_heads, ix.head_dim)
@@ -54,13 +53,45 @@ def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: 
   if config.quantized_cache:  # NeMo: MXFP4 index queries (32 channels) after RoPE
     q = cache_quant.mxfp4_index(q)
   w = jnp.dot(x_NxD, p["weights_proj"], precision=_HI).astype(jnp.float32)
-  w = w * (ix.head_dim ** -0.5) * (ix.num_heads ** -0.5)
+  return q, w * (ix.head_dim ** -0.5) * (ix.num_heads ** -0.5)
+
+
+def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool, rows_NxM,
+                   inv_freq, kernel_cfg, allowed_NxM=None):
+  """Lightning indexer through `dispatch.indexer_scores` (the reference, or a Pallas kernel): returns (top-k entry
+  ids [N,k] with -1 for invisible picks, scores [N,M]). O(M) memory per query; the model uses it when a kernel is
+  selected and for aux outputs; otherwise `indexer_select_paged`."""
+  q, w = _indexer_qw(p, config, x_NxD, cq_NxR, ctx, inv_freq)
   nv = num_visible(ctx, plan.ratio)
   # One query per "batch row" (B = N, T = 1): each flat token brings its own row's entry list.
   scores = dispatch.indexer_scores(q[:, None], w[:, None], caches.flat_pool(key_pool), rows_NxM, nv[:, None],
                                    None if allowed_NxM is None else allowed_NxM[:, None], cfg=kernel_cfg)[:, 0]
-  ids, _ = dispatch.topk_from_scores(scores, ix.topk)
+  ids, _ = dispatch.topk_from_scores(scores, config.indexer.topk)
   return ids, scores
+
+
+def indexer_select_paged(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool,
+                         inv_freq, candidate_blocks_NxCb=None, block_max_size: int = 0):
+  """Lightning indexer read block-wise from the paged pool, chunked running top-k (pallas_kernels/indexer_paged.py):
+  no [N, M, C] key copy and no [N, H, M] product. With candidate blocks (V4.1 reindex layers) only their entries
+  are scored. Returns (ids [N,k], block maxima [N, M / block_max_size] or None)."""
+  q, w = _indexer_qw(p, config, x_NxD, cq_NxR, ctx, inv_freq)
+  nv = num_visible(ctx, plan.ratio)
+  table_NxF = ctx.full_table_RxF[ctx.row_N]  # padding tokens: row 0's table, but nv = 0 hides every entry
+  k = config.indexer.topk
+  if candidate_blocks_NxCb is not None:
+    ids, _ = dispatch.indexer_topk_candidates(q, w, key_pool, table_NxF, nv, k, candidate_blocks_NxCb,
+                                              config.indexer.candidate_block_size)
+    return ids, None
+  ids, _, bmax = dispatch.indexer_topk_paged(q, w, key_pool, table_NxF, nv, k, block_max_size=block_max_size)
+  return ids, bmax
+
+
+def _block_max_of_scores(scores_NxM, bs):
+  N, M = scores_NxM.shape
+  nb = -(-M // bs)
+  padded = jnp.pad(scores_NxM, ((0, 0), (0, nb * bs - M)), constant_values=-jnp.inf)
+  return jnp.max(padded.reshape(N, nb, bs), axis=-1)
 
 
 def dense_compressed_attention(q_NxHxD, comp_pool_PxD, rows_NxM, ctx: StepContext, ratio: int, scale: float):
@@ -80,7 +111,9 @@ def dense_compressed_attention(q_NxHxD, comp_pool_PxD, rows_NxM, ctx: StepContex
 
 
 def candidate_mask(scores_BxTxM, num_visible_BxT, visible_BxTxM, block_size: int, topk_blocks: int):
-  """V4.1 hierarchical candidates (spec §2.4, NeMo `_select_candidate_blocks`): blocks of `block_size` entries
+  """Reference (dense) form of the V4.1 candidates; the model now keeps block ids (`dispatch.candidate_blocks`).
+
+  V4.1 hierarchical candidates (spec §2.4, NeMo `_select_candidate_blocks`): blocks of `block_size` entries
   scored by their max; the block of the newest visible entry is forced in; the top `topk_blocks` finite blocks
   are kept; returned as a dense mask over entries [B, T, M] (& visible).
 
@@ -109,8 +142,44 @@ def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: StepCon
   return cache_layer, out, aux
 
 
-def _entry_pool_rows(ids_NxK, rows_NxM):
-  return jnp.where(ids_NxK >= 0, jnp.take_along_axis(rows_NxM, jnp.maximum(ids_NxK, 0), axis=1), -1)
+def _entry_ids_to_pool_rows(ctx: StepContext, ratio: int, ids_NxK):
+  """Pool rows of the picked entry ids through each token's block table (O(k), no [N, M] row list)."""
+  return caches.row_slots(ctx.full_table_RxF, ctx.row_N[:, None], ids_NxK, ctx.full_block_tokens // ratio,
+                          ctx.valid_N[:, None] & (ids_NxK >= 0))
+
+
+def _select(p_ix, config: ModelConfig, plan: LayerPlan, x_NxD, cq, ctx: StepContext, key_pool, inv_freq, kernel_cfg,
+            cand_blocks, candidate_source: bool, q_attn, comp_pool, collect_aux: bool, aux: dict):
+  """Indexer top-k for one layer -> (ids [N, k], candidate block ids [N, Cb] when candidate_source else None).
+
+  Without a Pallas kernel: the paged XLA path (block reads, chunked running top-k; V4.1 reindex layers score only
+  their candidate blocks). With a kernel selected (`dispatch.uses_kernel`): the kernel over the live entry list,
+  candidates expanded to a mask. Aux outputs (training, tests) always come from the reference scores [N, M]."""
+  ix = config.indexer
+  bs = ix.candidate_block_size
+  E = ctx.full_block_tokens // plan.ratio
+  nv = num_visible(ctx, plan.ratio)
+  paged = not dispatch.uses_kernel(kernel_cfg, "indexer_scores") and (not candidate_source or E % bs == 0)
+  rows = allowed = scores = None
+  if not paged or collect_aux:
+    rows = entry_rows(ctx, plan.ratio)
+    M = rows.shape[1]
+    if cand_blocks is not None:
+      visible = (jnp.arange(M)[None, :] < nv[:, None]) & (rows >= 0)
+      allowed = dispatch.candidate_blocks_to_allowed(cand_blocks[:, None], M, bs)[:, 0] & visible
+    ids, scores = indexer_select(p_ix, config, plan, x_NxD, cq, ctx, key_pool, rows, inv_freq, kernel_cfg, allowed)
+    bmax = _block_max_of_scores(scores, bs) if candidate_source else None
+  if paged:
+    ids, bmax = indexer_select_paged(p_ix, config, plan, x_NxD, cq, ctx, key_pool, inv_freq, cand_blocks,
+                                     bs if candidate_source else 0)
+  cand = None
+  if candidate_source:
+    cand = dispatch.candidate_blocks(bmax, jnp.floor_divide(nv - 1, bs), ix.candidate_topk_blocks)
+  if collect_aux:
+    aux.update(topk_ids=ids, index_scores=scores,
+               comp_attn_target=dense_compressed_attention(q_attn, comp_pool, rows, ctx, plan.ratio,
+                                                           config.attention.head_dim ** -0.5))
+  return ids, cand
 
 
 def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: StepContext, cache_layer: dict,
@@ -119,7 +188,7 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
 
   shared = {"comp_pool": the latest KV source's compressed-KV pool (flat, already holding this step's entries),
             "index_pool": its index-key pool, "ids": the latest top-k entry ids [N,k], "cand": the candidate
-            mask [N,M] of the candidate source (or None)}.
+            block ids [N, Cb] of the candidate source (or None; -1 = none, blocks of candidate_block_size entries)}.
   A full layer replaces it, a reindex layer replaces "ids" (and the candidate source sets "cand"), a reuse layer
   reads it unchanged. Reuse / reindex layers own no full-group arrays. Returns (cache_layer, out, aux, shared).
   """
@@ -169,22 +238,14 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
       raise ValueError(f"layer {plan.index}: a CSA2 {plan.kind} layer needs its KV source (layer {plan.kv_source}) "
                        f"to run earlier in the same step")
     comp_pool = shared["comp_pool"]
-    rows = entry_rows(ctx, plan.ratio)
-    M = rows.shape[1]
     if plan.has_index_query:
-      allowed = shared["cand"] if plan.uses_candidates else None
-      ids, scores = indexer_select(p["indexer"], config, plan, x_NxD, cq, ctx, shared["index_pool"], rows,
-                                   inv_freq, kernel_cfg, allowed)
+      ids, cand = _select(p["indexer"], config, plan, x_NxD, cq, ctx, shared["index_pool"], inv_freq, kernel_cfg,
+                          shared["cand"] if plan.uses_candidates else None, plan.candidate_source, q, comp_pool,
+                          collect_aux, aux)
       shared = dict(shared, ids=ids)
       if plan.candidate_source:
-        nv = num_visible(ctx, plan.ratio)
-        visible = (jnp.arange(M)[None, :] < nv[:, None]) & (rows >= 0)
-        shared["cand"] = candidate_mask(scores[:, None], nv[:, None], visible[:, None], ix.candidate_block_size,
-                                        ix.candidate_topk_blocks)[:, 0]
-      if collect_aux:
-        aux.update(topk_ids=ids, index_scores=scores,
-                   comp_attn_target=dense_compressed_attention(q, comp_pool, rows, ctx, plan.ratio, d ** -0.5))
-    comp_idx = _entry_pool_rows(shared["ids"], rows)
+        shared["cand"] = cand
+    comp_idx = _entry_ids_to_pool_rows(ctx, plan.ratio, shared["ids"])
   elif plan.has_compressor:
     state, cache_layer["comp_kv"] = compress_step(
         p["compressor"], x_NxD, kv_compressor_spec(config, plan), ctx, cache_layer.get("comp_state"),
@@ -196,13 +257,9 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
     cache_layer["index_state"], cache_layer["index_keys"] = compress_step(
         p["indexer"]["compressor"], x_NxD, index_compressor_spec(config, plan), ctx, cache_layer["index_state"],
         cache_layer["index_keys"], inv_freq, eps)
-    rows = entry_rows(ctx, plan.ratio)
-    ids, scores = indexer_select(p["indexer"], config, plan, x_NxD, cq, ctx, cache_layer["index_keys"], rows,
-                                 inv_freq, kernel_cfg)
-    comp_idx = _entry_pool_rows(ids, rows)
-    if collect_aux:
-      aux.update(topk_ids=ids, index_scores=scores,
-                 comp_attn_target=dense_compressed_attention(q, comp_pool, rows, ctx, plan.ratio, d ** -0.5))
+    ids, _ = _select(p["indexer"], config, plan, x_NxD, cq, ctx, cache_layer["index_keys"], inv_freq, kernel_cfg,
+                     None, False, q, comp_pool, collect_aux, aux)
+    comp_idx = _entry_ids_to_pool_rows(ctx, plan.ratio, ids)
   elif plan.dense_compressed:
     rows = entry_rows(ctx, plan.ratio)
     visible = jnp.arange(rows.shape[1])[None, :] < num_visible(ctx, plan.ratio)[:, None]

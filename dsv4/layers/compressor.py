@@ -93,17 +93,26 @@ def merge(l1, m1, l2, m2):
   return lse, m1 * jnp.exp(l1 - lse) + m2 * jnp.exp(l2 - lse)
 
 
-def segmented_pool_scan(reset_N, lse_NxW, mean_NxW):
-  """Inclusive running pool along the flat axis; restarts at every token with reset set."""
+def segmented_pool_scan(reset_N, lse_NxW, mean_NxW, max_segment: int):
+  """Inclusive running pool along the flat axis; restarts at every token with reset set.
 
-  def combine(left, right):
-    fl, ll, ml = left
-    fr, lr, mr = right
-    lm, mm = merge(ll, ml, lr, mr)
-    keep = fr[:, None]
-    return fl | fr, jnp.where(keep, lr, lm), jnp.where(keep, mr, mm)
-
-  _, lse, mean = jax.lax.associative_scan(combine, (reset_N, lse_NxW, mean_NxW), axis=0)
+  A segment never spans more than `max_segment` tokens (one pooling window: every window start resets), so
+  ceil(log2(max_segment)) doubling steps finish it (a segmented Hillis-Steele scan). The compiled program grows with
+  log(window), not with log(N) as a general `associative_scan` over the flat axis does; that scan's strided
+  up/down sweeps were most of the step's HLO and of its XLA compile time."""
+  n, w = lse_NxW.shape
+  done, lse, mean = reset_N, lse_NxW, mean_NxW
+  d = 1
+  while d < min(max_segment, n):
+    # the pool d tokens back; the first d tokens see a reset (token 0 always starts a segment, so they never merge)
+    prev_done = jnp.concatenate([jnp.ones((d,), bool), done[:-d]])
+    prev_l = jnp.concatenate([jnp.zeros((d, w), lse.dtype), lse[:-d]])
+    prev_m = jnp.concatenate([jnp.zeros((d, w), mean.dtype), mean[:-d]])
+    ml, mm = merge(prev_l, prev_m, lse, mean)
+    open_ = ~done[:, None]
+    lse, mean = jnp.where(open_, ml, lse), jnp.where(open_, mm, mean)
+    done = done | prev_done
+    d *= 2
   return lse, mean
 
 
@@ -144,7 +153,7 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
     # Next-entry pool: A halves of the open window.
     mid = (ctx.first_N & ~win_start)[:, None]
     l0, m0 = merge(p_nl, p_nm, zA, aA)
-    nl, nm = segmented_pool_scan(reset, jnp.where(mid, l0, zA), jnp.where(mid, m0, aA))
+    nl, nm = segmented_pool_scan(reset, jnp.where(mid, l0, zA), jnp.where(mid, m0, aA), m)
     # Current-entry pool: at a window start it begins from the previous window's A halves (the previous token's
     # next-entry pool, or the cached one for a row's first token); entry 0 has no previous window.
     base_l = jnp.where(ctx.first_N[:, None], p_nl, jnp.roll(nl, 1, axis=0))
@@ -154,13 +163,13 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
     cl0, cm0 = merge(p_cl, p_cm, zB, aB)
     el = jnp.where(has_base, sl, jnp.where(mid, cl0, zB))
     em = jnp.where(has_base, sm, jnp.where(mid, cm0, aB))
-    cl, cm = segmented_pool_scan(reset, el, em)
+    cl, cm = segmented_pool_scan(reset, el, em, m)
     state_rows = jnp.concatenate([cl, cm, nl, nm], axis=-1)
   else:
     p_cl, p_cm = prev_rows[:, :w], prev_rows[:, w:]
     mid = (ctx.first_N & ~win_start)[:, None]
     cl0, cm0 = merge(p_cl, p_cm, z, a)
-    cl, cm = segmented_pool_scan(reset, jnp.where(mid, cl0, z), jnp.where(mid, cm0, a))
+    cl, cm = segmented_pool_scan(reset, jnp.where(mid, cl0, z), jnp.where(mid, cm0, a), m)
     state_rows = jnp.concatenate([cl, cm], axis=-1)
 
   # Keep the state after the last token of each block touched (a later step reads the row of its start - 1).

@@ -90,3 +90,61 @@ def test_batched_admission_one_device_call():
 def m_extra():
   from cache.hashing import ExtraKeys
   return ExtraKeys()
+
+
+def serve_wave(m, tag, prompts, n_out=4, chunk=512):
+  """Admit a wave of requests in ONE step (concurrent arrivals: none sees another's blocks before it computes),
+  then prefill them chunk by chunk interleaved (as an engine's step would), decode n_out tokens, free."""
+  hits = m.add_requests([(f"{tag}{i}", p, m_extra()) for i, p in enumerate(prompts)])
+  n = [h.num_tokens for h in hits]
+  while any(k < len(p) for k, p in zip(n, prompts)):
+    for i, p in enumerate(prompts):
+      if n[i] < len(p):
+        c = min(chunk, len(p) - n[i])
+        assert m.allocate_for(f"{tag}{i}", c)
+        n[i] += c
+        m.commit(f"{tag}{i}", n[i])
+  for i in range(len(prompts)):
+    for j in range(n_out - 1):
+      m.append_tokens(f"{tag}{i}", [3 + j])
+      assert m.allocate_for(f"{tag}{i}", 1)
+      n[i] += 1
+      m.commit(f"{tag}{i}", n[i])
+    m.append_tokens(f"{tag}{i}", [2])
+    m.free(f"{tag}{i}")
+  return [h.num_tokens for h in hits]
+
+
+# Waves of 3 sessions that share only a 256-token system prompt, each wave admitted in one step.
+# vLLM 0.33, MEASURED on this exact trace with its own KVCacheManager (benchmarks/cache_bench_vllm.py driver, see
+# BUILD_NOTES "cache v2 gaps (i10c)"): [[0, 256, 256], [256] * 3, [256] * 3]. vLLM registers a block's hash when it is
+# ALLOCATED for the step that computes it, so the 2nd and 3rd arrival of the cold wave hit the blocks the 1st one
+# computes in the same forward pass (sound there because every layer writes the step's KV before attending). Our
+# manager registers at `commit` (after compute), so a cold wave hits 0; from the second wave on we match.
+VLLM_033_WAVES = [[0, 256, 256], [256, 256, 256], [256, 256, 256]]
+
+
+def _waves(v1):
+  rng = np.random.default_rng(11)
+  sys = rng.integers(2, 1000, 256)
+  m = KVCacheManager(SPECS, num_full_blocks=NF, num_swa_blocks=NS, **(V1 if v1 else {}))
+  return [serve_wave(m, f"w{w}.", [np.concatenate([sys, rng.integers(2, 1000, 300 + 41 * i + 7 * w)])
+                                   for i in range(3)]) for w in range(3)]
+
+
+@pytest.mark.parametrize("v1,want", [
+    (False, [[0, 0, 0], [256, 256, 256], [256, 256, 256]]),   # dense start: wave 1 itself leaves a 256 checkpoint
+    (True, [[0, 0, 0], [0, 0, 0], [0, 0, 0]]),                # cache v1 placement: never
+])
+def test_concurrent_siblings_sharing_only_a_system_prompt(v1, want):
+  got = _waves(v1)
+  assert got == want
+  if not v1:   # from the second wave on: never fewer hit tokens than vLLM 0.33, request by request
+    assert all(g >= v for gw, vw in zip(got[1:], VLLM_033_WAVES[1:]) for g, v in zip(gw, vw))
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: a cold wave admitted in one step cannot hit blocks its first "
+                   "request computes in that same step (vLLM 0.33 can: it registers blocks at allocation)")
+def test_cold_concurrent_wave_never_fewer_than_vllm():
+  got = _waves(False)
+  assert all(g >= v for gw, vw in zip(got, VLLM_033_WAVES) for g, v in zip(gw, vw))

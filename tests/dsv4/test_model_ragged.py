@@ -253,3 +253,40 @@ def test_precision_modes():
 def test_fp8_rejects_unsupported_width():
   with pytest.raises(ValueError, match="multiple of 64"):
     caches.cache_array_specs(C.v4_tiny(), caches.CacheLayout(kv_dtype=caches.FP8))
+
+
+def test_paged_indexer_equals_reference_path(setup, monkeypatch):
+  """The model's paged indexer (block reads, running top-k, V4.1 candidate block ids) == the reference path (per
+  entry row lists, dense [N, M] scores and candidate mask): same logits on a ragged mix, and each layer's picks
+  are the top-k of the reference scores (sets, ties at the k-th score detected)."""
+  from pallas_kernels import dispatch
+  from tests.pallas_kernels.test_indexer_paged import assert_topk_matches
+  cfg, params = setup
+  rng = np.random.default_rng(3)
+  lengths = np.asarray([90, 130, 40])
+  tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(5), (3, 130), 0, cfg.vocab_size))
+  got, _ = run_ragged(cfg, params, tokens, lengths, np.random.default_rng(3))
+  monkeypatch.setattr(dispatch, "uses_kernel", lambda kcfg, op: True)  # reference path, XLA reference inside
+  jax.clear_caches()
+  ref, _ = run_ragged(cfg, params, tokens, lengths, np.random.default_rng(3))
+  monkeypatch.undo()
+  jax.clear_caches()
+  _assert_close(got, ref)
+  # Per layer: a decode step after a prefill of 120 tokens (row 0) next to a chunk (row 1).
+  layout = caches.CacheLayout()
+  cache = caches.init_cache(cfg, layout, 64, 64)
+  tabs = [{caches.SWA: [3, 1, 7, 9], caches.FULL: [5]}, {caches.SWA: [2, 4, 6, 8], caches.FULL: [11]}]
+  for rows in ([(tokens[0, :120], 0, tabs[0]), (tokens[1, :30], 0, tabs[1])],
+               [(tokens[0, 120:121], 120, tabs[0]), (tokens[1, 30:60], 30, tabs[1])]):
+    toks, step = caches.make_step_index(rows, 2, min_tokens=64)
+    cache, _, auxes = model.forward_ragged_aux(params, cfg, jnp.asarray(toks), cache,
+                                               jax.tree_util.tree_map(jnp.asarray, step), layout=layout,
+                                               collect_aux=True)
+  checked = 0
+  for aux in auxes:
+    if "topk_ids" in aux:
+      valid = np.asarray(step.token_row_N) >= 0
+      assert_topk_matches(np.asarray(aux["topk_ids"])[valid], np.asarray(aux["index_scores"])[valid],
+                          cfg.indexer.topk)
+      checked += 1
+  assert checked == sum(p.has_index_query for p in cfg.layer_plan())

@@ -1,0 +1,147 @@
+"""Lightning indexer straight from the paged key pool, plain XLA: scores and top-k without per-entry gathers.
+
+`indexer.indexer_scores_reference` (the reference) gathers one pool row per (query, entry) and builds the whole
+[N, H, M] product; its cost and memory follow M = the table width. This path is what the model runs when no Pallas
+kernel is selected:
+
+* keys are read block by block through the block table (`jnp.take` of whole [E, C] blocks: one contiguous copy
+  per block, not one small row copy per entry);
+* entries are scored in chunks of `chunk_entries` (a `lax.scan` when there are several) and a running top-k is
+  merged chunk by chunk, so the [N, H, chunk] product is the largest temporary, whatever M is;
+* the score is one matmul per query (q [H, C] x keys [C, chunk]), ReLU, and the head-weighted sum;
+* V4.1 candidate restriction by block ids (`candidate_blocks_NxCb`, entries [c*bs, (c+1)*bs)): only the
+  candidates' entries are gathered and scored (O(Cb * bs) per query, independent of M), instead of a dense
+  [N, M] mask over every entry;
+* V4.1 candidate source: the per-block score maxima come out of the same pass (`block_max_size`).
+
+Equality with the reference: identical scores up to fp32 summation order; `lax.top_k` keeps the lower index
+among equal values and the running merge keeps earlier chunks (lower entry ids) first, so the picked set equals
+`topk_from_scores` of the reference scores except at near-ties at the k-th score (tests detect those).
+
+Contract (flat token axis N; each query already carries its own row's block table):
+  q_NxHxC, w_NxH     indexer queries (RoPE'd) and head weights (scale folded in).
+  key_blocks_BxExC   the layer's index-key pool as [num_blocks, E entries per block, C] (the cache layout).
+  table_NxF          block ids of the query's row (-1 = none); entry m lives in block table[m // E], row m % E.
+  num_visible_N      entries 0..n-1 are visible (causality; 0 for padding tokens).
+Returns ids_Nxk (entry ids, -1 where fewer than k are visible; k = min(k, F * E)), vals_Nxk, and the block maxima
+[N, F * E / block_max_size] when block_max_size > 0 (else None).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _score(q_NxHxC, w_NxH, keys_NxMxC):
+  dots = jnp.einsum("nhc,nmc->nhm", q_NxHxC, keys_NxMxC.astype(jnp.float32), precision=_HI)
+  return jnp.einsum("nhm,nh->nm", jax.nn.relu(dots), w_NxH, precision=_HI)
+
+
+def _chunk_scores(q, w, key_blocks_BxExC, tab_NxFc, first_entry, nv_N):
+  """Scores [N, Fc * E] of the entries of blocks tab_NxFc (entry ids first_entry + 0..Fc*E-1), -inf if invisible."""
+  NB, E, C = key_blocks_BxExC.shape
+  N, Fc = tab_NxFc.shape
+  ok_blk = (tab_NxFc >= 0) & (tab_NxFc < NB)
+  keys = jnp.take(key_blocks_BxExC, jnp.clip(tab_NxFc, 0, NB - 1), axis=0).reshape(N, Fc * E, C)
+  s = _score(q, w, keys)
+  ent = first_entry + jnp.arange(Fc * E, dtype=jnp.int32)
+  vis = (ent[None, :] < nv_N[:, None]) & jnp.repeat(ok_blk, E, axis=1)
+  return jnp.where(vis, s, -jnp.inf), ent
+
+
+def _block_max(s_NxM, bs):
+  N, M = s_NxM.shape
+  return jnp.max(s_NxM.reshape(N, M // bs, bs), axis=-1)
+
+
+def _finish(vals, ids):
+  return jnp.where(jnp.isfinite(vals), ids, -1).astype(jnp.int32), vals
+
+
+def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_N, k: int, *,
+                       chunk_entries: int = 4096, block_max_size: int = 0):
+  """Top-k entry ids over all visible entries of each query's row (see the module docstring)."""
+  N, H, C = q_NxHxC.shape
+  NB, E, C2 = key_blocks_BxExC.shape
+  F = table_NxF.shape[1]
+  if C2 != C or w_NxH.shape != (N, H) or table_NxF.shape[0] != N or num_visible_N.shape != (N,):
+    raise ValueError(f"indexer_topk_paged: shapes q {q_NxHxC.shape}, w {w_NxH.shape}, keys {key_blocks_BxExC.shape}"
+                     f", table {table_NxF.shape}, num_visible {num_visible_N.shape} do not agree")
+  if block_max_size and E % block_max_size:
+    raise ValueError(f"indexer_topk_paged: block_max_size {block_max_size} must divide the {E} entries per block")
+  q = q_NxHxC.astype(jnp.float32)
+  w = w_NxH.astype(jnp.float32)
+  nv = num_visible_N.astype(jnp.int32)
+  M = F * E
+  kk = min(k, M)
+  fc = max(1, min(F, chunk_entries // E))  # blocks per chunk
+  nc = -(-F // fc)
+  if nc == 1:
+    s, _ = _chunk_scores(q, w, key_blocks_BxExC, table_NxF, 0, nv)
+    vals, ids = jax.lax.top_k(s, kk)
+    bmax = _block_max(s, block_max_size) if block_max_size else None
+    return (*_finish(vals, ids), bmax)
+  tab = jnp.pad(table_NxF, ((0, 0), (0, nc * fc - F)), constant_values=-1)
+  tab_c = tab.reshape(N, nc, fc).transpose(1, 0, 2)  # [nc, N, fc]
+
+  def body(carry, xs):
+    vals, ids = carry
+    c, tab_Nxfc = xs
+    s, ent = _chunk_scores(q, w, key_blocks_BxExC, tab_Nxfc, c * (fc * E), nv)
+    # Earlier chunks first: among equal scores the lower entry id wins, as in one top_k over all entries.
+    v2, pick = jax.lax.top_k(jnp.concatenate([vals, s], axis=1), kk)
+    all_ids = jnp.concatenate([ids, jnp.broadcast_to(ent[None, :], (N, fc * E))], axis=1)
+    out = _block_max(s, block_max_size) if block_max_size else jnp.zeros((N, 0), jnp.float32)
+    return (v2, jnp.take_along_axis(all_ids, pick, axis=1)), out
+
+  init = (jnp.full((N, kk), -jnp.inf, jnp.float32), jnp.full((N, kk), -1, jnp.int32))
+  (vals, ids), bm = jax.lax.scan(body, init, (jnp.arange(nc, dtype=jnp.int32), tab_c))
+  bmax = None
+  if block_max_size:
+    bmax = bm.transpose(1, 0, 2).reshape(N, -1)[:, :M // block_max_size]
+  return (*_finish(vals, ids), bmax)
+
+
+def candidate_blocks(block_max_NxNb, last_block_N, topk_blocks: int):
+  """V4.1 candidate blocks (spec §2.4) as ids [N, min(topk_blocks, Nb)] (-1 = none) from block maxima: the block
+  of the newest visible entry (`last_block_N`, -1 when none) is forced in, then the highest maxima; blocks with no
+  visible entry (max -inf) never count. Same rule as `dsv4.layers.attention.candidate_mask` except at exact ties
+  of finite block maxima at the cut: this keeps exactly topk_blocks (lowest block id first), the dense threshold
+  keeps every tied block."""
+  N, nb = block_max_NxNb.shape
+  blk = jnp.where(jnp.arange(nb)[None, :] == last_block_N[:, None], jnp.inf, block_max_NxNb)
+  vals, ids = jax.lax.top_k(blk, min(topk_blocks, nb))
+  return jnp.where(vals > -jnp.inf, ids, -1).astype(jnp.int32)
+
+
+def indexer_topk_candidates(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_N, k: int,
+                            candidate_blocks_NxCb, block_size: int):
+  """Top-k over the entries of the candidate blocks only (O(Cb * block_size) per query, independent of M).
+
+  Returns (ids [N, min(k, F * E)] entry ids, -1 = none; vals). Candidate ids are sorted first so that the
+  scored entries are in increasing id order: ties then break toward the lower entry id, as over the dense mask."""
+  N, H, C = q_NxHxC.shape
+  NB, E, _ = key_blocks_BxExC.shape
+  F = table_NxF.shape[1]
+  M = F * E
+  kk = min(k, M)
+  nbm = M // block_size if M % block_size == 0 else -(-M // block_size)
+  cb = candidate_blocks_NxCb.astype(jnp.int32)
+  cb = jnp.where((cb >= 0) & (cb < nbm), cb, jnp.iinfo(jnp.int32).max)
+  cb = jnp.sort(cb, axis=1)
+  ok_cb = cb != jnp.iinfo(jnp.int32).max
+  ent = jnp.where(ok_cb[:, :, None], cb[:, :, None] * block_size + jnp.arange(block_size)[None, None, :], -1)
+  ent = ent.reshape(N, -1)  # [N, Cb * bs]
+  blk = jnp.take_along_axis(table_NxF, jnp.clip(ent // E, 0, F - 1), axis=1)
+  ok = (ent >= 0) & (ent < M) & (ent < num_visible_N[:, None]) & (blk >= 0) & (blk < NB)
+  keys = key_blocks_BxExC[jnp.clip(blk, 0, NB - 1), jnp.maximum(ent, 0) % E]  # [N, Cb*bs, C]
+  s = jnp.where(ok, _score(q_NxHxC.astype(jnp.float32), w_NxH.astype(jnp.float32), keys), -jnp.inf)
+  if s.shape[1] < kk:  # fewer candidate entries than k: pad so the output width matches the dense path
+    pad = kk - s.shape[1]
+    s = jnp.pad(s, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    ent = jnp.pad(ent, ((0, 0), (0, pad)), constant_values=-1)
+  vals, pick = jax.lax.top_k(s, kk)
+  return _finish(vals, jnp.take_along_axis(ent, pick, axis=1))

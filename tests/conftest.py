@@ -1,0 +1,34 @@
+"""Suite-wide settings.
+
+XLA's CPU compile of the tiny model's programs dominates the suite's wall time, and many tests compile the very same
+programs (same config, same shapes) in different modules and in both xdist workers. A persistent compilation cache
+shared by the workers of one run compiles each of them once. The directory is fresh for every run (made by the
+controller, inherited by the workers), so no state leaks between runs and CI starts from nothing, as a user
+would. Tests that count compilations create their own engines and count backend compiles; a cache hit is not a
+compile, so their upper bounds still hold. Set DSV4_TEST_JAX_CACHE=0 to compile everything afresh.
+"""
+
+import os
+import shutil
+import tempfile
+
+import jax
+
+
+_ENV = "DSV4_TEST_XLA_CACHE_DIR"
+
+
+def pytest_configure(config):
+  if os.environ.get("DSV4_TEST_JAX_CACHE", "1") == "0":
+    return
+  if not os.environ.get("PYTEST_XDIST_WORKER"):
+    # the controller (or a plain run) makes the run's directory; xdist workers inherit it through the environment
+    os.environ[_ENV] = tempfile.mkdtemp(prefix="dsv4-test-xla-cache-")
+  jax.config.update("jax_compilation_cache_dir", os.environ[_ENV])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  if not os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_ENV):
+    shutil.rmtree(os.environ.pop(_ENV), ignore_errors=True)
