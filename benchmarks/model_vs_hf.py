@@ -20,6 +20,7 @@ import numpy as np
 from absl import app, flags
 
 from dsv4 import caches, model
+from dsv4.layers import moe
 from dsv4 import config as C
 from dsv4.loading import load_checkpoint
 from tests.dsv4 import oracle_util
@@ -29,6 +30,8 @@ flags.DEFINE_integer("prefill", 512, "Prefill length (tiny); the wide config use
 flags.DEFINE_integer("wide_prefill", 256, "Prefill length for the wide config.")
 flags.DEFINE_integer("decode_steps", 8, "Decode steps timed after the prefill.")
 flags.DEFINE_integer("repeats", 3, "Prefill repeats (median).")
+flags.DEFINE_bool("compare_moe_sorted", True, "Also time decode with every routed-expert call on the sorted "
+                  "ragged_dot path (the code before the decode MoE fix), same run.")
 FLAGS = flags.FLAGS
 
 WIDE_HF = dict(
@@ -98,6 +101,17 @@ def run_one(name: str, cfg: C.ModelConfig, overrides: dict | None, T: int, steps
     cache, lg = model.forward_jit(params, cfg, jnp.asarray(tokens[:, T + s:T + s + 1]), cache, idx, layout)
   jax.block_until_ready(lg)
   d_ours = (time.perf_counter() - t) / steps
+  out_extra = {}
+  if FLAGS.compare_moe_sorted:
+    # Before the decode MoE fix, in the same run: every routed-expert call on the sorted `lax.ragged_dot` path
+    # (on CPU: every expert's weights transposed and every token times every expert, each step).
+    d_gathered = d_ours
+    d_sorted = _decode_time(params, cfg, tokens, T, steps, layout, tabs, cache_fn=lambda: _prefilled(
+        params, cfg, tokens, T, steps, layout), moe_path=moe.routed_experts_sorted)
+    d_again = _decode_time(params, cfg, tokens, T, steps, layout, tabs, cache_fn=lambda: _prefilled(
+        params, cfg, tokens, T, steps, layout), moe_path=None)
+    out_extra = {"ours_decode_step_ms_moe_sorted": 1e3 * d_sorted, "ours_decode_step_ms_again": 1e3 * d_again,
+                 "decode_moe_sorted_over_gathered": d_sorted / min(d_gathered, d_again)}
   with torch.no_grad():
     hcache = DynamicCache(config=hf.config)
     hf(input_ids=torch.as_tensor(tokens[:, :T], dtype=torch.long), past_key_values=hcache, use_cache=True)
@@ -112,7 +126,49 @@ def run_one(name: str, cfg: C.ModelConfig, overrides: dict | None, T: int, steps
           "prefill_logits_max_rel_diff": rel, "decode_logits_max_rel_diff": dec_rel,
           "ours_prefill_tok_per_s": T / t_ours, "hf_prefill_tok_per_s": T / t_hf,
           "prefill_speedup_vs_hf": t_hf / t_ours,
-          "ours_decode_step_ms": 1e3 * d_ours, "hf_decode_step_ms": 1e3 * d_hf, "decode_speedup_vs_hf": d_hf / d_ours}
+          "ours_decode_step_ms": 1e3 * d_ours, "hf_decode_step_ms": 1e3 * d_hf, "decode_speedup_vs_hf": d_hf / d_ours,
+          "decode_bytes_accessed_per_step": _decode_bytes(params, cfg, T, steps, layout), **out_extra}
+
+
+def _prefilled(params, cfg, tokens, T, steps, layout):
+  cache, swa, full = caches.init_contiguous(cfg, 1, T + steps, layout)
+  tabs = (jnp.asarray(swa), jnp.asarray(full))
+  idx = caches.BatchIndex(jnp.zeros(1, jnp.int32), jnp.full((1,), T, jnp.int32), *tabs)
+  cache, _ = model.forward_jit(params, cfg, jnp.asarray(tokens[:, :T]), cache, idx, layout)
+  return cache
+
+
+def _decode_time(params, cfg, tokens, T, steps, layout, tabs, cache_fn, moe_path):
+  """Decode step time with the routed experts forced onto `moe_path` (None: the default dispatch); retraces."""
+  saved = moe.routed_experts
+  try:
+    if moe_path is not None:
+      moe.routed_experts = moe_path
+    jax.clear_caches()
+    cache = cache_fn()
+    warm = caches.BatchIndex(jnp.full((1,), T, jnp.int32), jnp.zeros((1,), jnp.int32), *tabs)
+    cache, lg = model.forward_jit(params, cfg, jnp.asarray(tokens[:, T:T + 1]), cache, warm, layout)
+    jax.block_until_ready(lg)
+    t = time.perf_counter()
+    for s in range(steps):
+      idx = caches.BatchIndex(jnp.full((1,), T + s, jnp.int32), jnp.ones((1,), jnp.int32), *tabs)
+      cache, lg = model.forward_jit(params, cfg, jnp.asarray(tokens[:, T + s:T + s + 1]), cache, idx, layout)
+    jax.block_until_ready(lg)
+    return (time.perf_counter() - t) / steps
+  finally:
+    moe.routed_experts = saved
+    jax.clear_caches()
+
+
+def _decode_bytes(params, cfg, T, steps, layout):
+  """XLA's own estimate of bytes a decode step reads and writes (the step is memory-bound at these widths)."""
+  cache, swa, full = caches.init_contiguous(cfg, 1, T + steps, layout)
+  idx = caches.BatchIndex(jnp.full((1,), T, jnp.int32), jnp.ones((1,), jnp.int32), jnp.asarray(swa),
+                          jnp.asarray(full))
+  comp = model.forward_jit.lower(params, cfg, jnp.zeros((1, 1), jnp.int32), cache, idx, layout).compile()
+  ca = comp.cost_analysis()
+  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+  return float(ca.get("bytes accessed", float("nan")))
 
 
 def main(argv):

@@ -3,14 +3,15 @@
 1. Decode step time, batch 8, at contexts 2k / 8k / 32k / 64k with max_model_len fixed at 1M (tiny V4: window +
    CSA top-k + HCA layers), with block tables bucketed by the live context ("after") and spanning max_model_len
    ("before", what the runner did until now: min_table_tokens = max_model_len).
-2. Mixed step (1 prefill chunk of 64 + 63 decodes, 64 rows) vs the chunk alone, with the decode / prefill row
-   groups ("after") and with every row padded to chunk_size in one program ("before").
+2. Mixed step (1 prefill chunk of 64 + 63 decodes, 64 rows) vs the chunk alone: all rows on one flat token axis
+   ("after", the serving path), with the decode / prefill row groups ("groups") and with every row padded to
+   chunk_size in one program ("padded").
 3. Compiled temp memory of a decode step (`memory_analysis().temp_size_in_bytes`) at max_model_len 64k vs 1M.
 4. Batch-invariant mode: the same mixed 8-row step, normal vs invariant.
 
 The runner is driven directly with synthetic block tables (block contents do not change the work).
 
-    python -m benchmarks.step_bench [--repeats=5]
+    python -m benchmarks.step_bench [--repeats=5] [--parts=decode,mixed,memory,invariant]
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from dsv4.engine import runner as R
 from dsv4.engine.sampling import SamplingParams
 
 flags.DEFINE_integer("repeats", 5, "Timed repeats per point (median reported).")
-flags.DEFINE_bool("decode_only", False, "Run part 1 (decode vs context) only.")
+flags.DEFINE_list("parts", ["decode", "mixed", "memory", "invariant"], "Which measurements to run.")
+flags.DEFINE_bool("decode_only", False, "Run part 1 (decode vs context) only (= --parts=decode; the model-side "
+                  "breakdown of this part: benchmarks/decode_bench.py).")
 FLAGS = flags.FLAGS
 M1 = 1 << 20
 
@@ -74,12 +77,20 @@ def timed(run, rows, repeats):
   return float(np.median(ts))
 
 
-def main(argv):
-  del argv
-  cfg = C.v4_tiny()
-  params = model.init_params(cfg, jax.random.PRNGKey(0))
-  rng = np.random.default_rng(0)
-  res = {"config": cfg.name}
+def timed_alternating(run, row_sets, repeats):
+  """Median time per row set, the sets run alternately (load from other processes hits them alike)."""
+  for rows in row_sets:
+    run.run(rows)  # compile + warm
+  ts = [[] for _ in row_sets]
+  for _ in range(repeats):
+    for rows, t_list in zip(row_sets, ts):
+      t = time.perf_counter()
+      run.run(rows)
+      t_list.append(time.perf_counter() - t)
+  return [float(np.median(t)) for t in ts]
+
+
+def decode(cfg, params, rng, res):
   # 1. decode vs context at max_model_len 1M
   for label, mtt in (("after", 4096), ("before", M1)):
     run = make_runner(cfg, params, max_model_len=M1, max_num_seqs=8, min_table_tokens=mtt)
@@ -89,35 +100,67 @@ def main(argv):
     del run
   for label in ("after", "before"):
     res[f"decode_64k_over_2k_{label}"] = res[f"decode_b8_ctx64k_ms_{label}"] / res[f"decode_b8_ctx2k_ms_{label}"]
-  if FLAGS.decode_only:  # the model-side breakdown of this part: benchmarks/decode_bench.py
-    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}, indent=1))
-    return
-  # 2. mixed step vs chunk alone (64 rows, contexts 1k)
-  for label, split in (("after", True), ("before", False)):
-    run = make_runner(cfg, params, max_model_len=8192, max_num_seqs=64, split_groups=split)
-    chunk = rows_at(run, [1024], [64], rng)
-    t_chunk = timed(run, chunk, FLAGS.repeats)
+
+
+def mixed(cfg, params, rng, res):
+  """2. mixed step vs chunk alone (64 rows, contexts 1k): ragged flat token axis ("after"), decode / prefill row
+  groups ("groups", the 11e runner; step_mode="padded", the runner before that, is 70-110x and not rerun)."""
+  for label, mode in (("after", "ragged"), ("groups", "groups")):
+    run = make_runner(cfg, params, max_model_len=8192, max_num_seqs=64, step_mode=mode, token_bucket_growth=2)
+    # The row sets live in the runner at once (slot 0 = the chunk in all), timed alternately. "Two chunks" (64 + 63
+    # prefill tokens, ragged only) fills the same flat-axis bucket (128) as the mixed step with prefill tokens only:
+    # does a decode token cost what a prefill token does?
     mixed = rows_at(run, [1024] * 64, [64] + [1] * 63, rng)
-    t_mixed = timed(run, mixed, FLAGS.repeats)
+    chunk = mixed[:1]
+    sets = [chunk, mixed]
+    if mode == "ragged":
+      sets.append([mixed[0], rows_at(run, [1024, 1024], [64, 63], rng)[1]])
+    ts = timed_alternating(run, sets, FLAGS.repeats)
+    t_chunk, t_mixed = ts[:2]
     res[f"chunk_alone_ms_{label}"], res[f"mixed_1chunk_63dec_ms_{label}"] = 1e3 * t_chunk, 1e3 * t_mixed
     res[f"mixed_over_chunk_{label}"] = t_mixed / t_chunk
+    if mode == "ragged":
+      res["two_chunks_64_63_ms_after"], res["mixed_over_two_chunks_after"] = 1e3 * ts[2], t_mixed / ts[2]
     del run
+
+
+def memory(cfg, params, rng, res):
   # 3. compiled temp memory of a decode step vs max_model_len (live context 2k)
   for mml in (65536, M1):
     run = make_runner(cfg, params, max_model_len=mml, max_num_seqs=8)
     rows = rows_at(run, [2048] * 8, [1] * 8, rng)
     ws, wf = run._widths(2049)
-    shape, buf = run._group(rows, 1, ws, wf)
-    comp = R.group_step.lower(run.params, run.cache, jax.numpy.asarray(buf), config=cfg, layout=run.layout,
+    shape, buf = run._ragged(rows, ws, wf)
+    comp = R.ragged_step.lower(run.params, run.cache, jax.numpy.asarray(buf), config=cfg, layout=run.layout,
                               kernel_cfg=run.kernel_cfg, shape=shape, record_logits=False).compile()
     res[f"decode_temp_bytes_max_len_{mml // 1024}k"] = int(comp.memory_analysis().temp_size_in_bytes)
     del run
+
+
+def invariant(cfg, params, rng, res):
   # 4. batch-invariant cost: 8 rows (1 chunk of 32 + 7 decodes), max_model_len 4096
   for label, inv in (("normal", False), ("invariant", True)):
     run = make_runner(cfg, params, max_model_len=4096, max_num_seqs=8, chunk_size=32, batch_invariant=inv)
     res[f"mixed8_ms_{label}"] = 1e3 * timed(run, rows_at(run, [1024] * 8, [32] + [1] * 7, rng), FLAGS.repeats)
     del run
   res["invariant_cost_x"] = res["mixed8_ms_invariant"] / res["mixed8_ms_normal"]
+
+
+def main(argv):
+  del argv
+  cfg = C.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  rng = np.random.default_rng(0)
+  res = {"config": cfg.name}
+  parts = ["decode"] if FLAGS.decode_only else FLAGS.parts
+  if "decode" in parts:
+    decode(cfg, params, rng, res)
+  if "mixed" in parts:
+    mixed(cfg, params, rng, res)
+  if "memory" in parts:
+    memory(cfg, params, rng, res)
+  if "invariant" in parts:
+    invariant(cfg, params, rng, res)
   print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}, indent=1))
 
 

@@ -50,6 +50,9 @@ class EngineConfig:
   # Smallest block-table width (tokens) of a step; tables grow in powers of two with the live context up to
   # max_model_len, so a step's attention cost follows its context, not the configured limit.
   min_table_tokens: int = 4096
+  # Token buckets of the flat step axis grow 8, 8g, 8g^2, ... (g = 2 or 4): 4 compiles half as many step programs
+  # (a compile of the whole model each; they dominate short jobs on CPU) for up to 4x padding of a step's tokens.
+  token_bucket_growth: int = 4
   # Compute dtype of params / activations: "fp32" (bit for bit today's) or "bf16" (fp32 norms, softmaxes, logits;
   # model.cast_params). The KV pools' dtype is layout.kv_dtype (fp32, bf16 or caches.FP8).
   dtype: str = "fp32"
@@ -62,6 +65,8 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.dtype: 'fp32' or 'bf16', got {self.dtype!r}")
     if self.min_table_tokens < 1:
       raise ValueError("EngineConfig: min_table_tokens must be >= 1")
+    if self.token_bucket_growth not in (2, 4):
+      raise ValueError(f"EngineConfig.token_bucket_growth: 2 or 4, got {self.token_bucket_growth}")
 
 
 class Engine:
@@ -90,6 +95,7 @@ class Engine:
                               batch_invariant=ec.batch_invariant, record_logits=ec.record_logits,
                               min_table_tokens=ec.min_table_tokens,
                               max_num_batched_tokens=ec.max_num_batched_tokens,
+                              token_bucket_growth=ec.token_bucket_growth,
                               mesh=mesh, **({} if rules is None else {"rules": rules}))
     self._tables: dict[str, object] = {}     # rid -> BlockTables of this step's allocation
     self.waiting: collections.deque[Request] = collections.deque()

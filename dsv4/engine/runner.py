@@ -5,17 +5,17 @@ Host side (numpy, O(new tokens) per step): each running request owns a *slot* wi
 `sync_tables` copies only what changed since the last step (new blocks at the end, swa blocks released behind the
 window at the front), so a step never rebuilds a request's whole table or token list.
 
-Device side: the rows of a step are split into two groups, each run by its own jitted program on one packed int32
-buffer (tokens, positions, block tables, sampling parameters):
-
-* decode group: rows computing 1 token ([rows, 1]);
-* prefill group: rows computing a chunk ([rows, chunk_size]).
-
-So a mixed step (one prefill chunk + many decodes) costs the chunk plus the decode rows, not every row padded to
-chunk_size. Sampling runs inside the same programs on device logits. Shapes are bucketed so compilation stays
-bounded: rows to powers of four (decode from 8, capped at max_num_seqs), block tables to a power-of-two width that covers the
-live context of the step (capped at max_model_len). Both groups' buffers go to the device in one `device_put` call;
-the sampled tokens (and logits when recorded) come back in one `device_get` call.
+Device side: all rows of a step ride ONE flat token axis through `model.forward_ragged` (`ragged_step`): a decode
+row contributes 1 token, a prefill row its chunk; per-token row / position metadata and per-row block tables
+(`caches.StepIndex`) travel in one packed int32 buffer with the sampling parameters. So a mixed step (one prefill
+chunk + many decodes) costs its real tokens, not every row padded to chunk_size. Sampling runs inside the same
+program on device logits. Shapes are bucketed so compilation stays bounded: tokens to 8 * g^k (g =
+`token_bucket_growth`, 2 or 4), rows to max_num_seqs (4x buckets from 64 beyond 64), block tables to a power-of-two
+width that covers the live context of the step (capped at max_model_len). The plan goes to the device in one
+`device_put` call; the sampled
+tokens (and logits when recorded) come back in one `device_get` call. The earlier layouts (a decode group [rows, 1]
++ a prefill group [rows, chunk_size]; every row padded to chunk_size) remain as `step_mode="groups"` / `"padded"`
+for benchmarks' before / after in one run.
 
 Batch-invariant mode (`batch_invariant=True`): every token of the step goes through one fixed-shape program
 ([1 row, 1 token], block tables at the max_model_len width) in order, inside one jitted loop; logits and sampling
@@ -59,6 +59,14 @@ def pow4_at_least(n: int, lo: int = 1) -> int:
   return b
 
 
+def token_bucket(total: int, growth: int, max_tokens: int) -> int:
+  """Flat-axis size for a step of `total` tokens: 8 * growth^k, capped at the step budget's power of two."""
+  n = 8
+  while n < total:
+    n *= growth
+  return max(min(n, pow2_at_least(max_tokens)), pow2_at_least(total))
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupShape:
   """Static shape of one group program (part of the jit key)."""
@@ -97,6 +105,26 @@ class InvariantShape:
     return sum(int(np.prod(s)) for _, s in self.fields())
 
 
+@dataclasses.dataclass(frozen=True)
+class RaggedShape:
+  """Static shape of the ragged step program (part of the jit key): N flat tokens (every row's tokens packed,
+  decode rows 1 each, prefill rows their chunk), R rows, block tables [R, width]."""
+  tokens: int
+  rows: int
+  swa_width: int
+  full_width: int
+
+  def fields(self):
+    N, R = self.tokens, self.rows
+    return (("tokens", (N,)), ("row", (N,)), ("pos", (N,)), ("start", (R,)), ("num", (R,)), ("last", (R,)),
+            ("swa", (R, self.swa_width)), ("full", (R, self.full_width)), ("temperature", (R,)), ("top_k", (R,)),
+            ("top_p", (R,)), ("seed", (R,)), ("step", (R,)))
+
+  @property
+  def size(self) -> int:
+    return sum(int(np.prod(s)) for _, s in self.fields())
+
+
 def _unpack(buf, shape):
   """Slices the packed int32 buffer back into named arrays (float fields travel as their bit patterns)."""
   out, o = {}, 0
@@ -127,6 +155,20 @@ def _pack(arrays: dict, shape) -> np.ndarray:
 
 def _sample(p, logits_RxV):
   return sample_rows_impl(logits_RxV, p["temperature"], p["top_k"], p["top_p"], p["seed"], p["step"])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg", "shape", "record_logits"),
+                   donate_argnames=("cache",))
+def ragged_step(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedShape, record_logits: bool):
+  """All rows of a step on one flat token axis (`model.forward_ragged`): a decode row costs one token, a prefill
+  row its chunk, padding only up to the token bucket. Logits at each row's last token, then sampling. Returns
+  (cache, tokens_R, logits_RxV or None)."""
+  p = _unpack(buf, shape)
+  step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], {caches.SWA: p["swa"], caches.FULL: p["full"]})
+  cache, h_NxD = model.forward_ragged(params, config, p["tokens"], cache, step, layout=layout,
+                                      kernel_cfg=kernel_cfg)
+  logits = model.lm_logits(params, h_NxD[jnp.maximum(p["last"], 0)])
+  return cache, _sample(p, logits), (logits if record_logits else None)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg", "shape", "record_logits"),
@@ -200,11 +242,22 @@ class ModelRunner:
                num_full_blocks: int, max_num_seqs: int, chunk_size: int, max_model_len: int,
                kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), batch_invariant: bool = False,
                record_logits: bool = False, min_table_tokens: int = 4096, max_num_batched_tokens: int = 512,
-               mesh=None, rules: sharding.Rules = sharding.Rules(), split_groups: bool = True):
+               mesh=None, rules: sharding.Rules = sharding.Rules(), step_mode: str = "ragged",
+               token_bucket_growth: int = 4):
     self.params, self.config, self.layout, self.kernel_cfg = params, config, layout, kernel_cfg
     self.max_num_seqs, self.chunk_size = max_num_seqs, chunk_size
     self.batch_invariant, self.record_logits = batch_invariant, record_logits
-    self.split_groups = split_groups   # False: every row padded to chunk_size in one program (the old layout; benchmarks)
+    # "ragged": one flat token axis (the serving path). Earlier layouts, kept for benchmarks' before/after in one
+    # run: "groups" = a decode group [rows, 1] + a prefill group [rows, chunk_size]; "padded" = every row padded to
+    # chunk_size in one program.
+    if step_mode not in ("ragged", "groups", "padded"):
+      raise ValueError(f"ModelRunner: step_mode must be 'ragged', 'groups' or 'padded', got {step_mode!r}")
+    self.step_mode = step_mode
+    if token_bucket_growth not in (2, 4):
+      raise ValueError(f"ModelRunner: token_bucket_growth must be 2 or 4, got {token_bucket_growth}")
+    # Flat-axis token buckets grow by this factor: 2 = at most 2x padding, more programs; 4 = half the programs
+    # (each costs a compile of the whole model), up to 4x padding.
+    self.token_bucket_growth = token_bucket_growth
     self.max_num_batched_tokens = max_num_batched_tokens
     sb, fb = layout.swa_block_tokens, layout.full_block_tokens
     self.max_full_width = caches.blocks_for(max_model_len, fb)
@@ -293,6 +346,33 @@ class ModelRunner:
     a["temperature"][i], a["top_k"][i], a["top_p"][i] = sp.temperature, sp.top_k, sp.top_p
     a["seed"][i], a["step"][i] = sp.seed & 0xFFFFFFFF, r.step
 
+  def _ragged(self, rows: list[Row], ws: int, wf: int):
+    # Rows: all max_num_seqs slots up to 64 (tables are [R, width] int32, cheap; one row bucket = fewer compiles),
+    # beyond that 4x buckets from 64. Tokens: 8 * growth^k, capped at the step budget's power of two.
+    R = self.max_num_seqs if self.max_num_seqs <= 64 else min(self.max_num_seqs, pow4_at_least(len(rows), 64))
+    total = sum(len(r.tokens) for r in rows)
+    N = token_bucket(total, self.token_bucket_growth, self.max_num_batched_tokens)
+    shape = RaggedShape(N, R, ws, wf)
+    a = {"tokens": np.zeros(N, np.int32), "row": np.full(N, -1, np.int32), "pos": np.zeros(N, np.int32),
+         "start": np.zeros(R, np.int32), "num": np.zeros(R, np.int32), "last": np.zeros(R, np.int32),
+         "temperature": np.zeros(R, np.float32), "top_k": np.zeros(R, np.int32), "top_p": np.ones(R, np.float32),
+         "seed": np.zeros(R, np.uint32), "step": np.zeros(R, np.int32)}
+    slots = np.array([r.slot for r in rows], np.int64)
+    a["swa"] = np.full((R, ws), -1, np.int32)
+    a["full"] = np.full((R, wf), -1, np.int32)
+    a["swa"][: len(rows)] = self.swa_host[slots, :ws]
+    a["full"][: len(rows)] = self.full_host[slots, :wf]
+    o = 0
+    for i, r in enumerate(rows):
+      n = len(r.tokens)
+      a["tokens"][o:o + n] = r.tokens
+      a["row"][o:o + n] = i
+      a["pos"][o:o + n] = np.arange(r.start, r.start + n)
+      a["start"][i], a["num"][i], a["last"][i] = r.start, n, o + n - 1
+      self._sampling(a, i, r)
+      o += n
+    return shape, _pack(a, shape)
+
   def _invariant(self, rows: list[Row]):
     R = self.max_num_seqs
     total = sum(len(r.tokens) for r in rows)
@@ -341,10 +421,21 @@ class ModelRunner:
 
     end = max(r.start + len(r.tokens) for r in rows)
     ws, wf = self._widths(end)
+    if self.step_mode == "ragged":
+      shape, buf = self._ragged(rows, ws, wf)
+      self.shapes_run.add(shape)
+      (dev,) = jax.device_put([buf])                          # the step plan: one host->device transfer
+      self.stats["device_puts"] += 1
+      self.cache, toks, logits = ragged_step(self.params, self.cache, dev, shape=shape, **kw)
+      toks, logits = jax.device_get((toks, logits))           # the sampled tokens: one device->host transfer
+      self.stats["device_gets"] += 1
+      self.stats["steps"] += 1
+      n = len(rows)
+      return np.asarray(toks)[:n], (None if logits is None else np.asarray(logits)[:n])
     order = [i for i, r in enumerate(rows) if len(r.tokens) == 1] + [i for i, r in enumerate(rows)
                                                                       if len(r.tokens) > 1]
     groups = []
-    if not self.split_groups and any(len(r.tokens) > 1 for r in rows):
+    if self.step_mode == "padded" and any(len(r.tokens) > 1 for r in rows):
       order = list(range(len(rows)))
       dec, pre = [], list(rows)
     else:
@@ -402,4 +493,4 @@ class ModelRunner:
     return np.asarray(toks)[:n], (None if logits is None else np.asarray(logits)[:n])
 
   def jitted_functions(self) -> dict:
-    return {"group_step": group_step, "invariant_step": invariant_step}
+    return {"ragged_step": ragged_step, "group_step": group_step, "invariant_step": invariant_step}

@@ -1,5 +1,6 @@
 """Mixture of experts: sqrt-softplus scores, bias-corrected (or hash) choice, clamped SwiGLU experts, shared
-expert. Routed experts run as one grouped matmul (`lax.ragged_dot`) over token-expert pairs sorted by expert.
+expert. Routed experts run as one grouped matmul (`lax.ragged_dot`) over token-expert pairs sorted by expert; with
+no more pairs than experts (decode) each pair gathers its expert's weights instead (`routed_experts_gathered`).
 Spec §1.8.
 
 On a mesh with an `expert` axis (under `jax.set_mesh`), routed experts run expert-parallel instead
@@ -38,7 +39,30 @@ def route(params, x_NxD, token_ids_N, cfg: MoEConfig, hashed: bool):
   return ids, w
 
 
+def routed_experts_gathered(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
+  """Few token-expert pairs (decode): each pair reads only its own expert's weights (a gather of N*K expert
+  matrices, at most E of them, so never more weight traffic than one pass over all experts). Same math as
+  `routed_experts`; `lax.ragged_dot` on CPU instead transposes every expert's weights and multiplies every token by
+  every expert, each step."""
+  N, K = ids_NxK.shape
+  flat = ids_NxK.reshape(-1)
+  xs = jnp.repeat(x_NxD, K, axis=0)                                        # [P, D], pair p = token p // K
+  gate = jnp.einsum("pd,pdi->pi", xs, params["w1"][flat], precision=_HI)
+  up = jnp.einsum("pd,pdi->pi", xs, params["w3"][flat], precision=_HI)
+  h = jnp.einsum("pi,pid->pd", swiglu(gate, up, cfg.swiglu_limit).astype(x_NxD.dtype), params["w2"][flat],
+                 precision=_HI)
+  h = h * w_NxK.reshape(-1)[:, None].astype(h.dtype)
+  return jnp.sum(h.reshape(N, K, -1), axis=1).astype(x_NxD.dtype)
+
+
 def routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
+  N, K = ids_NxK.shape
+  if N * K <= cfg.n_routed_experts:   # static: decided per compiled shape
+    return routed_experts_gathered(params, x_NxD, ids_NxK, w_NxK, cfg)
+  return routed_experts_sorted(params, x_NxD, ids_NxK, w_NxK, cfg)
+
+
+def routed_experts_sorted(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
   N, K = ids_NxK.shape
   E = cfg.n_routed_experts
   flat_ids = ids_NxK.reshape(-1)

@@ -11,7 +11,7 @@ import pytest
 
 from dsv4 import config as C
 from dsv4 import model
-from dsv4.engine import workloads
+from dsv4.engine import runner, workloads
 from dsv4.engine.api import generate, run_workload
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
@@ -113,14 +113,19 @@ def test_compilation_is_bounded_and_counted():
   first = Engine(params, cfg, BASE)
   run_workload(first, wl)
   rep = first.compile_report()
-  # decode group: one row bucket (4 rows); prefill group: rows 1 or 4; one table width (1024 < min_table_tokens)
-  assert rep["compilations_by_function"].get("jit(group_step)", 0) <= 3, rep
+  # one flat token axis: token buckets 8, 32, 128 (max_num_batched_tokens 96), one row bucket (4 = max_num_seqs),
+  # one table width (1024 < min_table_tokens)
+  buckets = len({runner.token_bucket(n, BASE.token_bucket_growth, BASE.max_num_batched_tokens)
+                 for n in range(1, BASE.max_num_batched_tokens + 1)})
+  assert buckets == 3
+  assert rep["compilations_by_function"].get("jit(ragged_step)", 0) <= buckets, rep
+  assert rep["compilations_by_function"].get("jit(group_step)", 0) == 0, rep
   assert rep["runner"]["device_puts"] == rep["runner"]["steps"] == rep["runner"]["device_gets"]
   second = Engine(params, cfg, BASE)
   run_workload(second, wl)
   rep2 = second.compile_report()
-  assert rep2["compilations_by_function"].get("jit(group_step)", 0) == 0, rep2
-  assert rep2["jit_programs"]["group_step"] >= 1
+  assert rep2["compilations_by_function"].get("jit(ragged_step)", 0) == 0, rep2
+  assert rep2["jit_programs"]["ragged_step"] >= 1
 
 
 def _invariant_runs(cfg, params, prompts, sp, ec):
