@@ -67,8 +67,19 @@ def token_bucket(total: int, growth: int, max_tokens: int) -> int:
   return max(min(n, pow2_at_least(max_tokens)), pow2_at_least(total))
 
 
+class _PackedShape:
+  """A step program's static shape: `fields()` names the int32 arrays packed, in order, into its one buffer."""
+
+  def fields(self):
+    raise NotImplementedError
+
+  @property
+  def size(self) -> int:
+    return sum(int(np.prod(s)) for _, s in self.fields())
+
+
 @dataclasses.dataclass(frozen=True)
-class GroupShape:
+class GroupShape(_PackedShape):
   """Static shape of one group program (part of the jit key)."""
   rows: int
   tokens: int
@@ -81,13 +92,9 @@ class GroupShape:
             ("full", (R, self.full_width)), ("temperature", (R,)), ("top_k", (R,)), ("top_p", (R,)),
             ("seed", (R,)), ("step", (R,)))
 
-  @property
-  def size(self) -> int:
-    return sum(int(np.prod(s)) for _, s in self.fields())
-
 
 @dataclasses.dataclass(frozen=True)
-class InvariantShape:
+class InvariantShape(_PackedShape):
   """Static shape of the batch-invariant program: a flat token axis and fixed-width per-row tables."""
   tokens: int
   rows: int
@@ -100,13 +107,9 @@ class InvariantShape:
             ("swa", (R, self.swa_width)), ("full", (R, self.full_width)), ("temperature", (R,)), ("top_k", (R,)),
             ("top_p", (R,)), ("seed", (R,)), ("step", (R,)))
 
-  @property
-  def size(self) -> int:
-    return sum(int(np.prod(s)) for _, s in self.fields())
-
 
 @dataclasses.dataclass(frozen=True)
-class RaggedShape:
+class RaggedShape(_PackedShape):
   """Static shape of the ragged step program (part of the jit key): N flat tokens (every row's tokens packed,
   decode rows 1 each, prefill rows their chunk), R rows, block tables [R, width]."""
   tokens: int
@@ -119,10 +122,6 @@ class RaggedShape:
     return (("tokens", (N,)), ("row", (N,)), ("pos", (N,)), ("start", (R,)), ("num", (R,)), ("last", (R,)),
             ("swa", (R, self.swa_width)), ("full", (R, self.full_width)), ("temperature", (R,)), ("top_k", (R,)),
             ("top_p", (R,)), ("seed", (R,)), ("step", (R,)))
-
-  @property
-  def size(self) -> int:
-    return sum(int(np.prod(s)) for _, s in self.fields())
 
 
 def _unpack(buf, shape):
