@@ -16,19 +16,23 @@ import jax
 
 
 _ENV = "DSV4_TEST_XLA_CACHE_DIR"
+_made_here = False
 
 
 def pytest_configure(config):
   if os.environ.get("DSV4_TEST_JAX_CACHE", "1") == "0":
     return
-  if not os.environ.get("PYTEST_XDIST_WORKER"):
-    # the controller (or a plain run) makes the run's directory; xdist workers inherit it through the environment
+  global _made_here
+  if not os.environ.get(_ENV):
+    # the controller (or a plain run) makes the run's directory; xdist workers and child test processes
+    # (tests/isolation.py) inherit it through the environment
     os.environ[_ENV] = tempfile.mkdtemp(prefix="dsv4-test-xla-cache-")
+    _made_here = True
   jax.config.update("jax_compilation_cache_dir", os.environ[_ENV])
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_unconfigure(config):
-  if not os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_ENV):
+  if _made_here:
     shutil.rmtree(os.environ.pop(_ENV), ignore_errors=True)

@@ -27,6 +27,7 @@ from dsv4.engine.api import generate
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.tiering import TieringConfig
+from tests.isolation import run_in_child
 
 EC = EngineConfig(max_num_seqs=2, max_num_batched_tokens=128, chunk_size=64, max_model_len=640, num_full_blocks=6,
                   num_swa_blocks=48, record_logits=True, retention_interval=128)
@@ -130,9 +131,13 @@ def test_reload_gate_every_tier(world):
     eng.tiering.close()
 
 
-def test_reload_gate_mooncake(world, mooncake_server):
+def test_reload_gate_mooncake(world, request):
   """The second L4 backend: engine A's records (same bytes, same keys) placed in Mooncake Store, then a fresh
-  engine whose only tier is Mooncake resumes the conversation from it."""
+  engine whose only tier is Mooncake resumes the conversation from it. Runs in a child process (its own world), so
+  Mooncake's client never loads into a pytest worker (tests/isolation.py)."""
+  if run_in_child(request):
+    return
+  mooncake_server = request.getfixturevalue("mooncake_server")
   import redis
   from cache.tiers.mooncake_store import MooncakeBackend
   world.A.tiering.store.drain()
