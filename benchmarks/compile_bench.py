@@ -1,0 +1,48 @@
+"""XLA CPU compile cost of the model's forward: process CPU seconds (user + system) of the first `forward_full` call
+(trace + lower + compile; the run itself is tiny), and the size of the optimized HLO module.
+
+CPU seconds, not wall time, so that a loaded machine does not change the number much.
+
+    python -m benchmarks.compile_bench [--layers=2] [--tokens=32]
+"""
+
+import os
+import resource
+import tempfile
+
+from absl import app, flags
+
+flags.DEFINE_integer("layers", 2, "v4_tiny layers")
+flags.DEFINE_integer("tokens", 32, "prompt tokens (2 rows)")
+FLAGS = flags.FLAGS
+
+
+def _cpu_s() -> float:
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
+def main(_):
+  dump = tempfile.mkdtemp(prefix="dsv4-hlo-")
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_pass_re=^$"
+  import jax
+  import numpy as np
+  from dsv4 import config as C
+  from dsv4 import model
+  cfg = C.v4_tiny(num_layers=FLAGS.layers, vocab_size=64)
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  tokens = np.ones((2, FLAGS.tokens), np.int32)
+  t0 = _cpu_s()
+  model.forward_full(params, cfg, tokens)
+  first = _cpu_s() - t0
+  t0 = _cpu_s()
+  model.forward_full(params, cfg, tokens)
+  second = _cpu_s() - t0
+  opt = [f for f in os.listdir(dump) if "forward_jit" in f and f.endswith("cpu_after_optimizations.txt")]
+  lines = sum(open(os.path.join(dump, f)).read().count("\n") for f in opt)
+  print(f"v4_tiny layers={FLAGS.layers} tokens={FLAGS.tokens}: first forward_full {first:.1f} CPU s "
+        f"(trace + compile), second {second:.2f} CPU s; optimized HLO of forward_jit: {lines} lines")
+
+
+if __name__ == "__main__":
+  app.run(main)
