@@ -78,6 +78,12 @@ class _PackedShape:
     return sum(int(np.prod(s)) for _, s in self.fields())
 
 
+def _row_fields(R: int, swa_width: int, full_width: int):
+  """Per-row block tables and sampling parameters: the tail every step program packs."""
+  return (("swa", (R, swa_width)), ("full", (R, full_width)), ("temperature", (R,)), ("top_k", (R,)),
+          ("top_p", (R,)), ("seed", (R,)), ("step", (R,)))
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupShape(_PackedShape):
   """Static shape of one group program (part of the jit key)."""
@@ -88,9 +94,7 @@ class GroupShape(_PackedShape):
 
   def fields(self):
     R, T = self.rows, self.tokens
-    return (("tokens", (R, T)), ("start", (R,)), ("num", (R,)), ("swa", (R, self.swa_width)),
-            ("full", (R, self.full_width)), ("temperature", (R,)), ("top_k", (R,)), ("top_p", (R,)),
-            ("seed", (R,)), ("step", (R,)))
+    return (("tokens", (R, T)), ("start", (R,)), ("num", (R,))) + _row_fields(R, self.swa_width, self.full_width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +107,8 @@ class InvariantShape(_PackedShape):
 
   def fields(self):
     N, R = self.tokens, self.rows
-    return (("n_real", (1,)), ("tokens", (N,)), ("row", (N,)), ("pos", (N,)), ("last", (R,)),
-            ("swa", (R, self.swa_width)), ("full", (R, self.full_width)), ("temperature", (R,)), ("top_k", (R,)),
-            ("top_p", (R,)), ("seed", (R,)), ("step", (R,)))
+    return ((("n_real", (1,)), ("tokens", (N,)), ("row", (N,)), ("pos", (N,)), ("last", (R,)))
+            + _row_fields(R, self.swa_width, self.full_width))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +122,8 @@ class RaggedShape(_PackedShape):
 
   def fields(self):
     N, R = self.tokens, self.rows
-    return (("tokens", (N,)), ("row", (N,)), ("pos", (N,)), ("start", (R,)), ("num", (R,)), ("last", (R,)),
-            ("swa", (R, self.swa_width)), ("full", (R, self.full_width)), ("temperature", (R,)), ("top_k", (R,)),
-            ("top_p", (R,)), ("seed", (R,)), ("step", (R,)))
+    return ((("tokens", (N,)), ("row", (N,)), ("pos", (N,)), ("start", (R,)), ("num", (R,)), ("last", (R,)))
+            + _row_fields(R, self.swa_width, self.full_width))
 
 
 def _unpack(buf, shape):
