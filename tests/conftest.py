@@ -13,8 +13,10 @@ import shutil
 import tempfile
 
 import jax
+import pytest
 
 
+_MAP_SOFT_LIMIT = 30000  # half of the usual vm.max_map_count: a single test adds at most a few thousand
 _ENV = "DSV4_TEST_XLA_CACHE_DIR"
 _made_here = False
 
@@ -36,3 +38,19 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
   if _made_here:
     shutil.rmtree(os.environ.pop(_ENV), ignore_errors=True)
+
+
+def memory_map_count() -> int:
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:  # not Linux: no such limit to guard
+    return 0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+  if memory_map_count() > _MAP_SOFT_LIMIT:
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
