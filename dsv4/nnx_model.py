@@ -1,0 +1,270 @@
+"""The DeepSeek-V4 / V4.1 model as Flax NNX modules that own the parameters and their logical axes, applied as a
+pure function over today's parameter dict.
+
+    net = nnx_model.Model.init(config, jax.random.PRNGKey(0))      # == model.init_params(config, key), as modules
+    params = nnx_model.params_of(net)                              # the plain nested dict (checkpoint spelling)
+    cache, logits = nnx_model.apply(params, tokens_BxT, cache, index, config=config)   # == model.forward
+
+Why NNX (issue 14 item 1; BUILD_NOTES "14b"): it is Flax's main API, MaxText's DeepSeek-V4 code is NNX, and its
+modules are plain Python objects whose state splits into a pytree, so the explicit-cache style of `dsv4.model`
+carries over unchanged. Linen would keep caches in mutable collections, which is exactly what we avoid: the caches
+stay explicit pytrees passed in and returned (`(new_cache, out)`), never nnx Variables.
+
+What the modules are, and are not:
+* One module per layer kind (`Attention` with its `Compressor` / `Indexer` sub-modules as the param dict nests
+  them, `MoE` with `RoutedExperts` / `SharedExpert`, `HyperConnection` (mHC), `Engram`, `Block`, `Model` with its
+  `nnx.List` of blocks). Attribute names are exactly the keys of `model.param_shapes(config)`, so
+  `nnx.split(net)[1].to_pure_dict()` is today's dict (lists appear as int-keyed dicts there; `params_of` turns them
+  back into lists). RMSNorm weights stay `nnx.Param`s on their parent (`attn_norm`, `q_norm`, ...): a norm module
+  would add a level (`attn_norm/weight`) and change the checkpoint spelling.
+* Every `nnx.Param` carries its logical axes as Flax's `out_sharding` metadata, looked up with
+  `sharding.logical_axes_of` (the `_PARAM_AXES` table stays the one table). `eager_sharding=False`: placement is
+  done by `sharding.Rules` (with its divisibility fallbacks), see `partition_specs`.
+* Values (shapes, dtypes, init) come from `model.init_params` / a loaded checkpoint: a module is built from a param
+  dict, never re-initialised by its own rule, so `Model.init(config, key)` equals `model.init_params(config, key)`.
+* `__call__`s run the existing functions of `dsv4.model` and `dsv4.layers` on the module's parameters as the dict
+  they already take; there is one implementation of the math. `Model.__call__` is `model.forward` (whose layer
+  loop calls `model._block`, the same function `Block.__call__` calls).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv4 import caches, model, sharding
+from dsv4.config import LayerPlan, ModelConfig
+from dsv4.layers import engram as engram_mod
+from dsv4.layers import mhc, moe
+from dsv4.layers.attention import attention_layer, attention_layer_shared
+from pallas_kernels import dispatch
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plain dict <-> module state
+
+def _lists_to_int_dicts(tree):
+  if isinstance(tree, dict):
+    return {k: _lists_to_int_dicts(v) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)):
+    return {i: _lists_to_int_dicts(v) for i, v in enumerate(tree)}
+  return tree
+
+
+def _int_dicts_to_lists(tree):
+  if isinstance(tree, dict):
+    out = {k: _int_dicts_to_lists(v) for k, v in tree.items()}
+    if out and all(isinstance(k, int) for k in out):
+      return [out[i] for i in range(len(out))]
+    return out
+  return tree
+
+
+def params_of(module_or_state) -> dict:
+  """The parameters of a module (or of its `nnx.state`) as the plain nested dict `dsv4.model` takes."""
+  state = module_or_state if isinstance(module_or_state, nnx.State) else nnx.state(module_or_state, nnx.Param)
+  return _int_dicts_to_lists(state.to_pure_dict())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Modules
+
+class _ParamTree(nnx.Module):
+  """Builds attributes from one subtree of the param dict: nested dicts become the sub-module classes named in
+  `_children` (a key missing there is a bug: every dict of `param_shapes` has its module), arrays become
+  `nnx.Param`s whose `out_sharding` metadata is the logical axes of their checkpoint path."""
+  _children: dict = {}
+
+  def __init__(self, config: ModelConfig, plan: LayerPlan | None, tree: dict, path: tuple[str, ...]):
+    self.config, self.plan = config, plan
+    for key, value in tree.items():
+      if isinstance(value, dict):
+        if key not in self._children:
+          raise ValueError(f"nnx_model: {type(self).__name__} has no sub-module for {'/'.join(path + (key,))}")
+        setattr(self, key, self._children[key](config, plan, value, path + (key,)))
+      else:
+        axes = sharding.logical_axes_of(list(path + (key,)))
+        if len(axes) != value.ndim:
+          raise ValueError(f"nnx_model: {'/'.join(path + (key,))} has shape {value.shape} but axes {axes}")
+        setattr(self, key, nnx.Param(value, out_sharding=axes, eager_sharding=False))
+
+  def param_dict(self) -> dict:
+    return params_of(self)
+
+
+class Compressor(_ParamTree):
+  """KV (or index-key) compressor: wkv, norm, optional wgate / ape. Run inside `attention_layer`."""
+
+
+class Indexer(_ParamTree):
+  """Lightning indexer: wq_b, weights_proj, and its own compressor (CSA) or wk / k_norm (V4.1 CSA2)."""
+  _children = {"compressor": Compressor}
+
+
+class HyperConnection(_ParamTree):
+  """mHC mixing parameters (fn, base, scale); the call gives (pre, post, comb) of `mhc.hc_coefficients`."""
+
+  def __call__(self, X_BxTxNxD):
+    return mhc.hc_coefficients(self.param_dict(), X_BxTxNxD, self.config.mhc, self.config.rms_norm_eps)
+
+
+class Attention(_ParamTree):
+  """Sliding window / CSA / HCA / CSA2 attention of one layer (`dsv4.layers.attention`)."""
+  _children = {"compressor": Compressor, "indexer": Indexer}
+
+  def __call__(self, x_NxD, ctx, cache_layer: dict, kernel_cfg=dispatch.KernelConfig(), collect_aux=False,
+               shared=None):
+    """V4: (cache_layer, y, aux); V4.1 (`single_pass_mhc`): (cache_layer, y, aux, shared) as
+    `attention_layer_shared` (the indexer picks shared with the next layers)."""
+    if self.config.single_pass_mhc:
+      return attention_layer_shared(self.param_dict(), self.config, self.plan, x_NxD, ctx, cache_layer, kernel_cfg,
+                                    collect_aux, shared)
+    return attention_layer(self.param_dict(), self.config, self.plan, x_NxD, ctx, cache_layer, kernel_cfg,
+                           collect_aux)
+
+
+class RoutedExperts(_ParamTree):
+  """Routed experts w1 / w3 / w2 stacked over the expert axis (dense; the loader's packed FP4 form is refused)."""
+
+
+class SharedExpert(_ParamTree):
+  """The shared SwiGLU expert."""
+
+
+class MoE(_ParamTree):
+  """Router (gate + bias, or hash table tid2eid) and experts; the call is `moe.moe`."""
+  _children = {"experts": RoutedExperts, "shared": SharedExpert}
+
+  def __call__(self, x_BxTxD, token_ids_BxT):
+    return moe.moe(self.param_dict(), x_BxTxD, token_ids_BxT, self.config.moe, self.plan.hash_moe)
+
+
+class Engram(_ParamTree):
+  """V4.1 Engram memory (hashed n-gram tables + gated read); the call is `engram.engram`."""
+
+  def __call__(self, X_BxTxNxD, hash_BxTxH):
+    return engram_mod.engram(self.param_dict(), X_BxTxNxD, hash_BxTxH, self.config.rms_norm_eps)
+
+
+class Block(_ParamTree):
+  """One transformer block: attention + MoE with mHC (+ Engram in V4.1); the call is `model._block` (V4) or
+  `model._block_single_pass` (V4.1), the functions `model.forward`'s layer loop runs."""
+  _children = {"attn": Attention, "ffn": MoE, "hc_attn": HyperConnection, "hc_ffn": HyperConnection,
+               "engram": Engram}
+
+  def __call__(self, X, tokens, ctx, cache_layer, kernel_cfg=dispatch.KernelConfig(), collect_aux=False, *,
+               pre_prev=None, shared=None, engram_hash=None):
+    if self.config.single_pass_mhc:
+      return model._block_single_pass(self.param_dict(), self.config, self.plan, X, pre_prev, tokens, ctx,
+                                      cache_layer, kernel_cfg, collect_aux, shared, engram_hash)
+    return model._block(self.param_dict(), self.config, self.plan, X, tokens, ctx, cache_layer, kernel_cfg,
+                        collect_aux)
+
+
+class Model(_ParamTree):
+  """The whole text model: embed, blocks, final norm, lm_head (+ hc_head for V4, engram_token_map for V4.1)."""
+  _children = {"hc_head": HyperConnection}
+
+  def __init__(self, config: ModelConfig, params: dict):
+    _check_tree(config, params)
+    top = {k: v for k, v in params.items() if k != "layers"}
+    super().__init__(config, None, top, ())
+    self.layers = nnx.List([Block(config, plan, p, ("layers", str(plan.index)))
+                            for plan, p in zip(config.layer_plan(), params["layers"])])
+
+  @classmethod
+  def init(cls, config: ModelConfig, key: jax.Array, scale: float = 1.0) -> "Model":
+    """Random parameters exactly as `model.init_params(config, key, scale)`."""
+    return cls(config, model.init_params(config, key, scale))
+
+  def __call__(self, tokens_BxT, cache: caches.ModelCache, index: caches.BatchIndex, *,
+               layout: caches.CacheLayout = caches.CacheLayout(),
+               kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
+    """(new cache, logits_BxTxV), i.e. `model.forward` on this module's parameters."""
+    return model.forward(self.param_dict(), self.config, tokens_BxT, cache, index, layout=layout,
+                         kernel_cfg=kernel_cfg)
+
+  def ragged(self, tokens_N, cache: caches.ModelCache, step: caches.StepIndex, *,
+             layout: caches.CacheLayout = caches.CacheLayout(),
+             kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
+    """(new cache, final-norm hidden_NxD), i.e. `model.forward_ragged` (the engine's step shape)."""
+    return model.forward_ragged(self.param_dict(), self.config, tokens_N, cache, step, layout=layout,
+                                kernel_cfg=kernel_cfg)
+
+
+def _check_tree(config: ModelConfig, params: dict) -> None:
+  """A clear error (before any module is built) when `params` is not the dense tree of `param_shapes(config)`."""
+  want = model.param_shapes(config)
+  want_def = jax.tree_util.tree_structure(want, is_leaf=model._is_leaf)
+  got_def = jax.tree_util.tree_structure(params)
+  if want_def != got_def:
+    raise ValueError("nnx_model: the parameter tree is not the one of model.param_shapes(config) (packed FP4 "
+                     f"experts must be dequantized first, expert_quant.dense_experts); expected {want_def}, "
+                     f"got {got_def}")
+  for (path, w), x in zip(jax.tree_util.tree_flatten_with_path(want, is_leaf=model._is_leaf)[0],
+                          jax.tree_util.tree_leaves(params)):
+    if tuple(x.shape) != tuple(w[0]) or jnp.dtype(x.dtype) != jnp.dtype(w[1]):
+      raise ValueError(f"nnx_model: {jax.tree_util.keystr(path)} is {x.dtype}{list(x.shape)}, expected "
+                       f"{jnp.dtype(w[1])}{list(w[0])}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pure application
+
+@functools.lru_cache(maxsize=16)
+def abstract_model(config: ModelConfig):
+  """(graphdef, abstract state) of `Model` for `config`: shapes, dtypes and axis metadata, no weights allocated
+  (works at full Flash size). Cached per config: `apply` merges it with concrete params."""
+  net = nnx.eval_shape(lambda: Model.init(config, jax.random.PRNGKey(0)))
+  return nnx.split(net)
+
+
+def state_from_params(config: ModelConfig, params: dict) -> nnx.State:
+  """An `nnx.State` (Params with their axis metadata) holding `params`' arrays, ready for `nnx.merge`."""
+  _check_tree(config, params)
+  _, abstract = abstract_model(config)
+  # Fresh Variables (`replace`), so the cached abstract state never holds the caller's arrays or tracers.
+  return jax.tree_util.tree_map(lambda v, x: v.replace(x), abstract, nnx.State(_lists_to_int_dicts(params)),
+                                is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def merge(config: ModelConfig, params: dict) -> Model:
+  """The `Model` holding `params` (e.g. a checkpoint loaded by `dsv4.loading`), without re-initialising."""
+  graphdef, _ = abstract_model(config)
+  return nnx.merge(graphdef, state_from_params(config, params))
+
+
+def apply(params: dict, tokens_BxT, cache: caches.ModelCache, index: caches.BatchIndex, *, config: ModelConfig,
+          layout: caches.CacheLayout = caches.CacheLayout(),
+          kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
+  """Pure: `nnx.merge` of the cached graphdef with `params`, then the module call. Returns (cache, logits)."""
+  return merge(config, params)(tokens_BxT, cache, index, layout=layout, kernel_cfg=kernel_cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg"), donate_argnames=("cache",))
+def apply_jit(params, tokens_BxT, cache, index, *, config, layout=caches.CacheLayout(),
+              kernel_cfg=dispatch.KernelConfig()):
+  return apply(params, tokens_BxT, cache, index, config=config, layout=layout, kernel_cfg=kernel_cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shardings from the module metadata
+
+def partition_specs(state_or_module, config: ModelConfig, mesh, rules: sharding.Rules = sharding.Rules(),
+                    fallbacks: list | None = None) -> dict:
+  """PartitionSpecs (plain dict in checkpoint spelling) from the Params' logical-axis metadata
+  (`nnx.get_partition_spec`) mapped by `rules` with the same divisibility fallbacks as `sharding.param_specs`."""
+  state = state_or_module if isinstance(state_or_module, nnx.State) else nnx.state(state_or_module, nnx.Param)
+  logical = nnx.get_partition_spec(state)
+  units = sharding._units(config)
+
+  def one(path, v, lv):
+    what = "/".join(str(getattr(k, "key", k)) for k in path)
+    return v.replace(sharding.spec_for(tuple(lv.get_value()), tuple(v.get_value().shape), mesh, rules, units,
+                                       fallbacks, what))
+
+  specs = jax.tree_util.tree_map_with_path(one, state, logical, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return params_of(specs)

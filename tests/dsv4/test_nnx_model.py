@@ -1,0 +1,150 @@
+"""Flax NNX modules of the model (dsv4/nnx_model.py): the module state is today's param dict, `apply` is
+`model.forward` bit for bit, and the shardings from the modules' metadata are the ones `dsv4.sharding` computes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dsv4 import caches, model, nnx_model, sharding
+from dsv4 import config as C
+from dsv4.layers import engram as engram_mod
+from dsv4.layers import mhc, moe
+
+CONFIGS = {"v4": C.v4_tiny, "v41": C.v41_tiny}
+_is_p = lambda x: isinstance(x, P)
+
+
+def _paths(tree):
+  return [(jax.tree_util.keystr(p), tuple(x.shape), jnp.dtype(x.dtype))
+          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _assert_same_arrays(got, want):
+  assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+  assert _paths(got) == _paths(want)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("variant", ["v4", "v41"])
+def test_module_state_is_the_param_dict(variant):
+  """Model.init == model.init_params (paths, shapes, dtypes, values); nnx.split's state as a pure dict is the
+  same tree (lists as int-keyed dicts); every Param carries the logical axes of sharding.param_logical_axes."""
+  cfg = CONFIGS[variant]()
+  key = jax.random.PRNGKey(3)
+  want = model.init_params(cfg, key)
+  net = nnx_model.Model.init(cfg, key)
+  got = nnx_model.params_of(net)
+  _assert_same_arrays(got, want)
+  shapes = model.param_shapes(cfg)
+  assert [(p, s, d) for p, s, d in _paths(got)] == [
+      (jax.tree_util.keystr(p), tuple(l[0]), jnp.dtype(l[1]))
+      for p, l in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=model._is_leaf)[0]]
+
+  graphdef, state = nnx.split(net)
+  pure = state.to_pure_dict()
+  assert sorted(pure) == sorted(want) and sorted(pure["layers"]) == list(range(cfg.num_layers))
+  for i, layer in enumerate(want["layers"]):
+    _assert_same_arrays(nnx_model._int_dicts_to_lists(pure["layers"][i]), layer)
+
+  axes = sharding.param_logical_axes(cfg)
+  meta = nnx_model.params_of(jax.tree_util.tree_map(
+      lambda v: v.replace(tuple(v.get_metadata()["out_sharding"])), state,
+      is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  is_axes = lambda x: isinstance(x, tuple)
+  assert jax.tree_util.tree_leaves(meta, is_leaf=is_axes) == jax.tree_util.tree_leaves(axes, is_leaf=is_axes)
+  # merge of the split gives back a module with the same arrays
+  _assert_same_arrays(nnx_model.params_of(nnx.merge(graphdef, state)), want)
+
+
+@pytest.mark.parametrize("name", ["v4_count", "v41_retrieval"])
+def test_shipped_checkpoint_round_trips_through_the_module(name):
+  """Checkpoint loaded by the existing loader -> merged into the module -> split again = identical arrays."""
+  from experiments import train_lib
+  cfg, params = train_lib.load_trained(name)
+  net = nnx_model.merge(cfg, params)
+  _, state = nnx.split(net)
+  _assert_same_arrays(nnx_model._int_dicts_to_lists(state.to_pure_dict()), params)
+  _assert_same_arrays(nnx_model.params_of(net), params)
+
+
+def _prefill_then_decode(step, params, cfg):
+  """A ragged prefill (lengths 8 and 5) then one decode token per row. Both steps have T = 8 (the decode rows
+  carry 1 real token each), so each path compiles once: XLA compile time dominates these tests."""
+  B, T = 2, 8
+  layout = caches.CacheLayout()
+  cache, swa, full = caches.init_contiguous(cfg, B, 2 * T, layout)
+  toks = jax.random.randint(jax.random.PRNGKey(7), (B, T), 0, cfg.vocab_size, jnp.int32)
+  lengths = jnp.asarray([8, 5], jnp.int32)
+  idx = caches.BatchIndex(jnp.zeros(B, jnp.int32), lengths, jnp.asarray(swa), jnp.asarray(full))
+  cache1, logits1 = step(params, toks, cache, idx)
+  nxt = jnp.argmax(logits1[jnp.arange(B), lengths - 1], -1).astype(jnp.int32)
+  toks2 = jnp.zeros((B, T), jnp.int32).at[:, 0].set(nxt)
+  idx2 = caches.BatchIndex(lengths, jnp.ones(B, jnp.int32), jnp.asarray(swa), jnp.asarray(full))
+  cache2, logits2 = step(params, toks2, cache1, idx2)
+  return cache2, logits1, logits2[:, 0]
+
+
+@pytest.mark.parametrize("variant", ["v4", "v41"])
+def test_apply_equals_forward_bit_for_bit(variant):
+  cfg = CONFIGS[variant]()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  ref = _prefill_then_decode(lambda p, t, c, i: model.forward_jit(p, cfg, t, c, i), params, cfg)
+  got = _prefill_then_decode(lambda p, t, c, i: nnx_model.apply_jit(p, t, c, i, config=cfg), params, cfg)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert float(jnp.max(jnp.abs(ref[1]))) > 0  # the comparison is of real logits
+
+
+def test_layer_module_calls_are_the_layer_functions():
+  """MoE, mHC and Engram modules run the functions of dsv4.layers on their own params (V4.1 tiny has all three)."""
+  cfg = C.v41_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(1))
+  net = nnx_model.merge(cfg, params)
+  e = cfg.engram.layer_ids[0]
+  blk, p = net.layers[e], params["layers"][e]
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(2), 3)
+  X = jax.random.normal(k1, (1, 5, cfg.mhc.hc_mult, cfg.hidden_size), jnp.float32)
+  tok = jax.random.randint(k2, (1, 5), 0, cfg.vocab_size, jnp.int32)
+  x = X[:, :, 0]
+  np.testing.assert_array_equal(blk.ffn(x, tok), moe.moe(p["ffn"], x, tok, cfg.moe, blk.plan.hash_moe))
+  for a, b in zip(blk.hc_attn(X), mhc.hc_coefficients(p["hc_attn"], X, cfg.mhc, cfg.rms_norm_eps)):
+    np.testing.assert_array_equal(a, b)
+  h = jax.random.randint(k3, (1, 5, cfg.engram.hash_heads), 0, p["engram"]["embed"].shape[0], jnp.int32)
+  np.testing.assert_array_equal(blk.engram(X, h), engram_mod.engram(p["engram"], X, h, cfg.rms_norm_eps))
+
+
+@pytest.mark.parametrize("preset", sorted(C.PRESETS))
+def test_partition_specs_from_module_metadata_match_sharding(preset):
+  """nnx.get_partition_spec on the abstract state (no weights) + the same Rules == sharding.param_specs, for
+  every parameter, on meshes where heads / experts / vocab split and where some dims must fall back."""
+  cfg = C.get_preset(preset)
+  _, state = nnx_model.abstract_model(cfg)
+  assert all(isinstance(v.get_value(), jax.ShapeDtypeStruct) for v in jax.tree_util.tree_leaves(
+      state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  for shape in [(2, 2, 2), (1, 8, 1), (1, 2, 4)]:
+    mesh = jax.sharding.AbstractMesh(shape, sharding.AXES)
+    for rules in [sharding.Rules(), sharding.Rules(kv_latent="feature")]:
+      fb_got, fb_want = [], []
+      got = nnx_model.partition_specs(state, cfg, mesh, rules, fb_got)
+      want = sharding.param_specs(cfg, mesh, rules, fb_want)
+      assert jax.tree_util.tree_structure(got, is_leaf=_is_p) == jax.tree_util.tree_structure(want, is_leaf=_is_p)
+      assert jax.tree_util.tree_leaves(got, is_leaf=_is_p) == jax.tree_util.tree_leaves(want, is_leaf=_is_p)
+      assert len(fb_got) == len(fb_want)
+  # something is actually split (the comparison is not of all-replicated trees)
+  assert any(any(e is not None for e in s) for s in jax.tree_util.tree_leaves(want, is_leaf=_is_p))
+
+
+def test_a_tree_that_is_not_param_shapes_is_refused_clearly():
+  cfg = C.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  bad = dict(params, lm_head=params["lm_head"][:, :-1])
+  with pytest.raises(ValueError, match=r"lm_head.*expected float32\[\d+, \d+\]"):
+    nnx_model.merge(cfg, bad)
+  missing = dict(params)
+  del missing["norm"]
+  with pytest.raises(ValueError, match="not the one of model.param_shapes"):
+    nnx_model.Model(cfg, missing)
