@@ -14,9 +14,9 @@ What the modules are, and are not:
 * One module per layer kind (`Attention` with its `Compressor` / `Indexer` sub-modules as the param dict nests
   them, `MoE` with `RoutedExperts` / `SharedExpert`, `HyperConnection` (mHC), `Engram`, `Block`, `Model` with its
   `nnx.List` of blocks). Attribute names are exactly the keys of `model.param_shapes(config)`, so
-  `nnx.split(net)[1].to_pure_dict()` is today's dict (lists appear as int-keyed dicts there; `params_of` turns them
-  back into lists). RMSNorm weights stay `nnx.Param`s on their parent (`attn_norm`, `q_norm`, ...): a norm module
-  would add a level (`attn_norm/weight`) and change the checkpoint spelling.
+  `nnx.to_pure_dict(nnx.split(net)[1])` is today's dict (the layer list appears as an int-keyed dict there;
+  `params_of` turns it back into a list). RMSNorm weights stay `nnx.Param`s on their parent (`attn_norm`,
+  `q_norm`, ...): a norm module would add a level (`attn_norm/weight`) and change the checkpoint spelling.
 * Every `nnx.Param` carries its logical axes as Flax's `out_sharding` metadata, looked up with
   `sharding.logical_axes_of` (the `_PARAM_AXES` table stays the one table). `eager_sharding=False`: placement is
   done by `sharding.Rules` (with its divisibility fallbacks), see `partition_specs`.
@@ -46,14 +46,6 @@ from pallas_kernels import dispatch
 # ----------------------------------------------------------------------------------------------------------
 # Plain dict <-> module state
 
-def _lists_to_int_dicts(tree):
-  if isinstance(tree, dict):
-    return {k: _lists_to_int_dicts(v) for k, v in tree.items()}
-  if isinstance(tree, (list, tuple)):
-    return {i: _lists_to_int_dicts(v) for i, v in enumerate(tree)}
-  return tree
-
-
 def _int_dicts_to_lists(tree):
   if isinstance(tree, dict):
     out = {k: _int_dicts_to_lists(v) for k, v in tree.items()}
@@ -66,7 +58,7 @@ def _int_dicts_to_lists(tree):
 def params_of(module_or_state) -> dict:
   """The parameters of a module (or of its `nnx.state`) as the plain nested dict `dsv4.model` takes."""
   state = module_or_state if isinstance(module_or_state, nnx.State) else nnx.state(module_or_state, nnx.Param)
-  return _int_dicts_to_lists(state.to_pure_dict())
+  return _int_dicts_to_lists(nnx.to_pure_dict(state))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -206,7 +198,10 @@ def _check_tree(config: ModelConfig, params: dict) -> None:
                      f"got {got_def}")
   for (path, w), x in zip(jax.tree_util.tree_flatten_with_path(want, is_leaf=model._is_leaf)[0],
                           jax.tree_util.tree_leaves(params)):
-    if tuple(x.shape) != tuple(w[0]) or jnp.dtype(x.dtype) != jnp.dtype(w[1]):
+    # Floating leaves may be in another float dtype (`model.cast_params`, the engine's bf16 compute dtype).
+    same_kind = jnp.dtype(x.dtype) == jnp.dtype(w[1]) or (jnp.issubdtype(x.dtype, jnp.floating)
+                                                         and jnp.issubdtype(w[1], jnp.floating))
+    if tuple(x.shape) != tuple(w[0]) or not same_kind:
       raise ValueError(f"nnx_model: {jax.tree_util.keystr(path)} is {x.dtype}{list(x.shape)}, expected "
                        f"{jnp.dtype(w[1])}{list(w[0])}")
 
@@ -226,9 +221,13 @@ def state_from_params(config: ModelConfig, params: dict) -> nnx.State:
   """An `nnx.State` (Params with their axis metadata) holding `params`' arrays, ready for `nnx.merge`."""
   _check_tree(config, params)
   _, abstract = abstract_model(config)
+  def at(path):
+    x = params
+    for k in path:
+      x = x[k]
+    return x
   # Fresh Variables (`replace`), so the cached abstract state never holds the caller's arrays or tracers.
-  return jax.tree_util.tree_map(lambda v, x: v.replace(x), abstract, nnx.State(_lists_to_int_dicts(params)),
-                                is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.from_flat_state([(path, v.replace(at(path))) for path, v in nnx.to_flat_state(abstract)])
 
 
 def merge(config: ModelConfig, params: dict) -> Model:
@@ -242,6 +241,13 @@ def apply(params: dict, tokens_BxT, cache: caches.ModelCache, index: caches.Batc
           kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
   """Pure: `nnx.merge` of the cached graphdef with `params`, then the module call. Returns (cache, logits)."""
   return merge(config, params)(tokens_BxT, cache, index, layout=layout, kernel_cfg=kernel_cfg)
+
+
+def apply_ragged(params: dict, tokens_N, cache: caches.ModelCache, step: caches.StepIndex, *, config: ModelConfig,
+                 layout: caches.CacheLayout = caches.CacheLayout(),
+                 kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
+  """Pure, the engine's step shape: (cache, final-norm hidden_NxD) of `Model.ragged` (`model.forward_ragged`)."""
+  return merge(config, params).ragged(tokens_N, cache, step, layout=layout, kernel_cfg=kernel_cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg"), donate_argnames=("cache",))

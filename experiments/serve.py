@@ -4,6 +4,7 @@
     python -m experiments.serve --model=v41_retrieval    # or v4_count (its own counting task)
     python -m experiments.serve --requests=reqs.jsonl    # one JSON object per line, see dsv4/engine/schema.py:
         {"id": "a", "prompt": [0, 5, ...], "max_tokens": 1, "expected": [41], "tenant": "t1", "session": "s1", ...}
+    python -m experiments.serve --model_api=nnx          # the same job through the Flax NNX modules (dsv4/nnx_model.py)
     python -m experiments.serve --mesh=data:2,tensor:2,expert:2      # sharded step (CPU: 8 host devices)
     # one process per host under jax.distributed (here: 2 processes x 4 CPU devices on one machine)
     python -m experiments.serve --mesh=data:2,tensor:2,expert:2 --num_cpu_devices=4 \
@@ -55,6 +56,8 @@ flags.DEFINE_enum("kv_dtype", "fp32", ["fp32", "bf16", "fp8"], "Storage of the K
                   "V4 584-byte record for window + compressed KV; index keys bf16); compressor state stays fp32.")
 flags.DEFINE_enum("dtype", "fp32", ["fp32", "bf16"], "Compute dtype of params / activations (fp32 norms, softmaxes "
                   "and logits in bf16).")
+flags.DEFINE_enum("model_api", "functional", ["functional", "nnx"], "Run the model step through dsv4.model's "
+                  "functions (default) or through the Flax NNX modules of dsv4.nnx_model (one device, same math).")
 flags.DEFINE_string("mesh", "", "Device mesh for the model step, e.g. data:2,tensor:2,expert:2 ('' = one device).")
 flags.DEFINE_enum("kv_latent", "replicated", ["replicated", "feature"], "Shard the K=V latent pools over tensor?")
 flags.DEFINE_integer("num_cpu_devices", 0, "On the CPU: host devices per process (0 = the mesh size with --mesh in "
@@ -212,6 +215,8 @@ def main(argv):
   if FLAGS.retention_interval < 0 or FLAGS.retention_interval % 128:
     raise app.UsageError(f"--retention_interval={FLAGS.retention_interval}: must be 0 or a positive multiple of "
                          "128 (the full-attention block size)")
+  if FLAGS.model_api == "nnx" and FLAGS.mesh:
+    raise app.UsageError("--model_api=nnx runs on one device; drop --mesh (the sharded step uses dsv4.model)")
   from tqdm import tqdm
 
   init_devices()
@@ -241,7 +246,8 @@ def main(argv):
                     model_id=cfg.name, batch_invariant=FLAGS.batch_invariant,
                     layout=caches.CacheLayout(kv_dtype={"fp32": jnp.float32, "bf16": jnp.bfloat16,
                                                         "fp8": caches.FP8}[FLAGS.kv_dtype]), dtype=FLAGS.dtype,
-                    tiering=TieringConfig.from_flags(FLAGS.kv_tiers, FLAGS.kv_disk_dir, FLAGS.kv_store_url))
+                    tiering=TieringConfig.from_flags(FLAGS.kv_tiers, FLAGS.kv_disk_dir, FLAGS.kv_store_url),
+                    model_api=FLAGS.model_api)
   refused, order, stops = [], None, {}
   tok = load_tokenizer(FLAGS.checkpoint)
   if FLAGS.requests:

@@ -57,6 +57,8 @@ class EngineConfig:
   # model.cast_params). The KV pools' dtype is layout.kv_dtype (fp32, bf16 or caches.FP8).
   dtype: str = "fp32"
   tiering: object = None                # dsv4.engine.tiering.TieringConfig: KV tiers below the device (None = off)
+  # "functional" (dsv4.model, the default) or "nnx" (the Flax modules of dsv4.nnx_model, one-device ragged step)
+  model_api: str = "functional"
 
   def validate(self):
     if self.chunk_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -95,7 +97,7 @@ class Engine:
                               batch_invariant=ec.batch_invariant, record_logits=ec.record_logits,
                               min_table_tokens=ec.min_table_tokens,
                               max_num_batched_tokens=ec.max_num_batched_tokens,
-                              token_bucket_growth=ec.token_bucket_growth,
+                              token_bucket_growth=ec.token_bucket_growth, model_api=ec.model_api,
                               mesh=mesh, **({} if rules is None else {"rules": rules}))
     self._tables: dict[str, object] = {}     # rid -> BlockTables of this step's allocation
     self.waiting: collections.deque[Request] = collections.deque()

@@ -158,16 +158,23 @@ def _sample(p, logits_RxV):
   return sample_rows_impl(logits_RxV, p["temperature"], p["top_k"], p["top_p"], p["seed"], p["step"])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg", "shape", "record_logits"),
+@functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api"),
                    donate_argnames=("cache",))
-def ragged_step(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedShape, record_logits: bool):
+def ragged_step(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedShape, record_logits: bool,
+                model_api: str = "functional"):
   """All rows of a step on one flat token axis (`model.forward_ragged`): a decode row costs one token, a prefill
   row its chunk, padding only up to the token bucket. Logits at each row's last token, then sampling. Returns
-  (cache, tokens_R, logits_RxV or None)."""
+  (cache, tokens_R, logits_RxV or None). model_api="nnx": the same step through the Flax modules
+  (`nnx_model.apply_ragged`, which runs `model.forward_ragged` on the merged module's params)."""
   p = _unpack(buf, shape)
   step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], {caches.SWA: p["swa"], caches.FULL: p["full"]})
-  cache, h_NxD = model.forward_ragged(params, config, p["tokens"], cache, step, layout=layout,
-                                      kernel_cfg=kernel_cfg)
+  if model_api == "nnx":
+    from dsv4 import nnx_model  # local: the default path does not import Flax
+    cache, h_NxD = nnx_model.apply_ragged(params, p["tokens"], cache, step, config=config, layout=layout,
+                                          kernel_cfg=kernel_cfg)
+  else:
+    cache, h_NxD = model.forward_ragged(params, config, p["tokens"], cache, step, layout=layout,
+                                        kernel_cfg=kernel_cfg)
   logits = model.lm_logits(params, h_NxD[jnp.maximum(p["last"], 0)])
   return cache, _sample(p, logits), (logits if record_logits else None)
 
@@ -244,8 +251,16 @@ class ModelRunner:
                kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), batch_invariant: bool = False,
                record_logits: bool = False, min_table_tokens: int = 4096, max_num_batched_tokens: int = 512,
                mesh=None, rules: sharding.Rules = sharding.Rules(), step_mode: str = "ragged",
-               token_bucket_growth: int = 4):
+               token_bucket_growth: int = 4, model_api: str = "functional"):
     self.params, self.config, self.layout, self.kernel_cfg = params, config, layout, kernel_cfg
+    # "functional": dsv4.model's functions (the default); "nnx": the same math through the Flax NNX modules
+    # (dsv4.nnx_model), wired for the one-device ragged step only.
+    if model_api not in ("functional", "nnx"):
+      raise ValueError(f"ModelRunner: model_api must be 'functional' or 'nnx', got {model_api!r}")
+    if model_api == "nnx" and (mesh is not None or batch_invariant or step_mode != "ragged"):
+      raise ValueError("ModelRunner: model_api='nnx' runs the one-device ragged step only (no mesh, no "
+                       "batch_invariant, step_mode='ragged')")
+    self.model_api = model_api
     self.max_num_seqs, self.chunk_size = max_num_seqs, chunk_size
     self.batch_invariant, self.record_logits = batch_invariant, record_logits
     # "ragged": one flat token axis (the serving path). Earlier layouts, kept for benchmarks' before/after in one
@@ -427,7 +442,8 @@ class ModelRunner:
       self.shapes_run.add(shape)
       (dev,) = jax.device_put([buf])                          # the step plan: one host->device transfer
       self.stats["device_puts"] += 1
-      self.cache, toks, logits = ragged_step(self.params, self.cache, dev, shape=shape, **kw)
+      self.cache, toks, logits = ragged_step(self.params, self.cache, dev, shape=shape, model_api=self.model_api,
+                                             **kw)
       toks, logits = jax.device_get((toks, logits))           # the sampled tokens: one device->host transfer
       self.stats["device_gets"] += 1
       self.stats["steps"] += 1
