@@ -160,7 +160,8 @@ def test_engine_through_the_modules_gives_the_same_tokens():
   from dsv4.engine.engine import Engine, EngineConfig
   cfg = C.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
-  ec = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, chunk_size=32, max_model_len=512,
+  # 8-token chunks and budget: every step is one token bucket, so each path compiles one step program.
+  ec = EngineConfig(max_num_seqs=4, max_num_batched_tokens=8, chunk_size=8, max_model_len=512,
                     num_full_blocks=16, num_swa_blocks=64, record_logits=True)
   wl = workloads.chat(cfg.vocab_size, sessions=2, turns=2, system_len=140, seed=0)
   runs = {}
