@@ -178,3 +178,13 @@ def test_engine_through_the_modules_gives_the_same_tokens():
     Engine(params, cfg, dataclasses.replace(ec, model_api="flax"))
   with pytest.raises(ValueError, match="one-device ragged step"):
     Engine(params, cfg, dataclasses.replace(ec, model_api="nnx", batch_invariant=True))
+
+
+def test_serve_refuses_nnx_on_a_mesh_before_loading_anything():
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  r = subprocess.run([sys.executable, "-m", "experiments.serve", "--model_api=nnx", "--mesh=tensor:2"], cwd=root,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode != 0 and "--model_api=nnx runs on one device" in r.stderr, r.stderr[-2000:]
