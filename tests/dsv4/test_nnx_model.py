@@ -188,3 +188,18 @@ def test_serve_refuses_nnx_on_a_mesh_before_loading_anything():
   r = subprocess.run([sys.executable, "-m", "experiments.serve", "--model_api=nnx", "--mesh=tensor:2"], cwd=root,
                      capture_output=True, text=True, timeout=300)
   assert r.returncode != 0 and "--model_api=nnx runs on one device" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("variant", ["v4", "v41"])
+def test_apply_traces_to_the_same_program_as_forward(variant):
+  """Tracing only (no compile): `apply` adds nothing to the program, so XLA compiles what it compiles today."""
+  cfg = CONFIGS[variant]()
+  params = model.abstract_params(cfg)
+  cache = jax.eval_shape(lambda: caches.init_contiguous(cfg, 2, 16, caches.CacheLayout())[0])
+  toks = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  sw, fu = caches.contiguous_tables(2, 16, caches.CacheLayout())
+  idx = caches.BatchIndex(i32(2), i32(2), i32(*sw.shape), i32(*fu.shape))
+  a = jax.make_jaxpr(lambda p, t, c, i: model.forward(p, cfg, t, c, i))(params, toks, cache, idx)
+  b = jax.make_jaxpr(lambda p, t, c, i: nnx_model.apply(p, t, c, i, config=cfg))(params, toks, cache, idx)
+  assert str(a) == str(b)
