@@ -12,6 +12,7 @@ from dsv4 import caches, model, nnx_model, sharding
 from dsv4 import config as C
 from dsv4.layers import engram as engram_mod
 from dsv4.layers import mhc, moe
+from pallas_kernels import dispatch
 
 CONFIGS = {"v4": C.v4_tiny, "v41": C.v41_tiny}
 _is_p = lambda x: isinstance(x, P)
@@ -203,3 +204,43 @@ def test_apply_traces_to_the_same_program_as_forward(variant):
   a = jax.make_jaxpr(lambda p, t, c, i: model.forward(p, cfg, t, c, i))(params, toks, cache, idx)
   b = jax.make_jaxpr(lambda p, t, c, i: nnx_model.apply(p, t, c, i, config=cfg))(params, toks, cache, idx)
   assert str(a) == str(b)
+
+
+@pytest.mark.parametrize("variant", ["v4", "v41"])
+def test_block_and_attention_modules_are_the_block_functions(variant):
+  """Block.__call__ (and Attention.__call__ inside it) == model._block / _block_single_pass on a layer
+  with a compressor and an indexer (V4 CSA; V4.1 CSA2 with Engram), caches included; one jitted program."""
+  from dsv4.layers.compressor import StepContext
+  cfg = CONFIGS[variant]()
+  params = model.init_params(cfg, jax.random.PRNGKey(4))
+  plan = next(p for p in cfg.layer_plan() if p.has_compressor and p.has_index_query)
+  B, T, layout = 2, 8, caches.CacheLayout()
+  cache, swa, full = caches.init_contiguous(cfg, B, T, layout)
+  idx = caches.BatchIndex(jnp.zeros(B, jnp.int32), jnp.asarray([8, 5], jnp.int32), jnp.asarray(swa),
+                          jnp.asarray(full))
+  k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(5), 4)
+  X = jax.random.normal(k1, (1, B * T, cfg.mhc.hc_mult, cfg.hidden_size), jnp.float32)
+  tok = jax.random.randint(k2, (1, B * T), 0, cfg.vocab_size, jnp.int32)
+  pre = jax.nn.softmax(jax.random.normal(k3, (1, B * T, cfg.mhc.hc_mult)), -1)
+  eh = None
+  if plan.engram:
+    rows = params["layers"][plan.index]["engram"]["embed"].shape[0]
+    eh = jax.random.randint(k4, (1, B * T, cfg.engram.hash_heads), 0, rows, jnp.int32)
+
+  @jax.jit
+  def both(params, cache_l, idx):
+    ctx = StepContext.from_step(caches.step_index_from_batch(idx, T), layout)
+    blk = nnx_model.merge(cfg, params).layers[plan.index]
+    p_l, kc = params["layers"][plan.index], dispatch.KernelConfig()
+    if cfg.single_pass_mhc:
+      got = blk(X, tok, ctx, cache_l, pre_prev=pre, engram_hash=eh)
+      want = model._block_single_pass(p_l, cfg, plan, X, pre, tok, ctx, cache_l, kc, False, None, eh)
+    else:
+      got = blk(X, tok, ctx, cache_l)
+      want = model._block(p_l, cfg, plan, X, tok, ctx, cache_l, kc, False)
+    return got, want
+
+  got, want = both(params, cache.layers[plan.index], idx)
+  assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
