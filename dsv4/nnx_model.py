@@ -12,9 +12,9 @@ stay explicit pytrees passed in and returned (`(new_cache, out)`), never nnx Var
 
 What the modules are, and are not:
 * One module per layer kind (`Attention` with its `Compressor` / `Indexer` sub-modules as the param dict nests
-  them, `MoE` with `RoutedExperts` / `SharedExpert`, `HyperConnection` (mHC), `Engram`, `Block`, `Model` with its
-  `nnx.List` of blocks). Attribute names are exactly the keys of `model.param_shapes(config)`, so
-  `nnx.to_pure_dict(nnx.split(net)[1])` is today's dict (the layer list appears as an int-keyed dict there;
+  them, `MoE` with `RoutedExperts` / `SharedExpert`, `HyperConnection` (mHC; `HeadConnection` for V4's `hc_head`),
+  `Engram`, `Block`, `Model` with its `nnx.List` of blocks). Attribute names are exactly the keys of
+  `model.param_shapes(config)`, so `nnx.to_pure_dict(nnx.split(net)[1])` is today's dict (the layer list appears as an int-keyed dict there;
   `params_of` turns it back into a list). RMSNorm weights stay `nnx.Param`s on their parent (`attn_norm`,
   `q_norm`, ...): a norm module would add a level (`attn_norm/weight`) and change the checkpoint spelling.
 * Every `nnx.Param` carries its logical axes as Flax's `out_sharding` metadata, looked up with
@@ -103,6 +103,13 @@ class HyperConnection(_ParamTree):
     return mhc.hc_coefficients(self.param_dict(), X_BxTxNxD, self.config.mhc, self.config.rms_norm_eps)
 
 
+class HeadConnection(_ParamTree):
+  """V4's final mHC collapse before the last norm (`hc_head`: fn, base, scale); the call is `mhc.hc_head`."""
+
+  def __call__(self, X_BxTxNxD):
+    return mhc.hc_head(self.param_dict(), X_BxTxNxD, self.config.mhc, self.config.rms_norm_eps)
+
+
 class Attention(_ParamTree):
   """Sliding window / CSA / HCA / CSA2 attention of one layer (`dsv4.layers.attention`)."""
   _children = {"compressor": Compressor, "indexer": Indexer}
@@ -158,7 +165,7 @@ class Block(_ParamTree):
 
 class Model(_ParamTree):
   """The whole text model: embed, blocks, final norm, lm_head (+ hc_head for V4, engram_token_map for V4.1)."""
-  _children = {"hc_head": HyperConnection}
+  _children = {"hc_head": HeadConnection}
 
   def __init__(self, config: ModelConfig, params: dict):
     _check_tree(config, params)

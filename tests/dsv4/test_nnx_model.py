@@ -101,7 +101,8 @@ def test_apply_equals_forward_bit_for_bit(variant):
 
 
 def test_layer_module_calls_are_the_layer_functions():
-  """MoE, mHC and Engram modules run the functions of dsv4.layers on their own params (V4.1 tiny has all three)."""
+  """MoE, mHC and Engram modules run the functions of dsv4.layers on their own params (V4.1 tiny has all three;
+  V4 tiny has the hc_head)."""
   cfg = C.v41_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(1))
   net = nnx_model.merge(cfg, params)
@@ -114,6 +115,11 @@ def test_layer_module_calls_are_the_layer_functions():
   np.testing.assert_array_equal(blk.ffn(x, tok), moe.moe(p["ffn"], x, tok, cfg.moe, blk.plan.hash_moe))
   for a, b in zip(blk.hc_attn(X), mhc.hc_coefficients(p["hc_attn"], X, cfg.mhc, cfg.rms_norm_eps)):
     np.testing.assert_array_equal(a, b)
+  v4 = C.v4_tiny()
+  p4 = model.init_params(v4, jax.random.PRNGKey(1))
+  X4 = jax.random.normal(k1, (1, 5, v4.mhc.hc_mult, v4.hidden_size), jnp.float32)
+  np.testing.assert_array_equal(nnx_model.merge(v4, p4).hc_head(X4),
+                                mhc.hc_head(p4["hc_head"], X4, v4.mhc, v4.rms_norm_eps))
   h = jax.random.randint(k3, (1, 5, cfg.engram.hash_heads), 0, p["engram"]["embed"].shape[0], jnp.int32)
   np.testing.assert_array_equal(blk.engram(X, h), engram_mod.engram(p["engram"], X, h, cfg.rms_norm_eps))
 
