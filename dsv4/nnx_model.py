@@ -14,9 +14,10 @@ What the modules are, and are not:
 * One module per layer kind (`Attention` with its `Compressor` / `Indexer` sub-modules as the param dict nests
   them, `MoE` with `RoutedExperts` / `SharedExpert`, `HyperConnection` (mHC; `HeadConnection` for V4's `hc_head`),
   `Engram`, `Block`, `Model` with its `nnx.List` of blocks). Attribute names are exactly the keys of
-  `model.param_shapes(config)`, so `nnx.to_pure_dict(nnx.split(net)[1])` is today's dict (the layer list appears as an int-keyed dict there;
-  `params_of` turns it back into a list). RMSNorm weights stay `nnx.Param`s on their parent (`attn_norm`,
-  `q_norm`, ...): a norm module would add a level (`attn_norm/weight`) and change the checkpoint spelling.
+  `model.param_shapes(config)`, so `nnx.to_pure_dict(nnx.split(net)[1])` is today's dict (the layer list
+  appears as an int-keyed dict there; `params_of` turns it back into a list). RMSNorm weights stay `nnx.Param`s
+  on their parent (`attn_norm`, `q_norm`, ...): a norm module would add a level (`attn_norm/weight`) and change
+  the checkpoint spelling.
 * Every `nnx.Param` carries its logical axes as Flax's `out_sharding` metadata, looked up with
   `sharding.logical_axes_of` (the `_PARAM_AXES` table stays the one table). `eager_sharding=False`: placement is
   done by `sharding.Rules` (with its divisibility fallbacks), see `partition_specs`.
@@ -24,7 +25,7 @@ What the modules are, and are not:
   dict, never re-initialised by its own rule, so `Model.init(config, key)` equals `model.init_params(config, key)`.
 * `__call__`s run the existing functions of `dsv4.model` and `dsv4.layers` on the module's parameters as the dict
   they already take; there is one implementation of the math. `Model.__call__` is `model.forward` (whose layer
-  loop calls `model._block`, the same function `Block.__call__` calls).
+  loop calls `model._block` / `_block_single_pass`, the functions `Block.__call__` calls).
 """
 
 from __future__ import annotations
