@@ -215,8 +215,9 @@ def main(argv):
   if FLAGS.retention_interval < 0 or FLAGS.retention_interval % 128:
     raise app.UsageError(f"--retention_interval={FLAGS.retention_interval}: must be 0 or a positive multiple of "
                          "128 (the full-attention block size)")
-  if FLAGS.model_api == "nnx" and FLAGS.mesh:
-    raise app.UsageError("--model_api=nnx runs on one device; drop --mesh (the sharded step uses dsv4.model)")
+  if FLAGS.model_api == "nnx" and (FLAGS.mesh or FLAGS.batch_invariant):
+    raise app.UsageError("--model_api=nnx runs the one-device ragged step: drop --mesh / --batch_invariant (those "
+                         "steps use dsv4.model)")
   from tqdm import tqdm
 
   init_devices()

@@ -158,7 +158,8 @@ def _sample(p, logits_RxV):
   return sample_rows_impl(logits_RxV, p["temperature"], p["top_k"], p["top_p"], p["seed"], p["step"])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api"),
+@functools.partial(jax.jit,
+                   static_argnames=("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api"),
                    donate_argnames=("cache",))
 def ragged_step(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedShape, record_logits: bool,
                 model_api: str = "functional"):
