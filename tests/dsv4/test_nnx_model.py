@@ -250,3 +250,14 @@ def test_block_and_attention_modules_are_the_block_functions(variant):
   assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
   for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bf16_params_merge_and_keep_their_dtype():
+  """The engine's bf16 compute dtype (model.cast_params): floats may change dtype, integer tables may not."""
+  cfg = C.v4_tiny()
+  params = model.cast_params(model.init_params(cfg, jax.random.PRNGKey(0)), jnp.bfloat16)
+  _assert_same_arrays(nnx_model.params_of(nnx_model.merge(cfg, params)), params)
+  bad = jax.tree_util.tree_map(lambda x: x, params)
+  bad["layers"][0]["ffn"]["tid2eid"] = bad["layers"][0]["ffn"]["tid2eid"].astype(jnp.float32)
+  with pytest.raises(ValueError, match=r"tid2eid.*expected int32"):
+    nnx_model.merge(cfg, bad)
