@@ -117,6 +117,7 @@ class _Request:
   num_registered: dict[str, int]       # full groups: leading blocks already offered to the cache
   released: dict[str, int]             # sliding groups: leading blocks already released
   junctions: tuple[int, ...] = ()      # extra checkpoint boundaries (shared-prefix junction)
+  dense: bool = True                   # take the dense-start checkpoints (only a request that hit nothing does)
 
 
 def _bucket(n: int, lo: int = 16) -> int:
@@ -364,12 +365,16 @@ class KVCacheManager:
         np.add.at(self._ref[g], got, 1)
       n = h.num_tokens
       junction = ()
-      if self.junction_checkpoints and int(run[i]) > n:
+      # A junction inside the dense-start gap (run < 2 * hit, or nothing hit): where the dense schedule could not
+      # reach the end of a prefix another request computed. Past 2 * hit the run is most likely this conversation's
+      # own earlier turn whose checkpoint was evicted (memory pressure); a checkpoint there is superseded by this
+      # turn's own, and taking it anyway made a fixed budget collapse (BUILD_NOTES, i10d).
+      if self.junction_checkpoints and int(run[i]) > n and (n == 0 or int(run[i]) < 2 * n):
         junction = (int(run[i]),)
       tables = {g: h.block_ids[g].tolist() for g in self.groups}
       released = {g: max(0, n // p.block_tokens - p.need_blocks) for g, p in self.policies.items()}
       r = _Request(rid, toks.tolist(), hashers[i], extra.tenant, len(toks), n, tables,
-                   {g: len(tables[g]) for g in self.groups}, released, junction)
+                   {g: len(tables[g]) for g in self.groups}, released, junction, n == 0)
       self._requests[rid] = r
       out.append(h)
     if allocate_tokens is not None:
@@ -475,7 +480,7 @@ class KVCacheManager:
         r.num_registered[g] = max(r.num_registered[g], n // bt)
     if not self.legacy and self.policies:
       pol = next(iter(self.policies.values()))
-      for p in pol.boundaries(prev, n, r.prompt_len, r.junctions):
+      for p in pol.boundaries(prev, n, r.prompt_len, r.junctions, r.dense):
         self._checkpoint(r, p)
     for g, pol in self.policies.items():
       self._release(r, g, pol.releasable_blocks(n))

@@ -87,6 +87,9 @@ def test_checkpoint_placement_v2():
   """Dense start (128 * 2^k inside the prompt), prompt boundary, re-render boundary, junctions."""
   p = CheckpointPolicy(align_tokens=128, block_tokens=32, tail_tokens=127)
   assert p.boundaries(0, 1000, 1000) == [128, 256, 512, 896]          # 999 - 64 = 935 -> 896 as well
-  assert p.boundaries(0, 1030, 1030) == [128, 256, 512, 896, 1024]    # 1029 - 64 = 965 -> 896: re-render
-  assert p.boundaries(0, 2000, 1030, extra=(1152,)) == [128, 256, 512, 896, 1024, 1152]
+  # 1029 - 64 = 965 -> 896: re-render; the prompt boundary 1024 is merged into it, and the dense schedule stops at
+  # the largest prompt boundary kept (it no longer adds 1024 back)
+  assert p.boundaries(0, 1030, 1030) == [128, 256, 512, 896]
+  assert p.boundaries(0, 1030, 1030, dense=False) == [896]           # a request that hit: no dense start
+  assert p.boundaries(0, 2000, 1030, extra=(1152,)) == [128, 256, 512, 896, 1152]
   assert p.boundaries(300, 600, 1030) == [512]
