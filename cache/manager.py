@@ -180,7 +180,8 @@ class KVCacheManager:
 
   # ------------------------------------------------------------------------------------------ queue
   def _reset_queue(self):
-    self._q_reg = {g: [] for g in self.groups}      # (block id, key2, par4, tokens, event info)
+    # chunks (ids_K, key_Kx2, par_Kx4, tok_KxT, event infos or None), one per _register call (never empty)
+    self._q_reg = {g: [] for g in self.groups}
     self._q_free = {g: [] for g in self.groups}
     self._q_alloc = {g: [] for g in self.groups}    # (request, table index list) waiting for ids
     self._q_nalloc = {g: 0 for g in self.groups}
@@ -200,13 +201,17 @@ class KVCacheManager:
   def _group_plan(self, g: str) -> GroupPlan:
     bt = self.specs.group(g).block_tokens
     regs, frees = self._q_reg[g], self._q_free[g]
-    r, f = _bucket(len(regs)), _bucket(len(frees))
+    nr = sum(len(c[0]) for c in regs)
+    r, f = _bucket(nr), _bucket(len(frees))
     ids = np.full(r, -1, np.int32)
     key = np.zeros((r, 2), np.int32)
     par = np.zeros((r, 4), np.int32)
     tok = np.zeros((r, bt), np.int32)
-    for i, (b, k, p, t, _) in enumerate(regs):
-      ids[i], key[i], par[i], tok[i] = b, k, p, t
+    if regs:      # whole chunks at once (numpy), not per block
+      ids[:nr] = np.concatenate([c[0] for c in regs])
+      key[:nr] = np.concatenate([c[1] for c in regs])
+      par[:nr] = np.concatenate([c[2] for c in regs])
+      tok[:nr] = np.concatenate([c[3] for c in regs])
     fr = np.full(f, -1, np.int32)
     fr[:len(frees)] = frees
     return GroupPlan(ids, key, par, tok, fr, np.int32(self._q_nalloc[g]))
@@ -246,24 +251,33 @@ class KVCacheManager:
         raise RuntimeError(f"group {g}: device free count {int(res['num_free'][gi])} != host {self._nfree[g]}")
 
   def _removed(self, g, ids, ev):
+    if not self.events.enabled:   # identities are tracked only to label events
+      return
     for b, e in zip(ids, ev):
       if e:
         k, tenant = self._identity.pop((g, int(b)))
         self.events.emit(BlockRemoved(k, g, tenant, int(b)))
 
   def _after_register(self, g, status):
-    for (b, k, _, _, info), s in zip(self._q_reg[g], status):
-      if s == P.STORED:
-        kk = key_int(k)
-        parent, tenant, bt = info
-        self._identity[(g, b)] = (kk, tenant)
-        self.events.emit(BlockStored(kk, parent, g, tenant, b, bt))
-      elif s == P.DUPLICATE:
-        self.stats["duplicate"] += 1
-      elif s == P.TABLE_FULL:
-        self.stats["table_full"] += 1
-      elif s == P.INVALID:
-        raise RuntimeError(f"register refused block {b} of group {g}")
+    regs = self._q_reg[g]
+    if not regs:
+      return
+    ids = np.concatenate([c[0] for c in regs])
+    st = np.asarray(status)[:len(ids)]
+    if (st == P.INVALID).any():
+      raise RuntimeError(f"register refused block {int(ids[np.argmax(st == P.INVALID)])} of group {g}")
+    self.stats["duplicate"] += int(np.count_nonzero(st == P.DUPLICATE))
+    self.stats["table_full"] += int(np.count_nonzero(st == P.TABLE_FULL))
+    if not self.events.enabled:
+      return
+    keys = np.concatenate([c[1] for c in regs])
+    infos = [i for c in regs for i in c[4]]
+    for i in np.flatnonzero(st == P.STORED):
+      kk = key_int(keys[i])
+      parent, tenant, bt = infos[i]
+      b = int(ids[i])
+      self._identity[(g, b)] = (kk, tenant)
+      self.events.emit(BlockStored(kk, parent, g, tenant, b, bt))
 
   @property
   def policy(self) -> CheckpointPolicy:
@@ -360,9 +374,10 @@ class KVCacheManager:
       for g in self.groups:     # claims (device did them) mirrored on the host
         got = h.block_ids[g]
         got = got[got >= 0]
-        was_free = np.unique(got[self._ref[g][got] == 0])
-        self._nfree[g] -= len(was_free)
-        np.add.at(self._ref[g], got, 1)
+        ref = self._ref[g]
+        # a request's hit ids are distinct (checked against the device's free count after the call)
+        self._nfree[g] -= int(np.count_nonzero(ref[got] == 0))
+        ref[got] += 1
       n = h.num_tokens
       junction = ()
       # A junction inside the dense-start gap (run < 2 * hit, or nothing hit): where the dense schedule could not
@@ -440,15 +455,18 @@ class KVCacheManager:
     bt = self.specs.group(g).block_tokens
     upb = bt // self.specs.hash_tokens
     h = r.hasher
-    for j in block_idx:
-      b = r.tables[g][j]
-      if b is None or b < 0:
-        continue
-      key = device_key(h.digests[(j + 1) * upb - 1], self.key_bits)
-      par = digest_words(h.parent(j * upb))
-      tok = r.tokens[j * bt:(j + 1) * bt]
-      parent = key_int(device_key(h.digests[j * upb - 1], self.key_bits)) if j else None
-      self._q_reg[g].append((b, key, par, tok, (parent, r.tenant, bt)))
+    tab = r.tables[g]
+    js = [j for j in block_idx if tab[j] is not None and tab[j] >= 0]
+    if not js:
+      return
+    ids = np.asarray([tab[j] for j in js], np.int32)
+    key, par = h.rows([(j + 1) * upb - 1 for j in js], [j * upb for j in js])
+    tok = np.asarray([r.tokens[j * bt:(j + 1) * bt] for j in js], np.int32).reshape(len(js), bt)
+    infos = None
+    if self.events.enabled:
+      infos = [(key_int(device_key(h.digests[j * upb - 1], self.key_bits)) if j else None, r.tenant, bt)
+               for j in js]
+    self._q_reg[g].append((ids, key, par, tok, infos))
 
   def _checkpoint(self, r: _Request, boundary: int) -> None:
     for g, pol in self.policies.items():
@@ -498,8 +516,13 @@ class KVCacheManager:
     if not ids:
       return
     a = np.asarray(ids, np.int64)
-    np.subtract.at(self._ref[g], a, 1)
-    self._nfree[g] += int(np.count_nonzero(self._ref[g][np.unique(a)] == 0))
+    ref = self._ref[g]
+    if len(set(ids)) == len(ids):      # the usual case (one request's table): no np.unique / ufunc.at
+      ref[a] -= 1
+      self._nfree[g] += int(np.count_nonzero(ref[a] == 0))
+    else:
+      np.subtract.at(ref, a, 1)
+      self._nfree[g] += int(np.count_nonzero(ref[np.unique(a)] == 0))
     self._q_free[g].extend(ids)
 
   def free(self, request_id: str) -> None:

@@ -1,6 +1,7 @@
 """Group specs from model configs, and the host hash chain."""
 
 import numpy as np
+import pytest
 
 from dsv4.caches import CacheLayout, cache_array_specs, group_specs, init_cache, state_tail_tokens
 from dsv4.config import v4_flash, v41_flash, v4_tiny
@@ -93,3 +94,18 @@ def test_checkpoint_placement_v2():
   assert p.boundaries(0, 1030, 1030, dense=False) == [896]           # a request that hit: no dense start
   assert p.boundaries(0, 2000, 1030, extra=(1152,)) == [128, 256, 512, 896, 1152]
   assert p.boundaries(300, 600, 1030) == [512]
+
+
+@pytest.mark.parametrize("key_bits", [64, 3])
+def test_hasher_rows_equal_per_block_keys(key_bits):
+  """The vectorised rows the manager registers equal the per-block device_key / digest_words of the same units."""
+  from cache.hashing import ExtraKeys, RequestHasher, device_key, digest_words
+  h = RequestHasher(ExtraKeys(tenant="t"), 32, key_bits)
+  h.update(np.arange(700, dtype=np.int32) % 97)
+  upb = 4
+  js = [0, 1, 3, 4]          # 700 tokens = 21 units: blocks 0..4 complete
+  key, par = h.rows([(j + 1) * upb - 1 for j in js], [j * upb for j in js])
+  for i, j in enumerate(js):
+    assert (key[i] == device_key(h.digests[(j + 1) * upb - 1], key_bits)).all()
+    assert (par[i] == digest_words(h.parent(j * upb))).all()
+  assert key.dtype == np.int32 and par.dtype == np.int32 and par.flags.writeable
