@@ -43,7 +43,7 @@ import numpy as np
 from cache import pool as P
 from cache.checkpoints import CheckpointPolicy
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent
-from cache.hashing import ExtraKeys, RequestHasher, device_key, digest_words, key_int
+from cache.hashing import ExtraKeys, RequestHasher, device_key, digest_words, key_int, keys_from_words
 from cache.prefix import find_hits, group_searches
 from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs
 from cache.step import AdmitPlan, GroupPlan, apply_step
@@ -180,7 +180,8 @@ class KVCacheManager:
 
   # ------------------------------------------------------------------------------------------ queue
   def _reset_queue(self):
-    # chunks (ids_K, key_Kx2, par_Kx4, tok_KxT, event infos or None), one per _register call (never empty)
+    # chunks (ids, key digests, parent digests, token lists, event infos or None), one per _register call (never
+    # empty); turned into arrays for all chunks at once when the step is packed (numpy per step, not per request)
     self._q_reg = {g: [] for g in self.groups}
     self._q_free = {g: [] for g in self.groups}
     self._q_alloc = {g: [] for g in self.groups}    # (request, table index list) waiting for ids
@@ -208,10 +209,11 @@ class KVCacheManager:
     par = np.zeros((r, 4), np.int32)
     tok = np.zeros((r, bt), np.int32)
     if regs:      # whole chunks at once (numpy), not per block
-      ids[:nr] = np.concatenate([c[0] for c in regs])
-      key[:nr] = np.concatenate([c[1] for c in regs])
-      par[:nr] = np.concatenate([c[2] for c in regs])
-      tok[:nr] = np.concatenate([c[3] for c in regs])
+      ids[:nr] = [b for c in regs for b in c[0]]
+      w = np.frombuffer(b"".join(d for c in regs for d in c[1]), dtype="<u4").reshape(nr, 4)
+      key[:nr] = keys_from_words(w, self.key_bits)
+      par[:nr] = np.frombuffer(b"".join(d for c in regs for d in c[2]), dtype="<i4").reshape(nr, 4)
+      tok[:nr] = [t for c in regs for t in c[3]]
     fr = np.full(f, -1, np.int32)
     fr[:len(frees)] = frees
     return GroupPlan(ids, key, par, tok, fr, np.int32(self._q_nalloc[g]))
@@ -262,7 +264,7 @@ class KVCacheManager:
     regs = self._q_reg[g]
     if not regs:
       return
-    ids = np.concatenate([c[0] for c in regs])
+    ids = np.asarray([b for c in regs for b in c[0]], np.int32)
     st = np.asarray(status)[:len(ids)]
     if (st == P.INVALID).any():
       raise RuntimeError(f"register refused block {int(ids[np.argmax(st == P.INVALID)])} of group {g}")
@@ -270,7 +272,8 @@ class KVCacheManager:
     self.stats["table_full"] += int(np.count_nonzero(st == P.TABLE_FULL))
     if not self.events.enabled:
       return
-    keys = np.concatenate([c[1] for c in regs])
+    keys = keys_from_words(np.frombuffer(b"".join(d for c in regs for d in c[1]), dtype="<u4").reshape(-1, 4),
+                           self.key_bits)
     infos = [i for c in regs for i in c[4]]
     for i in np.flatnonzero(st == P.STORED):
       kk = key_int(keys[i])
@@ -459,14 +462,16 @@ class KVCacheManager:
     js = [j for j in block_idx if tab[j] is not None and tab[j] >= 0]
     if not js:
       return
-    ids = np.asarray([tab[j] for j in js], np.int32)
-    key, par = h.rows([(j + 1) * upb - 1 for j in js], [j * upb for j in js])
-    tok = np.asarray([r.tokens[j * bt:(j + 1) * bt] for j in js], np.int32).reshape(len(js), bt)
+    d = h.digests
+    ids = [tab[j] for j in js]
+    kd = [d[(j + 1) * upb - 1] for j in js]
+    pd = [d[j * upb - 1] if j else h.root for j in js]
+    tok = [r.tokens[j * bt:(j + 1) * bt] for j in js]
     infos = None
     if self.events.enabled:
       infos = [(key_int(device_key(h.digests[j * upb - 1], self.key_bits)) if j else None, r.tenant, bt)
                for j in js]
-    self._q_reg[g].append((ids, key, par, tok, infos))
+    self._q_reg[g].append((ids, kd, pd, tok, infos))
 
   def _checkpoint(self, r: _Request, boundary: int) -> None:
     for g, pol in self.policies.items():
