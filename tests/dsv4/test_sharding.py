@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dsv4 import caches, model, sharding
+from tests import xla_test_flags
 from dsv4 import config as C
 from dsv4.layers import moe
 
@@ -20,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def run_worker(*args, timeout=1500):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=ROOT)
+  env = dict(xla_test_flags.child_env("--xla_force_host_platform_device_count=8"), PYTHONPATH=ROOT)
   r = subprocess.run([sys.executable, "-m", "tests.dsv4.sharding_worker", *args], cwd=ROOT, env=env,
                      capture_output=True, text=True, timeout=timeout)
   print(r.stdout)
