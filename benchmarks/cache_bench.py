@@ -99,12 +99,20 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--small", action="store_true")
   ap.add_argument("--steps", type=int, default=5)
+  ap.add_argument("--shapes", default="", help="BxL list, e.g. 256x2048,8x32768 (default: the matrix)")
+  ap.add_argument("--pools", default="", help="pool blocks per group, e.g. 65536 (default: the matrix)")
+  ap.add_argument("--profile", type=int, default=0, help="print the N most expensive functions (cProfile of the "
+                  "timed steps of our manager, cumulative time)")
   ap.add_argument("--vllm_src", default="", help="directory holding vLLM 0.33's unpacked `vllm` package "
                   "(see benchmarks/cache_bench_vllm.py); empty: vLLM is skipped")
   a = ap.parse_args()
   # (8, 2048) is extra: the issue's three shapes do not fit a 4k pool, so it is the only 4k-vs-262k comparison
   shapes = [(8, 2048), (8, 32768)] if a.small else [(8, 2048), (256, 2048), (64, 8192), (8, 32768)]
   pools = [4096, 65536] if a.small else [4096, 65536, 262144]
+  if a.shapes:
+    shapes = [tuple(int(v) for v in x.split("x")) for x in a.shapes.split(",")]
+  if a.pools:
+    pools = [int(x) for x in a.pools.split(",")]
   vllm_ok = False
   if a.vllm_src:
     try:
@@ -128,7 +136,15 @@ def main():
       if 2 * (B * L // 128 + B) > pool:   # two batches are held at once (admitted + retiring)
         print(f"| {B} | {L} | {pool} | pool too small for two batches | | | | | |")
         continue
-      r = bench(B, L, pool, a.steps)
+      prof = None
+      if a.profile:
+        import cProfile
+        prof = cProfile.Profile()
+      r = bench(B, L, pool, a.steps, profile=prof)
+      if prof is not None:
+        import pstats
+        print(f"cProfile {B}x{L} pool {pool} (steps 3..):")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(a.profile)
       res[(B, L, pool)] = r["ms"]
       vm, vh, ratio = "", "", ""
       if vllm_ok:

@@ -57,8 +57,9 @@ class CheckpointPolicy:
   def prompt_boundary(self, prompt_len: int) -> int:
     return self.floor_align(max(prompt_len - 1, 0))
 
-  def planned(self, prompt_len: int) -> set[int]:
-    """Boundaries fixed at admission (besides retention multiples, junctions and the end of the request)."""
+  def planned(self, prompt_len: int, dense: bool = True) -> set[int]:
+    """Boundaries fixed at admission (besides retention multiples, junctions and the end of the request).
+    `dense=False` leaves out the dense-start schedule (the manager does for a request that hit a cached prefix)."""
     pb = self.prompt_boundary(prompt_len)
     out = {pb}
     if self.rerender_tokens:
@@ -69,16 +70,17 @@ class CheckpointPolicy:
         # re-renders and an identical prompt (at most `align` more tokens recomputed). Under a fixed budget two
         # per prompt made round-robin sessions evict each other's useful checkpoint (BUILD_NOTES, i10c).
         out.discard(pb)
-    if self.dense_start:
+    if self.dense_start and dense:
+      top = max(out)
       p = self.align_tokens
-      while p < prompt_len:
+      while p <= top:
         out.add(p)
         p *= 2
     return out
 
-  def boundaries(self, lo: int, hi: int, prompt_len: int, extra: tuple[int, ...] = ()) -> list[int]:
+  def boundaries(self, lo: int, hi: int, prompt_len: int, extra: tuple[int, ...] = (), dense: bool = True) -> list[int]:
     """Checkpoint boundaries P with lo < P <= hi (tokens computed before / after a step), excluding 0."""
-    out = {p for p in self.planned(prompt_len) | set(extra) if lo < p <= hi}
+    out = {p for p in self.planned(prompt_len, dense) | set(extra) if lo < p <= hi}
     if self.retention_interval:
       r = self.retention_interval
       out.update(range((lo // r + 1) * r, hi + 1, r))

@@ -76,6 +76,17 @@ def key_int(key2: np.ndarray) -> int:
   return v - (1 << 64) if v >= 1 << 63 else v
 
 
+def keys_from_words(w_Ux4: np.ndarray, key_bits: int = 64) -> np.ndarray:
+  """Device keys (int32 [U, 2] = hi, lo; as `device_key`) of digests given as little-endian uint32 words."""
+  k = w_Ux4[:, 0].astype(np.uint64) | (w_Ux4[:, 1].astype(np.uint64) << np.uint64(32))
+  if key_bits < 64:
+    k &= np.uint64((1 << key_bits) - 1)
+  out = np.empty((len(k), 2), np.int32)
+  out[:, 0] = (k >> np.uint64(32)).astype(np.uint32).view(np.int32)
+  out[:, 1] = (k & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+  return out
+
+
 class RequestHasher:
   """Incremental chained hashes of one request's tokens (prompt, then outputs as they arrive)."""
 
@@ -108,11 +119,19 @@ class RequestHasher:
     n = min(num_units, len(self.digests))
     if n:
       w = np.frombuffer(b"".join(self.digests[:n]), dtype="<u4").reshape(n, DIGEST_WORDS)
-      k = w[:, 0].astype(np.uint64) | (w[:, 1].astype(np.uint64) << np.uint64(32))
-      if self.key_bits < 64:
-        k &= np.uint64((1 << self.key_bits) - 1)
-      key[:n, 0] = (k >> np.uint64(32)).astype(np.uint32).view(np.int32)
-      key[:n, 1] = (k & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+      key[:n] = self._keys(w)
       par[0] = np.frombuffer(self.root, dtype="<i4")
       par[1:n] = w[:n - 1].view(np.int32)
     return key, par
+
+  def _keys(self, w_Ux4: np.ndarray) -> np.ndarray:
+    return keys_from_words(w_Ux4, self.key_bits)
+
+  def rows(self, key_units, parent_units) -> tuple[np.ndarray, np.ndarray]:
+    """(key_Mx2 of digests[key_units], parent_Mx4 = words of parent(parent_units)), vectorised: what `register`
+    stores per block (a block is named by its last unit's digest and chained to the digest before its first)."""
+    d = self.digests
+    w = np.frombuffer(b"".join(d[u] for u in key_units), dtype="<u4").reshape(-1, DIGEST_WORDS)
+    par = np.frombuffer(b"".join(d[u - 1] if u else self.root for u in parent_units),
+                        dtype="<i4").reshape(-1, DIGEST_WORDS).copy()
+    return self._keys(w), par

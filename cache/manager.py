@@ -43,7 +43,7 @@ import numpy as np
 from cache import pool as P
 from cache.checkpoints import CheckpointPolicy
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent
-from cache.hashing import ExtraKeys, RequestHasher, device_key, digest_words, key_int
+from cache.hashing import ExtraKeys, RequestHasher, device_key, digest_words, key_int, keys_from_words
 from cache.prefix import find_hits, group_searches
 from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs
 from cache.step import AdmitPlan, GroupPlan, apply_step
@@ -117,6 +117,7 @@ class _Request:
   num_registered: dict[str, int]       # full groups: leading blocks already offered to the cache
   released: dict[str, int]             # sliding groups: leading blocks already released
   junctions: tuple[int, ...] = ()      # extra checkpoint boundaries (shared-prefix junction)
+  dense: bool = True                   # take the dense-start checkpoints (only a request that hit nothing does)
 
 
 def _bucket(n: int, lo: int = 16) -> int:
@@ -179,7 +180,9 @@ class KVCacheManager:
 
   # ------------------------------------------------------------------------------------------ queue
   def _reset_queue(self):
-    self._q_reg = {g: [] for g in self.groups}      # (block id, key2, par4, tokens, event info)
+    # chunks (ids, key digests, parent digests, token lists, event infos or None), one per _register call (never
+    # empty); turned into arrays for all chunks at once when the step is packed (numpy per step, not per request)
+    self._q_reg = {g: [] for g in self.groups}
     self._q_free = {g: [] for g in self.groups}
     self._q_alloc = {g: [] for g in self.groups}    # (request, table index list) waiting for ids
     self._q_nalloc = {g: 0 for g in self.groups}
@@ -199,13 +202,18 @@ class KVCacheManager:
   def _group_plan(self, g: str) -> GroupPlan:
     bt = self.specs.group(g).block_tokens
     regs, frees = self._q_reg[g], self._q_free[g]
-    r, f = _bucket(len(regs)), _bucket(len(frees))
+    nr = sum(len(c[0]) for c in regs)
+    r, f = _bucket(nr), _bucket(len(frees))
     ids = np.full(r, -1, np.int32)
     key = np.zeros((r, 2), np.int32)
     par = np.zeros((r, 4), np.int32)
     tok = np.zeros((r, bt), np.int32)
-    for i, (b, k, p, t, _) in enumerate(regs):
-      ids[i], key[i], par[i], tok[i] = b, k, p, t
+    if regs:      # whole chunks at once (numpy), not per block
+      ids[:nr] = [b for c in regs for b in c[0]]
+      w = np.frombuffer(b"".join(d for c in regs for d in c[1]), dtype="<u4").reshape(nr, 4)
+      key[:nr] = keys_from_words(w, self.key_bits)
+      par[:nr] = np.frombuffer(b"".join(d for c in regs for d in c[2]), dtype="<i4").reshape(nr, 4)
+      tok[:nr] = [t for c in regs for t in c[3]]
     fr = np.full(f, -1, np.int32)
     fr[:len(frees)] = frees
     return GroupPlan(ids, key, par, tok, fr, np.int32(self._q_nalloc[g]))
@@ -245,24 +253,34 @@ class KVCacheManager:
         raise RuntimeError(f"group {g}: device free count {int(res['num_free'][gi])} != host {self._nfree[g]}")
 
   def _removed(self, g, ids, ev):
+    if not self.events.enabled:   # identities are tracked only to label events
+      return
     for b, e in zip(ids, ev):
       if e:
         k, tenant = self._identity.pop((g, int(b)))
         self.events.emit(BlockRemoved(k, g, tenant, int(b)))
 
   def _after_register(self, g, status):
-    for (b, k, _, _, info), s in zip(self._q_reg[g], status):
-      if s == P.STORED:
-        kk = key_int(k)
-        parent, tenant, bt = info
-        self._identity[(g, b)] = (kk, tenant)
-        self.events.emit(BlockStored(kk, parent, g, tenant, b, bt))
-      elif s == P.DUPLICATE:
-        self.stats["duplicate"] += 1
-      elif s == P.TABLE_FULL:
-        self.stats["table_full"] += 1
-      elif s == P.INVALID:
-        raise RuntimeError(f"register refused block {b} of group {g}")
+    regs = self._q_reg[g]
+    if not regs:
+      return
+    ids = np.asarray([b for c in regs for b in c[0]], np.int32)
+    st = np.asarray(status)[:len(ids)]
+    if (st == P.INVALID).any():
+      raise RuntimeError(f"register refused block {int(ids[np.argmax(st == P.INVALID)])} of group {g}")
+    self.stats["duplicate"] += int(np.count_nonzero(st == P.DUPLICATE))
+    self.stats["table_full"] += int(np.count_nonzero(st == P.TABLE_FULL))
+    if not self.events.enabled:
+      return
+    keys = keys_from_words(np.frombuffer(b"".join(d for c in regs for d in c[1]), dtype="<u4").reshape(-1, 4),
+                           self.key_bits)
+    infos = [i for c in regs for i in c[4]]
+    for i in np.flatnonzero(st == P.STORED):
+      kk = key_int(keys[i])
+      parent, tenant, bt = infos[i]
+      b = int(ids[i])
+      self._identity[(g, b)] = (kk, tenant)
+      self.events.emit(BlockStored(kk, parent, g, tenant, b, bt))
 
   @property
   def policy(self) -> CheckpointPolicy:
@@ -359,17 +377,22 @@ class KVCacheManager:
       for g in self.groups:     # claims (device did them) mirrored on the host
         got = h.block_ids[g]
         got = got[got >= 0]
-        was_free = np.unique(got[self._ref[g][got] == 0])
-        self._nfree[g] -= len(was_free)
-        np.add.at(self._ref[g], got, 1)
+        ref = self._ref[g]
+        # a request's hit ids are distinct (checked against the device's free count after the call)
+        self._nfree[g] -= int(np.count_nonzero(ref[got] == 0))
+        ref[got] += 1
       n = h.num_tokens
       junction = ()
-      if self.junction_checkpoints and int(run[i]) > n:
+      # A junction inside the dense-start gap (run < 2 * hit, or nothing hit): where the dense schedule could not
+      # reach the end of a prefix another request computed. Past 2 * hit the run is most likely this conversation's
+      # own earlier turn whose checkpoint was evicted (memory pressure); a checkpoint there is superseded by this
+      # turn's own, and taking it anyway made a fixed budget collapse (BUILD_NOTES, i10d).
+      if self.junction_checkpoints and int(run[i]) > n and (n == 0 or int(run[i]) < 2 * n):
         junction = (int(run[i]),)
       tables = {g: h.block_ids[g].tolist() for g in self.groups}
       released = {g: max(0, n // p.block_tokens - p.need_blocks) for g, p in self.policies.items()}
       r = _Request(rid, toks.tolist(), hashers[i], extra.tenant, len(toks), n, tables,
-                   {g: len(tables[g]) for g in self.groups}, released, junction)
+                   {g: len(tables[g]) for g in self.groups}, released, junction, n == 0)
       self._requests[rid] = r
       out.append(h)
     if allocate_tokens is not None:
@@ -435,15 +458,20 @@ class KVCacheManager:
     bt = self.specs.group(g).block_tokens
     upb = bt // self.specs.hash_tokens
     h = r.hasher
-    for j in block_idx:
-      b = r.tables[g][j]
-      if b is None or b < 0:
-        continue
-      key = device_key(h.digests[(j + 1) * upb - 1], self.key_bits)
-      par = digest_words(h.parent(j * upb))
-      tok = r.tokens[j * bt:(j + 1) * bt]
-      parent = key_int(device_key(h.digests[j * upb - 1], self.key_bits)) if j else None
-      self._q_reg[g].append((b, key, par, tok, (parent, r.tenant, bt)))
+    tab = r.tables[g]
+    js = [j for j in block_idx if tab[j] is not None and tab[j] >= 0]
+    if not js:
+      return
+    d = h.digests
+    ids = [tab[j] for j in js]
+    kd = [d[(j + 1) * upb - 1] for j in js]
+    pd = [d[j * upb - 1] if j else h.root for j in js]
+    tok = [r.tokens[j * bt:(j + 1) * bt] for j in js]
+    infos = None
+    if self.events.enabled:
+      infos = [(key_int(device_key(h.digests[j * upb - 1], self.key_bits)) if j else None, r.tenant, bt)
+               for j in js]
+    self._q_reg[g].append((ids, kd, pd, tok, infos))
 
   def _checkpoint(self, r: _Request, boundary: int) -> None:
     for g, pol in self.policies.items():
@@ -475,7 +503,7 @@ class KVCacheManager:
         r.num_registered[g] = max(r.num_registered[g], n // bt)
     if not self.legacy and self.policies:
       pol = next(iter(self.policies.values()))
-      for p in pol.boundaries(prev, n, r.prompt_len, r.junctions):
+      for p in pol.boundaries(prev, n, r.prompt_len, r.junctions, r.dense):
         self._checkpoint(r, p)
     for g, pol in self.policies.items():
       self._release(r, g, pol.releasable_blocks(n))
@@ -493,8 +521,13 @@ class KVCacheManager:
     if not ids:
       return
     a = np.asarray(ids, np.int64)
-    np.subtract.at(self._ref[g], a, 1)
-    self._nfree[g] += int(np.count_nonzero(self._ref[g][np.unique(a)] == 0))
+    ref = self._ref[g]
+    if len(set(ids)) == len(ids):      # the usual case (one request's table): no np.unique / ufunc.at
+      ref[a] -= 1
+      self._nfree[g] += int(np.count_nonzero(ref[a] == 0))
+    else:
+      np.subtract.at(ref, a, 1)
+      self._nfree[g] += int(np.count_nonzero(ref[np.unique(a)] == 0))
     self._q_free[g].extend(ids)
 
   def free(self, request_id: str) -> None:

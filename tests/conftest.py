@@ -6,14 +6,29 @@ shared by the workers of one run compiles each of them once. The directory is fr
 controller, inherited by the workers), so no state leaks between runs and CI starts from nothing, as a user
 would. Tests that count compilations create their own engines and count backend compiles; a cache hit is not a
 compile, so their upper bounds still hold. Set DSV4_TEST_JAX_CACHE=0 to compile everything afresh.
+
+Memory maps. Every live XLA CPU executable holds about 18 memory mappings (its JIT-linked code and data sections).
+A test worker keeps thousands of executables alive (the jit caches of module-level functions), and when the process
+reaches the kernel's `vm.max_map_count` (65530 by default) LLVM's next allocation fails ("LLVM compilation error:
+Cannot allocate memory") and XLA segfaults: the worker crashes that CI saw at random tests late in a run
+(`python -m benchmarks.map_count_probe --to_limit` reproduces it outside pytest). So after each test, a worker whose
+map count passes `_MAP_SOFT_LIMIT` drops JAX's in-memory caches (programs still referenced by live objects stay; the
+next use of a dropped program recompiles it, or reloads it from the persistent cache).
+
+XLA flags: see tests/xla_test_flags.py (LLVM optimisation level 0 for the suite's compiles).
 """
 
+import gc
 import os
 import shutil
 import tempfile
 
 import jax
 import pytest
+
+from tests import xla_test_flags
+
+xla_test_flags.install()  # before any test touches a device: XLA reads XLA_FLAGS when JAX creates its backend
 
 
 _MAP_SOFT_LIMIT = 30000  # half of the usual vm.max_map_count: a single test adds at most a few thousand

@@ -1,10 +1,10 @@
-"""Run one test in a child pytest process, so that the pytest worker itself never loads what the test loads.
+"""Run one test in a child pytest process, so that the pytest worker itself never loads what the test loads, or so
+that the test compiles under other XLA flags than the suite's.
 
-Why: Mooncake's client library (`mooncake.store`, native code) keeps state and threads in the process that loaded
-it after `close()` and after its servers stop. xdist workers died of segmentation faults in unrelated tests that
-pass alone; Mooncake was the first suspect, so each Mooncake test now runs in its own child process. A later full
-run still lost a worker (in a Pallas interpret-mode test), so Mooncake is not the whole cause (BUILD_NOTES,
-"Session 3"); keeping its native client out of the workers still removes one suspect.
+Uses: Mooncake's client library (`mooncake.store`, native code) keeps state and threads in the process that loaded
+it after `close()` and after its servers stop, so its tests run in children (it was the first suspect for the
+worker crashes that turned out to be `vm.max_map_count`, see tests/conftest.py; keeping it out of the workers is
+still right). Batch-invariance checks run in children at XLA's default optimisation level (tests/xla_test_flags.py).
 
 Usage, first line of a test that takes pytest's `request` fixture:
 
@@ -16,16 +16,22 @@ import os
 import subprocess
 import sys
 
+from tests import xla_test_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ENV = "DSV4_TEST_CHILD"
 
 
-def run_in_child(request, timeout_s: float = 1500) -> bool:
-  """True once the test ran (and passed) in a child process; False inside that child (run the body)."""
+def run_in_child(request, timeout_s: float = 1500, default_xla_opt: bool = False) -> bool:
+  """True once the test ran (and passed) in a child process; False inside that child (run the body).
+
+  default_xla_opt: the child compiles at XLA's default optimisation level, as users run, instead of the suite's
+  fast-compile level (tests/xla_test_flags.py)."""
   nodeid = request.node.nodeid
   if os.environ.get(_ENV) == nodeid:
     return False
-  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+  env = {k: v for k, v in xla_test_flags.child_env(default_xla_opt=default_xla_opt).items()
+         if not k.startswith("PYTEST_XDIST")}
   env[_ENV] = nodeid
   proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", nodeid],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)

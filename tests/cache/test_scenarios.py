@@ -148,3 +148,56 @@ def test_concurrent_siblings_sharing_only_a_system_prompt(v1, want):
 def test_cold_concurrent_wave_never_fewer_than_vllm():
   got = _waves(False)
   assert all(g >= v for gw, vw in zip(got, VLLM_033_WAVES) for g, v in zip(gw, vw))
+
+
+def _swa_checkpoints(m, tokens, upto):
+  """Aligned boundaries P <= upto whose 4-block swa tail is cached under these tokens."""
+  from cache.hashing import ExtraKeys
+  return [p for p in range(128, upto + 1, 128)
+          if all(m.is_cached("swa", tokens, ExtraKeys(), j) for j in range(p // 32 - 4, p // 32))]
+
+
+def test_pressure_does_not_multiply_checkpoints():
+  """Placement rules that keep a fixed budget from collapsing (BUILD_NOTES, i10d), by hand on V4-Flash geometry.
+
+  Turn 1 (556-token prompt, 150-token answer: 705 computed, no hit) takes the dense start 128, 256, the re-render
+  boundary floor((556 - 65) / 128) * 128 = 384 (the prompt boundary 512 is merged into it) and the end 640; the
+  dense schedule stops at 384, so no 512 (it added 512 back before). Then memory pressure evicts the 384 and 640
+  tails. Turn 2 (turn 1's history + 300 tokens, 1005 tokens) hits 256 while its full-history run reaches 640
+  (>= 2 * 256): that is its own earlier turn, not a prefix another request left, so no junction checkpoint at 640;
+  and a request that hit something takes no dense-start checkpoints (no 512). It takes only 896 (re-render = prompt
+  boundary, 1004 -> 896; 1005 + 3 = 1008 computed -> end 896 too). Before this change turn 2 also took 512 and 640,
+  3 checkpoints instead of 1."""
+  rng = np.random.default_rng(7)
+  conv = rng.integers(2, 1000, 2000)
+  m = KVCacheManager(SPECS, num_full_blocks=NF, num_swa_blocks=NS)
+  t1 = conv[:556]
+  hit = m.add_request("t1", t1)
+  assert hit.num_tokens == 0
+  assert m.allocate_for("t1", 556 + 149)
+  m.append_tokens("t1", conv[556:705])
+  m.commit("t1", 556)
+  m.commit("t1", 705)
+  m.free("t1")
+  hist = conv[:705]
+  assert _swa_checkpoints(m, hist, 705) == [128, 256, 384, 640]
+  from cache import pool as P
+  import jax.numpy as jnp
+  at384, at640 = m.lookup(hist[:400]), m.lookup(hist)
+  assert at384.num_tokens == 384 and at640.num_tokens == 640
+  drop = [int(at384.swa[j]) for j in range(8, 12)] + [int(at640.swa[j]) for j in range(16, 20)]   # their tails
+  m.pools["swa"], ev = P.evict(m.pools["swa"], jnp.asarray(drop + [-1] * 8, jnp.int32))
+  assert np.asarray(ev)[:8].all()
+  t2 = conv[:1005]
+  assert serve(m, "t2", t2) == 256
+  assert _swa_checkpoints(m, conv[:1008], 1008) == [128, 256, 896]
+
+
+def test_sibling_junction_inside_dense_gap_still_pinned():
+  """The junction rule keeps what it is for: a 640-token shared prefix. Session 1 (hit 0) leaves dense 128, 256,
+  512; session 2 hits 512 and its run reaches 640 < 2 * 512, so it pins 640; session 3 hits all 640."""
+  rng = np.random.default_rng(640)
+  sys = rng.integers(2, 1000, 640)
+  m = KVCacheManager(SPECS, num_full_blocks=NF, num_swa_blocks=NS)
+  got = [serve(m, f"s{i}", np.concatenate([sys, rng.integers(2, 1000, 700 + 37 * i)])) for i in range(3)]
+  assert got == [0, 512, 640]

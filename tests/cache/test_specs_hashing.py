@@ -1,6 +1,7 @@
 """Group specs from model configs, and the host hash chain."""
 
 import numpy as np
+import pytest
 
 from dsv4.caches import CacheLayout, cache_array_specs, group_specs, init_cache, state_tail_tokens
 from dsv4.config import v4_flash, v41_flash, v4_tiny
@@ -87,6 +88,24 @@ def test_checkpoint_placement_v2():
   """Dense start (128 * 2^k inside the prompt), prompt boundary, re-render boundary, junctions."""
   p = CheckpointPolicy(align_tokens=128, block_tokens=32, tail_tokens=127)
   assert p.boundaries(0, 1000, 1000) == [128, 256, 512, 896]          # 999 - 64 = 935 -> 896 as well
-  assert p.boundaries(0, 1030, 1030) == [128, 256, 512, 896, 1024]    # 1029 - 64 = 965 -> 896: re-render
-  assert p.boundaries(0, 2000, 1030, extra=(1152,)) == [128, 256, 512, 896, 1024, 1152]
+  # 1029 - 64 = 965 -> 896: re-render; the prompt boundary 1024 is merged into it, and the dense schedule stops at
+  # the largest prompt boundary kept (it no longer adds 1024 back)
+  assert p.boundaries(0, 1030, 1030) == [128, 256, 512, 896]
+  assert p.boundaries(0, 1030, 1030, dense=False) == [896]           # a request that hit: no dense start
+  assert p.boundaries(0, 2000, 1030, extra=(1152,)) == [128, 256, 512, 896, 1152]
   assert p.boundaries(300, 600, 1030) == [512]
+
+
+@pytest.mark.parametrize("key_bits", [64, 3])
+def test_hasher_rows_equal_per_block_keys(key_bits):
+  """The vectorised rows the manager registers equal the per-block device_key / digest_words of the same units."""
+  from cache.hashing import ExtraKeys, RequestHasher, device_key, digest_words
+  h = RequestHasher(ExtraKeys(tenant="t"), 32, key_bits)
+  h.update(np.arange(700, dtype=np.int32) % 97)
+  upb = 4
+  js = [0, 1, 3, 4]          # 700 tokens = 21 units: blocks 0..4 complete
+  key, par = h.rows([(j + 1) * upb - 1 for j in js], [j * upb for j in js])
+  for i, j in enumerate(js):
+    assert (key[i] == device_key(h.digests[(j + 1) * upb - 1], key_bits)).all()
+    assert (par[i] == digest_words(h.parent(j * upb))).all()
+  assert key.dtype == np.int32 and par.dtype == np.int32 and par.flags.writeable

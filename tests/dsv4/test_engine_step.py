@@ -15,6 +15,7 @@ from dsv4.engine import runner, workloads
 from dsv4.engine.api import generate, run_workload
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
+from tests.isolation import run_in_child
 
 BASE = EngineConfig(max_num_seqs=4, max_num_batched_tokens=96, chunk_size=32, max_model_len=1024,
                     num_full_blocks=48, num_swa_blocks=160, record_logits=True)
@@ -147,8 +148,12 @@ def _invariant_runs(cfg, params, prompts, sp, ec):
   return runs
 
 
-def test_batch_invariant_mode_is_bitwise(tiny):
-  """V4 greedy, V4.1 sampled (each variant's run covers alone / batched / chunk 8 / preempted)."""
+def test_batch_invariant_mode_is_bitwise(tiny, request):
+  """V4 greedy, V4.1 sampled (each variant's run covers alone / batched / chunk 8 / preempted). Runs in a child
+  process at XLA's default optimisation level: the claim depends on the code XLA generates, so it is checked on the
+  code users run, not the suite's fast-compile level."""
+  if run_in_child(request, default_xla_opt=True):
+    return
   cfg, params = tiny
   temperature = 0.0 if cfg.variant == "v4" else 0.9
   ec = dataclasses.replace(BASE, batch_invariant=True, max_model_len=384, num_full_blocks=16, num_swa_blocks=48,

@@ -10,6 +10,8 @@ import sys
 
 import numpy as np
 
+from tests import xla_test_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 1500
 
@@ -48,8 +50,7 @@ def test_two_processes_same_tokens_as_one(tmp_path):
   from dsv4 import config as C
   reqs = str(tmp_path / "reqs.jsonl")
   write_requests(reqs, C.v4_tiny().vocab_size)
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  env.pop("XLA_FLAGS", None)
+  env = dict(xla_test_flags.child_env(), PYTHONPATH=ROOT)  # no device-count flag: serve sets its own
   port = free_port()
   mp = ["--mesh=data:2,tensor:2,expert:2", "--num_cpu_devices=4", f"--coordinator=127.0.0.1:{port}",
         "--num_processes=2"]
