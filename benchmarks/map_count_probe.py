@@ -73,8 +73,9 @@ def main(_):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.map_count_probe", "--child"], capture_output=True,
                           text=True)
     lines = (proc.stdout + proc.stderr).strip().splitlines()
-    tail = [l for l in lines if l.startswith("child:") or "LLVM" in l or "Fatal" in l][-4:]
-    print("\n".join(tail))
+    progress = [l for l in lines if l.startswith("child:")][-1:]
+    errors = [l for l in lines if "LLVM" in l or "Fatal" in l]
+    print("\n".join(progress + errors[:1] + errors[-1:]))
     print(f"child exit code: {proc.returncode}")
 
 
