@@ -119,19 +119,14 @@ class RequestHasher:
     n = min(num_units, len(self.digests))
     if n:
       w = np.frombuffer(b"".join(self.digests[:n]), dtype="<u4").reshape(n, DIGEST_WORDS)
-      key[:n] = self._keys(w)
+      key[:n] = keys_from_words(w, self.key_bits)
       par[0] = np.frombuffer(self.root, dtype="<i4")
       par[1:n] = w[:n - 1].view(np.int32)
     return key, par
 
-  def _keys(self, w_Ux4: np.ndarray) -> np.ndarray:
-    return keys_from_words(w_Ux4, self.key_bits)
-
   def rows(self, key_units, parent_units) -> tuple[np.ndarray, np.ndarray]:
     """(key_Mx2 of digests[key_units], parent_Mx4 = words of parent(parent_units)), vectorised: what `register`
     stores per block (a block is named by its last unit's digest and chained to the digest before its first)."""
-    d = self.digests
-    w = np.frombuffer(b"".join(d[u] for u in key_units), dtype="<u4").reshape(-1, DIGEST_WORDS)
-    par = np.frombuffer(b"".join(d[u - 1] if u else self.root for u in parent_units),
-                        dtype="<i4").reshape(-1, DIGEST_WORDS).copy()
-    return self._keys(w), par
+    w = np.frombuffer(b"".join(self.digests[u] for u in key_units), dtype="<u4").reshape(-1, DIGEST_WORDS)
+    par = np.frombuffer(b"".join(self.parent(u) for u in parent_units), dtype="<i4").reshape(-1, DIGEST_WORDS)
+    return keys_from_words(w, self.key_bits), par.copy()

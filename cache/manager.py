@@ -465,7 +465,7 @@ class KVCacheManager:
     d = h.digests
     ids = [tab[j] for j in js]
     kd = [d[(j + 1) * upb - 1] for j in js]
-    pd = [d[j * upb - 1] if j else h.root for j in js]
+    pd = [h.parent(j * upb) for j in js]
     tok = [r.tokens[j * bt:(j + 1) * bt] for j in js]
     infos = None
     if self.events.enabled:
