@@ -3,7 +3,7 @@
 1. Decode step time, batch 8, at contexts 2k / 8k / 32k / 64k with max_model_len fixed at 1M (tiny V4: window +
    CSA top-k + HCA layers), with block tables bucketed by the live context ("after") and spanning max_model_len
    ("before", what the runner did until now: min_table_tokens = max_model_len).
-2. Mixed step (1 prefill chunk of 64 + 63 decodes, 64 rows) vs the chunk alone: all rows on one flat token axis
+2. Mixed step (1 prefill chunk of 64 (or each --mixed_chunks) + 63 decodes, 64 rows) vs the chunk alone: all rows on one flat token axis
    ("after", the serving path), with the decode / prefill row groups ("groups") and with every row padded to
    chunk_size in one program ("padded").
 3. Compiled temp memory of a decode step (`memory_analysis().temp_size_in_bytes`) at max_model_len 64k vs 1M.
@@ -31,6 +31,9 @@ from dsv4.engine.sampling import SamplingParams
 
 flags.DEFINE_integer("repeats", 5, "Timed repeats per point (median reported).")
 flags.DEFINE_list("parts", ["decode", "mixed", "memory", "invariant"], "Which measurements to run.")
+flags.DEFINE_list("mixed_chunks", ["64"], "Prefill chunk sizes for part 2 (each: 1 chunk + 63 decodes vs the chunk "
+                  "alone). 64 is the engine default and also runs the 11e groups layout; larger chunks run the "
+                  "ragged step only.")
 flags.DEFINE_bool("decode_only", False, "Run part 1 (decode vs context) only (= --parts=decode; the model-side "
                   "breakdown of this part: benchmarks/decode_bench.py).")
 FLAGS = flags.FLAGS
@@ -104,24 +107,31 @@ def decode(cfg, params, rng, res):
 
 def mixed(cfg, params, rng, res):
   """2. mixed step vs chunk alone (64 rows, contexts 1k): ragged flat token axis ("after"), decode / prefill row
-  groups ("groups", the 11e runner; step_mode="padded", the runner before that, is 70-110x and not rerun)."""
-  for label, mode in (("after", "ragged"), ("groups", "groups")):
-    run = make_runner(cfg, params, max_model_len=8192, max_num_seqs=64, step_mode=mode, token_bucket_growth=2)
-    # The row sets live in the runner at once (slot 0 = the chunk in all), timed alternately. "Two chunks" (64 + 63
-    # prefill tokens, ragged only) fills the same flat-axis bucket (128) as the mixed step with prefill tokens only:
-    # does a decode token cost what a prefill token does?
-    mixed = rows_at(run, [1024] * 64, [64] + [1] * 63, rng)
-    chunk = mixed[:1]
-    sets = [chunk, mixed]
-    if mode == "ragged":
-      sets.append([mixed[0], rows_at(run, [1024, 1024], [64, 63], rng)[1]])
-    ts = timed_alternating(run, sets, FLAGS.repeats)
-    t_chunk, t_mixed = ts[:2]
-    res[f"chunk_alone_ms_{label}"], res[f"mixed_1chunk_63dec_ms_{label}"] = 1e3 * t_chunk, 1e3 * t_mixed
-    res[f"mixed_over_chunk_{label}"] = t_mixed / t_chunk
-    if mode == "ragged":
-      res["two_chunks_64_63_ms_after"], res["mixed_over_two_chunks_after"] = 1e3 * ts[2], t_mixed / ts[2]
-    del run
+  groups ("groups", the 11e runner; step_mode="padded", the runner before that, is 70-110x and not rerun).
+  For each chunk size C of --mixed_chunks: 1 chunk of C + 63 decodes vs the chunk alone. On CPU a step costs about
+  its token count (a decode token ~ a prefill token, measured by "two chunks"), so the ratio approaches
+  (C + 63) / C: the 63 decodes ride almost free only beside a long chunk."""
+  for C in (int(c) for c in FLAGS.mixed_chunks):
+    sfx = "" if C == 64 else f"_c{C}"
+    modes = (("after", "ragged"), ("groups", "groups")) if C == 64 else (("after", "ragged"),)
+    for label, mode in modes:
+      run = make_runner(cfg, params, max_model_len=8192, max_num_seqs=64, step_mode=mode, token_bucket_growth=2,
+                        chunk_size=C)
+      # The row sets live in the runner at once (slot 0 = the chunk in all), timed alternately. "Two chunks"
+      # (C + 63 prefill tokens, ragged only) fills the same flat-axis bucket as the mixed step with prefill tokens
+      # only: does a decode token cost what a prefill token does?
+      mixed = rows_at(run, [1024] * 64, [C] + [1] * 63, rng)
+      chunk = mixed[:1]
+      sets = [chunk, mixed]
+      if mode == "ragged":
+        sets.append([mixed[0], rows_at(run, [1024, 1024], [C, 63], rng)[1]])
+      ts = timed_alternating(run, sets, FLAGS.repeats)
+      t_chunk, t_mixed = ts[:2]
+      res[f"chunk_alone_ms_{label}{sfx}"], res[f"mixed_1chunk_63dec_ms_{label}{sfx}"] = 1e3 * t_chunk, 1e3 * t_mixed
+      res[f"mixed_over_chunk_{label}{sfx}"] = t_mixed / t_chunk
+      if mode == "ragged":
+        res[f"two_chunks_{C}_63_ms_after{sfx}"], res[f"mixed_over_two_chunks_after{sfx}"] = 1e3 * ts[2], t_mixed / ts[2]
+      del run
 
 
 def memory(cfg, params, rng, res):

@@ -59,6 +59,10 @@ class EngineConfig:
   tiering: object = None                # dsv4.engine.tiering.TieringConfig: KV tiers below the device (None = off)
   # "functional" (dsv4.model, the default) or "nnx" (the Flax modules of dsv4.nnx_model, one-device ragged step)
   model_api: str = "functional"
+  # Bucket fill: a ragged step runs padded to its token bucket (8 * g^k), so a step that spills a few tokens past a
+  # bucket pays for the next one (up to g x the work). When deferring at most this fraction of the step's prefill
+  # tokens to the next step keeps it in the smaller bucket, the last prefill chunks are trimmed. 0 = off.
+  bucket_fill: float = 0.25
 
   def validate(self):
     if self.chunk_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -69,6 +73,8 @@ class EngineConfig:
       raise ValueError("EngineConfig: min_table_tokens must be >= 1")
     if self.token_bucket_growth not in (2, 4):
       raise ValueError(f"EngineConfig.token_bucket_growth: 2 or 4, got {self.token_bucket_growth}")
+    if not 0.0 <= self.bucket_fill < 1.0:
+      raise ValueError(f"EngineConfig.bucket_fill: a fraction in [0, 1), got {self.bucket_fill}")
 
 
 class Engine:
@@ -223,7 +229,37 @@ class Engine:
         scheduled.append((req, n))
         budget -= n
     self._track_usage()
-    return scheduled
+    return self._fill_bucket(scheduled)
+
+  def _fill_bucket(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+    """Trims the step's last prefill chunks so its tokens fit the next smaller token bucket, when that defers at
+    most `bucket_fill` of its prefill tokens (see EngineConfig). Decode rows are never trimmed and a trimmed chunk
+    keeps >= 1 token. Safe after allocation: a request's blocks cover positions up to what was allocated, the
+    next step continues from num_computed, and commit releases window blocks by computed tokens only."""
+    buckets = self.runner.token_buckets()
+    if self.ec.bucket_fill <= 0 or not scheduled or buckets is None:
+      return scheduled
+    total = sum(n for _, n in scheduled)
+    smaller = [b for b in buckets if b < total]
+    if not smaller:
+      return scheduled
+    excess = total - smaller[-1]
+    prefill = sum(n for _, n in scheduled if n > 1)
+    trimmable = sum(n - 1 for _, n in scheduled if n > 1)
+    if excess > min(trimmable, int(self.ec.bucket_fill * prefill)):
+      return scheduled
+    out = list(scheduled)
+    for i in range(len(out) - 1, -1, -1):
+      req, n = out[i]
+      if excess == 0:
+        break
+      if n > 1:
+        cut = min(excess, n - 1)
+        out[i] = (req, n - cut)
+        excess -= cut
+    self.stats["bucket_fill_trimmed_tokens"] += total - sum(n for _, n in out)
+    self.stats["bucket_fill_steps"] += 1
+    return out
 
   # ------------------------------------------------------------------------------------------ step
   def _leave(self, req: Request):

@@ -303,7 +303,22 @@ class ModelRunner:
     self.swa_lo = np.zeros(S, np.int64)        # entries before this index are known released (-1)
     self.full_synced = np.zeros(S, np.int64)
     self.free_slots = list(range(S - 1, -1, -1))
-    self.stats = {"steps": 0, "device_puts": 0, "device_gets": 0, "table_entries_copied": 0}
+    # step_tokens: real tokens run; step_slots: the flat-axis slots they were padded to (ragged step only)
+    self.stats = {"steps": 0, "device_puts": 0, "device_gets": 0, "table_entries_copied": 0, "step_tokens": 0,
+                  "step_slots": 0}
+
+  def token_buckets(self) -> list[int] | None:
+    """The flat-axis sizes a ragged step can be padded to, ascending (what `token_bucket` returns for totals up to
+    max_num_batched_tokens); None where a step's shape does not follow its token count (a mesh, batch-invariant
+    mode, the group layouts)."""
+    if self.mesh is not None or self.batch_invariant or self.step_mode != "ragged":
+      return None
+    out, cap = [], pow2_at_least(self.max_num_batched_tokens)
+    n = 8
+    while n < cap:
+      out.append(n)
+      n *= self.token_bucket_growth
+    return out + [cap]
 
   # ------------------------------------------------------------------------------------------ slots / tables
   def acquire_slot(self) -> int:
@@ -441,6 +456,8 @@ class ModelRunner:
     if self.step_mode == "ragged":
       shape, buf = self._ragged(rows, ws, wf)
       self.shapes_run.add(shape)
+      self.stats["step_tokens"] += sum(len(r.tokens) for r in rows)
+      self.stats["step_slots"] += shape.tokens
       (dev,) = jax.device_put([buf])                          # the step plan: one host->device transfer
       self.stats["device_puts"] += 1
       self.cache, toks, logits = ragged_step(self.params, self.cache, dev, shape=shape, model_api=self.model_api,
