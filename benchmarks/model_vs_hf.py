@@ -6,6 +6,11 @@ only 4 layers [window, window, CSA m=4, HCA m=128] and small MoE. Both models ho
 writes them, our loader reads them) and the script checks that their logits agree before timing anything.
 
     python -m benchmarks.model_vs_hf [--configs=tiny,wide] [--prefill=512] [--decode_steps=8]
+
+Where the time goes (`--roofline`, on by default): the same run measures this machine's read bandwidth (a jitted
+sum over 1 GiB) and both frameworks' dense matmul rates at the wide model's biggest shape (x[T, 4096] @
+w[4096, 32768], T = 1 and the prefill length, fp32 and bf16), then prints each model's floor: a decode step cannot
+beat (bytes it must read) / bandwidth, a prefill cannot beat (its flops) / (the framework's matmul rate).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ flags.DEFINE_integer("decode_steps", 8, "Decode steps timed after the prefill.")
 flags.DEFINE_integer("repeats", 3, "Prefill repeats (median).")
 flags.DEFINE_bool("compare_moe_sorted", True, "Also time decode with every routed-expert call on the sorted "
                   "ragged_dot path (the code before the decode MoE fix), same run.")
+flags.DEFINE_bool("roofline", True, "Measure read bandwidth and matmul rates (JAX and torch, fp32 and bf16) in the "
+                  "same run and report each model's distance from its floor.")
 FLAGS = flags.FLAGS
 
 WIDE_HF = dict(
@@ -127,7 +134,8 @@ def run_one(name: str, cfg: C.ModelConfig, overrides: dict | None, T: int, steps
           "ours_prefill_tok_per_s": T / t_ours, "hf_prefill_tok_per_s": T / t_hf,
           "prefill_speedup_vs_hf": t_hf / t_ours,
           "ours_decode_step_ms": 1e3 * d_ours, "hf_decode_step_ms": 1e3 * d_hf, "decode_speedup_vs_hf": d_hf / d_ours,
-          "decode_bytes_accessed_per_step": _decode_bytes(params, cfg, T, steps, layout), **out_extra}
+          "decode_bytes_accessed_per_step": _decode_bytes(params, cfg, T, steps, layout),
+          "prefill_flops": _prefill_flops(params, cfg, T, layout), **out_extra}
 
 
 def _prefilled(params, cfg, tokens, T, steps, layout):
@@ -160,6 +168,59 @@ def _decode_time(params, cfg, tokens, T, steps, layout, tabs, cache_fn, moe_path
     jax.clear_caches()
 
 
+def _best_time(fn, repeats=5):
+  fn()
+  ts = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    fn()
+    ts.append(time.perf_counter() - t)
+  return min(ts)   # the floor of what this box can do: least disturbed by other load
+
+
+def roofline(T: int) -> dict:
+  """This machine's read bandwidth and both frameworks' matmul rates at the wide model's largest projection
+  (wq_b / wo_a / wo_b are [4096 x 32768]-sized), fp32 and bf16. Best of 5 each."""
+  import torch
+  out = {}
+  big = jnp.ones((1 << 28,), jnp.float32)                       # 1 GiB
+  total = jax.jit(jnp.sum)
+  out["jax_read_GBps"] = big.nbytes / 1e9 / _best_time(lambda: total(big).block_until_ready())
+  del big
+  tb = torch.ones(1 << 28, dtype=torch.float32)
+  with torch.no_grad():
+    out["torch_read_GBps"] = tb.numel() * 4 / 1e9 / _best_time(lambda: tb.sum())
+  del tb
+  K, N = 4096, 32768
+  rng = np.random.default_rng(0)
+  w32 = rng.standard_normal((K, N), np.float32)
+  dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+  for rows in (1, T):
+    x32 = rng.standard_normal((rows, K), np.float32)
+    for name, jdt, tdt in (("fp32", jnp.float32, torch.float32), ("bf16", jnp.bfloat16, torch.bfloat16)):
+      xj, wj = jnp.asarray(x32, jdt), jnp.asarray(w32, jdt)
+      tj = _best_time(lambda: dot(xj, wj).block_until_ready())
+      xt, wt = torch.from_numpy(x32).to(tdt), torch.from_numpy(w32).to(tdt)
+      with torch.no_grad():
+        tt = _best_time(lambda: xt @ wt)
+      gf = 2 * rows * K * N / 1e9
+      out[f"jax_matmul_{rows}x{K}x{N}_{name}_GFLOPs"] = gf / tj
+      out[f"torch_matmul_{rows}x{K}x{N}_{name}_GFLOPs"] = gf / tt
+      del xj, wj, xt, wt
+  return out
+
+
+def _prefill_flops(params, cfg, T, layout):
+  """XLA's flop count of the T-token prefill (the timed program: forward_jit into a fresh contiguous cache)."""
+  cache, swa, full = caches.init_contiguous(cfg, 1, T, layout)
+  idx = caches.BatchIndex(jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32), jnp.asarray(swa),
+                          jnp.asarray(full))
+  comp = model.forward_jit.lower(params, cfg, jnp.zeros((1, T), jnp.int32), cache, idx, layout).compile()
+  ca = comp.cost_analysis()
+  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+  return float(ca.get("flops", float("nan")))
+
+
 def _decode_bytes(params, cfg, T, steps, layout):
   """XLA's own estimate of bytes a decode step reads and writes (the step is memory-bound at these widths)."""
   cache, swa, full = caches.init_contiguous(cfg, 1, T + steps, layout)
@@ -182,7 +243,23 @@ def main(argv):
                              FLAGS.repeats))
     else:
       raise app.UsageError(f"unknown config {name!r}")
-    print(json.dumps(results[-1], indent=2), flush=True)
+    r = results[-1]
+    if FLAGS.roofline:
+      rl = roofline(r["prefill_tokens"])
+      T, K, N = r["prefill_tokens"], 4096, 32768
+      # Floors: a decode step must read its bytes; a prefill must do its flops at the framework's best matmul rate.
+      floor_dec = r["decode_bytes_accessed_per_step"] / 1e9 / rl["jax_read_GBps"]
+      rl["ours_decode_floor_ms"] = 1e3 * floor_dec
+      rl["ours_decode_over_floor"] = r["ours_decode_step_ms"] / 1e3 / floor_dec
+      rl["hf_decode_over_floor"] = r["hf_decode_step_ms"] / 1e3 / (r["decode_bytes_accessed_per_step"] / 1e9
+                                                                  / rl["torch_read_GBps"])
+      for who, key in (("ours", "jax"), ("hf", "torch")):
+        rate = rl[f"{key}_matmul_{T}x{K}x{N}_fp32_GFLOPs"]
+        floor_pre = r["prefill_flops"] / 1e9 / rate
+        rl[f"{who}_prefill_floor_s"] = floor_pre
+        rl[f"{who}_prefill_over_floor"] = (T / r[f"{who}_prefill_tok_per_s"]) / floor_pre
+      r["roofline"] = rl
+    print(json.dumps(r, indent=2), flush=True)
 
 
 if __name__ == "__main__":
