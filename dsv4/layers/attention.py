@@ -273,5 +273,8 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
   # Grouped low-rank output projection: group g of heads -> its own o_lora block, then one mixing matrix.
   G = a.o_groups
   grouped = out.reshape(N, G, (H // G) * d)
-  o = jnp.einsum("ngi,gir->ngr", grouped, p["wo_a"], precision=_HI).reshape(N, G * a.o_lora_rank)
+  # Group-major operands: XLA CPU then runs each group as one matrix product (3.5x faster at 8 tokens than the
+  # token-major einsum, which it lowers to a strided per-group GEMV; benchmarks/decode_profile.py, BUILD_NOTES 11g).
+  o_GxNxR = jnp.einsum("gni,gir->gnr", grouped.transpose(1, 0, 2), p["wo_a"], precision=_HI)
+  o = o_GxNxR.transpose(1, 0, 2).reshape(N, G * a.o_lora_rank)
   return cache_layer, jnp.dot(o, p["wo_b"], precision=_HI), aux, shared
