@@ -145,17 +145,38 @@ def same_tokens(r1, r2, e1, e2, what):
   return worst
 
 
-def collectives(hlo: str) -> list[tuple[str, str, int]]:
-  """(kind, result shape, bytes) of every cross-device collective of a compiled module's text."""
+def _groups(attrs: str):
+  """Device groups of one collective from its HLO attributes (explicit {{..},..} or iota [G,S]<=[dims]T(perm)
+  replica groups, or a permute's source_target_pairs); None if absent."""
+  import re
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+  if m:
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+  m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
+  if m:
+    return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+  return None
+
+
+def collectives(hlo: str, data_of=None) -> list[tuple[str, str, int, bool]]:
+  """(kind, result shape, bytes, crosses data shards) of every cross-device collective of a compiled module's
+  text. data_of(partition id) -> data coordinate; a collective crosses data shards when one of its device groups
+  holds partitions of two data coordinates (no groups = all devices)."""
   import re
   size = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "u8": 1, "s8": 1, "f8e4m3fn": 1}
   out = []
-  for shp, kind in re.findall(r"= ([^ ]+) (all-gather|all-to-all|all-reduce|collective-permute|reduce-scatter)"
-                              r"(?:-start)?\(", hlo):
+  for shp, kind, attrs in re.findall(r"= ([^ ]+) (all-gather|all-to-all|all-reduce|collective-permute|"
+                                     r"reduce-scatter)(?:-start)?\((.*)", hlo):
     nbytes = 0
     for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", shp):
       nbytes += size.get(dt, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-    out.append((kind, shp, nbytes))
+    groups = _groups(attrs)
+    cross = True if groups is None or data_of is None else any(len({data_of(i) for i in g}) > 1 for g in groups)
+    out.append((kind, shp, nbytes, cross))
   return out
 
 
@@ -169,7 +190,9 @@ def step_collectives(engine, T: int):
   with jax.set_mesh(r.mesh):
     hlo = r._sharded_step.jitted.lower(r.params, sharding.put(z((B, T)), sh["tokens"]), r.cache, index
                                        ).compile().as_text()
-  return collectives(hlo)
+  # Partition i runs on the mesh's i-th device (row-major over data, tensor, expert).
+  per_data = r.mesh.devices.size // sharding.axis_size(r.mesh, "data")
+  return collectives(hlo, lambda i: i // per_data)
 
 
 def check_pools(variant: str, shape=(2, 2, 2)) -> None:
@@ -216,24 +239,27 @@ def check_pools(variant: str, shape=(2, 2, 2)) -> None:
   print(f"pools {variant}: per-device pool bytes {local} = total {total} / {D}", flush=True)
 
   # No collective moves a pool: no collective has a pool array's element count (local or whole) or reaches the
-  # largest local pool array's bytes. Contrast on the same mesh: the replicated-pool engine all-gathers every
-  # written row over `data` (each replica writes every row); with pools over data those gathers and permutes are
-  # gone (what stays: tensor-parallel all-reduces of activations and the logits gather).
+  # largest local pool array's bytes; and across data shards only the logits move ([rows, vocab], gathered for
+  # every process to sample). Contrast on the same mesh: the replicated-pool engine all-gathers every written row
+  # over `data` (each replica writes every row).
   leaves = jax.tree_util.tree_leaves(e2.runner.cache)
   pool_counts = {int(np.prod(l.shape)) for l in leaves} | {int(np.prod(l.shape)) // D for l in leaves}
   largest = max(max(sh.data.nbytes for sh in l.addressable_shards) for l in leaves)
+  logits_bytes = e2.ec.max_num_seqs * cfg.vocab_size * 4
   e3 = Engine(params, cfg, engine_config(), mesh=mesh, pools_over_data=False)
   for T in (1, e2.ec.chunk_size):
     got, rep = step_collectives(e2, T), step_collectives(e3, T)
     bad = [c for c in got if c[2] >= largest or c[2] // 4 in pool_counts or c[2] in pool_counts]
-    moves = lambda cs: sum(k in ("all-gather", "collective-permute", "all-to-all") for k, _, _ in cs)  # noqa: E731
-    print(f"pools {variant} step T={T}: {len(got)} collectives ({moves(got)} gathers/permutes), largest "
-          f"{max([c[2] for c in got] + [0])} B; replicated pools: {len(rep)} ({moves(rep)} gathers/permutes), "
-          f"largest {max([c[2] for c in rep] + [0])} B; largest local pool array {largest} B", flush=True)
+    cross = [c for c in got if c[3]]
+    cross_rep = [c for c in rep if c[3]]
+    print(f"pools {variant} step T={T}: {len(got)} collectives, {len(cross)} across data shards "
+          f"({sorted({c[1] for c in cross})}), largest {max([c[2] for c in got] + [0])} B; replicated pools: "
+          f"{len(rep)} collectives, {len(cross_rep)} across data shards; largest local pool array {largest} B",
+          flush=True)
     if bad:
       sys.exit(f"FAIL pools {variant}: pool-sized collectives {bad[:5]}")
-    if moves(got) >= moves(rep):
-      sys.exit(f"FAIL pools {variant}: the data-axis row gathers did not go away ({moves(got)} vs {moves(rep)})")
+    if any(c[2] > logits_bytes or c[0] != "all-gather" for c in cross) or len(cross) >= len(cross_rep):
+      sys.exit(f"FAIL pools {variant}: collectives across data shards {cross[:8]}")
   del e3
 
   # Preemption inside a shard: 2 full + 8 swa blocks per shard for 6 concurrent requests (2 rows per shard).
