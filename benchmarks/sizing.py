@@ -15,6 +15,12 @@ depth (act GB); decode (T = 1) and one prefill chunk are compiled, the larger is
 for the XLA reference path (bf16 weights upcast to fp32 for the precision=HIGHEST matmuls, fp32 gathers of the
 window + top-k rows per query): an upper bound, not what the GPU kernels (FP8/FP4 weights, Pallas attention) need,
 so "fits?" is judged on params + KV, and separately with that bound. See BUILD_NOTES.md, "issue 14", for a measured table.
+
+Two KV placements are reported: "KV GB" with the pools replicated over `data` (one pool for all data shards), and
+"KV/D GB" with the pools split over `data` (one pool per data shard, the engine's default on a mesh: D x fewer
+blocks per device; BUILD_NOTES "14c"); "params* GB" and "fits/D?" are the parameters and the verdict under that
+placement's rules (nothing but rows and pools split over `data`, so V4.1's Engram tables split over tensor x expert
+only). The AOT compile is of the replicated-pool step.
 """
 
 from __future__ import annotations
@@ -110,11 +116,16 @@ def pool_blocks(cfg, layout, batch: int, context: int, chunk: int) -> tuple[int,
   return swa, full
 
 
-def pool_bytes(cfg, layout, mesh, rules, n_swa: int, n_full: int) -> tuple[float, float]:
-  """(total pool bytes, per-device pool bytes) under the rules (pools are replicated over `data`)."""
+def pool_bytes(cfg, layout, mesh, rules, n_swa: int, n_full: int, over_data: bool = False) -> tuple[float, float]:
+  """(total pool bytes, per-device pool bytes) under the rules: pools replicated over `data`, or with over_data
+  split over it by their block axis (block counts rounded up to a multiple of the data size)."""
   import numpy as np
 
   from dsv4 import caches, sharding
+  if over_data:
+    d = sharding.axis_size(mesh, "data")
+    n_swa, n_full = -(-n_swa // d) * d, -(-n_full // d) * d
+    rules = sharding.pools_over_data_rules(rules)
   total = per_dev = 0.0
   for s in caches.cache_array_specs(cfg, layout):
     n = n_swa if s.group == caches.SWA else n_full
@@ -334,12 +345,15 @@ def main():
     n_swa, n_full = pool_blocks(cfg, layout, args.batch, args.context, args.chunk)
     print(f"\n== {name}: {cfg.num_layers} layers; pools {n_swa} swa + {n_full} full blocks")
     print(f"{'mesh (data,tensor,expert)':<26} {'params GB':>10} {'experts':>8} {'engram':>8} {'KV GB':>8} "
-          f"{'params+KV GB':>13} {'act GB':>8}  fits? (budget {budget:.0f} GB)")
+          f"{'params+KV GB':>13} {'act GB':>8} {'params* GB':>11} {'KV/D GB':>8} {'params*+KV/D':>13}  "
+          f"fits? / fits/D? (budget {budget:.0f} GB)")
     for mi, mspec in enumerate(args.meshes.split(";")):
       mesh = sharding.make_mesh(mspec)
       shape = tuple(sharding.axis_size(mesh, a) for a in sharding.AXES)
       total_p, dev_p, cats = param_table(cfg, mesh, rules)
       total_kv, dev_kv = pool_bytes(cfg, layout, mesh, rules, n_swa, n_full)
+      _, dev_p_d, _ = param_table(cfg, mesh, sharding.pools_over_data_rules(rules))
+      _, dev_kv_d = pool_bytes(cfg, layout, mesh, rules, n_swa, n_full, over_data=True)
       act = float("nan")
       note = ""
       depths = [int(d) for d in args.aot_layers.split(",")]
@@ -384,9 +398,11 @@ def main():
       fits = "yes" if tot <= budget else f"NO (over by {tot - budget:.1f} GB)"
       if not math.isnan(act):
         fits += "; with AOT temp " + ("yes" if tot + act <= budget else f"NO (over by {tot + act - budget:.1f} GB)")
+      tot_d = dev_p_d / GB + dev_kv_d / GB
+      fits += " / " + ("yes" if tot_d <= budget else f"NO (over by {tot_d - budget:.1f} GB)")
       print(f"{str(shape):<26} {dev_p / GB:>10.2f} {cats.get('routed experts', 0) / GB:>8.2f} "
-            f"{cats.get('engram', 0) / GB:>8.2f} {dev_kv / GB:>8.2f} {tot:>13.2f} {act:>8.2f}  {fits}{note}",
-            flush=True)
+            f"{cats.get('engram', 0) / GB:>8.2f} {dev_kv / GB:>8.2f} {tot:>13.2f} {act:>8.2f} {dev_p_d / GB:>11.2f} "
+            f"{dev_kv_d / GB:>8.2f} {tot_d:>13.2f}  {fits}{note}", flush=True)
     print(f"   model total as stored {total_p / GB:.1f} GB; KV pools total {total_kv / GB:.1f} GB")
 
 

@@ -64,7 +64,7 @@ def rows_at(run: R.ModelRunner, contexts, ntoks, rng):
     swa[live:] = (np.arange(nsb - live) + 4 * i) % run.cache.layers[0]["window_kv"].shape[0]
     if slot not in run.free_slots:
       run.release_slot(slot)            # reuse: forget the previous synthetic tables
-    run.free_slots.remove(slot)
+    run.free_slots_by_shard[run.shard_of_slot(slot)].remove(slot)
     run.sync_tables(slot, swa, full.astype(np.int32))
     out.append(R.Row(slot, [int(t) for t in rng.integers(2, 500, n)], ctx, SamplingParams(), 0))
   return out

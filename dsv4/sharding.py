@@ -17,7 +17,11 @@ Decisions (numbers in BUILD_NOTES.md, "issue 14"):
 * attention heads, the indexer heads, the grouped output projection, the shared expert's and routed experts'
   intermediate dimension and the vocabulary are split over `tensor`;
 * routed experts are split over `expert`, tokens reach them through `shard_map` + all-to-all (moe.py);
-* batch rows are split over `data`; the KV block pools are replicated over `data` (one pool for all shards);
+* batch rows are split over `data`; the KV block pools are either replicated over `data` (one pool for all
+  shards, `pools_over_data=False`) or split over `data` by their block axis (`pools_over_data=True`, the engine's
+  default on a mesh): data shard s holds global blocks [s*n, (s+1)*n), addressed by shard-local ids 0..n-1, and
+  the step runs manual over `data` (`jax.shard_map`, the other axes stay automatic) so every read and write of a
+  pool stays on the device that holds it (BUILD_NOTES "14c");
 * the shared K = V latent (one head) and its pools are replicated over `tensor` by default (`Rules.kv_latent`
   = "replicated"); "feature" splits its feature dimension over `tensor` instead.
 """
@@ -78,6 +82,11 @@ def active_mesh():
   """The mesh of the enclosing `jax.set_mesh` (an AbstractMesh while tracing), or None."""
   m = jax.sharding.get_abstract_mesh()
   return None if m.empty else m
+
+
+def manual_axes(mesh) -> tuple[str, ...]:
+  """Mesh axes an enclosing `shard_map` already made manual (inside the per-shard-pool step: `data`)."""
+  return tuple(getattr(mesh, "manual_axes", ())) if mesh is not None else ()
 
 
 def axis_size(mesh, name: str) -> int:
@@ -243,9 +252,34 @@ def cache_logical_axes(spec: caches.ArraySpec) -> tuple:
   return _CACHE_AXES[spec.name]
 
 
+def check_pools_over_data(mesh, num_swa_blocks: int, num_full_blocks: int, batch: int | None = None) -> int:
+  """Pools split over `data` need every pool's block count (and the step's rows) divisible by the data size: a
+  clear error instead of the silent replication `spec_for` falls back to. Returns the data size D."""
+  d = axis_size(mesh, "data")
+  for what, n in (("num_swa_blocks", num_swa_blocks), ("num_full_blocks", num_full_blocks),
+                  ("max_num_seqs (rows of a step)", batch)):
+    if n is not None and n % d:
+      raise ValueError(f"KV pools over data: {what}={n} is not divisible by the data axis size {d} (each data "
+                       "shard holds an equal slice of blocks and rows)")
+  return d
+
+
+def pools_over_data_rules(rules: Rules) -> Rules:
+  """`rules` for the per-shard-pool step: cache blocks over `data`, and nothing else over `data` but the batch (a
+  parameter split over `data` would be all-gathered at the entry of the data-manual step; the Engram tables then
+  split over tensor x expert only)."""
+  table = tuple((k, tuple(a for a in v if a != "data") if k != "batch" else v) for k, v in rules.table)
+  return dataclasses.replace(rules, table=table + (("cache_blocks", ("data",)),))
+
+
 def cache_shardings(config: ModelConfig, layout: caches.CacheLayout, mesh, rules: Rules = Rules(),
-                    num_swa_blocks: int = 1, num_full_blocks: int = 1, fallbacks: list | None = None):
-  """A ModelCache of NamedShardings matching `caches.init_cache(config, layout, num_swa, num_full)`."""
+                    num_swa_blocks: int = 1, num_full_blocks: int = 1, fallbacks: list | None = None,
+                    pools_over_data: bool = False):
+  """A ModelCache of NamedShardings matching `caches.init_cache(config, layout, num_swa, num_full)`.
+  pools_over_data: the block axis split over `data` (block counts must divide)."""
+  if pools_over_data:
+    check_pools_over_data(mesh, num_swa_blocks, num_full_blocks)
+    rules = pools_over_data_rules(rules)
   layers = [dict() for _ in range(config.num_layers)]
   for s in caches.cache_array_specs(config, layout):
     n = num_swa_blocks if s.group == caches.SWA else num_full_blocks
@@ -292,7 +326,7 @@ def constrain_batch(x):
   shard_map regions see rows where the step's inputs put them."""
   m = active_mesh()
   d = axis_size(m, "data")
-  if m is None or d <= 1 or x.shape[0] % d:
+  if m is None or d <= 1 or x.shape[0] % d or "data" in manual_axes(m):  # data-manual step: rows already local
     return x
   return jax.lax.with_sharding_constraint(x, P("data", *([None] * (x.ndim - 1))))
 
@@ -325,15 +359,24 @@ def names(axes: Iterable) -> str:
 
 def jit_forward(config: ModelConfig, mesh, rules: Rules = Rules(), *, layout: caches.CacheLayout = caches.CacheLayout(),
                 batch: int, num_swa_blocks: int, num_full_blocks: int, kernel_cfg=None, logits_replicated=True,
-                step_fn=None):
+                step_fn=None, pools_over_data: bool = False):
   """`model.forward` jitted for `mesh`: params, cache and step inputs carry the rule shardings, the cache keeps
   its sharding from step to step (donated), logits come back replicated (readable by every process).
   `step_fn(params, config, layout, kernel_cfg, tokens, cache, index) -> (cache, logits)` replaces the full-logits
   forward (the engine passes its last-token step). Returns (call(params, tokens, cache, index) -> (cache, logits),
-  shardings dict)."""
+  shardings dict).
+
+  pools_over_data: the pools' block axis is split over `data` and the step runs inside a `jax.shard_map` manual
+  over `data` only (tensor / expert stay automatic; the MoE's expert-parallel shard_map nests inside): data shard
+  s sees rows [s*B/D, (s+1)*B/D) and its own n = num_blocks / D blocks, so the index's block ids are SHARD-LOCAL
+  (0..n-1) and no pool byte crosses devices."""
   from dsv4 import model
   from pallas_kernels import dispatch
   kernel_cfg = kernel_cfg or dispatch.KernelConfig()
+  local = pools_over_data and axis_size(mesh, "data") > 1
+  if local:
+    check_pools_over_data(mesh, num_swa_blocks, num_full_blocks, batch)
+    rules = pools_over_data_rules(rules)
   sh = dict(params=param_shardings(config, mesh, rules),
             cache=cache_shardings(config, layout, mesh, rules, num_swa_blocks, num_full_blocks),
             tokens=batch_sharding(mesh, batch, 2, rules), index=index_shardings(mesh, batch, rules))
@@ -343,6 +386,12 @@ def jit_forward(config: ModelConfig, mesh, rules: Rules = Rules(), *, layout: ca
     if step_fn is not None:
       return step_fn(params, config, layout, kernel_cfg, tokens_BxT, cache, index)
     return model.forward(params, config, tokens_BxT, cache, index, layout=layout, kernel_cfg=kernel_cfg)
+
+  if local:
+    whole = step
+    # Params: replicated over `data` (prefix P()); rows, pools (block axis first) and the index: split over it.
+    step = jax.shard_map(whole, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
+                         out_specs=(P("data"), P("data")), axis_names={"data"}, check_vma=False)
 
   jitted = jax.jit(step, in_shardings=(sh["params"], sh["tokens"], sh["cache"], sh["index"]),
                    out_shardings=(sh["cache"], logits_sh), donate_argnums=(2,))

@@ -60,6 +60,8 @@ flags.DEFINE_enum("model_api", "functional", ["functional", "nnx"], "Run the mod
                   "functions (default) or through the Flax NNX modules of dsv4.nnx_model (one device, same math).")
 flags.DEFINE_string("mesh", "", "Device mesh for the model step, e.g. data:2,tensor:2,expert:2 ('' = one device).")
 flags.DEFINE_enum("kv_latent", "replicated", ["replicated", "feature"], "Shard the K=V latent pools over tensor?")
+flags.DEFINE_bool("pools_over_data", True, "With --mesh: one KV block pool (and cache manager) per data shard, the "
+                  "pools split over `data` (false: one pool replicated over `data`).")
 flags.DEFINE_integer("num_cpu_devices", 0, "On the CPU: host devices per process (0 = the mesh size with --mesh in "
                      "one process, else JAX's default).")
 flags.DEFINE_string("coordinator", "", "host:port of the jax.distributed coordinator ('' = single process).")
@@ -262,7 +264,7 @@ def main(argv):
   if FLAGS.mesh:
     from dsv4 import sharding
     mesh, rules = sharding.make_mesh(FLAGS.mesh), sharding.Rules(kv_latent=FLAGS.kv_latent)
-  engine = Engine(params, cfg, ec, mesh=mesh, rules=rules)
+  engine = Engine(params, cfg, ec, mesh=mesh, rules=rules, pools_over_data=FLAGS.pools_over_data)
   with tqdm(total=wl.num_requests + len(refused), desc=f"{cfg.name} {wl.name}", unit="req") as bar:
     bar.update(len(refused))
     report = run_workload(engine, wl, progress=bar.update)
@@ -316,7 +318,8 @@ def main(argv):
     engine.tiering.close()
   with open(os.path.join(FLAGS.out_dir, "metrics.json"), "w") as f:
     json.dump({"model": cfg.name, "workload": wl.name, "engine": {k: str(v) for k, v in vars(ec).items()},
-               "mesh": FLAGS.mesh, "process": [FLAGS.process_id, FLAGS.num_processes],
+               "mesh": FLAGS.mesh, "pools_over_data": bool(FLAGS.mesh) and FLAGS.pools_over_data,
+               "process": [FLAGS.process_id, FLAGS.num_processes],
                "summary": summary, "compiles": compiles, "tiers": tiers}, f, indent=2, default=str)
   for o in report.outputs:
     if o.error:

@@ -8,6 +8,13 @@ exhausted, and freeing into the eviction-ordered queue when a request finishes.
 
 The engine is the only place that knows about requests; `cache.manager.KVCacheManager` knows blocks and hashes,
 `ModelRunner` knows arrays.
+
+On a mesh with the pools split over `data` (the default, `pools_over_data=True`), each of the D data shards holds
+its own num_blocks / D blocks, so the engine keeps one KVCacheManager per shard (`managers[s]`, shard-local ids)
+and places each admitted request on one shard: the one whose manager gives the longest prefix hit (affinity), ties
+to the most free blocks, then the fewest running rows. A request stays there while it runs (its blocks, its row
+slots [s*R/D, (s+1)*R/D)); preemption frees and picks victims within its shard; re-admission may choose again.
+`cache/` knows nothing of meshes: it just sees D independent managers.
 """
 
 from __future__ import annotations
@@ -80,17 +87,26 @@ class EngineConfig:
 class Engine:
 
   def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *, mesh=None,
-               rules=None):
-    """mesh / rules: run the model step sharded on a device mesh (dsv4.sharding); None = one device."""
+               rules=None, pools_over_data: bool = True):
+    """mesh / rules: run the model step sharded on a device mesh (dsv4.sharding); None = one device.
+    pools_over_data (mesh only): one block pool and cache manager per data shard (False: one pool replicated over
+    `data`, one manager)."""
     if mesh is not None and engine_config.tiering is not None:
       raise ValueError("Engine: KV tiers (EngineConfig.tiering) are not supported with a mesh yet: the tier glue "
                        "reads and writes pool blocks of a one-device cache")
     engine_config.validate()
     self.config, self.ec = config, engine_config
     ec = engine_config
-    self.cache_manager = KVCacheManager(caches.group_specs(config, ec.layout), num_full_blocks=ec.num_full_blocks,
-                                        num_swa_blocks=ec.num_swa_blocks, retention_interval=ec.retention_interval,
-                                        model_id=ec.model_id)
+    from dsv4 import sharding
+    D = sharding.axis_size(mesh, "data") if (mesh is not None and pools_over_data) else 1
+    if D > 1:
+      sharding.check_pools_over_data(mesh, ec.num_swa_blocks, ec.num_full_blocks, ec.max_num_seqs)
+    self.num_shards = D
+    self.managers = [KVCacheManager(caches.group_specs(config, ec.layout), num_full_blocks=ec.num_full_blocks // D,
+                                    num_swa_blocks=ec.num_swa_blocks // D, retention_interval=ec.retention_interval,
+                                    model_id=ec.model_id) for _ in range(D)]
+    # One device (or pools replicated over data): the one manager, as before.
+    self.cache_manager = self.managers[0] if D == 1 else None
     self.compile_log = compile_stats.CompileLog()   # every XLA compilation from here on (engine-caused)
     if ec.dtype == "bf16":
       import jax.numpy as jnp
@@ -104,14 +120,14 @@ class Engine:
                               min_table_tokens=ec.min_table_tokens,
                               max_num_batched_tokens=ec.max_num_batched_tokens,
                               token_bucket_growth=ec.token_bucket_growth, model_api=ec.model_api,
-                              mesh=mesh, **({} if rules is None else {"rules": rules}))
+                              mesh=mesh, pools_over_data=D > 1, **({} if rules is None else {"rules": rules}))
     self._tables: dict[str, object] = {}     # rid -> BlockTables of this step's allocation
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.requests: dict[str, Request] = {}
     self.finished: list[Request] = []
     self.stats = collections.Counter()
-    self.peak_blocks = {g: 0 for g in self.cache_manager.groups}
+    self.peak_blocks = {g: 0 for g in self.managers[0].groups}
     self.clock = time.perf_counter
     self.tiering = None                 # KV tiers below the device: all the glue lives in dsv4/engine/tiering.py
     if ec.tiering is not None:
@@ -150,9 +166,31 @@ class Engine:
     return req
 
   # ------------------------------------------------------------------------------------------ schedule
+  def _mgr(self, req: Request) -> KVCacheManager:
+    return self.managers[req.shard]
+
+  def _running_on(self, shard: int) -> list[Request]:
+    return [r for r in self.running if r.shard == shard]
+
+  def _place(self, req: Request) -> int | None:
+    """The data shard for an admission: longest prefix hit, then most free blocks, then fewest running rows (only
+    shards with a free row slot; None if none has one)."""
+    if self.num_shards == 1:
+      return 0
+    salt = req.cache_salt(self.ec.enable_prefix_caching)
+    best, key = None, None
+    for s, m in enumerate(self.managers):
+      if not self.runner.num_free_slots(s):
+        continue
+      k = (m.lookup(req.tokens, salt).num_tokens, sum(m.num_free_blocks(g) for g in m.groups),
+           -len(self._running_on(s)), -s)
+      if key is None or k > key:
+        best, key = s, k
+    return best
+
   def _preempt(self, victim: Request):
     """Preemption by recompute: give back every block, keep the generated tokens, requeue at the front."""
-    self.cache_manager.free(victim.rid)
+    self._mgr(victim).free(victim.rid)
     self._leave(victim)
     victim.num_computed = 0
     victim.num_preemptions += 1
@@ -161,7 +199,7 @@ class Engine:
     self.stats["preemptions"] += 1
 
   def _admit(self, req: Request) -> int:
-    hit = self.cache_manager.add_request(req.rid, req.tokens, req.cache_salt(self.ec.enable_prefix_caching))
+    hit = self._mgr(req).add_request(req.rid, req.tokens, req.cache_salt(self.ec.enable_prefix_caching))
     n = hit.num_tokens
     if self.tiering is not None:
       n = self.tiering.on_admit(req, n)
@@ -173,9 +211,9 @@ class Engine:
     return n
 
   def _track_usage(self):
-    for g in self.cache_manager.groups:
+    for g in self.peak_blocks:
       total = self.ec.num_full_blocks if g == caches.FULL else self.ec.num_swa_blocks
-      self.peak_blocks[g] = max(self.peak_blocks[g], total - self.cache_manager.num_free_blocks(g))
+      self.peak_blocks[g] = max(self.peak_blocks[g], total - sum(m.num_free_blocks(g) for m in self.managers))
 
   def schedule(self) -> list[tuple[Request, int]]:
     budget = self.ec.max_num_batched_tokens
@@ -188,19 +226,21 @@ class Engine:
         continue
       n = min(req.num_pending, budget, self.ec.chunk_size)
       while True:
-        tables = self.cache_manager.allocate_for(req.rid, n)
+        tables = self._mgr(req).allocate_for(req.rid, n)
         if tables:
           self._tables[req.rid] = tables
           scheduled.append((req, n))
           budget -= n
           break
-        if self.running == [req]:
+        # Blocks are per data shard: the victims are the latest running requests on req's shard.
+        mine = self._running_on(req.shard)
+        if mine == [req]:
           # Alone and still out of blocks: it can never fit. Reject it rather than preempt it forever.
-          self.cache_manager.free(req.rid)
+          self._mgr(req).free(req.rid)
           self._leave(req)
           self._reject(req, "the KV block pool is too small for this request even when it runs alone")
           break
-        victim = self.running[-1]
+        victim = mine[-1]
         self._preempt(victim)
         preempted = True
         if victim is req:
@@ -208,22 +248,27 @@ class Engine:
     if not preempted:
       while self.waiting and len(self.running) < self.ec.max_num_seqs and budget > 0:
         req = self.waiting[0]
+        shard = self._place(req)
+        if shard is None:               # every shard's row slots are taken
+          break
+        req.shard = shard
         hit = self._admit(req)
         n = min(req.num_pending, budget, self.ec.chunk_size)
-        tables = self.cache_manager.allocate_for(req.rid, n)
+        tables = self._mgr(req).allocate_for(req.rid, n)
         if not tables:
-          self.cache_manager.free(req.rid)
+          self._mgr(req).free(req.rid)
           req.num_computed = 0
           if req.num_preemptions:       # a failed admission reuses nothing: count only the one that succeeds
             req.readmit_hit_tokens -= hit
-          if not self.running and not scheduled:
+          # Every shard has the same number of blocks: out of blocks on an idle shard means it never fits.
+          if not self._running_on(shard) and not any(r.shard == shard for r, _ in scheduled):
             self.waiting.popleft()
             self._reject(req, "the KV block pool is too small for this request even when it runs alone")
             continue
           break
         self.waiting.popleft()
         req.status = Status.RUNNING
-        req.slot = self.runner.acquire_slot()
+        req.slot = self.runner.acquire_slot(shard)
         self.running.append(req)
         self._tables[req.rid] = tables
         scheduled.append((req, n))
@@ -272,7 +317,7 @@ class Engine:
 
   def _finish(self, req: Request, reason: str):
     req.status, req.finish_reason = Status.FINISHED, reason
-    self.cache_manager.free(req.rid)
+    self._mgr(req).free(req.rid)
     self._leave(req)
     self.finished.append(req)
 
@@ -305,12 +350,12 @@ class Engine:
       self.stats["recomputed_tokens"] += recomputed
       req.num_computed = start + n
       req.max_computed = max(req.max_computed, req.num_computed)
-      self.cache_manager.commit(req.rid, req.num_computed)
+      self._mgr(req).commit(req.rid, req.num_computed)
       if req.num_pending:
         continue                      # mid-prompt chunk: its row's sample is not wanted
       tok = int(sampled[i])
       req.append_output(tok)
-      self.cache_manager.append_tokens(req.rid, [tok])
+      self._mgr(req).append_tokens(req.rid, [tok])
       if self.ec.record_logits:
         req.token_logits = (req.token_logits or []) + [logits[i]]
       now = self.clock() if now is None else now

@@ -41,6 +41,7 @@ class Request:
   last_token_time: float | None = None
   token_logits: list[np.ndarray] | None = None
   slot: int = -1                   # runner slot (persistent block-table rows) while running
+  shard: int = 0                   # data shard whose pool and manager hold its blocks (engine on a mesh)
   # prompt + output, maintained incrementally (append_output) so a step never rebuilds it
   tokens: list[int] = dataclasses.field(default_factory=list)
 

@@ -26,7 +26,11 @@ benchmarks/engine_bench.py).
 With a `mesh` (dsv4.sharding), the step runs sharded through `sharding.jit_forward` on the padded [max_num_seqs, T]
 layout with max_model_len-wide tables (params and pools carry the rule shardings, batch rows split over `data`,
 experts expert-parallel, logits replicated so every process samples the same tokens); sampling then runs in the
-jitted sampler on those logits. The block pools are one pool for all data shards (replicated over `data`).
+jitted sampler on those logits. `pools_over_data=True` (the engine's default on a mesh): every pool's block axis
+is split over `data` and the step runs manual over `data` (sharding.jit_forward), so data shard s holds num_blocks/D
+blocks and rows [s*R/D, (s+1)*R/D): its requests take slots in that range (`acquire_slot(shard)`), a row sits at
+its slot's position of the [max_num_seqs, T] layout, and its tables hold SHARD-LOCAL block ids (the engine keeps
+one cache manager per shard). `pools_over_data=False`: one pool replicated over `data`, rows packed from 0.
 """
 
 from __future__ import annotations
@@ -252,7 +256,7 @@ class ModelRunner:
                kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), batch_invariant: bool = False,
                record_logits: bool = False, min_table_tokens: int = 4096, max_num_batched_tokens: int = 512,
                mesh=None, rules: sharding.Rules = sharding.Rules(), step_mode: str = "ragged",
-               token_bucket_growth: int = 4, model_api: str = "functional"):
+               token_bucket_growth: int = 4, model_api: str = "functional", pools_over_data: bool = False):
     self.params, self.config, self.layout, self.kernel_cfg = params, config, layout, kernel_cfg
     # "functional": dsv4.model's functions (the default); "nnx": the same math through the Flax NNX modules
     # (dsv4.nnx_model), wired for the one-device ragged step only.
@@ -285,12 +289,17 @@ class ModelRunner:
     self.min_full_width = min(self.max_full_width, caches.blocks_for(max(need, min_table_tokens), fb))
     self.shapes_run: set = set()      # distinct step shapes used (a new one means a compile; tiering reads it)
     self.mesh = mesh
+    # Data shards that own a slice of the pools and rows (1 = one pool: one device, or replicated over `data`).
+    self.num_shards = sharding.axis_size(mesh, "data") if (mesh is not None and pools_over_data) else 1
+    if self.num_shards > 1:
+      sharding.check_pools_over_data(mesh, num_swa_blocks, num_full_blocks, max_num_seqs)
     if mesh is None:
       self.cache = caches.init_cache(config, layout, num_swa_blocks, num_full_blocks)
     else:
       self._sharded_step, self.shardings = sharding.jit_forward(
           config, mesh, rules, layout=layout, batch=max_num_seqs, num_swa_blocks=num_swa_blocks,
-          num_full_blocks=num_full_blocks, kernel_cfg=kernel_cfg, step_fn=_last_token_step)
+          num_full_blocks=num_full_blocks, kernel_cfg=kernel_cfg, step_fn=_last_token_step,
+          pools_over_data=self.num_shards > 1)
       self.params = sharding.put(params, self.shardings["params"])
       # Built straight into its shards (no host copy), so it also works when no process sees the whole mesh.
       self.cache = jax.jit(lambda: caches.init_cache(config, layout, num_swa_blocks, num_full_blocks),
@@ -302,7 +311,9 @@ class ModelRunner:
     self.swa_synced = np.zeros(S, np.int64)    # entries copied so far
     self.swa_lo = np.zeros(S, np.int64)        # entries before this index are known released (-1)
     self.full_synced = np.zeros(S, np.int64)
-    self.free_slots = list(range(S - 1, -1, -1))
+    # Per data shard, its slots [s*S/D, (s+1)*S/D), lowest first.
+    per = S // self.num_shards
+    self.free_slots_by_shard = [list(range((s + 1) * per - 1, s * per - 1, -1)) for s in range(self.num_shards)]
     # step_tokens: real tokens run; step_slots: the flat-axis slots they were padded to (ragged step only)
     self.stats = {"steps": 0, "device_puts": 0, "device_gets": 0, "table_entries_copied": 0, "step_tokens": 0,
                   "step_slots": 0}
@@ -321,14 +332,24 @@ class ModelRunner:
     return out + [cap]
 
   # ------------------------------------------------------------------------------------------ slots / tables
-  def acquire_slot(self) -> int:
-    return self.free_slots.pop()
+  @property
+  def free_slots(self) -> list[int]:
+    return [x for f in self.free_slots_by_shard for x in f]
+
+  def shard_of_slot(self, slot: int) -> int:
+    return slot // (self.max_num_seqs // self.num_shards)
+
+  def num_free_slots(self, shard: int = 0) -> int:
+    return len(self.free_slots_by_shard[shard])
+
+  def acquire_slot(self, shard: int = 0) -> int:
+    return self.free_slots_by_shard[shard].pop()
 
   def release_slot(self, slot: int) -> None:
     self.swa_host[slot, : self.swa_synced[slot]] = -1
     self.full_host[slot, : self.full_synced[slot]] = -1
     self.swa_synced[slot] = self.swa_lo[slot] = self.full_synced[slot] = 0
-    self.free_slots.append(slot)
+    self.free_slots_by_shard[self.shard_of_slot(slot)].append(slot)
 
   def sync_tables(self, slot: int, swa_ids: np.ndarray, full_ids: np.ndarray) -> None:
     """Copy what changed in a request's tables since the last sync: full blocks only grow at the end; swa blocks
@@ -499,20 +520,23 @@ class ModelRunner:
     return toks[inv], (None if logits is None else logits[inv])
 
   def _run_sharded(self, rows: list[Row]):
-    """Mesh path: the padded layout with full-width tables, then the jitted sampler on the replicated logits."""
+    """Mesh path: the padded layout with full-width tables, then the jitted sampler on the replicated logits.
+    Pools over data: row r sits at position r.slot (its data shard's rows hold its shard's blocks); otherwise rows
+    are packed from position 0."""
     B = self.max_num_seqs
     T = 1 if all(len(r.tokens) == 1 for r in rows) else self.chunk_size
     tokens = np.zeros((B, T), np.int32)
     start = np.zeros(B, np.int32)
     num = np.zeros(B, np.int32)
     slots = np.array([r.slot for r in rows], np.int64)
+    at = slots if self.num_shards > 1 else np.arange(len(rows))
     swa = np.full((B, self.max_swa_width), -1, np.int32)
     full = np.full((B, self.max_full_width), -1, np.int32)
-    swa[: len(rows)] = self.swa_host[slots]
-    full[: len(rows)] = self.full_host[slots]
+    swa[at] = self.swa_host[slots]
+    full[at] = self.full_host[slots]
     a = {"temperature": np.zeros(B, np.float32), "top_k": np.zeros(B, np.int32), "top_p": np.ones(B, np.float32),
          "seed": np.zeros(B, np.uint32), "step": np.zeros(B, np.int32)}
-    for b, r in enumerate(rows):
+    for b, r in zip(at, rows):
       tokens[b, : len(r.tokens)] = r.tokens
       start[b], num[b] = r.start, len(r.tokens)
       self._sampling(a, b, r)
@@ -524,8 +548,7 @@ class ModelRunner:
     toks = sample_rows(logits, *jax.device_put([a["temperature"], a["top_k"], a["top_p"], a["seed"], a["step"]]))
     toks, logits = jax.device_get((toks, logits if self.record_logits else None))
     self.stats["steps"] += 1
-    n = len(rows)
-    return np.asarray(toks)[:n], (None if logits is None else np.asarray(logits)[:n])
+    return np.asarray(toks)[at], (None if logits is None else np.asarray(logits)[at])
 
   def jitted_functions(self) -> dict:
     return {"ragged_step": ragged_step, "group_step": group_step, "invariant_step": invariant_step}

@@ -153,8 +153,12 @@ def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool):
   if any(expert_quant.is_quantized(v) for v in experts.values()):  # FP4 kept from the checkpoint: dequant here
     experts = expert_quant.dense_experts(experts, params["shared"]["w1"].dtype if "shared" in params else x.dtype)
   mesh = sharding.active_mesh()
-  if mesh is not None and sharding.axis_size(mesh, "expert") > 1 and cfg.n_routed_experts % sharding.axis_size(
-      mesh, "expert") == 0:
+  # Inside the per-shard-pool step (`data` manual, sharding.jit_forward(pools_over_data=True)) the expert-parallel
+  # shard_map is not used: nested there, XLA's SPMD partitioner stops on a CHECK (spmd_partitioner_util.cc:497) as
+  # soon as tokens enter a region manual over `expert` on a (2, 2, 2) mesh; the experts then stay split over
+  # `expert` / `tensor` by GSPMD (BUILD_NOTES "14c").
+  if (mesh is not None and sharding.axis_size(mesh, "expert") > 1 and "data" not in sharding.manual_axes(mesh)
+      and cfg.n_routed_experts % sharding.axis_size(mesh, "expert") == 0):
     routed = routed_experts_ep(experts, x, ids, w, cfg, mesh)
   else:
     routed = routed_experts(experts, x, ids, w, cfg)

@@ -3,6 +3,7 @@ runs on one device, and the host device count is fixed when JAX starts):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.dsv4.sharding_worker forward v4
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.dsv4.sharding_worker engine
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.dsv4.sharding_worker pools v4
 
 Exits non-zero (with the failing numbers) on any mismatch; prints one line per check.
 """
@@ -115,6 +116,169 @@ def check_engine(shape=(2, 2, 2)) -> None:
     sys.exit(f"FAIL engine {shape}: logits rel {worst}")
 
 
+# ------------------------------------------------------------------------------------------ pools over data
+
+def affinity_workload(vocab: int):
+  """Three sessions, three waves (a wave starts when the previous one has finished). A and B share a system prompt;
+  B starts after A's first turn, so on one device B's first turn hits A's system prompt: on the mesh only prefix
+  affinity (B placed on A's shard) keeps that hit. C has its own system prompt. Later turns extend their history."""
+  from dsv4.engine.sampling import SamplingParams
+  from dsv4.engine.workloads import Turn, Workload
+  rng = np.random.default_rng(5)
+  toks = lambda n: tuple(int(t) for t in rng.integers(3, vocab, n))  # noqa: E731
+  sp = lambda n: SamplingParams(max_tokens=n, ignore_eos=True)  # noqa: E731
+  sys_ab, sys_c = toks(150), toks(140)
+  waves = ((Turn("A", sys_ab + toks(12), sp(6)),),
+           (Turn("B", sys_ab + toks(20), sp(5)), Turn("C", sys_c + toks(9), sp(7))),
+           (Turn("A", toks(17), sp(4)), Turn("B", toks(11), sp(6)), Turn("C", toks(23), sp(5))))
+  return Workload("affinity", waves)
+
+
+def same_tokens(r1, r2, e1, e2, what):
+  worst = 0.0
+  for a, b in zip(r1.outputs, r2.outputs):
+    if a.output != b.output or a.error or b.error:
+      sys.exit(f"FAIL {what}: {a.rid} one device {a.output} vs mesh {b.output} ({a.error}, {b.error})")
+    worst = max(worst, rel_err(np.stack(e2.requests[b.rid].token_logits), np.stack(e1.requests[a.rid].token_logits)))
+  if worst > RTOL:
+    sys.exit(f"FAIL {what}: logits rel {worst}")
+  return worst
+
+
+def _groups(attrs: str):
+  """Device groups of one collective from its HLO attributes (explicit {{..},..} or iota [G,S]<=[dims]T(perm)
+  replica groups, or a permute's source_target_pairs); None if absent."""
+  import re
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+  if m:
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+  m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
+  if m:
+    return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+  return None
+
+
+def collectives(hlo: str, data_of=None) -> list[tuple[str, str, int, bool]]:
+  """(kind, result shape, bytes, crosses data shards) of every cross-device collective of a compiled module's
+  text. data_of(partition id) -> data coordinate; a collective crosses data shards when one of its device groups
+  holds partitions of two data coordinates (no groups = all devices)."""
+  import re
+  size = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "u8": 1, "s8": 1, "f8e4m3fn": 1}
+  out = []
+  for shp, kind, attrs in re.findall(r"= ([^ ]+) (all-gather|all-to-all|all-reduce|collective-permute|"
+                                     r"reduce-scatter)(?:-start)?\((.*)", hlo):
+    nbytes = 0
+    for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", shp):
+      nbytes += size.get(dt, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    groups = _groups(attrs)
+    cross = True if groups is None or data_of is None else any(len({data_of(i) for i in g}) > 1 for g in groups)
+    out.append((kind, shp, nbytes, cross))
+  return out
+
+
+def step_collectives(engine, T: int):
+  """Collectives of the engine's compiled sharded step for [max_num_seqs, T] rows (no pool needed on the host)."""
+  r = engine.runner
+  B = r.max_num_seqs
+  sh = r.shardings
+  z = lambda shape: np.zeros(shape, np.int32)  # noqa: E731
+  index = sharding.put(caches.BatchIndex(z(B), z(B), z((B, r.max_swa_width)), z((B, r.max_full_width))), sh["index"])
+  with jax.set_mesh(r.mesh):
+    hlo = r._sharded_step.jitted.lower(r.params, sharding.put(z((B, T)), sh["tokens"]), r.cache, index
+                                       ).compile().as_text()
+  # Partition i runs on the mesh's i-th device (row-major over data, tensor, expert).
+  per_data = r.mesh.devices.size // sharding.axis_size(r.mesh, "data")
+  return collectives(hlo, lambda i: i // per_data)
+
+
+def check_pools(variant: str, shape=(2, 2, 2)) -> None:
+  """Engine with one KV pool per data shard (pools split over `data`): same tokens as one device, prefix hits kept
+  by affinity, per-device pool bytes = total / D, preemption inside a shard, no pool-sized collective."""
+  from dsv4.engine.api import run_workload
+  from dsv4.engine.engine import Engine, EngineConfig
+  cfg = config_for(variant)
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  mesh = sharding.make_mesh(shape)
+  D = shape[0]
+  wl = affinity_workload(cfg.vocab_size)
+  e1 = Engine(params, cfg, engine_config())
+  r1 = run_workload(e1, wl)
+  e2 = Engine(params, cfg, engine_config(), mesh=mesh)
+  r2 = run_workload(e2, wl)
+  worst = same_tokens(r1, r2, e1, e2, f"pools {variant} {shape}")
+  hits1 = {o.rid: o.hit_tokens for o in r1.outputs}
+  hits2 = {o.rid: o.hit_tokens for o in r2.outputs}
+  shard = {rid: e2.requests[rid].shard for rid in hits2}
+  print(f"pools {variant} mesh={shape} same tokens (worst logit rel {worst:.2e}); hits one device {hits1}, "
+        f"mesh {hits2}; shards {shard}", flush=True)
+  # By hand: A.t0 and C.t0 miss; B.t0 hits the shared system prompt (affinity put B on A's shard); every later
+  # turn hits its own history; C (no common prefix) went to the other shard; the hits are the one-device hits.
+  want_zero, want_hit = ("A.t0", "C.t1"), ("B.t1", "A.t2", "B.t2", "C.t2")
+  if any(hits2[r] for r in want_zero) or not all(hits2[r] > 0 for r in want_hit) or hits2 != hits1:
+    sys.exit(f"FAIL pools {variant}: hits {hits2} (one device {hits1})")
+  if not (shard["A.t0"] == shard["B.t1"] == shard["A.t2"] == shard["B.t2"] != shard["C.t1"] == shard["C.t2"]):
+    sys.exit(f"FAIL pools {variant}: placement {shard}")
+  if e2.num_shards != D or [m.num_blocks for m in e2.managers] != [{"full": 48 // D, "swa": 160 // D}] * D:
+    sys.exit(f"FAIL pools {variant}: managers {[m.num_blocks for m in e2.managers]}")
+
+  # Per-device pool bytes = total / D: each pool's block axis is split over data (and nothing else splits it).
+  total = local = 0
+  for leaf in jax.tree_util.tree_leaves(e2.runner.cache):
+    shapes = {tuple(sh.data.shape) for sh in leaf.addressable_shards}
+    want = (leaf.shape[0] // D, *leaf.shape[1:])     # default rules: nothing but `data` splits a pool
+    if shapes != {want}:
+      sys.exit(f"FAIL pools {variant}: pool {leaf.shape} shards {shapes}, want {want}")
+    total += leaf.nbytes
+    local += max(sh.data.nbytes for sh in leaf.addressable_shards)
+  if local * D != total:
+    sys.exit(f"FAIL pools {variant}: per-device pool bytes {local} x {D} != {total}")
+  print(f"pools {variant}: per-device pool bytes {local} = total {total} / {D}", flush=True)
+
+  # No collective moves a pool: no collective has a pool array's element count (local or whole) or reaches the
+  # largest local pool array's bytes; and across data shards only the logits move ([rows, vocab], gathered for
+  # every process to sample). Contrast on the same mesh: the replicated-pool engine all-gathers every written row
+  # over `data` (each replica writes every row).
+  leaves = jax.tree_util.tree_leaves(e2.runner.cache)
+  pool_counts = {int(np.prod(l.shape)) for l in leaves} | {int(np.prod(l.shape)) // D for l in leaves}
+  largest = max(max(sh.data.nbytes for sh in l.addressable_shards) for l in leaves)
+  logits_bytes = e2.ec.max_num_seqs * cfg.vocab_size * 4
+  e3 = Engine(params, cfg, engine_config(), mesh=mesh, pools_over_data=False)
+  for T in (1, e2.ec.chunk_size):
+    got, rep = step_collectives(e2, T), step_collectives(e3, T)
+    bad = [c for c in got if c[2] >= largest or c[2] // 4 in pool_counts or c[2] in pool_counts]
+    cross = [c for c in got if c[3]]
+    cross_rep = [c for c in rep if c[3]]
+    print(f"pools {variant} step T={T}: {len(got)} collectives, {len(cross)} across data shards "
+          f"({sorted({c[1] for c in cross})}), largest {max([c[2] for c in got] + [0])} B; replicated pools: "
+          f"{len(rep)} collectives, {len(cross_rep)} across data shards; largest local pool array {largest} B",
+          flush=True)
+    if bad:
+      sys.exit(f"FAIL pools {variant}: pool-sized collectives {bad[:5]}")
+    if any(c[2] > logits_bytes or c[0] != "all-gather" for c in cross) or len(cross) >= len(cross_rep):
+      sys.exit(f"FAIL pools {variant}: collectives across data shards {cross[:8]}")
+  del e3
+
+  # Preemption inside a shard: 2 full + 8 swa blocks per shard for 6 concurrent requests (2 rows per shard).
+  from dsv4.engine import workloads
+  wl = workloads.random_prompts(cfg.vocab_size, requests=6, prompt_len=(100, 200), answer_len=(8, 16), seed=3)
+  small = dataclasses.replace(engine_config(), num_full_blocks=2 * D, num_swa_blocks=8 * D)
+  e4 = Engine(params, cfg, engine_config())
+  r4 = run_workload(e4, wl)
+  e5 = Engine(params, cfg, small, mesh=mesh)
+  r5 = run_workload(e5, wl)
+  worst = same_tokens(r4, r5, e4, e5, f"pools preemption {variant}")
+  pre = e5.stats["preemptions"]
+  per_shard = sorted({e5.requests[o.rid].shard for o in r5.outputs if o.num_preemptions})
+  print(f"pools {variant} small pool: {pre} preemptions (shards {per_shard}), recomputed "
+        f"{e5.stats['recomputed_tokens']} tokens, same tokens as one device (worst logit rel {worst:.2e})", flush=True)
+  if pre == 0:
+    sys.exit(f"FAIL pools {variant}: the small pool did not preempt")
+
+
 if __name__ == "__main__":
   what = sys.argv[1]
   if jax.device_count() < 8:
@@ -126,6 +290,8 @@ if __name__ == "__main__":
     check_forward(sys.argv[2], meshes=[(2, 2, 2)], kv_latent="feature")
   elif what == "engine":
     check_engine()
+  elif what == "pools":
+    check_pools(sys.argv[2])
   else:
     sys.exit(f"unknown check {what!r}")
   print("OK")

@@ -46,7 +46,47 @@ def test_engine_on_mesh_same_tokens_with_prefix_hits():
   assert "same tokens" in out
 
 
+@pytest.mark.parametrize("variant", ["v4", "v41"])
+def test_engine_with_one_kv_pool_per_data_shard(variant):
+  """Pools split over `data` on (2, 2, 2), one cache manager per shard: same tokens as one device on a 3-session
+  chat trace whose hits need prefix affinity (asserted request by request), per-device pool bytes = total / 2,
+  preemption inside a shard under a small pool, and no pool-sized collective in the compiled step (fewer
+  gathers than with the replicated pool)."""
+  out = run_worker("pools", variant)
+  assert "same tokens" in out and "preemptions" in out
+
+
 # ------------------------------------------------------------------------------------------ one device
+
+def test_pools_over_data_need_divisible_block_counts():
+  mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.AXES)
+  cfg = C.v4_tiny()
+  with pytest.raises(ValueError, match="num_swa_blocks=15 is not divisible by the data axis size 2"):
+    sharding.cache_shardings(cfg, caches.CacheLayout(), mesh, num_swa_blocks=15, num_full_blocks=8,
+                             pools_over_data=True)
+  with pytest.raises(ValueError, match="max_num_seqs"):
+    sharding.check_pools_over_data(mesh, 16, 8, batch=3)
+  specs = sharding.cache_shardings(cfg, caches.CacheLayout(), mesh, num_swa_blocks=16, num_full_blocks=8,
+                                   pools_over_data=True)
+  assert all(s.spec[0] == "data" for s in jax.tree_util.tree_leaves(specs))
+  rep = sharding.cache_shardings(cfg, caches.CacheLayout(), mesh, num_swa_blocks=16, num_full_blocks=8)
+  assert all(s.spec[0] is None for s in jax.tree_util.tree_leaves(rep))
+  # Under the per-shard-pool rules only rows and pools use `data` (Engram tables split over tensor x expert).
+  r = sharding.pools_over_data_rules(sharding.Rules())
+  assert r.mesh_axes("engram_rows") == ("tensor", "expert") and r.mesh_axes("batch") == ("data",)
+
+
+def test_runner_slots_are_per_data_shard():
+  """Slot bookkeeping of the per-shard layout, on one device (num_shards = 1 keeps the one free list)."""
+  from dsv4.engine.runner import ModelRunner
+  cfg = C.v4_tiny()
+  r = ModelRunner(model.init_params(cfg, jax.random.PRNGKey(0)), cfg, caches.CacheLayout(), num_swa_blocks=8,
+                  num_full_blocks=4, max_num_seqs=4, chunk_size=8, max_model_len=256)
+  assert r.num_shards == 1 and [r.acquire_slot() for _ in range(4)] == [0, 1, 2, 3] and r.free_slots == []
+  r.release_slot(2)
+  assert r.free_slots == [2] and r.acquire_slot(0) == 2
+
+
 
 @pytest.mark.parametrize("preset", ["v4_tiny", "v41_tiny", "v4_flash", "v41_flash"])
 def test_every_parameter_and_cache_array_has_logical_axes(preset):
