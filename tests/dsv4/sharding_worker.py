@@ -21,7 +21,6 @@ from dsv4 import caches, model, sharding
 from dsv4 import config as C
 
 MESHES = [(8, 1, 1), (1, 1, 8), (2, 2, 2), (1, 8, 1)]   # (data, tensor, expert)
-MESHES_V41 = [(2, 2, 2), (1, 8, 1)]  # what differs from V4 (CSA2 heads, Engram tables) splits on these
 RTOL = 1e-5
 
 
@@ -284,7 +283,7 @@ if __name__ == "__main__":
   if jax.device_count() < 8:
     sys.exit(f"needs 8 devices, got {jax.device_count()} (set XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   if what == "forward":
-    check_forward(sys.argv[2], meshes=MESHES if sys.argv[2] == "v4" else MESHES_V41,
+    check_forward(sys.argv[2], meshes=MESHES,
                   kv_latent=sys.argv[3] if len(sys.argv) > 3 else "replicated")
   elif what == "forward_feature":
     check_forward(sys.argv[2], meshes=[(2, 2, 2)], kv_latent="feature")
