@@ -542,6 +542,17 @@ class KVCacheManager:
       self._free_ids(g, [b for b in reversed(r.tables[g]) if b >= 0])
     del self._requests[request_id]
 
+  def checkpoint_boundaries(self, request_id: str, lo: int, hi: int) -> list[int]:
+    """Aligned boundaries P, lo < P <= hi, at which this request's commits will make a resume point findable
+    (its sliding-group checkpoints; every aligned boundary when there is no sliding group, since full-history
+    blocks are registered as they are computed). The end-of-request checkpoint is not included (it depends on
+    when the request stops). Schedulers use this to hold back a request that shares this one's prefix."""
+    r = self._req(request_id)
+    if self.legacy or not self.policies:
+      a = self.specs.align_tokens
+      return list(range((max(lo, 0) // a + 1) * a, hi + 1, a))
+    return next(iter(self.policies.values())).boundaries(lo, hi, r.prompt_len, r.junctions, r.dense)
+
   # ------------------------------------------------------------------- tiers (issue 12): externally loaded prefix
   def extend_for_load(self, request_id: str, num_tokens: int, tail_blocks) -> BlockTables | OutOfBlocks:
     """Blocks to receive a prefix [num_computed, num_tokens) loaded from a lower tier: every full-history block up
