@@ -116,7 +116,7 @@ class _Buf:
 
   def __init__(self, ids: np.ndarray):
     self.n = len(ids)
-    self.buf = np.empty(max(16, 2 * self.n), np.int32)
+    self.buf = np.empty(max(16, self.n + self.n // 4), np.int32)   # room for a few decode / chunk appends
     self.buf[:self.n] = ids
 
   def __len__(self):
@@ -126,7 +126,7 @@ class _Buf:
     return self.buf[:self.n]
 
   def extend(self, vals) -> int:
-    """Append `vals` (array, or a scalar repeated `count` times via extend_fill); returns the start index."""
+    """Append the values of `vals`; returns the start index (`extend_fill` appends one value repeated)."""
     vals = np.asarray(vals, np.int32)
     start = self.n
     self._grow(start + len(vals))
