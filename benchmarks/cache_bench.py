@@ -2,9 +2,11 @@
 
 One step = admit B warm requests of L tokens (their prompt minus the last 128 tokens was served just before,
 untimed, so each hits L - 128 and claims its blocks, then allocates blocks up to L) and retire the B requests
-admitted in the previous step (commit L tokens: register full blocks + checkpoints, release; free). Ours: two
-jitted `apply_step` calls per step (`add_requests(..., allocate_tokens=...)`, then `flush()` of the retirements;
-an engine would fold the retirements into the next step's call) plus host work (table bookkeeping, packing).
+admitted in the previous step (commit L tokens: register full blocks + checkpoints, release; free). Ours: ONE
+jitted `apply_step` call per step, as in an engine: the retirements are queued on the host (commit / free never
+call the device) and applied by the same call that admits the new batch (`add_requests(..., allocate_tokens=...)`)
+plus host work (table bookkeeping, packing). `--two_calls` times the old driver (admit, then `flush()` of the
+retirements: two calls per step).
 Hashing is excluded and reported separately (blake2b of the prompts; an engine hashes as tokens arrive).
 
 Matrix: B x L in {256 x 2k, 64 x 8k, 8 x 32k} (+ 8 x 2k, the only shape that fits a 4k pool), pools of {4k, 65k,
@@ -30,7 +32,7 @@ from dsv4.caches import group_specs
 from dsv4.config import v4_flash
 
 
-def bench(B: int, L: int, pool: int, steps: int, seed: int = 0, profile=None):
+def bench(B: int, L: int, pool: int, steps: int, seed: int = 0, profile=None, two_calls: bool = False):
   specs = group_specs(v4_flash())
   m = KVCacheManager(specs, num_blocks={"full": pool, "swa": pool}, enable_events=False)
   rng = np.random.default_rng(seed)
@@ -80,19 +82,26 @@ def bench(B: int, L: int, pool: int, steps: int, seed: int = 0, profile=None):
     if profile is not None and s >= 2:
       profile.enable()
     t = time.perf_counter()
+    calls = m.stats["device_calls"]
+    if not two_calls:           # retirements queued on the host, applied by the admitting call (one call per step)
+      for rid in prev:
+        m.commit(rid, L)
+        m.free(rid)
     hs = m.add_requests([(f"r{s}.{i}", p, ExtraKeys()) for i, p in enumerate(batch)],
                         allocate_tokens=[L] * B)
-    for rid in prev:
-      m.commit(rid, L)
-      m.free(rid)
-    m.flush()   # this step's retirements: applied here so the timing covers them (an engine defers them)
+    if two_calls:
+      for rid in prev:
+        m.commit(rid, L)
+        m.free(rid)
+      m.flush()   # this step's retirements in a second call
     times.append(time.perf_counter() - t)
+    step_calls = m.stats["device_calls"] - calls
     if profile is not None:
       profile.disable()
     hits.append(min(h.num_tokens for h in hs))
     prev = [f"r{s}.{i}" for i in range(B)]
   return {"ms": float(np.median(times[2:]) * 1e3), "hit": min(hits), "hash_ms": hash_ms,
-          "calls_per_step": m.stats["device_calls"]}
+          "calls_per_step": step_calls}
 
 
 def main():
@@ -103,6 +112,8 @@ def main():
   ap.add_argument("--pools", default="", help="pool blocks per group, e.g. 65536 (default: the matrix)")
   ap.add_argument("--profile", type=int, default=0, help="print the N most expensive functions (cProfile of the "
                   "timed steps of our manager, cumulative time)")
+  ap.add_argument("--two_calls", action="store_true", help="time the old driver: admit, then a second device "
+                  "call for the retirements")
   ap.add_argument("--vllm_src", default="", help="directory holding vLLM 0.33's unpacked `vllm` package "
                   "(see benchmarks/cache_bench_vllm.py); empty: vLLM is skipped")
   a = ap.parse_args()
@@ -123,13 +134,14 @@ def main():
       print(f"vLLM not importable from {a.vllm_src!r} ({type(e).__name__}: {e}); skipped")
   else:
     print("vLLM skipped (no --vllm_src)")
-  print("ours = KVCacheManager: add_requests (lookup + claim + allocate, one device call) + commit/free of the "
-        "previous batch (register + free, one device call); hashing excluded (separate column). vLLM = its "
+  print("ours = KVCacheManager: commit/free of the previous batch (register + free, queued) + add_requests "
+        "(lookup + claim + allocate; with the queued work: one device call per step, two with --two_calls); "
+        "hashing excluded (separate column). vLLM = its "
         "KVCacheManager: get_computed_blocks + allocate_slots per request, cache_blocks + free per retired request; "
         "hashing (Request construction) excluded. ms per step, median of steps 3..; hit = smallest hit/request.")
   print("| B | L | pool blocks/group | ours ms/step | ours hit | vLLM ms/step | vLLM hit | vLLM / ours | "
-        "our hashing ms/step |")
-  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        "our hashing ms/step | our device calls/step |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
   res = {}
   for B, L in shapes:
     for pool in pools:
@@ -140,7 +152,7 @@ def main():
       if a.profile:
         import cProfile
         prof = cProfile.Profile()
-      r = bench(B, L, pool, a.steps, profile=prof)
+      r = bench(B, L, pool, a.steps, profile=prof, two_calls=a.two_calls)
       if prof is not None:
         import pstats
         print(f"cProfile {B}x{L} pool {pool} (steps 3..):")
@@ -150,7 +162,7 @@ def main():
       if vllm_ok:
         v = cache_bench_vllm.bench(a.vllm_src, B, L, pool, a.steps)
         vm, vh, ratio = f"{v['ms']:.2f}", v["hit"], f"{v['ms'] / r['ms']:.2f}"
-      print(f"| {B} | {L} | {pool} | {r['ms']:.2f} | {r['hit']} | {vm} | {vh} | {ratio} | {r['hash_ms']:.1f} |",
+      print(f"| {B} | {L} | {pool} | {r['ms']:.2f} | {r['hit']} | {vm} | {vh} | {ratio} | {r['hash_ms']:.1f} | {r['calls_per_step']} |",
             flush=True)
   for B, L in shapes:
     row = [res[(B, L, p)] for p in pools if (B, L, p) in res]

@@ -105,15 +105,58 @@ class OutOfBlocks:
     return False
 
 
+PENDING = -2     # table entry: allocated, id filled in by the next device call
+
+
+class _Buf:
+  """A growable int32 numpy buffer (doubling): a request's block table of one group (entries: block id, -1
+  released / not needed, PENDING) or its token list. Slices and masks replace per-block Python loops."""
+
+  __slots__ = ("buf", "n")
+
+  def __init__(self, ids: np.ndarray):
+    self.n = len(ids)
+    self.buf = np.empty(max(16, self.n + self.n // 4), np.int32)   # room for a few decode / chunk appends
+    self.buf[:self.n] = ids
+
+  def __len__(self):
+    return self.n
+
+  def view(self) -> np.ndarray:
+    return self.buf[:self.n]
+
+  def extend(self, vals) -> int:
+    """Append the values of `vals`; returns the start index (`extend_fill` appends one value repeated)."""
+    vals = np.asarray(vals, np.int32)
+    start = self.n
+    self._grow(start + len(vals))
+    self.buf[start:start + len(vals)] = vals
+    self.n = start + len(vals)
+    return start
+
+  def extend_fill(self, value: int, count: int) -> int:
+    start = self.n
+    self._grow(start + count)
+    self.buf[start:start + count] = value
+    self.n = start + count
+    return start
+
+  def _grow(self, need: int):
+    if need > len(self.buf):
+      b = np.empty(max(need, 2 * len(self.buf)), np.int32)
+      b[:self.n] = self.buf[:self.n]
+      self.buf = b
+
+
 @dataclasses.dataclass
 class _Request:
   rid: str
-  tokens: list[int]
+  tokens: _Buf
   hasher: RequestHasher
   tenant: str
   prompt_len: int
   num_computed: int
-  tables: dict[str, list[int]]         # -1: released / not needed; None: allocated, id not known yet
+  tables: dict[str, _Buf]            # -1: released / not needed; PENDING: allocated, id not known yet
   num_registered: dict[str, int]       # full groups: leading blocks already offered to the cache
   released: dict[str, int]             # sliding groups: leading blocks already released
   junctions: tuple[int, ...] = ()      # extra checkpoint boundaries (shared-prefix junction)
@@ -175,6 +218,8 @@ class KVCacheManager:
     # Host mirror of reference counts and free counts (exact): allocate_for answers without the device.
     self._ref = {g: np.zeros(sizes[g], np.int32) for g in self.groups}
     self._nfree = dict(sizes)
+    # releases not yet applied to the mirror: settled in one numpy pass per step, before anything reads the counts
+    self._unsettled = {g: [] for g in self.groups}
     self._reset_queue()
     self.stats = {"table_full": 0, "duplicate": 0, "queried_tokens": 0, "hit_tokens": 0, "device_calls": 0}
 
@@ -183,10 +228,10 @@ class KVCacheManager:
     # chunks (ids, key digests, parent digests, token lists, event infos or None), one per _register call (never
     # empty); turned into arrays for all chunks at once when the step is packed (numpy per step, not per request)
     self._q_reg = {g: [] for g in self.groups}
-    self._q_free = {g: [] for g in self.groups}
-    self._q_alloc = {g: [] for g in self.groups}    # (request, table index list) waiting for ids
+    self._q_free = {g: [] for g in self.groups}     # arrays of released ids (eviction order), concatenated per step
+    self._q_alloc = {g: [] for g in self.groups}    # (table, table indices) waiting for ids
     self._q_nalloc = {g: 0 for g in self.groups}
-    self._q_rids = set()          # requests whose tables hold None (ids of queued allocations, not known yet)
+    self._q_rids = set()          # requests whose tables hold PENDING (ids of queued allocations, not known yet)
 
   @property
   def pools(self) -> dict:
@@ -203,22 +248,37 @@ class KVCacheManager:
     bt = self.specs.group(g).block_tokens
     regs, frees = self._q_reg[g], self._q_free[g]
     nr = sum(len(c[0]) for c in regs)
+    frees = np.concatenate(frees) if frees else np.zeros(0, np.int32)
     r, f = _bucket(nr), _bucket(len(frees))
     ids = np.full(r, -1, np.int32)
     key = np.zeros((r, 2), np.int32)
     par = np.zeros((r, 4), np.int32)
     tok = np.zeros((r, bt), np.int32)
     if regs:      # whole chunks at once (numpy), not per block
-      ids[:nr] = [b for c in regs for b in c[0]]
+      ids[:nr] = np.concatenate([c[0] for c in regs])
       w = np.frombuffer(b"".join(d for c in regs for d in c[1]), dtype="<u4").reshape(nr, 4)
       key[:nr] = keys_from_words(w, self.key_bits)
       par[:nr] = np.frombuffer(b"".join(d for c in regs for d in c[2]), dtype="<i4").reshape(nr, 4)
-      tok[:nr] = [t for c in regs for t in c[3]]
+      tok[:nr] = np.concatenate([c[3] for c in regs])
     fr = np.full(f, -1, np.int32)
     fr[:len(frees)] = frees
     return GroupPlan(ids, key, par, tok, fr, np.int32(self._q_nalloc[g]))
 
+  def _settle(self) -> None:
+    """Apply the queued releases to the host mirror: one pass over all of them (not numpy calls per request)."""
+    for g in self.groups:
+      q = self._unsettled[g]
+      if not q:
+        continue
+      a = np.concatenate(q) if len(q) > 1 else q[0]
+      q.clear()
+      ref = self._ref[g]
+      np.subtract.at(ref, a, 1)        # exact when siblings release the same block in one step
+      z = a[ref[a] == 0]
+      self._nfree[g] += len(np.unique(z)) if len(z) > 1 else len(z)
+
   def _apply(self, admit: AdmitPlan | None, admit_widths=None):
+    self._settle()
     plans = tuple(self._group_plan(g) for g in self.groups)
     alloc_w = tuple(_bucket(self._q_nalloc[g]) for g in self.groups)
     if admit_widths is None:
@@ -239,10 +299,9 @@ class KVCacheManager:
       ids, ev = res["alloc_ids"][gi], res["alloc_ev"][gi]
       self._removed(g, ids[:self._q_nalloc[g]], ev[:self._q_nalloc[g]])
       k = 0
-      for r, idx in self._q_alloc[g]:
-        for j in idx:
-          r.tables[g][j] = int(ids[k])
-          k += 1
+      for tab, idx in self._q_alloc[g]:
+        tab.buf[idx] = ids[k:k + len(idx)]
+        k += len(idx)
       self._ref[g][ids[:self._q_nalloc[g]]] = 1
     self._reset_queue()
     return res
@@ -264,7 +323,7 @@ class KVCacheManager:
     regs = self._q_reg[g]
     if not regs:
       return
-    ids = np.asarray([b for c in regs for b in c[0]], np.int32)
+    ids = np.concatenate([c[0] for c in regs])
     st = np.asarray(status)[:len(ids)]
     if (st == P.INVALID).any():
       raise RuntimeError(f"register refused block {int(ids[np.argmax(st == P.INVALID)])} of group {g}")
@@ -372,15 +431,18 @@ class KVCacheManager:
     res = self._apply(plan, widths)
     hit, run, ids = res["hit"], res["run"], res["hit_ids"]
     out = []
+    nb = len(reqs)
+    hit_B = np.asarray(hit[:nb])
+    for gi, g in enumerate(self.groups):    # claims (the device did them) mirrored on the host, all requests at once
+      gid = np.asarray(ids[gi][:nb])
+      mask = (np.arange(gid.shape[1])[None, :] < (hit_B // self._bt[gi])[:, None]) & (gid >= 0)
+      got = gid[mask]
+      if len(got):          # siblings may claim the same block: count it once (checked against the device after)
+        ref = self._ref[g]
+        self._nfree[g] -= int(np.count_nonzero(ref[np.unique(got)] == 0))
+        np.add.at(ref, got, 1)
     for i, (rid, toks, extra) in enumerate(reqs):
       h = self._hit(i, len(toks), hit, ids)
-      for g in self.groups:     # claims (device did them) mirrored on the host
-        got = h.block_ids[g]
-        got = got[got >= 0]
-        ref = self._ref[g]
-        # a request's hit ids are distinct (checked against the device's free count after the call)
-        self._nfree[g] -= int(np.count_nonzero(ref[got] == 0))
-        ref[got] += 1
       n = h.num_tokens
       junction = ()
       # A junction inside the dense-start gap (run < 2 * hit, or nothing hit): where the dense schedule could not
@@ -389,9 +451,9 @@ class KVCacheManager:
       # turn's own, and taking it anyway made a fixed budget collapse (BUILD_NOTES, i10d).
       if self.junction_checkpoints and int(run[i]) > n and (n == 0 or int(run[i]) < 2 * n):
         junction = (int(run[i]),)
-      tables = {g: h.block_ids[g].tolist() for g in self.groups}
+      tables = {g: _Buf(h.block_ids[g]) for g in self.groups}
       released = {g: max(0, n // p.block_tokens - p.need_blocks) for g, p in self.policies.items()}
-      r = _Request(rid, toks.tolist(), hashers[i], extra.tenant, len(toks), n, tables,
+      r = _Request(rid, _Buf(toks), hashers[i], extra.tenant, len(toks), n, tables,
                    {g: len(tables[g]) for g in self.groups}, released, junction, n == 0)
       self._requests[rid] = r
       out.append(h)
@@ -405,20 +467,19 @@ class KVCacheManager:
             t = allocate_tokens[i]
             if t is None:
               continue
-            r = self._requests[rid]
-            need = max(0, -(-t // bt) - len(r.tables[g]))
-            new = [int(x) for x in ids_g[k:k + need]]
+            tab = self._requests[rid].tables[g]
+            need = max(0, -(-t // bt) - len(tab))
+            tab.extend(ids_g[k:k + need])
             k += need
-            r.tables[g].extend(new)
-            self._ref[g][new] = 1
-            self._nfree[g] -= need
+          self._ref[g][ids_g[:k]] = 1
+          self._nfree[g] -= k
           self._removed(g, ids_g[:k], res["admit_ev"][gi][:k])
     self._check_free_counts(res)
     return out
 
   def append_tokens(self, request_id: str, token_ids) -> None:
     r = self._req(request_id)
-    r.tokens.extend(int(t) for t in np.atleast_1d(np.asarray(token_ids, np.int64)))
+    r.tokens.extend(np.atleast_1d(np.asarray(token_ids, np.int64)))
 
   def allocate_for(self, request_id: str, num_new_tokens: int) -> BlockTables | OutOfBlocks:
     """Blocks for positions up to num_computed + num_new_tokens in every group, all or nothing. Decided on the
@@ -426,6 +487,7 @@ class KVCacheManager:
     r = self._req(request_id)
     if num_new_tokens < 0:
       raise CacheError(f"allocate_for: num_new_tokens must be >= 0, got {num_new_tokens}")
+    self._settle()
     total = r.num_computed + num_new_tokens
     need = {}
     for g, bt in zip(self.groups, self._bt):
@@ -434,9 +496,8 @@ class KVCacheManager:
         return OutOfBlocks(g, need[g], self._nfree[g])
     for g in self.groups:
       if need[g]:
-        start = len(r.tables[g])
-        r.tables[g].extend([None] * need[g])
-        self._q_alloc[g].append((r, range(start, start + need[g])))
+        start = r.tables[g].extend_fill(PENDING, need[g])
+        self._q_alloc[g].append((r.tables[g], np.arange(start, start + need[g])))
         self._q_rids.add(r.rid)
         self._q_nalloc[g] += need[g]
         self._nfree[g] -= need[g]
@@ -446,7 +507,7 @@ class KVCacheManager:
     r = self._req(request_id)
     if r.rid in self._q_rids:
       self.flush()
-    return {g: np.asarray(r.tables[g], np.int32) for g in self.groups}
+    return {g: r.tables[g].view().copy() for g in self.groups}
 
   def block_tables(self, request_id: str) -> BlockTables:
     """The request's tables now (applies what is queued if some ids are not known yet)."""
@@ -459,14 +520,26 @@ class KVCacheManager:
     upb = bt // self.specs.hash_tokens
     h = r.hasher
     tab = r.tables[g]
-    js = [j for j in block_idx if tab[j] is not None and tab[j] >= 0]
-    if not js:
-      return
+    if isinstance(block_idx, range) and len(block_idx) and (tab.buf[block_idx.start:block_idx.stop] >= 0).all():
+      a, b = block_idx.start, block_idx.stop      # the usual case (commit, checkpoint): contiguous, all held
+      ids = tab.buf[a:b].copy()
+      jl = list(block_idx)
+      tok = r.tokens.buf[a * bt:b * bt].reshape(-1, bt)     # a view (token positions never change)
+    else:
+      js = np.asarray(block_idx, np.int64)
+      if not len(js):
+        return
+      v = tab.buf[js]
+      keep = v >= 0
+      js, ids = js[keep], v[keep]
+      if not len(js):
+        return
+      jl = js.tolist()
+      tok = r.tokens.buf[:(max(jl) + 1) * bt].reshape(-1, bt)[js]      # (blocks, bt), one gather
     d = h.digests
-    ids = [tab[j] for j in js]
-    kd = [d[(j + 1) * upb - 1] for j in js]
-    pd = [h.parent(j * upb) for j in js]
-    tok = [r.tokens[j * bt:(j + 1) * bt] for j in js]
+    kd = [d[(j + 1) * upb - 1] for j in jl]
+    pd = [h.parent(j * upb) for j in jl]
+    js = jl
     infos = None
     if self.events.enabled:
       infos = [(key_int(device_key(h.digests[j * upb - 1], self.key_bits)) if j else None, r.tenant, bt)
@@ -475,8 +548,9 @@ class KVCacheManager:
 
   def _checkpoint(self, r: _Request, boundary: int) -> None:
     for g, pol in self.policies.items():
-      idx = list(pol.tail_blocks(boundary))
-      if idx and all(r.tables[g][j] is not None and r.tables[g][j] >= 0 for j in idx):
+      idx = pol.tail_blocks(boundary)
+      tab = r.tables[g]
+      if len(idx) and idx.stop <= len(tab) and (tab.buf[idx.start:idx.stop] >= 0).all():
         self._register(r, g, idx)
 
   def commit(self, request_id: str, num_computed_tokens: int) -> None:
@@ -495,7 +569,7 @@ class KVCacheManager:
         raise CacheError(f"commit: {n} tokens exceed the blocks allocated in group {g}")
     start = len(r.hasher.digests) * self.specs.hash_tokens     # hash only the new units: O(new tokens)
     if n > start:
-      r.hasher.update(np.asarray(r.tokens[start:n], np.int32), offset=start)
+      r.hasher.update(r.tokens.buf[start:n], offset=start)
     prev, r.num_computed = r.num_computed, n
     for g, bt in zip(self.groups, self._bt):
       if self.specs.group(g).kind == FULL_HISTORY or self.legacy:
@@ -509,26 +583,23 @@ class KVCacheManager:
       self._release(r, g, pol.releasable_blocks(n))
 
   def _release(self, r: _Request, g: str, upto: int) -> None:
-    tab = r.tables[g]
-    ids = [tab[j] for j in range(upto - 1, r.released[g] - 1, -1) if tab[j] is not None and tab[j] >= 0]
-    for j in range(r.released[g], upto):
-      tab[j] = -1
-    r.released[g] = max(r.released[g], upto)
+    lo = r.released[g]
+    ids = None
+    if upto > lo:
+      seg = r.tables[g].buf[lo:upto]     # a view: -1 written below lands in the table
+      rev = seg[::-1]
+      ids = rev[rev >= 0]                 # a copy (boolean mask), tail first
+      seg[:] = -1
+    r.released[g] = max(lo, upto)
     self._free_ids(g, ids)
 
-  def _free_ids(self, g: str, ids: list[int]) -> None:
+  def _free_ids(self, g: str, ids) -> None:
     """Queue releases (eviction order) and update the host mirror."""
-    if not ids:
+    if ids is None or not len(ids):
       return
-    a = np.asarray(ids, np.int64)
-    ref = self._ref[g]
-    if len(set(ids)) == len(ids):      # the usual case (one request's table): no np.unique / ufunc.at
-      ref[a] -= 1
-      self._nfree[g] += int(np.count_nonzero(ref[a] == 0))
-    else:
-      np.subtract.at(ref, a, 1)
-      self._nfree[g] += int(np.count_nonzero(ref[np.unique(a)] == 0))
-    self._q_free[g].extend(ids)
+    a = np.asarray(ids, np.int32)
+    self._unsettled[g].append(a)       # the mirror is updated once per step (_settle)
+    self._q_free[g].append(a)
 
   def free(self, request_id: str) -> None:
     """End of request: checkpoint the sliding tails where the next turn resumes, then release every block, tail
@@ -539,8 +610,20 @@ class KVCacheManager:
     if not self.legacy and self.policies:
       self._checkpoint(r, next(iter(self.policies.values())).floor_align(r.num_computed))
     for g in self.groups:
-      self._free_ids(g, [b for b in reversed(r.tables[g]) if b >= 0])
+      rev = r.tables[g].view()[::-1]
+      self._free_ids(g, rev[rev >= 0])
     del self._requests[request_id]
+
+  def checkpoint_boundaries(self, request_id: str, lo: int, hi: int) -> list[int]:
+    """Aligned boundaries P, lo < P <= hi, at which this request's commits will make a resume point findable
+    (its sliding-group checkpoints; every aligned boundary when there is no sliding group, since full-history
+    blocks are registered as they are computed). The end-of-request checkpoint is not included (it depends on
+    when the request stops). Schedulers use this to hold back a request that shares this one's prefix."""
+    r = self._req(request_id)
+    if self.legacy or not self.policies:
+      a = self.specs.align_tokens
+      return list(range((max(lo, 0) // a + 1) * a, hi + 1, a))
+    return next(iter(self.policies.values())).boundaries(lo, hi, r.prompt_len, r.junctions, r.dense)
 
   # ------------------------------------------------------------------- tiers (issue 12): externally loaded prefix
   def extend_for_load(self, request_id: str, num_tokens: int, tail_blocks) -> BlockTables | OutOfBlocks:
@@ -553,6 +636,7 @@ class KVCacheManager:
       raise CacheError(f"extend_for_load: {num_tokens} must be aligned, > {r.num_computed} and < {len(r.tokens)}")
     if r.rid in self._q_rids:
       self.flush()
+    self._settle()
     wanted = set(int(j) for j in tail_blocks)
     new = {}
     for g, bt in zip(self.groups, self._bt):
@@ -568,9 +652,9 @@ class KVCacheManager:
     for g, bt in zip(self.groups, self._bt):
       lo, hi = len(r.tables[g]), num_tokens // bt
       want = set(new[g])
-      r.tables[g].extend(None if j in want else -1 for j in range(lo, hi))
+      r.tables[g].extend([PENDING if j in want else -1 for j in range(lo, hi)])
       if new[g]:
-        self._q_alloc[g].append((r, new[g]))
+        self._q_alloc[g].append((r.tables[g], np.asarray(new[g], np.int64)))
         self._q_rids.add(r.rid)
         self._q_nalloc[g] += len(new[g])
         self._nfree[g] -= len(new[g])
@@ -595,10 +679,12 @@ class KVCacheManager:
     return True
 
   def num_free_blocks(self, group: str) -> int:
+    self._settle()
     return self._nfree[group]
 
   def usage(self, group: str) -> float:
     """Fraction of blocks held by requests (cached-but-free blocks count as free, as in vLLM)."""
+    self._settle()
     return 1.0 - self._nfree[group] / self.num_blocks[group]
 
   def is_cached(self, group: str, token_ids, extra_keys: ExtraKeys, block: int) -> bool:

@@ -70,6 +70,11 @@ class EngineConfig:
   # bucket pays for the next one (up to g x the work). When deferring at most this fraction of the step's prefill
   # tokens to the next step keeps it in the smaller bucket, the last prefill chunks are trimmed. 0 = off.
   bucket_fill: float = 0.25
+  # In-batch shared-prefix deferral: a waiting request that shares at least one resume boundary of prefix with a
+  # running request that has not yet computed that part waits until the leader commits past the boundary, then hits
+  # it instead of computing the same KV alongside it (a cold wave of siblings sharing a system prompt). False =
+  # admit in arrival order regardless (the behaviour before).
+  defer_shared_prefix: bool = True
 
   def validate(self):
     if self.chunk_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -127,6 +132,9 @@ class Engine:
     self.requests: dict[str, Request] = {}
     self.finished: list[Request] = []
     self.stats = collections.Counter()
+    self._lead_keys: dict[str, object] = {}        # rid -> (extra keys, first aligned chunk) for deferral
+    self._shared: dict[str, dict[str, int]] = {}   # follower -> leader -> shared prefix tokens, once stable
+    self._deferred: set[str] = set()               # requests held back at least once
     self.peak_blocks = {g: 0 for g in self.managers[0].groups}
     self.clock = time.perf_counter
     self.tiering = None                 # KV tiers below the device: all the glue lives in dsv4/engine/tiering.py
@@ -137,6 +145,8 @@ class Engine:
   # ------------------------------------------------------------------------------------------ intake
   def _reject(self, req: Request, why: str) -> Request:
     req.status, req.error, req.finish_reason = Status.REJECTED, why, "error"
+    self._lead_keys.pop(req.rid, None)
+    self._shared.pop(req.rid, None)
     self.finished.append(req)
     return req
 
@@ -210,6 +220,58 @@ class Engine:
       req.readmit_hit_tokens += n
     return n
 
+  def _lead_key(self, req: Request):
+    """Cheap candidate filter for deferral: requests whose first aligned chunk (and cache salt) differ can share
+    no resume boundary; only candidates' token lists are compared."""
+    k = self._lead_keys.get(req.rid)
+    if k is None:
+      a = self.managers[0].specs.align_tokens
+      k = (req.extra_keys, tuple(req.prompt[:a])) if len(req.prompt) > a else ()
+      self._lead_keys[req.rid] = k
+    return k
+
+  def _shared_len(self, req: Request, lead: Request, cap: int) -> int:
+    known = self._shared.setdefault(req.rid, {})
+    got = known.get(lead.rid)
+    if got is not None:
+      return min(got, cap)
+    m = min(cap, len(lead.tokens))
+    diff = np.flatnonzero(np.asarray(req.tokens[:m]) != np.asarray(lead.tokens[:m]))
+    n = int(diff[0]) if len(diff) else m
+    if len(diff) or m == cap:          # a mismatch (or the follower's cap) found: later steps give the same answer
+      known[lead.rid] = n
+    return n
+
+  def _defer(self, req: Request) -> bool:
+    """Hold `req` back this step (in-batch shared-prefix deferral, EngineConfig.defer_shared_prefix)?
+
+    Yes when a running request (the leader: admitted earlier in this step, or still prefilling) shares at least
+    one aligned resume boundary of prefix with it and will take a checkpoint at a boundary B it has not computed
+    yet, with B <= the shared part (`KVCacheManager.checkpoint_boundaries`). Once the leader has committed past
+    every such B, `req` is admitted and hits B. The wait is bounded by the leader's prefill of the shared part; a
+    leader that is preempted or finishes leaves `running`, which releases its followers. Estimate, not a lookup:
+    a follower could already hit beyond the leader's progress through another request's blocks; then it waits
+    for nothing (costs steps, never the answer)."""
+    if not (self.ec.defer_shared_prefix and self.ec.enable_prefix_caching and self.running):
+      return False
+    key = self._lead_key(req)
+    if not key:
+      return False
+    a = self.managers[0].specs.align_tokens
+    cap = (len(req.tokens) - 1) // a * a        # the longest hit any resume can give this request
+    for lead in self.running:
+      if lead.num_computed >= cap or self._lead_key(lead) != key:
+        continue
+      shared = self._shared_len(req, lead, cap) // a * a
+      if shared > lead.num_computed and self._mgr(lead).checkpoint_boundaries(lead.rid, lead.num_computed,
+                                                                                shared):
+        self.stats["deferred_steps"] += 1
+        if req.rid not in self._deferred:
+          self._deferred.add(req.rid)
+          self.stats["deferred_requests"] += 1
+        return True
+    return False
+
   def _track_usage(self):
     for g in self.peak_blocks:
       total = self.ec.num_full_blocks if g == caches.FULL else self.ec.num_swa_blocks
@@ -246,8 +308,13 @@ class Engine:
         if victim is req:
           break
     if not preempted:
+      held: list[Request] = []          # deferred this step: they keep their place at the head of the queue
       while self.waiting and len(self.running) < self.ec.max_num_seqs and budget > 0:
         req = self.waiting[0]
+        if self._defer(req):
+          held.append(self.waiting.popleft())
+          continue
+        self._shared.pop(req.rid, None)
         shard = self._place(req)
         if shard is None:               # every shard's row slots are taken
           break
@@ -273,6 +340,7 @@ class Engine:
         self._tables[req.rid] = tables
         scheduled.append((req, n))
         budget -= n
+      self.waiting.extendleft(reversed(held))
     self._track_usage()
     return self._fill_bucket(scheduled)
 
@@ -317,6 +385,7 @@ class Engine:
 
   def _finish(self, req: Request, reason: str):
     req.status, req.finish_reason = Status.FINISHED, reason
+    self._lead_keys.pop(req.rid, None)
     self._mgr(req).free(req.rid)
     self._leave(req)
     self.finished.append(req)

@@ -286,17 +286,27 @@ class Tiering:
     return list(range(h1 + A, cap // A * A + 1, A))
 
   def _required(self, h1: int, P: int, prompt_len: int) -> tuple[int, set[int]]:
-    """Full blocks [h1/fb, P/fb) and the swa block indices a resume at P needs from the tiers."""
+    """Full blocks [h1/fb, P/fb) and the swa block indices a resume at P needs from the tiers: P's tail only.
+    Checkpoints at boundaries between h1 and P are optional (`_optional`): whether they were ever stored depends on
+    the placement of the request that computed them (a request that hit takes no dense-start checkpoints), so
+    requiring them made a reload stop short of a P whose tail is there (BUILD_NOTES i10d / i10f)."""
     pol = self.mgr.policies[caches.SWA]
-    swa = set()
-    for b in set(pol.boundaries(h1, P, prompt_len)) | {P}:
-      swa.update(pol.tail_blocks(b))
+    swa = set(pol.tail_blocks(P))
     nfull = P // self.groups[caches.FULL].block_tokens if caches.FULL in self.groups else 0
     if swa and min(swa) < h1 // self.groups[caches.SWA].block_tokens:
       # a tail reaching behind the device hit (window longer than the alignment): those swa rows are neither in the
       # request's table nor loadable into it, so this P cannot be served from the tiers
       return nfull, None
     return nfull, swa
+
+  def _optional(self, rid: str, h1: int, P: int) -> list[set[int]]:
+    """Swa tails (index sets) of the checkpoint boundaries in (h1, P) this request's commit at P would take
+    (the manager's own placement for it): loaded with P's when the tiers have them whole (they become device
+    checkpoints again), skipped otherwise."""
+    pol = self.mgr.policies[caches.SWA]
+    lo = h1 // self.groups[caches.SWA].block_tokens
+    tails = [set(pol.tail_blocks(b)) for b in self.mgr.checkpoint_boundaries(rid, h1, P - 1)]
+    return [t for t in tails if t and min(t) >= lo]
 
   def on_admit(self, req, h1: int) -> int:
     """Extend the device hit h1 from the tiers. Returns the tokens the request may skip (>= h1)."""
@@ -335,7 +345,10 @@ class Tiering:
     if best is None:
       return h1
     need_full, need_swa = self._required(h1, best, len(toks))
-    plan_ids = full_ids[:need_full - j0] + [swa_ids[j] for j in sorted(need_swa)]
+    opt = {j for t in self._optional(req.rid, h1, best) if all(locs[swa_ids[j].key] for j in t) for j in t}
+    # required records first: the fetch tries them first while the time budget lasts
+    plan_ids = full_ids[:need_full - j0] + [swa_ids[j] for j in sorted(need_swa)] + \
+        [swa_ids[j] for j in sorted(opt - need_swa)]
     plan: dict[str, list] = {}
     for ident in plan_ids:
       if locs[ident.key][0] < 0:
@@ -368,6 +381,9 @@ class Tiering:
     if P2 == h1:
       return h1
     nfull, nswa = self._required(h1, P2, len(toks))
+    for t in self._optional(req.rid, h1, P2):     # optional tails that arrived whole
+      if all(swa_ids[j].key in arrays for j in t):
+        nswa |= t
     tables = self.mgr.extend_for_load(req.rid, P2, nswa)
     if not tables:
       self.stats["no_room"] += 1
