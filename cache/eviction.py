@@ -68,12 +68,14 @@ class PolicyCacheManager(KVCacheManager):
     self.events = _StampingLog(enable_events)
     self.stats["fifo_reorders"] = 0
 
-  def _free_ids(self, name: str, ids: list[int]) -> None:
-    # Callers pass blocks newest-first (tail-first); head_first releases them oldest-first instead.
+  def _free_ids(self, name: str, ids) -> None:
+    # Callers pass blocks newest-first (tail-first) as a numpy array or None; head_first releases them oldest-first.
+    if ids is None or not len(ids):
+      return
     if self.policy_name == "head_first":
-      ids = list(reversed(ids))
+      ids = np.asarray(ids)[::-1]
     super()._free_ids(name, ids)
-    if self.policy_name == "fifo" and ids:
+    if self.policy_name == "fifo":
       self._fifo_reorder(name)
 
   def _fifo_reorder(self, name: str) -> None:
