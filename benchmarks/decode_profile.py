@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.model_vs_hf import wide_config
+from benchmarks.model_vs_hf import best_time, wide_config, xla_cost
 from dsv4 import caches, model
 
 flags.DEFINE_integer("profile_steps", 3, "Decode steps traced.")
@@ -76,14 +76,8 @@ def _kind(info: dict | None, name: str) -> str:
   return info["op"]
 
 
-def _best_ms(f, *args, repeats=7):
-  f(*args).block_until_ready()
-  ts = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    f(*args).block_until_ready()
-    ts.append(time.perf_counter() - t)
-  return 1e3 * min(ts)
+def _best_ms(f, *args):
+  return 1e3 * best_time(lambda: f(*args).block_until_ready(), repeats=7)
 
 
 def grouped_proj(cfg, T) -> dict:
@@ -126,8 +120,7 @@ def main(argv):
   cache, lg = step(cache, 0)                     # compile + warm
   jax.block_until_ready(lg)
   comp = model.forward_jit.lower(params, cfg, tokens[:, T:T + 1], cache, idx, layout).compile()
-  ca = comp.cost_analysis()
-  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+  ca = xla_cost(comp)
   index = _hlo_index(comp.as_text())
   d = tempfile.mkdtemp()
   t0 = time.perf_counter()

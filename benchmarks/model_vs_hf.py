@@ -168,7 +168,7 @@ def _decode_time(params, cfg, tokens, T, steps, layout, tabs, cache_fn, moe_path
     jax.clear_caches()
 
 
-def _best_time(fn, repeats=5):
+def best_time(fn, repeats=5):
   fn()
   ts = []
   for _ in range(repeats):
@@ -185,11 +185,11 @@ def roofline(T: int) -> dict:
   out = {}
   big = jnp.ones((1 << 28,), jnp.float32)                       # 1 GiB
   total = jax.jit(jnp.sum)
-  out["jax_read_GBps"] = big.nbytes / 1e9 / _best_time(lambda: total(big).block_until_ready())
+  out["jax_read_GBps"] = big.nbytes / 1e9 / best_time(lambda: total(big).block_until_ready())
   del big
   tb = torch.ones(1 << 28, dtype=torch.float32)
   with torch.no_grad():
-    out["torch_read_GBps"] = tb.numel() * 4 / 1e9 / _best_time(lambda: tb.sum())
+    out["torch_read_GBps"] = tb.numel() * 4 / 1e9 / best_time(lambda: tb.sum())
   del tb
   K, N = 4096, 32768
   rng = np.random.default_rng(0)
@@ -199,15 +199,21 @@ def roofline(T: int) -> dict:
     x32 = rng.standard_normal((rows, K), np.float32)
     for name, jdt, tdt in (("fp32", jnp.float32, torch.float32), ("bf16", jnp.bfloat16, torch.bfloat16)):
       xj, wj = jnp.asarray(x32, jdt), jnp.asarray(w32, jdt)
-      tj = _best_time(lambda: dot(xj, wj).block_until_ready())
+      tj = best_time(lambda: dot(xj, wj).block_until_ready())
       xt, wt = torch.from_numpy(x32).to(tdt), torch.from_numpy(w32).to(tdt)
       with torch.no_grad():
-        tt = _best_time(lambda: xt @ wt)
+        tt = best_time(lambda: xt @ wt)
       gf = 2 * rows * K * N / 1e9
       out[f"jax_matmul_{rows}x{K}x{N}_{name}_GFLOPs"] = gf / tj
       out[f"torch_matmul_{rows}x{K}x{N}_{name}_GFLOPs"] = gf / tt
       del xj, wj, xt, wt
   return out
+
+
+def xla_cost(compiled) -> dict:
+  """XLA's cost analysis of a compiled program (one dict; older JAX returns a one-element list)."""
+  ca = compiled.cost_analysis()
+  return ca[0] if isinstance(ca, (list, tuple)) else ca
 
 
 def _prefill_flops(params, cfg, T, layout):
@@ -216,9 +222,7 @@ def _prefill_flops(params, cfg, T, layout):
   idx = caches.BatchIndex(jnp.zeros((1,), jnp.int32), jnp.full((1,), T, jnp.int32), jnp.asarray(swa),
                           jnp.asarray(full))
   comp = model.forward_jit.lower(params, cfg, jnp.zeros((1, T), jnp.int32), cache, idx, layout).compile()
-  ca = comp.cost_analysis()
-  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-  return float(ca.get("flops", float("nan")))
+  return float(xla_cost(comp).get("flops", float("nan")))
 
 
 def _decode_bytes(params, cfg, T, steps, layout):
@@ -227,9 +231,7 @@ def _decode_bytes(params, cfg, T, steps, layout):
   idx = caches.BatchIndex(jnp.full((1,), T, jnp.int32), jnp.ones((1,), jnp.int32), jnp.asarray(swa),
                           jnp.asarray(full))
   comp = model.forward_jit.lower(params, cfg, jnp.zeros((1, 1), jnp.int32), cache, idx, layout).compile()
-  ca = comp.cost_analysis()
-  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-  return float(ca.get("bytes accessed", float("nan")))
+  return float(xla_cost(comp).get("bytes accessed", float("nan")))
 
 
 def main(argv):

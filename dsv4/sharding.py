@@ -367,7 +367,7 @@ def jit_forward(config: ModelConfig, mesh, rules: Rules = Rules(), *, layout: ca
   shardings dict).
 
   pools_over_data: the pools' block axis is split over `data` and the step runs inside a `jax.shard_map` manual
-  over `data` only (tensor / expert stay automatic; the MoE's expert-parallel shard_map nests inside): data shard
+  over `data` only (tensor / expert stay automatic; the MoE then takes its GSPMD path, see moe.py): data shard
   s sees rows [s*B/D, (s+1)*B/D) and its own n = num_blocks / D blocks, so the index's block ids are SHARD-LOCAL
   (0..n-1) and no pool byte crosses devices."""
   from dsv4 import model

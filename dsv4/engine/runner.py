@@ -63,12 +63,19 @@ def pow4_at_least(n: int, lo: int = 1) -> int:
   return b
 
 
-def token_bucket(total: int, growth: int, max_tokens: int) -> int:
-  """Flat-axis size for a step of `total` tokens: 8 * growth^k, capped at the step budget's power of two."""
-  n = 8
-  while n < total:
+def token_buckets(growth: int, max_tokens: int) -> list[int]:
+  """Flat-axis sizes a ragged step can be padded to, ascending: 8 * growth^k below the step budget's power of two,
+  then that power of two."""
+  out, cap, n = [], pow2_at_least(max_tokens), 8
+  while n < cap:
+    out.append(n)
     n *= growth
-  return max(min(n, pow2_at_least(max_tokens)), pow2_at_least(total))
+  return out + [cap]
+
+
+def token_bucket(total: int, growth: int, max_tokens: int) -> int:
+  """Flat-axis size for a step of `total` tokens: the smallest of `token_buckets` that holds it."""
+  return next((b for b in token_buckets(growth, max_tokens) if b >= total), pow2_at_least(total))
 
 
 class _PackedShape:
@@ -319,17 +326,11 @@ class ModelRunner:
                   "step_slots": 0}
 
   def token_buckets(self) -> list[int] | None:
-    """The flat-axis sizes a ragged step can be padded to, ascending (what `token_bucket` returns for totals up to
-    max_num_batched_tokens); None where a step's shape does not follow its token count (a mesh, batch-invariant
-    mode, the group layouts)."""
+    """The flat-axis sizes a ragged step can be padded to (module `token_buckets`); None where a step's shape does
+    not follow its token count (a mesh, batch-invariant mode, the group layouts)."""
     if self.mesh is not None or self.batch_invariant or self.step_mode != "ragged":
       return None
-    out, cap = [], pow2_at_least(self.max_num_batched_tokens)
-    n = 8
-    while n < cap:
-      out.append(n)
-      n *= self.token_bucket_growth
-    return out + [cap]
+    return token_buckets(self.token_bucket_growth, self.max_num_batched_tokens)
 
   # ------------------------------------------------------------------------------------------ slots / tables
   @property
