@@ -5,7 +5,8 @@
    ("before", what the runner did until now: min_table_tokens = max_model_len).
 2. Mixed step (1 prefill chunk of 64 (or each --mixed_chunks) + 63 decodes, 64 rows) vs the chunk alone: all rows on one flat token axis
    ("after", the serving path), with the decode / prefill row groups ("groups") and with every row padded to
-   chunk_size in one program ("padded").
+   chunk_size in one program ("padded"); the ragged step with power-of-two token buckets ("after") and with
+   `token_bucket_steps` buckets per doubling ("after_steps4": buckets 1.25x apart).
 3. Compiled temp memory of a decode step (`memory_analysis().temp_size_in_bytes`) at max_model_len 64k vs 1M.
 4. Batch-invariant mode: the same mixed 8-row step, normal vs invariant.
 
@@ -34,6 +35,8 @@ flags.DEFINE_list("parts", ["decode", "mixed", "memory", "invariant"], "Which me
 flags.DEFINE_list("mixed_chunks", ["64"], "Prefill chunk sizes for part 2 (each: 1 chunk + 63 decodes vs the chunk "
                   "alone). 64 is the engine default and also runs the 11e groups layout; larger chunks run the "
                   "ragged step only.")
+flags.DEFINE_list("mixed_bucket_steps", ["1", "4"], "token_bucket_steps for part 2's ragged step (growth 2): 1 = "
+                  "power-of-two buckets (a chunk + 63 decodes spills into the next power), 4 = buckets 1.25x apart.")
 flags.DEFINE_bool("decode_only", False, "Run part 1 (decode vs context) only (= --parts=decode; the model-side "
                   "breakdown of this part: benchmarks/decode_bench.py).")
 FLAGS = flags.FLAGS
@@ -113,10 +116,14 @@ def mixed(cfg, params, rng, res):
   (C + 63) / C: the 63 decodes ride almost free only beside a long chunk."""
   for C in (int(c) for c in FLAGS.mixed_chunks):
     sfx = "" if C == 64 else f"_c{C}"
-    modes = (("after", "ragged"), ("groups", "groups")) if C == 64 else (("after", "ragged"),)
-    for label, mode in modes:
+    res[f"real_tokens_mixed_over_chunk{sfx}"] = (C + 63) / C      # the floor when a decode token costs a prefill one
+    modes = [("after", "ragged", 1)] + [(f"after_steps{k}", "ragged", k) for k in map(int, FLAGS.mixed_bucket_steps)
+                                        if k != 1]
+    if C == 64:
+      modes.append(("groups", "groups", 1))
+    for label, mode, steps in modes:
       run = make_runner(cfg, params, max_model_len=8192, max_num_seqs=64, step_mode=mode, token_bucket_growth=2,
-                        chunk_size=C)
+                        token_bucket_steps=steps, chunk_size=C)
       # The row sets live in the runner at once (slot 0 = the chunk in all), timed alternately. "Two chunks"
       # (C + 63 prefill tokens, ragged only) fills the same flat-axis bucket as the mixed step with prefill tokens
       # only: does a decode token cost what a prefill token does?
@@ -125,12 +132,15 @@ def mixed(cfg, params, rng, res):
       sets = [chunk, mixed]
       if mode == "ragged":
         sets.append([mixed[0], rows_at(run, [1024, 1024], [C, 63], rng)[1]])
+        res[f"buckets_chunk_mixed_{label}{sfx}"] = [R.token_bucket(n, 2, run.max_num_batched_tokens, steps)
+                                                     for n in (C, C + 63)]
       ts = timed_alternating(run, sets, FLAGS.repeats)
       t_chunk, t_mixed = ts[:2]
       res[f"chunk_alone_ms_{label}{sfx}"], res[f"mixed_1chunk_63dec_ms_{label}{sfx}"] = 1e3 * t_chunk, 1e3 * t_mixed
       res[f"mixed_over_chunk_{label}{sfx}"] = t_mixed / t_chunk
       if mode == "ragged":
-        res[f"two_chunks_{C}_63_ms_after{sfx}"], res[f"mixed_over_two_chunks_after{sfx}"] = 1e3 * ts[2], t_mixed / ts[2]
+        res[f"two_chunks_{C}_63_ms_{label}{sfx}"] = 1e3 * ts[2]
+        res[f"mixed_over_two_chunks_{label}{sfx}"] = t_mixed / ts[2]
       del run
 
 

@@ -47,6 +47,10 @@ flags.DEFINE_integer("retention_interval", 0, "Keep an SWA checkpoint every N to
 flags.DEFINE_integer("chunk_size", 64, "Longest prefill chunk per request per step.")
 flags.DEFINE_integer("max_num_seqs", 8, "Rows per step.")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget per step.")
+flags.DEFINE_enum("token_bucket_growth", "4", ["2", "4"], "Token buckets of the ragged step grow by this factor "
+                  "(EngineConfig.token_bucket_growth).")
+flags.DEFINE_integer("token_bucket_steps", 1, "Buckets per growth interval, 1..8 (EngineConfig.token_bucket_steps): "
+                     "more = less padding of mixed steps, more compiled programs.")
 flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output).")
 flags.DEFINE_integer("num_full_blocks", 128, "Full-history blocks (128 tokens each).")
 flags.DEFINE_integer("num_swa_blocks", 256, "SWA blocks (32 tokens each).")
@@ -250,7 +254,8 @@ def main(argv):
                     layout=caches.CacheLayout(kv_dtype={"fp32": jnp.float32, "bf16": jnp.bfloat16,
                                                         "fp8": caches.FP8}[FLAGS.kv_dtype]), dtype=FLAGS.dtype,
                     tiering=TieringConfig.from_flags(FLAGS.kv_tiers, FLAGS.kv_disk_dir, FLAGS.kv_store_url),
-                    model_api=FLAGS.model_api)
+                    model_api=FLAGS.model_api, token_bucket_growth=int(FLAGS.token_bucket_growth),
+                    token_bucket_steps=FLAGS.token_bucket_steps)
   refused, order, stops = [], None, {}
   tok = load_tokenizer(FLAGS.checkpoint)
   if FLAGS.requests:

@@ -60,6 +60,9 @@ class EngineConfig:
   # Token buckets of the flat step axis grow 8, 8g, 8g^2, ... (g = 2 or 4): 4 compiles half as many step programs
   # (a compile of the whole model each; they dominate short jobs on CPU) for up to 4x padding of a step's tokens.
   token_bucket_growth: int = 4
+  # Buckets per growth interval (1..8): 4 with growth 2 pads a step to within 1.25x of its tokens (256, 320, 384,
+  # ...) so a chunk plus many decodes costs about its real tokens, for more compiled programs. 1 = powers only.
+  token_bucket_steps: int = 1
   # Compute dtype of params / activations: "fp32" (bit for bit today's) or "bf16" (fp32 norms, softmaxes, logits;
   # model.cast_params). The KV pools' dtype is layout.kv_dtype (fp32, bf16 or caches.FP8).
   dtype: str = "fp32"
@@ -85,6 +88,8 @@ class EngineConfig:
       raise ValueError("EngineConfig: min_table_tokens must be >= 1")
     if self.token_bucket_growth not in (2, 4):
       raise ValueError(f"EngineConfig.token_bucket_growth: 2 or 4, got {self.token_bucket_growth}")
+    if not 1 <= self.token_bucket_steps <= 8:
+      raise ValueError(f"EngineConfig.token_bucket_steps: 1..8, got {self.token_bucket_steps}")
     if not 0.0 <= self.bucket_fill < 1.0:
       raise ValueError(f"EngineConfig.bucket_fill: a fraction in [0, 1), got {self.bucket_fill}")
 
@@ -124,7 +129,8 @@ class Engine:
                               batch_invariant=ec.batch_invariant, record_logits=ec.record_logits,
                               min_table_tokens=ec.min_table_tokens,
                               max_num_batched_tokens=ec.max_num_batched_tokens,
-                              token_bucket_growth=ec.token_bucket_growth, model_api=ec.model_api,
+                              token_bucket_growth=ec.token_bucket_growth,
+                              token_bucket_steps=ec.token_bucket_steps, model_api=ec.model_api,
                               mesh=mesh, pools_over_data=D > 1, **({} if rules is None else {"rules": rules}))
     self._tables: dict[str, object] = {}     # rid -> BlockTables of this step's allocation
     self.waiting: collections.deque[Request] = collections.deque()

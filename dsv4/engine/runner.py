@@ -10,7 +10,7 @@ row contributes 1 token, a prefill row its chunk; per-token row / position metad
 (`caches.StepIndex`) travel in one packed int32 buffer with the sampling parameters. So a mixed step (one prefill
 chunk + many decodes) costs its real tokens, not every row padded to chunk_size. Sampling runs inside the same
 program on device logits. Shapes are bucketed so compilation stays bounded: tokens to 8 * g^k (g =
-`token_bucket_growth`, 2 or 4), rows to max_num_seqs (4x buckets from 64 beyond 64), block tables to a power-of-two
+`token_bucket_growth`, 2 or 4; `token_bucket_steps` > 1 adds equal steps inside each interval), rows to max_num_seqs (4x buckets from 64 beyond 64), block tables to a power-of-two
 width that covers the live context of the step (capped at max_model_len). The plan goes to the device in one
 `device_put` call; the sampled
 tokens (and logits when recorded) come back in one `device_get` call. The earlier layouts (a decode group [rows, 1]
@@ -63,19 +63,27 @@ def pow4_at_least(n: int, lo: int = 1) -> int:
   return b
 
 
-def token_buckets(growth: int, max_tokens: int) -> list[int]:
+def token_buckets(growth: int, max_tokens: int, steps: int = 1) -> list[int]:
   """Flat-axis sizes a ragged step can be padded to, ascending: 8 * growth^k below the step budget's power of two,
-  then that power of two."""
+  then that power of two; with `steps` > 1 each interval [a, growth * a] is split into `steps` equal parts (rounded
+  up to a multiple of 8), so a step's padding is at most 1 + (growth - 1) / steps of its tokens above the first
+  interval (growth 2, steps 4: 256, 320, 384, 448, 512, ...) at the price of more step programs."""
   out, cap, n = [], pow2_at_least(max_tokens), 8
   while n < cap:
     out.append(n)
     n *= growth
-  return out + [cap]
+  coarse = out + [cap]
+  if steps <= 1:
+    return coarse
+  fine = set(coarse)
+  for a, b in zip(coarse[:-1], coarse[1:]):
+    fine.update(-(-(a + i * (b - a) // steps) // 8) * 8 for i in range(1, steps))
+  return sorted(fine)
 
 
-def token_bucket(total: int, growth: int, max_tokens: int) -> int:
+def token_bucket(total: int, growth: int, max_tokens: int, steps: int = 1) -> int:
   """Flat-axis size for a step of `total` tokens: the smallest of `token_buckets` that holds it."""
-  return next((b for b in token_buckets(growth, max_tokens) if b >= total), pow2_at_least(total))
+  return next((b for b in token_buckets(growth, max_tokens, steps) if b >= total), pow2_at_least(total))
 
 
 class _PackedShape:
@@ -263,7 +271,8 @@ class ModelRunner:
                kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), batch_invariant: bool = False,
                record_logits: bool = False, min_table_tokens: int = 4096, max_num_batched_tokens: int = 512,
                mesh=None, rules: sharding.Rules = sharding.Rules(), step_mode: str = "ragged",
-               token_bucket_growth: int = 4, model_api: str = "functional", pools_over_data: bool = False):
+               token_bucket_growth: int = 4, token_bucket_steps: int = 1, model_api: str = "functional",
+               pools_over_data: bool = False):
     self.params, self.config, self.layout, self.kernel_cfg = params, config, layout, kernel_cfg
     # "functional": dsv4.model's functions (the default); "nnx": the same math through the Flax NNX modules
     # (dsv4.nnx_model), wired for the one-device ragged step only.
@@ -286,6 +295,11 @@ class ModelRunner:
     # Flat-axis token buckets grow by this factor: 2 = at most 2x padding, more programs; 4 = half the programs
     # (each costs a compile of the whole model), up to 4x padding.
     self.token_bucket_growth = token_bucket_growth
+    if not 1 <= token_bucket_steps <= 8:
+      raise ValueError(f"ModelRunner: token_bucket_steps must be in 1..8, got {token_bucket_steps}")
+    # Each growth interval split into this many buckets: a mixed step (a chunk + many decodes) pays for about its
+    # real tokens instead of the next power of growth (more programs to compile).
+    self.token_bucket_steps = token_bucket_steps
     self.max_num_batched_tokens = max_num_batched_tokens
     sb, fb = layout.swa_block_tokens, layout.full_block_tokens
     self.max_full_width = caches.blocks_for(max_model_len, fb)
@@ -330,7 +344,7 @@ class ModelRunner:
     not follow its token count (a mesh, batch-invariant mode, the group layouts)."""
     if self.mesh is not None or self.batch_invariant or self.step_mode != "ragged":
       return None
-    return token_buckets(self.token_bucket_growth, self.max_num_batched_tokens)
+    return token_buckets(self.token_bucket_growth, self.max_num_batched_tokens, self.token_bucket_steps)
 
   # ------------------------------------------------------------------------------------------ slots / tables
   @property
@@ -405,7 +419,7 @@ class ModelRunner:
     # beyond that 4x buckets from 64. Tokens: 8 * growth^k, capped at the step budget's power of two.
     R = self.max_num_seqs if self.max_num_seqs <= 64 else min(self.max_num_seqs, pow4_at_least(len(rows), 64))
     total = sum(len(r.tokens) for r in rows)
-    N = token_bucket(total, self.token_bucket_growth, self.max_num_batched_tokens)
+    N = token_bucket(total, self.token_bucket_growth, self.max_num_batched_tokens, self.token_bucket_steps)
     shape = RaggedShape(N, R, ws, wf)
     a = {"tokens": np.zeros(N, np.int32), "row": np.full(N, -1, np.int32), "pos": np.zeros(N, np.int32),
          "start": np.zeros(R, np.int32), "num": np.zeros(R, np.int32), "last": np.zeros(R, np.int32),

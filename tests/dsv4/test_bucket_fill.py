@@ -76,3 +76,36 @@ def test_bucket_fill_rules(tiny):
   assert Engine(params, cfg, dataclasses.replace(EC, batch_invariant=True))._fill_bucket(s) == s
   with pytest.raises(ValueError, match="bucket_fill"):
     Engine(params, cfg, dataclasses.replace(EC, bucket_fill=1.0))
+
+
+@pytest.mark.parametrize("growth,steps", [(2, 1), (2, 4), (4, 4), (4, 3), (2, 8)])
+def test_token_bucket_steps_bound_the_padding(growth, steps):
+  from dsv4.engine import runner as R
+  budget = 2048
+  fine = R.token_buckets(growth, budget, steps)
+  coarse = R.token_buckets(growth, budget)
+  assert fine == sorted(set(fine)) and set(coarse) <= set(fine) and all(b % 8 == 0 for b in fine)
+  assert fine[-1] == coarse[-1] == budget
+  # Every step of t tokens pads to at most (1 + (growth - 1) / steps) t, up to the multiple-of-8 rounding.
+  for t in range(1, budget + 1):
+    b = R.token_bucket(t, growth, budget, steps)
+    assert b >= t and b in fine
+    assert b <= max(8, (1 + (growth - 1) / steps) * t + 8), (t, b)
+  if steps == 1:
+    assert fine == coarse
+  else:
+    assert len(fine) > len(coarse)
+
+
+def test_token_bucket_steps_same_answers_fewer_slots(tiny):
+  fine = _serve(tiny, dataclasses.replace(EC, token_bucket_steps=4))
+  coarse = _serve(tiny, EC)
+  assert fine.runner.token_buckets() == [8, 16, 24, 32, 56, 80, 104, 128, 160, 192, 224, 256]
+  assert fine.runner.stats["step_slots"] < coarse.runner.stats["step_slots"]
+  for rid, ra in fine.requests.items():
+    rb = coarse.requests[rid]
+    assert ra.error is None and ra.output == rb.output, rid
+    la, lb = np.stack(ra.token_logits), np.stack(rb.token_logits)
+    assert np.max(np.abs(la - lb)) <= 1e-5 * max(1.0, np.max(np.abs(la))), rid
+  with pytest.raises(ValueError, match="token_bucket_steps"):
+    Engine(tiny[1], tiny[0], dataclasses.replace(EC, token_bucket_steps=0))
