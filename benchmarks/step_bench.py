@@ -2,7 +2,8 @@
 
 1. Decode step time, batch 8, at contexts 2k / 8k / 32k / 64k with max_model_len fixed at 1M (tiny V4: window +
    CSA top-k + HCA layers), with block tables bucketed by the live context ("after") and spanning max_model_len
-   ("before", what the runner did until now: min_table_tokens = max_model_len).
+   ("before", what the runner did until now: min_table_tokens = max_model_len); with each step plan's bytes and
+   table widths (the swa table covers only the window + chunk, the full table the live context).
 2. Mixed step (1 prefill chunk of 64 (or each --mixed_chunks) + 63 decodes, 64 rows) vs the chunk alone: all rows on one flat token axis
    ("after", the serving path), with the decode / prefill row groups ("groups") and with every row padded to
    chunk_size in one program ("padded"); the ragged step with power-of-two token buckets ("after") and with
@@ -101,8 +102,12 @@ def decode(cfg, params, rng, res):
   for label, mtt in (("after", 4096), ("before", M1)):
     run = make_runner(cfg, params, max_model_len=M1, max_num_seqs=8, min_table_tokens=mtt)
     for ctx in (2048, 8192, 32768, 65536):
+      run.shapes_run.clear()
       res[f"decode_b8_ctx{ctx // 1024}k_ms_{label}"] = 1e3 * timed(run, rows_at(run, [ctx] * 8, [1] * 8, rng),
                                                                    FLAGS.repeats)
+      (shape,) = run.shapes_run        # the step plan sent host -> device: tokens, rows, swa + full tables
+      res[f"decode_b8_ctx{ctx // 1024}k_plan_bytes_{label}"] = 4 * shape.size
+      res[f"decode_b8_ctx{ctx // 1024}k_table_widths_swa_full_{label}"] = [shape.swa_width, shape.full_width]
     del run
   for label in ("after", "before"):
     res[f"decode_64k_over_2k_{label}"] = res[f"decode_b8_ctx64k_ms_{label}"] / res[f"decode_b8_ctx2k_ms_{label}"]
@@ -149,8 +154,8 @@ def memory(cfg, params, rng, res):
   for mml in (65536, M1):
     run = make_runner(cfg, params, max_model_len=mml, max_num_seqs=8)
     rows = rows_at(run, [2048] * 8, [1] * 8, rng)
-    ws, wf = run._widths(2049)
-    shape, buf = run._ragged(rows, ws, wf)
+    _, wf = run._widths(2049)
+    shape, buf = run._ragged(rows, wf)
     comp = R.ragged_step.lower(run.params, run.cache, jax.numpy.asarray(buf), config=cfg, layout=run.layout,
                               kernel_cfg=run.kernel_cfg, shape=shape, record_logits=False).compile()
     res[f"decode_temp_bytes_max_len_{mml // 1024}k"] = int(comp.memory_analysis().temp_size_in_bytes)

@@ -180,6 +180,9 @@ class StepIndex:
                     compressed-id lists are sized by S_full * (full_block_tokens / ratio) entries. A table must
                     cover every block the row's step touches (window rows back to start - window + 1, and the
                     block of start - 1 whose compressor state row is read).
+  swa_base_R:       int32 [R] or None (= 0): the swa block index that column 0 of the "swa" table holds. A serving
+                    step passes only the blocks its rows can touch, from block (start - state_tail_tokens) //
+                    swa_block_tokens on, so that table's width follows the window + chunk, not the context.
 
   Shapes are static per compile: N (bucketed), R and each S_g. `make_step_index` builds one on the host.
   """
@@ -188,6 +191,7 @@ class StepIndex:
   row_start_R: jax.Array
   row_num_tokens_R: jax.Array
   tables: dict[str, jax.Array]
+  swa_base_R: jax.Array | None = None
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -297,13 +301,16 @@ def slots_for(table_BxS, index_BxT, rows_per_block: int, valid_BxT):
   return jnp.where(ok, block_id * rows_per_block + index_BxT % rows_per_block, -1).astype(jnp.int32)
 
 
-def row_slots(table_RxS, row_N_, index_N_, rows_per_block: int, valid_N_):
-  """Like `slots_for` but for flat tokens: `row` (broadcast against `index`) picks each one's block table."""
+def row_slots(table_RxS, row_N_, index_N_, rows_per_block: int, valid_N_, base_R=None):
+  """Like `slots_for` but for flat tokens: `row` (broadcast against `index`) picks each one's block table.
+  base_R: per row, the block index that table column 0 holds (None = 0); blocks before it are outside the table."""
   S = table_RxS.shape[1]
   shape = jnp.broadcast_shapes(jnp.shape(row_N_), jnp.shape(index_N_), jnp.shape(valid_N_))
   index_N_ = jnp.broadcast_to(index_N_, shape)
-  blk = index_N_ // rows_per_block
   row = jnp.broadcast_to(row_N_, shape)
+  if base_R is not None:
+    index_N_ = index_N_ - base_R[jnp.maximum(row, 0)] * rows_per_block
+  blk = index_N_ // rows_per_block
   in_table = (index_N_ >= 0) & (blk < S) & (row >= 0)
   block_id = table_RxS[jnp.maximum(row, 0), jnp.clip(blk, 0, S - 1)]
   ok = valid_N_ & in_table & (block_id >= 0)

@@ -155,8 +155,7 @@ def _engram_hashes(params, config: ModelConfig, tokens_N, ctx: StepContext, cach
   cl["token_ids"] = caches.write_rows(cl["token_ids"], ctx.token_slots(), tokens_N)
   P = e.max_ngram_size - 1
   prev_pos = ctx.pos_N[:, None] - P + jnp.arange(P)[None, :]
-  slots = caches.row_slots(ctx.swa_table_RxS, ctx.row_N[:, None], prev_pos, ctx.swa_block_tokens,
-                           ctx.valid_N[:, None] & (prev_pos >= 0))
+  slots = ctx.swa_slots(ctx.row_N[:, None], prev_pos, ctx.valid_N[:, None] & (prev_pos >= 0))
   prev, ok = caches.read_rows(cl["token_ids"], slots)
   ext = jnp.concatenate([jnp.where(ok, prev, -1), tokens_N[:, None]], axis=1)
   return cl, engram_mod.hash_ids(params["engram_token_map"], ext, e, 1)[:, 0]

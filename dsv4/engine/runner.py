@@ -141,8 +141,8 @@ class RaggedShape(_PackedShape):
 
   def fields(self):
     N, R = self.tokens, self.rows
-    return ((("tokens", (N,)), ("row", (N,)), ("pos", (N,)), ("start", (R,)), ("num", (R,)), ("last", (R,)))
-            + _row_fields(R, self.swa_width, self.full_width))
+    return ((("tokens", (N,)), ("row", (N,)), ("pos", (N,)), ("start", (R,)), ("num", (R,)), ("last", (R,)),
+             ("swa_base", (R,))) + _row_fields(R, self.swa_width, self.full_width))
 
 
 def _unpack(buf, shape):
@@ -187,7 +187,8 @@ def ragged_step(params, cache, buf, *, config, layout, kernel_cfg, shape: Ragged
   (cache, tokens_R, logits_RxV or None). model_api="nnx": the same step through the Flax modules
   (`nnx_model.apply_ragged`, which runs `model.forward_ragged` on the merged module's params)."""
   p = _unpack(buf, shape)
-  step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], {caches.SWA: p["swa"], caches.FULL: p["full"]})
+  step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], {caches.SWA: p["swa"], caches.FULL: p["full"]},
+                          swa_base_R=p["swa_base"])
   if model_api == "nnx":
     from dsv4 import nnx_model  # local: the default path does not import Flax
     cache, h_NxD = nnx_model.apply_ragged(params, p["tokens"], cache, step, config=config, layout=layout,
@@ -308,6 +309,7 @@ class ModelRunner:
     # at least min_table_tokens, so small engines compile a single width.
     need = max([config.indexer.topk * p.ratio for p in config.layer_plan() if p.has_index_query] + [1])
     self.min_full_width = min(self.max_full_width, caches.blocks_for(max(need, min_table_tokens), fb))
+    self._swa_tail = caches.state_tail_tokens(config)   # swa rows before a step's start that it reads
     self.shapes_run: set = set()      # distinct step shapes used (a new one means a compile; tiering reads it)
     self.mesh = mesh
     # Data shards that own a slice of the pools and rows (1 = one pool: one device, or replicated over `data`).
@@ -414,21 +416,38 @@ class ModelRunner:
     a["temperature"][i], a["top_k"][i], a["top_p"][i] = sp.temperature, sp.top_k, sp.top_p
     a["seed"][i], a["step"][i] = sp.seed & 0xFFFFFFFF, r.step
 
-  def _ragged(self, rows: list[Row], ws: int, wf: int):
+  def _swa_window(self, rows: list[Row]):
+    """The swa blocks a ragged step can touch, per row: from the block of start - state_tail_tokens (window rows,
+    Engram ids, the compressor state of start - 1) to the block of its last token. Returns (base_B, width): the
+    width is a power of two >= 8 covering every row, so the swa table follows the window + chunk, not the context."""
+    sb = self.layout.swa_block_tokens
+    start = np.array([r.start for r in rows], np.int64)
+    end = start + np.array([len(r.tokens) for r in rows], np.int64)
+    base = np.maximum(start - self._swa_tail, 0) // sb
+    need = int(np.max(-(-end // sb) - base))
+    return base, min(self.max_swa_width, pow2_at_least(need, 8))
+
+  def _ragged(self, rows: list[Row], wf: int):
     # Rows: all max_num_seqs slots up to 64 (tables are [R, width] int32, cheap; one row bucket = fewer compiles),
     # beyond that 4x buckets from 64. Tokens: 8 * growth^k, capped at the step budget's power of two.
     R = self.max_num_seqs if self.max_num_seqs <= 64 else min(self.max_num_seqs, pow4_at_least(len(rows), 64))
     total = sum(len(r.tokens) for r in rows)
     N = token_bucket(total, self.token_bucket_growth, self.max_num_batched_tokens, self.token_bucket_steps)
+    base, ws = self._swa_window(rows)
     shape = RaggedShape(N, R, ws, wf)
     a = {"tokens": np.zeros(N, np.int32), "row": np.full(N, -1, np.int32), "pos": np.zeros(N, np.int32),
          "start": np.zeros(R, np.int32), "num": np.zeros(R, np.int32), "last": np.zeros(R, np.int32),
+         "swa_base": np.zeros(R, np.int32),
          "temperature": np.zeros(R, np.float32), "top_k": np.zeros(R, np.int32), "top_p": np.ones(R, np.float32),
          "seed": np.zeros(R, np.uint32), "step": np.zeros(R, np.int32)}
     slots = np.array([r.slot for r in rows], np.int64)
     a["swa"] = np.full((R, ws), -1, np.int32)
     a["full"] = np.full((R, wf), -1, np.int32)
-    a["swa"][: len(rows)] = self.swa_host[slots, :ws]
+    cols = base[:, None] + np.arange(ws)[None, :]
+    inside = cols < self.max_swa_width
+    a["swa"][: len(rows)] = np.where(inside, self.swa_host[slots[:, None], np.minimum(cols, self.max_swa_width - 1)],
+                                     -1)
+    a["swa_base"][: len(rows)] = base
     a["full"][: len(rows)] = self.full_host[slots, :wf]
     o = 0
     for i, r in enumerate(rows):
@@ -490,7 +509,7 @@ class ModelRunner:
     end = max(r.start + len(r.tokens) for r in rows)
     ws, wf = self._widths(end)
     if self.step_mode == "ragged":
-      shape, buf = self._ragged(rows, ws, wf)
+      shape, buf = self._ragged(rows, wf)
       self.shapes_run.add(shape)
       self.stats["step_tokens"] += sum(len(r.tokens) for r in rows)
       self.stats["step_slots"] += shape.tokens

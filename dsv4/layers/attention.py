@@ -213,8 +213,7 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
     kv = cache_quant.fp8_window_kv(kv)
   cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], ctx.token_slots(), kv)
   win_pos = pos[:, None] - (a.window - 1) + jnp.arange(a.window)[None, :]
-  win_idx = caches.row_slots(ctx.swa_table_RxS, ctx.row_N[:, None], win_pos, ctx.swa_block_tokens,
-                             ctx.valid_N[:, None] & (win_pos >= 0))
+  win_idx = ctx.swa_slots(ctx.row_N[:, None], win_pos, ctx.valid_N[:, None] & (win_pos >= 0))
 
   comp_pool, comp_idx = None, None
   if plan.kind in ("full", "reindex", "reuse"):

@@ -48,6 +48,7 @@ class StepContext:
   last_N: jax.Array         # last token of its row in this step
   swa_table_RxS: jax.Array
   full_table_RxF: jax.Array
+  swa_base_R: jax.Array     # swa block index of swa table column 0, per row (StepIndex.swa_base_R)
   swa_block_tokens: int = dataclasses.field(metadata=dict(static=True))
   full_block_tokens: int = dataclasses.field(metadata=dict(static=True))
 
@@ -63,16 +64,22 @@ class StepContext:
     swa = step.tables[caches.SWA].astype(jnp.int32)
     full = step.tables.get(caches.FULL)
     full = jnp.full((R, 1), -1, jnp.int32) if full is None else full.astype(jnp.int32)
+    base = (jnp.zeros((R,), jnp.int32) if step.swa_base_R is None else step.swa_base_R.astype(jnp.int32))
     return StepContext(row_N=r, valid_N=valid, pos_N=pos, first_N=valid & (pos == start),
-                       last_N=valid & (pos == end - 1), swa_table_RxS=swa, full_table_RxF=full,
+                       last_N=valid & (pos == end - 1), swa_table_RxS=swa, full_table_RxF=full, swa_base_R=base,
                        swa_block_tokens=layout.swa_block_tokens, full_block_tokens=layout.full_block_tokens)
 
+  def swa_slots(self, row_N_, pos_N_, valid_N_):
+    """SWA-group pool row of each (row, position); -1 where invalid or outside the step's swa table."""
+    return caches.row_slots(self.swa_table_RxS, row_N_, pos_N_, self.swa_block_tokens, valid_N_, self.swa_base_R)
+
   def token_slots(self):
-    return caches.row_slots(self.swa_table_RxS, self.row_N, self.pos_N, self.swa_block_tokens, self.valid_N)
+    return self.swa_slots(self.row_N, self.pos_N, self.valid_N)
 
   def state_slots(self, pos_N, ok_N):
     """Compressor-state pool row (one per swa block) of the block holding position pos."""
-    return caches.row_slots(self.swa_table_RxS, self.row_N, pos_N // self.swa_block_tokens, 1, ok_N)
+    return caches.row_slots(self.swa_table_RxS, self.row_N, pos_N // self.swa_block_tokens, 1, ok_N,
+                            self.swa_base_R)
 
 
 def project(p, x_NxD, spec: CompressorSpec, pos_N):

@@ -50,9 +50,12 @@ class _Allocator:
     return self.tables[r]
 
 
-def run_ragged(cfg, params, tokens, lengths, rng, layout=caches.CacheLayout(), max_chunk=24, num_blocks=256):
+def run_ragged(cfg, params, tokens, lengths, rng, layout=caches.CacheLayout(), max_chunk=24, num_blocks=256,
+               swa_window=False, bases=None):
   """Serve all rows with random per-step chunk sizes (decodes once a row is past its 'prompt'), rows shuffled on
-  the flat axis. Returns per-row logits [len, V] and the set of step shapes used."""
+  the flat axis. Returns per-row logits [len, V] and the set of step shapes used. swa_window: pass each row only
+  the swa blocks from (start - state_tail_tokens) on (StepIndex.swa_base_R, what the engine's runner does); the
+  bases used are appended to `bases`."""
   R = len(lengths)
   cache = caches.init_cache(cfg, layout, num_blocks, num_blocks)
   alloc = _Allocator(layout, R, rng, num_blocks)
@@ -73,6 +76,10 @@ def run_ragged(cfg, params, tokens, lengths, rng, layout=caches.CacheLayout(), m
     # Pack rows in a random order on the flat axis: make_step_index packs in slot order, so permute via a copy.
     order = [r for r in rng.permutation(R) if rows[r] is not None]
     toks_N, step = _pack(rows, order, R, lengths, layout)
+    if swa_window:
+      step = _cut_swa(step, caches.state_tail_tokens(cfg), layout.swa_block_tokens)
+      if bases is not None:
+        bases.extend(int(b) for b, n in zip(step.swa_base_R, step.row_num_tokens_R) if n > 0)
     shapes.add((toks_N.shape[0],) + tuple(sorted((g, t.shape[1]) for g, t in step.tables.items())))
     cache, h = model.forward_ragged_jit(params, cfg, jnp.asarray(toks_N), cache,
                                         jax.tree_util.tree_map(jnp.asarray, step), layout)
@@ -102,6 +109,17 @@ def _pack(rows, order, R, lengths, layout):
   return new_tok, caches.StepIndex(new_row, new_pos, step.row_start_R, step.row_num_tokens_R, step.tables)
 
 
+def _cut_swa(step, tail, sb):
+  """The step's swa table cut to the blocks each row can touch: [(start - tail) // sb, last block], width 8."""
+  base = np.maximum(step.row_start_R - tail, 0) // sb
+  full = step.tables[caches.SWA]
+  cols = base[:, None] + np.arange(8)[None, :]
+  cut = np.where(cols < full.shape[1], np.take_along_axis(full, np.minimum(cols, full.shape[1] - 1), 1), -1)
+  assert np.all(-(-(step.row_start_R + step.row_num_tokens_R) // sb) - base <= 8)
+  return caches.StepIndex(step.token_row_N, step.token_pos_N, step.row_start_R, step.row_num_tokens_R,
+                          {**step.tables, caches.SWA: cut.astype(np.int32)}, swa_base_R=base.astype(np.int32))
+
+
 def _assert_close(got, ref, tol=TOL):
   for g, f in zip(got, ref):
     assert not np.isnan(g).any()
@@ -119,6 +137,21 @@ def test_ragged_random_mix_matches_full(setup, seed):
   got, shapes = run_ragged(cfg, params, tokens, lengths, rng)
   _assert_close(got, _reference_logits(cfg, params, tokens, lengths))
   assert len(shapes) <= 2  # N in {64, 128}: a few power-of-two buckets, not one shape per step
+
+
+def test_swa_table_cut_to_the_window_is_bitwise_the_same(setup):
+  """A step given only the swa blocks its rows can touch (StepIndex.swa_base_R: the engine's tables follow the
+  window + chunk, not the context) computes exactly what it computes with the whole swa table."""
+  cfg, params = setup
+  rng = np.random.default_rng(4)
+  lengths = np.asarray([150, 230, 90])
+  tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(9), (3, 230), 0, cfg.vocab_size))
+  whole, _ = run_ragged(cfg, params, tokens, lengths, np.random.default_rng(4))
+  bases = []
+  cut, _ = run_ragged(cfg, params, tokens, lengths, np.random.default_rng(4), swa_window=True, bases=bases)
+  assert max(bases) >= 2      # the cut dropped blocks: the comparison can fail
+  for g, w in zip(cut, whole):
+    np.testing.assert_array_equal(g, w)
 
 
 def test_hca_running_pool_equals_repool():
