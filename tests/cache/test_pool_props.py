@@ -72,6 +72,8 @@ def test_pool_matches_reference(d):
         ids = d.draw(st.lists(st.sampled_from(held), max_size=M))
       else:
         ids = d.draw(st.lists(st.integers(-1, N - 1), max_size=M))
+      if ids and d.draw(st.integers(0, 4)) == 0:
+        ids[d.draw(st.integers(0, len(ids) - 1))] = d.draw(st.sampled_from([N, N + 5, -3]))   # refused
       prepend = d.draw(st.booleans())
       s, ok = P.free(s, _pad(ids), prepend_uncached=prepend)
       assert bool(ok) == ref.free(ids, prepend_uncached=prepend)
@@ -79,7 +81,8 @@ def test_pool_matches_reference(d):
         holders.subtract(b for b in ids if b >= 0)
     elif op == "register":
       pool_ids = held + list(range(N))
-      ids = d.draw(st.lists(st.sampled_from(pool_ids + [-1]), max_size=M))
+      # repeated ids, -1 padding and out-of-range ids (INVALID) exercise the duplicate detection
+      ids = d.draw(st.lists(st.sampled_from(pool_ids + [-1, -1, N, N + 7, -4]), max_size=M))
       keys, par, tok = _ident(d, len(ids))
       s, status = P.register(s, _pad(ids), jnp.asarray(keys), jnp.asarray(par), jnp.asarray(tok))
       rstatus = ref.register(list(ids) + [-1] * (M - len(ids)), keys, par, tok)
@@ -93,7 +96,7 @@ def test_pool_matches_reference(d):
         if b >= 0:
           assert ref._matches(b, ref._ident(k, p, t))
     elif op == "evict":
-      ids = d.draw(st.lists(st.integers(-1, N - 1), max_size=M))
+      ids = d.draw(st.lists(st.integers(-3, N + 2), max_size=M))
       s, ev = P.evict(s, _pad(ids))
       assert list(np.asarray(ev)[:len(ids)]) == ref.evict(ids)
     else:
