@@ -46,7 +46,7 @@ from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, 
 from cache.hashing import ExtraKeys, RequestHasher, device_key, digest_words, key_int, keys_from_words
 from cache.prefix import find_hits, group_searches
 from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs
-from cache.step import AdmitPlan, GroupPlan, apply_step
+from cache.step import AdmitPlan, GroupPlan, InputCarver, apply_step_packed, result_layout, unpack
 
 
 class CacheError(ValueError):
@@ -103,6 +103,10 @@ class OutOfBlocks:
 
   def __bool__(self):                  # `if not mgr.allocate_for(...)` reads naturally
     return False
+
+
+def _empty(shape) -> np.ndarray:
+  return np.empty(shape, np.int32)
 
 
 PENDING = -2     # table entry: allocated, id filled in by the next device call
@@ -221,6 +225,8 @@ class KVCacheManager:
     # releases not yet applied to the mirror: settled in one numpy pass per step, before anything reads the counts
     self._unsettled = {g: [] for g in self.groups}
     self._reset_queue()
+    self._out_layouts = {}      # result buffer layout per (input layout, widths): computed once each
+    self._in_treedefs = {}
     self.stats = {"table_full": 0, "duplicate": 0, "queried_tokens": 0, "hit_tokens": 0, "device_calls": 0}
 
   # ------------------------------------------------------------------------------------------ queue
@@ -244,25 +250,33 @@ class KVCacheManager:
     if any(self._q_reg[g] or self._q_free[g] or self._q_nalloc[g] for g in self.groups):
       self._check_free_counts(self._apply(None))
 
-  def _group_plan(self, g: str) -> GroupPlan:
+  def _group_dims(self, g: str):
+    """(registrations, frees, their static widths) queued for group g."""
+    nr = sum(len(c[0]) for c in self._q_reg[g])
+    nf = sum(len(a) for a in self._q_free[g])
+    return nr, nf, _bucket(nr), _bucket(nf)
+
+  def _group_plan(self, g: str, take=_empty) -> GroupPlan:
+    """The queued work of group g as a GroupPlan; `take(shape)` hands out the (uninitialised) arrays, views of the
+    step's one input buffer (InputCarver) in leaf order."""
     bt = self.specs.group(g).block_tokens
     regs, frees = self._q_reg[g], self._q_free[g]
-    nr = sum(len(c[0]) for c in regs)
-    frees = np.concatenate(frees) if frees else np.zeros(0, np.int32)
-    r, f = _bucket(nr), _bucket(len(frees))
-    ids = np.full(r, -1, np.int32)
-    key = np.zeros((r, 2), np.int32)
-    par = np.zeros((r, 4), np.int32)
-    tok = np.zeros((r, bt), np.int32)
+    nr, nf, r, f = self._group_dims(g)
+    ids, key, par, tok = take((r,)), take((r, 2)), take((r, 4)), take((r, bt))
+    ids[nr:], key[nr:], par[nr:], tok[nr:] = -1, 0, 0, 0
     if regs:      # whole chunks at once (numpy), not per block
-      ids[:nr] = np.concatenate([c[0] for c in regs])
+      np.concatenate([c[0] for c in regs], out=ids[:nr])
       w = np.frombuffer(b"".join(d for c in regs for d in c[1]), dtype="<u4").reshape(nr, 4)
       key[:nr] = keys_from_words(w, self.key_bits)
       par[:nr] = np.frombuffer(b"".join(d for c in regs for d in c[2]), dtype="<i4").reshape(nr, 4)
-      tok[:nr] = np.concatenate([c[3] for c in regs])
-    fr = np.full(f, -1, np.int32)
-    fr[:len(frees)] = frees
-    return GroupPlan(ids, key, par, tok, fr, np.int32(self._q_nalloc[g]))
+      np.concatenate([c[3] for c in regs], out=tok[:nr])
+    fr = take((f,))
+    fr[nf:] = -1
+    if frees:
+      np.concatenate(frees, out=fr[:nf])
+    n = take(())
+    n[...] = self._q_nalloc[g]
+    return GroupPlan(ids, key, par, tok, fr, n)
 
   def _settle(self) -> None:
     """Apply the queued releases to the host mirror: one pass over all of them (not numpy calls per request)."""
@@ -277,17 +291,41 @@ class KVCacheManager:
       z = a[ref[a] == 0]
       self._nfree[g] += len(np.unique(z)) if len(z) > 1 else len(z)
 
-  def _apply(self, admit: AdmitPlan | None, admit_widths=None):
+  def _in_treedef(self, with_admit: bool):
+    if with_admit not in self._in_treedefs:
+      plans = tuple(GroupPlan(*range(6)) for _ in self.groups)
+      self._in_treedefs[with_admit] = jax.tree_util.tree_structure((plans, AdmitPlan(*range(5)) if with_admit else None))
+    return self._in_treedefs[with_admit]
+
+  def _apply(self, admit=None, admit_widths=None):
+    """One device call: the queued work plus, with admit = (token arrays, hashers, allocate targets or None), the
+    batched admission. Every plan array is a view of one int32 buffer (one transfer in); every result comes back
+    in one int32 buffer (one transfer out), unpacked as numpy views."""
     self._settle()
-    plans = tuple(self._group_plan(g) for g in self.groups)
+    G = self.specs.hash_tokens
+    shapes = []
+    for g, bt in zip(self.groups, self._bt):
+      _, _, r, f = self._group_dims(g)
+      shapes += [(r,), (r, 2), (r, 4), (r, bt), (f,), ()]
+    if admit is not None:
+      b, u = self._admit_dims(admit[0])
+      shapes += [(b, u, 2), (b, u, 4), (b, u, G), (b,), (b,)]
+    carver = InputCarver(shapes)
+    plans = tuple(self._group_plan(g, carver.take) for g in self.groups)
+    if admit is not None:
+      self._pack(*admit, take=carver.take)
     alloc_w = tuple(_bucket(self._q_nalloc[g]) for g in self.groups)
     if admit_widths is None:
       admit_widths = tuple(16 for _ in self.groups)
+    in_layout = (self._in_treedef(admit is not None), carver.shapes)
+    statics = dict(groups=self._searches, block_tokens=self._bt, align=self.specs.align_tokens, hash_tokens=G,
+                   prepend=self.prepend_uncached, alloc_widths=alloc_w, admit_widths=admit_widths)
     pools = tuple(self._pools[g] for g in self.groups)
-    pools, res = apply_step(pools, plans, admit, groups=self._searches, block_tokens=self._bt,
-                            align=self.specs.align_tokens, hash_tokens=self.specs.hash_tokens,
-                            prepend=self.prepend_uncached, alloc_widths=alloc_w, admit_widths=admit_widths)
-    res = jax.device_get(res)             # the one device -> host transfer
+    lkey = (in_layout, alloc_w, admit_widths)
+    if lkey not in self._out_layouts:
+      self._out_layouts[lkey] = result_layout(pools, in_layout, **statics)
+    pools, out = apply_step_packed(pools, carver.buf, in_layout=in_layout, **statics)
+    res = unpack(np.asarray(jax.device_get(out)), *self._out_layouts[lkey])   # the one device -> host transfer
     self.stats["device_calls"] += 1
     self._pools = dict(zip(self.groups, pools))
     for gi, g in enumerate(self.groups):
@@ -353,24 +391,45 @@ class KVCacheManager:
     h.update(tokens)
     return h
 
-  def _pack(self, toks, hashers, targets=None) -> AdmitPlan:
+  def _admit_dims(self, toks):
+    """(requests, hash units per request) of an admission batch: static widths."""
+    per_align = self.specs.align_tokens // self.specs.hash_tokens
+    u = _units_bucket(max(len(t) // self.specs.hash_tokens for t in toks))
+    return _bucket(len(toks), 1), -(-u // per_align) * per_align
+
+  def _pack(self, toks, hashers, targets=None, take=_empty) -> AdmitPlan:
+    """The admission batch as an AdmitPlan (arrays from `take`, see _group_plan). Keys and parents of all requests
+    in one numpy pass (one bytes join), not per request."""
     g = self.specs.hash_tokens
-    per_align = self.specs.align_tokens // g
-    b = _bucket(len(toks), 1)
-    u = _units_bucket(max(len(t) // g for t in toks))
-    u = -(-u // per_align) * per_align
-    key = np.zeros((b, u, 2), np.int32)
-    par = np.zeros((b, u, 4), np.int32)
-    tok = np.zeros((b, u, g), np.int32)
-    max_len = np.zeros(b, np.int32)
-    target = np.full(b, -1, np.int32)
-    for i, (t, h) in enumerate(zip(toks, hashers)):
-      key[i], par[i] = h.arrays(u)
+    b, u = self._admit_dims(toks)
+    key, par, tok, max_len, target = take((b, u, 2)), take((b, u, 4)), take((b, u, g)), take((b,)), take((b,))
+    nb = len(toks)
+    ns = np.array([min(u, len(h.digests)) for h in hashers], np.int64)
+    tot = int(ns.sum())
+    key[...] = 0
+    par[...] = 0
+    if tot:
+      w = np.frombuffer(b"".join(d for h, n in zip(hashers, ns.tolist()) for d in h.digests[:n]),
+                        dtype="<u4").reshape(tot, 4)
+      starts = np.cumsum(ns) - ns
+      rows = np.repeat(np.arange(nb), ns)
+      cols = np.arange(tot) - np.repeat(starts, ns)
+      key[rows, cols] = keys_from_words(w, self.key_bits)
+      pw = np.empty((tot, 4), np.int32)            # parent of unit c = digest of unit c - 1, the root for c = 0
+      pw[1:] = w[:-1].view(np.int32)
+      has = ns > 0
+      pw[starts[has]] = np.frombuffer(b"".join(h.root for h, k in zip(hashers, has) if k), "<i4").reshape(-1, 4)
+      par[rows, cols] = pw
+    tok[nb:] = 0
+    for i, t in enumerate(toks):
       nu = len(t) // g
       tok[i, :nu] = t[:nu * g].reshape(nu, g)
-      max_len[i] = max(len(t) - 1, 0)
-      if targets is not None and targets[i] is not None:
-        target[i] = targets[i]
+      tok[i, nu:] = 0
+    max_len[:] = 0
+    max_len[:nb] = np.maximum(np.fromiter((len(t) for t in toks), np.int64, nb) - 1, 0)
+    target[:] = -1
+    if targets is not None:
+      target[:nb] = [-1 if t is None else t for t in targets]
     return AdmitPlan(key, par, tok, max_len, target)
 
   def lookup(self, token_ids, extra_keys: ExtraKeys = ExtraKeys()) -> PrefixHit:
@@ -387,11 +446,23 @@ class KVCacheManager:
                          groups=self._searches, align_tokens=self.specs.align_tokens,
                          hash_tokens=self.specs.hash_tokens)
     hit, ids = jax.device_get((hit, ids))
-    return [self._hit(i, len(t), hit, ids) for i, t in enumerate(toks)]
+    return [self._hit(i, len(t), hit, ids, compact=False) for i, t in enumerate(toks)]
 
-  def _hit(self, i, n_query, hit, ids) -> PrefixHit:
+  def _hit(self, i, n_query, hit, ids, compact=True) -> PrefixHit:
+    """Request i's PrefixHit. ids per group: [B, blocks] tables, or (compact, apply_step's form) sliding groups
+    as their tail only, [B, need_blocks], placed before the hit here."""
     n = int(hit[i])
-    blocks = {name: gid[i, :n // bt].copy() for name, gid, bt in zip(self.groups, ids, self._bt)}
+    blocks = {}
+    for name, gid, bt, srch in zip(self.groups, ids, self._bt, self._searches):
+      e = n // bt
+      if compact and srch.kind != FULL_HISTORY:
+        tab = np.full(e, -1, np.int32)
+        k = min(e, gid.shape[1])
+        if k:
+          tab[e - k:] = gid[i, gid.shape[1] - k:]
+        blocks[name] = tab
+      else:
+        blocks[name] = gid[i, :e].copy()
     self.stats["queried_tokens"] += n_query
     self.stats["hit_tokens"] += n
     return PrefixHit(n, blocks)
@@ -426,17 +497,15 @@ class KVCacheManager:
     if allocate_tokens is not None and any(t is not None and t < 0 for t in allocate_tokens):
       raise CacheError("add_requests: allocate_tokens must be >= 0")
     hashers = [self._hasher(t, e) for _, t, e in reqs]
-    plan = self._pack([t for _, t, _ in reqs], hashers, allocate_tokens)
-    widths = tuple(_bucket(sum(-(-int(t) // bt) for t in plan.target_B if t >= 0)) for bt in self._bt)
-    res = self._apply(plan, widths)
+    tgts = [t for t in allocate_tokens if t is not None] if allocate_tokens is not None else []
+    widths = tuple(_bucket(sum(-(-int(t) // bt) for t in tgts)) for bt in self._bt)
+    res = self._apply(([t for _, t, _ in reqs], hashers, allocate_tokens), widths)
     hit, run, ids = res["hit"], res["run"], res["hit_ids"]
     out = []
     nb = len(reqs)
-    hit_B = np.asarray(hit[:nb])
     for gi, g in enumerate(self.groups):    # claims (the device did them) mirrored on the host, all requests at once
-      gid = np.asarray(ids[gi][:nb])
-      mask = (np.arange(gid.shape[1])[None, :] < (hit_B // self._bt[gi])[:, None]) & (gid >= 0)
-      got = gid[mask]
+      gid = ids[gi][:nb]          # -1 past the hit (full groups) / outside the tail (sliding groups)
+      got = gid[gid >= 0]
       if len(got):          # siblings may claim the same block: count it once (checked against the device after)
         ref = self._ref[g]
         self._nfree[g] -= int(np.count_nonzero(ref[np.unique(got)] == 0))
