@@ -165,6 +165,7 @@ class _Request:
   released: dict[str, int]             # sliding groups: leading blocks already released
   junctions: tuple[int, ...] = ()      # extra checkpoint boundaries (shared-prefix junction)
   dense: bool = True                   # take the dense-start checkpoints (only a request that hit nothing does)
+  plan: tuple[int, ...] | None = None  # its checkpoint boundaries (policy.plan), computed at the first commit
 
 
 def _bucket(n: int, lo: int = 16) -> int:
@@ -202,6 +203,9 @@ class KVCacheManager:
       raise ValueError(f"KVCacheManager: num_blocks must name exactly the groups {list(self.groups)}; got "
                        f"{sorted(sizes)}")
     self._searches = group_searches(specs)
+    self._G = specs.hash_tokens
+    self._bt_of = {g.name: g.block_tokens for g in specs.groups}
+    self._kind = {g.name: g.kind for g in specs.groups}
     self._bt = tuple(g.block_tokens for g in specs.groups)
     self.policies = {g.name: CheckpointPolicy(specs.align_tokens, g.block_tokens, g.tail_tokens,
                                               retention_interval, dense_start and not legacy_dense_swa,
@@ -210,6 +214,7 @@ class KVCacheManager:
     if not self.policies:   # validate the knob even without sliding groups
       CheckpointPolicy(specs.align_tokens, specs.align_tokens, 0, retention_interval)
     self.junction_checkpoints = junction_checkpoints and not legacy_dense_swa
+    self._pol0 = next(iter(self.policies.values()), None)    # the policy that places boundaries (all agree)
     self._pools = {g.name: P.init_pool(sizes[g.name], g.block_tokens, max_probe) for g in specs.groups}
     self.num_blocks = {g: sizes[g] for g in self.groups}
     self.model_id, self.key_bits = model_id, key_bits
@@ -231,7 +236,7 @@ class KVCacheManager:
 
   # ------------------------------------------------------------------------------------------ queue
   def _reset_queue(self):
-    # chunks (ids, key digests, parent digests, token lists, event infos or None), one per _register call (never
+    # chunks (ids, key digest words [m, 4] uint32, parent words [m, 4] int32, tokens [m, bt], event infos or None), one per _register call (never
     # empty); turned into arrays for all chunks at once when the step is packed (numpy per step, not per request)
     self._q_reg = {g: [] for g in self.groups}
     self._q_free = {g: [] for g in self.groups}     # arrays of released ids (eviction order), concatenated per step
@@ -259,16 +264,15 @@ class KVCacheManager:
   def _group_plan(self, g: str, take=_empty) -> GroupPlan:
     """The queued work of group g as a GroupPlan; `take(shape)` hands out the (uninitialised) arrays, views of the
     step's one input buffer (InputCarver) in leaf order."""
-    bt = self.specs.group(g).block_tokens
+    bt = self._bt_of[g]
     regs, frees = self._q_reg[g], self._q_free[g]
     nr, nf, r, f = self._group_dims(g)
     ids, key, par, tok = take((r,)), take((r, 2)), take((r, 4)), take((r, bt))
     ids[nr:], key[nr:], par[nr:], tok[nr:] = -1, 0, 0, 0
     if regs:      # whole chunks at once (numpy), not per block
       np.concatenate([c[0] for c in regs], out=ids[:nr])
-      w = np.frombuffer(b"".join(d for c in regs for d in c[1]), dtype="<u4").reshape(nr, 4)
-      key[:nr] = keys_from_words(w, self.key_bits)
-      par[:nr] = np.frombuffer(b"".join(d for c in regs for d in c[2]), dtype="<i4").reshape(nr, 4)
+      key[:nr] = keys_from_words(np.concatenate([c[1] for c in regs]), self.key_bits)
+      np.concatenate([c[2] for c in regs], out=par[:nr])
       np.concatenate([c[3] for c in regs], out=tok[:nr])
     fr = take((f,))
     fr[nf:] = -1
@@ -302,7 +306,7 @@ class KVCacheManager:
     batched admission. Every plan array is a view of one int32 buffer (one transfer in); every result comes back
     in one int32 buffer (one transfer out), unpacked as numpy views."""
     self._settle()
-    G = self.specs.hash_tokens
+    G = self._G
     shapes = []
     for g, bt in zip(self.groups, self._bt):
       _, _, r, f = self._group_dims(g)
@@ -369,8 +373,7 @@ class KVCacheManager:
     self.stats["table_full"] += int(np.count_nonzero(st == P.TABLE_FULL))
     if not self.events.enabled:
       return
-    keys = keys_from_words(np.frombuffer(b"".join(d for c in regs for d in c[1]), dtype="<u4").reshape(-1, 4),
-                           self.key_bits)
+    keys = keys_from_words(np.concatenate([c[1] for c in regs]), self.key_bits)
     infos = [i for c in regs for i in c[4]]
     for i in np.flatnonzero(st == P.STORED):
       kk = key_int(keys[i])
@@ -393,14 +396,14 @@ class KVCacheManager:
 
   def _admit_dims(self, toks):
     """(requests, hash units per request) of an admission batch: static widths."""
-    per_align = self.specs.align_tokens // self.specs.hash_tokens
-    u = _units_bucket(max(len(t) // self.specs.hash_tokens for t in toks))
+    per_align = self.specs.align_tokens // self._G
+    u = _units_bucket(max(len(t) // self._G for t in toks))
     return _bucket(len(toks), 1), -(-u // per_align) * per_align
 
   def _pack(self, toks, hashers, targets=None, take=_empty) -> AdmitPlan:
     """The admission batch as an AdmitPlan (arrays from `take`, see _group_plan). Keys and parents of all requests
     in one numpy pass (one bytes join), not per request."""
-    g = self.specs.hash_tokens
+    g = self._G
     b, u = self._admit_dims(toks)
     key, par, tok, max_len, target = take((b, u, 2)), take((b, u, 4)), take((b, u, g)), take((b,)), take((b,))
     nb = len(toks)
@@ -409,7 +412,7 @@ class KVCacheManager:
     key[...] = 0
     par[...] = 0
     if tot:
-      w = np.frombuffer(b"".join(d for h, n in zip(hashers, ns.tolist()) for d in h.digests[:n]),
+      w = np.frombuffer(b"".join(h.blob[:16 * n] for h, n in zip(hashers, ns.tolist())),
                         dtype="<u4").reshape(tot, 4)
       starts = np.cumsum(ns) - ns
       rows = np.repeat(np.arange(nb), ns)
@@ -584,17 +587,23 @@ class KVCacheManager:
 
   # ------------------------------------------------------------------------------------------ register
   def _register(self, r: _Request, g: str, block_idx) -> None:
-    """Queue blocks (by table index) of a group for registration under the request's hashes."""
-    bt = self.specs.group(g).block_tokens
-    upb = bt // self.specs.hash_tokens
+    """Queue blocks (by table index) of a group for registration under the request's hashes (numpy over the
+    blocks: digest words gathered from the hasher's blob, tokens as a view)."""
+    bt = self._bt_of[g]
+    upb = bt // self._G
     h = r.hasher
     tab = r.tables[g]
-    if isinstance(block_idx, range) and len(block_idx) and (tab.buf[block_idx.start:block_idx.stop] >= 0).all():
-      a, b = block_idx.start, block_idx.stop      # the usual case (commit, checkpoint): contiguous, all held
-      ids = tab.buf[a:b].copy()
-      jl = list(block_idx)
-      tok = r.tokens.buf[a * bt:b * bt].reshape(-1, bt)     # a view (token positions never change)
-    else:
+    if isinstance(block_idx, range):
+      a, b = block_idx.start, block_idx.stop
+      if a >= b:
+        return
+      ids = tab.buf[a:b]
+      if ids.min() >= 0:     # the usual case (commit, checkpoint): contiguous, all held
+        ids = ids.copy()
+        js = np.arange(a, b)
+        tok = r.tokens.buf[a * bt:b * bt].reshape(-1, bt)     # a view (token positions never change)
+        block_idx = None
+    if block_idx is not None:
       js = np.asarray(block_idx, np.int64)
       if not len(js):
         return
@@ -603,23 +612,20 @@ class KVCacheManager:
       js, ids = js[keep], v[keep]
       if not len(js):
         return
-      jl = js.tolist()
-      tok = r.tokens.buf[:(max(jl) + 1) * bt].reshape(-1, bt)[js]      # (blocks, bt), one gather
-    d = h.digests
-    kd = [d[(j + 1) * upb - 1] for j in jl]
-    pd = [h.parent(j * upb) for j in jl]
-    js = jl
+      tok = r.tokens.buf[:(int(js.max()) + 1) * bt].reshape(-1, bt)[js]      # (blocks, bt), one gather
+    kw = h.words((js + 1) * upb - 1)
+    pw = h.parent_words(js * upb)
     infos = None
     if self.events.enabled:
       infos = [(key_int(device_key(h.digests[j * upb - 1], self.key_bits)) if j else None, r.tenant, bt)
-               for j in js]
-    self._q_reg[g].append((ids, kd, pd, tok, infos))
+               for j in js.tolist()]
+    self._q_reg[g].append((ids, kw, pw, tok, infos))
 
   def _checkpoint(self, r: _Request, boundary: int) -> None:
     for g, pol in self.policies.items():
       idx = pol.tail_blocks(boundary)
       tab = r.tables[g]
-      if len(idx) and idx.stop <= len(tab) and (tab.buf[idx.start:idx.stop] >= 0).all():
+      if len(idx) and idx.stop <= len(tab) and tab.buf[idx.start:idx.stop].min() >= 0:
         self._register(r, g, idx)
 
   def commit(self, request_id: str, num_computed_tokens: int) -> None:
@@ -636,17 +642,19 @@ class KVCacheManager:
     for g, bt in zip(self.groups, self._bt):
       if -(-n // bt) > len(r.tables[g]):
         raise CacheError(f"commit: {n} tokens exceed the blocks allocated in group {g}")
-    start = len(r.hasher.digests) * self.specs.hash_tokens     # hash only the new units: O(new tokens)
+    start = len(r.hasher.digests) * self._G     # hash only the new units: O(new tokens)
     if n > start:
       r.hasher.update(r.tokens.buf[start:n], offset=start)
     prev, r.num_computed = r.num_computed, n
     for g, bt in zip(self.groups, self._bt):
-      if self.specs.group(g).kind == FULL_HISTORY or self.legacy:
+      if self._kind[g] == FULL_HISTORY or self.legacy:
         self._register(r, g, range(r.num_registered[g], n // bt))
         r.num_registered[g] = max(r.num_registered[g], n // bt)
     if not self.legacy and self.policies:
-      pol = next(iter(self.policies.values()))
-      for p in pol.boundaries(prev, n, r.prompt_len, r.junctions, r.dense):
+      pol = self._pol0
+      if r.plan is None:
+        r.plan = pol.plan(r.prompt_len, r.junctions, r.dense)
+      for p in pol.select(r.plan, prev, n):
         self._checkpoint(r, p)
     for g, pol in self.policies.items():
       self._release(r, g, pol.releasable_blocks(n))
