@@ -96,7 +96,7 @@ class RequestHasher:
     self.key_bits = key_bits
     self.root = root_digest(self.extra_blob)
     self.digests: list[bytes] = []      # digests[u] names the prefix [0, (u+1)*hash_tokens)
-    self.blob = bytearray()             # the same digests concatenated: many read at once with numpy (`words`)
+    self.blob = bytearray()             # the same digests concatenated: read for many requests at once (manager)
 
   def update(self, tokens: np.ndarray, offset: int = 0) -> None:
     """Hash every complete unit not hashed yet. `tokens` = the request's tokens from position `offset` on (a
@@ -114,22 +114,6 @@ class RequestHasher:
 
   def parent(self, u: int) -> bytes:
     return self.digests[u - 1] if u else self.root
-
-  def words(self, units) -> np.ndarray:
-    """uint32 [M, 4]: digests[units] as little-endian words (one numpy gather, no per-unit Python)."""
-    w = np.frombuffer(self.blob, dtype="<u4").reshape(-1, DIGEST_WORDS)
-    out = w[np.asarray(units, np.int64)]     # fancy indexing copies, so no view of the growing blob escapes
-    del w
-    return out
-
-  def parent_words(self, units) -> np.ndarray:
-    """int32 [M, 4]: words of parent(u) for each u (the digest of unit u - 1, the root for u = 0)."""
-    u = np.asarray(units, np.int64)
-    out = np.empty((len(u), DIGEST_WORDS), np.int32)
-    nz = u > 0
-    out[nz] = self.words(u[nz] - 1).view(np.int32)
-    out[~nz] = np.frombuffer(self.root, dtype="<i4")
-    return out
 
   def arrays(self, num_units: int) -> tuple[np.ndarray, np.ndarray]:
     """(key_Ux2, parent_Ux4) for units [0, num_units), zero-padded past the hashed ones (vectorised)."""

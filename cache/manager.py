@@ -236,7 +236,8 @@ class KVCacheManager:
 
   # ------------------------------------------------------------------------------------------ queue
   def _reset_queue(self):
-    # chunks (ids, key digest words [m, 4] uint32, parent words [m, 4] int32, tokens [m, bt], event infos or None), one per _register call (never
+    # chunks (ids, hasher, first block index, explicit block indices or None (= contiguous), tokens [m, bt], event
+    # infos or None), one per _register call (never
     # empty); turned into arrays for all chunks at once when the step is packed (numpy per step, not per request)
     self._q_reg = {g: [] for g in self.groups}
     self._q_free = {g: [] for g in self.groups}     # arrays of released ids (eviction order), concatenated per step
@@ -271,9 +272,10 @@ class KVCacheManager:
     ids[nr:], key[nr:], par[nr:], tok[nr:] = -1, 0, 0, 0
     if regs:      # whole chunks at once (numpy), not per block
       np.concatenate([c[0] for c in regs], out=ids[:nr])
-      key[:nr] = keys_from_words(np.concatenate([c[1] for c in regs]), self.key_bits)
-      np.concatenate([c[2] for c in regs], out=par[:nr])
-      np.concatenate([c[3] for c in regs], out=tok[:nr])
+      kw, pw = self._reg_words(g)
+      key[:nr] = keys_from_words(kw, self.key_bits)
+      par[:nr] = pw
+      np.concatenate([c[4] for c in regs], out=tok[:nr])
     fr = take((f,))
     fr[nf:] = -1
     if frees:
@@ -373,8 +375,8 @@ class KVCacheManager:
     self.stats["table_full"] += int(np.count_nonzero(st == P.TABLE_FULL))
     if not self.events.enabled:
       return
-    keys = keys_from_words(np.concatenate([c[1] for c in regs]), self.key_bits)
-    infos = [i for c in regs for i in c[4]]
+    keys = keys_from_words(self._reg_words(g)[0], self.key_bits)
+    infos = [i for c in regs for i in c[5]]
     for i in np.flatnonzero(st == P.STORED):
       kk = key_int(keys[i])
       parent, tenant, bt = infos[i]
@@ -587,12 +589,12 @@ class KVCacheManager:
 
   # ------------------------------------------------------------------------------------------ register
   def _register(self, r: _Request, g: str, block_idx) -> None:
-    """Queue blocks (by table index) of a group for registration under the request's hashes (numpy over the
-    blocks: digest words gathered from the hasher's blob, tokens as a view)."""
+    """Queue blocks (by table index) of a group for registration under the request's hashes. Only the ids (a
+    copy: the table may release them before the call) and a token view are taken here; the digest words of every
+    queued block of every request are gathered at once when the step is packed (`_reg_words`)."""
     bt = self._bt_of[g]
-    upb = bt // self._G
-    h = r.hasher
     tab = r.tables[g]
+    js = None
     if isinstance(block_idx, range):
       a, b = block_idx.start, block_idx.stop
       if a >= b:
@@ -600,7 +602,6 @@ class KVCacheManager:
       ids = tab.buf[a:b]
       if ids.min() >= 0:     # the usual case (commit, checkpoint): contiguous, all held
         ids = ids.copy()
-        js = np.arange(a, b)
         tok = r.tokens.buf[a * bt:b * bt].reshape(-1, bt)     # a view (token positions never change)
         block_idx = None
     if block_idx is not None:
@@ -612,14 +613,41 @@ class KVCacheManager:
       js, ids = js[keep], v[keep]
       if not len(js):
         return
+      a = int(js[0])
       tok = r.tokens.buf[:(int(js.max()) + 1) * bt].reshape(-1, bt)[js]      # (blocks, bt), one gather
-    kw = h.words((js + 1) * upb - 1)
-    pw = h.parent_words(js * upb)
     infos = None
     if self.events.enabled:
-      infos = [(key_int(device_key(h.digests[j * upb - 1], self.key_bits)) if j else None, r.tenant, bt)
-               for j in js.tolist()]
-    self._q_reg[g].append((ids, kw, pw, tok, infos))
+      upb = bt // self._G
+      jl = range(a, a + len(ids)) if js is None else js.tolist()
+      infos = [(key_int(device_key(r.hasher.digests[j * upb - 1], self.key_bits)) if j else None, r.tenant, bt)
+               for j in jl]
+    self._q_reg[g].append((ids, r.hasher, a, js, tok, infos))
+
+  def _reg_words(self, g: str):
+    """(key digest words [R, 4] uint32, parent words [R, 4] int32) of every queued registration of group g: one
+    bytes join of the hashers involved (root + digests each) and two numpy gathers, not per request / block."""
+    regs = self._q_reg[g]
+    upb = self._bt_of[g] // self._G
+    off, parts, n_units = {}, [], 0
+    for c in regs:
+      h = c[1]
+      if id(h) not in off:
+        off[id(h)] = n_units
+        parts.append(h.root)
+        parts.append(h.blob)
+        n_units += 1 + len(h.digests)
+    w = np.frombuffer(b"".join(parts), dtype="<u4").reshape(-1, 4)
+    counts = np.fromiter((len(c[0]) for c in regs), np.int64, len(regs))
+    tot = int(counts.sum())
+    starts = np.cumsum(counts) - counts
+    j = (np.arange(tot) - np.repeat(starts, counts)
+         + np.repeat(np.fromiter((c[2] for c in regs), np.int64, len(regs)), counts))
+    for k, c in enumerate(regs):      # explicit (non-contiguous) block lists: rare
+      if c[3] is not None:
+        j[starts[k]:starts[k] + counts[k]] = c[3]
+    base = np.repeat(np.fromiter((off[id(c[1])] for c in regs), np.int64, len(regs)), counts)
+    # in the joined words, unit u's digest is at base + 1 + u and its parent (digest u - 1, or the root) at base + u
+    return w[base + (j + 1) * upb], w[base + j * upb].view(np.int32)
 
   def _checkpoint(self, r: _Request, boundary: int) -> None:
     for g, pol in self.policies.items():
