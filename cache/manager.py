@@ -400,7 +400,8 @@ class KVCacheManager:
     """(requests, hash units per request) of an admission batch: static widths."""
     per_align = self.specs.align_tokens // self._G
     u = _units_bucket(max(len(t) // self._G for t in toks))
-    return _bucket(len(toks), 1), -(-u // per_align) * per_align
+    b = 1 << (len(toks) - 1).bit_length()        # powers of 2: padding rows cost a whole search each
+    return b, -(-u // per_align) * per_align
 
   def _pack(self, toks, hashers, targets=None, take=_empty) -> AdmitPlan:
     """The admission batch as an AdmitPlan (arrays from `take`, see _group_plan). Keys and parents of all requests

@@ -247,11 +247,10 @@ def _first_match(st: PoolState, e_MxP, cand_MxP, key_Mx2, parent_Mx4, tokens_MxT
   """First probe position whose entry holds exactly (key, parent, tokens), or P.
 
   Entries e >= N name entries of `extra` = (key, parent, tokens) arrays (insertions of the running batch).
-  Keys and parents (cheap) are compared everywhere; tokens only for the single key+parent candidate per row
-  unless some row has several (forced key collisions in tests), when a full compare runs instead."""
+  Keys (2 words) are compared everywhere; parent and tokens only for the single key candidate per row unless
+  some row has several (forced key collisions in tests), when a full compare runs instead."""
   n = st.num_blocks
   p = e_MxP.shape[1]
-  eb = jnp.clip(e_MxP, 0, n - 1)
 
   def ident(field_N, field_X, e):
     own = field_N[jnp.clip(e, 0, n - 1)]
@@ -262,31 +261,32 @@ def _first_match(st: PoolState, e_MxP, cand_MxP, key_Mx2, parent_Mx4, tokens_MxT
     return jnp.where(sel, other, own)
 
   ek, ep, et = (None, None, None) if extra is None else extra
-  kp = (cand_MxP & (e_MxP >= 0)
-        & jnp.all(ident(st.key_Nx2, ek, e_MxP) == key_Mx2[:, None], -1)
-        & jnp.all(ident(st.parent_Nx4, ep, e_MxP) == parent_Mx4[:, None], -1))
-  del eb
+  # candidates by key only (2 words per probe slot); parent and tokens are compared for the single candidate per
+  # row, unless some row has several key matches (forced key collisions in tests): then a full compare runs
+  kc = cand_MxP & (e_MxP >= 0) & jnp.all(ident(st.key_Nx2, ek, e_MxP) == key_Mx2[:, None], -1)
 
   def fast(_):
-    j = _first_true(kp)
+    j = _first_true(kc)
     e = jnp.take_along_axis(e_MxP, jnp.minimum(j, p - 1)[:, None], 1)[:, 0]
-    ok = (j < p) & jnp.all(ident(st.tokens_NxT, et, e) == tokens_MxT, -1)
+    ok = ((j < p) & jnp.all(ident(st.parent_Nx4, ep, e) == parent_Mx4, -1)
+          & jnp.all(ident(st.tokens_NxT, et, e) == tokens_MxT, -1))
     return jnp.where(ok, j, p).astype(jnp.int32)
 
   def slow(_):
-    full = kp & jnp.all(ident(st.tokens_NxT, et, e_MxP) == tokens_MxT[:, None], -1)
+    full = (kc & jnp.all(ident(st.parent_Nx4, ep, e_MxP) == parent_Mx4[:, None], -1)
+            & jnp.all(ident(st.tokens_NxT, et, e_MxP) == tokens_MxT[:, None], -1))
     return _first_true(full)
 
-  return jax.lax.cond(jnp.any(jnp.sum(kp, 1) > 1), slow, fast, None)
+  return jax.lax.cond(jnp.any(jnp.sum(kc, 1) > 1), slow, fast, None)
 
 
 def lookup_blocks(st: PoolState, key_Mx2, parent_Mx4, tokens_MxT):
   """Block id holding each exact identity, or -1 (traceable). Probes until a match, an EMPTY slot or max_probe."""
   _, slots = _window(st, key_Mx2)
   e = st.table_S[slots]
-  before_empty = jnp.cumsum(e == EMPTY, 1) == 0
-  j = _first_match(st, e, before_empty, key_Mx2, parent_Mx4, tokens_MxT)
   p = e.shape[1]
+  before_empty = jnp.arange(p, dtype=jnp.int32)[None] < _first_true(e == EMPTY)[:, None]   # no cumsum
+  j = _first_match(st, e, before_empty, key_Mx2, parent_Mx4, tokens_MxT)
   return jnp.where(j < p, jnp.take_along_axis(e, jnp.minimum(j, p - 1)[:, None], 1)[:, 0], -1)
 
 
@@ -443,7 +443,7 @@ def _register_core(st: PoolState, ids_M, key_Mx2, parent_Mx4, tokens_MxT):
     cached_now = cached_before | (own >= 0)
     same = jnp.where(cached_before, same_block_ident, same_owner_ident)
     e = table[slots]
-    upto_empty = jnp.cumsum(e == EMPTY, 1) - (e == EMPTY) == 0        # scan stops after the first EMPTY
+    upto_empty = jnp.arange(p, dtype=jnp.int32)[None] <= _first_true(e == EMPTY)[:, None]   # stops after it
     j_dup = _first_match(st, e, upto_empty, key_Mx2, parent_Mx4, tokens_MxT, (key_Mx2, parent_Mx4, tokens_MxT))
     j_free = _first_true(upto_empty & (e < 0))
     free_slot = jnp.take_along_axis(slots, jnp.minimum(j_free, p - 1)[:, None], 1)[:, 0]
