@@ -262,12 +262,12 @@ class KVCacheManager:
     nf = sum(len(a) for a in self._q_free[g])
     return nr, nf, _bucket(nr), _bucket(nf)
 
-  def _group_plan(self, g: str, take=_empty) -> GroupPlan:
+  def _group_plan(self, g: str, take=_empty, dims=None) -> GroupPlan:
     """The queued work of group g as a GroupPlan; `take(shape)` hands out the (uninitialised) arrays, views of the
     step's one input buffer (InputCarver) in leaf order."""
     bt = self._bt_of[g]
     regs, frees = self._q_reg[g], self._q_free[g]
-    nr, nf, r, f = self._group_dims(g)
+    nr, nf, r, f = dims or self._group_dims(g)
     ids, key, par, tok = take((r,)), take((r, 2)), take((r, 4)), take((r, bt))
     ids[nr:], key[nr:], par[nr:], tok[nr:] = -1, 0, 0, 0
     if regs:      # whole chunks at once (numpy), not per block
@@ -310,14 +310,14 @@ class KVCacheManager:
     self._settle()
     G = self._G
     shapes = []
-    for g, bt in zip(self.groups, self._bt):
-      _, _, r, f = self._group_dims(g)
+    dims = [self._group_dims(g) for g in self.groups]
+    for (_, _, r, f), bt in zip(dims, self._bt):
       shapes += [(r,), (r, 2), (r, 4), (r, bt), (f,), ()]
     if admit is not None:
       b, u = self._admit_dims(admit[0])
       shapes += [(b, u, 2), (b, u, 4), (b, u, G), (b,), (b,)]
     carver = InputCarver(shapes)
-    plans = tuple(self._group_plan(g, carver.take) for g in self.groups)
+    plans = tuple(self._group_plan(g, carver.take, d) for g, d in zip(self.groups, dims))
     if admit is not None:
       self._pack(*admit, take=carver.take)
     alloc_w = tuple(_bucket(self._q_nalloc[g]) for g in self.groups)
@@ -589,7 +589,7 @@ class KVCacheManager:
     return BlockTables(None, None, self._tables_now(request_id))
 
   # ------------------------------------------------------------------------------------------ register
-  def _register(self, r: _Request, g: str, block_idx) -> None:
+  def _register(self, r: _Request, g: str, block_idx, all_held: bool = False) -> None:
     """Queue blocks (by table index) of a group for registration under the request's hashes. Only the ids (a
     copy: the table may release them before the call) and a token view are taken here; the digest words of every
     queued block of every request are gathered at once when the step is packed (`_reg_words`)."""
@@ -601,7 +601,7 @@ class KVCacheManager:
       if a >= b:
         return
       ids = tab.buf[a:b]
-      if ids.min() >= 0:     # the usual case (commit, checkpoint): contiguous, all held
+      if all_held or ids.min() >= 0:     # the usual case (commit, checkpoint): contiguous, all held
         ids = ids.copy()
         tok = r.tokens.buf[a * bt:b * bt].reshape(-1, bt)     # a view (token positions never change)
         block_idx = None
@@ -655,7 +655,7 @@ class KVCacheManager:
       idx = pol.tail_blocks(boundary)
       tab = r.tables[g]
       if len(idx) and idx.stop <= len(tab) and tab.buf[idx.start:idx.stop].min() >= 0:
-        self._register(r, g, idx)
+        self._register(r, g, idx, all_held=True)
 
   def commit(self, request_id: str, num_computed_tokens: int) -> None:
     """The model has written KV for positions [0, num_computed_tokens): cache what is reusable, release what the
