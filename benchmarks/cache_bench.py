@@ -45,18 +45,20 @@ def bench(B: int, L: int, pool: int, steps: int, seed: int = 0, profile=None, tw
       hashers[(s, i)] = m._hasher(p, ExtraKeys())
   hash_ms = (time.perf_counter() - t0) / len(prompts) * 1e3
   orig = m._hasher
-  lookup_of = {}
-  for s, batch in enumerate(prompts):
-    for i, p in enumerate(batch):
-      lookup_of[p.ctypes.data] = hashers[(s, i)]
+
+  ready = {}
+
+  def prepare(s):
+    """Fresh copies of batch s's hashers, made untimed (hashing is excluded; commit may extend a hasher)."""
+    for i, p in enumerate(prompts[s]):
+      h = hashers[(s, i)]
+      c = copy.copy(h)
+      c.digests, c.blob = list(h.digests), bytearray(h.blob)
+      ready[p.ctypes.data] = c
 
   def cached_hasher(tokens, extra):
-    h = lookup_of.get(tokens.ctypes.data)
-    if h is None or len(tokens) != L:
-      return orig(tokens, extra)
-    c = copy.copy(h)
-    c.digests = list(h.digests)
-    return c
+    h = ready.pop(tokens.ctypes.data, None) if len(tokens) == L else None
+    return orig(tokens, extra) if h is None else h
 
   def warm(s):
     """Serve batch s's prompts minus the last 128 tokens (fills the cache), untimed, just before step s."""
@@ -73,6 +75,7 @@ def bench(B: int, L: int, pool: int, steps: int, seed: int = 0, profile=None, tw
         m.commit(f"w{s}.{i}", n)
       m.free(f"w{s}.{i}")
     m.flush()
+    prepare(s)
     m._hasher = cached_hasher
 
   times, hits = [], []
@@ -104,6 +107,55 @@ def bench(B: int, L: int, pool: int, steps: int, seed: int = 0, profile=None, tw
           "calls_per_step": step_calls}
 
 
+class DeviceProfile:
+  """`--device_profile N`: a jax.profiler trace of every timed step (steps 3..); prints the N thunks of the XLA
+  CPU program (and runtime events) that take the most time per step, plus their sum. Same enable / disable
+  interface as cProfile.Profile, so `bench` treats both alike."""
+
+  def __init__(self):
+    import tempfile
+    self._tmp = tempfile.mkdtemp(prefix="cache_bench_prof")
+    self.dirs = []
+    self._on = False
+
+  def enable(self):
+    import os
+    import jax
+    self.dirs.append(os.path.join(self._tmp, str(len(self.dirs))))
+    jax.profiler.start_trace(self.dirs[-1])
+    self._on = True
+
+  def disable(self):          # bench calls it after every step, profiled or not
+    import jax
+    if self._on:
+      jax.profiler.stop_trace()
+      self._on = False
+
+  def report(self, top: int):
+    import collections
+    import glob
+    import os
+    import jax
+    per, cnt = collections.Counter(), collections.Counter()
+    for d in self.dirs:
+      path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+      for plane in jax.profiler.ProfileData.from_file(path).planes:
+        if plane.name != "/host:CPU":
+          continue
+        for line in plane.lines:
+          if line.name.startswith("python"):
+            continue
+          for ev in line.events:
+            k = (line.name[:12], ev.name[:90])
+            per[k] += ev.duration_ns / 1e6 / len(self.dirs)
+            cnt[k] += 1
+    print(f"device profile, ms per step (mean of {len(self.dirs)} timed steps); 'Execute' rows are the whole program "
+          "/ the wait for it, the others its thunks:")
+    for k, v in per.most_common(top):
+      print(f"{v:9.3f} ms {cnt[k] // max(1, len(self.dirs)):5d}/step  {k[0]}  {k[1]}")
+    print(f"sum of thunks (excluding Execute rows): {sum(v for k, v in per.items() if 'Execute' not in k[1]):.3f} ms")
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--small", action="store_true")
@@ -112,6 +164,8 @@ def main():
   ap.add_argument("--pools", default="", help="pool blocks per group, e.g. 65536 (default: the matrix)")
   ap.add_argument("--profile", type=int, default=0, help="print the N most expensive functions (cProfile of the "
                   "timed steps of our manager, cumulative time)")
+  ap.add_argument("--device_profile", type=int, default=0, help="print the N most expensive XLA thunks per timed "
+                  "step (jax.profiler trace of our manager's steps)")
   ap.add_argument("--two_calls", action="store_true", help="time the old driver: admit, then a second device "
                   "call for the retirements")
   ap.add_argument("--vllm_src", default="", help="directory holding vLLM 0.33's unpacked `vllm` package "
@@ -152,8 +206,12 @@ def main():
       if a.profile:
         import cProfile
         prof = cProfile.Profile()
+      elif a.device_profile:
+        prof = DeviceProfile()
       r = bench(B, L, pool, a.steps, profile=prof, two_calls=a.two_calls)
-      if prof is not None:
+      if isinstance(prof, DeviceProfile):
+        prof.report(a.device_profile)
+      elif prof is not None:
         import pstats
         print(f"cProfile {B}x{L} pool {pool} (steps 3..):")
         pstats.Stats(prof).sort_stats("cumulative").print_stats(a.profile)

@@ -78,13 +78,23 @@ class CheckpointPolicy:
         p *= 2
     return out
 
-  def boundaries(self, lo: int, hi: int, prompt_len: int, extra: tuple[int, ...] = (), dense: bool = True) -> list[int]:
-    """Checkpoint boundaries P with lo < P <= hi (tokens computed before / after a step), excluding 0."""
-    out = {p for p in self.planned(prompt_len, dense) | set(extra) if lo < p <= hi}
+  def plan(self, prompt_len: int, extra: tuple[int, ...] = (), dense: bool = True) -> tuple[int, ...]:
+    """The positive boundaries fixed at admission plus `extra`, sorted (a request's plan never changes: the
+    manager computes it once and `select`s each step's part)."""
+    return tuple(sorted(p for p in self.planned(prompt_len, dense) | set(extra) if p > 0))
+
+  def select(self, plan: tuple[int, ...], lo: int, hi: int) -> list[int]:
+    """Boundaries P of `plan` (and retention multiples) with lo < P <= hi."""
+    out = [p for p in plan if lo < p <= hi]
     if self.retention_interval:
       r = self.retention_interval
-      out.update(range((lo // r + 1) * r, hi + 1, r))
-    return sorted(p for p in out if p > 0)
+      out = sorted(set(out).union(range((lo // r + 1) * r, hi + 1, r)))
+      out = [p for p in out if p > 0]
+    return out
+
+  def boundaries(self, lo: int, hi: int, prompt_len: int, extra: tuple[int, ...] = (), dense: bool = True) -> list[int]:
+    """Checkpoint boundaries P with lo < P <= hi (tokens computed before / after a step), excluding 0."""
+    return self.select(self.plan(prompt_len, extra, dense), lo, hi)
 
   def tail_blocks(self, boundary: int) -> range:
     e = boundary // self.block_tokens

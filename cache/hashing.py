@@ -96,6 +96,7 @@ class RequestHasher:
     self.key_bits = key_bits
     self.root = root_digest(self.extra_blob)
     self.digests: list[bytes] = []      # digests[u] names the prefix [0, (u+1)*hash_tokens)
+    self.blob = bytearray()             # the same digests concatenated: read for many requests at once (manager)
 
   def update(self, tokens: np.ndarray, offset: int = 0) -> None:
     """Hash every complete unit not hashed yet. `tokens` = the request's tokens from position `offset` on (a
@@ -107,7 +108,9 @@ class RequestHasher:
     for u in range(len(self.digests), n):
       parent = self.digests[u - 1] if u else self.root
       s = u * g - offset
-      self.digests.append(unit_digest(parent, tokens[s:s + g], self.extra_blob))
+      d = unit_digest(parent, tokens[s:s + g], self.extra_blob)
+      self.digests.append(d)
+      self.blob += d
 
   def parent(self, u: int) -> bytes:
     return self.digests[u - 1] if u else self.root

@@ -46,7 +46,7 @@ from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, 
 from cache.hashing import ExtraKeys, RequestHasher, device_key, digest_words, key_int, keys_from_words
 from cache.prefix import find_hits, group_searches
 from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs
-from cache.step import AdmitPlan, GroupPlan, apply_step
+from cache.step import AdmitPlan, GroupPlan, InputCarver, apply_step_packed, result_layout, unpack
 
 
 class CacheError(ValueError):
@@ -105,6 +105,10 @@ class OutOfBlocks:
     return False
 
 
+def _empty(shape) -> np.ndarray:
+  return np.empty(shape, np.int32)
+
+
 PENDING = -2     # table entry: allocated, id filled in by the next device call
 
 
@@ -161,6 +165,7 @@ class _Request:
   released: dict[str, int]             # sliding groups: leading blocks already released
   junctions: tuple[int, ...] = ()      # extra checkpoint boundaries (shared-prefix junction)
   dense: bool = True                   # take the dense-start checkpoints (only a request that hit nothing does)
+  plan: tuple[int, ...] | None = None  # its checkpoint boundaries (policy.plan), computed at the first commit
 
 
 def _bucket(n: int, lo: int = 16) -> int:
@@ -198,6 +203,9 @@ class KVCacheManager:
       raise ValueError(f"KVCacheManager: num_blocks must name exactly the groups {list(self.groups)}; got "
                        f"{sorted(sizes)}")
     self._searches = group_searches(specs)
+    self._G = specs.hash_tokens
+    self._bt_of = {g.name: g.block_tokens for g in specs.groups}
+    self._kind = {g.name: g.kind for g in specs.groups}
     self._bt = tuple(g.block_tokens for g in specs.groups)
     self.policies = {g.name: CheckpointPolicy(specs.align_tokens, g.block_tokens, g.tail_tokens,
                                               retention_interval, dense_start and not legacy_dense_swa,
@@ -206,6 +214,7 @@ class KVCacheManager:
     if not self.policies:   # validate the knob even without sliding groups
       CheckpointPolicy(specs.align_tokens, specs.align_tokens, 0, retention_interval)
     self.junction_checkpoints = junction_checkpoints and not legacy_dense_swa
+    self._pol0 = next(iter(self.policies.values()), None)    # the policy that places boundaries (all agree)
     self._pools = {g.name: P.init_pool(sizes[g.name], g.block_tokens, max_probe) for g in specs.groups}
     self.num_blocks = {g: sizes[g] for g in self.groups}
     self.model_id, self.key_bits = model_id, key_bits
@@ -221,11 +230,14 @@ class KVCacheManager:
     # releases not yet applied to the mirror: settled in one numpy pass per step, before anything reads the counts
     self._unsettled = {g: [] for g in self.groups}
     self._reset_queue()
+    self._out_layouts = {}      # result buffer layout per (input layout, widths): computed once each
+    self._in_treedefs = {}
     self.stats = {"table_full": 0, "duplicate": 0, "queried_tokens": 0, "hit_tokens": 0, "device_calls": 0}
 
   # ------------------------------------------------------------------------------------------ queue
   def _reset_queue(self):
-    # chunks (ids, key digests, parent digests, token lists, event infos or None), one per _register call (never
+    # chunks (ids, hasher, first block index, explicit block indices or None (= contiguous), tokens [m, bt], event
+    # infos or None), one per _register call (never
     # empty); turned into arrays for all chunks at once when the step is packed (numpy per step, not per request)
     self._q_reg = {g: [] for g in self.groups}
     self._q_free = {g: [] for g in self.groups}     # arrays of released ids (eviction order), concatenated per step
@@ -244,25 +256,33 @@ class KVCacheManager:
     if any(self._q_reg[g] or self._q_free[g] or self._q_nalloc[g] for g in self.groups):
       self._check_free_counts(self._apply(None))
 
-  def _group_plan(self, g: str) -> GroupPlan:
-    bt = self.specs.group(g).block_tokens
+  def _group_dims(self, g: str):
+    """(registrations, frees, their static widths) queued for group g."""
+    nr = sum(len(c[0]) for c in self._q_reg[g])
+    nf = sum(len(a) for a in self._q_free[g])
+    return nr, nf, _bucket(nr), _bucket(nf)
+
+  def _group_plan(self, g: str, take=_empty, dims=None) -> GroupPlan:
+    """The queued work of group g as a GroupPlan; `take(shape)` hands out the (uninitialised) arrays, views of the
+    step's one input buffer (InputCarver) in leaf order."""
+    bt = self._bt_of[g]
     regs, frees = self._q_reg[g], self._q_free[g]
-    nr = sum(len(c[0]) for c in regs)
-    frees = np.concatenate(frees) if frees else np.zeros(0, np.int32)
-    r, f = _bucket(nr), _bucket(len(frees))
-    ids = np.full(r, -1, np.int32)
-    key = np.zeros((r, 2), np.int32)
-    par = np.zeros((r, 4), np.int32)
-    tok = np.zeros((r, bt), np.int32)
+    nr, nf, r, f = dims or self._group_dims(g)
+    ids, key, par, tok = take((r,)), take((r, 2)), take((r, 4)), take((r, bt))
+    ids[nr:], key[nr:], par[nr:], tok[nr:] = -1, 0, 0, 0
     if regs:      # whole chunks at once (numpy), not per block
-      ids[:nr] = np.concatenate([c[0] for c in regs])
-      w = np.frombuffer(b"".join(d for c in regs for d in c[1]), dtype="<u4").reshape(nr, 4)
-      key[:nr] = keys_from_words(w, self.key_bits)
-      par[:nr] = np.frombuffer(b"".join(d for c in regs for d in c[2]), dtype="<i4").reshape(nr, 4)
-      tok[:nr] = np.concatenate([c[3] for c in regs])
-    fr = np.full(f, -1, np.int32)
-    fr[:len(frees)] = frees
-    return GroupPlan(ids, key, par, tok, fr, np.int32(self._q_nalloc[g]))
+      np.concatenate([c[0] for c in regs], out=ids[:nr])
+      kw, pw = self._reg_words(g)
+      key[:nr] = keys_from_words(kw, self.key_bits)
+      par[:nr] = pw
+      np.concatenate([c[4] for c in regs], out=tok[:nr])
+    fr = take((f,))
+    fr[nf:] = -1
+    if frees:
+      np.concatenate(frees, out=fr[:nf])
+    n = take(())
+    n[...] = self._q_nalloc[g]
+    return GroupPlan(ids, key, par, tok, fr, n)
 
   def _settle(self) -> None:
     """Apply the queued releases to the host mirror: one pass over all of them (not numpy calls per request)."""
@@ -277,17 +297,41 @@ class KVCacheManager:
       z = a[ref[a] == 0]
       self._nfree[g] += len(np.unique(z)) if len(z) > 1 else len(z)
 
-  def _apply(self, admit: AdmitPlan | None, admit_widths=None):
+  def _in_treedef(self, with_admit: bool):
+    if with_admit not in self._in_treedefs:
+      plans = tuple(GroupPlan(*range(6)) for _ in self.groups)
+      self._in_treedefs[with_admit] = jax.tree_util.tree_structure((plans, AdmitPlan(*range(5)) if with_admit else None))
+    return self._in_treedefs[with_admit]
+
+  def _apply(self, admit=None, admit_widths=None):
+    """One device call: the queued work plus, with admit = (token arrays, hashers, allocate targets or None), the
+    batched admission. Every plan array is a view of one int32 buffer (one transfer in); every result comes back
+    in one int32 buffer (one transfer out), unpacked as numpy views."""
     self._settle()
-    plans = tuple(self._group_plan(g) for g in self.groups)
+    G = self._G
+    shapes = []
+    dims = [self._group_dims(g) for g in self.groups]
+    for (_, _, r, f), bt in zip(dims, self._bt):
+      shapes += [(r,), (r, 2), (r, 4), (r, bt), (f,), ()]
+    if admit is not None:
+      b, u = self._admit_dims(admit[0])
+      shapes += [(b, u, 2), (b, u, 4), (b, u, G), (b,), (b,)]
+    carver = InputCarver(shapes)
+    plans = tuple(self._group_plan(g, carver.take, d) for g, d in zip(self.groups, dims))
+    if admit is not None:
+      self._pack(*admit, take=carver.take)
     alloc_w = tuple(_bucket(self._q_nalloc[g]) for g in self.groups)
     if admit_widths is None:
       admit_widths = tuple(16 for _ in self.groups)
+    in_layout = (self._in_treedef(admit is not None), carver.shapes)
+    statics = dict(groups=self._searches, block_tokens=self._bt, align=self.specs.align_tokens, hash_tokens=G,
+                   prepend=self.prepend_uncached, alloc_widths=alloc_w, admit_widths=admit_widths)
     pools = tuple(self._pools[g] for g in self.groups)
-    pools, res = apply_step(pools, plans, admit, groups=self._searches, block_tokens=self._bt,
-                            align=self.specs.align_tokens, hash_tokens=self.specs.hash_tokens,
-                            prepend=self.prepend_uncached, alloc_widths=alloc_w, admit_widths=admit_widths)
-    res = jax.device_get(res)             # the one device -> host transfer
+    lkey = (in_layout, alloc_w, admit_widths)
+    if lkey not in self._out_layouts:
+      self._out_layouts[lkey] = result_layout(pools, in_layout, **statics)
+    pools, out = apply_step_packed(pools, carver.buf, in_layout=in_layout, **statics)
+    res = unpack(np.asarray(jax.device_get(out)), *self._out_layouts[lkey])   # the one device -> host transfer
     self.stats["device_calls"] += 1
     self._pools = dict(zip(self.groups, pools))
     for gi, g in enumerate(self.groups):
@@ -331,9 +375,8 @@ class KVCacheManager:
     self.stats["table_full"] += int(np.count_nonzero(st == P.TABLE_FULL))
     if not self.events.enabled:
       return
-    keys = keys_from_words(np.frombuffer(b"".join(d for c in regs for d in c[1]), dtype="<u4").reshape(-1, 4),
-                           self.key_bits)
-    infos = [i for c in regs for i in c[4]]
+    keys = keys_from_words(self._reg_words(g)[0], self.key_bits)
+    infos = [i for c in regs for i in c[5]]
     for i in np.flatnonzero(st == P.STORED):
       kk = key_int(keys[i])
       parent, tenant, bt = infos[i]
@@ -353,24 +396,46 @@ class KVCacheManager:
     h.update(tokens)
     return h
 
-  def _pack(self, toks, hashers, targets=None) -> AdmitPlan:
-    g = self.specs.hash_tokens
-    per_align = self.specs.align_tokens // g
-    b = _bucket(len(toks), 1)
-    u = _units_bucket(max(len(t) // g for t in toks))
-    u = -(-u // per_align) * per_align
-    key = np.zeros((b, u, 2), np.int32)
-    par = np.zeros((b, u, 4), np.int32)
-    tok = np.zeros((b, u, g), np.int32)
-    max_len = np.zeros(b, np.int32)
-    target = np.full(b, -1, np.int32)
-    for i, (t, h) in enumerate(zip(toks, hashers)):
-      key[i], par[i] = h.arrays(u)
+  def _admit_dims(self, toks):
+    """(requests, hash units per request) of an admission batch: static widths."""
+    per_align = self.specs.align_tokens // self._G
+    u = _units_bucket(max(len(t) // self._G for t in toks))
+    b = 1 << (len(toks) - 1).bit_length()        # powers of 2: padding rows cost a whole search each
+    return b, -(-u // per_align) * per_align
+
+  def _pack(self, toks, hashers, targets=None, take=_empty) -> AdmitPlan:
+    """The admission batch as an AdmitPlan (arrays from `take`, see _group_plan). Keys and parents of all requests
+    in one numpy pass (one bytes join), not per request."""
+    g = self._G
+    b, u = self._admit_dims(toks)
+    key, par, tok, max_len, target = take((b, u, 2)), take((b, u, 4)), take((b, u, g)), take((b,)), take((b,))
+    nb = len(toks)
+    ns = np.array([min(u, len(h.digests)) for h in hashers], np.int64)
+    tot = int(ns.sum())
+    key[...] = 0
+    par[...] = 0
+    if tot:
+      w = np.frombuffer(b"".join(h.blob[:16 * n] for h, n in zip(hashers, ns.tolist())),
+                        dtype="<u4").reshape(tot, 4)
+      starts = np.cumsum(ns) - ns
+      rows = np.repeat(np.arange(nb), ns)
+      cols = np.arange(tot) - np.repeat(starts, ns)
+      key[rows, cols] = keys_from_words(w, self.key_bits)
+      pw = np.empty((tot, 4), np.int32)            # parent of unit c = digest of unit c - 1, the root for c = 0
+      pw[1:] = w[:-1].view(np.int32)
+      has = ns > 0
+      pw[starts[has]] = np.frombuffer(b"".join(h.root for h, k in zip(hashers, has) if k), "<i4").reshape(-1, 4)
+      par[rows, cols] = pw
+    tok[nb:] = 0
+    for i, t in enumerate(toks):
       nu = len(t) // g
       tok[i, :nu] = t[:nu * g].reshape(nu, g)
-      max_len[i] = max(len(t) - 1, 0)
-      if targets is not None and targets[i] is not None:
-        target[i] = targets[i]
+      tok[i, nu:] = 0
+    max_len[:] = 0
+    max_len[:nb] = np.maximum(np.fromiter((len(t) for t in toks), np.int64, nb) - 1, 0)
+    target[:] = -1
+    if targets is not None:
+      target[:nb] = [-1 if t is None else t for t in targets]
     return AdmitPlan(key, par, tok, max_len, target)
 
   def lookup(self, token_ids, extra_keys: ExtraKeys = ExtraKeys()) -> PrefixHit:
@@ -387,11 +452,23 @@ class KVCacheManager:
                          groups=self._searches, align_tokens=self.specs.align_tokens,
                          hash_tokens=self.specs.hash_tokens)
     hit, ids = jax.device_get((hit, ids))
-    return [self._hit(i, len(t), hit, ids) for i, t in enumerate(toks)]
+    return [self._hit(i, len(t), hit, ids, compact=False) for i, t in enumerate(toks)]
 
-  def _hit(self, i, n_query, hit, ids) -> PrefixHit:
+  def _hit(self, i, n_query, hit, ids, compact=True) -> PrefixHit:
+    """Request i's PrefixHit. ids per group: [B, blocks] tables, or (compact, apply_step's form) sliding groups
+    as their tail only, [B, need_blocks], placed before the hit here."""
     n = int(hit[i])
-    blocks = {name: gid[i, :n // bt].copy() for name, gid, bt in zip(self.groups, ids, self._bt)}
+    blocks = {}
+    for name, gid, bt, srch in zip(self.groups, ids, self._bt, self._searches):
+      e = n // bt
+      if compact and srch.kind != FULL_HISTORY:
+        tab = np.full(e, -1, np.int32)
+        k = min(e, gid.shape[1])
+        if k:
+          tab[e - k:] = gid[i, gid.shape[1] - k:]
+        blocks[name] = tab
+      else:
+        blocks[name] = gid[i, :e].copy()
     self.stats["queried_tokens"] += n_query
     self.stats["hit_tokens"] += n
     return PrefixHit(n, blocks)
@@ -426,17 +503,15 @@ class KVCacheManager:
     if allocate_tokens is not None and any(t is not None and t < 0 for t in allocate_tokens):
       raise CacheError("add_requests: allocate_tokens must be >= 0")
     hashers = [self._hasher(t, e) for _, t, e in reqs]
-    plan = self._pack([t for _, t, _ in reqs], hashers, allocate_tokens)
-    widths = tuple(_bucket(sum(-(-int(t) // bt) for t in plan.target_B if t >= 0)) for bt in self._bt)
-    res = self._apply(plan, widths)
+    tgts = [t for t in allocate_tokens if t is not None] if allocate_tokens is not None else []
+    widths = tuple(_bucket(sum(-(-int(t) // bt) for t in tgts)) for bt in self._bt)
+    res = self._apply(([t for _, t, _ in reqs], hashers, allocate_tokens), widths)
     hit, run, ids = res["hit"], res["run"], res["hit_ids"]
     out = []
     nb = len(reqs)
-    hit_B = np.asarray(hit[:nb])
     for gi, g in enumerate(self.groups):    # claims (the device did them) mirrored on the host, all requests at once
-      gid = np.asarray(ids[gi][:nb])
-      mask = (np.arange(gid.shape[1])[None, :] < (hit_B // self._bt[gi])[:, None]) & (gid >= 0)
-      got = gid[mask]
+      gid = ids[gi][:nb]          # -1 past the hit (full groups) / outside the tail (sliding groups)
+      got = gid[gid >= 0]
       if len(got):          # siblings may claim the same block: count it once (checked against the device after)
         ref = self._ref[g]
         self._nfree[g] -= int(np.count_nonzero(ref[np.unique(got)] == 0))
@@ -514,18 +589,23 @@ class KVCacheManager:
     return BlockTables(None, None, self._tables_now(request_id))
 
   # ------------------------------------------------------------------------------------------ register
-  def _register(self, r: _Request, g: str, block_idx) -> None:
-    """Queue blocks (by table index) of a group for registration under the request's hashes."""
-    bt = self.specs.group(g).block_tokens
-    upb = bt // self.specs.hash_tokens
-    h = r.hasher
+  def _register(self, r: _Request, g: str, block_idx, all_held: bool = False) -> None:
+    """Queue blocks (by table index) of a group for registration under the request's hashes. Only the ids (a
+    copy: the table may release them before the call) and a token view are taken here; the digest words of every
+    queued block of every request are gathered at once when the step is packed (`_reg_words`)."""
+    bt = self._bt_of[g]
     tab = r.tables[g]
-    if isinstance(block_idx, range) and len(block_idx) and (tab.buf[block_idx.start:block_idx.stop] >= 0).all():
-      a, b = block_idx.start, block_idx.stop      # the usual case (commit, checkpoint): contiguous, all held
-      ids = tab.buf[a:b].copy()
-      jl = list(block_idx)
-      tok = r.tokens.buf[a * bt:b * bt].reshape(-1, bt)     # a view (token positions never change)
-    else:
+    js = None
+    if isinstance(block_idx, range):
+      a, b = block_idx.start, block_idx.stop
+      if a >= b:
+        return
+      ids = tab.buf[a:b]
+      if all_held or ids.min() >= 0:     # the usual case (commit, checkpoint): contiguous, all held
+        ids = ids.copy()
+        tok = r.tokens.buf[a * bt:b * bt].reshape(-1, bt)     # a view (token positions never change)
+        block_idx = None
+    if block_idx is not None:
       js = np.asarray(block_idx, np.int64)
       if not len(js):
         return
@@ -534,24 +614,48 @@ class KVCacheManager:
       js, ids = js[keep], v[keep]
       if not len(js):
         return
-      jl = js.tolist()
-      tok = r.tokens.buf[:(max(jl) + 1) * bt].reshape(-1, bt)[js]      # (blocks, bt), one gather
-    d = h.digests
-    kd = [d[(j + 1) * upb - 1] for j in jl]
-    pd = [h.parent(j * upb) for j in jl]
-    js = jl
+      a = int(js[0])
+      tok = r.tokens.buf[:(int(js.max()) + 1) * bt].reshape(-1, bt)[js]      # (blocks, bt), one gather
     infos = None
     if self.events.enabled:
-      infos = [(key_int(device_key(h.digests[j * upb - 1], self.key_bits)) if j else None, r.tenant, bt)
-               for j in js]
-    self._q_reg[g].append((ids, kd, pd, tok, infos))
+      upb = bt // self._G
+      jl = range(a, a + len(ids)) if js is None else js.tolist()
+      infos = [(key_int(device_key(r.hasher.digests[j * upb - 1], self.key_bits)) if j else None, r.tenant, bt)
+               for j in jl]
+    self._q_reg[g].append((ids, r.hasher, a, js, tok, infos))
+
+  def _reg_words(self, g: str):
+    """(key digest words [R, 4] uint32, parent words [R, 4] int32) of every queued registration of group g: one
+    bytes join of the hashers involved (root + digests each) and two numpy gathers, not per request / block."""
+    regs = self._q_reg[g]
+    upb = self._bt_of[g] // self._G
+    off, parts, n_units = {}, [], 0
+    for c in regs:
+      h = c[1]
+      if id(h) not in off:
+        off[id(h)] = n_units
+        parts.append(h.root)
+        parts.append(h.blob)
+        n_units += 1 + len(h.digests)
+    w = np.frombuffer(b"".join(parts), dtype="<u4").reshape(-1, 4)
+    counts = np.fromiter((len(c[0]) for c in regs), np.int64, len(regs))
+    tot = int(counts.sum())
+    starts = np.cumsum(counts) - counts
+    j = (np.arange(tot) - np.repeat(starts, counts)
+         + np.repeat(np.fromiter((c[2] for c in regs), np.int64, len(regs)), counts))
+    for k, c in enumerate(regs):      # explicit (non-contiguous) block lists: rare
+      if c[3] is not None:
+        j[starts[k]:starts[k] + counts[k]] = c[3]
+    base = np.repeat(np.fromiter((off[id(c[1])] for c in regs), np.int64, len(regs)), counts)
+    # in the joined words, unit u's digest is at base + 1 + u and its parent (digest u - 1, or the root) at base + u
+    return w[base + (j + 1) * upb], w[base + j * upb].view(np.int32)
 
   def _checkpoint(self, r: _Request, boundary: int) -> None:
     for g, pol in self.policies.items():
       idx = pol.tail_blocks(boundary)
       tab = r.tables[g]
-      if len(idx) and idx.stop <= len(tab) and (tab.buf[idx.start:idx.stop] >= 0).all():
-        self._register(r, g, idx)
+      if len(idx) and idx.stop <= len(tab) and tab.buf[idx.start:idx.stop].min() >= 0:
+        self._register(r, g, idx, all_held=True)
 
   def commit(self, request_id: str, num_computed_tokens: int) -> None:
     """The model has written KV for positions [0, num_computed_tokens): cache what is reusable, release what the
@@ -567,17 +671,19 @@ class KVCacheManager:
     for g, bt in zip(self.groups, self._bt):
       if -(-n // bt) > len(r.tables[g]):
         raise CacheError(f"commit: {n} tokens exceed the blocks allocated in group {g}")
-    start = len(r.hasher.digests) * self.specs.hash_tokens     # hash only the new units: O(new tokens)
+    start = len(r.hasher.digests) * self._G     # hash only the new units: O(new tokens)
     if n > start:
       r.hasher.update(r.tokens.buf[start:n], offset=start)
     prev, r.num_computed = r.num_computed, n
     for g, bt in zip(self.groups, self._bt):
-      if self.specs.group(g).kind == FULL_HISTORY or self.legacy:
+      if self._kind[g] == FULL_HISTORY or self.legacy:
         self._register(r, g, range(r.num_registered[g], n // bt))
         r.num_registered[g] = max(r.num_registered[g], n // bt)
     if not self.legacy and self.policies:
-      pol = next(iter(self.policies.values()))
-      for p in pol.boundaries(prev, n, r.prompt_len, r.junctions, r.dense):
+      pol = self._pol0
+      if r.plan is None:
+        r.plan = pol.plan(r.prompt_len, r.junctions, r.dense)
+      for p in pol.select(r.plan, prev, n):
         self._checkpoint(r, p)
     for g, pol in self.policies.items():
       self._release(r, g, pol.releasable_blocks(n))

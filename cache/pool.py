@@ -23,6 +23,7 @@ Other state (N blocks, S = table slots, a power of two >= 2N):
 * ``table_S``: open addressing, linear probing at most `max_probe` slots from `key.lo & (S-1)`; entries are a
   block id, EMPTY or TOMB (removed; lookups probe past it, inserts reuse it).
 * ``claim_S``: scratch for batched insertion (all BIG between calls; see `_register_core`).
+* ``mark_N``: scratch for duplicate ids inside one call's id list (all BIG between calls; `_first_last`).
 
 Eviction is lazy (as in vLLM): a freed cached block keeps its identity and stays findable until `allocate` hands
 it out; only then is its identity dropped (reported so the host emits BlockRemoved).
@@ -60,7 +61,7 @@ TABLE_FULL = 4    # no free slot within max_probe; the block stays uncached (cor
 INVALID = -1      # bad id, block not held, or held under a different identity
 
 _FIELDS = ["ref_N", "loc_N", "pos_N", "stack_N", "stack_top", "stack_stale", "ring_R", "ring_head", "ring_tail",
-           "num_free", "cached_N", "key_Nx2", "parent_Nx4", "tokens_NxT", "slot_N", "table_S", "claim_S"]
+           "num_free", "cached_N", "key_Nx2", "parent_Nx4", "tokens_NxT", "slot_N", "table_S", "claim_S", "mark_N"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_FIELDS, meta_fields=["max_probe"])
@@ -83,6 +84,7 @@ class PoolState:
   slot_N: jax.Array
   table_S: jax.Array
   claim_S: jax.Array
+  mark_N: jax.Array
   max_probe: int = DEFAULT_MAX_PROBE
 
   @property
@@ -114,7 +116,7 @@ def init_pool(num_blocks: int, block_tokens: int, max_probe: int = DEFAULT_MAX_P
       cached_N=jnp.zeros(n, bool), key_Nx2=jnp.zeros((n, 2), jnp.int32),
       parent_Nx4=jnp.zeros((n, DIGEST_WORDS), jnp.int32), tokens_NxT=jnp.zeros((n, block_tokens), jnp.int32),
       slot_N=jnp.full(n, -1, jnp.int32), table_S=jnp.full(s, EMPTY, jnp.int32),
-      claim_S=jnp.full(s, BIG, jnp.int32), max_probe=max_probe)
+      claim_S=jnp.full(s, BIG, jnp.int32), mark_N=jnp.full(n, BIG, jnp.int32), max_probe=max_probe)
 
 
 def _rep(st, **kw) -> PoolState:
@@ -127,25 +129,46 @@ def _drop(idx, ok, size):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Duplicates inside one id list, found by sorting (O(M log M), never O(N)).
+# Duplicates inside one id list, found by scatter into the scratch `mark_N` (O(M), no sort, never O(N)).
+# mark_N is BIG for every block between calls; each helper writes only the entries' blocks and sets them back.
 
-def _occurrences(ids_M, valid_M):
-  """(first_M, last_M, count_M, prev_M): first / last occurrence of its id among valid entries, how many valid
-  entries share its id, and the index of the previous valid entry with the same id (-1 if none)."""
-  m = ids_M.shape[0]
-  k = jnp.where(valid_M, ids_M, BIG)
-  order = jnp.argsort(k, stable=True)
-  sk = k[order]
-  new_run = jnp.concatenate([jnp.ones(1, bool), sk[1:] != sk[:-1]])
-  end_run = jnp.concatenate([sk[1:] != sk[:-1], jnp.ones(1, bool)])
-  left = jnp.searchsorted(sk, sk, side="left")
-  right = jnp.searchsorted(sk, sk, side="right")
-  prev_sorted = jnp.where(new_run, -1, jnp.concatenate([jnp.full(1, -1, order.dtype), order[:-1]]))
-  inv = jnp.zeros(m, jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
-  first, last = new_run[inv] & valid_M, end_run[inv] & valid_M
-  count = jnp.where(valid_M, (right - left)[inv], 0)
-  prev = jnp.where(valid_M, prev_sorted[inv], -1).astype(jnp.int32)
-  return first, last, count, prev
+def _first_last(st: PoolState, ids_M, valid_M, last: bool = False):
+  """(state, flag_M): whether each valid entry is the first (last=False) or the last occurrence of its id among
+  the valid entries. Scatter-min of the entry index (of M-1-index for `last`), gathered back."""
+  nb, m = st.num_blocks, ids_M.shape[0]
+  i = jnp.arange(m, dtype=jnp.int32)
+  v = (m - 1 - i) if last else i
+  tgt = _drop(ids_M, valid_M, nb)
+  mark = st.mark_N.at[tgt].min(v, mode="drop")
+  g = mark[jnp.clip(ids_M, 0, nb - 1)]
+  mark = mark.at[_after(tgt, nb, g)].set(BIG, mode="drop")
+  return _rep(st, mark_N=mark), valid_M & (g == v)
+
+
+def _prev_same(st: PoolState, ids_M, valid_M):
+  """(state, prev_M): index of the previous valid entry with the same id, -1 if none. Each round peels off the
+  first remaining occurrence of every id (scatter-min), so rounds = the largest multiplicity (1 without repeats)."""
+  nb, m = st.num_blocks, ids_M.shape[0]
+  i = jnp.arange(m, dtype=jnp.int32)
+  safe = jnp.clip(ids_M, 0, nb - 1)
+
+  def cond(c):
+    return jnp.any(c[1])
+
+  def body(c):
+    mark, rem, win, prev = c
+    tgt = _drop(ids_M, rem, nb)
+    mark = mark.at[tgt].min(i, mode="drop")
+    g = mark[safe]
+    first = rem & (g == i)
+    prev = jnp.where(first, win, prev)       # win: the previous round's winner for this id
+    win = jnp.where(rem, g, win)
+    mark = mark.at[_after(tgt, nb, g)].set(BIG, mode="drop")
+    return mark, rem & ~first, win, prev
+
+  neg = jnp.full(m, -1, jnp.int32)
+  mark, _, _, prev = jax.lax.while_loop(cond, body, (st.mark_N, valid_M, neg, neg))
+  return _rep(st, mark_N=mark), prev
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -224,11 +247,10 @@ def _first_match(st: PoolState, e_MxP, cand_MxP, key_Mx2, parent_Mx4, tokens_MxT
   """First probe position whose entry holds exactly (key, parent, tokens), or P.
 
   Entries e >= N name entries of `extra` = (key, parent, tokens) arrays (insertions of the running batch).
-  Keys and parents (cheap) are compared everywhere; tokens only for the single key+parent candidate per row
-  unless some row has several (forced key collisions in tests), when a full compare runs instead."""
+  Keys (2 words) are compared everywhere; parent and tokens only for the single key candidate per row unless
+  some row has several (forced key collisions in tests), when a full compare runs instead."""
   n = st.num_blocks
   p = e_MxP.shape[1]
-  eb = jnp.clip(e_MxP, 0, n - 1)
 
   def ident(field_N, field_X, e):
     own = field_N[jnp.clip(e, 0, n - 1)]
@@ -239,31 +261,32 @@ def _first_match(st: PoolState, e_MxP, cand_MxP, key_Mx2, parent_Mx4, tokens_MxT
     return jnp.where(sel, other, own)
 
   ek, ep, et = (None, None, None) if extra is None else extra
-  kp = (cand_MxP & (e_MxP >= 0)
-        & jnp.all(ident(st.key_Nx2, ek, e_MxP) == key_Mx2[:, None], -1)
-        & jnp.all(ident(st.parent_Nx4, ep, e_MxP) == parent_Mx4[:, None], -1))
-  del eb
+  # candidates by key only (2 words per probe slot); parent and tokens are compared for the single candidate per
+  # row, unless some row has several key matches (forced key collisions in tests): then a full compare runs
+  kc = cand_MxP & (e_MxP >= 0) & jnp.all(ident(st.key_Nx2, ek, e_MxP) == key_Mx2[:, None], -1)
 
   def fast(_):
-    j = _first_true(kp)
+    j = _first_true(kc)
     e = jnp.take_along_axis(e_MxP, jnp.minimum(j, p - 1)[:, None], 1)[:, 0]
-    ok = (j < p) & jnp.all(ident(st.tokens_NxT, et, e) == tokens_MxT, -1)
+    ok = ((j < p) & jnp.all(ident(st.parent_Nx4, ep, e) == parent_Mx4, -1)
+          & jnp.all(ident(st.tokens_NxT, et, e) == tokens_MxT, -1))
     return jnp.where(ok, j, p).astype(jnp.int32)
 
   def slow(_):
-    full = kp & jnp.all(ident(st.tokens_NxT, et, e_MxP) == tokens_MxT[:, None], -1)
+    full = (kc & jnp.all(ident(st.parent_Nx4, ep, e_MxP) == parent_Mx4[:, None], -1)
+            & jnp.all(ident(st.tokens_NxT, et, e_MxP) == tokens_MxT[:, None], -1))
     return _first_true(full)
 
-  return jax.lax.cond(jnp.any(jnp.sum(kp, 1) > 1), slow, fast, None)
+  return jax.lax.cond(jnp.any(jnp.sum(kc, 1) > 1), slow, fast, None)
 
 
 def lookup_blocks(st: PoolState, key_Mx2, parent_Mx4, tokens_MxT):
   """Block id holding each exact identity, or -1 (traceable). Probes until a match, an EMPTY slot or max_probe."""
   _, slots = _window(st, key_Mx2)
   e = st.table_S[slots]
-  before_empty = jnp.cumsum(e == EMPTY, 1) == 0
-  j = _first_match(st, e, before_empty, key_Mx2, parent_Mx4, tokens_MxT)
   p = e.shape[1]
+  before_empty = jnp.arange(p, dtype=jnp.int32)[None] < _first_true(e == EMPTY)[:, None]   # no cumsum
+  j = _first_match(st, e, before_empty, key_Mx2, parent_Mx4, tokens_MxT)
   return jnp.where(j < p, jnp.take_along_axis(e, jnp.minimum(j, p - 1)[:, None], 1)[:, 0], -1)
 
 
@@ -326,7 +349,7 @@ def _ids_valid(st: PoolState, ids_M):
 def _touch_core(st: PoolState, ids_M):
   ok = _ids_valid(st, ids_M)
   act = ok & (ids_M >= 0)
-  first, _, _, _ = _occurrences(ids_M, act)
+  st, first = _first_last(st, ids_M, act)
   safe = jnp.maximum(ids_M, 0)
   ref_M, loc_M = st.ref_N[safe], st.loc_N[safe]
   was_free = first & (ref_M == 0)
@@ -344,11 +367,15 @@ def _free_core(st: PoolState, ids_M, prepend_uncached: bool):
   in_range = _ids_valid(st, ids_M)
   valid = (ids_M >= 0) & (ids_M < nb)
   safe = jnp.clip(ids_M, 0, nb - 1)
-  _, last, count, _ = _occurrences(ids_M, valid)
-  ok = in_range & jnp.all(~valid | (count <= st.ref_N[safe]))
+  st, last = _first_last(st, ids_M, valid, last=True)
+  # one reference per entry; a block listed more often than it is held ends below 0 (count <= ref without
+  # counting): then the call is refused and the decrements are undone (scatter, never an O(N) select)
+  ref = st.ref_N.at[_drop(ids_M, valid, nb)].add(-1, mode="drop")
+  after = ref[safe]
+  ok = in_range & jnp.all(~valid | (after >= 0))
+  ref = ref.at[_after(_drop(ids_M, valid & ~ok, nb), nb, after)].add(1, mode="drop")
   act = valid & ok
-  ref = st.ref_N.at[_drop(ids_M, act, nb)].add(-1, mode="drop")
-  zero = act & last & (ref[safe] == 0)
+  zero = act & last & (after == 0)
   to_tail = zero & (st.cached_N[safe] | (not prepend_uncached))
   to_head = zero & ~to_tail
   n_tail = jnp.sum(to_tail, dtype=jnp.int32)
@@ -386,7 +413,7 @@ def _register_core(st: PoolState, ids_M, key_Mx2, parent_Mx4, tokens_MxT):
   in_range = (b >= 0) & (b < nb)
   bb = jnp.clip(b, 0, nb - 1)
   held = in_range & (st.ref_N[bb] > 0)
-  _, _, _, prev = _occurrences(ids_M, in_range)
+  st, prev = _prev_same(st, ids_M, in_range)
   _, slots = _window(st, key_Mx2)
   idx = jnp.arange(m, dtype=jnp.int32)
   code0 = jnp.where(b == -1, SKIPPED, INVALID)
@@ -416,7 +443,7 @@ def _register_core(st: PoolState, ids_M, key_Mx2, parent_Mx4, tokens_MxT):
     cached_now = cached_before | (own >= 0)
     same = jnp.where(cached_before, same_block_ident, same_owner_ident)
     e = table[slots]
-    upto_empty = jnp.cumsum(e == EMPTY, 1) - (e == EMPTY) == 0        # scan stops after the first EMPTY
+    upto_empty = jnp.arange(p, dtype=jnp.int32)[None] <= _first_true(e == EMPTY)[:, None]   # stops after it
     j_dup = _first_match(st, e, upto_empty, key_Mx2, parent_Mx4, tokens_MxT, (key_Mx2, parent_Mx4, tokens_MxT))
     j_free = _first_true(upto_empty & (e < 0))
     free_slot = jnp.take_along_axis(slots, jnp.minimum(j_free, p - 1)[:, None], 1)[:, 0]
@@ -445,7 +472,7 @@ def _register_core(st: PoolState, ids_M, key_Mx2, parent_Mx4, tokens_MxT):
 def _evict_core(st: PoolState, ids_M):
   nb, ns = st.num_blocks, st.table_S.shape[0]
   valid = (ids_M >= 0) & (ids_M < nb)
-  first, _, _, _ = _occurrences(ids_M, valid)
+  st, first = _first_last(st, ids_M, valid)
   safe = jnp.clip(ids_M, 0, nb - 1)
   act = first & (st.ref_N[safe] == 0) & st.cached_N[safe]
   tgt = _drop(ids_M, act, nb)

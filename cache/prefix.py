@@ -60,7 +60,9 @@ def _lookup(pool, key_BxUx2, parent_BxUx4, tokens_BxUxG, upb, j_BxK):
 
 
 def search(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, groups, align, hash_tokens):
-  """Traceable batched search (see module doc). Returns (hit_B, full_run_B, ids per group)."""
+  """Traceable batched search (see module doc). Returns (hit_B, full_run_B, ids per group, compact ids per
+  group): the compact form is the same ids for full-history groups and only the tail, [B, need_blocks] (blocks
+  e - need .. e - 1 for e = hit // block_tokens, -1 where missing or < 0), for sliding-window groups."""
   b, num_units, _ = key_BxUx2.shape
   limit = jnp.minimum(max_len_B, num_units * hash_tokens) // align * align
   run_tokens = limit
@@ -106,7 +108,7 @@ def search(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, groups, alig
 
     hit, _, tail_ids = jax.lax.while_loop(cond, body, (hit, jnp.ones(b, bool), tail_ids))
     hit = jnp.maximum(hit, 0)
-  out = []
+  out, compact = [], []
   si = 0
   for gi, grp in enumerate(groups):
     nb = num_units // grp.units_per_block
@@ -114,6 +116,7 @@ def search(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, groups, alig
     js = jnp.arange(nb)[None]
     if grp.kind == FULL_HISTORY:
       out.append(jnp.where(js < e[:, None], full_ids[gi], -1))
+      compact.append(out[-1])
     else:
       t = tail_ids[si]
       si += 1
@@ -122,12 +125,13 @@ def search(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, groups, alig
       keep = (tj >= 0) & (e[:, None] > 0)
       ids = jnp.full((b, nb), -1, jnp.int32).at[rows, jnp.where(keep, tj, nb)].set(t, mode="drop")
       out.append(ids)
-  return hit, run_tokens, tuple(out)
+      compact.append(jnp.where(keep, t, -1))
+  return hit, run_tokens, tuple(out), tuple(compact)
 
 
 @functools.partial(jax.jit, static_argnames=("groups", "align_tokens", "hash_tokens"))
 def find_hits(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, *, groups, align_tokens, hash_tokens):
   """Batched hybrid prefix search. pools: tuple of PoolState in the order of `groups`. Pure (no claim).
   Returns (hit_B, ids per group)."""
-  hit, _, ids = search(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, groups, align_tokens, hash_tokens)
+  hit, _, ids, _ = search(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, groups, align_tokens, hash_tokens)
   return hit, ids

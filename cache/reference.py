@@ -188,6 +188,9 @@ class RefPool:
     np.testing.assert_array_equal(np.asarray(st.cached_N), self.cached, err_msg="cached")
     np.testing.assert_array_equal(np.asarray(st.slot_N), self.slot, err_msg="slots")
     np.testing.assert_array_equal(np.asarray(st.table_S), self.table, err_msg="table")
+    # scratch arrays are back at their sentinel after every operation (they carry nothing between calls)
+    assert (np.asarray(st.claim_S) == P.BIG).all(), "claim_S scratch not reset"
+    assert (np.asarray(st.mark_N) == P.BIG).all(), "mark_N scratch not reset"
     c = np.asarray(self.cached)
     if c.any():
       np.testing.assert_array_equal(np.asarray(st.key_Nx2)[c], np.asarray(self.key)[c], err_msg="keys")

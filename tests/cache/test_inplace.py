@@ -59,13 +59,13 @@ def test_single_ops_update_in_place():
 def test_apply_step_updates_in_place(monkeypatch):
   specs = CacheSpecs((GroupSpec("full", FULL_HISTORY, 128, 1, 0), GroupSpec("swa", SLIDING_WINDOW, 32, 1, 127)))
   seen = []
-  real = manager_mod.apply_step
+  real = manager_mod.apply_step_packed     # what the manager calls: one buffer in, one out
 
-  def spy(pools, plans, admit, **kw):
-    seen.append(real.lower(pools, plans, admit, **kw).compile().as_text())
-    return real(pools, plans, admit, **kw)
+  def spy(pools, buf, **kw):
+    seen.append(real.lower(pools, buf, **kw).compile().as_text())
+    return real(pools, buf, **kw)
 
-  monkeypatch.setattr(manager_mod, "apply_step", spy)
+  monkeypatch.setattr(manager_mod, "apply_step_packed", spy)
   m = KVCacheManager(specs, num_blocks={"full": N, "swa": N}, enable_events=False)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(2, 1000, 700) for _ in range(3)]

@@ -2,6 +2,7 @@
 
 import collections
 
+import jax
 import numpy as np
 import jax.numpy as jnp
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -72,6 +73,8 @@ def test_pool_matches_reference(d):
         ids = d.draw(st.lists(st.sampled_from(held), max_size=M))
       else:
         ids = d.draw(st.lists(st.integers(-1, N - 1), max_size=M))
+      if ids and d.draw(st.integers(0, 4)) == 0:
+        ids[d.draw(st.integers(0, len(ids) - 1))] = d.draw(st.sampled_from([N, N + 5, -3]))   # refused
       prepend = d.draw(st.booleans())
       s, ok = P.free(s, _pad(ids), prepend_uncached=prepend)
       assert bool(ok) == ref.free(ids, prepend_uncached=prepend)
@@ -79,7 +82,8 @@ def test_pool_matches_reference(d):
         holders.subtract(b for b in ids if b >= 0)
     elif op == "register":
       pool_ids = held + list(range(N))
-      ids = d.draw(st.lists(st.sampled_from(pool_ids + [-1]), max_size=M))
+      # repeated ids, -1 padding and out-of-range ids (INVALID) exercise the duplicate detection
+      ids = d.draw(st.lists(st.sampled_from(pool_ids + [-1, -1, N, N + 7, -4]), max_size=M))
       keys, par, tok = _ident(d, len(ids))
       s, status = P.register(s, _pad(ids), jnp.asarray(keys), jnp.asarray(par), jnp.asarray(tok))
       rstatus = ref.register(list(ids) + [-1] * (M - len(ids)), keys, par, tok)
@@ -93,7 +97,7 @@ def test_pool_matches_reference(d):
         if b >= 0:
           assert ref._matches(b, ref._ident(k, p, t))
     elif op == "evict":
-      ids = d.draw(st.lists(st.integers(-1, N - 1), max_size=M))
+      ids = d.draw(st.lists(st.integers(-3, N + 2), max_size=M))
       s, ev = P.evict(s, _pad(ids))
       assert list(np.asarray(ev)[:len(ids)]) == ref.evict(ids)
     else:
@@ -130,3 +134,29 @@ def test_free_order_tail_first_and_transient_first():
   assert list(np.asarray(status)) == [P.STORED, P.STORED, P.SKIPPED, P.SKIPPED]
   s, ok = P.free(s, jnp.asarray([3, 2, 1, 0]))      # request freed tail-first
   assert P.free_queue(s) == [3, 2, 4, 5, 1, 0]
+
+
+_first_last = jax.jit(P._first_last, static_argnames="last")
+_prev_same = jax.jit(P._prev_same)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from([-3, -1, -1, 0, 1, 2, 5, N - 1, N, N + 4]), min_size=12, max_size=12))
+def test_duplicate_detection_without_sort(ids):
+  """The scatter-based duplicate detection (first / last occurrence, previous same id) equals a plain scan on lists
+  with repeated ids, -1 padding and out-of-range ids, and leaves the scratch at its sentinel."""
+  s = P.init_pool(N, T)
+  a = jnp.asarray(ids, jnp.int32)
+  valid = (a >= 0) & (a < N)
+  ok = [0 <= b < N for b in ids]
+  want_first = [ok[i] and all(not (ok[j] and ids[j] == ids[i]) for j in range(i)) for i in range(len(ids))]
+  want_last = [ok[i] and all(not (ok[j] and ids[j] == ids[i]) for j in range(i + 1, len(ids)))
+               for i in range(len(ids))]
+  want_prev = [max([j for j in range(i) if ok[j] and ids[j] == ids[i]], default=-1) if ok[i] else -1
+               for i in range(len(ids))]
+  for fn, want in [(lambda s: _first_last(s, a, valid), want_first),
+                   (lambda s: _first_last(s, a, valid, last=True), want_last),
+                   (lambda s: _prev_same(s, a, valid), want_prev)]:
+    s2, got = fn(s)
+    assert np.asarray(got).tolist() == [int(x) if not isinstance(x, bool) else x for x in want]
+    assert (np.asarray(s2.mark_N) == P.BIG).all()

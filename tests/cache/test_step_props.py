@@ -12,7 +12,7 @@ from cache import pool as P
 from cache.reference import RefPool
 from cache.specs import SLIDING_WINDOW, CacheSpecs, GroupSpec
 from cache.prefix import group_searches
-from cache.step import GroupPlan, apply_step
+from cache.step import GroupPlan, InputCarver, apply_step, apply_step_packed, result_layout, unpack
 
 T = 4
 SPECS = CacheSpecs((GroupSpec("a", SLIDING_WINDOW, T, 1, 3), GroupSpec("b", SLIDING_WINDOW, T, 1, 7)))
@@ -21,9 +21,21 @@ W = 8                      # register / free / allocate widths
 MAX_PROBE = 4
 
 
+def packed(pools, plans, admit, **kw):
+  """apply_step through the manager's path: plans carved into one int32 buffer, results in one buffer, unpacked."""
+  leaves, treedef = jax.tree_util.tree_flatten((plans, admit))
+  c = InputCarver([np.shape(x) for x in leaves])
+  for x in leaves:
+    c.take(np.shape(x))[...] = x
+  in_layout = (treedef, c.shapes)
+  layout = result_layout(pools, in_layout, **kw)
+  pools, out = apply_step_packed(pools, c.buf, in_layout=in_layout, **kw)
+  return pools, unpack(np.asarray(out), *layout)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.data())
-def test_apply_step_matches_reference(d):
+@given(st.data(), st.sampled_from(["pytree", "packed"]))
+def test_apply_step_matches_reference(d, path):
   pools = tuple(P.init_pool(N[g], T, MAX_PROBE) for g in SPECS.names)
   refs = [RefPool(N[g], T, MAX_PROBE) for g in SPECS.names]
   holders = [collections.Counter() for _ in SPECS.names]
@@ -32,7 +44,8 @@ def test_apply_step_matches_reference(d):
     plans, want = [], []
     for gi, g in enumerate(SPECS.names):
       held = sorted(holders[gi].elements())
-      reg = d.draw(st.lists(st.sampled_from(held + [-1, 0]), max_size=W))
+      # repeats, -1 padding and out-of-range ids (INVALID)
+      reg = d.draw(st.lists(st.sampled_from(held + [-1, 0, N[g], -3]), max_size=W))
       k = d.draw(st.lists(st.integers(0, 3), min_size=W, max_size=W))
       p = d.draw(st.lists(st.integers(0, 1), min_size=W, max_size=W))
       t = d.draw(st.lists(st.integers(0, 2), min_size=W, max_size=W))
@@ -51,7 +64,8 @@ def test_apply_step_matches_reference(d):
       fids = np.array(fr + [-1] * (W - len(fr)), np.int32)
       plans.append(GroupPlan(ids, key, par, tok, fids, np.int32(n)))
       want.append((list(ids), key, par, tok, fr, n))
-    pools, res = apply_step(pools, tuple(plans), None, groups=group_searches(SPECS), block_tokens=(T, T),
+    call = apply_step if path == "pytree" else packed
+    pools, res = call(pools, tuple(plans), None, groups=group_searches(SPECS), block_tokens=(T, T),
                             align=SPECS.align_tokens, hash_tokens=SPECS.hash_tokens, prepend=prepend,
                             alloc_widths=(W, W), admit_widths=(W, W))
     res = jax.device_get(res)
