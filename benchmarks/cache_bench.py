@@ -156,6 +156,40 @@ class DeviceProfile:
     print(f"sum of thunks (excluding Execute rows): {sum(v for k, v in per.items() if 'Execute' not in k[1]):.3f} ms")
 
 
+def call_floor(pool: int, calls: int = 200) -> dict:
+  """What one jitted call costs on this machine before it does any bookkeeping: both V4-Flash pools donated and
+  passed through, (a) nothing else, (b) one 16-id scatter per pool; one int32 buffer in, one out (`device_get`), as
+  `apply_step_packed` does. Median us per call."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+
+  from cache import pool as P
+  specs = group_specs(v4_flash())
+  pools = tuple(P.init_pool(pool, g.block_tokens) for g in specs.groups)
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def nothing(pools, buf):
+    return pools, buf + 1
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def scatter16(pools, buf):
+    return tuple(P._rep(p, ref_N=p.ref_N.at[buf[:16]].add(1)) for p in pools), buf + 1
+
+  out = {}
+  buf = np.arange(64, dtype=np.int32)
+  for name, fn in (("nothing", nothing), ("scatter16", scatter16)):
+    ts = []
+    for _ in range(calls):
+      t = time.perf_counter()
+      pools, r = fn(pools, buf)
+      np.asarray(jax.device_get(r))
+      ts.append(time.perf_counter() - t)
+    out[name] = float(np.median(ts[20:]) * 1e6)
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--small", action="store_true")
@@ -170,7 +204,15 @@ def main():
                   "call for the retirements")
   ap.add_argument("--vllm_src", default="", help="directory holding vLLM 0.33's unpacked `vllm` package "
                   "(see benchmarks/cache_bench_vllm.py); empty: vLLM is skipped")
+  ap.add_argument("--call_floor", action="store_true", help="only print what one jitted call with both pools "
+                  "donated and one buffer each way costs here (the floor under any per-step time), then exit")
   a = ap.parse_args()
+  if a.call_floor:
+    for pool in ([int(x) for x in a.pools.split(",")] if a.pools else [65536]):
+      f = call_floor(pool)
+      print(f"call floor, pool {pool}: {f['nothing']:.1f} us per call (pools passed through), {f['scatter16']:.1f} us "
+            "(+ one 16-id scatter per pool)")
+    return
   # (8, 2048) is extra: the issue's three shapes do not fit a 4k pool, so it is the only 4k-vs-262k comparison
   shapes = [(8, 2048), (8, 32768)] if a.small else [(8, 2048), (256, 2048), (64, 8192), (8, 32768)]
   pools = [4096, 65536] if a.small else [4096, 65536, 262144]
