@@ -626,17 +626,22 @@ class KVCacheManager:
 
   def _reg_words(self, g: str):
     """(key digest words [R, 4] uint32, parent words [R, 4] int32) of every queued registration of group g: one
-    bytes join of the hashers involved (root + digests each) and two numpy gathers, not per request / block."""
+    bytes join and two numpy gathers, not per block. Each chunk contributes only the digests its blocks span (from
+    the parent of its first block to the key of its last), so the cost follows the blocks registered, not the
+    requests' lengths."""
     regs = self._q_reg[g]
     upb = self._bt_of[g] // self._G
-    off, parts, n_units = {}, [], 0
+    parts, lo, base, n_words = [], [], [], 0
     for c in regs:
-      h = c[1]
-      if id(h) not in off:
-        off[id(h)] = n_units
+      h, a, js = c[1], c[2], c[3]
+      first, last = (a, a + len(c[0]) - 1) if js is None else (int(js.min()), int(js.max()))
+      u0, u1 = first * upb - 1, (last + 1) * upb      # units u0 .. u1 - 1; unit -1 is the root
+      if u0 < 0:
         parts.append(h.root)
-        parts.append(h.blob)
-        n_units += 1 + len(h.digests)
+      parts.append(h.blob[16 * max(u0, 0):16 * u1])
+      lo.append(u0)
+      base.append(n_words)
+      n_words += u1 - u0
     w = np.frombuffer(b"".join(parts), dtype="<u4").reshape(-1, 4)
     counts = np.fromiter((len(c[0]) for c in regs), np.int64, len(regs))
     tot = int(counts.sum())
@@ -646,9 +651,9 @@ class KVCacheManager:
     for k, c in enumerate(regs):      # explicit (non-contiguous) block lists: rare
       if c[3] is not None:
         j[starts[k]:starts[k] + counts[k]] = c[3]
-    base = np.repeat(np.fromiter((off[id(c[1])] for c in regs), np.int64, len(regs)), counts)
-    # in the joined words, unit u's digest is at base + 1 + u and its parent (digest u - 1, or the root) at base + u
-    return w[base + (j + 1) * upb], w[base + j * upb].view(np.int32)
+    # in the joined words, unit u of chunk k sits at base_k + u - lo_k (the root is unit -1)
+    at = np.repeat(np.asarray(base, np.int64) - np.asarray(lo, np.int64), counts)
+    return w[at + (j + 1) * upb - 1], w[at + j * upb - 1].view(np.int32)
 
   def _checkpoint(self, r: _Request, boundary: int) -> None:
     for g, pol in self.policies.items():
