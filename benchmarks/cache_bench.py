@@ -11,11 +11,27 @@ Hashing is excluded and reported separately (blake2b of the prompts; an engine h
 
 Matrix: B x L in {256 x 2k, 64 x 8k, 8 x 32k} (+ 8 x 2k, the only shape that fits a 4k pool), pools of {4k, 65k,
 262k} blocks per group (V4-Flash geometry: 128-token full blocks, 32-token swa blocks, 4-block tail). With
-`--vllm_src=DIR` vLLM 0.33's own KVCacheManager does the same trace (benchmarks/cache_bench_vllm.py; not a project
-dependency); without it, or if it does not import, vLLM is skipped with the reason printed.
+`--vllm_src=DIR` vLLM 0.33's own KVCacheManager does the same trace (benchmarks/support/vllm_adapter.py, whose
+docstring says how to get vLLM's sources; not a project dependency); without it, or if it does not import, vLLM is
+skipped with the reason printed.
 
-    python -m benchmarks.cache_bench --vllm_src=/tmp/vllm_dl/src            # full matrix
-    python -m benchmarks.cache_bench --small --vllm_src=/tmp/vllm_dl/src    # 4k and 65k pools, 8 x 2k and 8 x 32k
+`--call_floor`: what one jitted call with both pools donated and one buffer each way costs on this machine (the
+floor under any per-step time), then exit.
+
+`--budget`: a different question, hit tokens rather than time. Round-robin chat sessions under a fixed KV byte
+budget: total hit tokens with cache v1 checkpoint placement (prompt boundary + end of request) and with cache v2
+placement (dense start, re-render, junction; the default). The budget (bytes) is split between the two V4-Flash
+pools by `--full_share` and converted to blocks with the groups' bytes per block (`dsv4.caches.group_specs`,
+default layout). `--sessions` sessions share a 256-token system prompt; each turn sends the whole history (+ a new
+user message of `--user` tokens), the chat template re-renders the last 8 tokens of the previous prompt, and the
+answer is `--answer` tokens. Sessions take turns round-robin for `--rounds` rounds; each request is admitted,
+prefilled in 512-token chunks, decoded (committed in one go), freed. One row per budget in `--budgets_gib`.
+
+    python -m benchmarks.cache_bench --vllm_src=DIR            # full matrix
+    python -m benchmarks.cache_bench --small --vllm_src=DIR    # 4k and 65k pools, 8 x 2k and 8 x 32k
+    python -m benchmarks.cache_bench --shapes 256x2048,8x32768 --pools 65536 --vllm_src=DIR
+    python -m benchmarks.cache_bench --call_floor --pools 4096,65536,262144
+    python -m benchmarks.cache_bench --budget --budgets_gib 0.375,0.5,0.75,1
 """
 
 from __future__ import annotations
@@ -190,8 +206,75 @@ def call_floor(pool: int, calls: int = 200) -> dict:
   return out
 
 
+# ---------------------------------------------------------------- --budget: hit tokens under a fixed byte budget
+
+V1 = dict(dense_start=False, rerender_tokens=0, junction_checkpoints=False)
+
+
+def budget_run(specs, n_full: int, n_swa: int, sessions: int, rounds: int, answer: int, user: int, v1: bool, seed=0):
+  rng = np.random.default_rng(seed)
+  m = KVCacheManager(specs, num_full_blocks=n_full, num_swa_blocks=n_swa, enable_events=False, **(V1 if v1 else {}))
+  system = rng.integers(2, 1000, 256)
+  hist = [system.copy() for _ in range(sessions)]
+  total, last_round, computed = 0, 0, 0
+  for r in range(rounds):
+    for s in range(sessions):
+      h = hist[s]
+      if r > 0:   # the template re-renders the last 8 tokens of the previous prompt
+        h = np.concatenate([h[:-8], rng.integers(2, 1000, 8)])
+      prompt = np.concatenate([h, rng.integers(2, 1000, user)])
+      rid = f"s{s}.{r}"
+      hit = m.add_request(rid, prompt, ExtraKeys()).num_tokens
+      n = hit
+      while n < len(prompt):
+        c = min(512, len(prompt) - n)
+        if not m.allocate_for(rid, c):
+          raise RuntimeError(f"budget too small: {rid} cannot allocate")
+        n += c
+        m.commit(rid, n)
+      ans = rng.integers(2, 1000, answer)
+      m.append_tokens(rid, ans)
+      if not m.allocate_for(rid, answer):
+        raise RuntimeError(f"budget too small: {rid} cannot allocate its answer")
+      m.commit(rid, n + answer)
+      m.free(rid)
+      hist[s] = np.concatenate([prompt, ans])
+      total += hit
+      computed += len(prompt) - hit
+      if r == rounds - 1:
+        last_round += hit
+  return total, last_round, computed
+
+
+def budget_main(a) -> None:
+  """`--budget`: one row per budget, v1 vs v2 checkpoint placement (see the module docstring)."""
+  specs = group_specs(v4_flash())
+  bpb = {g.name: g.bytes_per_block for g in specs.groups}
+  print(f"V4-Flash bytes per block: full {bpb['full'] / 2**20:.2f} MiB, swa {bpb['swa'] / 2**20:.2f} MiB; "
+        f"{a.sessions} sessions x {a.rounds} rounds, user {a.user} + answer {a.answer} tokens per turn, "
+        f"full share {a.full_share}")
+  print("| budget GiB | full blocks | swa blocks | v1 total hit tokens | v2 total hit tokens | v1 last round | "
+        "v2 last round | v1 computed | v2 computed |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+  for gib in [float(x) for x in a.budgets_gib.split(",")]:
+    budget = gib * 2**30
+    nf = int(budget * a.full_share // bpb["full"])
+    ns = int(budget * (1 - a.full_share) // bpb["swa"])
+    row = []
+    for v1 in (True, False):
+      try:
+        row.append(budget_run(specs, nf, ns, a.sessions, a.rounds, a.answer, a.user, v1))
+      except RuntimeError as e:
+        row.append(None)
+        print(f"({'v1' if v1 else 'v2'} at {gib} GiB: {e})")
+    if None in row:
+      continue
+    (t1, l1, c1), (t2, l2, c2) = row
+    print(f"| {gib:g} | {nf} | {ns} | {t1} | {t2} | {l1} | {l2} | {c1} | {c2} |", flush=True)
+
+
 def main():
-  ap = argparse.ArgumentParser()
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--small", action="store_true")
   ap.add_argument("--steps", type=int, default=5)
   ap.add_argument("--shapes", default="", help="BxL list, e.g. 256x2048,8x32768 (default: the matrix)")
@@ -203,17 +286,30 @@ def main():
   ap.add_argument("--two_calls", action="store_true", help="time the old driver: admit, then a second device "
                   "call for the retirements")
   ap.add_argument("--vllm_src", default="", help="directory holding vLLM 0.33's unpacked `vllm` package "
-                  "(see benchmarks/cache_bench_vllm.py); empty: vLLM is skipped")
+                  "(see benchmarks/support/vllm_adapter.py); empty: vLLM is skipped")
   ap.add_argument("--call_floor", action="store_true", help="only print what one jitted call with both pools "
                   "donated and one buffer each way costs here (the floor under any per-step time), then exit")
+  bg = ap.add_argument_group("--budget mode: hit tokens of round-robin chat sessions under a fixed KV byte budget, "
+                             "cache v1 vs v2 checkpoint placement")
+  bg.add_argument("--budget", action="store_true", help="run this mode instead of the per-step matrix")
+  bg.add_argument("--budgets_gib", default="1,2,4,8", help="KV byte budgets (GiB), one row each")
+  bg.add_argument("--full_share", type=float, default=0.5, help="fraction of the byte budget given to the full pool")
+  bg.add_argument("--sessions", type=int, default=8)
+  bg.add_argument("--rounds", type=int, default=6)
+  bg.add_argument("--answer", type=int, default=150, help="answer tokens per turn")
+  bg.add_argument("--user", type=int, default=300, help="new user tokens per turn")
   a = ap.parse_args()
+  if a.budget:
+    budget_main(a)
+    return
   if a.call_floor:
+    print("| pool blocks/group | us per call, pools passed through | us per call, + one 16-id scatter per pool |")
+    print("| --- | --- | --- |")
     for pool in ([int(x) for x in a.pools.split(",")] if a.pools else [65536]):
       f = call_floor(pool)
-      print(f"call floor, pool {pool}: {f['nothing']:.1f} us per call (pools passed through), {f['scatter16']:.1f} us "
-            "(+ one 16-id scatter per pool)")
+      print(f"| {pool} | {f['nothing']:.1f} | {f['scatter16']:.1f} |", flush=True)
     return
-  # (8, 2048) is extra: the issue's three shapes do not fit a 4k pool, so it is the only 4k-vs-262k comparison
+  # (8, 2048) is extra: the matrix's other three shapes do not fit a 4k pool, so it is the only 4k-vs-262k comparison
   shapes = [(8, 2048), (8, 32768)] if a.small else [(8, 2048), (256, 2048), (64, 8192), (8, 32768)]
   pools = [4096, 65536] if a.small else [4096, 65536, 262144]
   if a.shapes:
@@ -223,8 +319,8 @@ def main():
   vllm_ok = False
   if a.vllm_src:
     try:
-      from benchmarks import cache_bench_vllm
-      print(f"vLLM KVCacheManager from {cache_bench_vllm.load(a.vllm_src).__file__}")
+      from benchmarks.support import vllm_adapter
+      print(f"vLLM KVCacheManager from {vllm_adapter.load(a.vllm_src).__file__}")
       vllm_ok = True
     except Exception as e:  # any import failure: report it, never fail the benchmark
       print(f"vLLM not importable from {a.vllm_src!r} ({type(e).__name__}: {e}); skipped")
@@ -260,7 +356,7 @@ def main():
       res[(B, L, pool)] = r["ms"]
       vm, vh, ratio = "", "", ""
       if vllm_ok:
-        v = cache_bench_vllm.bench(a.vllm_src, B, L, pool, a.steps)
+        v = vllm_adapter.bench(a.vllm_src, B, L, pool, a.steps)
         vm, vh, ratio = f"{v['ms']:.2f}", v["hit"], f"{v['ms'] / r['ms']:.2f}"
       print(f"| {B} | {L} | {pool} | {r['ms']:.2f} | {r['hit']} | {vm} | {vh} | {ratio} | {r['hash_ms']:.1f} | {r['calls_per_step']} |",
             flush=True)

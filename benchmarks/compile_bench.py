@@ -1,7 +1,8 @@
 """XLA CPU compile cost of the model's forward: process CPU seconds (user + system) of the first `forward_full` call
 (trace + lower + compile; the run itself is tiny), and the size of the optimized HLO module.
 
-CPU seconds, not wall time, so that a loaded machine does not change the number much.
+CPU seconds, not wall time, so that a loaded machine does not change the number much. Prints a one-row markdown
+table. Run it with `XLA_FLAGS=--xla_backend_optimization_level=0` for what the test suite's processes pay.
 
     python -m benchmarks.compile_bench [--layers=2] [--tokens=32]
 """
@@ -40,8 +41,10 @@ def main(_):
   second = _cpu_s() - t0
   opt = [f for f in os.listdir(dump) if "forward_jit" in f and f.endswith("cpu_after_optimizations.txt")]
   lines = sum(open(os.path.join(dump, f)).read().count("\n") for f in opt)
-  print(f"v4_tiny layers={FLAGS.layers} tokens={FLAGS.tokens}: first forward_full {first:.1f} CPU s "
-        f"(trace + compile), second {second:.2f} CPU s; optimized HLO of forward_jit: {lines} lines")
+  from benchmarks.support.table import print_table
+  print_table(["config", "layers", "tokens (x 2 rows)", "first forward_full CPU s (trace + compile)",
+               "second call CPU s", "optimized HLO lines (forward_jit)"],
+              [["v4_tiny", FLAGS.layers, FLAGS.tokens, round(first, 1), round(second, 2), lines]])
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 1. TTFT of a resumed long session (a new turn after a long history) with and without prefix reuse.
 2. Throughput of the engine on a batch of requests vs the same requests run one by one through the same engine.
 
-    python -m benchmarks.engine_bench [--history=1500] [--requests=8]
+Prints two markdown tables (`--json`: also every number as JSON).
+
+    python -m benchmarks.engine_bench [--history=1500] [--requests=8] [--json]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from benchmarks.support.table import print_table
 from dsv4 import config as C
 from dsv4 import model
 from dsv4.engine.api import generate
@@ -26,6 +29,7 @@ flags.DEFINE_integer("history", 1500, "Tokens of the long session before the res
 flags.DEFINE_integer("requests", 8, "Requests in the throughput comparison.")
 flags.DEFINE_integer("max_tokens", 16, "Tokens generated per request.")
 flags.DEFINE_integer("repeats", 3, "Repeats of the TTFT measurement (median reported).")
+flags.DEFINE_bool("json", False, "Also print every number as JSON.")
 FLAGS = flags.FLAGS
 
 
@@ -70,7 +74,24 @@ def main(argv):
   gen = sum(len(o.output) for o in batched)
   results.update(batched_s=t_batched, one_by_one_s=t_single, batched_gen_tok_per_s=gen / t_batched,
                  one_by_one_gen_tok_per_s=gen / t_single, batched_speedup=t_single / t_batched)
-  print(json.dumps(results, indent=2))
+  if FLAGS.json:
+    print(json.dumps(results, indent=2))
+  print_tables(results)
+
+
+def print_tables(r: dict) -> None:
+  print_table(["prefix reuse", "TTFT s (median)", "hit tokens"],
+              [["on", r["resumed_ttft_s_reuse_on"], r["resumed_hit_tokens_reuse_on"]],
+               ["off", r["resumed_ttft_s_reuse_off"], r["resumed_hit_tokens_reuse_off"]],
+               ["off / on", r["resumed_ttft_speedup"], None]],
+              title=f"1. Resumed session: {FLAGS.history}-token history + answer + 32 new tokens, v4_tiny "
+                    f"(median of {FLAGS.repeats})")
+  print_table(["mode", "wall s", "generated tok/s"],
+              [["batched", r["batched_s"], r["batched_gen_tok_per_s"]],
+               ["one by one", r["one_by_one_s"], r["one_by_one_gen_tok_per_s"]],
+               ["one by one / batched", r["batched_speedup"], None]],
+              title=f"2. {FLAGS.requests} requests of 64-400 prompt tokens, {FLAGS.max_tokens} generated each "
+                    "(same answers checked)")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one GPU check for pallas_kernels (issue 15): environment line, correctness at V4-Flash shapes, then device-side
+# The one GPU check for pallas_kernels: environment line, correctness at V4-Flash shapes, then device-side
 # timings (L2 flushed) of decode batch 64 and 256 at 8k and 128k (CSA + HCA; bf16 and FP8 paged rows), prefill 4096
 # queries, and the indexer (scores; fused top-512 with bf16 and FP8 keys). Writes OUT/results.jsonl (streamed),
 # OUT/gpu_check.json, OUT/gpu_check.md; on a GPU also records per-op validations in pallas_kernels/validations.json

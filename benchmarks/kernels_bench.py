@@ -17,7 +17,7 @@ decode would otherwise sit in L2 and read > 100% of HBM bandwidth). Iterations a
 weights (a scalar carried from the previous output, times 0), so XLA can neither hoist nor overlap them; Python
 dispatch is paid once per loop. `hot_ms` is the same loop without the flush.
 
-Counting (pallas_kernels/NOTES.md has the roofline):
+Counting (BUILD_NOTES.md, Kernels has the roofline; docs/kernels.md the reasoning):
   sparse attention FLOPs = 2 * H * attended * (d_qk + d_v) (attended = valid ids); bytes = Q + unique KV rows x row
     bytes (1024 bf16, 584 FP8 paged incl. its scale tail) + O.
   indexer FLOPs = 2 * H_I * C * visible pairs; bytes = q + w + unique key rows x (C x 2 bf16 | C + 4 FP8) + output

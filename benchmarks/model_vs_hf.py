@@ -1,16 +1,21 @@
 """This model vs the transformers reference, same machine, same run: prefill tokens/s and decode step time.
 
-Two configurations: the tiny oracle config (reference_oracles.md §2.1) and a wider one with the real V4-Flash
-attention widths (D 4096, 64 heads x 512, q_lora 1024, 8 x 1024 output groups, window 128, indexer 64 x 128) but
-only 4 layers [window, window, CSA m=4, HCA m=128] and small MoE. Both models hold the same weights (the reference
-writes them, our loader reads them) and the script checks that their logits agree before timing anything.
+Two configurations: the tiny transformers oracle config (tests/dsv4/oracle_util.py, HF_TINY_KWARGS; the
+reference is described in docs/references.md) and a wider one with the real V4-Flash attention widths (D 4096,
+64 heads x 512, q_lora 1024, 8 x 1024 output groups, window 128, indexer 64 x 128) but only 4 layers [window,
+window, CSA m=4, HCA m=128] and small MoE (benchmarks/support/configs.py). Both models hold the same weights (the
+reference writes them, our loader reads them) and the script checks that their logits agree before timing anything.
 
-    python -m benchmarks.model_vs_hf [--configs=tiny,wide] [--prefill=512] [--decode_steps=8]
+    python -m benchmarks.model_vs_hf [--configs=tiny,wide] [--prefill=512] [--decode_steps=8] [--json]
+    python -m benchmarks.model_vs_hf --configs=wide --decode_steps=4 --repeats=2     # wide config only (the recorded comparison)
 
 Where the time goes (`--roofline`, on by default): the same run measures this machine's read bandwidth (a jitted
 sum over 1 GiB) and both frameworks' dense matmul rates at the wide model's biggest shape (x[T, 4096] @
 w[4096, 32768], T = 1 and the prefill length, fp32 and bf16), then prints each model's floor: a decode step cannot
 beat (bytes it must read) / bandwidth, a prefill cannot beat (its flops) / (the framework's matmul rate).
+
+Prints markdown tables (agreement and speed, the decode MoE path, the roofline); `--json` also prints every number
+per configuration as JSON.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from benchmarks.support.configs import WIDE_HF, wide_config
+from benchmarks.support.table import print_table
+from benchmarks.support.timing import best_time, median_time, xla_cost
 from dsv4 import caches, model
 from dsv4.layers import moe
 from dsv4 import config as C
@@ -37,36 +45,10 @@ flags.DEFINE_integer("decode_steps", 8, "Decode steps timed after the prefill.")
 flags.DEFINE_integer("repeats", 3, "Prefill repeats (median).")
 flags.DEFINE_bool("compare_moe_sorted", True, "Also time decode with every routed-expert call on the sorted "
                   "ragged_dot path (the code before the decode MoE fix), same run.")
+flags.DEFINE_bool("json", False, "Also print every number of each configuration as JSON.")
 flags.DEFINE_bool("roofline", True, "Measure read bandwidth and matmul rates (JAX and torch, fp32 and bf16) in the "
                   "same run and report each model's distance from its floor.")
 FLAGS = flags.FLAGS
-
-WIDE_HF = dict(
-    vocab_size=1024, hidden_size=4096, moe_intermediate_size=512, num_hidden_layers=4, num_attention_heads=64,
-    head_dim=512, q_lora_rank=1024, partial_rotary_factor=0.125, o_groups=8, o_lora_rank=1024,
-    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-    layer_types=["sliding_attention", "sliding_attention", "compressed_sparse_attention",
-                 "heavily_compressed_attention"],
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], sliding_window=128, index_n_heads=64, index_head_dim=128,
-    index_topk=32)
-
-
-def wide_config() -> C.ModelConfig:
-  return C.ModelConfig(
-      name="wide4", variant="v4", vocab_size=1024, hidden_size=4096, num_layers=4, compress_ratios=(0, 0, 4, 128),
-      attention=C.AttentionConfig(), indexer=C.IndexerConfig(topk=32),
-      moe=C.MoEConfig(n_routed_experts=4, num_experts_per_tok=2, intermediate_size=512, num_hash_layers=1))
-
-
-def _median_time(fn, repeats):
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))
-
 
 def run_one(name: str, cfg: C.ModelConfig, overrides: dict | None, T: int, steps: int, repeats: int) -> dict:
   import torch
@@ -91,8 +73,8 @@ def run_one(name: str, cfg: C.ModelConfig, overrides: dict | None, T: int, steps
     with torch.no_grad():
       hf(input_ids=torch.as_tensor(tokens[:, :T], dtype=torch.long))
 
-  t_ours = _median_time(ours_prefill, repeats)
-  t_hf = _median_time(hf_prefill, repeats)
+  t_ours = median_time(ours_prefill, repeats)
+  t_hf = median_time(hf_prefill, repeats)
 
   # Decode: prefill into a cache, then time one-token steps.
   layout = caches.CacheLayout()
@@ -103,7 +85,7 @@ def run_one(name: str, cfg: C.ModelConfig, overrides: dict | None, T: int, steps
   warm = caches.BatchIndex(jnp.full((1,), T, jnp.int32), jnp.zeros((1,), jnp.int32), *tabs)  # compile, no write
   cache, lg = model.forward_jit(params, cfg, jnp.asarray(tokens[:, T:T + 1]), cache, warm, layout)
   # the prefill and warm step run asynchronously: without this wait their execution lands in the timed steps
-  # (until session 6 it did: the "first-timing effect", ~229 vs ~145 ms per step)
+  # (an earlier version of this script did not wait: a "first-timing effect", ~229 vs ~145 ms per step)
   jax.block_until_ready(lg)
   t = time.perf_counter()
   for s in range(steps):
@@ -178,16 +160,6 @@ def _decode_time(params, cfg, tokens, T, steps, layout, tabs, cache_fn, moe_path
     jax.clear_caches()
 
 
-def best_time(fn, repeats=5):
-  fn()
-  ts = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    fn()
-    ts.append(time.perf_counter() - t)
-  return min(ts)   # the floor of what this box can do: least disturbed by other load
-
-
 def roofline(T: int) -> dict:
   """This machine's read bandwidth and both frameworks' matmul rates at the wide model's largest projection
   (wq_b / wo_a / wo_b are [4096 x 32768]-sized), fp32 and bf16. Best of 5 each."""
@@ -218,12 +190,6 @@ def roofline(T: int) -> dict:
       out[f"torch_matmul_{rows}x{K}x{N}_{name}_GFLOPs"] = gf / tt
       del xj, wj, xt, wt
   return out
-
-
-def xla_cost(compiled) -> dict:
-  """XLA's cost analysis of a compiled program (one dict; older JAX returns a one-element list)."""
-  ca = compiled.cost_analysis()
-  return ca[0] if isinstance(ca, (list, tuple)) else ca
 
 
 def _prefill_flops(params, cfg, T, layout):
@@ -271,7 +237,49 @@ def main(argv):
         rl[f"{who}_prefill_floor_s"] = floor_pre
         rl[f"{who}_prefill_over_floor"] = (T / r[f"{who}_prefill_tok_per_s"]) / floor_pre
       r["roofline"] = rl
-    print(json.dumps(r, indent=2), flush=True)
+    if FLAGS.json:
+      print(json.dumps(r, indent=2), flush=True)
+  print_tables(results)
+
+
+def print_tables(results: list[dict]) -> None:
+  print_table(
+      ["config", "params", "prefill tokens", "logits max rel diff (prefill / decode)", "ours prefill tok/s",
+       "HF prefill tok/s", "prefill speedup vs HF", "ours decode ms", "HF decode ms (2nd pass / 1st)",
+       "decode speedup vs HF"],
+      [[r["config"], r["params"], r["prefill_tokens"],
+        [r["prefill_logits_max_rel_diff"], r["decode_logits_max_rel_diff"]], r["ours_prefill_tok_per_s"],
+        r["hf_prefill_tok_per_s"], r["prefill_speedup_vs_hf"], r["ours_decode_step_ms"],
+        [r["hf_decode_step_ms"], r["hf_decode_step_ms_first_pass"]], r["decode_speedup_vs_hf"]]
+       for r in results],
+      title="This model vs transformers eager, same weights (speedup = HF time / ours: > 1 means ours is faster)")
+  moe_rows = [[r["config"], r["ours_decode_step_ms"], r["ours_decode_step_ms_again"],
+               r["ours_decode_step_ms_moe_sorted"], r["decode_moe_sorted_over_gathered"]]
+              for r in results if "ours_decode_step_ms_moe_sorted" in r]
+  if moe_rows:
+    print_table(["config", "decode ms (default)", "decode ms (default, again)", "decode ms (sorted ragged_dot MoE)",
+                 "sorted / best default"], moe_rows, title="Decode MoE path, same run")
+  with_rl = [r for r in results if "roofline" in r]
+  if with_rl:
+    print_table(
+        ["config", "read GB/s (JAX / torch)", "decode GB/step (XLA)", "ours decode floor ms",
+         "ours decode / floor", "HF decode / floor", "prefill GFLOP (XLA)", "ours prefill floor s",
+         "ours prefill / floor", "HF prefill floor s", "HF prefill / floor"],
+        [[r["config"], [rl["jax_read_GBps"], rl["torch_read_GBps"]], r["decode_bytes_accessed_per_step"] / 1e9,
+          rl["ours_decode_floor_ms"], rl["ours_decode_over_floor"], rl["hf_decode_over_floor"],
+          r["prefill_flops"] / 1e9, rl["ours_prefill_floor_s"], rl["ours_prefill_over_floor"],
+          rl["hf_prefill_floor_s"], rl["hf_prefill_over_floor"]]
+         for r, rl in ((r, r["roofline"]) for r in with_rl)],
+        title="Roofline (floor: decode = bytes / read bandwidth; prefill = XLA flops / fp32 matmul rate)")
+    mm = []
+    for r in with_rl:
+      for rows in (1, r["prefill_tokens"]):
+        for who, key in (("JAX", "jax"), ("torch", "torch")):
+          mm.append([r["config"], f"{rows} x 4096 x 32768", who,
+                     r["roofline"][f"{key}_matmul_{rows}x4096x32768_fp32_GFLOPs"],
+                     r["roofline"][f"{key}_matmul_{rows}x4096x32768_bf16_GFLOPs"]])
+    print_table(["config", "matmul", "framework", "fp32 GFLOP/s", "bf16 GFLOP/s"], mm,
+                title="Dense matmul rates at the wide model's largest projection")
 
 
 if __name__ == "__main__":

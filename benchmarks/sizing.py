@@ -14,11 +14,12 @@ compiler's (no GPU compiler is installed here); the parameter and pool bytes are
 depth (act GB); decode (T = 1) and one prefill chunk are compiled, the larger is reported. It is XLA CPU's temp
 for the XLA reference path (bf16 weights upcast to fp32 for the precision=HIGHEST matmuls, fp32 gathers of the
 window + top-k rows per query): an upper bound, not what the GPU kernels (FP8/FP4 weights, Pallas attention) need,
-so "fits?" is judged on params + KV, and separately with that bound. See BUILD_NOTES.md, "issue 14", for a measured table.
+so "fits?" is judged on params + KV, and separately with that bound (BUILD_NOTES.md records a measured table;
+docs/sharding.md describes the meshes and rules).
 
 Two KV placements are reported: "KV GB" with the pools replicated over `data` (one pool for all data shards), and
 "KV/D GB" with the pools split over `data` (one pool per data shard, the engine's default on a mesh: D x fewer
-blocks per device; BUILD_NOTES "14c"); "params* GB" and "fits/D?" are the parameters and the verdict under that
+blocks per device); "params* GB" and "fits/D?" are the parameters and the verdict under that
 placement's rules (nothing but rows and pools split over `data`, so V4.1's Engram tables split over tensor x expert
 only). The AOT compile is of the replicated-pool step.
 """
@@ -57,7 +58,8 @@ GB = 1e9
 
 
 def stored_bytes_per_param(names: list[str], variant: str, dtype) -> float:
-  """Bytes per parameter in the released checkpoints (dsv4_architecture.md, checkpoint storage)."""
+  """Bytes per parameter as the released checkpoints store them (FP4 e2m1 routed experts with an e8m0 scale per
+  32, FP8 e4m3 projections with one scale per block, bf16 embeddings / compressor / gates, the rest as `dtype`)."""
   import numpy as np
   last, parent = names[-1], (names[-2] if len(names) > 1 else "")
   fp8_block = 128 if variant == "v4" else 32
@@ -108,7 +110,7 @@ def param_table(cfg, mesh, rules):
 
 def pool_blocks(cfg, layout, batch: int, context: int, chunk: int) -> tuple[int, int]:
   """Blocks resident for `batch` sequences of `context` tokens: every full-group block, and the SWA blocks of the
-  window / compressor-state tail plus one chunk (older SWA blocks are freed as the window moves, kv_lifecycle.md)."""
+  window / compressor-state tail plus one chunk (older SWA blocks are freed as the window moves, docs/kv_cache.md)."""
   from dsv4 import caches
   full = batch * caches.blocks_for(context, layout.full_block_tokens)
   tail = caches.state_tail_tokens(cfg) + chunk

@@ -1,19 +1,24 @@
 """Engine step cost vs live context and real token count, one run, CPU (ratios are what to read).
 
 1. Decode step time, batch 8, at contexts 2k / 8k / 32k / 64k with max_model_len fixed at 1M (tiny V4: window +
-   CSA top-k + HCA layers), with block tables bucketed by the live context ("after") and spanning max_model_len
-   ("before", what the runner did until now: min_table_tokens = max_model_len); with each step plan's bytes and
-   table widths (the swa table covers only the window + chunk, the full table the live context).
-2. Mixed step (1 prefill chunk of 64 (or each --mixed_chunks) + 63 decodes, 64 rows) vs the chunk alone: all rows on one flat token axis
-   ("after", the serving path), with the decode / prefill row groups ("groups") and with every row padded to
-   chunk_size in one program ("padded"); the ragged step with power-of-two token buckets ("after") and with
-   `token_bucket_steps` buckets per doubling ("after_steps4": buckets 1.25x apart).
+   CSA top-k + HCA layers), with block tables bucketed by the live context ("after", the runner's default) and
+   spanning max_model_len ("before": min_table_tokens = max_model_len, the runner's earlier behaviour); with each
+   step plan's bytes and table widths (the swa table covers only the window + chunk, the full table the live
+   context).
+2. Mixed step (1 prefill chunk of 64 (or each --mixed_chunks) + 63 decodes, 64 rows) vs the chunk alone: all rows
+   on one flat token axis ("after", the serving path) and with the decode / prefill row groups ("groups",
+   `ModelRunner(step_mode="groups")`, the earlier layout); the ragged step with power-of-two token buckets
+   ("after") and with `token_bucket_steps` buckets per doubling ("after_steps4": buckets 1.25x apart).
 3. Compiled temp memory of a decode step (`memory_analysis().temp_size_in_bytes`) at max_model_len 64k vs 1M.
 4. Batch-invariant mode: the same mixed 8-row step, normal vs invariant.
 
-The runner is driven directly with synthetic block tables (block contents do not change the work).
+The runner is driven directly with synthetic block tables (block contents do not change the work). Prints one
+markdown table per part (`--json`: also every number as JSON). For the model-side breakdown of part 1 (indexer
+paths, no-score floor) see the probe `python -m benchmarks.probes.decode_bench`.
 
-    python -m benchmarks.step_bench [--repeats=5] [--parts=decode,mixed,memory,invariant]
+    python -m benchmarks.step_bench [--repeats=5] [--parts=decode,mixed,memory,invariant] [--json]
+    python -m benchmarks.step_bench --parts=decode --repeats=3
+    python -m benchmarks.step_bench --parts=mixed --mixed_chunks=64,256,512 --repeats=5
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from benchmarks.support.table import print_table
 from dsv4 import caches
 from dsv4 import config as C
 from dsv4 import model
@@ -34,14 +40,16 @@ from dsv4.engine.sampling import SamplingParams
 flags.DEFINE_integer("repeats", 5, "Timed repeats per point (median reported).")
 flags.DEFINE_list("parts", ["decode", "mixed", "memory", "invariant"], "Which measurements to run.")
 flags.DEFINE_list("mixed_chunks", ["64"], "Prefill chunk sizes for part 2 (each: 1 chunk + 63 decodes vs the chunk "
-                  "alone). 64 is the engine default and also runs the 11e groups layout; larger chunks run the "
-                  "ragged step only.")
+                  "alone). 64 is the engine default and also runs the row-groups layout (step_mode='groups'); larger "
+                  "chunks run the ragged step only.")
 flags.DEFINE_list("mixed_bucket_steps", ["1", "4"], "token_bucket_steps for part 2's ragged step (growth 2): 1 = "
                   "power-of-two buckets (a chunk + 63 decodes spills into the next power), 4 = buckets 1.25x apart.")
 flags.DEFINE_bool("decode_only", False, "Run part 1 (decode vs context) only (= --parts=decode; the model-side "
-                  "breakdown of this part: benchmarks/decode_bench.py).")
+                  "breakdown of this part: python -m benchmarks.probes.decode_bench).")
+flags.DEFINE_bool("json", False, "Also print every number as JSON.")
 FLAGS = flags.FLAGS
 M1 = 1 << 20
+CONTEXTS = (2048, 8192, 32768, 65536)
 
 
 def make_runner(cfg, params, *, max_model_len, max_num_seqs, chunk_size=64, min_table_tokens=4096, **kw):
@@ -101,7 +109,7 @@ def decode(cfg, params, rng, res):
   # 1. decode vs context at max_model_len 1M
   for label, mtt in (("after", 4096), ("before", M1)):
     run = make_runner(cfg, params, max_model_len=M1, max_num_seqs=8, min_table_tokens=mtt)
-    for ctx in (2048, 8192, 32768, 65536):
+    for ctx in CONTEXTS:
       run.shapes_run.clear()
       res[f"decode_b8_ctx{ctx // 1024}k_ms_{label}"] = 1e3 * timed(run, rows_at(run, [ctx] * 8, [1] * 8, rng),
                                                                    FLAGS.repeats)
@@ -115,18 +123,15 @@ def decode(cfg, params, rng, res):
 
 def mixed(cfg, params, rng, res):
   """2. mixed step vs chunk alone (64 rows, contexts 1k): ragged flat token axis ("after"), decode / prefill row
-  groups ("groups", the 11e runner; step_mode="padded", the runner before that, is 70-110x and not rerun).
+  groups ("groups"; step_mode="padded", every row padded to chunk_size in one program, measured 70-110x slower
+  once and not rerun).
   For each chunk size C of --mixed_chunks: 1 chunk of C + 63 decodes vs the chunk alone. On CPU a step costs about
   its token count (a decode token ~ a prefill token, measured by "two chunks"), so the ratio approaches
   (C + 63) / C: the 63 decodes ride almost free only beside a long chunk."""
   for C in (int(c) for c in FLAGS.mixed_chunks):
     sfx = "" if C == 64 else f"_c{C}"
     res[f"real_tokens_mixed_over_chunk{sfx}"] = (C + 63) / C      # the floor when a decode token costs a prefill one
-    modes = [("after", "ragged", 1)] + [(f"after_steps{k}", "ragged", k) for k in map(int, FLAGS.mixed_bucket_steps)
-                                        if k != 1]
-    if C == 64:
-      modes.append(("groups", "groups", 1))
-    for label, mode, steps in modes:
+    for label, mode, steps in _mixed_modes(C):
       run = make_runner(cfg, params, max_model_len=8192, max_num_seqs=64, step_mode=mode, token_bucket_growth=2,
                         token_bucket_steps=steps, chunk_size=C)
       # The row sets live in the runner at once (slot 0 = the chunk in all), timed alternately. "Two chunks"
@@ -147,6 +152,15 @@ def mixed(cfg, params, rng, res):
         res[f"two_chunks_{C}_63_ms_{label}{sfx}"] = 1e3 * ts[2]
         res[f"mixed_over_two_chunks_{label}{sfx}"] = t_mixed / ts[2]
       del run
+
+
+def _mixed_modes(C: int) -> list[tuple[str, str, int]]:
+  """(label, step_mode, token_bucket_steps) timed for chunk size C in part 2."""
+  modes = [("after", "ragged", 1)] + [(f"after_steps{k}", "ragged", k) for k in map(int, FLAGS.mixed_bucket_steps)
+                                      if k != 1]
+  if C == 64:
+    modes.append(("groups", "groups", 1))
+  return modes
 
 
 def memory(cfg, params, rng, res):
@@ -186,7 +200,48 @@ def main(argv):
     memory(cfg, params, rng, res)
   if "invariant" in parts:
     invariant(cfg, params, rng, res)
-  print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}, indent=1))
+  if FLAGS.json:
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}, indent=1))
+  print_tables(res, parts)
+
+
+def print_tables(res: dict, parts) -> None:
+  cfg = res["config"]
+  if "decode" in parts:
+    rows = []
+    for ctx in CONTEXTS:
+      k = f"decode_b8_ctx{ctx // 1024}k"
+      a, b = res[f"{k}_ms_after"], res[f"{k}_ms_before"]
+      rows.append([f"{ctx // 1024}k", a, b, b / a, [res[f"{k}_plan_bytes_after"], res[f"{k}_plan_bytes_before"]],
+                   "swa {} / full {}".format(*res[f"{k}_table_widths_swa_full_after"]),
+                   "swa {} / full {}".format(*res[f"{k}_table_widths_swa_full_before"])])
+    rows.append(["64k / 2k", res["decode_64k_over_2k_after"], res["decode_64k_over_2k_before"], None, None, None,
+                 None])
+    print_table(["context", "ms (tables bucketed to context)", "ms (tables span max_model_len)", "before / after",
+                 "plan bytes (after / before)", "table widths, after", "table widths, before"], rows,
+                title=f"1. Decode step, batch 8, {cfg}, max_model_len 1M (median of {FLAGS.repeats})")
+  if "mixed" in parts:
+    rows = []
+    for C in (int(c) for c in FLAGS.mixed_chunks):
+      sfx = "" if C == 64 else f"_c{C}"
+      for label, mode, _ in _mixed_modes(C):
+        rows.append([C, label, res[f"chunk_alone_ms_{label}{sfx}"], res[f"mixed_1chunk_63dec_ms_{label}{sfx}"],
+                     res[f"mixed_over_chunk_{label}{sfx}"], res[f"real_tokens_mixed_over_chunk{sfx}"],
+                     res.get(f"two_chunks_{C}_63_ms_{label}{sfx}"), res.get(f"mixed_over_two_chunks_{label}{sfx}"),
+                     res.get(f"buckets_chunk_mixed_{label}{sfx}")])
+    print_table(["chunk", "layout", "chunk alone ms", "chunk + 63 decodes ms", "mixed / chunk",
+                 "real tokens (C + 63) / C", "chunk + 63 prefill tokens ms", "mixed / that",
+                 "token buckets (chunk / mixed)"], rows,
+                title=f"2. Mixed step vs the chunk alone, 64 rows at context 1k, {cfg} (timed alternately)")
+  if "memory" in parts:
+    print_table(["max_model_len", "decode step temp bytes"],
+                [[f"{mml // 1024}k", res[f"decode_temp_bytes_max_len_{mml // 1024}k"]] for mml in (65536, M1)],
+                title="3. Compiled temp memory of a decode step (batch 8, context 2k)")
+  if "invariant" in parts:
+    print_table(["mode", "ms (1 chunk of 32 + 7 decodes)"],
+                [["normal", res["mixed8_ms_normal"]], ["batch-invariant", res["mixed8_ms_invariant"]],
+                 ["invariant / normal", res["invariant_cost_x"]]],
+                title="4. Batch-invariant mode, 8 rows, max_model_len 4096")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ A checkpoint at boundary P (a multiple of the resume alignment) is, in every sli
 blocks right before P, registered under their chained hashes. They hold what a resume at P reads (window rows,
 pending compressor rows), so nothing is replayed.
 
-Where checkpoints are taken (NOTES.md "Checkpoint placement" has the memory cost):
+Where checkpoints are taken (BUILD_NOTES.md, Cache bookkeeping, "Checkpoint placement" has the memory cost):
 * **dense start**: at align * 2^k (128, 256, 512, ...) inside the prompt, so sessions that share only a system
   prompt (or any prefix) hit a boundary at least half as long as the shared part, and the very first follower of
   the very first session already hits a power-of-two system prompt completely (vLLM 0.33 misses it);
@@ -68,7 +68,8 @@ class CheckpointPolicy:
       if 0 < rr < pb and self.merge_prompt_boundary:
         # one checkpoint instead of two within one alignment: the re-render boundary serves both a next turn that
         # re-renders and an identical prompt (at most `align` more tokens recomputed). Under a fixed budget two
-        # per prompt made round-robin sessions evict each other's useful checkpoint (BUILD_NOTES, i10c).
+        # per prompt made round-robin sessions evict each other's useful checkpoint (BUILD_NOTES.md, Cache
+        # bookkeeping).
         out.discard(pb)
     if self.dense_start and dense:
       top = max(out)

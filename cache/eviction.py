@@ -3,7 +3,7 @@
 `PolicyCacheManager` is a `KVCacheManager` whose free-queue discipline is chosen by name. The pool keeps one free
 queue per group (head = evicted first); a policy decides where released blocks enter it and how they are ordered.
 
-    lru              the default manager (NOTES.md): cached blocks appended at the tail in the order the request
+    lru              the default manager (docs/kv_cache.md): cached blocks appended at the tail in the order the request
                      releases them (tail-first, so a chain's last blocks go before its head; a hit refreshes a
                      block because it is re-released later); SWA checkpoints only; uncached (transient) blocks
                      prepended at the head so they are reused before any cached block.

@@ -12,7 +12,7 @@ On the device a block is keyed by a *truncated* key (two int32 words from the di
 masked to `key_bits` bits so tests can force collisions). The key only finds candidates: a hit additionally
 compares the block's stored tokens and its stored parent digest (all 128 bits) with the request's, so a key
 collision can never return another prefix's blocks; a false hit would need a blake2b-128 collision of the
-parent prefix (see NOTES.md).
+parent prefix (BUILD_NOTES.md, Cache bookkeeping, "Exact hits"; docs/kv_cache.md).
 """
 
 from __future__ import annotations

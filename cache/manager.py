@@ -523,7 +523,8 @@ class KVCacheManager:
       # A junction inside the dense-start gap (run < 2 * hit, or nothing hit): where the dense schedule could not
       # reach the end of a prefix another request computed. Past 2 * hit the run is most likely this conversation's
       # own earlier turn whose checkpoint was evicted (memory pressure); a checkpoint there is superseded by this
-      # turn's own, and taking it anyway made a fixed budget collapse (BUILD_NOTES, i10d).
+      # turn's own, and taking it anyway made a fixed budget collapse (BUILD_NOTES.md, Cache bookkeeping,
+      # "Checkpoint placement").
       if self.junction_checkpoints and int(run[i]) > n and (n == 0 or int(run[i]) < 2 * n):
         junction = (int(run[i]),)
       tables = {g: _Buf(h.block_ids[g]) for g in self.groups}
@@ -736,7 +737,7 @@ class KVCacheManager:
       return list(range((max(lo, 0) // a + 1) * a, hi + 1, a))
     return next(iter(self.policies.values())).boundaries(lo, hi, r.prompt_len, r.junctions, r.dense)
 
-  # ------------------------------------------------------------------- tiers (issue 12): externally loaded prefix
+  # ------------------------------------------------------------------- tiers: externally loaded prefix
   def extend_for_load(self, request_id: str, num_tokens: int, tail_blocks) -> BlockTables | OutOfBlocks:
     """Blocks to receive a prefix [num_computed, num_tokens) loaded from a lower tier: every full-history block up
     to num_tokens, but sliding-group blocks only at the table indices in `tail_blocks` (the checkpoint tails the

@@ -1,6 +1,6 @@
 """The model's cache pytree: paged pools addressed by block tables.
 
-Two cache groups share the block tables of a step (spec §3, kv_lifecycle.md §1.4):
+Two cache groups share the block tables of a step (docs/kv_cache.md):
 
 * ``swa`` group, blocks of `CacheLayout.swa_block_tokens` tokens, one row per token:
   - ``window_kv``: post-norm, post-RoPE K=V latent of every layer (the sliding window reads the last W rows);
@@ -12,7 +12,7 @@ Two cache groups share the block tables of a step (spec §3, kv_lifecycle.md §1
     chunk reads the previous max_ngram_size - 1 ids back through the block table like the window.
 * ``full`` group, blocks of `CacheLayout.full_block_tokens` tokens (a multiple of every ratio), one row per
   compressed entry: ``comp_kv`` (compressed KV) and ``index_keys``. In V4.1 only the KV-source ("full") layers own
-  them; reindex / reuse layers read their source's pools within the same step (spec §3.2).
+  them; reindex / reuse layers read their source's pools within the same step.
 
 Contiguous use (notebooks, tests) is the same code with an identity block table: `init_contiguous`.
 A paged pool (cache/ and the engine) allocates blocks and hands the model block tables.

@@ -4,7 +4,7 @@ One `ModelConfig` describes both DeepSeek-V4 (sliding window + CSA ratio 4 + HCA
 full / reindex / reuse layers). The variant is a field, not a fork: every layer's behaviour is derived into a
 `LayerPlan` by `ModelConfig.layer_plan()`, and the model code reads only the plan.
 
-Spec: ../shared/docs/dsv4_architecture.md §1.1-1.2 (V4-Flash), §2.1-2.2 (V4.1-Flash).
+Architecture: docs/model.md (presets and their shapes, the per-layer plan).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Literal
 
 Variant = Literal["v4", "v41"]
 # swa: window only. csa: V4 ratio-4 overlapping compressor + Lightning indexer. hca: V4 dense over compressed.
-# full / reindex / reuse: V4.1 CSA2 roles (spec §2.2).
+# full / reindex / reuse: V4.1 CSA2 roles (docs/model.md, per-layer plan).
 LayerKind = Literal["swa", "csa", "hca", "full", "reindex", "reuse"]
 
 
@@ -31,7 +31,7 @@ def _require(cond: bool, field: str, why: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class YarnConfig:
-  """Frequency-only YaRN (attention_factor fixed to 1, spec §1.4)."""
+  """Frequency-only YaRN (attention_factor fixed to 1; docs/model.md, RoPE)."""
   factor: float = 16.0
   original_max_position_embeddings: int = 65536
   beta_fast: float = 32.0
@@ -57,7 +57,7 @@ class IndexerConfig:
   num_heads: int = 64
   head_dim: int = 128
   topk: int = 512
-  # V4.1 hierarchical candidates (spec §2.4); unused by V4.
+  # V4.1 hierarchical candidates (docs/model.md, Lightning indexer); unused by V4.
   candidate_block_size: int = 8
   candidate_topk_blocks: int = 2048
 
@@ -82,8 +82,8 @@ class MHCConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EngramConfig:
-  """V4.1 Engram (spec §2.6; NeMo `deepseek_v41/engram.py`): hashed n-gram memory added to the streams before the
-  layers in `layer_ids`. Empty `layer_ids` switches it off."""
+  """V4.1 Engram (docs/model.md; NeMo `deepseek_v41/engram.py`): hashed n-gram memory added to the streams before
+  the layers in `layer_ids`. Empty `layer_ids` switches it off."""
   layer_ids: tuple[int, ...] = ()
   num_embeddings: tuple[int, ...] = ()   # table rows per Engram layer (>= sum of its hash primes)
   max_ngram_size: int = 4                # n-grams of size 2..max over the current and previous max-1 tokens
@@ -134,7 +134,7 @@ class ModelConfig:
   mhc: MHCConfig = MHCConfig()
   rms_norm_eps: float = 1e-6
   max_position_embeddings: int = 1048576
-  # V4.1 CSA2 roles (spec §2.2); empty for V4.
+  # V4.1 CSA2 roles (docs/model.md, per-layer plan); empty for V4.
   kv_source_layer_ids: tuple[int, ...] = ()
   index_source_layer_ids: tuple[int, ...] = ()
   candidate_source_layer_id: int = -1
@@ -231,7 +231,7 @@ class ModelConfig:
 
   @property
   def single_pass_mhc(self) -> bool:
-    """V4.1: each sublayer collapses the streams with the previous sublayer's `pre`; no `hc_head` (spec §2.6)."""
+    """V4.1: each sublayer collapses the streams with the previous sublayer's `pre`; no `hc_head` (docs/model.md)."""
     return self.variant == "v41"
 
   @property
@@ -315,14 +315,14 @@ def v41_schedule(num_layers: int, num_window_layers: int, num_ratio2_layers: int
 
 
 def v4_flash() -> ModelConfig:
-  """The official DeepSeek-V4-Flash text backbone (spec §1.1), without the MTP block."""
+  """The official DeepSeek-V4-Flash text backbone (docs/model.md, Presets), without the MTP block."""
   return ModelConfig(name="v4_flash", variant="v4", vocab_size=129280, hidden_size=4096, num_layers=43,
                      compress_ratios=v4_schedule(43))
 
 
 def v41_flash(engram: bool = True) -> ModelConfig:
-  """DeepSeek-V4.1-Flash text backbone (spec §2.1), without DSpark draft layers and vision. Engram on layers 1 and
-  14 (NeMo defaults: 384006168 / 384016682 table rows of 256); `engram=False` drops it."""
+  """DeepSeek-V4.1-Flash text backbone (docs/model.md, Presets), without DSpark draft layers and vision. Engram on
+  layers 1 and 14 (NeMo defaults: 384006168 / 384016682 table rows of 256); `engram=False` drops it."""
   return ModelConfig(
       name="v41_flash", variant="v41", vocab_size=129280, hidden_size=5120, num_layers=40,
       compress_ratios=v41_schedule(40, 2, 18),
@@ -364,7 +364,8 @@ def _tiny_compressed_vocab(vocab_size: int) -> int:
 def v4_tiny(num_layers: int = 4, window: int = 16, hca_ratio: int = 16, vocab_size: int = 512,
             index_topk: int = 8) -> ModelConfig:
   """CPU-sized V4 keeping every mechanism: window, CSA m=4 (overlap + indexer), HCA (small ratio),
-  hash-routed and learned MoE, mHC. Matches the oracle config of reference_oracles.md §2.1 at the defaults."""
+  hash-routed and learned MoE, mHC. At the defaults it equals the tiny transformers oracle config
+  (tests/dsv4/oracle_util.py; docs/references.md)."""
   return ModelConfig(
       name="v4_tiny", variant="v4", vocab_size=vocab_size, hidden_size=64, num_layers=num_layers,
       compress_ratios=v4_schedule(num_layers, num_window_layers=1, hca_ratio=hca_ratio),

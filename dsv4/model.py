@@ -175,7 +175,7 @@ def _block(params_l, config: ModelConfig, plan: LayerPlan, X, tokens, ctx, cache
 
 def _block_single_pass(params_l, config: ModelConfig, plan: LayerPlan, X, pre_prev, tokens, ctx, cache_l, kernel_cfg,
                        collect_aux, shared, engram_hash):
-  """V4.1 block (spec §2.6): Engram, then single-pass mHC: each sublayer collapses with the previous one's `pre`."""
+  """V4.1 block (docs/model.md): Engram, then single-pass mHC: each sublayer collapses with the previous one's `pre`."""
   cfg_hc, eps = config.mhc, config.rms_norm_eps
   if plan.engram:
     X = engram_mod.engram(params_l["engram"], X, engram_hash, eps)

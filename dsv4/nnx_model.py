@@ -5,7 +5,7 @@ pure function over today's parameter dict.
     params = nnx_model.params_of(net)                              # the plain nested dict (checkpoint spelling)
     cache, logits = nnx_model.apply(params, tokens_BxT, cache, index, config=config)   # == model.forward
 
-Why NNX (issue 14 item 1; BUILD_NOTES "14b"): it is Flax's main API, MaxText's DeepSeek-V4 code is NNX, and its
+Why NNX: it is Flax's main API, MaxText's DeepSeek-V4 code is NNX, and its
 modules are plain Python objects whose state splits into a pytree, so the explicit-cache style of `dsv4.model`
 carries over unchanged. Linen would keep caches in mutable collections, which is exactly what we avoid: the caches
 stay explicit pytrees passed in and returned (`(new_cache, out)`), never nnx Variables.

@@ -13,7 +13,7 @@ Names come from the single sources of truth: `model.param_shapes` (the checkpoin
 heads, is not) stays replicated instead of failing: tiny test configs and odd meshes still run, and
 `explain_fallbacks` lists what was replicated so sizing reports show it.
 
-Decisions (numbers in BUILD_NOTES.md, "issue 14"):
+Decisions (overview in docs/sharding.md, measurements in BUILD_NOTES.md):
 * attention heads, the indexer heads, the grouped output projection, the shared expert's and routed experts'
   intermediate dimension and the vocabulary are split over `tensor`;
 * routed experts are split over `expert`, tokens reach them through `shard_map` + all-to-all (moe.py);
@@ -21,7 +21,7 @@ Decisions (numbers in BUILD_NOTES.md, "issue 14"):
   shards, `pools_over_data=False`) or split over `data` by their block axis (`pools_over_data=True`, the engine's
   default on a mesh): data shard s holds global blocks [s*n, (s+1)*n), addressed by shard-local ids 0..n-1, and
   the step runs manual over `data` (`jax.shard_map`, the other axes stay automatic) so every read and write of a
-  pool stays on the device that holds it (BUILD_NOTES "14c");
+  pool stays on the device that holds it;
 * the shared K = V latent (one head) and its pools are replicated over `tensor` by default (`Rules.kv_latent`
   = "replicated"); "feature" splits its feature dimension over `tensor` instead.
 """

@@ -8,7 +8,8 @@ block rows / full_block_tokens); SWA-group arrays are a ring: the window KV keep
 compressor keeps one running-pool state row (fp32, `caches.compressor_state_width`), Engram token ids keep
 max_ngram - 1 ids. Also printed: bytes of one SWA checkpoint (the swa blocks a resume at an aligned point keeps)
 against the bytes such a resume actually reads, per KV dtype.
-Record sizes per row (spec §2.5, §3.5; vLLM records [S6/S7]):
+Record sizes per row (the V4 / V4.1 serving records of vLLM's DeepSeek backends and NeMo's quantized cache;
+docs/kv_cache.md):
 
   compressed KV / window KV: bf16 1024 B, fp32 2048 B, V4 fp8 record 584 B (448 fp8 + 64 bf16 + 7 UE8M0 + pad),
     V4.1 record 528 B (512 fp8 + 16 UE8M0), NVFP4 288 B (compressed rows only; the window stays in the V4.1 record);

@@ -309,7 +309,7 @@ def main(argv):
         rec["tenant"], rec["session"] = tenant_session[o.rid]
       f.write(json.dumps(rec) + "\n")
   summary = report.summary()
-  compiles = engine.compile_report()   # real XLA compilations (all functions) since the engine was built
+  compiles = engine.compile_report()   # real XLA compilations this engine caused (all functions)
   summary["compilations"] = compiles["compilations"]
   summary["compile_s"] = compiles["compile_seconds"]
   tiers = None

@@ -1,7 +1,7 @@
-"""KV tiers workload benchmark (issue 12). Prints tables, writes <out_dir>/tiers_workload.{csv,json}, a plot, and
+"""KV tiers workload benchmark (docs/tiers.md). Prints tables, writes <out_dir>/tiers_workload.{csv,json}, a plot, and
 <out_dir>/tiers_resume.{csv,json}.
 
-Part A — more sessions than the device holds (seed §6: long shared documents + agent sessions that go idle and come
+Part A — more sessions than the device holds (long shared documents + agent sessions that go idle and come
 back). 8 sessions over 2 shared 1024-token documents, 3 turns each, submitted one at a time round-robin, so every
 session comes back after 7 others have run; the device pool holds ~1.5 sessions. Same engine config and workload
 with tiers off / L2 (host) / L2+L3 (host, disk) / L2+L3+L4 (host, disk, Redis), host and disk capacities limited

@@ -2,13 +2,13 @@
 
 backend: "auto" (GPU *and* a recorded validation of that kernel on this JAX version and device kind -> Pallas
 kernel, otherwise the XLA reference), "xla", "pallas", "interpret" (the Pallas kernel in interpret mode, for CPU
-tests). Validations live in `pallas_kernels/validations.json`, written by `benchmarks/gpu_check.sh` after the
-kernel matched its reference at V4 shapes on that machine; a new JAX version or GPU needs a new check. Kernels register themselves in `_KERNELS`: each kernel module exports a `KERNELS`
-dict that this module registers at import; until a kernel exists for an op, every backend falls back to the XLA
-reference (the fallback always exists).
+tests). Validations live in `pallas_kernels/validations.json`, written by `benchmarks/gpu_check.sh` after the kernel
+matched its reference at V4 shapes on that machine; a new JAX version or GPU needs a new check. Kernels register
+themselves in `_KERNELS`: each kernel module exports a `KERNELS` dict that this module registers at import; until a
+kernel exists for an op, every backend falls back to the XLA reference (the fallback always exists).
 
-The kernels target the Pallas-Triton GPU backend (explicit `triton.CompilerParams`); see NOTES.md for why and for
-the Mosaic GPU plan. Pools may be plain arrays or `Fp8KVPool` (V4 FP8 record) on every backend.
+The kernels target the Pallas-Triton GPU backend (explicit `triton.CompilerParams`); see BUILD_NOTES.md, Kernels for
+why and for the Mosaic GPU plan. Pools may be plain arrays or `Fp8KVPool` (V4 FP8 record) on every backend.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def record_validation(op: str, ok: bool, details: dict, path: str = VALIDATIONS_
 def _resolve(cfg: KernelConfig, op: str):
   backend = cfg.backend
   if backend == "auto":
-    # A kernel nobody has run on this GPU/JAX yet stays off the default path (issue 15).
+    # A kernel nobody has run on this GPU/JAX yet stays off the default path (docs/kernels.md, Dispatch).
     backend = "pallas" if jax.default_backend() == "gpu" and op in _KERNELS and is_validated(op) else "xla"
   if backend == "xla" or op not in _KERNELS:
     return None

@@ -1,7 +1,7 @@
 """FP8 compressed-KV rows: the V4 584-byte record (interchange format) and a TMA-friendly paged layout.
 
-Record (`Fp8KVPool`, spec §1.9 / anchors §0): per row 448 e4m3 channels, 7 UE8M0 scale bytes + 1 pad byte, 64 bf16
-RoPE channels = 584 bytes. Kept as three arrays whose bytes equal the record.
+Record (`Fp8KVPool`; docs/kernels.md, FP8 cache formats): per row 448 e4m3 channels, 7 UE8M0 scale bytes + 1 pad
+byte, 64 bf16 RoPE channels = 584 bytes. Kept as three arrays whose bytes equal the record.
 
 Paged layout (`Fp8PagedPool`, after FlashMLA's sm90 sparse FP8 cache): one uint16 array [num_pages, page_words].
 A page holds page_size rows of *data* (576 bytes each: the 448 e4m3 bytes, then the 64 bf16 RoPE channels) followed
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 # ----------------------------------------------------------------------------------------------------------------
-# FP8 cache rows (V4 serving record, spec §1.9 / anchors §0): the first D - R channels as e4m3 in blocks of 64 with
+# FP8 cache rows (the V4 serving record, docs/kernels.md): the first D - R channels as e4m3 in blocks of 64 with
 # one power-of-two (UE8M0) scale per block, the last R (RoPE) channels kept bf16. The record's 7 scales + 1 pad byte
 # are stored as 8 uint8 exponents (bias 127) so every in-kernel shape stays a power of two.
 # ----------------------------------------------------------------------------------------------------------------

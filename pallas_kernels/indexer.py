@@ -90,7 +90,7 @@ import functools  # noqa: E402
 
 from jax.experimental import pallas as pl  # noqa: E402
 
-try:  # Pallas-Triton (deprecated in JAX 0.11, still shipped); see NOTES.md.
+try:  # Pallas-Triton (deprecated in JAX 0.11, still shipped); see BUILD_NOTES.md, Kernels.
   from jax.experimental.pallas import triton as _pl_triton
 except ImportError:  # pragma: no cover
   _pl_triton = None

@@ -106,11 +106,11 @@ def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_
 
 
 def candidate_blocks(block_max_NxNb, last_block_N, topk_blocks: int):
-  """V4.1 candidate blocks (spec §2.4) as ids [N, min(topk_blocks, Nb)] (-1 = none) from block maxima: the block
-  of the newest visible entry (`last_block_N`, -1 when none) is forced in, then the highest maxima; blocks with no
-  visible entry (max -inf) never count. Same rule as `dsv4.layers.attention.candidate_mask` except at exact ties
-  of finite block maxima at the cut: this keeps exactly topk_blocks (lowest block id first), the dense threshold
-  keeps every tied block."""
+  """V4.1 candidate blocks (docs/model.md, Lightning indexer) as ids [N, min(topk_blocks, Nb)] (-1 = none) from
+  block maxima: the block of the newest visible entry (`last_block_N`, -1 when none) is forced in, then the highest
+  maxima; blocks with no visible entry (max -inf) never count. Same rule as `dsv4.layers.attention.candidate_mask`
+  except at exact ties of finite block maxima at the cut: this keeps exactly topk_blocks (lowest block id first), the
+  dense threshold keeps every tied block."""
   N, nb = block_max_NxNb.shape
   blk = jnp.where(jnp.arange(nb)[None, :] == last_block_N[:, None], jnp.inf, block_max_NxNb)
   vals, ids = jax.lax.top_k(blk, min(topk_blocks, nb))

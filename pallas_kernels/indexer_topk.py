@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import fp8 as _fp8
 from pallas_kernels import indexer as _ix
 
-try:  # Pallas-Triton (deprecated in JAX 0.11, still shipped); see NOTES.md.
+try:  # Pallas-Triton (deprecated in JAX 0.11, still shipped); see BUILD_NOTES.md, Kernels.
   from jax.experimental.pallas import triton as _pl_triton
 except ImportError:  # pragma: no cover
   _pl_triton = None

@@ -15,13 +15,14 @@ A pool is a plain [P, D] array (any float dtype), an `Fp8KVPool` (the V4 584-byt
 format) or an `Fp8PagedPool` (576-byte rows + per-page scale tail, uint16 storage; see fp8.py); FP8 rows are
 dequantized in-kernel by exponent add.
 
-The Pallas kernel (`sparse_attention_pallas`) is written for the Pallas-Triton GPU backend (see NOTES.md for why):
-grid (query token, head block, key split); each program keeps block_h heads of one query token in registers, walks
-the token's window ids and then its compressed ids block_k at a time, gathers those rows straight from the pool by
-indexing the pool ref with the id vector, and runs an online softmax (base 2). With one split it applies the sink and
-writes the final out/lse; with 2 splits (decode with fewer programs than one wave of SMs) it writes per-split
-partials in the output dtype that a tiny XLA epilogue merges (flash-decoding). Rows behind invalid ids are never
-read (masked loads, zero fill), so non-finite data there cannot leak; fp32 inputs use HIGHEST (IEEE) dots.
+The Pallas kernel (`sparse_attention_pallas`) is written for the Pallas-Triton GPU backend (BUILD_NOTES.md, Kernels
+says why): grid (query token, head block, key split); each program keeps block_h heads of one query token in
+registers, walks the token's window ids and then its compressed ids block_k at a time, gathers those rows straight
+from the pool by indexing the pool ref with the id vector, and runs an online softmax (base 2). With one split it
+applies the sink and writes the final out/lse; with 2 splits (decode with fewer programs than one wave of SMs) it
+writes per-split partials in the output dtype that a tiny XLA epilogue merges (flash-decoding). Rows behind invalid
+ids are never read (masked loads, zero fill), so non-finite data there cannot leak; fp32 inputs use HIGHEST (IEEE)
+dots.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import fp8 as _fp8
 
-try:  # Pallas-Triton: deprecated in JAX 0.11 but still shipped; see NOTES.md.
+try:  # Pallas-Triton: deprecated in JAX 0.11 but still shipped; see BUILD_NOTES.md, Kernels.
   from jax.experimental.pallas import triton as _pl_triton
 except ImportError:  # pragma: no cover - future JAX without the Triton backend.
   _pl_triton = None
@@ -424,7 +425,7 @@ def _pad_idx(idx_NxK, block_k):
 def auto_num_splits(N: int, head_blocks: int, nblocks: int, target_programs: int) -> int:
   """Split the keys only when there are too few rows of work to fill the GPU (fewer programs than one wave,
   target_programs / 2), and then into at most MAX_SPLITS: every extra split costs a [block_h, D] partial written and
-  read back, which at batch 64 outweighed the gain (issue 15)."""
+  read back, which at batch 64 outweighed the gain."""
   progs = N * head_blocks
   if 2 * progs >= target_programs or nblocks < 2:
     return 1

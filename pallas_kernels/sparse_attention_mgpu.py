@@ -16,10 +16,11 @@ One CTA per query token, 3 warpgroups (`plgpu.kernel(num_threads=3)`):
     its half of d_v (a full 64 x 512 f32 accumulator does not fit one warpgroup's registers). Each computes
     S = q K^T for the block with wgmma, masks invalid ids to -inf, runs the online softmax (base 2), and accumulates
     P V over its half of the columns.
-Known gaps vs FlashMLA (NOTES.md): both consumers compute the full QK^T (FlashMLA splits it by key block and
-exchanges P through SMEM), the repack costs an SMEM round trip per row, and there is one staging + one tiled buffer
-(SMEM: 64 KB q + 2 x 64 KB), not a deeper ring. Mosaic GPU has no interpret mode for these primitives on CPU, so
-this kernel is checked by CUDA lowering on CPU and against the reference by benchmarks/gpu_check.sh on a GPU.
+Known gaps vs FlashMLA (BUILD_NOTES.md, Kernels): both consumers compute the full QK^T (FlashMLA splits it by key
+block and exchanges P through SMEM), the repack costs an SMEM round trip per row, and there is one staging + one
+tiled buffer (SMEM: 64 KB q + 2 x 64 KB), not a deeper ring. Mosaic GPU has no interpret mode for these primitives
+on CPU, so this kernel is checked by CUDA lowering on CPU and against the reference by benchmarks/gpu_check.sh on a
+GPU.
 """
 
 from __future__ import annotations

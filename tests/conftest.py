@@ -11,11 +11,16 @@ Memory maps. Every live XLA CPU executable holds about 18 memory mappings (its J
 A test worker keeps thousands of executables alive (the jit caches of module-level functions), and when the process
 reaches the kernel's `vm.max_map_count` (65530 by default) LLVM's next allocation fails ("LLVM compilation error:
 Cannot allocate memory") and XLA segfaults: the worker crashes that CI saw at random tests late in a run
-(`python -m benchmarks.map_count_probe --to_limit` reproduces it outside pytest). So after each test, a worker whose
+(`python -m benchmarks.probes.map_count_probe --to_limit` reproduces it outside pytest). So after each test, a worker whose
 map count passes `_MAP_SOFT_LIMIT` drops JAX's in-memory caches (programs still referenced by live objects stay; the
 next use of a dropped program recompiles it, or reloads it from the persistent cache).
 
 XLA flags: see tests/xla_test_flags.py (LLVM optimisation level 0 for the suite's compiles).
+
+Hypothesis: the "ci" profile (default) derandomizes, so a run is reproducible and a failure reruns the same way;
+DSV4_HYPOTHESIS=fresh draws new examples each run (and prints the blob to reproduce a failure).
+
+Tiers: `slow` is the only marker (registered in pyproject.toml, --strict-markers); the default run deselects it.
 """
 
 import gc
@@ -23,6 +28,7 @@ import os
 import shutil
 import tempfile
 
+import hypothesis
 import jax
 import pytest
 
@@ -30,6 +36,10 @@ from tests import xla_test_flags
 
 xla_test_flags.install()  # before any test touches a device: XLA reads XLA_FLAGS when JAX creates its backend
 
+
+hypothesis.settings.register_profile("ci", derandomize=True, print_blob=True)
+hypothesis.settings.register_profile("fresh", derandomize=False, print_blob=True)
+hypothesis.settings.load_profile(os.environ.get("DSV4_HYPOTHESIS", "ci"))
 
 _MAP_SOFT_LIMIT = 30000  # half of the usual vm.max_map_count: a single test adds at most a few thousand
 _ENV = "DSV4_TEST_XLA_CACHE_DIR"

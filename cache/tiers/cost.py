@@ -1,5 +1,5 @@
-"""Load vs recompute (seed §7): loading N records from a tier costs n * latency + bytes / bandwidth (plus the bytes
-already queued for that tier by write-behind, which share its bandwidth); recomputing costs tokens / measured
+"""Load vs recompute (docs/tiers.md): loading N records from a tier costs n * latency + bytes / bandwidth (plus
+the bytes already queued for that tier by write-behind, which share its bandwidth); recomputing costs tokens / measured
 prefill rate. Both sides are measured while serving (exponential moving averages) and can be calibrated at start.
 A load also gets a time budget (recompute time x `budget_factor`, at most `max_load_s`): past it the load is
 abandoned and the request recomputes from the last point that did load."""

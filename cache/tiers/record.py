@@ -35,7 +35,7 @@ class RecordError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Fingerprint:
-  """Everything besides the tokens that decides whether a stored block may be reused (seed §7)."""
+  """Everything besides the tokens that decides whether a stored block may be reused."""
   model: str            # model digest (weights identity)
   tokenizer: str        # tokenizer / chat template id
   layout: str           # cache layout fingerprint: block sizes, dtypes, array shapes, record format

@@ -7,7 +7,7 @@
 * `fetch`: batched gets per tier, fastest tier first, under a deadline: a tier call still running at the deadline
   is abandoned (its result discarded) and the caller recomputes what did not arrive.
 * `promote`: a record read from a lower tier is copied into the tiers above it.
-Failures never raise: a down tier is a miss (degrade order: remote -> local -> recompute, seed §7)."""
+Failures never raise: a down tier is a miss (degrade order: remote -> local -> recompute)."""
 
 from __future__ import annotations
 

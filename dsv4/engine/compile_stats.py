@@ -1,20 +1,17 @@
-"""Honest compile accounting: how many XLA programs a process really built, and for which functions.
+"""Honest compile accounting: how many XLA programs an engine really built, and for which functions.
 
-Two independent counts, because either alone can mislead:
-
-* `CompileLog` listens to JAX's own backend-compile event (`/jax/core/compile/backend_compile_duration`, fired once
-  per program JAX hands to XLA, including persistent-cache hits, which it reports separately) and keys it by the
-  function name JAX attaches. It sees *everything* compiled while it listens: the engine's step programs, the
-  sampler, the cache manager's pool ops and prefix search, and any stray eager op that compiles per shape.
-* `jit_cache_sizes` reads the executable cache of named jitted functions (`_cache_size()`): the number of distinct
-  programs each one holds, whatever process-level cache served them.
-
-The engine reports both in its metrics; tests bound them.
+`CompileLog` listens to JAX's own backend-compile event (`/jax/core/compile/backend_compile_duration`, fired once
+per program JAX hands to XLA; persistent-cache hits are counted apart) and keys it by the function name JAX
+attaches. A log counts only what compiles *inside its scope* (`with log.scope():`) on the thread that entered it:
+the engine enters its log around its own work (construction, admission, steps), so its report holds the programs
+that engine caused — its step programs, the sampler, the cache's programs, tier transfers, any stray eager op —
+and nothing another engine or the caller compiled in the same process meanwhile.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 
 from jax import monitoring
@@ -23,25 +20,32 @@ _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 _lock = threading.Lock()
-_counts: collections.Counter = collections.Counter()   # fun_name -> backend compiles (process-wide)
-_seconds: collections.Counter = collections.Counter()
-_hits = [0]
 _installed = [False]
+_active = threading.local()   # .logs: the CompileLogs whose scope this thread is inside (innermost last)
+
+
+def _logs() -> list:
+  logs = getattr(_active, "logs", None)
+  if logs is None:
+    logs = _active.logs = []
+  return logs
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
   if event != _BACKEND_COMPILE:
     return
   name = str(kwargs.get("fun_name", "?"))
-  with _lock:
-    _counts[name] += 1
-    _seconds[name] += float(duration)
+  for log in set(_logs()):
+    with _lock:
+      log._counts[name] += 1
+      log._seconds += float(duration)
 
 
 def _on_event(event: str, **kwargs) -> None:
   if event == _CACHE_HIT:
-    with _lock:
-      _hits[0] += 1
+    for log in set(_logs()):
+      with _lock:
+        log._hits += 1
 
 
 def install() -> None:
@@ -55,7 +59,7 @@ def install() -> None:
 
 
 class CompileLog:
-  """A window onto the process-wide counts: `delta()` is what compiled since this log was created (or `reset`)."""
+  """Compilations caused inside this log's scope (see the module docstring)."""
 
   def __init__(self):
     install()
@@ -63,24 +67,34 @@ class CompileLog:
 
   def reset(self) -> None:
     with _lock:
-      self._base = collections.Counter(_counts)
-      self._base_s = collections.Counter(_seconds)
-      self._base_hits = _hits[0]
+      self._counts = collections.Counter()
+      self._seconds = 0.0
+      self._hits = 0
+
+  @contextlib.contextmanager
+  def scope(self):
+    """Count what compiles on this thread until the block ends (re-entrant)."""
+    logs = _logs()
+    logs.append(self)
+    try:
+      yield self
+    finally:
+      logs.remove(self)
 
   def delta(self) -> dict[str, int]:
     with _lock:
-      return {k: v - self._base.get(k, 0) for k, v in _counts.items() if v - self._base.get(k, 0) > 0}
+      return dict(self._counts)
 
   def total(self) -> int:
     return sum(self.delta().values())
 
   def seconds(self) -> float:
     with _lock:
-      return float(sum(v - self._base_s.get(k, 0.0) for k, v in _seconds.items()))
+      return float(self._seconds)
 
   def persistent_cache_hits(self) -> int:
     with _lock:
-      return _hits[0] - self._base_hits
+      return self._hits
 
 
 def jit_cache_sizes(fns: dict) -> dict[str, int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 
 import numpy as np
@@ -94,6 +95,15 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.bucket_fill: a fraction in [0, 1), got {self.bucket_fill}")
 
 
+def _counted(method):
+  """Run an engine method inside the engine's compile-log scope (its compilations are the engine's)."""
+  @functools.wraps(method)
+  def counted(self, *args, **kwargs):
+    with self.compile_log.scope():
+      return method(self, *args, **kwargs)
+  return counted
+
+
 class Engine:
 
   def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *, mesh=None,
@@ -101,6 +111,12 @@ class Engine:
     """mesh / rules: run the model step sharded on a device mesh (dsv4.sharding); None = one device.
     pools_over_data (mesh only): one block pool and cache manager per data shard (False: one pool replicated over
     `data`, one manager)."""
+    # what this engine compiles (building its cache, admissions, steps), apart from anything else in the process
+    self.compile_log = compile_stats.CompileLog()
+    with self.compile_log.scope():
+      self._build(params, config, engine_config, mesh, rules, pools_over_data)
+
+  def _build(self, params, config, engine_config, mesh, rules, pools_over_data):
     if mesh is not None and engine_config.tiering is not None:
       raise ValueError("Engine: KV tiers (EngineConfig.tiering) are not supported with a mesh yet: the tier glue "
                        "reads and writes pool blocks of a one-device cache")
@@ -117,7 +133,6 @@ class Engine:
                                     model_id=ec.model_id) for _ in range(D)]
     # One device (or pools replicated over data): the one manager, as before.
     self.cache_manager = self.managers[0] if D == 1 else None
-    self.compile_log = compile_stats.CompileLog()   # every XLA compilation from here on (engine-caused)
     if ec.dtype == "bf16":
       import jax.numpy as jnp
 
@@ -156,6 +171,7 @@ class Engine:
     self.finished.append(req)
     return req
 
+  @_counted
   def add_request(self, rid: str, prompt, params: SamplingParams = SamplingParams(),
                   extra_keys: ExtraKeys = ExtraKeys(), arrival: float | None = None) -> Request:
     """Queue a request. Bad input is rejected with a clear per-request error; nothing else is affected."""
@@ -396,6 +412,7 @@ class Engine:
     self._leave(req)
     self.finished.append(req)
 
+  @_counted
   def step(self) -> list[Request]:
     """One scheduler step + one model call. Returns the requests that finished in it.
 
@@ -450,19 +467,14 @@ class Engine:
     return done
 
   def compile_report(self) -> dict:
-    """Real compilations since this engine was built (every jitted function and eager op, by name), the
-    distinct programs held by the engine's own jitted functions, and the transfers the runner made."""
-    from cache import pool as cache_pool
-    from cache import prefix as cache_prefix
-    fns = dict(self.runner.jitted_functions())
-    fns.update({f"pool.{n}": getattr(cache_pool, n) for n in ("allocate", "free", "touch", "register", "reset",
-                                                               "lookup") if hasattr(cache_pool, n)})
-    fns["prefix.find_hits"] = cache_prefix.find_hits
+    """What this engine compiled (every jitted function and eager op its construction, admissions and steps
+    caused, by name; not what other code in the process compiled), the distinct step programs it ran, and the
+    transfers the runner made."""
     by_name = self.compile_log.delta()
     return {"compilations": sum(by_name.values()), "compile_seconds": round(self.compile_log.seconds(), 3),
             "persistent_cache_hits": self.compile_log.persistent_cache_hits(),
             "compilations_by_function": dict(sorted(by_name.items())),
-            "jit_programs": compile_stats.jit_cache_sizes(fns),
+            "step_programs": {self.runner.step_function_name(): len(self.runner.shapes_run)},
             "runner": dict(self.runner.stats)}
 
   def has_work(self) -> bool:

@@ -584,5 +584,10 @@ class ModelRunner:
     self.stats["steps"] += 1
     return np.asarray(toks)[at], (None if logits is None else np.asarray(logits)[at])
 
-  def jitted_functions(self) -> dict:
-    return {"ragged_step": ragged_step, "group_step": group_step, "invariant_step": invariant_step}
+  def step_function_name(self) -> str:
+    """The step program this runner dispatches (each distinct shape in `shapes_run` is one program of it)."""
+    if self.mesh is not None:
+      return "sharded_step"
+    if self.batch_invariant:
+      return "invariant_step"
+    return "ragged_step" if self.step_mode == "ragged" else "group_step"

@@ -4,8 +4,8 @@ when blocks are demoted, and what an admission loads.
 * **Identity.** After every step the blocks each scheduled request has computed get their chained digests (the same
   `RequestHasher` the manager uses), so a `BlockStored` event (group, device key, block id) tells us exactly which
   prefix a device block holds. One record = one block of one group, every layer's arrays (full: compressed KV +
-  index keys; swa: window rows + raw compressor rows + Engram token ids). An SWA checkpoint at P is the
-  `need_blocks` swa records right before P: window rows *and* the compressor rows a resume at P still reads.
+  index keys; swa: window rows + compressor state rows + Engram token ids). An SWA checkpoint at P is the
+  `need_blocks` swa records right before P: window rows *and* the compressor state a resume at P still reads.
 * **Demotion** (`demote="evict"`, default): when the manager evicts a cached block (BlockRemoved at allocation), its
   rows are copied off the device before the step overwrites them and written host-first, then write-behind to
   disk / the shared store. `demote="store"` writes every block when it is registered (what engines sharing an L4
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import time
 
 import jax
@@ -39,6 +38,7 @@ from cache.tiers.store import TieredStore
 from cache.tiers.tier import Tier, TierPolicy
 from cache.tiers.writeback import WriteBehind
 from dsv4 import caches
+from dsv4.loading.weights_digest import params_digest
 
 TIER_KINDS = ("host", "disk", "redis", "mooncake")
 
@@ -74,20 +74,6 @@ class TieringConfig:
   def from_flags(kv_tiers: str, disk_dir: str = "", store_url: str = "", **kw) -> "TieringConfig | None":
     tiers = tuple(t.strip() for t in kv_tiers.split(",") if t.strip())
     return TieringConfig(tiers=tiers, disk_dir=disk_dir, store_url=store_url, **kw) if tiers else None
-
-
-def params_digest(params) -> str:
-  """Weights identity for the record fingerprint: structure, shapes, dtypes and bytes (leaves above 4 MiB: their
-  first and last MiB, so a large model is not hashed whole at start-up)."""
-  h = hashlib.blake2b(digest_size=16)
-  leaves, tree = jax.tree_util.tree_flatten(params)
-  h.update(str(tree).encode())
-  for x in leaves:
-    a = np.asarray(x)
-    h.update(f"{a.shape}{a.dtype}".encode())
-    b = a.reshape(-1).view(np.uint8)
-    h.update(b.tobytes() if b.size <= 4 << 20 else b[:1 << 20].tobytes() + b[-(1 << 20):].tobytes())
-  return h.hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +275,7 @@ class Tiering:
     """Full blocks [h1/fb, P/fb) and the swa block indices a resume at P needs from the tiers: P's tail only.
     Checkpoints at boundaries between h1 and P are optional (`_optional`): whether they were ever stored depends on
     the placement of the request that computed them (a request that hit takes no dense-start checkpoints), so
-    requiring them made a reload stop short of a P whose tail is there (BUILD_NOTES i10d / i10f)."""
+    requiring them made a reload stop short of a P whose tail is there."""
     pol = self.mgr.policies[caches.SWA]
     swa = set(pol.tail_blocks(P))
     nfull = P // self.groups[caches.FULL].block_tokens if caches.FULL in self.groups else 0

@@ -7,7 +7,7 @@ later turns prefix hits. A turn may carry the answer it expects (`expected`): th
 (synthetic random tokens, nothing to grade):
   chat      multi-turn chat sessions sharing one system prompt
   agentic   sessions whose turns append long tool outputs and short instructions
-  switch    session switching A -> A -> B -> A (the regression of seeds/session_switch_prefix_cache_bug.txt)
+  switch    session switching A -> A -> B -> A (the session-switch prefix-cache regression; docs/kv_cache.md)
   random    independent random prompts, no reuse
 """
 

@@ -1,4 +1,5 @@
-"""Hybrid attention layer: sliding window + compressed entries (top-k or all) + per-head sink. Spec §1.5-1.7, §2.5.
+"""Hybrid attention layer: sliding window + compressed entries (top-k or all) + per-head sink. See docs/model.md,
+Attention layer.
 
 Order within a step: write this chunk's window KV and compressor rows into the pools, emit the entries that complete
 in the chunk, then attend by reading everything (window rows, compressed entries) back through the block tables.
@@ -113,9 +114,9 @@ def dense_compressed_attention(q_NxHxD, comp_pool_PxD, rows_NxM, ctx: StepContex
 def candidate_mask(scores_BxTxM, num_visible_BxT, visible_BxTxM, block_size: int, topk_blocks: int):
   """Reference (dense) form of the V4.1 candidates; the model now keeps block ids (`dispatch.candidate_blocks`).
 
-  V4.1 hierarchical candidates (spec §2.4, NeMo `_select_candidate_blocks`): blocks of `block_size` entries
-  scored by their max; the block of the newest visible entry is forced in; the top `topk_blocks` finite blocks
-  are kept; returned as a dense mask over entries [B, T, M] (& visible).
+  V4.1 hierarchical candidates (docs/model.md, Lightning indexer; NeMo `_select_candidate_blocks`): blocks of
+  `block_size` entries scored by their max; the block of the newest visible entry is forced in; the top
+  `topk_blocks` finite blocks are kept; returned as a dense mask over entries [B, T, M] (& visible).
 
   Memory: the dense mask is B*T*M bytes (fine for tests / short prefills; at Flash width with M = 1M entries a
   chunk of 1k queries would need 1 GB). Block ids [B, T, topk_blocks] (int32, 8 KB per query) are the compact
@@ -184,7 +185,8 @@ def _select(p_ix, config: ModelConfig, plan: LayerPlan, x_NxD, cq, ctx: StepCont
 
 def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: StepContext, cache_layer: dict,
                            kernel_cfg: dispatch.KernelConfig, collect_aux: bool, shared: dict | None):
-  """`attention_layer` plus the V4.1 CSA2 state handed from layer to layer (spec §2.2), on the flat token axis:
+  """`attention_layer` plus the V4.1 CSA2 state handed from layer to layer (docs/model.md, per-layer plan), on the
+  flat token axis:
 
   shared = {"comp_pool": the latest KV source's compressed-KV pool (flat, already holding this step's entries),
             "index_pool": its index-key pool, "ids": the latest top-k entry ids [N,k], "cand": the candidate
@@ -273,7 +275,8 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
   G = a.o_groups
   grouped = out.reshape(N, G, (H // G) * d)
   # Group-major operands: XLA CPU then runs each group as one matrix product (3.5x faster at 8 tokens than the
-  # token-major einsum, which it lowers to a strided per-group GEMV; benchmarks/decode_profile.py, BUILD_NOTES 11g).
+  # token-major einsum, which it lowers to a strided per-group GEMV; measured with
+  # benchmarks/probes/decode_profile.py).
   o_GxNxR = jnp.einsum("gni,gir->gnr", grouped.transpose(1, 0, 2), p["wo_a"], precision=_HI)
   o = o_GxNxR.transpose(1, 0, 2).reshape(N, G * a.o_lora_rank)
   return cache_layer, jnp.dot(o, p["wo_b"], precision=_HI), aux, shared

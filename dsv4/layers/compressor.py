@@ -1,5 +1,6 @@
 """KV compressors: V4 CSA (ratio m, overlapping windows of 2m, stride m, position bias), V4 HCA (ratio m,
-non-overlapping), V4.1 CSA2 ratio 2 (gated pooling, no bias) and ratio 1 (projection only). Spec §1.6, §2.3.
+non-overlapping), V4.1 CSA2 ratio 2 (gated pooling, no bias) and ratio 1 (projection only). See docs/model.md,
+Compressors.
 
 Incremental (running-pool) form, one path for full prefill, chunked prefill and decode on a ragged step:
 softmax-gated pooling per channel, sum_j softmax(z)_j a_j over a window, is kept as a running pair
@@ -131,8 +132,8 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
                   return_latent: bool = False, quantize_rows=None):
   """Runs one ragged step through a compressor. Returns (new state pool or None, new out pool), plus, with
   `return_latent`, (pre-RoPE latent [N,w], entry ids [N], full-group slots [N] (-1: not emitted)) of the entry each
-  token would close: V4.1 derives its index keys from that latent (spec §2.4). `quantize_rows` (V4.1 quantized
-  cache) is applied to the post-RoPE rows before they are stored."""
+  token would close: V4.1 derives its index keys from that latent (docs/model.md, Lightning indexer).
+  `quantize_rows` (V4.1 quantized cache) is applied to the post-RoPE rows before they are stored."""
   q_rows = quantize_rows or (lambda r: r)
   m, w = spec.ratio, spec.width
   a, z = project(p, x_NxD, spec, ctx.pos_N)

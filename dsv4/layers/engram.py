@@ -1,4 +1,4 @@
-"""V4.1 Engram (spec §2.6): a hashed n-gram memory added to the residual streams before some layers.
+"""V4.1 Engram (docs/model.md, V4.1 Engram): a hashed n-gram memory added to the residual streams before some layers.
 
 Follows NeMo Automodel 0.7.0 `deepseek_v41/engram.py` (itself DeepSeek's released `inference/engram.py`):
 

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC), spec §1.3.
+"""Manifold-constrained hyper-connections (mHC); docs/model.md, Residual streams.
 
 The residual is `hc_mult` streams X_BxTxNxD. Each sublayer computes from X (fp32): `pre` (collapse weights),
 `post` (expand weights) and `comb` (a Sinkhorn-normalised NxN stream mixing), then

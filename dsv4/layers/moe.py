@@ -1,7 +1,7 @@
 """Mixture of experts: sqrt-softplus scores, bias-corrected (or hash) choice, clamped SwiGLU experts, shared
 expert. Routed experts run as one grouped matmul (`lax.ragged_dot`) over token-expert pairs sorted by expert; with
 no more pairs than experts (decode) each pair gathers its expert's weights instead (`routed_experts_gathered`).
-Spec §1.8.
+See docs/model.md, MoE.
 
 On a mesh with an `expert` axis (under `jax.set_mesh`), routed experts run expert-parallel instead
 (`routed_experts_ep`): tokens split over (data, expert), each device ships its token-expert pairs to the expert
@@ -156,7 +156,7 @@ def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool):
   # Inside the per-shard-pool step (`data` manual, sharding.jit_forward(pools_over_data=True)) the expert-parallel
   # shard_map is not used: nested there, XLA's SPMD partitioner stops on a CHECK (spmd_partitioner_util.cc:497) as
   # soon as tokens enter a region manual over `expert` on a (2, 2, 2) mesh; the experts then stay split over
-  # `expert` / `tensor` by GSPMD (BUILD_NOTES "14c").
+  # `expert` / `tensor` by GSPMD (docs/sharding.md).
   if (mesh is not None and sharding.axis_size(mesh, "expert") > 1 and "data" not in sharding.manual_axes(mesh)
       and cfg.n_routed_experts % sharding.axis_size(mesh, "expert") == 0):
     routed = routed_experts_ep(experts, x, ids, w, cfg, mesh)

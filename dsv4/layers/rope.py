@@ -1,4 +1,5 @@
-"""Partial, interleaved RoPE on the trailing `rope_dim` channels ("[nope | rope]" layout), spec §1.4.
+"""Partial, interleaved RoPE on the trailing `rope_dim` channels ("[nope | rope]" layout);
+docs/model.md, RoPE.
 
 Two frequency tables: "main" (plain theta, window-only layers) and "compress" (compress theta with frequency-only
 YaRN, every RoPE inside a compressed layer). Channels (2i, 2i+1) of the rope slice form one complex number.

@@ -1,5 +1,5 @@
 """Checkpoint loading and saving: HF / original safetensors (FP8 and FP4 dequantized on load), orbax for the
-project's own params. See NOTES.md."""
+project's own params. See BUILD_NOTES.md, Checkpoint loading, and docs/model.md."""
 
 from dsv4.loading.safetensors_io import (CheckpointError, Quant, load_checkpoint, save_checkpoint, save_hf_safetensors,
                                          save_original_safetensors)

@@ -12,13 +12,13 @@ Three spellings are involved:
 
 Nothing here is a literal list of names. `original_specs(config)` walks `param_shapes(config)` (itself derived
 from the config's layer plan) and spells each leaf the original way, with its stored shape and the transform to and
-from the param layout. HF names are obtained from original names by the checkpoint -> HF renames of spec §1.10
+from the param layout. HF names are obtained from original names by the checkpoint -> HF renames
 (the regex list of transformers' `conversion_mapping.py`, key "deepseek_v4", reproduced in `_RENAMES`), plus the
 per-expert stacking `gate_up_proj = stack_E(concat(w1_E, w3_E))`, `down_proj = stack_E(w2_E)`.
 `tests/dsv4/test_hf_parity.py` checks that the generated HF names and shapes equal the real HF module's
 state_dict for the tiny oracle config.
 
-V4.1 has no transformers implementation; its original names (spec §2.1: `attn.indexer.{wq_b, weights_proj, wk,
+V4.1 has no transformers implementation; its original names (`attn.indexer.{wq_b, weights_proj, wk,
 k_norm}`, no `ape`) are generated the same way and its "HF" names are the same renames applied to them (an
 extrapolation, not checked against any reference).
 """
@@ -150,7 +150,7 @@ def fill_derived(params, config: ModelConfig):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Original -> HF renames (spec §1.10; transformers 5.23.0 conversion_mapping.py "deepseek_v4"), applied in order.
+# Original -> HF renames (transformers 5.23.0 conversion_mapping.py "deepseek_v4"), applied in order.
 
 _RENAMES: tuple[tuple[str, str], ...] = (
     (r"\.attn\.", ".self_attn."),
@@ -190,7 +190,7 @@ _EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$
 
 
 def original_to_hf_name(name: str) -> str:
-  """HF name of a non-expert original tensor (renames of spec §1.10, then the `model.` prefix)."""
+  """HF name of a non-expert original tensor (the renames of `_RENAMES`, then the `model.` prefix)."""
   for pat, rep in _RENAMES:
     name = re.sub(pat, rep, name)
   return name if name.startswith("lm_head.") else "model." + name

@@ -15,7 +15,6 @@ Integrity: `save_params` also writes `dsv4_digests.json` (blake2b of every leaf'
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -24,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dsv4.config import ModelConfig
+from dsv4.loading import weights_digest
 from dsv4.loading.safetensors_io import CheckpointError
 from dsv4.model import abstract_params
 
@@ -41,9 +41,7 @@ DIGEST_FILE = "dsv4_digests.json"
 MAX_ABS = 1e6
 
 
-def _leaf_digest(x) -> str:
-  a = np.ascontiguousarray(np.asarray(x))
-  return hashlib.blake2b(str(a.dtype).encode() + str(a.shape).encode() + a.tobytes(), digest_size=16).hexdigest()
+_leaf_digest = weights_digest.leaf_digest
 
 
 def write_digests(params, directory: str) -> str:
@@ -90,6 +88,7 @@ def check_params(params, config: ModelConfig, where: str, digests: dict | None =
         raise CheckpointError(f"{where}: param {k!r} has no digest in {DIGEST_FILE}")
       if _leaf_digest(a) != digests[k]:
         raise CheckpointError(f"{where}: param {k!r} does not match its digest in {DIGEST_FILE} (corrupted data)")
+      weights_digest.remember(have[k], digests[k])   # verified: the tier fingerprint reuses it (no second pass)
 
 
 def _flat(tree):

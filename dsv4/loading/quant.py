@@ -1,5 +1,5 @@
-"""Weight dequantization for DeepSeek-V4 / V4.1 checkpoints (spec §1.9, §1.10, §2.1), plus the matching quantizers
-used by the tests and by `save_*_safetensors(..., quant=...)`.
+"""Weight dequantization for DeepSeek-V4 / V4.1 checkpoints (docs/model.md, Loading checkpoints), plus the matching
+quantizers used by the tests and by `save_*_safetensors(..., quant=...)`.
 
 Formats (all numpy, host side; the loader dequantizes once to float32):
 
@@ -31,7 +31,7 @@ FP4_GROUP = 32
 FP4_E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                             -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
-# Default FP8 block edge per model variant (spec §1.9: V4 128x128; spec §2.1: V4.1 32x32).
+# Default FP8 block edge per model variant (V4: 128x128 blocks; V4.1: 32x32).
 FP8_BLOCK = {"v4": 128, "v41": 32}
 
 

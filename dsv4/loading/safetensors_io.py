@@ -9,7 +9,7 @@ data) rather than through the `safetensors` package: its numpy backend has no FP
 ourselves lets every failure (truncated file, garbage header, offsets out of range) name the file and tensor.
 
 Quantized tensors are recognised by dtype and by a scale companion:
-* original naming: `<module>.weight` + `<module>.scale` (spec §1.9);
+* original naming: `<module>.weight` + `<module>.scale`;
 * HF naming: `<module>.weight` + `<module>.weight_scale_inv`, `<param>` + `<param>_scale_inv` (transformers'
   fine-grained FP8 quantizer, e.g. `mlp.experts.gate_up_proj_scale_inv`).
 F8_E4M3 weights are block-dequantized (block edge `fp8_block`, default 128 for V4, 32 for V4.1); I8/U8 weights with
@@ -33,6 +33,7 @@ import numpy as np
 from dsv4.config import ModelConfig
 from dsv4.loading import names as N
 from dsv4.loading import quant as Q
+from dsv4.loading import weights_digest as WD
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -263,7 +264,7 @@ def _dequant(e: _Entry, scale: _Entry | None, fp8_block: int, native: bool = Fal
       sc = _read(scale)
       if len(e.shape) == 2 and tuple(sc.shape) == (e.shape[0], math.ceil(e.shape[1] / fp8_block)) \
           and e.shape[0] > fp8_block:
-        # V4.1 Engram tables: per-row / 32-column scales (spec §2.1)
+        # V4.1 Engram tables: per-row / 32-column scales
         return Q.dequant_fp8_block(_read(e), sc, (1, fp8_block))
       return Q.dequant_fp8_block(_read(e), sc, fp8_block)
     if e.dtype in ("I8", "U8"):
@@ -305,6 +306,7 @@ class _TreeBuilder:
     self.count = dict(self.left)  # routed-expert leaves: number of experts
     self.bufs: dict = {}
     self.qbufs: dict = {}
+    self.hashers: dict = {}   # routed-expert leaf path -> LeafHasher (experts hashed as they arrive)
 
   def add(self, name: str, x: np.ndarray):
     sp = self.specs[name]
@@ -318,23 +320,36 @@ class _TreeBuilder:
     if sp.path in self.qbufs:
       raise CheckpointError(f"tensor {name!r}: mixes FP4-kept and dense experts in one leaf")
     if sp.expert is None:
-      # one fresh C-ordered host copy in the target dtype (never the mapped file itself)
-      leaf = xp if sp.integer else np.array(xp, dtype=self.dtype, order="C")
-      N._set(self.params, sp.path, self.put(np.ascontiguousarray(leaf)))
+      # one fresh C-ordered host copy in the target dtype (never the mapped file itself), hashed while in hand
+      leaf = np.ascontiguousarray(xp if sp.integer else np.array(xp, dtype=self.dtype, order="C"))
+      self._set_leaf(sp.path, self.put(leaf), WD.leaf_digest(leaf))
       return
+    hasher = self.hashers.get(sp.path)
+    if hasher is None:
+      hasher = self.hashers[sp.path] = WD.LeafHasher(self.dtype, (self.count[sp.path], *xp.shape))
     if self.stack is not None:  # one expert on the device at a time; stacked there when all have arrived
       part = self.bufs.setdefault(sp.path, {})
-      part[sp.expert] = self.put(np.array(xp, dtype=self.dtype, order="C"))
+      piece = np.array(xp, dtype=self.dtype, order="C")
+      hasher.add(sp.expert, piece)
+      part[sp.expert] = self.put(piece)
       if self.left[sp.path] == 0:
         part = self.bufs.pop(sp.path)
-        N._set(self.params, sp.path, self.stack([part[e] for e in range(self.count[sp.path])]))
+        self._set_leaf(sp.path, self.stack([part[e] for e in range(self.count[sp.path])]),
+                       self.hashers.pop(sp.path).hexdigest())
       return
     buf = self.bufs.get(sp.path)
     if buf is None:
       buf = self.bufs[sp.path] = np.empty((self.count[sp.path], *xp.shape), self.dtype)
     buf[sp.expert] = xp
+    hasher.add(sp.expert, buf[sp.expert])
     if self.left[sp.path] == 0:
-      N._set(self.params, sp.path, self.put(self.bufs.pop(sp.path)))
+      self._set_leaf(sp.path, self.put(self.bufs.pop(sp.path)), self.hashers.pop(sp.path).hexdigest())
+
+  def _set_leaf(self, path, leaf, digest: str) -> None:
+    """Place a finished leaf; its digest (every byte, computed from the host copy that was in hand anyway) is
+    remembered, so the KV tiers' weights fingerprint never re-reads the model."""
+    N._set(self.params, path, leaf)
+    WD.remember(leaf, digest)
 
   def add_fp4(self, name: str, packed: np.ndarray, scale: np.ndarray):
     """A routed expert kept in FP4 (stored layout [out, in/2] + e8m0 scale [out, in/32]); see layers/expert_quant."""
@@ -351,6 +366,8 @@ class _TreeBuilder:
     if self.left[sp.path] == 0:
       q = self.qbufs.pop(sp.path)
       N._set(self.params, sp.path, {k: self.put(v) for k, v in q.items()})
+      for k, v in q.items():
+        WD.remember(N._get(self.params, sp.path)[k], WD.leaf_digest(v))
 
   def finish(self):
     todo = [p for p, n in self.left.items() if n]
@@ -485,7 +502,7 @@ class Quant:
   fp4_experts: bool = True
 
 
-# Dense projections that ship FP8 (spec §1.10 storage): attention q/kv/o, the indexer query, shared experts.
+# Dense projections that ship FP8 in the released checkpoints: attention q/kv/o, the indexer query, shared experts.
 # Compressor / indexer-compressor wkv, wgate, weights_proj, the router, norms, mHC, embed and head stay float.
 _FP8_ORIG = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
                        r"|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight$")

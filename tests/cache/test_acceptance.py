@@ -1,4 +1,4 @@
-"""Acceptance items of the session-switch issue, checked exactly (cache/NOTES.md, "Acceptance tests").
+"""The session-switch scenario's requirements, checked exactly (BUILD_NOTES.md, Cache bookkeeping, "Measured").
 
 1. A1 -> A2 -> B -> A3 session switch on V4-Flash geometry: A2 and A3 resume at the last 128-aligned boundary of
    the previous turn's computed tokens, in every group, and strictly beyond the previous prompt's boundary.

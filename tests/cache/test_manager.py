@@ -1,4 +1,4 @@
-"""KVCacheManager end to end: the A -> B -> A session switch (kv_lifecycle.md §6.4), exact hit lengths,
+"""KVCacheManager end to end: the A -> B -> A session switch (docs/kv_cache.md, SWA checkpoints), exact hit lengths,
 checkpoints, out-of-blocks, bad input, events."""
 
 import numpy as np

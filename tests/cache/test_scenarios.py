@@ -33,7 +33,7 @@ def serve(m, rid, prompt, n_out=4, chunk=512):
 
 @pytest.mark.parametrize("sys_len,v1,want", [
     (256, False, [0, 256, 256, 256]),   # dense start: 256 = 2 * 128 is a checkpoint of the very first session
-    (384, False, [0, 256, 384, 384]),   # 384: session 2 hits 256 (dense) and pins the junction at 384
+    (384, False, [0, 256, 384, 384]),   # 384: the 2nd session hits 256 (dense) and pins the junction at 384
     (256, True, [0, 0, 0, 0]),          # cache v1: no checkpoint at the junction, ever (retention 0)
 ])
 def test_siblings_sharing_only_a_system_prompt(sys_len, v1, want):
@@ -116,8 +116,8 @@ def serve_wave(m, tag, prompts, n_out=4, chunk=512):
 
 
 # Waves of 3 sessions that share only a 256-token system prompt, each wave admitted in one step.
-# vLLM 0.33, MEASURED on this exact trace with its own KVCacheManager (benchmarks/cache_bench_vllm.py driver, see
-# BUILD_NOTES "cache v2 gaps (i10c)"): [[0, 256, 256], [256] * 3, [256] * 3]. vLLM registers a block's hash when it is
+# vLLM 0.33, MEASURED on this exact trace with its own KVCacheManager (benchmarks/probes/cache_waves_vllm.py, see
+# BUILD_NOTES.md, Cache bookkeeping): [[0, 256, 256], [256] * 3, [256] * 3]. vLLM registers a block's hash when it is
 # ALLOCATED for the step that computes it, so the 2nd and 3rd arrival of the cold wave hit the blocks the 1st one
 # computes in the same forward pass (sound there because every layer writes the step's KV before attending). Our
 # manager registers at `commit` (after compute), so a cold wave hits 0; from the second wave on we match.
@@ -161,16 +161,17 @@ def _swa_checkpoints(m, tokens, upto):
 
 
 def test_pressure_does_not_multiply_checkpoints():
-  """Placement rules that keep a fixed budget from collapsing (BUILD_NOTES, i10d), by hand on V4-Flash geometry.
+  """Placement rules that keep a fixed budget from collapsing (BUILD_NOTES.md, Cache bookkeeping, "Checkpoint
+  placement"), by hand on V4-Flash geometry.
 
   Turn 1 (556-token prompt, 150-token answer: 705 computed, no hit) takes the dense start 128, 256, the re-render
-  boundary floor((556 - 65) / 128) * 128 = 384 (the prompt boundary 512 is merged into it) and the end 640; the
-  dense schedule stops at 384, so no 512 (it added 512 back before). Then memory pressure evicts the 384 and 640
+  boundary floor((556 - 65) / 128) * 128 = 384 (the prompt boundary 512 is merged into it) and the end 640; the dense
+  schedule stops at 384, so no 512 (an earlier placement added 512 back). Then memory pressure evicts the 384 and 640
   tails. Turn 2 (turn 1's history + 300 tokens, 1005 tokens) hits 256 while its full-history run reaches 640
-  (>= 2 * 256): that is its own earlier turn, not a prefix another request left, so no junction checkpoint at 640;
-  and a request that hit something takes no dense-start checkpoints (no 512). It takes only 896 (re-render = prompt
-  boundary, 1004 -> 896; 1005 + 3 = 1008 computed -> end 896 too). Before this change turn 2 also took 512 and 640,
-  3 checkpoints instead of 1."""
+  (>= 2 * 256): that is its own earlier turn, not a prefix another request left, so no junction checkpoint at 640; and a
+  request that hit something takes no dense-start checkpoints (no 512). It takes only 896 (re-render = prompt
+  boundary, 1004 -> 896; 1005 + 3 = 1008 computed -> end 896 too). Without these two rules turn 2 would also take 512
+  and 640, 3 checkpoints instead of 1."""
   rng = np.random.default_rng(7)
   conv = rng.integers(2, 1000, 2000)
   m = KVCacheManager(SPECS, num_full_blocks=NF, num_swa_blocks=NS)
@@ -197,8 +198,8 @@ def test_pressure_does_not_multiply_checkpoints():
 
 
 def test_sibling_junction_inside_dense_gap_still_pinned():
-  """The junction rule keeps what it is for: a 640-token shared prefix. Session 1 (hit 0) leaves dense 128, 256,
-  512; session 2 hits 512 and its run reaches 640 < 2 * 512, so it pins 640; session 3 hits all 640."""
+  """The junction rule keeps what it is for: a 640-token shared prefix. The first session (hit 0) leaves dense 128,
+  256, 512; the second hits 512 and its run reaches 640 < 2 * 512, so it pins 640; the third hits all 640."""
   rng = np.random.default_rng(640)
   sys = rng.integers(2, 1000, 640)
   m = KVCacheManager(SPECS, num_full_blocks=NF, num_swa_blocks=NS)

@@ -1,4 +1,4 @@
-"""The tiny HF transformers DeepSeek-V4 oracle (reference_oracles.md §2): config, build, randomisation of the
+"""The tiny HF transformers DeepSeek-V4 oracle (docs/references.md, V4): config, build, randomisation of the
 params HF initialises to constants, and weight export with the torch safetensors writer.
 
 Imports torch / transformers lazily (about 4-10 s): call from a module-scoped fixture.
@@ -12,7 +12,7 @@ import numpy as np
 
 from dsv4.config import ModelConfig
 
-# reference_oracles.md §2.1, verbatim.
+# The tiny config (= dsv4.config.v4_tiny()) as DeepseekV4Config kwargs.
 HF_TINY_KWARGS = dict(
     vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=1, head_dim=64, q_lora_rank=32,
@@ -72,7 +72,7 @@ def config_mismatches(hf, cfg: ModelConfig) -> list[str]:
 
 
 def build_oracle(seed: int = 0, initializer_range: float = 0.02, overrides: dict | None = None):
-  """The fp32 eager HF model with every constant-initialised param randomised (reference_oracles.md §2.1 trap:
+  """The fp32 eager HF model with every constant-initialised param randomised (HF's constant init hides mistakes:
   sinks, position_bias, hc base, e_score_correction_bias and tid2eid start at zero; norms and hc scales at one)."""
   import torch
   from transformers import DeepseekV4ForCausalLM

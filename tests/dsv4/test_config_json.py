@@ -29,7 +29,7 @@ def test_transformers_config_json_is_v4_tiny(tmp_path):
 
 
 def _flash_original() -> dict:
-  """The official V4-Flash config.json as spelled in dsv4_architecture.md §1.1 (legacy keys, MTP ratio entry)."""
+  """The official V4-Flash config.json, written out key for key (legacy keys, MTP ratio entry)."""
   ratios = list(C.v4_schedule(43)) + [0]
   return {
       "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,

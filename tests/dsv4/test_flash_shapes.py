@@ -1,4 +1,5 @@
-"""Full V4-Flash size without weights: parameter count and per-layer cache shapes (spec §1.1, §3.1)."""
+"""Full V4-Flash size without weights: parameter count and per-layer cache shapes (docs/model.md, Presets;
+docs/kv_cache.md, The cache pytree)."""
 
 import jax
 import jax.numpy as jnp

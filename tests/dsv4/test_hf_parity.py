@@ -1,5 +1,5 @@
 """Parity with transformers 5.23.0 `DeepseekV4ForCausalLM` (torch CPU, fp32) on the tiny config of
-reference_oracles.md §2.1 (= dsv4.config.v4_tiny()): window, CSA (m=4, top-8 of up to 75 entries, 8 indexer heads),
+docs/references.md, V4 (= dsv4.config.v4_tiny()): window, CSA (m=4, top-8 of up to 75 entries, 8 indexer heads),
 HCA (m=16, 18 entries), hash MoE and learned MoE. The reference writes its weights with safetensors.torch; we read
 them with dsv4.loading.load_checkpoint. 300 tokens cross the window, need top-k selection and fill several HCA
 entries. Tolerance: max|ours - HF| <= 1e-4 * max|HF| on the logits, full forward and cached path.

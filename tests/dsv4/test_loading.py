@@ -143,7 +143,7 @@ def test_original_names_and_renames(tiny):
   assert ren("hc_head_base") == "model.hc_head.hc_base" and ren("head.weight") == "lm_head.weight"
   assert N.expert_target("layers.2.ffn.experts.5.w3.weight") == ("model.layers.2.mlp.experts.gate_up_proj", 5, "w3")
   hf = N.hf_specs(cfg)
-  assert len(hf) == 122  # the HF oracle's state_dict size (reference_oracles.md §2.2)
+  assert len(hf) == 122  # the state_dict size of the tiny HF oracle (tests/dsv4/oracle_util.py)
   assert hf["model.layers.2.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
   assert hf["model.layers.2.mlp.experts.down_proj"].shape == (8, 64, 32)
   # every param leaf is covered exactly once

@@ -71,7 +71,8 @@ def test_broken_directories_fail_clearly(tmp_path):
 
 
 def test_serve_main_job_on_a_checkpoint_dir(tmp_path):
-  """The acceptance command on a synthetic dir (transformers save_pretrained naming): text, chat and stop strings."""
+  """The main job `python -m experiments.serve --checkpoint=DIR` on a synthetic dir (transformers save_pretrained
+  naming): text, chat and stop strings."""
   ckpt = tmp_path / "ckpt"
   make_checkpoint_dir(ckpt, "saved")
   reqs = tmp_path / "reqs.jsonl"

@@ -4,6 +4,8 @@ relative), for V4 and V4.1. Also: the running-pool compressor equals re-pooling 
 an SWA checkpoint (only the tail blocks a resume reads) equals computing from scratch, and the compiled step does
 not depend on how long the sequences may grow."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -239,37 +241,51 @@ def test_step_shapes_follow_live_tables_not_max_len():
 
 
 def _fp8_capable_tiny():
-  import dataclasses
   cfg = C.v4_tiny()
   return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, head_dim=128, rope_head_dim=64),
                              indexer=dataclasses.replace(cfg.indexer, head_dim=64))
 
 
+def _precision_errors(cfg, params, tokens, ref, cdt, kvdt):
+  layout = caches.CacheLayout(kv_dtype=kvdt)
+  _, got = model.forward_full(model.cast_params(params, cdt), cfg, tokens, layout=layout)
+  got = np.asarray(got, np.float32)
+  assert np.isfinite(got).all()
+  per_pos = np.max(np.abs(got - ref), axis=-1) / np.max(np.abs(ref))
+  return per_pos, np.mean(got.argmax(-1) == ref.argmax(-1))
+
+
+# (compute dtype, KV dtype) -> bound on every position's max logit error relative to the largest fp32 logit
+_PRECISION_BOUNDS = {(jnp.bfloat16, jnp.float32): 0.03, (jnp.bfloat16, jnp.bfloat16): 0.03,
+                     (jnp.float32, jnp.bfloat16): 0.005, (jnp.float32, caches.FP8): 0.05}
+
+
 def test_precision_modes():
   """fp32 cast is the identity (bit for bit); bf16 compute / bf16 KV / FP8 KV stay within stated tolerances of
-  fp32, and FP8 KV decoding == FP8 KV full prefill (quantization is per row).
+  fp32 at EVERY position, and FP8 KV decoding == FP8 KV full prefill (quantization is per row).
 
-  The tolerance is per position, on 90% of positions: a rounding change can flip the indexer's discrete top-k pick
-  at a near-tie, which moves that position's logits by a large amount while the other positions stay close.
-  Such flips are a property of sparse attention, not an error; a broken mode moves every position. Greedy agreement is checked too."""
+  Every position is bounded on a model without discrete choices (the indexer's top-k covers every compressed
+  entry, every token uses all experts): there rounding moves logits continuously. With discrete choices, a
+  rounding change can flip a top-k pick or an expert route at a near-tie, which moves that position's logits by
+  O(1) while the rest stay close; that model is checked on greedy agreement and on most positions."""
   cfg = _fp8_capable_tiny()
-  params = model.init_params(cfg, jax.random.PRNGKey(0))
   tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(5), (2, 70), 0, cfg.vocab_size))
-  _, ref = model.forward_full(params, cfg, tokens)
-  ref = np.asarray(ref)
-  scale = np.max(np.abs(ref))
-  _, same = model.forward_full(model.cast_params(params, jnp.float32), cfg, tokens)
-  np.testing.assert_array_equal(np.asarray(same), ref)
-  for cdt, kvdt in ((jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16),
-                    (jnp.float32, caches.FP8)):
-    layout = caches.CacheLayout(kv_dtype=kvdt)
-    _, got = model.forward_full(model.cast_params(params, cdt), cfg, tokens, layout=layout)
-    got = np.asarray(got, np.float32)
-    assert np.isfinite(got).all()
-    per_pos = np.max(np.abs(got - ref), axis=-1) / scale
-    agree = np.mean(got.argmax(-1) == ref.argmax(-1))
-    assert np.quantile(per_pos, 0.9) <= 0.05 and agree >= 0.9, (cdt, kvdt, np.quantile(per_pos, 0.9), agree)
-    assert np.max(per_pos) > 0  # the mode really changed the numerics
+  dense = dataclasses.replace(cfg, indexer=dataclasses.replace(cfg.indexer, topk=64),   # >= 70 / 4 entries
+                              moe=dataclasses.replace(cfg.moe, num_experts_per_tok=cfg.moe.n_routed_experts))
+  for c, strict in ((dense, True), (cfg, False)):
+    params = model.init_params(c, jax.random.PRNGKey(0))
+    _, ref = model.forward_full(params, c, tokens)
+    ref = np.asarray(ref)
+    _, same = model.forward_full(model.cast_params(params, jnp.float32), c, tokens)
+    np.testing.assert_array_equal(np.asarray(same), ref)
+    for (cdt, kvdt), bound in _PRECISION_BOUNDS.items():
+      per_pos, agree = _precision_errors(c, params, tokens, ref, cdt, kvdt)
+      assert np.max(per_pos) > 0  # the mode really changed the numerics
+      if strict:
+        assert np.max(per_pos) <= bound, (cdt, kvdt, np.max(per_pos))
+      else:
+        assert np.quantile(per_pos, 0.9) <= 0.05 and agree >= 0.9, (cdt, kvdt, np.quantile(per_pos, 0.9), agree)
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
   # FP8 KV: prefill 50 then decode 20 == full prefill with the same layout.
   layout = caches.CacheLayout(kv_dtype=caches.FP8)
   _, full_fp8 = model.forward_full(params, cfg, tokens, layout=layout)

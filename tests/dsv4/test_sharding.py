@@ -31,8 +31,8 @@ def run_worker(*args, timeout=1500):
 
 @pytest.mark.parametrize("variant", ["v4", "v41"])
 def test_sharded_forward_matches_one_device(variant):
-  """Prefill + decode, fp32, <= 1e-5 relative, V4 and V4.1 on meshes (8,1,1), (1,1,8), (2,2,2), (1,8,1) (issue 14's
-  acceptance; one compile per mesh: the suite's slowest test)."""
+  """Prefill + decode on a mesh == one device, fp32, <= 1e-5 relative, V4 and V4.1 on meshes (8,1,1), (1,1,8),
+  (2,2,2), (1,8,1) (one compile per mesh: the suite's slowest test)."""
   run_worker("forward", variant)
 
 

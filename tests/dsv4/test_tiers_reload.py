@@ -1,4 +1,4 @@
-"""Reload gate and faults for the KV tiers (issue 12), V4 and V4.1 tiny, fp32.
+"""Reload gate and faults for the KV tiers, V4 and V4.1 tiny, fp32.
 
 One conversation per model: turn 1 (230-token prompt, 30 answer tokens, so the end-of-request SWA checkpoint at
 256 sits in the middle of the answer and carries the CSA overlap / compressor rows the next chunk reads), then

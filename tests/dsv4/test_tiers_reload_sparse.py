@@ -1,4 +1,5 @@
-"""A tier reload needs only the resume point's SWA tail, not a checkpoint at every boundary before it (i10d caveat).
+"""A tier reload needs only the resume point's SWA tail, not a checkpoint at every boundary before it (the sparse
+checkpoint placement leaves gaps: a request that hit something takes no dense-start checkpoints).
 
 Hand case (v4_tiny: 128-token alignment = full block, 32-token swa blocks, 1-block tail; retention 0; host tier):
 * X = S (150 shared tokens) + 60 own tokens, 4 answer tokens: hits nothing, takes the dense-start checkpoint 128
@@ -8,9 +9,9 @@ Hand case (v4_tiny: 128-token alignment = full block, 32-token swa blocks, 1-blo
   128 and 384, and nothing at 256.
 * The device cache is dropped (everything demoted to the host tier), then Z = Y's prompt + answer + 50 tokens
   (530) arrives: no device hit, and the tiers hold full blocks [0, 384) and the swa tails of 128 and 384.
-Z must resume at 384, and the 128 tail comes along as an optional record (the old rule also required the tail of every boundary in (0, 384] that a request with the
-dense schedule would have taken, 256 included, so it stopped at 128), and its tokens / logits must equal a cold
-engine's."""
+Z must resume at 384, and the 128 tail comes along as an optional record (requiring also the tail of every boundary
+in (0, 384] that a request with the dense schedule would have taken, 256 included, would stop it at 128), and its
+tokens / logits must equal a cold engine's."""
 
 import dataclasses
 

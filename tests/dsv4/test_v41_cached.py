@@ -38,8 +38,8 @@ def test_v41_chunked_and_decode_match_full(setup, schedule_name):
 
 
 def test_v41_cache_arrays_per_role(setup):
-  """Spec §3.2: window for every layer; compressed KV + index keys only on KV sources; compressor rows only on the
-  ratio-2 sources; Engram token ids once; reuse / reindex own nothing else."""
+  """Cache arrays per V4.1 role (docs/kv_cache.md): window for every layer; compressed KV + index keys only on KV
+  sources; compressor rows only on the ratio-2 sources; Engram token ids once; reuse / reindex own nothing else."""
   cfg, _ = setup
   specs = caches.cache_array_specs(cfg, caches.CacheLayout())
   by_layer = {}

@@ -1,4 +1,4 @@
-"""V4.1 (CSA2) parity with NeMo Automodel 0.7.0 `deepseek_v41` on CPU (reference_oracles.md §5).
+"""V4.1 (CSA2) parity with NeMo Automodel 0.7.0 `deepseek_v41` on CPU (docs/references.md, V4.1).
 
 The tiny config (`dsv4.config.v41_tiny`) has every role: window-only, ratio-2 full / reuse / dense reindex, ratio-1
 full + candidate source, reuse, candidate-restricted reindex, reuse after it, and Engram on two layers. The

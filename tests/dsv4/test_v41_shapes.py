@@ -1,5 +1,6 @@
 """V4.1-Flash at full size without allocating: parameter count from jax.eval_shape against an independent formula,
-per-layer cache shapes (spec §3.2), config validation, and cache bytes against spec §3.5."""
+per-layer cache shapes per role (docs/kv_cache.md, The cache pytree), config validation, and cache bytes at 1M
+tokens against hand-computed sizes."""
 
 import jax
 import numpy as np
@@ -11,7 +12,8 @@ from experiments import cache_bytes as CB
 
 
 def _expected_params(cfg: C.ModelConfig) -> int:
-  """Independent count (spec §2.1 widths): per-layer attention / compressor / indexer / MoE / mHC / Engram."""
+  """Independent count (widths of docs/model.md, Presets): per-layer attention / compressor / indexer / MoE / mHC /
+  Engram."""
   a, ix, mo, e, D, n = cfg.attention, cfg.indexer, cfg.moe, cfg.engram, cfg.hidden_size, cfg.mhc.hc_mult
   H, d, q, I, E = a.num_heads, a.head_dim, a.q_lora_rank, mo.intermediate_size, mo.n_routed_experts
   attn = D * q + q + q * H * d + D * d + d + H * d * a.o_lora_rank + a.o_groups * a.o_lora_rank * D + H
@@ -81,7 +83,7 @@ def test_v41_schedule_errors_are_clear():
     dataclasses.replace(base, compress_ratios=(0, 2, 2, 2, 4, 4, 4, 4))
 
 
-SPEC_V41 = {  # spec §3.5, GB / MB at 1M (2^20) tokens
+SPEC_V41 = {  # GB at 1M (2^20) tokens: 2.5 compressed entries per token x record / index-key bytes
     "v4_fp8_record_584B+idx_fp8": dict(compressed_kv=1.53, index_keys=0.35),
     "v41_record_528B+idx_fp8": dict(compressed_kv=1.38, index_keys=0.35),
     "nvfp4_288B+idx_mxfp4": dict(compressed_kv=0.75, index_keys=0.18),

@@ -1,4 +1,4 @@
-"""NeMo Automodel 0.7.0 `deepseek_v41` as a CPU oracle (reference_oracles.md §5).
+"""NeMo Automodel 0.7.0 `deepseek_v41` as a CPU oracle (docs/references.md, V4.1).
 
     python tests/dsv4/v41_oracle.py        # fetch the wheel into .oracle/ (what CI runs before pytest)
 
@@ -8,7 +8,7 @@ Only `pillow` is needed on top of the test dependencies (the model module import
 
 Fake quantization: the reference applies quantize-dequantize to the window KV (fp8), compressed KV (nvfp4), index
 queries and keys (mxfp4). The JAX model computes in plain fp32, so `build()` switches these boundaries off by
-replacing `attention.quantize_cache` with the identity (see dsv4/V41_NOTES.md). The model is cast to fp32 with
+replacing `attention.quantize_cache` with the identity (BUILD_NOTES.md, Model). The model is cast to fp32 with
 `.float()` (its dtype helper otherwise leaves most tensors bf16).
 """
 

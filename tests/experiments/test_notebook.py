@@ -4,11 +4,9 @@ its builder."""
 import os
 import sys
 
-import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
+import ipykernel  # noqa: F401  (the notebook's kernel; a test dependency, never optional)
+import nbclient
+import nbformat
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NB = os.path.join(REPO, "experiments", "notebooks", "tour.ipynb")

@@ -1,16 +1,13 @@
 """The tiny V4 model through the dispatcher: Pallas kernels (interpret mode) == XLA references, end to end."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-C = pytest.importorskip("dsv4.config")
-model = pytest.importorskip("dsv4.model")
-
-from pallas_kernels import dispatch  # noqa: E402
+from dsv4 import config as C
+from dsv4 import model
+from pallas_kernels import dispatch
 
 
 def _compare_backends(cfg, B, L, valid_len):
@@ -31,7 +28,6 @@ def test_small_model_logits_match_between_backends():
   _compare_backends(C.v4_tiny(num_layers=3), 2, 40, 29)
 
 
-@pytest.mark.skipif(not os.environ.get("PALLAS_KERNELS_SLOW"),
-                    reason="~45 s CPU (every layer's kernels compiled in interpret mode); set PALLAS_KERNELS_SLOW=1")
+@pytest.mark.slow   # ~45 s CPU: every layer's kernels compiled in interpret mode
 def test_tiny_model_logits_match_between_backends():
   _compare_backends(C.v4_tiny(), 2, 40, 29)

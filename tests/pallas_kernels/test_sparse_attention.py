@@ -12,8 +12,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import sparse_attention as sa
 
-SETTINGS = dict(max_examples=4, deadline=None, derandomize=False,
-                suppress_health_check=list(hypothesis.HealthCheck))
+# derandomize comes from the suite's hypothesis profile (tests/conftest.py): fixed examples in CI, fresh ones with
+# DSV4_HYPOTHESIS=fresh; only the slowness checks are off (interpret-mode kernels are slow by nature)
+SETTINGS = dict(max_examples=4, deadline=None,
+                suppress_health_check=[hypothesis.HealthCheck.too_slow, hypothesis.HealthCheck.data_too_large])
 
 
 def assert_close(got, want, atol, rtol, what=""):

@@ -13,7 +13,7 @@ Flash's HCA ratio 128) and `flash_quarter`: V4-Flash layer mix
 16 x 32 indexer heads, top-k 512, window 128, 8 experts of 512, 6 active), so per-token dense work and the
 indexer's per-entry work (H_ix * C_ix) both shrink ~16x and their ratio stays near Flash's.
 
-    python -m benchmarks.decode_bench [--repeats=3] [--configs=v4_tiny,flash_quarter]
+    python -m benchmarks.probes.decode_bench [--repeats=3] [--configs=v4_tiny,flash_quarter]
 """
 
 from __future__ import annotations

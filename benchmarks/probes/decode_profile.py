@@ -7,7 +7,7 @@ its HLO instruction in the compiled module, which gives its kind (a dot, a fusio
 its output shape and the bytes of its operands; the script prints the top thunks and totals per kind, per step,
 beside the step's wall time and XLA's bytes-accessed estimate.
 
-    python -m benchmarks.decode_profile [--profile_steps=3] [--context=256] [--top=15]
+    python -m benchmarks.probes.decode_profile [--profile_steps=3] [--context=256] [--top=15]
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.model_vs_hf import best_time, wide_config, xla_cost
+from benchmarks.support.configs import wide_config
+from benchmarks.support.timing import best_time, xla_cost
 from dsv4 import caches, model
 
 flags.DEFINE_integer("profile_steps", 3, "Decode steps traced.")

@@ -3,7 +3,7 @@ only a system prompt, all queued before the first step. Prints per request: pref
 and of its first token (time-to-first-token in engine steps, counted from step 1), tokens computed; with deferral on
 and off, on the same trace and config (tiny V4 model, CPU).
 
-    python -m benchmarks.defer_ttft [--sessions 3 --system_len 256 --user_len 300 --chunk 64 --budget 192]
+    python -m benchmarks.probes.defer_ttft [--sessions 3 --system_len 256 --user_len 300 --chunk 64 --budget 192]
 """
 
 from __future__ import annotations

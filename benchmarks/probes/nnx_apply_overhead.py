@@ -8,7 +8,7 @@ run, same inputs:
 * jitted step wall time of each after the compile (median of --iters, interleaved; noisy on a shared CPU, only the ratio in
   this run means anything).
 
-    python -m benchmarks.nnx_apply_overhead [--variant v4|v41] [--iters 5] [--tokens 64]
+    python -m benchmarks.probes.nnx_apply_overhead [--variant v4|v41] [--iters 5] [--tokens 64]
 """
 
 from __future__ import annotations

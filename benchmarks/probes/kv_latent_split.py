@@ -6,7 +6,7 @@ shard ("replicated") or split its feature dimension over `tensor` ("feature")? M
   steps (counted in the optimized HLO), per-device cache bytes, and the step's wall time (median of --iters runs
   after a warm-up; CPU host devices share the cores, so only the ratio within this run means anything).
 
-    python -m benchmarks.kv_latent_split [--tensor 8] [--iters 5]
+    python -m benchmarks.probes.kv_latent_split [--tensor 8] [--iters 5]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Host memory while loading a sharded checkpoint (dsv4.loading.load_checkpoint streams shard by shard).
 
-    python -m benchmarks.load_memory [--shards=4] [--quant=none|fp8|fp8_fp4] [--naming=saved]
+    python -m benchmarks.probes.load_memory [--shards=4] [--quant=none|fp8|fp8_fp4] [--naming=saved]
 
 Writes a synthetic checkpoint (a V4-shaped config widened so each of the shards holds ~40-60 MB of bf16, or FP8 /
 FP4 with scales) to a temp dir, then loads it into bf16 jax arrays in a fresh subprocess per measurement and
@@ -127,7 +127,7 @@ def main(argv):
       # glibc's adaptive mmap threshold would keep freed 10-100 MB buffers in the heap and inflate RSS with
       # memory nobody uses; a fixed threshold makes RSS follow live allocations.
       env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-      out = subprocess.run([sys.executable, "-m", "benchmarks.load_memory", f"--child={d}|{mode}"],
+      out = subprocess.run([sys.executable, "-m", "benchmarks.probes.load_memory", f"--child={d}|{mode}"],
                            capture_output=True, text=True, check=True, env=env)
       r = json.loads(out.stdout.strip().splitlines()[-1])
       extra = r["rss_growth"] - r["params_bytes"]

@@ -1,12 +1,12 @@
 """Cold concurrent waves under vLLM 0.33's own KVCacheManager: the hits it gives the sessions of
 `tests/cache/test_scenarios.py::test_cold_concurrent_wave_never_fewer_than_vllm` (benchmark only; vLLM setup as in
-`benchmarks/cache_bench_vllm.py`).
+`benchmarks/support/vllm_adapter.py`).
 
 Three waves of three sessions that share only a 256-token system prompt; each wave's requests are admitted in one
 step (lookup + allocate of the first 512-token chunk each), then prefilled in 512-token chunks and freed. Prints
 the (hit tokens, junction) vLLM reports per request and wave:
 
-    python -m benchmarks.cache_waves_vllm --vllm_src=/tmp/vllm_dl/src
+    python -m benchmarks.probes.cache_waves_vllm --vllm_src=/tmp/vllm_dl/src
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 
 import numpy as np
 
-from benchmarks.cache_bench_vllm import VllmStep
+from benchmarks.support.vllm_adapter import VllmStep
 
 
 def waves(src: str, num_waves: int = 3, per_wave: int = 3, system_len: int = 256, chunk: int = 512):

@@ -1,4 +1,5 @@
-"""vLLM 0.33's own `KVCacheManager` doing the per-step work of `benchmarks.cache_bench` (benchmark only).
+"""vLLM 0.33's own `KVCacheManager` doing the per-step work of `benchmarks.cache_bench` (benchmark only; the probe
+`benchmarks.probes.cache_waves_vllm` drives it too).
 
 vLLM is NOT a project dependency. Get its pure-Python sources once, outside the repo:
 

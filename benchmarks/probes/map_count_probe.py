@@ -6,7 +6,7 @@ reaches `vm.max_map_count` and reports how the child ended (on jax 0.10.2 / Linu
 allocate memory", then SIGSEGV, exit -11). This is why the test suite drops JAX's caches when a worker's map count
 gets high (tests/conftest.py).
 
-    python -m benchmarks.map_count_probe [--programs=200] [--to_limit]
+    python -m benchmarks.probes.map_count_probe [--programs=200] [--to_limit]
 """
 
 import subprocess
@@ -70,7 +70,7 @@ def main(_):
   gc.collect()
   print(f"after jax.clear_caches(): +{map_count() - base} maps")
   if FLAGS.to_limit:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.map_count_probe", "--child"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.probes.map_count_probe", "--child"], capture_output=True,
                           text=True)
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     progress = [l for l in lines if l.startswith("child:")][-1:]

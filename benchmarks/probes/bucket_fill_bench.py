@@ -5,7 +5,7 @@ A ragged step runs padded to its token bucket (8 * g^k); a step that spills a fe
 the next one. Bucket fill trims the last prefill chunks (at most --fill of the step's prefill tokens) to stay in
 the smaller bucket. The workload mixes decoding requests with long prompts arriving, so mixed steps spill.
 
-    python -m benchmarks.bucket_fill_bench [--fill=0.25] [--repeats=2]
+    python -m benchmarks.probes.bucket_fill_bench [--fill=0.25] [--repeats=2]
 """
 
 from __future__ import annotations

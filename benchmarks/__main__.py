@@ -1,0 +1,91 @@
+"""`python -m benchmarks`: what each benchmark measures and the command that produces its table.
+
+Dependency-light on purpose (no jax import): it only prints. Each script's docstring says how to read its numbers;
+`python -m benchmarks.<name> --help` lists its flags. Run everything from the repository root. CPU timings on a
+shared machine are noisy: read the ratios measured within one run.
+"""
+
+from __future__ import annotations
+
+# name -> [(what it measures, canonical command)]: the first row is the benchmark's main number (the command
+# BUILD_NOTES.md quotes), the others are its modes.
+MAINTAINED = [
+    ("model_vs_hf", [
+        ("this model vs transformers, same weights: logits agree?, prefill tok/s, decode ms, roofline",
+         "python -m benchmarks.model_vs_hf --configs=wide --decode_steps=4 --repeats=2"),
+        ("  same, tiny oracle config too", "python -m benchmarks.model_vs_hf")]),
+    ("step_bench", [
+        ("engine step cost vs live context and real tokens (decode, mixed, memory, invariant)",
+         "python -m benchmarks.step_bench --repeats=3"),
+        ("  mixed step (chunk + 63 decodes) vs the chunk alone, per chunk size",
+         "python -m benchmarks.step_bench --parts=mixed --mixed_chunks=64,256,512 --repeats=5")]),
+    ("engine_bench", [
+        ("TTFT of a resumed session with / without prefix reuse; batched vs one-by-one throughput",
+         "python -m benchmarks.engine_bench")]),
+    ("cache_bench", [
+        ("KV cache bookkeeping per engine step vs vLLM 0.33's KVCacheManager, same trace",
+         "python -m benchmarks.cache_bench --shapes 256x2048,8x32768 --pools 65536 --vllm_src=DIR"),
+        ("  same, small matrix, no vLLM (~40 s)", "python -m benchmarks.cache_bench --small"),
+        ("  cost of one jitted call with both pools donated (the floor)",
+         "python -m benchmarks.cache_bench --call_floor --pools 4096,65536,262144"),
+        ("  hit tokens under a fixed KV byte budget, v1 vs v2 checkpoint placement",
+         "python -m benchmarks.cache_bench --budget --budgets_gib 0.375,0.5,0.75,1")]),
+    ("kernels_bench", [
+        ("Pallas kernels vs XLA references: correct?, then ms, TFLOP/s, GB/s (GPU)",
+         "python -m benchmarks.kernels_bench"),
+        ("  CPU interpret-mode smoke run (numbers meaningless)", "python -m benchmarks.kernels_bench --small")]),
+    ("gpu_check.sh", [
+        ("the one GPU check: lowering tests + kernels_bench, report + validations (< 8 min)",
+         "bash benchmarks/gpu_check.sh gpu_check_out"),
+        ("  CPU smoke run (what tests/pallas_kernels/test_bench_small.py runs)",
+         "bash benchmarks/gpu_check.sh --small OUT_DIR")]),
+    ("sizing", [
+        ("V4-Flash / V4.1-Flash bytes per device on a mesh: params, KV pools, fits?",
+         "python -m benchmarks.sizing --aot_layers=-1 --batch=32 --context=131072"),
+        ("  + activations from the AOT-compiled step (slow on the CPU)", "python -m benchmarks.sizing")]),
+    ("compile_bench", [
+        ("XLA CPU compile cost of the model's forward (CPU s, optimized HLO lines)",
+         "python -m benchmarks.compile_bench")]),
+]
+
+# name -> one-line question (benchmarks/probes/README.md has the commands with their flags)
+PROBES = [
+    ("bucket_fill_bench", "EngineConfig.bucket_fill on vs off: steps, padded token slots, wall time"),
+    ("cache_waves_vllm", "the hits vLLM 0.33 gives the cold concurrent waves of tests/cache/test_scenarios.py"),
+    ("decode_bench", "model decode step vs context with three indexer paths (paged, dense reference, no score)"),
+    ("decode_profile", "where a wide-config decode step spends its time, per XLA CPU thunk"),
+    ("defer_ttft", "cost of in-batch shared-prefix deferral in time-to-first-token (engine steps)"),
+    ("kv_latent_split", "shared K = V latent under tensor parallelism: replicated vs feature-split"),
+    ("load_memory", "host memory while streaming a sharded checkpoint in, vs the largest shard"),
+    ("map_count_probe", "memory maps held by live XLA CPU executables; the vm.max_map_count crash"),
+    ("nnx_apply_overhead", "cost of nnx_model.apply next to model.forward (jaxprs, trace and step time)"),
+]
+
+# Benchmarks that live outside benchmarks/ (they write results files next to their tables).
+ELSEWHERE = [
+    ("tiers_workload", "KV tiers (host / disk / Redis / Mooncake): sessions beyond the device pool; resume TTFT "
+     "per tier vs recompute", "python -m experiments.tiers_workload"),
+]
+
+
+def _table(headers, rows):
+  widths = [max(len(str(r[i])) for r in [headers] + rows) for i in range(len(headers))]
+  line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"
+  return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def main() -> None:
+  print("Maintained benchmarks (each prints markdown tables; `--help` for flags):\n")
+  rows = []
+  for name, entries in MAINTAINED:
+    rows += [[name if i == 0 else "", what, cmd] for i, (what, cmd) in enumerate(entries)]
+  print(_table(["benchmark", "what it measures", "command"], rows))
+  print("\nProbes (one-off investigations, kept runnable: python -m benchmarks.probes.<name>; "
+        "benchmarks/probes/README.md):\n")
+  print(_table(["probe", "question", "command"], [[n, q, f"python -m benchmarks.probes.{n}"] for n, q in PROBES]))
+  print("\nElsewhere (experiments/):\n")
+  print(_table(["benchmark", "what it measures", "command"], [list(r) for r in ELSEWHERE]))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,27 @@
+"""The "wide" configuration: V4-Flash's attention widths in a 4-layer model small enough for a CPU.
+
+D 4096, 64 heads x 512, q_lora 1024, 8 x 1024 output groups, window 128, indexer 64 x 128, layers
+[window, window, CSA m=4, HCA m=128], 4 small experts. `WIDE_HF` is the same model as keyword overrides of the tiny
+transformers oracle config (tests/dsv4/oracle_util.py), `wide_config()` as this repo's ModelConfig.
+"""
+
+from __future__ import annotations
+
+from dsv4 import config as C
+
+WIDE_HF = dict(
+    vocab_size=1024, hidden_size=4096, moe_intermediate_size=512, num_hidden_layers=4, num_attention_heads=64,
+    head_dim=512, q_lora_rank=1024, partial_rotary_factor=0.125, o_groups=8, o_lora_rank=1024,
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+    layer_types=["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], sliding_window=128, index_n_heads=64, index_head_dim=128,
+    index_topk=32)
+
+
+def wide_config() -> C.ModelConfig:
+  return C.ModelConfig(
+      name="wide4", variant="v4", vocab_size=1024, hidden_size=4096, num_layers=4, compress_ratios=(0, 0, 4, 128),
+      attention=C.AttentionConfig(), indexer=C.IndexerConfig(topk=32),
+      moe=C.MoEConfig(n_routed_experts=4, num_experts_per_tok=2, intermediate_size=512, num_hash_layers=1))
