@@ -1,7 +1,13 @@
 r"""Retention-interval ablation: SWA checkpoint blocks held by the cache vs tokens recomputed on resume.
 
-    python -m experiments.ablate_retention                       # full -> experiments/results/retention.{csv,json,png}
+    python -m experiments.ablate_retention                 # full -> out/ablate_retention/retention.{csv,json,png}
     python -m experiments.ablate_retention --small --out_dir=/tmp/x   # CI
+    python -m experiments.ablate_retention --refresh_results   # refresh the committed experiments/results/retention.*
+    python -m experiments.ablate_retention --replot --refresh_results   # re-draw the committed plot from its table
+
+Output goes to --out_dir (default out/ablate_retention/, untracked); --refresh_results writes the committed
+experiments/results/ instead. --replot re-draws retention.png from the retention.json already there, without the
+sweep. Other flags: --intervals, --config, --seed, --small, --verify_engine.
 
 Cache-only: hits depend only on the tokens and the block bookkeeping, never on the model's numbers, so the sweep
 drives `cache.manager.KVCacheManager` directly (exactly as the engine does: add_request, chunked allocate/commit,
@@ -22,12 +28,15 @@ the same restricted to the branch / fork requests (the resumes R is for).
 `--verify_engine` (default on in the full run) replays a small doc_branch trace through the real Engine (v4_tiny
 or the trained model) at R = 0 and 128, then replays the same trace (with the engine's own answers) through the
 manager, and checks every request's hit matches.
+
+Plot: (1) the trade-off, tokens recomputed on branch/fork resumes against swa checkpoint blocks held, one line per
+workload and one marker shape per R (legend); (2) tokens recomputed and (3) swa blocks held against R on a log2 axis
+(symlog: R = 0 sits one step left of the smallest R).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Callable
 
@@ -40,23 +49,19 @@ from dsv4.caches import group_specs
 from experiments import plotting
 
 FLAGS = flags.FLAGS
+SCRIPT = "ablate_retention"
 
 
-def define_common_flags():
-  """Flags shared with ablate_eviction (defined once, whichever script is imported first)."""
-  for kind, name, default, doc in [
-      (flags.DEFINE_bool, "small", False, "CI: a few sessions, a few sweep points."),
-      (flags.DEFINE_string, "out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-       "Where to write the table and plot."),
-      (flags.DEFINE_string, "config", "v4_flash", "Model config preset whose cache geometry is used."),
-      (flags.DEFINE_integer, "seed", 0, "Workload seed.")]:
-    if name not in FLAGS:
-      kind(name, default, doc)
-
-
-define_common_flags()
-flags.DEFINE_list("intervals", ["0", "128", "256", "512", "1024", "2048"], "Retention intervals (multiples of 128).")
-flags.DEFINE_bool("verify_engine", None, "Check a small trace through the real Engine (default: on unless --small).")
+def define_flags():
+  """The command line (defined when run as a script: ablate_eviction, the tests and the notebook import the traces
+  and drivers here, and must not get this script's flags)."""
+  flags.DEFINE_bool("small", False, "CI: a few sessions, a few sweep points.")
+  flags.DEFINE_string("config", "v4_flash", "Model config preset whose cache geometry is used.")
+  flags.DEFINE_integer("seed", 0, "Workload seed.")
+  flags.DEFINE_list("intervals", ["0", "128", "256", "512", "1024", "2048"], "Retention intervals (multiples of 128).")
+  flags.DEFINE_bool("verify_engine", None, "Check a small trace through the real Engine (default: on unless --small).")
+  flags.DEFINE_bool("replot", False, "Re-draw the plot from the table already in the output directory (no sweep).")
+  plotting.define_output_flags(SCRIPT, "retention.csv/json/png")
 
 
 # ------------------------------------------------------------------------------------------ traces
@@ -262,7 +267,8 @@ def verify_engine(intervals=(0, 128), seed: int = 0) -> list[dict]:
     wall = time.time() - t0
     from dsv4.engine.request import RequestOutput
     eng_hits = {rid: RequestOutput.of(eng.requests[rid]).hit_tokens for rid in answers}
-    m = KVCacheManager(group_specs(config), num_full_blocks=64, num_swa_blocks=128, retention_interval=R, model_id=ec.model_id)
+    m = KVCacheManager(group_specs(config), num_full_blocks=64, num_swa_blocks=128, retention_interval=R,
+                       model_id=ec.model_id)
     rows = run_trace(m, trace, lambda spec, prompt: answers[spec.rid])
     sim = {r["rid"]: r["hit"] for r in rows}
     agree = all(sim[k] == eng_hits[k] for k in sim)
@@ -287,7 +293,8 @@ def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, c
     nf, ns = need // 128 + 64, need // 32 + 64            # never evicts: held = what the policy keeps
     for R in intervals:
       t0 = time.time()
-      m = KVCacheManager(group_specs(config), num_full_blocks=nf, num_swa_blocks=ns, retention_interval=R, enable_events=False)
+      m = KVCacheManager(group_specs(config), num_full_blocks=nf, num_swa_blocks=ns, retention_interval=R,
+                         enable_events=False)
       res = run_trace(m, trace, answer)
       rows.append(dict(workload=name, retention_interval=R, **summarize(res, m), wall_s=round(time.time() - t0, 2)))
       logging.info("%s R=%d: %s", name, R, rows[-1])
@@ -301,24 +308,54 @@ def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, c
   meta["full_bytes_per_block"] = sp.group("full").bytes_per_block
   csv_path, json_path = plotting.write_table(rows, out_dir, stem, meta)
 
-  fig, (ax1, ax2) = plotting.new_figure(2)
-  for name in wl:
-    r = [x for x in rows if x["workload"] == name]
-    rs = sorted(r, key=lambda x: (x["swa_blocks_cached"], -x["branch_recomputed_tokens"]))
-    ax1.plot([x["swa_blocks_cached"] for x in rs], [x["branch_recomputed_tokens"] for x in rs], "o-", label=name)
-    for x in r:
-      ax1.annotate(f"R={x['retention_interval']}", (x["swa_blocks_cached"], x["branch_recomputed_tokens"]),
-                   fontsize=7, textcoords="offset points", xytext=(3, 3))
-    ax2.plot([str(x["retention_interval"]) for x in r], [x["recomputed_tokens"] for x in r], "o-", label=name)
-  ax1.set(xlabel="swa checkpoint blocks cached", ylabel="tokens recomputed on branch/fork resumes",
-          title=f"{config_name}: retention trade-off")
-  ax1.legend(fontsize=8)
-  ax2.set(xlabel="retention interval (0 = prompt/turn boundaries only)", ylabel="tokens recomputed (all requests)",
-          title="recompute vs retention interval")
-  ax2.legend(fontsize=8)
-  png = plotting.save_figure(fig, out_dir, stem)
+  png = plotting.save_figure(plot(rows, meta), out_dir, stem)
   print(f"wrote {csv_path} {json_path} {png}")
   return dict(rows=rows, engine=engine_rows, csv=csv_path, json=json_path, png=png)
+
+
+def plot(rows: list[dict], meta: dict):
+  """Trade-off (recomputed on resumes vs swa blocks held; marker = R) and both against R (symlog, log2)."""
+  names = list(dict.fromkeys(x["workload"] for x in rows))
+  intervals = sorted({x["retention_interval"] for x in rows})
+  fig, (trade, rec, held) = plotting.new_figure(3, width=4.8)
+  n = len(names)
+  r_marker = {R: plotting.series_style(j, len(intervals))["marker"] for j, R in enumerate(intervals)}
+  r_size = {R: 5.0 + 2.0 * (len(intervals) - 1 - j) for j, R in enumerate(intervals)}
+  handles = []
+  for i, name in enumerate(names):
+    r = sorted((x for x in rows if x["workload"] == name), key=lambda x: x["retention_interval"])
+    R = [x["retention_interval"] for x in r]
+    st = plotting.series_style(i, n)
+    # trade-off: the workload's curve (in order of blocks held), then one hollow marker per R in the workload's
+    # colour; the marker shape says which R (legend), so no text sits at the points, and the marker shrinks as R
+    # grows, so R values that land on the same point nest (R = 0 and R = 512 in the --small run)
+    tr = sorted(r, key=lambda x: (x["swa_blocks_cached"], -x["branch_recomputed_tokens"]))
+    trade.plot([x["swa_blocks_cached"] for x in tr], [x["branch_recomputed_tokens"] for x in tr],
+               **dict(st, marker="None"), label=name)
+    for x in r:
+      trade.plot([x["swa_blocks_cached"]], [x["branch_recomputed_tokens"]], linestyle="None",
+                 marker=r_marker[x["retention_interval"]], markersize=r_size[x["retention_interval"]],
+                 markerfacecolor="none", markeredgecolor=st["color"], markeredgewidth=1.3, zorder=st["zorder"] + 10,
+                 label="_nolegend_")
+    handles.append(plotting.proxy(name, color=st["color"], linestyle=st["linestyle"], linewidth=st["linewidth"]))
+    rec.plot(R, [x["recomputed_tokens"] for x in r], label=f"{name}: all requests", **plotting.series_style(i, n, "-"))
+    rec.plot(R, [x["branch_recomputed_tokens"] for x in r], label=f"{name}: branch / fork requests",
+             **plotting.series_style(i, n, "--", hollow=True))
+    held.plot(R, [x["swa_blocks_cached"] for x in r], label=name, **st)
+  handles += [plotting.proxy(f"R = {R}", color="0.3", linestyle="None", marker=r_marker[R], markerfacecolor="none",
+                             markersize=min(r_size[R], 9.0)) for R in intervals]
+  config = meta.get("config", "")
+  trade.set(xlabel="swa checkpoint blocks cached", ylabel="tokens recomputed on branch / fork resumes",
+            title=f"{config}: retention trade-off")
+  plotting.legend_below(trade, *zip(*handles), ncol=2)
+  r_label = "retention interval R (0 = prompt / turn boundaries only)"
+  for ax in (rec, held):
+    plotting.knob_axis(ax, intervals, r_label)
+  rec.set(ylabel="prompt tokens recomputed", title="recompute vs retention interval")
+  held.set(ylabel="swa checkpoint blocks cached", title="checkpoint blocks held vs retention interval")
+  plotting.legend_below(rec, ncol=1)
+  plotting.legend_below(held, ncol=1)
+  return fig
 
 
 def main(argv):
@@ -327,8 +364,13 @@ def main(argv):
   if FLAGS.small and FLAGS["intervals"].using_default_value:
     intervals = [0, 128, 512]
   check = (not FLAGS.small) if FLAGS.verify_engine is None else FLAGS.verify_engine
-  run(FLAGS.config, intervals, FLAGS.small, FLAGS.out_dir, FLAGS.seed, check)
+  out_dir = plotting.output_dir()
+  if FLAGS.replot:
+    print("wrote", plotting.save_figure(plot(*plotting.read_table(out_dir, "retention")), out_dir, "retention"))
+    return
+  run(FLAGS.config, intervals, FLAGS.small, out_dir, FLAGS.seed, check)
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

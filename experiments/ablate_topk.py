@@ -1,8 +1,13 @@
 r"""Top-k ablation: retrieval accuracy and attention cost of the trained V4 model vs the indexer's k.
 
-    python -m experiments.ablate_topk                      # full run -> experiments/results/topk.{csv,json,png}
-    python -m experiments.ablate_topk --checkpoint=v4_count  # -> experiments/results/topk_v4_count.*
+    python -m experiments.ablate_topk                        # full run -> out/ablate_topk/topk.{csv,json,png}
+    python -m experiments.ablate_topk --checkpoint=v4_count  # -> out/ablate_topk/topk_v4_count.*
     python -m experiments.ablate_topk --small --out_dir=/tmp/x   # CI
+    python -m experiments.ablate_topk --refresh_results      # refresh the committed experiments/results/topk.*
+    python -m experiments.ablate_topk --replot --refresh_results   # re-draw the committed plot from its table
+
+Output goes to --out_dir (default out/ablate_topk/, untracked); --refresh_results writes the committed
+experiments/results/ instead. --replot re-draws <stem>.png from the <stem>.json already there, without the sweep.
 
 The task (key-value recall or counting) comes from the checkpoint's config.json ("task"); counting rows also
 carry `acc_by_count` (accuracy per true count c: with k < c occurrences the CSA layer cannot read them all).
@@ -12,6 +17,9 @@ the CSA layer reads. Also reported per context length: the model with its compre
 projection zeroed: every compressed entry is the zero vector), which is the window-only reading of the task.
 Cost per query token of the CSA layer: window rows + compressed rows read, attention FLOPs (q.k and p.v), and the
 indexer FLOPs (scores over all visible index keys), averaged over the positions of a sequence.
+
+Plot: accuracy, indexer hit and cost (MFLOPs per query token) against k on a log2 axis, one colour / marker per
+context length; the compressed-path-removed accuracy and chance are horizontal lines on the accuracy panel.
 """
 
 from __future__ import annotations
@@ -22,19 +30,24 @@ import time
 
 from absl import app, flags, logging
 
-from experiments import plotting, tasks
+from experiments import plotting
 from experiments import train_lib as L
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", "v4_retrieval", "Checkpoint name under experiments/checkpoints/ or a directory.")
-flags.DEFINE_list("ks", ["1", "2", "4", "8", "16", "32", "64", "128"], "Top-k values.")
-flags.DEFINE_list("lens", ["128", "256", "512"], "Context lengths.")
-flags.DEFINE_integer("eval_batches", 8, "Held-out batches per point.")
-flags.DEFINE_integer("batch", 16, "Batch size.")
-flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                    "Where to write topk.csv/json/png.")
-flags.DEFINE_integer("num_pairs", 0, "Override the task's stored pairs at eval (more distractors; 0: as trained).")
-flags.DEFINE_bool("small", False, "CI: two k values, one length, one small batch.")
+SCRIPT = "ablate_topk"
+
+
+def define_flags():
+  """The command line (defined when run as a script, so importing `run` / `plot` defines no flags)."""
+  flags.DEFINE_string("checkpoint", "v4_retrieval", "Checkpoint name under experiments/checkpoints/ or a directory.")
+  flags.DEFINE_list("ks", ["1", "2", "4", "8", "16", "32", "64", "128"], "Top-k values.")
+  flags.DEFINE_list("lens", ["128", "256", "512"], "Context lengths.")
+  flags.DEFINE_integer("eval_batches", 8, "Held-out batches per point.")
+  flags.DEFINE_integer("batch", 16, "Batch size.")
+  flags.DEFINE_integer("num_pairs", 0, "Override the task's stored pairs at eval (more distractors; 0: as trained).")
+  flags.DEFINE_bool("small", False, "CI: two k values, one length, one small batch.")
+  flags.DEFINE_bool("replot", False, "Re-draw the plot from the table already in the output directory (no sweep).")
+  plotting.define_output_flags(SCRIPT, "topk[_<checkpoint>].csv/json/png")
 
 
 def run(checkpoint: str, ks, lens, eval_batches: int, batch: int, out_dir: str, stem: str = "topk",
@@ -42,7 +55,6 @@ def run(checkpoint: str, ks, lens, eval_batches: int, batch: int, out_dir: str, 
   config, params, info = L.load_checkpoint_dir(
       checkpoint if os.path.isdir(checkpoint) else os.path.join(L.CHECKPOINT_ROOT, checkpoint))
   base = L.task_spec_from_info(info, **({"num_pairs": num_pairs} if num_pairs else {}))
-  task_name = "count" if isinstance(base, tasks.CountSpec) else "recall"
   rows = []
   for T in lens:
     spec = dataclasses.replace(base, seq_len=T)
@@ -66,27 +78,44 @@ def run(checkpoint: str, ks, lens, eval_batches: int, batch: int, out_dir: str, 
               note="k=0/path=no_compressed: compressor wkv zeroed (window-only reading); chance = 1/num_values")
   csv_path, json_path = plotting.write_table(rows, out_dir, stem, meta)
 
-  fig, (ax1, ax2) = plotting.new_figure(2)
-  for T in lens:
-    r = [x for x in rows if x["seq_len"] == T and x["path"] == "topk"]
-    line, = ax1.plot([x["k"] for x in r], [x["accuracy"] for x in r], "o-", label=f"T={T}")
-    ax1.plot([x["k"] for x in r], [x["index_hit"] for x in r], "x:", color=line.get_color(), alpha=0.6)
-    nc = [x for x in rows if x["seq_len"] == T and x["path"] == "no_compressed"][0]
-    ax1.axhline(nc["accuracy"], color=line.get_color(), ls="--", lw=0.8)
-    ax2.plot([x["k"] for x in r], [x["total_flops"] / 1e6 for x in r], "o-", color=line.get_color(),
-             label=f"T={T} attn+indexer")
-    ax2.plot([x["k"] for x in r], [x["attn_flops"] / 1e6 for x in r], "s:", color=line.get_color(), alpha=0.6,
-             label=f"T={T} attn only")
-  ax1.axhline(1.0 / base.num_values, color="gray", lw=0.8, label="chance")
-  ax1.set(xscale="log", xlabel="indexer top-k", ylabel="accuracy (o) / indexer hit (x)",
-          title=f"{config.name}: {task_name} vs top-k\n(dashed: compressed path removed)", ylim=(-0.02, 1.02))
-  ax1.set_xscale("log", base=2)
-  ax1.legend(fontsize=8)
-  ax2.set_xscale("log", base=2)
-  ax2.set(xlabel="indexer top-k", ylabel="MFLOPs / query token (CSA layer)", title="attention cost vs top-k")
-  ax2.legend(fontsize=7)
-  png = plotting.save_figure(fig, out_dir, stem)
+  png = plotting.save_figure(plot(rows, meta), out_dir, stem)
   return dict(rows=rows, csv=csv_path, json=json_path, png=png)
+
+
+def plot(rows: list[dict], meta: dict):
+  """Accuracy, indexer hit and cost vs k (log2 axis), one colour / marker per context length."""
+  lens = sorted({x["seq_len"] for x in rows})
+  ks = sorted({x["k"] for x in rows if x["path"] == "topk"})
+  task_name = "count" if meta.get("task", {}).get("kind") == "count" else "recall"
+  fig, (acc, hit, cost) = plotting.new_figure(3, width=4.6)
+  n = len(lens)
+  for i, T in enumerate(lens):
+    r = sorted((x for x in rows if x["seq_len"] == T and x["path"] == "topk"), key=lambda x: x["k"])
+    k = [x["k"] for x in r]
+    st = plotting.series_style(i, n)
+    acc.plot(k, [x["accuracy"] for x in r], label=f"T={T}", **st)
+    hit.plot(k, [x["index_hit"] for x in r], label=f"T={T}", **st)
+    cost.plot(k, [x["total_flops"] / 1e6 for x in r], label=f"T={T}: attention + indexer",
+              **plotting.series_style(i, n, linestyle="-"))
+    cost.plot(k, [x["attn_flops"] / 1e6 for x in r], label=f"T={T}: attention only",
+              **plotting.series_style(i, n, linestyle="--", hollow=True))
+    nc = [x for x in rows if x["seq_len"] == T and x["path"] == "no_compressed"]
+    if nc:   # lines of decreasing width (as the series), so equal baselines still all show
+      acc.axhline(nc[0]["accuracy"], color=st["color"], ls=":", lw=st["linewidth"] + 0.5, alpha=0.8,
+                  zorder=st["zorder"], label=f"T={T}: compressed path removed")
+  chance = rows[0].get("chance")
+  if chance is not None:
+    acc.axhline(chance, color="gray", lw=0.8, zorder=20, label="chance")   # thin, on top: never hidden
+  title = meta.get("config_name", meta.get("checkpoint", ""))
+  for ax in (acc, hit, cost):
+    plotting.knob_axis(ax, ks, "indexer top-k")
+  acc.set(ylabel="accuracy", ylim=(-0.02, 1.05), title=f"{title}: {task_name} vs top-k")
+  hit.set(ylabel="indexer hit (answer entry among the top-k)", ylim=(-0.02, 1.05), title="indexer hit vs top-k")
+  cost.set(ylabel="MFLOPs / query token (CSA layer)", title="attention cost vs top-k")
+  plotting.legend_below(acc, ncol=1)
+  plotting.legend_below(hit, ncol=1)
+  plotting.legend_below(cost, ncol=1)
+  return fig
 
 
 def main(argv):
@@ -98,7 +127,11 @@ def main(argv):
   stem = "topk" if FLAGS.checkpoint == "v4_retrieval" else "topk_" + os.path.basename(FLAGS.checkpoint.rstrip("/"))
   if FLAGS.num_pairs:
     stem += f"_pairs{FLAGS.num_pairs}"
-  out = run(FLAGS.checkpoint, ks, lens, eval_batches, batch, FLAGS.out_dir, stem=stem, num_pairs=FLAGS.num_pairs)
+  out_dir = plotting.output_dir()
+  if FLAGS.replot:
+    print("wrote", plotting.save_figure(plot(*plotting.read_table(out_dir, stem)), out_dir, stem))
+    return
+  out = run(FLAGS.checkpoint, ks, lens, eval_batches, batch, out_dir, stem=stem, num_pairs=FLAGS.num_pairs)
   print(f"wrote {out['csv']} {out['json']} {out['png']}")
   for r in out["rows"]:
     print(f"T={r['seq_len']:4d} {r['path']:13s} k={r['k']:3d} acc={r['accuracy']:.3f} hit={r['index_hit']:.3f} "
@@ -107,4 +140,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

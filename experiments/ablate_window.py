@@ -1,7 +1,12 @@
 r"""Window ablation: the trained V4 model read with a different sliding window at inference.
 
-    python -m experiments.ablate_window                    # full run -> experiments/results/window.{csv,json,png}
+    python -m experiments.ablate_window                  # full run -> out/ablate_window/window.{csv,json,png}
     python -m experiments.ablate_window --small --out_dir=/tmp/x   # CI
+    python -m experiments.ablate_window --refresh_results    # refresh the committed experiments/results/window.*
+    python -m experiments.ablate_window --replot --refresh_results   # re-draw the committed plot from its table
+
+Output goes to --out_dir (default out/ablate_window/, untracked); --refresh_results writes the committed
+experiments/results/ instead. --replot re-draws window.png from the window.json already there, without the sweep.
 
 The window is not a parameter shape (window K=V rows come from the same `wkv` projection at any W), so
 `dataclasses.replace(config.attention, window=W)` runs the same weights with another W. For each W and context
@@ -13,6 +18,10 @@ weights (trained at one W) make use of the longer window is what this measures.
 Compression ratio: in V4 the CSA ratio is fixed at 4 (ratio 4 is what makes a layer CSA, and the compressor's
 position bias `ape` has one row per in-window slot), so it cannot change at inference with the same params; HCA
 ratios could, but the retrieval model has no HCA layer (see TRAIN_NOTES.md). So ratio is not swept here.
+
+Plot: accuracy (filled, solid: trained top-k; hollow, dashed: window only) and cost against W on a log2 axis, one
+colour / marker per context length; vertical lines at the trained window and at the W a window-only reading needs to
+reach the stored pairs.
 """
 
 from __future__ import annotations
@@ -27,14 +36,19 @@ from experiments import plotting
 from experiments import train_lib as L
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", "v4_retrieval", "Checkpoint name under experiments/checkpoints/ or a directory.")
-flags.DEFINE_list("windows", ["4", "8", "16", "32", "64", "128"], "Inference windows.")
-flags.DEFINE_list("lens", ["128", "256"], "Context lengths.")
-flags.DEFINE_integer("eval_batches", 8, "Held-out batches per point.")
-flags.DEFINE_integer("batch", 16, "Batch size.")
-flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                    "Where to write window.csv/json/png.")
-flags.DEFINE_bool("small", False, "CI: two windows, one length, one small batch.")
+SCRIPT = "ablate_window"
+
+
+def define_flags():
+  """The command line (defined when run as a script, so importing `run` / `plot` defines no flags)."""
+  flags.DEFINE_string("checkpoint", "v4_retrieval", "Checkpoint name under experiments/checkpoints/ or a directory.")
+  flags.DEFINE_list("windows", ["4", "8", "16", "32", "64", "128"], "Inference windows.")
+  flags.DEFINE_list("lens", ["128", "256"], "Context lengths.")
+  flags.DEFINE_integer("eval_batches", 8, "Held-out batches per point.")
+  flags.DEFINE_integer("batch", 16, "Batch size.")
+  flags.DEFINE_bool("small", False, "CI: two windows, one length, one small batch.")
+  flags.DEFINE_bool("replot", False, "Re-draw the plot from the table already in the output directory (no sweep).")
+  plotting.define_output_flags(SCRIPT, "window.csv/json/png")
 
 
 def run(checkpoint: str, windows, lens, eval_batches: int, batch: int, out_dir: str, stem: str = "window") -> dict:
@@ -63,25 +77,42 @@ def run(checkpoint: str, windows, lens, eval_batches: int, batch: int, out_dir: 
                    "swept: V4 CSA ratio is fixed at 4 for given params; the model has no HCA layer.")
   csv_path, json_path = plotting.write_table(rows, out_dir, stem, meta)
 
-  fig, (ax1, ax2) = plotting.new_figure(2)
-  for T in lens:
-    r = [x for x in rows if x["seq_len"] == T]
-    line, = ax1.plot([x["window"] for x in r], [x["accuracy"] for x in r], "o-", label=f"T={T} top-k")
-    ax1.plot([x["window"] for x in r], [x["accuracy_no_compressed"] for x in r], "x--", color=line.get_color(),
-             label=f"T={T} window only")
-    ax2.plot([x["window"] for x in r], [x["total_flops"] / 1e6 for x in r], "o-", color=line.get_color(),
-             label=f"T={T}")
-  ax1.axvline(config.attention.window, color="k", lw=0.6, ls=":", label="trained window")
-  ax1.axhline(1.0 / base.num_values, color="gray", lw=0.8, label="chance")
-  ax1.set_xscale("log", base=2)
-  ax1.set(xlabel="inference window W", ylabel="accuracy", ylim=(-0.02, 1.02),
-          title=f"{config.name}: recall vs window (k={config.indexer.topk})")
-  ax1.legend(fontsize=7)
-  ax2.set_xscale("log", base=2)
-  ax2.set(xlabel="inference window W", ylabel="MFLOPs / query token (CSA layer)", title="attention cost vs window")
-  ax2.legend(fontsize=8)
-  png = plotting.save_figure(fig, out_dir, stem)
+  png = plotting.save_figure(plot(rows, meta), out_dir, stem)
   return dict(rows=rows, csv=csv_path, json=json_path, png=png)
+
+
+def plot(rows: list[dict], meta: dict):
+  """Accuracy (trained top-k / window only) and cost vs W (log2 axis), one colour / marker per context length."""
+  lens = sorted({x["seq_len"] for x in rows})
+  windows = sorted({x["window"] for x in rows})
+  fig, (acc, cost) = plotting.new_figure(2, width=5.2)
+  n = len(lens)
+  for i, T in enumerate(lens):
+    r = sorted((x for x in rows if x["seq_len"] == T), key=lambda x: x["window"])
+    w = [x["window"] for x in r]
+    acc.plot(w, [x["accuracy"] for x in r], label=f"T={T}: trained top-k", **plotting.series_style(i, n, "-"))
+    acc.plot(w, [x["accuracy_no_compressed"] for x in r], label=f"T={T}: window only (compressed path removed)",
+             **plotting.series_style(i, n, "--", hollow=True))
+    cost.plot(w, [x["total_flops"] / 1e6 for x in r], label=f"T={T}", **plotting.series_style(i, n, "-"))
+  need: dict[int, list[int]] = {}   # one line per distinct distance (equal at every T when the store is fixed)
+  for x in rows:
+    need.setdefault(x["min_query_to_store_distance"], [])
+    if x["seq_len"] not in need[x["min_query_to_store_distance"]]:
+      need[x["min_query_to_store_distance"]].append(x["seq_len"])
+  for j, (d, ts) in enumerate(sorted(need.items())):
+    acc.axvline(d, color="0.35", lw=0.9, ls=("-.", (0, (3, 1, 1, 1, 1, 1)))[j % 2], zorder=1,
+                label=f"W that reaches the stored pairs: {d} (T={', '.join(map(str, ts))})")
+  trained = rows[0]["trained_window"]
+  acc.axvline(trained, color="k", lw=0.7, ls=":", zorder=1, label=f"trained window ({trained})")
+  acc.axhline(rows[0]["chance"], color="gray", lw=0.8, zorder=20, label="chance")
+  for ax in (acc, cost):
+    plotting.knob_axis(ax, windows, "inference window W")
+  title = meta.get("config_name", meta.get("checkpoint", ""))
+  acc.set(ylabel="accuracy", ylim=(-0.02, 1.05), title=f"{title}: recall vs window (k={rows[0]['k']})")
+  cost.set(ylabel="MFLOPs / query token (CSA layer)", title="attention cost vs window")
+  plotting.legend_below(acc, ncol=1)
+  plotting.legend_below(cost, ncol=1)
+  return fig
 
 
 def main(argv):
@@ -90,7 +121,11 @@ def main(argv):
   eval_batches, batch = FLAGS.eval_batches, FLAGS.batch
   if FLAGS.small:
     windows, lens, eval_batches, batch = [8, 16], [128], 1, 4
-  out = run(FLAGS.checkpoint, windows, lens, eval_batches, batch, FLAGS.out_dir)
+  out_dir = plotting.output_dir()
+  if FLAGS.replot:
+    print("wrote", plotting.save_figure(plot(*plotting.read_table(out_dir, "window")), out_dir, "window"))
+    return
+  out = run(FLAGS.checkpoint, windows, lens, eval_batches, batch, out_dir)
   print(f"wrote {out['csv']} {out['json']} {out['png']}")
   for r in out["rows"]:
     print(f"T={r['seq_len']:4d} W={r['window']:4d} acc={r['accuracy']:.3f} window-only="
@@ -98,4 +133,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

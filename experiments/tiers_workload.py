@@ -1,4 +1,4 @@
-"""KV tiers workload benchmark (docs/tiers.md). Prints tables, writes <out_dir>/tiers_workload.{csv,json}, a plot, and
+"""KV tiers workload benchmark (docs/tiers.md). Prints tables, writes <out_dir>/tiers_workload.{csv,json,png} and
 <out_dir>/tiers_resume.{csv,json}.
 
 Part A — more sessions than the device holds (long shared documents + agent sessions that go idle and come
@@ -11,8 +11,16 @@ Part B — one resumed session of 8k and 32k tokens: TTFT of the next turn when 
 (host, disk, Redis, Mooncake; device cache dropped) vs recomputed, and the cost model's choice (with the speeds
 it measured) against the path that was actually faster.
 
-    python -m experiments.tiers_workload                 # both parts (~10-20 min on 2 CPU cores)
+    python -m experiments.tiers_workload                 # both parts (~10-20 min on 2 CPU cores) -> out/tiers_workload/
     python -m experiments.tiers_workload --parts=a --lengths=8192
+    python -m experiments.tiers_workload --refresh_results   # refresh the committed experiments/results/tiers/
+    python -m experiments.tiers_workload --replot --refresh_results   # re-draw the committed plot from its table
+
+Output goes to --out_dir (default out/tiers_workload/, untracked); --refresh_results writes the committed
+experiments/results/tiers/ instead. --replot re-draws tiers_workload.png from the tiers_workload.json already there.
+Other flags: --sessions (part A), --mooncake (part B).
+
+Plot (part A): TTFT percentiles and hit / computed tokens per tier configuration (categories, one bar group each).
 """
 
 from __future__ import annotations
@@ -26,12 +34,21 @@ import time
 import numpy as np
 from absl import app, flags
 
+from experiments import plotting
+
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "experiments/results/tiers", "Where tables and the plot go.")
-flags.DEFINE_string("parts", "ab", "a = sessions workload, b = resume TTFT per tier.")
-flags.DEFINE_list("lengths", ["8192", "32768"], "Session lengths of part B.")
-flags.DEFINE_integer("sessions", 8, "Part A sessions.")
-flags.DEFINE_bool("mooncake", True, "Include the Mooncake tier in part B.")
+SCRIPT = "tiers_workload"
+RESULTS_SUBDIR = "tiers"
+
+
+def define_flags():
+  """The command line (defined when run as a script, so importing `plot` defines no flags)."""
+  flags.DEFINE_string("parts", "ab", "a = sessions workload, b = resume TTFT per tier.")
+  flags.DEFINE_list("lengths", ["8192", "32768"], "Session lengths of part B.")
+  flags.DEFINE_integer("sessions", 8, "Part A sessions.")
+  flags.DEFINE_bool("mooncake", True, "Include the Mooncake tier in part B.")
+  flags.DEFINE_bool("replot", False, "Re-draw the part A plot from the table already in the output directory.")
+  plotting.define_output_flags(SCRIPT, "tables and the plot", RESULTS_SUBDIR)
 
 
 def _pct(a, q):
@@ -187,12 +204,16 @@ def part_b(cfg, params, redis_url, mooncake_url, tmp, lengths):
 
 def main(argv):
   del argv
+  out_dir = plotting.output_dir(RESULTS_SUBDIR)
+  if FLAGS.replot:
+    print("wrote", plotting.save_figure(plot(plotting.read_table(out_dir, "tiers_workload")[0]), out_dir,
+                                        "tiers_workload"))
+    return
   import jax
 
   from cache.tiers.servers import MooncakeServer, RedisServer
   from dsv4 import config as C
   from dsv4 import model
-  from experiments.plotting import write_table
   cfg = C.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   tmp = tempfile.mkdtemp(prefix="dsv4-tiers-bench-")
@@ -200,15 +221,15 @@ def main(argv):
   mc = None
   try:
     if "a" in FLAGS.parts:
-      rows, ttfts, sess_bytes = part_a(cfg, params, redis.url, tmp)
-      write_table(rows, FLAGS.out_dir, "tiers_workload", {"model": cfg.name, "session_bytes": sess_bytes})
+      rows, _, sess_bytes = part_a(cfg, params, redis.url, tmp)
+      plotting.write_table(rows, out_dir, "tiers_workload", {"model": cfg.name, "session_bytes": sess_bytes})
       _print(rows)
-      _plot(rows, ttfts, os.path.join(FLAGS.out_dir, "tiers_workload.png"))
+      print("wrote", plotting.save_figure(plot(rows), out_dir, "tiers_workload"))
     if "b" in FLAGS.parts:
       if FLAGS.mooncake:
         mc = MooncakeServer(segment="512MB")
       rows = part_b(cfg, params, redis.url, mc.url if mc else "", tmp, [int(x) for x in FLAGS.lengths])
-      write_table(rows, FLAGS.out_dir, "tiers_resume", {"model": cfg.name})
+      plotting.write_table(rows, out_dir, "tiers_resume", {"model": cfg.name})
       _print(rows)
   finally:
     redis.stop()
@@ -228,30 +249,33 @@ def _print(rows):
                             for k in keys) + " |")
 
 
-def _plot(rows, ttfts, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+def plot(rows: list[dict]):
+  """Part A: TTFT percentiles and hit / computed tokens per tier configuration (categorical: one group each)."""
+  fig, (ttft, toks) = plotting.new_figure(2, width=5.2, height=3.8)
   names = [r["config"] for r in rows]
   x = np.arange(len(names))
+
+  def label(name, values):   # a bar series that is 0 everywhere draws nothing: say so in its legend entry
+    return f"{name} (0 in every configuration)" if not any(values) else name
+
   for i, (q, key) in enumerate([(50, "ttft_p50_s"), (95, "ttft_p95_s"), (99, "ttft_p99_s")]):
-    ax[0].bar(x + (i - 1) * 0.27, [r[key] * 1e3 for r in rows], 0.27, label=f"p{q}")
-  ax[0].set_xticks(x, names)
-  ax[0].set_ylabel("TTFT (ms)")
-  ax[0].legend()
-  ax[0].set_title("TTFT, all turns")
-  ax[1].bar(x - 0.2, [r["device_hit_tokens"] for r in rows], 0.4, label="device hit")
-  ax[1].bar(x - 0.2, [r["tier_hit_tokens"] for r in rows], 0.4, bottom=[r["device_hit_tokens"] for r in rows],
-            label="tier hit")
-  ax[1].bar(x + 0.2, [r["computed_tokens"] for r in rows], 0.4, label="computed")
-  ax[1].set_xticks(x, names)
-  ax[1].set_ylabel("tokens")
-  ax[1].legend()
-  ax[1].set_title("hit vs computed tokens")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+    v = [r[key] * 1e3 for r in rows]
+    ttft.bar(x + (i - 1) * 0.27, v, 0.27, label=label(f"p{q}", v), color=f"C{i}")
+  device, tier, computed = ([r[k] for r in rows] for k in ("device_hit_tokens", "tier_hit_tokens", "computed_tokens"))
+  toks.bar(x - 0.2, device, 0.4, label=label("device hit", device), color="C0")
+  toks.bar(x - 0.2, tier, 0.4, bottom=device, label=label("tier hit (stacked on device hit)", tier), color="C1",
+           hatch="//", edgecolor="white")
+  toks.bar(x + 0.2, computed, 0.4, label=label("computed", computed), color="C2")
+  for ax in (ttft, toks):
+    ax.set_xticks(x, names)
+    ax.set_xlabel("tiers (off: device cache only)")
+  ttft.set(ylabel="TTFT (ms)", title="TTFT, all turns")
+  toks.set(ylabel="tokens", title="hit vs computed tokens")
+  plotting.legend_below(ttft, ncol=3)
+  plotting.legend_below(toks, ncol=1)
+  return fig
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

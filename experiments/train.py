@@ -5,6 +5,9 @@ Reproduce the shipped checkpoints (exact commands, incl. --stop_after, in their 
     python -m experiments.train --out_dir=experiments/checkpoints/v4_retrieval
     python -m experiments.train --task=count ...   # experiments/checkpoints/v4_count, see TRAIN_NOTES.md
 
+Without --out_dir a run writes out/train/<variant>_<retrieval|count>/ (untracked), so it never overwrites a shipped
+checkpoint; passing --out_dir=experiments/checkpoints/<name> (as those commands do) refreshes that checkpoint.
+
 CI smoke run (a few steps, tiny shapes, checkpoint in a temp dir):
 
     python -m experiments.train --small
@@ -67,8 +70,9 @@ flags.DEFINE_integer("log_every", 10, "Log every N steps.")
 flags.DEFINE_integer("eval_every", 100, "Held-out eval every N steps (0: only at the end).")
 flags.DEFINE_integer("eval_batches", 8, "Held-out eval batches (of --batch) per context length.")
 flags.DEFINE_list("eval_lens", ["128", "256", "512"], "Context lengths of the final eval.")
-flags.DEFINE_string("out_dir", None, "Checkpoint directory (default: experiments/checkpoints/<variant>_retrieval or _count;"
-                    " --small: a temp dir).")
+flags.DEFINE_string("out_dir", None, "Checkpoint directory (default: out/train/<variant>_retrieval or _count, "
+                    "untracked; --small: a temp dir). --out_dir=experiments/checkpoints/<name> refreshes a shipped "
+                    "checkpoint.")
 flags.DEFINE_bool("small", False, "CI smoke run: tiny shapes, a few steps, checkpoint in a temp dir.")
 flags.DEFINE_float("max_minutes", 14.0, "Stop training (and save) after this wall time.")
 flags.DEFINE_integer("stop_after", 0, "Stop (and save) after this many steps without changing the LR schedule "
@@ -102,7 +106,7 @@ def train(argv_cmd: str) -> dict:
   spec.validate()
   default_name = f"{FLAGS.variant}_{'retrieval' if FLAGS.task == 'kv' else 'count'}"
   out_dir = FLAGS.out_dir or (tempfile.mkdtemp(prefix="dsv4_train_small_") if small else
-                              os.path.join(L.CHECKPOINT_ROOT, default_name))
+                              os.path.join("out", "train", default_name))
   logging.info("config %s\ntask %s\nout_dir %s", config, spec, out_dir)
 
   params = L.init(config, FLAGS.seed)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -95,11 +96,14 @@ def main(argv):
   cfg = C.v41_tiny()
   cfg_q = dataclasses.replace(cfg, quantized_cache=True)
   ref, tokenizer = O.build(cfg, seed=0, fake_quant=True)
-  path = "/tmp/v41_quant_cache_parity.safetensors"
-  S.write_file(O.state_dict_np(ref), path)
-  params = load_checkpoint(path, cfg)
+  fd, path = tempfile.mkstemp(suffix=".safetensors")   # own file: concurrent runs never share one
+  os.close(fd)
+  try:
+    S.write_file(O.state_dict_np(ref), path)
+    params = load_checkpoint(path, cfg)
+  finally:
+    os.remove(path)
   params["engram_token_map"] = jnp.asarray(E.compressed_token_map(tokenizer)[0])
-  os.remove(path)
 
   B, T = FLAGS.B, FLAGS.T
   tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, (B, T))

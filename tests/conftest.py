@@ -21,6 +21,7 @@ Hypothesis: the "ci" profile (default) derandomizes, so a run is reproducible an
 DSV4_HYPOTHESIS=fresh draws new examples each run (and prints the blob to reproduce a failure).
 
 Tiers: `slow` is the only marker (registered in pyproject.toml, --strict-markers); the default run deselects it.
+Which tests are slow, and what covers each feature in the default tier instead, is listed in tests/slow_tier.py.
 """
 
 import gc
@@ -33,6 +34,7 @@ import jax
 import pytest
 
 from tests import xla_test_flags
+from tests.slow_tier import SLOW
 
 xla_test_flags.install()  # before any test touches a device: XLA reads XLA_FLAGS when JAX creates its backend
 
@@ -58,6 +60,23 @@ def pytest_configure(config):
   jax.config.update("jax_compilation_cache_dir", os.environ[_ENV])
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest's own -m / -k deselection
+def pytest_collection_modifyitems(config, items):
+  matched = set()
+  for item in items:
+    base = item.nodeid.split("[", 1)[0]
+    for key in (item.nodeid, base, base.split("::", 1)[0]):   # a test, all its parameters, or a whole file
+      if key in SLOW:
+        item.add_marker(pytest.mark.slow)
+        matched.add(key)
+  if any("::" in str(a) for a in config.args):
+    return                     # a run of chosen tests: entries of the same files need not be collected
+  files = {item.nodeid.split("::", 1)[0] for item in items}
+  stale = sorted(k for k in SLOW if k.split("::", 1)[0] in files and k not in matched)
+  if stale:
+    raise pytest.UsageError(f"tests/slow_tier.py names tests that do not exist: {stale}")
 
 
 def pytest_unconfigure(config):

@@ -33,7 +33,9 @@ def run_in_child(request, timeout_s: float = 1500, default_xla_opt: bool = False
   env = {k: v for k, v in xla_test_flags.child_env(default_xla_opt=default_xla_opt).items()
          if not k.startswith("PYTEST_XDIST")}
   env[_ENV] = nodeid
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", nodeid],
+  # -m: the child runs this test whatever its tier (the default addopts deselect slow tests)
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
+                         "-m", "slow or not slow", nodeid],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
   out = proc.stdout[-6000:] + proc.stderr[-3000:]
   assert proc.returncode == 0, f"{nodeid} failed in its child process (exit {proc.returncode}):\n{out}"

@@ -4,6 +4,8 @@ tier turns into a miss): a backend never decides what a failure means for a requ
 
     get_many(keys) -> list[bytes | None]      put(key, data, ttl_s) -> None      delete(key) -> None
     exists_many(keys) -> list[bool]           close() -> None
+    ping() -> None                            (optional: a start-up round trip that raises if the store is down)
+    sizes_many(keys) -> list[int | None]      (optional, local stores other processes also write: see DiskBackend)
 
 Backends: `HostBackend` (process memory, numpy-free bytes), `DiskBackend` (one file per record, written to a temp
 name then renamed, so a reader never sees half a record), `RedisBackend` (a real Redis server; the L4 store shared
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import urllib.parse
 
 
 class TierError(RuntimeError):
@@ -102,6 +105,17 @@ class DiskBackend:
   def exists_many(self, keys):
     return [os.path.exists(self._path(k)) for k in keys]
 
+  def sizes_many(self, keys):
+    """Size of each key's record file, None if absent: one stat per key, so a tier can pick up records that another
+    engine sharing the directory wrote after this one indexed it."""
+    out = []
+    for k in keys:
+      try:
+        out.append(os.stat(self._path(k)).st_size)
+      except OSError:
+        out.append(None)
+    return out
+
   def keys_with_sizes(self):
     """Records already on disk (a restarted engine reuses them), oldest first."""
     out = []
@@ -125,10 +139,17 @@ class RedisBackend:
   shared = True
 
   def __init__(self, url: str, timeout_s: float = 1.0):
-    import redis  # the client; imported here so the other tiers work without it
+    try:
+      import redis  # the client; imported here so the other tiers work without it
+    except ImportError as e:
+      raise ImportError("the redis tier needs the 'redis' package: pip install redis") from e
+    parse_redis_url(url)
     self.url = url
     self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                        health_check_interval=0, retry_on_timeout=False)
+
+  def ping(self):
+    self.client.ping()
 
   def get_many(self, keys):
     if not keys:
@@ -153,6 +174,27 @@ class RedisBackend:
     self.client.close()
 
 
+def parse_redis_url(url: str) -> tuple[str, int, int]:
+  """(host, port, db) of redis://host[:port][/db] (or rediss://), or ValueError saying what is wrong with it."""
+  if not isinstance(url, str) or not url:
+    raise ValueError("a Redis URL is required, e.g. redis://127.0.0.1:6379/0")
+  u = urllib.parse.urlparse(url)
+  if u.scheme not in ("redis", "rediss"):
+    raise ValueError(f"a Redis URL starts with redis:// or rediss:// (e.g. redis://127.0.0.1:6379/0), got {url!r}")
+  try:
+    port = 6379 if u.port is None else u.port
+  except ValueError:
+    port = 0
+  if not 1 <= port <= 65535:
+    raise ValueError(f"the port of a Redis URL must be a number in [1, 65535], got {url!r}")
+  if not u.hostname:
+    raise ValueError(f"a Redis URL needs a host, e.g. redis://127.0.0.1:6379/0, got {url!r}")
+  db = u.path.strip("/")
+  if db and not db.isdigit():
+    raise ValueError(f"the database of a Redis URL (after the last /) must be a number, got {url!r}")
+  return u.hostname, port, int(db or 0)
+
+
 def make_backend(kind: str, *, disk_dir: str = "", store_url: str = "", timeout_s: float = 1.0):
   if kind == "host":
     return HostBackend()
@@ -161,7 +203,9 @@ def make_backend(kind: str, *, disk_dir: str = "", store_url: str = "", timeout_
       raise ValueError("the disk tier needs a directory (--kv_disk_dir)")
     return DiskBackend(disk_dir)
   if kind == "redis":
-    return RedisBackend(store_url or "redis://127.0.0.1:6379/0", timeout_s)
+    if not store_url:     # never a silent default server: the caller says which store
+      raise ValueError("the redis tier needs a store URL (--kv_store_url), e.g. redis://127.0.0.1:6379/0")
+    return RedisBackend(store_url, timeout_s)
   if kind == "mooncake":
     from cache.tiers.mooncake_store import MooncakeBackend
     return MooncakeBackend(store_url, timeout_s)

@@ -33,8 +33,9 @@ class MooncakeBackend:
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     try:
       from mooncake.store import MooncakeDistributedStore
-    except ImportError as e:
-      raise TierError(f"mooncake tier: client not installed ({e})") from e
+    except ImportError as e:      # a setup error, not a store that is down: never a silently missing tier
+      raise ImportError("the mooncake tier needs the Mooncake client: pip install mooncake-transfer-engine "
+                        f"(or mooncake-transfer-engine-non-cuda) ({e})") from e
     self.store = MooncakeDistributedStore()
     rc = self.store.setup("127.0.0.1", meta, 0, local_buffer_bytes, "tcp", "", master)
     if rc != 0:

@@ -1,11 +1,21 @@
-"""Start and stop real store servers on 127.0.0.1 and a free port (tests, benchmarks, local runs)."""
+"""Start and stop real store servers on 127.0.0.1 and a free port (tests, benchmarks, local runs).
+
+One command starts a local store for the redis / mooncake tier and prints the URL to pass as --kv_store_url:
+
+    python -m cache.tiers.servers redis [--port 6379] [--maxmemory 4gb]
+    python -m cache.tiers.servers mooncake [--port 50051] [--segment 4GB]
+
+The first line on stdout is the URL; the server runs until Ctrl-C (or SIGTERM), then stops cleanly."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -19,20 +29,24 @@ def free_port() -> int:
 class RedisServer:
   """`redis-server` bound to 127.0.0.1, no persistence; `maxmemory` with allkeys-lru is the server-side capacity."""
 
-  def __init__(self, port: int | None = None, maxmemory: str = "0", debug: bool = True):
+  def __init__(self, port: int | None = None, maxmemory: str = "0", debug: bool = True, own_session: bool = False):
+    """own_session: the server gets its own session, so a terminal's Ctrl-C reaches only us (we stop it)."""
     exe = shutil.which("redis-server")
     if exe is None:
       raise RuntimeError("redis-server not installed (apt-get install redis-server)")
+    if port:
+      _check_free(port)   # else the readiness ping below would be answered by whatever already listens there
     self.port = port or free_port()
     self.dir = tempfile.mkdtemp(prefix="dsv4-redis-")
     args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", self.dir, "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
     if debug:
       args += ["--enable-debug-command", "local"]
-    self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=own_session)
     self.url = f"redis://127.0.0.1:{self.port}/0"
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 10:
+    while time.monotonic() - t0 < 10 and self.proc.poll() is None:
       try:
         with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
           s.sendall(b"PING\r\n")
@@ -41,13 +55,15 @@ class RedisServer:
       except OSError:
         time.sleep(0.02)
     self.stop()
-    raise RuntimeError(f"redis-server did not come up on port {self.port}")
+    raise RuntimeError(f"redis-server did not come up on port {self.port} (exit code {self.proc.returncode})")
 
-  def stop(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.kill()
-      self.proc.wait(timeout=10)
+  def stop(self, graceful_s: float = 0.0) -> None:
+    """graceful_s > 0: ask it to exit (SIGTERM) and wait that long before killing it."""
+    _stop(self.proc, graceful_s)
     shutil.rmtree(self.dir, ignore_errors=True)
+
+  def alive(self) -> bool:
+    return self.proc.poll() is None
 
   def __enter__(self):
     return self
@@ -66,19 +82,22 @@ class MooncakeServer:
   """`mooncake_master` (with its HTTP metadata server) plus one memory-holding `mooncake_client`, all on
   127.0.0.1 (MC_TCP_BIND_ADDRESS). `url` is what `MooncakeBackend` takes."""
 
-  def __init__(self, segment: str = "256MB"):
+  def __init__(self, segment: str = "256MB", port: int | None = None, own_session: bool = False):
     for exe in ("mooncake_master", "mooncake_client"):
       if shutil.which(exe) is None:
         raise RuntimeError(f"{exe} not found (pip install mooncake-transfer-engine-non-cuda; apt libibverbs1)")
+    if port:
+      _check_free(port)
     env = env_with_loopback()
-    self.rpc, self.http, cport = free_port(), free_port(), free_port()
+    self.rpc, self.http, cport = port or free_port(), free_port(), free_port()
     self.log = tempfile.mkdtemp(prefix="dsv4-mooncake-")
     self.meta = f"http://127.0.0.1:{self.http}/metadata"
     self.master = subprocess.Popen(
         ["mooncake_master", f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
          "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
          f"--http_metadata_server_port={self.http}"], env=env,
-        stdout=open(os.path.join(self.log, "master.log"), "w"), stderr=subprocess.STDOUT)
+        stdout=open(os.path.join(self.log, "master.log"), "w"), stderr=subprocess.STDOUT,
+        start_new_session=own_session)
     self.client = None
     try:
       _wait_port(self.rpc)
@@ -87,19 +106,21 @@ class MooncakeServer:
           ["mooncake_client", "--host=127.0.0.1", f"--port={cport}", f"--master_server_address=127.0.0.1:{self.rpc}",
            f"--metadata_server={self.meta}", f"--global_segment_size={segment}", "--local_buffer_size=16MB",
            "--protocol=tcp"], env=env, stdout=open(os.path.join(self.log, "client.log"), "w"),
-          stderr=subprocess.STDOUT)
+          stderr=subprocess.STDOUT, start_new_session=own_session)
       _wait_port(cport)
     except Exception:
       self.stop()
       raise
     self.url = f"mooncake://127.0.0.1:{self.rpc}?metadata={self.meta}"
 
-  def stop(self) -> None:
+  def stop(self, graceful_s: float = 0.0) -> None:
     for p in (self.client, self.master):
-      if p is not None and p.poll() is None:
-        p.kill()
-        p.wait(timeout=10)
+      if p is not None:
+        _stop(p, graceful_s)
     shutil.rmtree(self.log, ignore_errors=True)
+
+  def alive(self) -> bool:
+    return all(p is not None and p.poll() is None for p in (self.client, self.master))
 
   def __enter__(self):
     return self
@@ -117,3 +138,73 @@ def _wait_port(port: int, timeout_s: float = 15.0) -> None:
     except OSError:
       time.sleep(0.05)
   raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout_s} s")
+
+
+def _check_free(port: int) -> None:
+  with socket.socket() as s:
+    try:
+      s.bind(("127.0.0.1", port))
+    except OSError as e:
+      raise RuntimeError(f"port {port} is in use on 127.0.0.1 ({e.strerror})") from None
+
+
+def _interrupt(*_):
+  raise KeyboardInterrupt
+
+
+def _stop(proc: subprocess.Popen, graceful_s: float) -> None:
+  if proc.poll() is not None:
+    return
+  if graceful_s > 0:
+    proc.terminate()
+    try:
+      proc.wait(timeout=graceful_s)
+      return
+    except subprocess.TimeoutExpired:
+      pass
+  proc.kill()
+  proc.wait(timeout=10)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m cache.tiers.servers",
+                               description="Start a local store for the redis / mooncake KV tier; prints the "
+                                           "--kv_store_url to use and runs until Ctrl-C.")
+  ap.add_argument("kind", choices=("redis", "mooncake"))
+  ap.add_argument("--port", type=int, default=0, help="port to listen on (redis) / master RPC port (mooncake); "
+                                                       "0 = a free one")
+  ap.add_argument("--maxmemory", default="0", help="redis: server-side capacity, e.g. 4gb (0 = no limit)")
+  ap.add_argument("--segment", default="1GB", help="mooncake: memory the local store client holds, e.g. 4GB")
+  a = ap.parse_args(argv)
+  if not 0 <= a.port <= 65535:
+    ap.error(f"--port: in [0, 65535], got {a.port}")
+  # SIGTERM (a supervisor, a test) stops it the same way as Ctrl-C
+  signal.signal(signal.SIGTERM, _interrupt)
+  try:
+    if a.kind == "redis":
+      server = RedisServer(port=a.port or None, maxmemory=a.maxmemory, debug=False, own_session=True)
+    else:
+      server = MooncakeServer(segment=a.segment, port=a.port or None, own_session=True)
+  except (RuntimeError, OSError) as e:
+    print(f"servers: cannot start {a.kind}: {e}", file=sys.stderr)
+    return 1
+  except KeyboardInterrupt:
+    return 130
+  print(server.url, flush=True)
+  print(f"{a.kind} store running; pass --kv_tiers=...,{a.kind} --kv_store_url={server.url} (Ctrl-C to stop)",
+        file=sys.stderr, flush=True)
+  code = 0
+  try:
+    while server.alive():
+      time.sleep(0.5)
+    print(f"servers: the {a.kind} server exited on its own", file=sys.stderr)
+    code = 1
+  except KeyboardInterrupt:
+    pass
+  finally:
+    server.stop(graceful_s=5.0)
+  return code
+
+
+if __name__ == "__main__":
+  sys.exit(main())

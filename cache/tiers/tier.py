@@ -2,9 +2,11 @@
 handling. A tier failure is never an exception to the caller: a failed get is a miss, a failed put is a dropped
 record, and the tier is skipped for `retry_after_s` (so a dead store costs one timeout, not one per block).
 
-For a local tier (host, disk) the index here is the truth. For a shared tier (Redis, Mooncake) other engines write
-too: the index only accounts this engine's writes (capacity and quota of what *we* put there); existence is asked
-of the store (through the directory), and the server enforces TTL.
+For a local tier (host, disk) the index here is the truth, except that a disk directory may be shared by several
+engines: a key the index lacks is looked up on disk (one stat) and adopted when another engine wrote it, and an
+indexed record that has vanished (another engine evicted it) is dropped from the index on the miss. For a shared
+tier (Redis, Mooncake) other engines write too: the index only accounts this engine's writes (capacity and quota
+of what *we* put there); existence is asked of the store (through the directory), and the server enforces TTL.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class Tier:
     self._lock = threading.RLock()
     self.down_until = 0.0
     self.last_error = ""
+    self.ok = True                      # False from a failure until the next operation that succeeds
+    # local backends that other processes may also write (a disk directory): probe the keys the index lacks
+    self._probe = None if self.shared else getattr(backend, "sizes_many", None)
     self.metrics = collections.Counter()
     self.load_latencies_s: list[float] = []
     self.events: collections.deque[TierEvent] = collections.deque(maxlen=keep_events)
@@ -69,8 +74,23 @@ class Tier:
   def _fail(self, op: str, e: BaseException) -> None:
     self.metrics["failures"] += 1
     self.last_error = f"{op}: {type(e).__name__}: {e}"
+    self.ok = False
     self.down_until = self.clock() + self.policy.retry_after_s
     self.events.append(TierEvent(self.name, "failed", op))
+
+  def check(self) -> bool:
+    """One round trip to the store now (backends with `ping`; the backend's own timeout applies). A store that does
+    not answer is marked down and counted like any failure, so a bad URL shows at start-up, not at first use."""
+    ping = getattr(self.backend, "ping", None)
+    if ping is None:
+      return True
+    try:
+      ping()
+    except Exception as e:  # noqa: BLE001 - any client error means the same: not reachable
+      self._fail("connect", e)
+      return False
+    self.ok = True
+    return True
 
   def _emit(self, what, key, tenant="", nbytes=0):
     self.events.append(TierEvent(self.name, what, key, tenant, nbytes))
@@ -87,6 +107,14 @@ class Tier:
       self.used_bytes -= e.size
       self._tenant_bytes[e.tenant] -= e.size
       self._emit(what, key, e.tenant, e.size)
+
+  def _adopt(self, key: str, size: int) -> None:
+    """A record another engine wrote into our (shared) directory: indexed as at start-up (tenant unknown until read,
+    no TTL of ours)."""
+    self._index[key] = _Entry(size, "", None)
+    self._tenant_bytes[""] += size
+    self.used_bytes += size
+    self.metrics["adopted"] += 1
 
   def _expired(self, key: str) -> bool:
     e = self._index.get(key)
@@ -145,6 +173,7 @@ class Tier:
       self._fail("put", e)
       self._emit("dropped", key, tenant, len(data))
       return False
+    self.ok = True
     self.metrics["write_s_total_us"] += int((time.perf_counter() - t0) * 1e6)
     with self._lock:
       ttl = self.policy.ttl_s
@@ -162,19 +191,35 @@ class Tier:
       return [False] * len(keys)
     if not self.shared:
       with self._lock:
-        out = []
+        out, expired = [], set()
         for k in keys:
           if self._expired(k):
             self._remove_backend(k)
             self._drop_entry(k, "expired")
             self.metrics["expired"] += 1
+            expired.add(k)
           out.append(k in self._index)
-        return out
+      miss = [i for i, h in enumerate(out) if not h and keys[i] not in expired]
+      if miss and self._probe is not None:
+        try:
+          sizes = self._probe([keys[i] for i in miss])
+        except Exception as e:  # noqa: BLE001
+          self._fail("stat", e)
+          return out
+        with self._lock:
+          for i, size in zip(miss, sizes):
+            if size is not None:
+              if keys[i] not in self._index:
+                self._adopt(keys[i], size)
+              out[i] = True
+      return out
     try:
-      return list(self.backend.exists_many(keys))
+      out = list(self.backend.exists_many(keys))
     except Exception as e:  # noqa: BLE001
       self._fail("exists", e)
       return [False] * len(keys)
+    self.ok = True
+    return out
 
   def get_many(self, keys: list[str]) -> list[bytes | None]:
     """Bytes per key, None for a miss or a failure (counted)."""
@@ -190,20 +235,30 @@ class Tier:
       self._fail("get", e)
       return [None] * len(keys)
     dt = time.perf_counter() - t0
+    self.ok = True
     self.load_latencies_s.append(dt)
     got = [v for v in vals if v is not None]
     self.metrics["bytes_read"] += sum(len(v) for v in got)
+    dead = set()          # arrived, but not to be served: expired, or (host) removed while the get ran
     with self._lock:
       for k, v in zip(keys, vals):
-        if v is not None and k in self._index:
+        if v is None:
+          if self._probe is not None and k in self._index:   # another engine removed it from the shared directory
+            self._drop_entry(k, "removed")
+          continue
+        if k in self._index:
           if self._expired(k):
             self._remove_backend(k)
             self._drop_entry(k, "expired")
             self.metrics["expired"] += 1
+            dead.add(k)
             continue
           self._index.move_to_end(k)
-    ttl_dead = [k for k, v in zip(keys, vals) if v is not None and not self.shared and k not in self._index]
-    return [None if (v is None or k in ttl_dead) else v for k, v in zip(keys, vals)]
+        elif self._probe is not None:
+          self._adopt(k, len(v))
+        elif not self.shared:
+          dead.add(k)
+    return [None if (v is None or k in dead) else v for k, v in zip(keys, vals)]
 
   def reject(self, key: str, why: str) -> None:
     """A record read from this tier failed verification: delete it so nobody reads it again."""
@@ -224,7 +279,8 @@ class Tier:
     pct = (lambda q: float(np.percentile(lat, q)) if lat.size else float("nan"))
     return {"tier": self.name, **{k: int(v) for k, v in self.metrics.items()}, "used_bytes": self.used_bytes,
             "records": len(self._index), "load_ms_p50": pct(50), "load_ms_p99": pct(99),
-            "last_error": self.last_error}
+            "failures": int(self.metrics["failures"]), "last_error": self.last_error, "ok": self.ok,
+            "down": not self.available()}
 
   def close(self):
     try:

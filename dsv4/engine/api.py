@@ -52,17 +52,25 @@ class WorkloadReport:
   stats: dict
   peak_blocks: dict
   expected: list[tuple[int, ...] | None] = dataclasses.field(default_factory=list)   # per output, if known
+  # Per output: whether a compilation ran while it waited for its first token (such a TTFT measures XLA, not the
+  # engine). Empty = unknown (every TTFT counts).
+  waited_on_compile: list[bool] = dataclasses.field(default_factory=list)
 
   def correct(self) -> list[bool | None]:
     exp = self.expected or [None] * len(self.outputs)
     return [None if e is None or o.error is not None else grade(o.output, e) for o, e in zip(self.outputs, exp)]
 
   def summary(self) -> dict:
+    """Totals and percentiles. `ttft_p50_s` / `ttft_p99_s` leave out the requests that waited on a compilation
+    (counted in `ttft_compiling_requests`; `compile_s` of the engine's compile report is that time): NaN when every
+    request did, e.g. a single wave on a cold compile cache."""
     outs = [o for o in self.outputs if o.error is None]
     prompt = sum(len(o.prompt) for o in outs)
     gen = sum(len(o.output) for o in outs)
     hit = sum(o.hit_tokens for o in outs)
-    ttft = np.array([o.ttft_s for o in outs if o.ttft_s is not None])
+    compiled = self.waited_on_compile or [False] * len(self.outputs)
+    ttft_all = [(o.ttft_s, c) for o, c in zip(self.outputs, compiled) if o.error is None and o.ttft_s is not None]
+    ttft = np.array([t for t, c in ttft_all if not c])
     tpot = np.array([o.tpot_s for o in outs if o.tpot_s is not None])
     # Accuracy over every request that expects an answer; a request that failed counts as wrong.
     graded = [(c is True) for c, e in zip(self.correct(), self.expected or []) if e is not None]
@@ -80,48 +88,76 @@ class WorkloadReport:
         "preemptions": int(self.stats.get("preemptions", 0)),
         **{f"peak_blocks_{g}": v for g, v in self.peak_blocks.items()},
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+        "ttft_compiling_requests": len(ttft_all) - int(ttft.size),
         "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
         "wall_s": self.wall_s, "generated_tok_per_s": gen / max(self.wall_s, 1e-9),
         "total_tok_per_s": (prompt - hit + gen) / max(self.wall_s, 1e-9),
     }
 
 
-def run_workload(engine: Engine, workload: Workload, progress: Callable[[int], None] | None = None) -> WorkloadReport:
+def run_workload(engine: Engine, workload: Workload, progress: Callable[[int], None] | None = None, *,
+                 on_step: Callable[[Engine], None] | None = None,
+                 on_finish: Callable[[RequestOutput, tuple[int, ...] | None], None] | None = None) -> WorkloadReport:
   """Submits the workload wave by wave; a turn's prompt is its session's history plus the turn's new tokens.
 
-  Sessions are per tenant (a tenant's session never continues another tenant's history; a turn with session "" has no history), and each turn's tenant
-  salts its cache keys. `progress(n)` is told about every request that ends, rejected ones included."""
+  Sessions are per tenant (a tenant's session never continues another tenant's history; a turn with session "" has
+  no history), and each turn's tenant salts its cache keys. `progress(n)` is told about every request that ends,
+  rejected ones included; `on_finish(output, expected)` gets each of them once, in the order they end (to stream
+  results out); `on_step(engine)` runs after every engine step (e.g. `StopStrings`, which may finish requests)."""
   history: dict[tuple[str, str], list[int]] = {}
-  rids: list[str] = []
+  reqs = []                                    # the Request objects add_request returned, in workload order
   expected: list[tuple[int, ...] | None] = []
+  arrival: list[float] = []
+  log = getattr(engine, "compile_log", None)
+  spans: list[tuple[float, float]] = []        # (start, end) of engine calls that compiled something
+
+  def timed(fn):
+    c0, s0 = (log.seconds() if log is not None else 0.0), time.perf_counter()
+    out = fn()
+    if log is not None and log.seconds() > c0:
+      spans.append((s0, time.perf_counter()))
+    return out
+
   t0 = time.perf_counter()
   for w, wave in enumerate(workload.waves):
     now = time.perf_counter()
-    wave_rids = []
+    left, wave_keys = [], []
     for turn in wave:
       key = (turn.tenant, turn.session) if turn.session else None     # no session: an independent request
       prompt = history.get(key, []) + list(turn.new_tokens)
       rid = turn.rid or f"{turn.session}.t{w}"
-      engine.add_request(rid, prompt, turn.params, extra_keys=ExtraKeys(tenant=turn.tenant), arrival=now)
-      wave_rids.append((rid, key))
+      # the returned request, not engine.requests[rid]: a refused duplicate id is not tracked under its id
+      req = timed(lambda: engine.add_request(rid, prompt, turn.params, extra_keys=ExtraKeys(tenant=turn.tenant),
+                                             arrival=now))
+      left.append((req, turn.expected))
+      wave_keys.append((key, req))
+      reqs.append(req)
       expected.append(turn.expected)
-    reported = 0
+      arrival.append(now)
     while True:
-      ended = sum(engine.requests[r].status in (Status.FINISHED, Status.REJECTED) for r, _ in wave_rids)
-      if progress is not None and ended > reported:
-        progress(ended - reported)
-      reported = ended
+      still = []
+      for req, exp in left:
+        if req.status in (Status.FINISHED, Status.REJECTED):
+          if on_finish is not None:
+            on_finish(RequestOutput.of(req), exp)
+        else:
+          still.append((req, exp))
+      if progress is not None and len(still) < len(left):
+        progress(len(left) - len(still))
+      left = still
       if not engine.has_work():
         break
-      engine.step()
-    for rid, key in wave_rids:
-      req = engine.requests[rid]
+      timed(engine.step)
+      if on_step is not None:
+        on_step(engine)
+    for key, req in wave_keys:
       if key is not None:
         history[key] = req.all_tokens if req.error is None else history.get(key, [])
-      rids.append(rid)
   wall = time.perf_counter() - t0
-  return WorkloadReport([RequestOutput.of(engine.requests[r]) for r in rids], wall, dict(engine.stats),
-                        dict(engine.peak_blocks), expected)
+  outs = [RequestOutput.of(r) for r in reqs]
+  waited = [o.ttft_s is not None and any(s0 < a + o.ttft_s and s1 > a for s0, s1 in spans)
+            for o, a in zip(outs, arrival)]
+  return WorkloadReport(outs, wall, dict(engine.stats), dict(engine.peak_blocks), expected, waited)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -141,6 +177,43 @@ class TextOutput:
 def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
   hits = [(text.find(s), s) for s in stops if s and s in text]
   return min(hits) if hits else None
+
+
+class StopStrings:
+  """Per-step hook (`run_workload(on_step=...)`): finishes a request as soon as its decoded output contains one of
+  its stop strings, so no tokens are generated past it. A step adds at most one token per request, so the output
+  ends with the token that completed the stop string; `text()` cuts the text before it.
+
+      stops = StopStrings(tokenizer, {"a": ["###"], "b": ["</answer>", "Q:"]})
+      run_workload(engine, workload, on_step=stops)
+      text, stop = stops.text("a", output_ids)
+
+  Each check decodes the request's whole output (tokenizers merge across tokens, so a tail alone can decode
+  differently); only requests whose output grew since the last check are decoded."""
+
+  def __init__(self, tokenizer, stops: dict[str, Sequence[str]]):
+    self.tokenizer = tokenizer
+    self.stops = {rid: tuple(x for x in ss if x) for rid, ss in stops.items()}
+    self.hit: dict[str, str] = {}             # rid -> the stop string that ended it
+    self._checked: dict[str, int] = {}        # rid -> output length at the last check
+
+  def __call__(self, engine: Engine) -> None:
+    for req in list(engine.running):
+      ss = self.stops.get(req.rid)
+      if not ss or req.rid in self.hit or len(req.output) == self._checked.get(req.rid, 0):
+        continue
+      self._checked[req.rid] = len(req.output)
+      found = _find_stop(self.tokenizer.decode(req.output), ss)
+      if found is not None:
+        self.hit[req.rid] = found[1]
+        engine.stop_request(req.rid, "stop")  # frees its blocks now, like an EOS
+
+  def text(self, rid: str, output: Sequence[int]) -> tuple[str, str | None]:
+    """(decoded output cut before the first stop string, that string or None). Also catches a stop string
+    completed by the step that ended the request for length or EOS."""
+    text = self.tokenizer.decode(list(output))
+    found = _find_stop(text, self.stops.get(rid, ()))
+    return (text, None) if found is None else (text[:found[0]], found[1])
 
 
 def generate_text(params, config: ModelConfig, tokenizer, prompts: Sequence,
@@ -169,28 +242,15 @@ def generate_text(params, config: ModelConfig, tokenizer, prompts: Sequence,
     engine.add_request(rid, toks, sp)
     rids.append(rid)
     ids.append(toks)
-  hit: dict[str, str] = {}
-  mine = set(rids)
+  hook = StopStrings(tokenizer, {rid: stop for rid in rids})
   while engine.has_work():
     engine.step()
-    if not stop:
-      continue
-    for req in list(engine.running):
-      if req.rid in mine and req.output and req.rid not in hit:
-        found = _find_stop(tokenizer.decode(req.output), stop)
-        if found is not None:
-          hit[req.rid] = found[1]
-          engine._finish(req, "stop")  # frees its blocks; same path as an EOS
+    if stop:
+      hook(engine)
   outs = []
   for rid, toks in zip(rids, ids):
     r = engine.requests[rid]
-    text = tokenizer.decode(r.output) if r.error is None else ""
-    s = hit.get(rid)
-    if s is None and stop:  # the last step may have finished it for length / EOS with a stop string inside
-      found = _find_stop(text, stop)
-      s = found[1] if found else None
-    if s is not None:
-      text = text[: text.find(s)]
+    text, s = hook.text(rid, r.output) if r.error is None else ("", None)
     outs.append(TextOutput(rid, list(toks), text, list(r.output), "stop" if s else r.finish_reason, s, r.error))
   return outs
 

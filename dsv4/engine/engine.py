@@ -81,18 +81,25 @@ class EngineConfig:
   defer_shared_prefix: bool = True
 
   def validate(self):
-    if self.chunk_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-      raise ValueError("EngineConfig: chunk_size, max_num_batched_tokens and max_num_seqs must be >= 1")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_model_len", "num_full_blocks",
+                 "num_swa_blocks", "min_table_tokens"):
+      v = getattr(self, name)
+      if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"EngineConfig.{name}: an integer >= 1, got {v!r}")
+    if not isinstance(self.retention_interval, (int, np.integer)) or self.retention_interval < 0:
+      raise ValueError(f"EngineConfig.retention_interval: an integer >= 0 (0 = off), got {self.retention_interval!r}")
     if self.dtype not in ("fp32", "bf16"):
       raise ValueError(f"EngineConfig.dtype: 'fp32' or 'bf16', got {self.dtype!r}")
-    if self.min_table_tokens < 1:
-      raise ValueError("EngineConfig: min_table_tokens must be >= 1")
+    if self.model_api not in ("functional", "nnx"):
+      raise ValueError(f"EngineConfig.model_api: 'functional' or 'nnx', got {self.model_api!r}")
     if self.token_bucket_growth not in (2, 4):
       raise ValueError(f"EngineConfig.token_bucket_growth: 2 or 4, got {self.token_bucket_growth}")
     if not 1 <= self.token_bucket_steps <= 8:
       raise ValueError(f"EngineConfig.token_bucket_steps: 1..8, got {self.token_bucket_steps}")
     if not 0.0 <= self.bucket_fill < 1.0:
       raise ValueError(f"EngineConfig.bucket_fill: a fraction in [0, 1), got {self.bucket_fill}")
+    if self.tiering is not None:
+      self.tiering.validate()           # before anything is built: a bad tier setting fails at once
 
 
 def _counted(method):
@@ -174,9 +181,8 @@ class Engine:
   @_counted
   def add_request(self, rid: str, prompt, params: SamplingParams = SamplingParams(),
                   extra_keys: ExtraKeys = ExtraKeys(), arrival: float | None = None) -> Request:
-    """Queue a request. Bad input is rejected with a clear per-request error; nothing else is affected."""
-    if rid in self.requests:
-      raise ValueError(f"duplicate request id {rid!r}")
+    """Queue a request. Bad input (an id already in use included) is rejected with a clear per-request error;
+    nothing else is affected."""
     # The one request schema (dsv4.engine.schema): types and ranges, nothing coerced, the sampler's limits included.
     V = self.config.vocab_size
     bad, prompt_list = None, []
@@ -186,6 +192,11 @@ class Engine:
     except schema.RequestError as e:
       bad = str(e)
     req = Request(rid, prompt_list, params, extra_keys, self.clock() if arrival is None else arrival)
+    if rid in self.requests:
+      # Refused without touching the engine's state under that id: the request holding it is unaffected, and the
+      # refusal is returned, not tracked (engine.requests keeps the original).
+      req.status, req.error, req.finish_reason = Status.REJECTED, f"id {rid!r} is already in use", "error"
+      return req
     self.requests[rid] = req
     if bad is None and len(prompt_list) >= self.ec.max_model_len:
       bad = f"prompt of {len(prompt_list)} tokens does not fit max_model_len={self.ec.max_model_len}"
@@ -234,10 +245,10 @@ class Engine:
     hit = self._mgr(req).add_request(req.rid, req.tokens, req.cache_salt(self.ec.enable_prefix_caching))
     n = hit.num_tokens
     if self.tiering is not None:
-      n = self.tiering.on_admit(req, n)
+      n = self.tiering.on_admit(req, n)   # extends the device hit with what it loads from the tiers
     req.num_computed = n
     if req.num_preemptions == 0:
-      req.hit_tokens = n
+      req.hit_tokens, req.tier_hit_tokens = n, n - hit.num_tokens
     else:
       req.readmit_hit_tokens += n
     return n
@@ -411,6 +422,28 @@ class Engine:
     self._mgr(req).free(req.rid)
     self._leave(req)
     self.finished.append(req)
+
+  @_counted
+  def stop_request(self, rid: str, reason: str = "stop") -> bool:
+    """Finish a running or waiting request now, as if it had stopped at its last sampled token (stop strings, a
+    client that went away): its blocks are freed exactly as at a normal finish (what it computed is registered, so
+    later requests still hit it; with tiers, written through / demoted as usual) and `finish_reason` = reason.
+    Call between steps. False (nothing changes) if the id is unknown or the request already ended."""
+    req = self.requests.get(rid)
+    if req is None or req.status not in (Status.RUNNING, Status.WAITING):
+      return False
+    if req.status is Status.RUNNING:
+      self._finish(req, reason)
+    else:
+      # Waiting: never admitted, or preempted (its blocks were freed then): nothing held in the manager.
+      self.waiting.remove(req)
+      req.status, req.finish_reason = Status.FINISHED, reason
+      self._lead_keys.pop(rid, None)
+      self.finished.append(req)
+    self._shared.pop(rid, None)
+    if self.tiering is not None:
+      self.tiering.after_finish()       # its final registrations reach the tiers now, not at some later step
+    return True
 
   @_counted
   def step(self) -> list[Request]:

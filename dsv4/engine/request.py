@@ -31,7 +31,8 @@ class Request:
   error: str | None = None
   finish_reason: str | None = None
   num_computed: int = 0            # leading tokens whose KV is in the cache
-  hit_tokens: int = 0              # prefix-hit tokens at the first admission
+  hit_tokens: int = 0              # prefix-hit tokens at the first admission (device + tiers)
+  tier_hit_tokens: int = 0         # of hit_tokens, those loaded from the KV tiers below the device
   readmit_hit_tokens: int = 0      # prefix-hit tokens at re-admissions after preemption
   computed_tokens: int = 0         # tokens run through the model (all admissions)
   recomputed_tokens: int = 0       # tokens computed again after a preemption
@@ -82,6 +83,12 @@ class RequestOutput:
   num_preemptions: int
   ttft_s: float | None
   tpot_s: float | None
+  tier_hit_tokens: int = 0         # of hit_tokens, loaded from the KV tiers (last: positional callers keep working)
+
+  @property
+  def device_hit_tokens(self) -> int:
+    """Of hit_tokens, those found in the device cache (prefix caching proper)."""
+    return self.hit_tokens - self.tier_hit_tokens
 
   @staticmethod
   def of(r: Request) -> "RequestOutput":
@@ -90,4 +97,4 @@ class RequestOutput:
     if r.first_token_time is not None and len(r.output) > 1:
       tpot = (r.last_token_time - r.first_token_time) / (len(r.output) - 1)
     return RequestOutput(r.rid, list(r.prompt), list(r.output), r.finish_reason, r.error, r.hit_tokens,
-                         r.computed_tokens, r.recomputed_tokens, r.num_preemptions, ttft, tpot)
+                         r.computed_tokens, r.recomputed_tokens, r.num_preemptions, ttft, tpot, r.tier_hit_tokens)

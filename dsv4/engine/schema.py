@@ -130,9 +130,15 @@ def _text_prompt(d: dict, tokenizer) -> tuple[int, ...] | None:
     if (not isinstance(msgs, list) or not msgs or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)):
       raise RequestError("messages must be a non-empty list of {\"role\": str, \"content\": str} objects")
-    return tuple(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+    try:
+      return tuple(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+    except ValueError as e:   # TokenizerError (a word the vocabulary cannot encode, a template error): this request
+      raise RequestError(f"messages: {e}") from e
   if text:
-    return tuple(tokenizer.encode(d["prompt"]))
+    try:
+      return tuple(tokenizer.encode(d["prompt"]))
+    except ValueError as e:
+      raise RequestError(f"prompt: {e}") from e
   return None
 
 

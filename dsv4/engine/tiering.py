@@ -32,7 +32,7 @@ import numpy as np
 from cache.hashing import ExtraKeys, RequestHasher, device_key, key_int
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from cache.tiers import record as R
-from cache.tiers.backends import TierError, make_backend
+from cache.tiers.backends import TierError, make_backend, parse_redis_url
 from cache.tiers.cost import CostModel
 from cache.tiers.store import TieredStore
 from cache.tiers.tier import Tier, TierPolicy
@@ -41,6 +41,42 @@ from dsv4 import caches
 from dsv4.loading.weights_digest import params_digest
 
 TIER_KINDS = ("host", "disk", "redis", "mooncake")
+POLICIES = ("auto", "load", "recompute")
+DEMOTES = ("evict", "store")
+SHARED_KINDS = ("redis", "mooncake")
+_FIELDS = {"tiers": "TieringConfig.tiers", "disk_dir": "TieringConfig.disk_dir", "store_url": "TieringConfig.store_url"}
+_FLAGS = {"tiers": "--kv_tiers", "disk_dir": "--kv_disk_dir", "store_url": "--kv_store_url"}
+
+
+def _check_places(tiers, disk_dir: str, store_url: str, names: dict) -> None:
+  """The tier list and where its tiers live; a one-line ValueError naming the field (or flag) otherwise."""
+  bad = [t for t in tiers if t not in TIER_KINDS]
+  if bad:
+    raise ValueError(f"{names['tiers']}: unknown tier(s) {', '.join(map(repr, bad))}; choose from "
+                     f"{', '.join(TIER_KINDS)}")
+  if len(set(tiers)) != len(tiers):
+    raise ValueError(f"{names['tiers']}: each tier at most once, got {','.join(tiers)}")
+  if "disk" in tiers and not disk_dir:
+    raise ValueError(f"{names['disk_dir']} is required with the disk tier (the directory of its record files)")
+  shared = [t for t in tiers if t in SHARED_KINDS]
+  if len(shared) > 1:
+    raise ValueError(f"{names['tiers']}: one shared store per engine ({names['store_url']} names one), got "
+                     f"{' and '.join(shared)}")
+  if not shared:
+    return
+  kind = shared[0]
+  if not store_url:     # never a silent default server
+    eg = "redis://127.0.0.1:6379/0" if kind == "redis" else "mooncake://127.0.0.1:50051?metadata=http://..."
+    raise ValueError(f"{names['store_url']} is required with the {kind} tier, e.g. {eg} (start a local one: "
+                     f"python -m cache.tiers.servers {kind})")
+  try:
+    if kind == "redis":
+      parse_redis_url(store_url)
+    else:
+      from cache.tiers.mooncake_store import parse_url
+      parse_url(store_url)
+  except ValueError as e:
+    raise ValueError(f"{names['store_url']}: bad {kind} URL {store_url!r}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,16 +100,38 @@ class TieringConfig:
   prefill_tokens_per_s: float = 2000.0     # prior until steps are measured
 
   def validate(self):
-    bad = [t for t in self.tiers if t not in TIER_KINDS]
-    if bad:
-      raise ValueError(f"--kv_tiers: unknown tier(s) {bad}; choose from {TIER_KINDS}")
-    if self.policy not in ("auto", "load", "recompute") or self.demote not in ("evict", "store"):
-      raise ValueError(f"TieringConfig: bad policy {self.policy!r} or demote {self.demote!r}")
+    if isinstance(self.tiers, str):
+      raise ValueError(f"TieringConfig.tiers: a tuple of tier names, got the string {self.tiers!r}")
+    _check_places(self.tiers, self.disk_dir, self.store_url, _FIELDS)
+    if self.policy not in POLICIES:
+      raise ValueError(f"TieringConfig.policy: one of {', '.join(POLICIES)}, got {self.policy!r}")
+    if self.demote not in DEMOTES:
+      raise ValueError(f"TieringConfig.demote: one of {', '.join(DEMOTES)}, got {self.demote!r}")
+    if len(self.capacity_bytes) > len(self.tiers) or any(c <= 0 for c in self.capacity_bytes):
+      raise ValueError(f"TieringConfig.capacity_bytes: at most one positive size per tier ({len(self.tiers)}), got "
+                       f"{self.capacity_bytes}")
+    for name in ("ttl_s", "tenant_quota_bytes"):
+      v = getattr(self, name)
+      if v is not None and not v > 0:
+        raise ValueError(f"TieringConfig.{name}: > 0 or None (off), got {v!r}")
+    for name in ("load_timeout_s", "tier_timeout_s", "prefill_tokens_per_s"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"TieringConfig.{name}: > 0, got {getattr(self, name)!r}")
+    if self.retry_after_s < 0 or self.write_queue < 0:
+      name = "retry_after_s" if self.retry_after_s < 0 else "write_queue"
+      raise ValueError(f"TieringConfig.{name}: >= 0, got {getattr(self, name)!r}")
+    if not 0 <= self.key_bits <= 128:
+      raise ValueError(f"TieringConfig.key_bits: in [0, 128], got {self.key_bits!r}")
 
   @staticmethod
   def from_flags(kv_tiers: str, disk_dir: str = "", store_url: str = "", **kw) -> "TieringConfig | None":
+    """From the serve flags (--kv_tiers, --kv_disk_dir, --kv_store_url); None when no tier is asked for. A tier
+    without its place (disk without a directory, redis / mooncake without a URL) is a ValueError naming the flag."""
     tiers = tuple(t.strip() for t in kv_tiers.split(",") if t.strip())
-    return TieringConfig(tiers=tiers, disk_dir=disk_dir, store_url=store_url, **kw) if tiers else None
+    if not tiers:
+      return None
+    _check_places(tiers, disk_dir, store_url, _FLAGS)
+    return TieringConfig(tiers=tiers, disk_dir=disk_dir, store_url=store_url, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,13 +187,20 @@ class Tiering:
     caps = list(tc.capacity_bytes) + [1 << 30] * (len(tc.tiers) - len(tc.capacity_bytes))
     tiers = []
     self.startup_errors = []
+    self._not_started: dict[str, str] = {}     # tier -> why it could not start (left out)
     for kind, cap in zip(tc.tiers, caps):
       pol = TierPolicy(cap, tc.ttl_s, tc.tenant_quota_bytes, tc.retry_after_s)
+      # A bad URL (ValueError) or a missing client package (ImportError) is a setup error and raises here; a store
+      # that is down or a directory that cannot be made is a tier that cannot serve now (requests still run).
       try:
-        tiers.append(Tier(make_backend(kind, disk_dir=tc.disk_dir, store_url=tc.store_url,
-                                       timeout_s=tc.tier_timeout_s), pol))
-      except (TierError, OSError, ImportError, RuntimeError) as e:  # a tier that cannot start is left out
+        backend = make_backend(kind, disk_dir=tc.disk_dir, store_url=tc.store_url, timeout_s=tc.tier_timeout_s)
+      except (TierError, OSError, RuntimeError) as e:  # cannot start at all: left out, reported
         self.startup_errors.append(f"{kind}: {e}")
+        self._not_started[kind] = str(e)
+        continue
+      tier = Tier(backend, pol)
+      tier.check()                    # one ping under the tier timeout: unreachable = marked down and counted now
+      tiers.append(tier)
     self.store = TieredStore(tiers, engine_id=tc.engine_id,
                              write_behind=WriteBehind(tc.write_queue) if tc.write_queue else None)
     self.cost = CostModel(tc.prefill_tokens_per_s, max_load_s=tc.load_timeout_s)
@@ -255,6 +320,12 @@ class Tiering:
     self._process_events()
     self._step_t0 = (time.perf_counter(), sum(n for _, n in scheduled), any(n > 1 for _, n in scheduled),
                      len(self.runner.shapes_run))
+
+  def after_finish(self) -> None:
+    """A request was finished outside a step (Engine.stop_request): its end-of-request registrations reach the
+    tiers now (write-through; identities still known), then its identities are dropped."""
+    self._process_events()
+    self._forget_finished()
 
   def after_step(self, scheduled) -> None:
     if self._step_t0 is not None:
@@ -484,10 +555,23 @@ class Tiering:
     self._process_events()
     self.store.drain()
 
+  def unavailable(self) -> dict[str, str]:
+    """The tiers not serving now, tier -> reason: those that could not start (left out), and those whose last
+    operation failed (the start-up ping included) until one succeeds again. Empty when every tier is up. Callers
+    warn (or refuse to serve) from this right after constructing the engine."""
+    out = dict(self._not_started)
+    for t in self.store.tiers:
+      if not t.ok:
+        out[t.name] = t.last_error or "down"
+    return out
+
   def summary(self) -> dict:
-    return {**self.stats, "prefill_tokens_per_s": self.cost.prefill_tps, "tiers": self.store.summary(),
+    # tiers that never started get an entry too, so every asked-for tier shows its failures and last error
+    dead = [{"tier": k, "failures": 1, "last_error": why, "ok": False, "down": True, "started": False}
+            for k, why in self._not_started.items()]
+    return {**self.stats, "prefill_tokens_per_s": self.cost.prefill_tps, "tiers": self.store.summary() + dead,
             "write_behind": dict(self.store.wb.stats) if self.store.wb else {},
-            "startup_errors": self.startup_errors}
+            "startup_errors": self.startup_errors, "unavailable": self.unavailable()}
 
   def close(self) -> None:
     self.store.close()

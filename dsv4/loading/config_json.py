@@ -2,6 +2,11 @@
 
     cfg = load_config("ckpt_dir")                 # or load_config("ckpt_dir/config.json")
     cfg, info = read_config("ckpt_dir")           # info: format, fp8 block, expert dtype, eos ids, ...
+    d = config_to_dict(cfg)                       # the inverse (exports, tests)
+
+A directory without config.json is read from its text_config.json (a NeMo Automodel export of the text backbone).
+NeMo-format configs turn `ModelConfig.quantized_cache` on unless `quantized_cache=False` (NeMo always fake-quantizes
+its cache, so its checkpoints reproduce NeMo by default).
 
 Four spellings are read, told apart by their keys:
 
@@ -37,6 +42,7 @@ from dsv4.config import (AttentionConfig, ConfigError, EngramConfig, IndexerConf
                          YarnConfig)
 
 CONFIG_FILE = "config.json"
+TEXT_CONFIG_FILE = "text_config.json"  # NeMo Automodel text-only exports
 
 # Keys with no effect on an inference forward pass (training, serialization, framework metadata).
 _NO_EFFECT = {
@@ -446,9 +452,7 @@ def _v41_nemo(r: _Reader, top: _Reader | None, name: str, strict: bool) -> tuple
   return cfg, CheckpointInfo("nemo", fp8_block or 32, expert, eos, pad, ignored)
 
 
-def config_from_dict(d: dict, *, name: str = "checkpoint", strict: bool = True,
-                     where: str = CONFIG_FILE) -> tuple[ModelConfig, CheckpointInfo]:
-  """Parse one config.json object (any of the four formats) into (ModelConfig, CheckpointInfo)."""
+def _parse(d: dict, name: str, strict: bool, where: str) -> tuple[ModelConfig, CheckpointInfo]:
   r = _Reader(d, where)
   mt = d.get("model_type")
   try:
@@ -469,19 +473,119 @@ def config_from_dict(d: dict, *, name: str = "checkpoint", strict: bool = True,
                     f"'deepseek_v4', 'deepseek_v41' or 'deepseek_v41_text', or inference ModelArgs keys dim/n_layers)")
 
 
-def read_config(path: str, *, strict: bool = True, name: str | None = None) -> tuple[ModelConfig, CheckpointInfo]:
-  """config.json of a checkpoint directory (or the file itself) -> (ModelConfig, CheckpointInfo)."""
-  fp = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
+def config_from_dict(d: dict, *, name: str = "checkpoint", strict: bool = True, where: str = CONFIG_FILE,
+                     quantized_cache: bool | None = None) -> tuple[ModelConfig, CheckpointInfo]:
+  """Parse one config.json object (any of the four formats) into (ModelConfig, CheckpointInfo).
+
+  quantized_cache: the NeMo-style fake-quantized cache (ModelConfig.quantized_cache). None = the checkpoint's
+  default: on for NeMo-format (V4.1) configs, since NeMo always quantize-dequantizes its cache and a NeMo
+  checkpoint should reproduce NeMo; off otherwise. True on a V4 config is a ConfigError (V4.1-only)."""
+  cfg, info = _parse(d, name, strict, where)
+  q = info.format == "nemo" if quantized_cache is None else bool(quantized_cache)
+  if q != cfg.quantized_cache:
+    try:
+      cfg = dataclasses.replace(cfg, quantized_cache=q)
+    except ConfigError as e:
+      raise ConfigError(f"{where}: {e}") from e
+  return cfg, info
+
+
+def config_path(path: str) -> str:
+  """The config file of a checkpoint directory: config.json, else text_config.json (a NeMo Automodel export may
+  hold only the text backbone's config); a file path is returned as is."""
+  if not os.path.isdir(path):
+    return path
+  for fn in (CONFIG_FILE, TEXT_CONFIG_FILE):
+    if os.path.isfile(os.path.join(path, fn)):
+      return os.path.join(path, fn)
+  return os.path.join(path, CONFIG_FILE)
+
+
+def read_config(path: str, *, strict: bool = True, name: str | None = None,
+                quantized_cache: bool | None = None) -> tuple[ModelConfig, CheckpointInfo]:
+  """config.json (or a NeMo export's text_config.json) of a checkpoint directory, or the file itself ->
+  (ModelConfig, CheckpointInfo). quantized_cache: see `config_from_dict` (None = the checkpoint's default)."""
+  fp = config_path(path)
   if not os.path.isfile(fp):
-    raise ConfigError(f"{fp}: no such config file")
+    also = f" (nor {TEXT_CONFIG_FILE})" if os.path.isdir(path) else ""
+    raise ConfigError(f"{fp}: no such config file{also}")
   try:
     with open(fp) as f:
       d = json.load(f)
   except (OSError, UnicodeDecodeError, ValueError) as e:
     raise ConfigError(f"{fp}: malformed JSON ({e})") from e
+  if os.path.basename(fp) == TEXT_CONFIG_FILE and isinstance(d, dict) and "model_type" not in d:
+    d = {"model_type": "deepseek_v41_text", **d}  # the file name says what it is: NeMo's V4.1 text config
   base = os.path.basename(os.path.dirname(os.path.abspath(fp))) or "checkpoint"
-  return config_from_dict(d, name=name or base, strict=strict, where=fp)
+  return config_from_dict(d, name=name or base, strict=strict, where=fp, quantized_cache=quantized_cache)
 
 
-def load_config(path: str, *, strict: bool = True, name: str | None = None) -> ModelConfig:
-  return read_config(path, strict=strict, name=name)[0]
+def load_config(path: str, *, strict: bool = True, name: str | None = None,
+                quantized_cache: bool | None = None) -> ModelConfig:
+  return read_config(path, strict=strict, name=name, quantized_cache=quantized_cache)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writing (exports and tests): the inverse of the readers above.
+
+_KIND_HF = {v: k for k, v in _HF_KIND.items()}
+
+
+def _yarn_dict(y: YarnConfig) -> dict:
+  if y.factor == 1.0:
+    return {"rope_type": "default"}
+  return {"rope_type": "yarn", "factor": y.factor,
+          "original_max_position_embeddings": y.original_max_position_embeddings, "beta_fast": y.beta_fast,
+          "beta_slow": y.beta_slow}
+
+
+def config_to_dict(cfg: ModelConfig, *, dtype: str = "bfloat16") -> dict:
+  """A config.json object that `config_from_dict` reads back as `cfg`: V4 in transformers' DeepseekV4Config
+  format, V4.1 as NeMo's DeepseekV41TextConfig ("deepseek_v41_text"). `dtype`: the stored weights' dtype, recorded
+  as transformers does ("float32" / "bfloat16"). Raises ConfigError for what the format cannot say (a V4 schedule
+  with two CSA or two HCA rates: transformers has one rate per kind; V4.1 quantized_cache, which NeMo implies)."""
+  a, ix, mo, mhc = cfg.attention, cfg.indexer, cfg.moe, cfg.mhc
+  common = dict(
+      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+      num_attention_heads=a.num_heads, num_key_value_heads=1, head_dim=a.head_dim, q_lora_rank=a.q_lora_rank,
+      o_groups=a.o_groups, o_lora_rank=a.o_lora_rank, sliding_window=a.window, rope_theta=a.rope_theta,
+      compress_rope_theta=a.compress_rope_theta, index_n_heads=ix.num_heads, index_head_dim=ix.head_dim,
+      index_topk=ix.topk, n_routed_experts=mo.n_routed_experts, n_shared_experts=mo.n_shared_experts,
+      num_experts_per_tok=mo.num_experts_per_tok, moe_intermediate_size=mo.intermediate_size,
+      routed_scaling_factor=mo.routed_scaling_factor, swiglu_limit=mo.swiglu_limit, hc_mult=mhc.hc_mult,
+      hc_sinkhorn_iters=mhc.sinkhorn_iters, hc_eps=mhc.eps, rms_norm_eps=cfg.rms_norm_eps,
+      max_position_embeddings=cfg.max_position_embeddings, bos_token_id=cfg.bos_token_id,
+      eos_token_id=cfg.eos_token_id, scoring_func="sqrtsoftplus", norm_topk_prob=True, hidden_act="silu",
+      tie_word_embeddings=False, attention_bias=False, dtype=dtype)
+  if cfg.variant == "v41":
+    if cfg.quantized_cache:
+      raise ConfigError("quantized_cache: a NeMo V4.1 config always implies the quantized cache; it is not written")
+    e = cfg.engram
+    return dict(
+        model_type="deepseek_v41_text", architectures=["DeepseekV41ForCausalLM"], **common,
+        qk_rope_head_dim=a.rope_head_dim, rope_scaling=_yarn_dict(a.yarn), compress_ratios=list(cfg.compress_ratios),
+        kv_source_layer_ids=list(cfg.kv_source_layer_ids), index_source_layer_ids=list(cfg.index_source_layer_ids),
+        candidate_source_layer_id=cfg.candidate_source_layer_id, candidate_block_size=ix.candidate_block_size,
+        candidate_topk_blocks=ix.candidate_topk_blocks, engram_layer_ids=list(e.layer_ids),
+        engram_num_embeddings=list(e.num_embeddings), engram_max_ngram_size=e.max_ngram_size,
+        engram_vocab_size=e.vocab_size, engram_n_heads=e.n_heads, engram_head_dim=e.head_dim,
+        engram_pad_token_id=e.pad_token_id, engram_compressed_vocab_size=e.compressed_vocab_size,
+        num_nextn_predict_layers=0)
+  plans = cfg.layer_plan()
+  rates: dict[str, int] = {}
+  for p in plans:
+    if p.kind != "swa":
+      t = _KIND_HF[p.kind]
+      if rates.setdefault(t, p.ratio) != p.ratio:
+        raise ConfigError(f"compress_ratios: {p.kind} layers with rates {rates[t]} and {p.ratio}; transformers' "
+                          f"config has one rate per layer kind")
+  rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, **rates}
+  prf = a.rope_head_dim / a.head_dim
+  return dict(
+      model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], **common,
+      partial_rotary_factor=prf, qk_rope_head_dim=a.rope_head_dim, layer_types=[_KIND_HF[p.kind] for p in plans],
+      compress_rates=rates, mlp_layer_types=["hash_moe" if p.hash_moe else "moe" for p in plans],
+      rope_parameters={"main": {"rope_type": "default", "rope_theta": a.rope_theta, "partial_rotary_factor": prf},
+                       "compress": {**_yarn_dict(a.yarn), "rope_theta": a.compress_rope_theta,
+                                    "partial_rotary_factor": prf}},
+      mlp_bias=False, num_nextn_predict_layers=0)

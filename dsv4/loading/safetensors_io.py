@@ -392,6 +392,58 @@ def _fp4_bytes(e: _Entry, scale: _Entry, want_shape, where_name: str):
   return packed, sc
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Load dtype
+
+_DTYPE_NAMES = {"fp32": np.float32, "float32": np.float32, "bf16": ml_dtypes.bfloat16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def resolve_dtype(dtype, path_or_entries=None) -> np.dtype:
+  """The float dtype a load casts to: "auto" (the checkpoint's own, see `storage_dtype`; needs the checkpoint),
+  float32 or bfloat16 (as a dtype or "fp32" / "float32" / "bf16" / "bfloat16"). Anything else is a ValueError: the
+  model computes in fp32 or bf16 only."""
+  if isinstance(dtype, str):
+    if dtype == "auto":
+      if path_or_entries is None:
+        raise ValueError("dtype='auto' needs the checkpoint to read its storage dtype from")
+      return storage_dtype(path_or_entries)
+    if dtype not in _DTYPE_NAMES:
+      raise ValueError(f"dtype must be 'auto', float32 or bfloat16 (or {sorted(_DTYPE_NAMES)}), got {dtype!r}")
+    dtype = _DTYPE_NAMES[dtype]
+  try:
+    dt = np.dtype(dtype)
+  except TypeError as e:
+    raise ValueError(f"dtype must be 'auto', float32 or bfloat16, got {dtype!r}") from e
+  if dt not in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
+    raise ValueError(f"dtype must be 'auto', float32 or bfloat16, got {dt}")
+  return dt
+
+
+def storage_dtype(path_or_entries) -> np.dtype:
+  """The float dtype a checkpoint stores its weights in, i.e. what dtype="auto" loads into.
+
+  Counted over the plain float tensors (F32 / BF16 / F16 / F64) the loader reads, by element count; FP8 / FP4
+  weights and their scale tensors are left out (the scales are F32 or E8M0 whatever the model's dtype):
+  * BF16 holds the most elements -> bfloat16 (the released checkpoints: BF16 embeddings / norms / head, a few F32
+    tensors such as router biases, FP8 / FP4 projections);
+  * F32 (or F16 / F64, which the model does not compute in; float32 holds F16 exactly) -> float32;
+  * no plain float tensor at all (everything quantized) -> bfloat16.
+  Quantized tensors therefore dequantize into the dtype of the checkpoint's non-quantized float tensors."""
+  entries = path_or_entries if isinstance(path_or_entries, dict) else read_entries(path_or_entries)
+  entries = {k: v for k, v in entries.items() if not any(p.match(k) for p in _IGNORE)}
+  if not entries:
+    return np.dtype(ml_dtypes.bfloat16)
+  naming = detect_naming(entries)
+  scales = set(_scale_pairs(entries, "original" if naming == "saved" else naming).values())
+  counts: dict[str, int] = {}
+  for k, e in entries.items():
+    if k not in scales and e.dtype in _FLOAT_PLAIN:
+      counts[e.dtype] = counts.get(e.dtype, 0) + math.prod(e.shape)
+  if not counts or max(counts, key=lambda d: (counts[d], d == "BF16")) == "BF16":
+    return np.dtype(ml_dtypes.bfloat16)
+  return np.dtype(np.float32)
+
+
 def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = None, as_jax: bool = True,
                     strict: bool = True, dtype=np.float32, device=None, keep_quantized: bool = False):
   """Load a safetensors checkpoint (file, directory, or sharded directory with an index) into a param tree.
@@ -399,14 +451,16 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
   Detects the naming (original, transformers-converted HF, transformers save_pretrained, NeMo), dequantizes FP8
   (block `fp8_block`, default 128 for V4 and 32 for V4.1) and FP4 tensors, validates every tensor against the
   config. strict=False tolerates unexpected tensors (still validates the expected ones). Floating leaves are cast
-  to `dtype` (float32 default; `ml_dtypes.bfloat16` for real checkpoints). Shards are streamed: all headers are
-  validated first, then tensors are read shard by shard, one at a time, and each finished leaf goes to the device
-  (`device`: a jax Device / Sharding, default device when None) before the next is read. Returns jax arrays
-  (as_jax) or numpy arrays. keep_quantized: FP4 routed experts stay packed with their e8m0 scales
-  ({"fp4", "scale"} leaves, dequantized inside the MoE step: dsv4/layers/expert_quant.py).
+  to `dtype` (float32 default; `ml_dtypes.bfloat16`; "auto" = the checkpoint's own, see `storage_dtype`). Shards
+  are streamed: all headers are validated first, then tensors are read shard by shard, one at a time, and each
+  finished leaf goes to the device (`device`: a jax Device / Sharding, default device when None) before the next
+  is read. Returns jax arrays (as_jax) or numpy arrays. keep_quantized: FP4 routed experts stay packed with their
+  e8m0 scales ({"fp4", "scale"} leaves, dequantized inside the MoE step: dsv4/layers/expert_quant.py).
   """
   fp8_block = fp8_block or Q.FP8_BLOCK[config.variant]
   entries = {k: v for k, v in read_entries(path).items() if not any(p.match(k) for p in _IGNORE)}
+  if isinstance(dtype, str):
+    dtype = resolve_dtype(dtype, entries)
   naming = detect_naming(entries)
   if naming == "saved":  # key by original name; each entry keeps its stored name for messages
     renamed = {}

@@ -6,7 +6,15 @@
     tok.decode(ids)
 
 `tokenizer.json` is read by the `tokenizers` library (the same Rust code transformers' fast tokenizers wrap), so
-special tokens written in a prompt (e.g. a template's BOS) are recognised by `encode`. The chat template is the
+special tokens written in a prompt (e.g. a template's BOS) are recognised by `encode`.
+
+BOS / EOS insertion follows transformers 5.x exactly: `encode(text)` is `tokenizer(text)["input_ids"]`, i.e. the
+tokenizer.json `post_processor` (e.g. TemplateProcessing "<s> $A") is applied. transformers drops
+tokenizer_config.json's `add_bos_token` / `add_eos_token` whenever a tokenizer.json exists (the post-processor is
+the single source; 5.x no longer writes those keys), and so does `from_dir`; only an explicit
+`add_bos_token=` / `add_eos_token=` argument rebuilds the post-processor (as `from_pretrained(..., add_bos_token=)`
+does). A chat template writes its own BOS, so `apply_chat_template(tokenize=True)` encodes with
+`add_special_tokens=False`, as transformers does: one BOS, never two. The chat template is the
 Jinja source from `chat_template.jinja` (transformers >= 4.50 writes it there) or `tokenizer_config.json`'s
 `chat_template` (a string, or a list of {name, template} where "default" is used), rendered in a sandboxed Jinja
 environment with the helpers chat templates expect (`raise_exception`, `tojson`, `strftime_now`).
@@ -21,6 +29,7 @@ from typing import Any, Sequence
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"   # legacy: special tokens missing from tokenizer_config.json
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
@@ -41,22 +50,48 @@ class Tokenizer:
   """A `tokenizers.Tokenizer` plus the special tokens and chat template of its checkpoint."""
 
   def __init__(self, backend, *, bos_token: str | None = None, eos_token: str | None = None,
-               pad_token: str | None = None, chat_template: str | None = None, add_bos_token: bool = False,
-               source: str = "<memory>"):
+               pad_token: str | None = None, chat_template: str | None = None, add_bos_token: bool | None = None,
+               add_eos_token: bool | None = None, source: str = "<memory>"):
+    """add_bos_token / add_eos_token: None keeps the backend's post-processor (what tokenizer.json says); a bool
+    replaces it with BOS / EOS insertion as transformers' `update_post_processor` builds it (the flag left None then
+    counts as False, as in transformers). The backend is changed in place, like transformers does."""
     self.backend_tokenizer = backend  # attribute name as on transformers fast tokenizers (used by Engram)
     self.source = source
     self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
     self.chat_template = chat_template
-    self.add_bos_token = add_bos_token
     for name in ("bos_token", "eos_token", "pad_token"):
       t = getattr(self, name)
       if t is not None and backend.token_to_id(t) is None:
         raise TokenizerError(f"{source}: {name} {t!r} is not in the vocabulary")
+    # transformers registers the named special tokens as special added tokens when tokenizer.json does not, so
+    # that e.g. "<s>" written in a prompt is one token there; the same here
+    added = {str(t.content) for t in backend.get_added_tokens_decoder().values()}
+    missing = [t for t in dict.fromkeys((bos_token, eos_token, pad_token)) if t is not None and t not in added]
+    if missing:
+      from tokenizers import AddedToken
+      backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+    if add_bos_token is not None or add_eos_token is not None:
+      self._set_post_processor(bool(add_bos_token), bool(add_eos_token))
     self._template = None
+
+  def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
+    """transformers' TokenizersBackend.update_post_processor: TemplateProcessing with the chosen specials (a flag
+    whose token is unset is dropped)."""
+    from tokenizers import processors
+    bos = self.bos_token if add_bos and self.bos_token is not None else None
+    eos = self.eos_token if add_eos and self.eos_token is not None else None
+    single = f"{(bos + ':0 ') if bos else ''}$A:0{(' ' + eos + ':0') if eos else ''}"
+    pair = f"{single}{(' ' + bos + ':1') if bos else ''} $B:1{(' ' + eos + ':1') if eos else ''}"
+    specials = [(t, self.backend_tokenizer.token_to_id(t)) for t in (bos, eos) if t]
+    self.backend_tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                                          special_tokens=list(dict.fromkeys(specials)))
 
   # --------------------------------------------------------------------------------------------- loading
   @classmethod
-  def from_dir(cls, path: str) -> "Tokenizer":
+  def from_dir(cls, path: str, *, add_bos_token: bool | None = None,
+               add_eos_token: bool | None = None) -> "Tokenizer":
+    """tokenizer.json (+ tokenizer_config.json, chat_template.jinja, special_tokens_map.json) of `path`. BOS / EOS
+    insertion is tokenizer.json's post-processor unless add_bos_token / add_eos_token are given (module doc)."""
     from tokenizers import Tokenizer as _Backend
     tj = os.path.join(path, TOKENIZER_FILE)
     if not os.path.isfile(tj):
@@ -85,10 +120,22 @@ class Tokenizer:
     if os.path.isfile(tf):
       with open(tf) as f:
         template = f.read()
+    sm = os.path.join(path, SPECIAL_TOKENS_MAP_FILE)
+    if os.path.isfile(sm):  # transformers merges it in for the special tokens tokenizer_config.json leaves out
+      try:
+        with open(sm) as f:
+          smap = json.load(f)
+        if not isinstance(smap, dict):
+          raise ValueError("not a JSON object")
+      except (OSError, ValueError) as e:
+        raise TokenizerError(f"{sm}: malformed JSON ({e})") from e
+      cfg = {**cfg, **{k: smap[k] for k in ("bos_token", "eos_token", "pad_token") if not cfg.get(k) and smap.get(k)}}
+    # tokenizer_config.json's add_bos_token / add_eos_token are ignored, as transformers 5.x does when a
+    # tokenizer.json exists: the post-processor decides.
     try:
       return cls(backend, bos_token=_token_str(cfg.get("bos_token")), eos_token=_token_str(cfg.get("eos_token")),
-                 pad_token=_token_str(cfg.get("pad_token")), chat_template=template,
-                 add_bos_token=bool(cfg.get("add_bos_token", False)), source=path)
+                 pad_token=_token_str(cfg.get("pad_token")), chat_template=template, add_bos_token=add_bos_token,
+                 add_eos_token=add_eos_token, source=path)
     except TokenizerError as e:
       raise TokenizerError(f"{tc}: {e}") from e
 
@@ -96,8 +143,9 @@ class Tokenizer:
     """Write tokenizer.json + tokenizer_config.json (for tests and small exports)."""
     os.makedirs(path, exist_ok=True)
     self.backend_tokenizer.save(os.path.join(path, TOKENIZER_FILE))
+    # BOS / EOS insertion lives in tokenizer.json's post-processor (as transformers 5.x saves it)
     cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
-           "add_bos_token": self.add_bos_token, "tokenizer_class": "PreTrainedTokenizerFast"}
+           "tokenizer_class": "PreTrainedTokenizerFast"}
     if self.chat_template is not None:
       cfg["chat_template"] = self.chat_template
     with open(os.path.join(path, TOKENIZER_CONFIG_FILE), "w") as f:
@@ -118,16 +166,26 @@ class Tokenizer:
   def eos_token_id(self) -> int | None:
     return self.token_id(self.eos_token)
 
-  def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-    """Text -> ids. Special tokens written in the text are recognised; BOS is prepended when `add_bos` (default:
-    tokenizer_config's add_bos_token) and the text does not already start with it."""
+  @property
+  def add_bos_token(self) -> bool:
+    """Whether `encode` (add_special_tokens=True) starts the ids with BOS."""
+    ids = self.backend_tokenizer.encode("", add_special_tokens=True).ids
+    return bool(ids) and self.bos_token_id is not None and ids[0] == self.bos_token_id
+
+  def encode(self, text: str, *, add_special_tokens: bool = True, add_bos: bool | None = None) -> list[int]:
+    """Text -> ids, exactly transformers' `tokenizer(text, add_special_tokens=...)["input_ids"]`: special tokens
+    written in the text are recognised, and with add_special_tokens the post-processor adds its BOS / EOS (even
+    when the text already starts with BOS, as transformers does). add_bos (True / False) overrides that: the text
+    is encoded without the post-processor and BOS is prepended unless it is already there."""
     if not isinstance(text, str):
       raise TokenizerError(f"encode expects a string, got {type(text).__name__}")
-    ids = self.backend_tokenizer.encode(text, add_special_tokens=False).ids
-    add = self.add_bos_token if add_bos is None else add_bos
-    if add and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+    try:
+      ids = list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens and add_bos is None).ids)
+    except Exception as e:  # the Rust side raises plain Exception (e.g. a word-level vocabulary without <unk>)
+      raise TokenizerError(f"{self.source}: cannot encode {text[:60]!r} ({e})") from e
+    if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
       ids = [self.bos_token_id] + ids
-    return list(ids)
+    return ids
 
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
     return self.backend_tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -170,4 +228,4 @@ class Tokenizer:
                                      pad_token=self.pad_token or "", **kwargs)
     except jinja2.TemplateError as e:
       raise TokenizerError(f"{self.source}: chat template failed to render ({e})") from e
-    return self.encode(text, add_bos=False) if tokenize else text
+    return self.encode(text, add_special_tokens=False) if tokenize else text  # the template wrote the BOS

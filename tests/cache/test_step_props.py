@@ -33,7 +33,7 @@ def packed(pools, plans, admit, **kw):
   return pools, unpack(np.asarray(out), *layout)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.sampled_from(["pytree", "packed"]))
 def test_apply_step_matches_reference(d, path):
   pools = tuple(P.init_pool(N[g], T, MAX_PROBE) for g in SPECS.names)

@@ -98,11 +98,59 @@ def test_nemo_v41_configs():
   nested = json.loads(json.dumps(DeepseekV41Config(text_config=V.nemo_text_kwargs(tiny)).to_dict()))
   cfg, info = config_from_dict(nested)
   assert info.format == "nemo" and info.pad_token_id == 2
-  _same_model(cfg, tiny)
+  # NeMo always fake-quantizes its cache, so a NeMo config turns the quantized cache on unless told otherwise
+  assert cfg.quantized_cache
+  _same_model(cfg, dataclasses.replace(tiny, quantized_cache=True))
+  _same_model(config_from_dict(nested, quantized_cache=False)[0], tiny)
   released = json.loads(json.dumps(DeepseekV41Config().to_dict()))
-  _same_model(config_from_dict(released)[0], C.v41_flash())
+  _same_model(config_from_dict(released, quantized_cache=False)[0], C.v41_flash())
   # a text config that omits everything takes NeMo's defaults (the released Flash text configuration)
-  _same_model(config_from_dict({"model_type": "deepseek_v41_text"})[0], C.v41_flash())
+  _same_model(config_from_dict({"model_type": "deepseek_v41_text"}, quantized_cache=False)[0], C.v41_flash())
+
+
+def test_nemo_text_config_json_only_and_the_quantized_cache_switch(tmp_path):
+  """A NeMo Automodel export may hold only text_config.json: read_config takes it (model_type may be left out,
+  the file name says what it is); quantized_cache defaults on for NeMo, off for V4, and can be forced."""
+  from tests.dsv4 import v41_oracle as V
+  tiny = C.v41_tiny()
+  (tmp_path / "text_config.json").write_text(json.dumps(V.nemo_text_kwargs(tiny)))
+  cfg, info = read_config(str(tmp_path))
+  assert info.format == "nemo" and cfg.quantized_cache
+  _same_model(cfg, dataclasses.replace(tiny, quantized_cache=True))
+  assert not load_config(str(tmp_path), quantized_cache=False).quantized_cache
+  # config.json wins when both are present
+  (tmp_path / "config.json").write_text(O.hf_config().to_json_string())
+  cfg, info = read_config(str(tmp_path))
+  assert info.format == "transformers" and not cfg.quantized_cache
+  with pytest.raises(ConfigError, match="config.json.*quantized_cache.*V4.1-only"):
+    read_config(str(tmp_path), quantized_cache=True)
+  (tmp_path / "config.json").unlink()
+  (tmp_path / "text_config.json").unlink()
+  with pytest.raises(ConfigError, match=r"config\.json: no such config file \(nor text_config\.json\)"):
+    read_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("which", ["v4_tiny", "v4_retrieval", "v41_tiny", "v41_no_engram"])
+def test_config_to_dict_reads_back(which):
+  """config_to_dict writes what config_from_dict reads back as the same model (V4: transformers' format, which
+  transformers itself parses to the same model; V4.1: NeMo's text config)."""
+  from dsv4.loading.config_json import config_to_dict
+  cfg = {"v4_tiny": C.v4_tiny(), "v4_retrieval": C.v4_tiny(num_layers=2, window=16, vocab_size=64, index_topk=8),
+         "v41_tiny": C.v41_tiny(), "v41_no_engram": C.v41_tiny(engram=False)}[which]
+  d = json.loads(json.dumps(config_to_dict(cfg, dtype="float32")))
+  got, info = config_from_dict(d, quantized_cache=False)
+  _same_model(got, cfg)
+  if cfg.variant == "v4":
+    from transformers import DeepseekV4Config
+    hf = DeepseekV4Config(**{k: v for k, v in d.items() if k != "model_type"})
+    assert O.config_mismatches(hf, cfg) == []
+    _same_model(config_from_dict(json.loads(hf.to_json_string()))[0], cfg)
+    # two HCA rates: transformers' config has one rate per kind, so it is refused rather than written wrong
+    with pytest.raises(ConfigError, match="one rate per layer kind"):
+      config_to_dict(dataclasses.replace(C.v4_tiny(), compress_ratios=(0, 4, 16, 8)))
+  else:
+    with pytest.raises(ConfigError, match="quantized_cache"):
+      config_to_dict(dataclasses.replace(cfg, quantized_cache=True))
 
 
 @pytest.mark.parametrize("patch,match", [

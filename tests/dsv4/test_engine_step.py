@@ -176,6 +176,29 @@ def _invariant_runs(cfg, params, prompts, sp, ec):
   return runs
 
 
+def test_batch_invariant_alone_equals_batched():
+  """The default tier's batch-invariance check (the full one, every variant and a preempting pool at XLA's default
+  level, is in the slow tier): V4, greedy, two short prompts, each alone vs both in one engine: bitwise-equal token
+  logits. In the suite's process (its fast-compile level): the mechanism, not the code generator, is under test."""
+  cfg = C.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  ec = dataclasses.replace(BASE, batch_invariant=True, max_model_len=128, num_full_blocks=8, num_swa_blocks=24,
+                           max_num_batched_tokens=48)
+  rng = np.random.default_rng(11)
+  prompts = [[int(t) for t in rng.integers(2, cfg.vocab_size, n)] for n in (21, 9)]
+  sp = SamplingParams(max_tokens=2, ignore_eos=True)
+  alone = []
+  for p in prompts:
+    eng = Engine(params, cfg, ec)
+    (o,) = generate(params, cfg, [p], sp, engine=eng)
+    alone.append((o.output, np.stack(eng.requests[o.rid].token_logits)))
+  eng = Engine(params, cfg, ec)
+  outs = generate(params, cfg, prompts, sp, engine=eng)
+  for (tok_a, log_a), o in zip(alone, outs):
+    assert tok_a == o.output
+    assert np.array_equal(log_a.view(np.uint32), np.stack(eng.requests[o.rid].token_logits).view(np.uint32))
+
+
 def test_batch_invariant_mode_is_bitwise(tiny, request):
   """V4 greedy, V4.1 sampled (each variant's run covers alone / batched / chunk 8 / preempted). Runs in a child
   process at XLA's default optimisation level: the claim depends on the code XLA generates, so it is checked on the

@@ -13,7 +13,8 @@ import pytest
 
 from dsv4 import config as C
 from dsv4.config import ConfigError
-from dsv4.loading import CheckpointError
+from dsv4.loading import CheckpointError, Quant
+from dsv4.loading import quant as Q
 from dsv4.loading import safetensors_io as S
 from dsv4.loading.pretrained import load_pretrained
 from tests.dsv4 import oracle_util as O
@@ -46,12 +47,69 @@ def test_load_pretrained_every_naming(tmp_path, naming):
   cfg, params = make_checkpoint_dir(tmp_path, naming)
   pre = load_pretrained(str(tmp_path))
   assert pre.config.layer_plan() == cfg.layer_plan()
+  assert pre.dtype == ml_dtypes.bfloat16  # dtype "auto" of a bf16 save
   assert pre.tokenizer is not None and pre.tokenizer.eos_token_id == pre.config.eos_token_id
   leaves = jax.tree_util.tree_leaves(pre.params)
   assert all(x.dtype in (np.int32, ml_dtypes.bfloat16) for x in leaves)
   want = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16)
                                 if np.issubdtype(np.asarray(x).dtype, np.floating) else np.asarray(x), params)
   assert _max_diff(want, jax.tree_util.tree_map(np.asarray, pre.params)) == 0.0
+
+
+@pytest.mark.parametrize("stored,quant,want", [
+    (np.float32, None, np.float32), (ml_dtypes.bfloat16, None, ml_dtypes.bfloat16),
+    (np.float32, Quant(fp8_block=128), np.float32), (ml_dtypes.bfloat16, Quant(fp8_block=128), ml_dtypes.bfloat16)])
+def test_dtype_auto_is_the_checkpoint_storage_dtype(tmp_path, stored, quant, want):
+  """dtype="auto": the dtype of the checkpoint's plain float tensors; FP8 / FP4 tensors (and their F32 / E8M0
+  scales) do not count and dequantize into it."""
+  cfg = C.v4_tiny()
+  S.save_checkpoint(_random_params(cfg, 7), cfg, str(tmp_path), naming="hf", dtype=stored, quant=quant)
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", **O.HF_TINY_KWARGS}))
+  assert S.storage_dtype(str(tmp_path)) == want
+  pre = load_pretrained(str(tmp_path), tokenizer=False)
+  assert pre.dtype == want
+  assert {np.asarray(x).dtype for x in jax.tree_util.tree_leaves(pre.params)} == {np.dtype(want), np.dtype(np.int32)}
+  other = np.float32 if want == ml_dtypes.bfloat16 else ml_dtypes.bfloat16
+  assert load_pretrained(str(tmp_path), dtype=other, tokenizer=False).dtype == other
+
+
+def test_dtype_auto_counts_elements_and_refuses_other_dtypes(tmp_path):
+  cfg = C.v4_tiny()
+  S.save_checkpoint(_random_params(cfg, 8), cfg, str(tmp_path), naming="hf", dtype=ml_dtypes.bfloat16)
+  fp = os.path.join(tmp_path, S.SINGLE_FILE)
+  t = {k: S._read(e) for k, e in S.read_header(fp).items()}
+  for k in t:  # released checkpoints keep a few small tensors (norms, router biases) in F32: still bf16
+    if k.endswith(("norm.weight", "e_score_correction_bias")):
+      t[k] = t[k].astype(np.float32)
+  S.write_file(t, fp)
+  assert {e.dtype for e in S.read_header(fp).values()} >= {"F32", "BF16"}
+  assert S.storage_dtype(str(tmp_path)) == ml_dtypes.bfloat16
+  # nothing but quantized tensors and scales: bfloat16
+  q = tmp_path / "q"
+  q.mkdir()
+  w, sc = Q.quantize_fp8_block(np.ones((128, 128), np.float32), 128)
+  S.write_file({"layers.0.attn.wq_a.weight": w, "layers.0.attn.wq_a.scale": sc}, str(q / S.SINGLE_FILE))
+  assert S.storage_dtype(str(q)) == ml_dtypes.bfloat16
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", **O.HF_TINY_KWARGS}))
+  for bad in (np.float16, "fp16", np.int32):
+    with pytest.raises(ValueError, match="dtype must be 'auto', float32 or bfloat16"):
+      load_pretrained(str(tmp_path), dtype=bad)
+  assert load_pretrained(str(tmp_path), dtype="fp32", tokenizer=False).dtype == np.float32
+
+
+def test_nemo_export_with_only_text_config_json(tmp_path):
+  """A NeMo Automodel export holding text_config.json and no config.json loads; like NeMo, its cache is
+  fake-quantized unless quantized_cache=False. generation_config.json's EOS ids join config.json's."""
+  cfg, params = make_checkpoint_dir(tmp_path, "nemo")
+  os.rename(tmp_path / "config.json", tmp_path / "text_config.json")
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
+  pre = load_pretrained(str(tmp_path))
+  assert pre.info.format == "nemo" and pre.config.quantized_cache and pre.config.layer_plan() == cfg.layer_plan()
+  assert pre.eos_token_ids == (1, 5)
+  assert not load_pretrained(str(tmp_path), quantized_cache=False, tokenizer=False).config.quantized_cache
+  os.remove(tmp_path / "text_config.json")
+  with pytest.raises(ConfigError, match=r"config\.json: no such config file \(nor text_config\.json\)"):
+    load_pretrained(str(tmp_path))
 
 
 def test_broken_directories_fail_clearly(tmp_path):

@@ -250,10 +250,11 @@ def test_store_down_at_start_killed_mid_run_and_slow(world):
   assert r.hit_tokens == 0 and eng.tiering.store.tiers[0].metrics["failures"] >= 1
   world.check_same(r)
   eng.tiering.close()
-  # a load past the timeout: the server stalls (DEBUG SLEEP) longer than the tier timeout
+  # a load past the timeout: the server stalls (DEBUG SLEEP) longer than the tier timeout, and long enough to still
+  # be stalled when the admission looks up (a loaded machine takes over a second to get there)
   import redis
   eng = world.engine(("redis",), tier_timeout_s=0.3, load_timeout_s=0.5)
-  blocker = threading.Thread(target=lambda: redis.Redis.from_url(world.url).execute_command("DEBUG", "SLEEP", "1.5"))
+  blocker = threading.Thread(target=lambda: redis.Redis.from_url(world.url).execute_command("DEBUG", "SLEEP", "3"))
   blocker.start()
   time.sleep(0.1)
   r = world.turn2(eng)

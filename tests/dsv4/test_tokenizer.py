@@ -34,6 +34,65 @@ def make_tokenizer(vocab_size: int = 512, template: str | None = TEMPLATE) -> To
   return Tokenizer(b, bos_token="<s>", eos_token="</s>", pad_token="<pad>", chat_template=template)
 
 
+CORPUS = ("the quick brown fox jumps over the lazy dog. a tiny model reads the words and writes them back; "
+          "every sentence here is plain text for a byte-level BPE with a few hundred merges.")
+
+
+def save_hf_bpe_tokenizer(path, vocab_size: int = 400, template: str | None = TEMPLATE, **kwargs):
+  """A byte-level BPE trained here (specials first: <s> = 0, </s> = 1, ...), saved by transformers'
+  PreTrainedTokenizerFast with BOS insertion: transformers 5.x writes that into tokenizer.json's post-processor and
+  no add_bos_token into tokenizer_config.json. Returns the transformers tokenizer."""
+  from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+  from transformers import PreTrainedTokenizerFast
+  b = Backend(models.BPE())
+  b.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  b.decoder = decoders.ByteLevel()
+  b.train_from_iterator([CORPUS] * 20, trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False))
+  kw = dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>", add_bos_token=True, chat_template=template)
+  hf = PreTrainedTokenizerFast(tokenizer_object=b, **{**kw, **kwargs})
+  hf.save_pretrained(str(path))
+  return hf
+
+
+def test_bos_from_the_post_processor_matches_transformers(tmp_path):
+  """transformers 5.x puts BOS insertion in tokenizer.json's post-processor: plain text gets it exactly as
+  `tokenizer(text)["input_ids"]` (also a second one when the text starts with <s>); a chat template that writes
+  its own BOS gets one, as `apply_chat_template(tokenize=True)`; add_bos_token in tokenizer_config.json is ignored
+  as transformers ignores it; an explicit add_bos_token / add_eos_token rebuilds the post-processor as
+  `from_pretrained(..., add_bos_token=)` does."""
+  from transformers import AutoTokenizer
+  save_hf_bpe_tokenizer(tmp_path)
+  assert "add_bos_token" not in json.loads((tmp_path / "tokenizer_config.json").read_text())
+  tok, hf = Tokenizer.from_dir(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
+  assert tok.add_bos_token and len(tok) == len(hf) <= 400
+  for text in ["the quick brown fox", "", "<s>the fox", "a dog</s>", "é unseen ✓ text"]:
+    assert tok.encode(text) == hf(text)["input_ids"], text
+    assert tok.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"], text
+  assert tok.encode("the fox")[0] == 0
+  msgs = [{"role": "system", "content": "the lazy dog"}, {"role": "user", "content": "jumps over"}]
+  want = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+  got = tok.apply_chat_template(msgs, tokenize=True)
+  assert got == want and got[0] == 0 and got[1] != 0  # one BOS, from the template
+  for kw in ({"add_bos_token": False}, {"add_eos_token": True}, {"add_bos_token": True, "add_eos_token": True}):
+    assert Tokenizer.from_dir(str(tmp_path), **kw).encode("the fox") == \
+        AutoTokenizer.from_pretrained(str(tmp_path), **kw)("the fox")["input_ids"], kw
+  # a flag in tokenizer_config.json does not override tokenizer.json (transformers drops it)
+  cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": False}))
+  assert Tokenizer.from_dir(str(tmp_path)).encode("the fox") == \
+      AutoTokenizer.from_pretrained(str(tmp_path))("the fox")["input_ids"] == tok.encode("the fox")
+  # and a tokenizer.json without BOS in its post-processor adds none, whatever tokenizer_config.json says
+  save_hf_bpe_tokenizer(tmp_path / "nobos", add_bos_token=False)
+  cfg = json.loads((tmp_path / "nobos" / "tokenizer_config.json").read_text())
+  (tmp_path / "nobos" / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
+  t2 = Tokenizer.from_dir(str(tmp_path / "nobos"))
+  assert not t2.add_bos_token
+  assert t2.encode("the fox") == AutoTokenizer.from_pretrained(str(tmp_path / "nobos"))("the fox")["input_ids"]
+  assert t2.encode("the fox", add_bos=True)[0] == 0  # the explicit override still prepends one
+
+
 def test_save_load_encode_decode_template(tmp_path):
   tok = make_tokenizer()
   tok.save(str(tmp_path))
@@ -78,6 +137,12 @@ def test_tokenizer_errors(tmp_path):
     tok.apply_chat_template([{"role": "tool", "content": "w9"}])
   with pytest.raises(TokenizerError, match="does not compile"):
     make_tokenizer(template="{% for %}").apply_chat_template([{"role": "user", "content": "w9"}])
+  # a word-level vocabulary without <unk>: an unknown word is a TokenizerError naming the text, not a Rust panic
+  from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+  b = Backend(models.WordLevel({"<s>": 0, "a": 1}, unk_token=None))
+  b.pre_tokenizer = pre_tokenizers.Whitespace()
+  with pytest.raises(TokenizerError, match="cannot encode 'a zz'"):
+    Tokenizer(b, bos_token="<s>").encode("a zz")
 
 
 @pytest.fixture(scope="module")

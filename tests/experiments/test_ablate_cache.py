@@ -1,7 +1,6 @@
 """Cache ablations: the eviction policies of cache/eviction.py (free-queue discipline, no leaks, plumbing equal to
 the plain manager), and the --small paths of experiments/ablate_retention.py and ablate_eviction.py."""
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from dsv4.caches import group_specs
 from dsv4.config import v4_flash
 from experiments.ablate_eviction import multi_tenant
 from experiments.ablate_retention import run_trace, synthetic_answer
+from tests.experiments.test_ablation_plots import checked_outputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = v4_flash()
@@ -105,31 +105,39 @@ def test_unknown_policy():
     PolicyCacheManager(SPECS, policy="mru", num_full_blocks=NF, num_swa_blocks=NS)
 
 
-def _run(args, timeout=400):
-  r = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def _run(args, cwd=REPO, timeout=600):
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  cache = os.environ.get("DSV4_TEST_XLA_CACHE_DIR")
+  if cache:  # the suite's compile cache (tests/conftest.py): pool ops the tests above compiled are reused
+    env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  r = subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-  return r
 
 
 def test_ablate_retention_small(tmp_path):
-  _run(["experiments.ablate_retention", "--small", f"--out_dir={tmp_path}"])
-  rows = json.load(open(tmp_path / "retention.json"))["rows"]
-  assert (tmp_path / "retention.csv").exists() and (tmp_path / "retention.png").stat().st_size > 0
+  # run from an empty directory without --out_dir: the default output is out/ablate_retention/ under it
+  _run(["experiments.ablate_retention", "--small"], cwd=tmp_path)
+  out = tmp_path / "out" / "ablate_retention"
+  rows = checked_outputs(out, "ablate_retention", "retention", "retention_interval", [0, 128, 512])
   for w in ("doc_branch", "chat_fork"):
     r = {x["retention_interval"]: x for x in rows if x["workload"] == w}
     assert set(r) == {0, 128, 512}
     # a denser interval never recomputes more on resume and never holds fewer checkpoint blocks
     assert r[128]["branch_recomputed_tokens"] <= r[512]["branch_recomputed_tokens"] <= r[0]["branch_recomputed_tokens"]
     assert r[128]["swa_blocks_cached"] >= r[0]["swa_blocks_cached"]
+    # R changes only which swa tails are kept: same trace, same full-history blocks
+    assert len({x["prompt_tokens"] for x in r.values()}) == 1
+    assert len({x["full_blocks_cached"] for x in r.values()}) == 1
   r = {x["retention_interval"]: x for x in rows if x["workload"] == "doc_branch"}
   assert r[128]["branch_recomputed_tokens"] < r[0]["branch_recomputed_tokens"]
 
 
 def test_ablate_eviction_small(tmp_path):
   _run(["experiments.ablate_eviction", "--small", f"--out_dir={tmp_path}", "--full_blocks=24,192"])
-  rows = json.load(open(tmp_path / "eviction.json"))["rows"]
-  assert (tmp_path / "eviction.csv").exists() and (tmp_path / "eviction.png").stat().st_size > 0
-  assert {r["policy"] for r in rows} == set(POLICIES) and {r["num_full_blocks"] for r in rows} == {24, 192}
+  rows = checked_outputs(tmp_path, "ablate_eviction", "eviction", "num_full_blocks", [24, 192])
+  assert {r["policy"] for r in rows} == set(POLICIES) and len(rows) == 2 * len(POLICIES)
+  assert len({r["prompt_tokens"] for r in rows}) == 1              # one trace for every policy and pool size
   for pol in POLICIES:
     small, big = (next(r for r in rows if r["policy"] == pol and r["num_full_blocks"] == n) for n in (24, 192))
-    assert small["hit_rate"] <= big["hit_rate"]
+    assert small["hit_rate"] <= big["hit_rate"] and (small["num_swa_blocks"], big["num_swa_blocks"]) == (48, 384)

@@ -1,0 +1,80 @@
+"""Config errors name the bad field (or serve flag) and what is allowed; no model is built."""
+
+import dataclasses
+
+import pytest
+
+from dsv4.engine.engine import EngineConfig
+from dsv4.engine.tiering import TieringConfig
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"policy": "maybe"}, r"TieringConfig\.policy: one of auto, load, recompute, got 'maybe'"),
+    ({"demote": "later"}, r"TieringConfig\.demote: one of evict, store, got 'later'"),
+    ({"tiers": ("host", "ssd")}, r"TieringConfig\.tiers: unknown tier\(s\) 'ssd'; choose from host, disk"),
+    ({"tiers": ("host", "host")}, r"TieringConfig\.tiers: each tier at most once"),
+    ({"tiers": "host"}, r"TieringConfig\.tiers: a tuple"),
+    ({"tiers": ("disk",)}, r"TieringConfig\.disk_dir is required with the disk tier"),
+    ({"tiers": ("redis",)}, r"TieringConfig\.store_url is required with the redis tier.*cache\.tiers\.servers redis"),
+    ({"tiers": ("mooncake",)}, r"TieringConfig\.store_url is required with the mooncake tier"),
+    ({"tiers": ("redis", "mooncake"), "store_url": "redis://h/0"}, r"TieringConfig\.tiers: one shared store"),
+    ({"tiers": ("redis",), "store_url": "127.0.0.1:6379"},
+     r"TieringConfig\.store_url: bad redis URL '127\.0\.0\.1:6379'"),
+    ({"tiers": ("redis",), "store_url": "redis://h:x/0"}, r"TieringConfig\.store_url: bad redis URL .*port"),
+    ({"tiers": ("mooncake",), "store_url": "mooncake://h:1"}, r"TieringConfig\.store_url: bad mooncake URL .*metadata"),
+    ({"capacity_bytes": (1, 2)}, r"TieringConfig\.capacity_bytes"),
+    ({"ttl_s": 0}, r"TieringConfig\.ttl_s: > 0 or None"),
+    ({"tier_timeout_s": 0}, r"TieringConfig\.tier_timeout_s: > 0, got 0"),
+    ({"write_queue": -1}, r"TieringConfig\.write_queue: >= 0"),
+    ({"key_bits": 129}, r"TieringConfig\.key_bits"),
+])
+def test_tiering_config_names_the_bad_field(kw, msg):
+  with pytest.raises(ValueError, match=msg):
+    TieringConfig(**kw).validate()
+  # an engine config carrying it fails the same way, before anything is built
+  with pytest.raises(ValueError, match=msg):
+    EngineConfig(tiering=TieringConfig(**kw)).validate()
+
+
+def test_good_tiering_configs_pass():
+  TieringConfig().validate()
+  TieringConfig(tiers=("host", "disk", "redis"), disk_dir="/tmp/x", store_url="redis://127.0.0.1:6379/0",
+                policy="load", demote="store", capacity_bytes=(1, 2, 3)).validate()
+  TieringConfig(tiers=("mooncake",), store_url="mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:8080/m").validate()
+
+
+@pytest.mark.parametrize("args, msg", [
+    (("host,disk",), r"^--kv_disk_dir is required with the disk tier"),
+    (("host,redis", "/tmp/d"), r"^--kv_store_url is required with the redis tier"),
+    (("mooncake",), r"^--kv_store_url is required with the mooncake tier"),
+    (("redis", "", "localhost:6379"), r"^--kv_store_url: bad redis URL 'localhost:6379'"),
+    (("host,nvme",), r"^--kv_tiers: unknown tier\(s\) 'nvme'"),
+])
+def test_from_flags_refuses_a_tier_without_its_place(args, msg):
+  with pytest.raises(ValueError, match=msg) as e:
+    TieringConfig.from_flags(*args)
+  assert "\n" not in str(e.value)
+
+
+def test_from_flags_builds_what_was_asked():
+  assert TieringConfig.from_flags("") is None
+  tc = TieringConfig.from_flags("host, disk,redis", "/tmp/d", "redis://127.0.0.1:7000/2")
+  assert tc.tiers == ("host", "disk", "redis") and tc.store_url == "redis://127.0.0.1:7000/2"
+
+
+@pytest.mark.parametrize("field, value, msg", [
+    ("max_num_seqs", 0, r"EngineConfig\.max_num_seqs: an integer >= 1, got 0"),
+    ("max_num_batched_tokens", -4, r"EngineConfig\.max_num_batched_tokens: an integer >= 1, got -4"),
+    ("chunk_size", 0, r"EngineConfig\.chunk_size: an integer >= 1, got 0"),
+    ("max_model_len", 0, r"EngineConfig\.max_model_len"),
+    ("num_swa_blocks", 2.5, r"EngineConfig\.num_swa_blocks: an integer >= 1, got 2\.5"),
+    ("min_table_tokens", 0, r"EngineConfig\.min_table_tokens"),
+    ("retention_interval", -1, r"EngineConfig\.retention_interval: an integer >= 0"),
+    ("dtype", "fp16", r"EngineConfig\.dtype: 'fp32' or 'bf16', got 'fp16'"),
+    ("model_api", "flax", r"EngineConfig\.model_api: 'functional' or 'nnx', got 'flax'"),
+    ("token_bucket_growth", 3, r"EngineConfig\.token_bucket_growth: 2 or 4, got 3"),
+])
+def test_engine_config_names_the_bad_field(field, value, msg):
+  with pytest.raises(ValueError, match=msg):
+    dataclasses.replace(EngineConfig(), **{field: value}).validate()
+  EngineConfig().validate()

@@ -1,0 +1,118 @@
+"""The slow tier: tests that take a minute or more on 2 cores, each with a fast sibling in the default tier.
+
+The default run (`python -m pytest -n 2 tests`, the README command) deselects them; `-m slow` runs only them; CI
+runs both. Keeping the list in one place shows what the fast tier gives up and why each feature stays covered.
+An entry is a node id, with or without its parameters (without: every parametrization). `tests/conftest.py` marks
+them and fails the run when an entry names a test that no longer exists in a collected file, so a rename cannot
+quietly move a slow test into the default tier.
+"""
+
+# node id -> what still covers the feature in the default tier
+SLOW = {
+    # meshes (8 host devices, a worker process each) and multi-process runs
+    "tests/dsv4/test_sharding_multiprocess.py::test_two_processes_same_tokens_as_one":
+        "test_sharding.py::test_engine_on_mesh_same_tokens_with_prefix_hits (one process)",
+    "tests/dsv4/test_sharding.py::test_sharded_forward_matches_one_device":
+        "test_engine_on_mesh_same_tokens_with_prefix_hits runs the sharded step on (2,2,2)",
+    "tests/dsv4/test_sharding.py::test_scanned_layer_groups_step_matches_the_unrolled_step":
+        "the unrolled step everywhere; the scan serves only the sizing benchmark",
+    "tests/dsv4/test_sharding.py::test_kv_latent_split_by_feature_matches_one_device":
+        "the replicated latent on a mesh: test_engine_on_mesh_same_tokens_with_prefix_hits",
+    "tests/dsv4/test_sharding.py::test_engine_with_one_kv_pool_per_data_shard":
+        "test_runner_slots_are_per_data_shard, test_pools_over_data_need_divisible_block_counts",
+    # batch invariance compiles one [1, 1] program per token position in a child at XLA's default level
+    "tests/dsv4/test_engine_step.py::test_batch_invariant_mode_is_bitwise":
+        "test_engine_step.py::test_batch_invariant_alone_equals_batched",
+    "tests/dsv4/test_engine_step.py::test_engine_equals_forward_full[v4]": "the [v41] variant",
+    # KV tiers end to end: every tier, Mooncake, Redis across processes, the V4.1 variants
+    "tests/dsv4/test_tiers_reload.py::test_reload_gate_every_tier":
+        "test_tiers_reload_sparse.py (disk reload through the engine), tests/cache/tiers (each backend)",
+    "tests/dsv4/test_tiers_reload.py::test_reload_gate_mooncake": "tests/cache/tiers/test_tiers.py (Mooncake store)",
+    "tests/dsv4/test_tiers_reload.py::test_two_engines_in_two_processes_share_redis":
+        "tests/cache/tiers (Redis backend); the process boundary is the slow part",
+    # every V4.1 variant of a test whose V4 variant stays fast
+    "tests/dsv4/test_tiers_reload.py::test_corrupt_records_are_rejected_and_recomputed[v41-truncated]": "[v4-*]",
+    "tests/dsv4/test_tiers_reload.py::test_corrupt_records_are_rejected_and_recomputed[v41-flipped_bit]": "[v4-*]",
+    "tests/dsv4/test_tiers_reload.py::test_other_model_layout_or_tenant_never_loads[v41]": "[v4]",
+    "tests/dsv4/test_model_ragged.py::test_ragged_random_mix_matches_full[v41-0]": "[v4-0]",
+    "tests/dsv4/test_model_ragged.py::test_resume_from_checkpoint_equals_scratch[v41]": "[v4]",
+    "tests/dsv4/test_model_ragged.py::test_swa_table_cut_to_the_window_is_bitwise_the_same":
+        "a step-width optimisation; the cut tables run in every engine test",
+    "tests/dsv4/test_model_ragged.py::test_paged_indexer_equals_reference_path":
+        "tests/pallas_kernels/test_indexer_paged.py (the paged indexer vs its reference)",
+    "tests/dsv4/test_model_ragged.py::test_precision_modes_with_discrete_choices":
+        "test_precision_modes (every position bounded, same modes)",
+    "tests/dsv4/test_model_cached.py::test_chunked_and_decode_match_full[unaligned]": "[aligned_then_odd]",
+    "tests/dsv4/test_v41_cached.py::test_v41_chunked_and_decode_match_full[odd_prefixes]": "[aligned_then_odd]",
+    "tests/dsv4/test_nnx_model.py::test_apply_equals_forward_bit_for_bit[v41]": "[v4]",
+    "tests/dsv4/test_engine.py::test_v41_cache_never_changes_the_answer":
+        "test_engine_step.py::test_engine_equals_forward_full[v41]",
+    "tests/dsv4/test_engine.py::test_cache_never_changes_the_answer[0]": "[1]",
+    "tests/dsv4/test_cache_quant.py::test_model_switch_quantizes_the_cache_where_nemo_does":
+        "test_cache_quant.py::test_bit_exact_with_nemo_random (the quantizers themselves)",
+    "tests/dsv4/test_bucket_fill.py::test_bucket_fill_same_answers_fewer_slots":
+        "test_token_bucket_steps_same_answers_fewer_slots",
+    "tests/dsv4/test_api.py::test_progress_counts_requests_rejected_mid_run":
+        "test_schema.py::test_generate_refuses_each_bad_request_alone_and_keeps_serving",
+    # kernels: whole-model interpret runs and the GPU check's CPU smoke run
+    "tests/pallas_kernels/test_model_integration.py::test_small_model_logits_match_between_backends":
+        "test_dispatch.py (each kernel through dispatch vs the XLA reference)",
+    "tests/pallas_kernels/test_bench_small.py::test_gpu_check_small": "test_dispatch.py, test_sparse_attention.py",
+    "tests/pallas_kernels/test_fp8_pages.py::test_kernel_fp8_paths[rec]": "[paged], [rec16]",
+    # whole scripts as subprocesses (the main job's own test stays fast)
+    "tests/experiments/test_serve.py::test_other_shipped_models_serve_by_name":
+        "test_default_job_is_graded_and_caching_never_changes_the_answer",
+    "tests/experiments/test_experiments.py::test_train_small_count": "test_training_steps_reduce_the_loss",
+    "tests/experiments/test_experiments.py::test_train_small": "test_training_steps_reduce_the_loss",
+    "tests/experiments/test_experiments.py::test_ablation_small[experiments.ablate_window-window]":
+        "[experiments.ablate_topk-topk]",
+    "tests/experiments/test_ablate_cache.py::test_ablate_eviction_small": "test_policy_invariants",
+    "tests/experiments/test_ablate_cache.py::test_ablate_retention_small":
+        "tests/cache/test_manager.py (retention checkpoints in the manager)",
+    "tests/dsv4/test_loading_pretrained.py::test_serve_main_job_on_a_checkpoint_dir":
+        "test_loading_pretrained.py's load_pretrained tests",
+    # second cut, to hold the default tier near 8 minutes on 2 cores (each line: the fast test that stays)
+    "tests/dsv4/test_sharding.py::test_engine_on_mesh_same_tokens_with_prefix_hits":
+        "mesh logic without devices: test_runner_slots_are_per_data_shard, the rules / shardings tests (abstract "
+        "meshes); every sharded run needs an 8-device worker and a minute of compiles",
+    "tests/dsv4/test_model_ragged.py::test_precision_modes": "tests/dsv4/test_cache_quant.py, test_fp8_pages.py",
+    "tests/dsv4/test_model_ragged.py::test_step_shapes_follow_live_tables_not_max_len":
+        "test_engine_step.py::test_compilation_is_bounded_and_counted (one table width for any pool size)",
+    "tests/dsv4/test_model_cached.py::test_chunked_and_decode_match_full": "test_ragged_random_mix_matches_full[v4-0]",
+    "tests/dsv4/test_v41_cached.py::test_v41_chunked_and_decode_match_full":
+        "test_engine_step.py::test_engine_equals_forward_full[v41]",
+    "tests/dsv4/test_engine.py::test_cache_never_changes_the_answer":
+        "test_engine_step.py::test_engine_equals_forward_full[v41] (resumes, preemption)",
+    "tests/dsv4/test_schema.py::test_generate_refuses_each_bad_request_alone_and_keeps_serving":
+        "tests/experiments/test_serve.py::test_every_bad_jsonl_request_is_refused_alone_and_tenants_never_share",
+    "tests/dsv4/test_api.py::test_tenants_and_sessionless_turns_keep_separate_histories":
+        "test_every_bad_jsonl_request_is_refused_alone_and_tenants_never_share (tenants), test_manager.py",
+    "tests/dsv4/test_bucket_fill.py::test_token_bucket_steps_same_answers_fewer_slots":
+        "test_engine_step.py::test_compilation_is_bounded_and_counted (the buckets)",
+    "tests/dsv4/test_tiers_reload.py": "test_tiers_reload_writethrough.py, tests/experiments/test_serve_tiers.py, "
+                                      "tests/cache/tiers (faults and corrupt records per backend)",
+    "tests/dsv4/test_tiers_reload_sparse.py::test_reload_needs_only_the_resume_points_tail":
+        "test_tiers_reload_writethrough.py (reload through the engine)",
+    "tests/dsv4/test_nnx_model.py::test_engine_through_the_modules_gives_the_same_tokens":
+        "test_apply_equals_forward_bit_for_bit[v4]",
+    "tests/dsv4/test_export_checkpoint.py::test_text_and_chat_prompts_answer_through_generate_text":
+        "test_round_trip_is_bit_for_bit; test_loading_transformers_generate.py (text and chat through generate_text)",
+    "tests/dsv4/test_hf_parity.py::test_cached_path_matches_hf": "test_full_forward_matches_hf",
+    "tests/cache/test_acceptance.py::test_session_switch_a1_a2_b_a3": "test_manager.py::test_session_switch_a_b_a",
+    "tests/experiments/test_serve.py::test_caching_never_changes_the_main_jobs_answers":
+        "test_default_job_is_graded (hits), test_engine_step.py::test_engine_equals_forward_full",
+    "tests/experiments/test_serve_export.py::test_exported_checkpoint_serves_text_and_chat_requests":
+        "test_export_checkpoint.py::test_round_trip_is_bit_for_bit",
+    "tests/experiments/test_notebook.py::test_notebook_runs": "test_notebook_matches_builder",
+    "tests/experiments/test_experiments.py::test_shipped_headline_accuracy[v4_count]": "[v4_retrieval]",
+    "tests/experiments/test_experiments.py::test_shipped_headline_accuracy[v41_retrieval]": "[v4_retrieval]",
+    "tests/experiments/test_ablate_cache.py::test_policy_invariants[legacy_dense]": "[lru]",
+    "tests/experiments/test_ablate_cache.py::test_policy_invariants[fifo]": "[lru]",
+    "tests/experiments/test_ablate_cache.py::test_release_order_head_first_vs_lru": "test_policy_invariants[lru]",
+    "tests/pallas_kernels/test_sparse_attention.py::test_fp8_pools_match_dequant_then_reference[1]": "[2]",
+    "tests/pallas_kernels/test_fp8_pages.py::test_kernel_fp8_paths[rec16]": "[paged]",
+    "tests/dsv4/test_tiers_reload_writethrough.py":
+        "tests/experiments/test_serve_tiers.py (a second process reloads the first one's disk records)",
+    "tests/experiments/test_experiments.py::test_shipped_headline_accuracy[v4_retrieval]":
+        "test_ablation_small[experiments.ablate_topk-topk] (accuracy of the shipped model at k = 8)",
+}
