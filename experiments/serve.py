@@ -172,37 +172,18 @@ def _check_checkpoint(d: str) -> None:
 
 
 def _check_tiers(kinds: list[str]) -> None:
-  from cache.tiers.backends import parse_redis_url
-  known = ("host", "disk", "redis", "mooncake")
-  bad = [k for k in kinds if k not in known]
-  if bad:
-    raise FlagError(f"--kv_tiers: unknown tier(s) {', '.join(map(repr, bad))}; choose from {', '.join(known)}")
-  if len(set(kinds)) != len(kinds):
-    raise FlagError(f"--kv_tiers: each tier at most once, got {FLAGS.kv_tiers!r}")
-  if "disk" in kinds:
-    if not FLAGS.kv_disk_dir:
-      raise FlagError("--kv_tiers=...disk needs --kv_disk_dir=DIR (the directory of its record files)")
-    if os.path.exists(FLAGS.kv_disk_dir) and not os.path.isdir(FLAGS.kv_disk_dir):
-      raise FlagError(f"--kv_disk_dir={FLAGS.kv_disk_dir}: not a directory")
-  shared = [k for k in kinds if k in ("redis", "mooncake")]
-  if len(shared) > 1:
-    raise FlagError("--kv_tiers: one shared store (--kv_store_url names one), got redis and mooncake")
+  from cache.tiers.backends import SHARED_KINDS, check_tier_places
+  try:   # the same rules (and words) as TieringConfig.from_flags
+    check_tier_places(tuple(kinds), FLAGS.kv_disk_dir, FLAGS.kv_store_url,
+                      {"tiers": "--kv_tiers", "disk_dir": "--kv_disk_dir", "store_url": "--kv_store_url"})
+  except ValueError as e:
+    raise FlagError(str(e)) from None
+  if "disk" in kinds and os.path.exists(FLAGS.kv_disk_dir) and not os.path.isdir(FLAGS.kv_disk_dir):
+    raise FlagError(f"--kv_disk_dir={FLAGS.kv_disk_dir}: not a directory")
+  shared = [k for k in kinds if k in SHARED_KINDS]
   if not shared:
     return
-  kind, url = shared[0], FLAGS.kv_store_url
-  eg = ("redis://127.0.0.1:6379/0" if kind == "redis"
-        else "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:8080/metadata")
-  if not url:           # never a silent default server
-    raise FlagError(f"--kv_tiers=...{kind} needs --kv_store_url, e.g. {eg} (start a local one: python -m "
-                    f"cache.tiers.servers {kind})")
-  try:
-    if kind == "redis":
-      parse_redis_url(url)
-    else:
-      from cache.tiers.mooncake_store import parse_url
-      parse_url(url)
-  except ValueError as e:
-    raise FlagError(f"--kv_store_url: {e}") from None
+  kind = shared[0]
   module, pkg = ("redis", "redis") if kind == "redis" else ("mooncake.store", "mooncake-transfer-engine")
   try:
     __import__(module)

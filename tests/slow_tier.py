@@ -23,7 +23,8 @@ SLOW = {
     # batch invariance compiles one [1, 1] program per token position in a child at XLA's default level
     "tests/dsv4/test_engine_step.py::test_batch_invariant_mode_is_bitwise":
         "test_engine_step.py::test_batch_invariant_alone_equals_batched",
-    "tests/dsv4/test_engine_step.py::test_engine_equals_forward_full[v4]": "the [v41] variant",
+    "tests/dsv4/test_engine_step.py::test_engine_equals_forward_full[v41]":
+        "the [v4] variant (same engine code; V4.1's model: tests/dsv4/test_v41_parity.py)",
     # KV tiers end to end: every tier, Mooncake, Redis across processes, the V4.1 variants
     "tests/dsv4/test_tiers_reload.py::test_reload_gate_every_tier":
         "test_tiers_reload_sparse.py (disk reload through the engine), tests/cache/tiers (each backend)",
@@ -115,4 +116,18 @@ SLOW = {
         "tests/experiments/test_serve_tiers.py (a second process reloads the first one's disk records)",
     "tests/experiments/test_experiments.py::test_shipped_headline_accuracy[v4_retrieval]":
         "test_ablation_small[experiments.ablate_topk-topk] (accuracy of the shipped model at k = 8)",
+    # third cut (engine configs that compile programs no other fast test shares)
+    "tests/dsv4/test_engine.py::test_sampled_outputs_survive_preemption":
+        "test_engine_step.py::test_engine_equals_forward_full[v4] (5 preemptions, same tokens as forward_full)",
+    "tests/dsv4/test_api.py::test_failed_admission_does_not_count_readmit_hits":
+        "test_engine.py::test_hit_accounting_on_a_scripted_trace",
+    "tests/dsv4/test_loading_transformers_generate.py::test_greedy_text_and_chat_match_transformers_generate":
+        "test_tokenizer.py::test_bos_from_the_post_processor_matches_transformers, test_hf_parity.py",
+    "tests/cache/tiers/test_extend_for_load.py::test_extend_for_load_allocates_full_blocks_and_only_the_swa_tails":
+        "tests/experiments/test_serve_tiers.py (reloads through the engine)",
+    "tests/cache/test_manager.py::test_session_switch_a_b_a[True]": "[False]",
+    "tests/cache/test_manager.py::test_hit_independent_of_other_allocation_count":
+        "test_hit_blocks_are_claimed_and_tables_consistent",
+    "tests/experiments/test_ablate_cache.py::test_policy_invariants[append_uncached]": "[lru]",
+    "tests/experiments/test_ablate_cache.py::test_fifo_no_refresh_on_hit": "test_policy_invariants[lru]",
 }

@@ -214,3 +214,38 @@ def make_backend(kind: str, *, disk_dir: str = "", store_url: str = "", timeout_
 
 def now() -> float:
   return time.monotonic()
+
+
+TIER_KINDS = ("host", "disk", "redis", "mooncake")
+SHARED_KINDS = ("redis", "mooncake")
+
+
+def check_tier_places(tiers, disk_dir: str, store_url: str, names: dict) -> None:
+  """The tier list and where its tiers live; a one-line ValueError naming the field (or flag) otherwise."""
+  bad = [t for t in tiers if t not in TIER_KINDS]
+  if bad:
+    raise ValueError(f"{names['tiers']}: unknown tier(s) {', '.join(map(repr, bad))}; choose from "
+                     f"{', '.join(TIER_KINDS)}")
+  if len(set(tiers)) != len(tiers):
+    raise ValueError(f"{names['tiers']}: each tier at most once, got {','.join(tiers)}")
+  if "disk" in tiers and not disk_dir:
+    raise ValueError(f"{names['disk_dir']} is required with the disk tier (the directory of its record files)")
+  shared = [t for t in tiers if t in SHARED_KINDS]
+  if len(shared) > 1:
+    raise ValueError(f"{names['tiers']}: one shared store per engine ({names['store_url']} names one), got "
+                     f"{' and '.join(shared)}")
+  if not shared:
+    return
+  kind = shared[0]
+  if not store_url:     # never a silent default server
+    eg = "redis://127.0.0.1:6379/0" if kind == "redis" else "mooncake://127.0.0.1:50051?metadata=http://..."
+    raise ValueError(f"{names['store_url']} is required with the {kind} tier, e.g. {eg} (start a local one: "
+                     f"python -m cache.tiers.servers {kind})")
+  try:
+    if kind == "redis":
+      parse_redis_url(store_url)
+    else:
+      from cache.tiers.mooncake_store import parse_url
+      parse_url(store_url)
+  except ValueError as e:
+    raise ValueError(f"{names['store_url']}: bad {kind} URL {store_url!r}: {e}") from None

@@ -32,7 +32,8 @@ import numpy as np
 from cache.hashing import ExtraKeys, RequestHasher, device_key, key_int
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from cache.tiers import record as R
-from cache.tiers.backends import TierError, make_backend, parse_redis_url
+from cache.tiers.backends import (SHARED_KINDS, TIER_KINDS, TierError, check_tier_places, make_backend,
+                                  parse_redis_url)
 from cache.tiers.cost import CostModel
 from cache.tiers.store import TieredStore
 from cache.tiers.tier import Tier, TierPolicy
@@ -40,43 +41,10 @@ from cache.tiers.writeback import WriteBehind
 from dsv4 import caches
 from dsv4.loading.weights_digest import params_digest
 
-TIER_KINDS = ("host", "disk", "redis", "mooncake")
 POLICIES = ("auto", "load", "recompute")
 DEMOTES = ("evict", "store")
-SHARED_KINDS = ("redis", "mooncake")
 _FIELDS = {"tiers": "TieringConfig.tiers", "disk_dir": "TieringConfig.disk_dir", "store_url": "TieringConfig.store_url"}
 _FLAGS = {"tiers": "--kv_tiers", "disk_dir": "--kv_disk_dir", "store_url": "--kv_store_url"}
-
-
-def _check_places(tiers, disk_dir: str, store_url: str, names: dict) -> None:
-  """The tier list and where its tiers live; a one-line ValueError naming the field (or flag) otherwise."""
-  bad = [t for t in tiers if t not in TIER_KINDS]
-  if bad:
-    raise ValueError(f"{names['tiers']}: unknown tier(s) {', '.join(map(repr, bad))}; choose from "
-                     f"{', '.join(TIER_KINDS)}")
-  if len(set(tiers)) != len(tiers):
-    raise ValueError(f"{names['tiers']}: each tier at most once, got {','.join(tiers)}")
-  if "disk" in tiers and not disk_dir:
-    raise ValueError(f"{names['disk_dir']} is required with the disk tier (the directory of its record files)")
-  shared = [t for t in tiers if t in SHARED_KINDS]
-  if len(shared) > 1:
-    raise ValueError(f"{names['tiers']}: one shared store per engine ({names['store_url']} names one), got "
-                     f"{' and '.join(shared)}")
-  if not shared:
-    return
-  kind = shared[0]
-  if not store_url:     # never a silent default server
-    eg = "redis://127.0.0.1:6379/0" if kind == "redis" else "mooncake://127.0.0.1:50051?metadata=http://..."
-    raise ValueError(f"{names['store_url']} is required with the {kind} tier, e.g. {eg} (start a local one: "
-                     f"python -m cache.tiers.servers {kind})")
-  try:
-    if kind == "redis":
-      parse_redis_url(store_url)
-    else:
-      from cache.tiers.mooncake_store import parse_url
-      parse_url(store_url)
-  except ValueError as e:
-    raise ValueError(f"{names['store_url']}: bad {kind} URL {store_url!r}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +70,7 @@ class TieringConfig:
   def validate(self):
     if isinstance(self.tiers, str):
       raise ValueError(f"TieringConfig.tiers: a tuple of tier names, got the string {self.tiers!r}")
-    _check_places(self.tiers, self.disk_dir, self.store_url, _FIELDS)
+    check_tier_places(self.tiers, self.disk_dir, self.store_url, _FIELDS)
     if self.policy not in POLICIES:
       raise ValueError(f"TieringConfig.policy: one of {', '.join(POLICIES)}, got {self.policy!r}")
     if self.demote not in DEMOTES:
@@ -130,7 +98,7 @@ class TieringConfig:
     tiers = tuple(t.strip() for t in kv_tiers.split(",") if t.strip())
     if not tiers:
       return None
-    _check_places(tiers, disk_dir, store_url, _FLAGS)
+    check_tier_places(tiers, disk_dir, store_url, _FLAGS)
     return TieringConfig(tiers=tiers, disk_dir=disk_dir, store_url=store_url, **kw)
 
 

@@ -37,6 +37,17 @@ class TokenizerError(ValueError):
   """A missing / malformed tokenizer file or a chat template that cannot render; names the file or the cause."""
 
 
+def _json_object(path: str) -> dict:
+  try:
+    with open(path) as f:
+      obj = json.load(f)
+    if not isinstance(obj, dict):
+      raise ValueError("not a JSON object")
+  except (OSError, ValueError) as e:
+    raise TokenizerError(f"{path}: malformed JSON ({e})") from e
+  return obj
+
+
 def _token_str(v) -> str | None:
   """tokenizer_config special-token entries are a string or an AddedToken dict with 'content'."""
   if v is None or isinstance(v, str):
@@ -100,16 +111,8 @@ class Tokenizer:
       backend = _Backend.from_file(tj)
     except Exception as e:  # the Rust parser raises plain Exception subclasses
       raise TokenizerError(f"{tj}: cannot parse tokenizer ({e})") from e
-    cfg: dict[str, Any] = {}
     tc = os.path.join(path, TOKENIZER_CONFIG_FILE)
-    if os.path.isfile(tc):
-      try:
-        with open(tc) as f:
-          cfg = json.load(f)
-        if not isinstance(cfg, dict):
-          raise ValueError("not a JSON object")
-      except (OSError, ValueError) as e:
-        raise TokenizerError(f"{tc}: malformed JSON ({e})") from e
+    cfg: dict[str, Any] = _json_object(tc) if os.path.isfile(tc) else {}
     template = cfg.get("chat_template")
     if isinstance(template, list):  # [{name, template}, ...]
       named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -122,13 +125,7 @@ class Tokenizer:
         template = f.read()
     sm = os.path.join(path, SPECIAL_TOKENS_MAP_FILE)
     if os.path.isfile(sm):  # transformers merges it in for the special tokens tokenizer_config.json leaves out
-      try:
-        with open(sm) as f:
-          smap = json.load(f)
-        if not isinstance(smap, dict):
-          raise ValueError("not a JSON object")
-      except (OSError, ValueError) as e:
-        raise TokenizerError(f"{sm}: malformed JSON ({e})") from e
+      smap = _json_object(sm)
       cfg = {**cfg, **{k: smap[k] for k in ("bos_token", "eos_token", "pad_token") if not cfg.get(k) and smap.get(k)}}
     # tokenizer_config.json's add_bos_token / add_eos_token are ignored, as transformers 5.x does when a
     # tokenizer.json exists: the post-processor decides.
