@@ -322,8 +322,17 @@ def aot_scanned(cfg, mesh, rules, layout, batch: int, T: int, context: int):
 
 
 def _last_token_step(params, config, layout, kernel_cfg, tokens_BxT, cache, index):
-  from dsv4.engine.runner import _last_token_step as step
-  return step(params, config, layout, kernel_cfg, tokens_BxT, cache, index)
+  """A [B, T] step with logits at each row's last computed token (the padded layout `model.forward_aux` turns into
+  a ragged step of B * T flat tokens): what the sizing compiles at Flash shapes."""
+  import jax
+  import jax.numpy as jnp
+
+  from dsv4 import model
+  cache, h_BxTxD, _ = model.forward_aux(params, config, tokens_BxT, cache, index, layout=layout,
+                                        kernel_cfg=kernel_cfg, return_hidden=True)
+  last = jnp.maximum(index.num_tokens_B - 1, 0)
+  h_last = jnp.take_along_axis(h_BxTxD, last[:, None, None], axis=1)[:, 0]
+  return cache, model.lm_logits(params, h_last)
 
 
 def main():

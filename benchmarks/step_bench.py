@@ -5,12 +5,12 @@
    spanning max_model_len ("before": min_table_tokens = max_model_len, the runner's earlier behaviour); with each
    step plan's bytes and table widths (the swa table covers only the window + chunk, the full table the live
    context).
-2. Mixed step (1 prefill chunk of 64 (or each --mixed_chunks) + 63 decodes, 64 rows) vs the chunk alone: all rows
-   on one flat token axis ("after", the serving path) and with the decode / prefill row groups ("groups",
-   `ModelRunner(step_mode="groups")`, the earlier layout); the ragged step with power-of-two token buckets
-   ("after") and with `token_bucket_steps` buckets per doubling ("after_steps4": buckets 1.25x apart).
+2. Mixed step (1 prefill chunk of 64 (or each --mixed_chunks) + 63 decodes, 64 rows) vs the chunk alone, all rows
+   on one flat token axis: the step with power-of-two token buckets ("after") and with `token_bucket_steps`
+   buckets per doubling ("after_steps4": buckets 1.25x apart).
 3. Compiled temp memory of a decode step (`memory_analysis().temp_size_in_bytes`) at max_model_len 64k vs 1M.
-4. Batch-invariant mode: the same mixed 8-row step, normal vs invariant.
+4. Batch-invariant mode: the same mixed 8-row step, normal vs invariant, at contexts 1k and 8k (its cost follows
+   the live context).
 
 The runner is driven directly with synthetic block tables (block contents do not change the work). Prints one
 markdown table per part (`--json`: also every number as JSON). For the model-side breakdown of part 1 (indexer
@@ -40,8 +40,7 @@ from dsv4.engine.sampling import SamplingParams
 flags.DEFINE_integer("repeats", 5, "Timed repeats per point (median reported).")
 flags.DEFINE_list("parts", ["decode", "mixed", "memory", "invariant"], "Which measurements to run.")
 flags.DEFINE_list("mixed_chunks", ["64"], "Prefill chunk sizes for part 2 (each: 1 chunk + 63 decodes vs the chunk "
-                  "alone). 64 is the engine default and also runs the row-groups layout (step_mode='groups'); larger "
-                  "chunks run the ragged step only.")
+                  "alone).")
 flags.DEFINE_list("mixed_bucket_steps", ["1", "4"], "token_bucket_steps for part 2's ragged step (growth 2): 1 = "
                   "power-of-two buckets (a chunk + 63 decodes spills into the next power), 4 = buckets 1.25x apart.")
 flags.DEFINE_bool("decode_only", False, "Run part 1 (decode vs context) only (= --parts=decode; the model-side "
@@ -122,9 +121,7 @@ def decode(cfg, params, rng, res):
 
 
 def mixed(cfg, params, rng, res):
-  """2. mixed step vs chunk alone (64 rows, contexts 1k): ragged flat token axis ("after"), decode / prefill row
-  groups ("groups"; step_mode="padded", every row padded to chunk_size in one program, measured 70-110x slower
-  once and not rerun).
+  """2. mixed step vs chunk alone (64 rows, contexts 1k) on the flat token axis.
   For each chunk size C of --mixed_chunks: 1 chunk of C + 63 decodes vs the chunk alone. On CPU a step costs about
   its token count (a decode token ~ a prefill token, measured by "two chunks"), so the ratio approaches
   (C + 63) / C: the 63 decodes ride almost free only beside a long chunk."""
@@ -132,7 +129,7 @@ def mixed(cfg, params, rng, res):
     sfx = "" if C == 64 else f"_c{C}"
     res[f"real_tokens_mixed_over_chunk{sfx}"] = (C + 63) / C      # the floor when a decode token costs a prefill one
     for label, mode, steps in _mixed_modes(C):
-      run = make_runner(cfg, params, max_model_len=8192, max_num_seqs=64, step_mode=mode, token_bucket_growth=2,
+      run = make_runner(cfg, params, max_model_len=8192, max_num_seqs=64, token_bucket_growth=2,
                         token_bucket_steps=steps, chunk_size=C)
       # The row sets live in the runner at once (slot 0 = the chunk in all), timed alternately. "Two chunks"
       # (C + 63 prefill tokens, ragged only) fills the same flat-axis bucket as the mixed step with prefill tokens
@@ -156,11 +153,8 @@ def mixed(cfg, params, rng, res):
 
 def _mixed_modes(C: int) -> list[tuple[str, str, int]]:
   """(label, step_mode, token_bucket_steps) timed for chunk size C in part 2."""
-  modes = [("after", "ragged", 1)] + [(f"after_steps{k}", "ragged", k) for k in map(int, FLAGS.mixed_bucket_steps)
+  return [("after", "ragged", 1)] + [(f"after_steps{k}", "ragged", k) for k in map(int, FLAGS.mixed_bucket_steps)
                                       if k != 1]
-  if C == 64:
-    modes.append(("groups", "groups", 1))
-  return modes
 
 
 def memory(cfg, params, rng, res):
@@ -168,8 +162,8 @@ def memory(cfg, params, rng, res):
   for mml in (65536, M1):
     run = make_runner(cfg, params, max_model_len=mml, max_num_seqs=8)
     rows = rows_at(run, [2048] * 8, [1] * 8, rng)
-    _, wf = run._widths(2049)
-    shape, buf = run._ragged(rows, wf)
+    shape = R.RaggedShape(8, run._rows_bucket(len(rows)), run._swa_width(rows), run._full_width(2049))
+    buf = run._pack_rows(rows, shape)
     comp = R.ragged_step.lower(run.params, run.cache, jax.numpy.asarray(buf), config=cfg, layout=run.layout,
                               kernel_cfg=run.kernel_cfg, shape=shape, record_logits=False).compile()
     res[f"decode_temp_bytes_max_len_{mml // 1024}k"] = int(comp.memory_analysis().temp_size_in_bytes)
@@ -177,12 +171,16 @@ def memory(cfg, params, rng, res):
 
 
 def invariant(cfg, params, rng, res):
-  # 4. batch-invariant cost: 8 rows (1 chunk of 32 + 7 decodes), max_model_len 4096
+  # 4. batch-invariant cost: 8 rows (1 chunk of 32 + 7 decodes), max_model_len 64k, contexts 1k and 8k
   for label, inv in (("normal", False), ("invariant", True)):
-    run = make_runner(cfg, params, max_model_len=4096, max_num_seqs=8, chunk_size=32, batch_invariant=inv)
-    res[f"mixed8_ms_{label}"] = 1e3 * timed(run, rows_at(run, [1024] * 8, [32] + [1] * 7, rng), FLAGS.repeats)
+    run = make_runner(cfg, params, max_model_len=65536, max_num_seqs=8, chunk_size=32, batch_invariant=inv)
+    for ctx in (1024, 8192):
+      res[f"mixed8_ctx{ctx // 1024}k_ms_{label}"] = 1e3 * timed(run, rows_at(run, [ctx] * 8, [32] + [1] * 7, rng),
+                                                                FLAGS.repeats)
     del run
-  res["invariant_cost_x"] = res["mixed8_ms_invariant"] / res["mixed8_ms_normal"]
+  for ctx in ("1k", "8k"):
+    res[f"invariant_cost_x_ctx{ctx}"] = res[f"mixed8_ctx{ctx}_ms_invariant"] / res[f"mixed8_ctx{ctx}_ms_normal"]
+  res["invariant_8k_over_1k"] = res["mixed8_ctx8k_ms_invariant"] / res["mixed8_ctx1k_ms_invariant"]
 
 
 def main(argv):
@@ -238,10 +236,11 @@ def print_tables(res: dict, parts) -> None:
                 [[f"{mml // 1024}k", res[f"decode_temp_bytes_max_len_{mml // 1024}k"]] for mml in (65536, M1)],
                 title="3. Compiled temp memory of a decode step (batch 8, context 2k)")
   if "invariant" in parts:
-    print_table(["mode", "ms (1 chunk of 32 + 7 decodes)"],
-                [["normal", res["mixed8_ms_normal"]], ["batch-invariant", res["mixed8_ms_invariant"]],
-                 ["invariant / normal", res["invariant_cost_x"]]],
-                title="4. Batch-invariant mode, 8 rows, max_model_len 4096")
+    print_table(["context", "normal ms", "batch-invariant ms", "invariant / normal"],
+                [[c, res[f"mixed8_ctx{c}_ms_normal"], res[f"mixed8_ctx{c}_ms_invariant"],
+                  res[f"invariant_cost_x_ctx{c}"]] for c in ("1k", "8k")]
+                + [["8k / 1k", None, res["invariant_8k_over_1k"], None]],
+                title="4. Batch-invariant mode, 8 rows (1 chunk of 32 + 7 decodes), max_model_len 64k")
 
 
 if __name__ == "__main__":

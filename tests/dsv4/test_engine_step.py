@@ -122,7 +122,6 @@ def test_compilation_is_bounded_and_counted():
                  for n in range(1, BASE.max_num_batched_tokens + 1)})
   assert buckets == 3
   assert rep["compilations_by_function"].get("jit(ragged_step)", 0) <= buckets, rep
-  assert rep["compilations_by_function"].get("jit(group_step)", 0) == 0, rep
   assert 2 <= rep["step_programs"]["ragged_step"] <= buckets, rep   # prefill chunks and decodes: two buckets at least
   second = Engine(params, cfg, BASE)
   run_workload(second, wl)

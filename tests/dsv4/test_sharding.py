@@ -160,7 +160,6 @@ def test_scanned_layer_groups_step_matches_the_unrolled_step():
   """benchmarks/sizing.py compiles the full-depth V4 step as a scan over its repeating layer groups: same logits
   and cache as the engine's unrolled step."""
   from benchmarks import sizing
-  from dsv4.engine.runner import _last_token_step
   from pallas_kernels import dispatch
   cfg = C.v4_tiny(num_layers=8)
   s, g, n = sizing.layer_groups(cfg)
@@ -173,7 +172,7 @@ def test_scanned_layer_groups_step_matches_the_unrolled_step():
                             jnp.asarray(full))
   toks = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, cfg.vocab_size)
   kc = dispatch.KernelConfig()
-  want_cache, want = jax.jit(lambda p, c: _last_token_step(p, cfg, layout, kc, toks, c, index))(params, cache)
+  want_cache, want = jax.jit(lambda p, c: sizing._last_token_step(p, cfg, layout, kc, toks, c, index))(params, cache)
   stack = lambda xs: jnp.stack(xs)  # noqa: E731
   p2 = dict(params, layers=sizing.stack_groups(list(params["layers"]), s, g, n, stack))
   c2 = caches.ModelCache(sizing.stack_groups(list(cache.layers), s, g, n, stack))
