@@ -178,25 +178,28 @@ def _sample(p, logits_RxV):
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api"),
+                   static_argnames=("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api",
+                                    "graphdef"),
                    donate_argnames=("cache",))
 def ragged_step(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedShape, record_logits: bool,
-                model_api: str = "functional"):
+                model_api: str = "functional", graphdef=None):
   """All rows of a step on one flat token axis (`model.forward_ragged`): a decode row costs one token, a prefill
   row its chunk, padding only up to the token bucket. Logits at each row's last token, then sampling. Returns
-  (cache, tokens_R, logits_RxV or None). model_api="nnx": the same step through the Flax modules
-  (`nnx_model.apply_ragged`, which runs `model.forward_ragged` on the merged module's params)."""
+  (cache, tokens_R, logits_RxV or None). model_api="nnx": params is the `nnx.State` and graphdef (static) the
+  `nnx.GraphDef` of an `nnx_model.Model` (`nnx.split`); the step runs that module (`Model.ragged`, its blocks
+  calling their own sub-modules), so a changed module is a changed graphdef and compiles its own program."""
   p = _unpack(buf, shape)
   step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], {caches.SWA: p["swa"], caches.FULL: p["full"]},
                           swa_base_R=p["swa_base"])
   if model_api == "nnx":
-    from dsv4 import nnx_model  # local: the default path does not import Flax
-    cache, h_NxD = nnx_model.apply_ragged(params, p["tokens"], cache, step, config=config, layout=layout,
-                                          kernel_cfg=kernel_cfg)
+    from flax import nnx  # local: the default path does not import Flax
+    net = nnx.merge(graphdef, params)
+    cache, h_NxD = net.ragged(p["tokens"], cache, step, layout=layout, kernel_cfg=kernel_cfg)
+    logits = net.logits(h_NxD[jnp.maximum(p["last"], 0)])
   else:
     cache, h_NxD = model.forward_ragged(params, config, p["tokens"], cache, step, layout=layout,
                                         kernel_cfg=kernel_cfg)
-  logits = model.lm_logits(params, h_NxD[jnp.maximum(p["last"], 0)])
+    logits = model.lm_logits(params, h_NxD[jnp.maximum(p["last"], 0)])
   return cache, _sample(p, logits), (logits if record_logits else None)
 
 
@@ -283,6 +286,13 @@ class ModelRunner:
       raise ValueError("ModelRunner: model_api='nnx' runs the one-device ragged step only (no mesh, no "
                        "batch_invariant, step_mode='ragged')")
     self.model_api = model_api
+    if model_api == "nnx":
+      from dsv4 import nnx_model  # local: the default path does not import Flax
+      # The module the step runs: a Model passed in is held, not copied, and split again at every step, so
+      # replacing or changing one of its modules takes effect at the next step (a param dict is merged once).
+      self.net = params if isinstance(params, nnx_model.Model) else nnx_model.merge(config, params)
+      if self.net.config != config:
+        raise ValueError("ModelRunner: the nnx_model.Model was built for another config than the runner's")
     self.max_num_seqs, self.chunk_size = max_num_seqs, chunk_size
     self.batch_invariant, self.record_logits = batch_invariant, record_logits
     # "ragged": one flat token axis (the serving path). Earlier layouts, kept for benchmarks' before/after in one
@@ -515,8 +525,13 @@ class ModelRunner:
       self.stats["step_slots"] += shape.tokens
       (dev,) = jax.device_put([buf])                          # the step plan: one host->device transfer
       self.stats["device_puts"] += 1
-      self.cache, toks, logits = ragged_step(self.params, self.cache, dev, shape=shape, model_api=self.model_api,
-                                             **kw)
+      params, nnx_kw = self.params, {}
+      if self.model_api == "nnx":
+        from flax import nnx
+        graphdef, params = nnx.split(self.net)              # this step's module: edits since the last step count
+        nnx_kw = {"graphdef": graphdef}
+      self.cache, toks, logits = ragged_step(params, self.cache, dev, shape=shape, model_api=self.model_api,
+                                             **nnx_kw, **kw)
       toks, logits = jax.device_get((toks, logits))           # the sampled tokens: one device->host transfer
       self.stats["device_gets"] += 1
       self.stats["steps"] += 1
