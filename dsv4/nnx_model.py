@@ -1,9 +1,12 @@
-"""The DeepSeek-V4 / V4.1 model as Flax NNX modules that own the parameters and their logical axes, applied as a
-pure function over today's parameter dict.
+"""The DeepSeek-V4 / V4.1 model as Flax NNX modules that own the parameters and their logical axes and execute:
+each block calls its own sub-modules, so replacing or editing a module changes what the model (and the engine)
+computes.
 
     net = nnx_model.Model.init(config, jax.random.PRNGKey(0))      # == model.init_params(config, key), as modules
-    params = nnx_model.params_of(net)                              # the plain nested dict (checkpoint spelling)
-    cache, logits = nnx_model.apply(params, tokens_BxT, cache, index, config=config)   # == model.forward
+    net = nnx_model.merge(config, params)                          # or around a loaded checkpoint's dict
+    cache, logits = net(tokens_BxT, cache, index)                  # == model.forward, bit for bit
+    net.layers[3].attn = net.layers[3].attn.with_config(small_topk_config)   # this layer now selects fewer entries
+    engine = Engine(net, config, EngineConfig(model_api="nnx"))    # the engine runs `net` (edits count next step)
 
 Why NNX: it is Flax's main API, MaxText's DeepSeek-V4 code is NNX, and its
 modules are plain Python objects whose state splits into a pytree, so the explicit-cache style of `dsv4.model`
@@ -23,9 +26,16 @@ What the modules are, and are not:
   done by `sharding.Rules` (with its divisibility fallbacks), see `partition_specs`.
 * Values (shapes, dtypes, init) come from `model.init_params` / a loaded checkpoint: a module is built from a param
   dict, never re-initialised by its own rule, so `Model.init(config, key)` equals `model.init_params(config, key)`.
-* `__call__`s run the existing functions of `dsv4.model` and `dsv4.layers` on the module's parameters as the dict
-  they already take; there is one implementation of the math. `Model.__call__` is `model.forward` (whose layer
-  loop calls `model._block` / `_block_single_pass`, the functions `Block.__call__` calls).
+* Each module keeps its own `config` and `plan` (static, part of the graphdef): `with_config` gives the same
+  weights under another config (e.g. a smaller indexer top-k for one layer's `Attention`).
+* One implementation of the math and of the wiring. Leaf modules (`Attention`, `MoE`, `HyperConnection`,
+  `HeadConnection`, `Engram`) run the `dsv4.layers` functions on their own parameters, config and plan. `Block`
+  runs `model.block_forward` (the block wiring the functional model uses too) over its own sub-modules, and
+  `Model` runs `model.forward_ragged_aux`'s layer loop over its own `Block`s and `hc_head` (its `blocks` /
+  `hc_head` arguments). With unedited modules the traced program is the functional model's, op for op.
+* The engine's step (`dsv4.engine.runner.ragged_step`, model_api="nnx") takes the `nnx.split` of the runner's
+  module: the state is the traced argument, the graphdef a static one (a changed module is a new graphdef, so
+  its own compiled program), and `nnx.merge` inside the jit rebuilds the module that runs.
 """
 
 from __future__ import annotations
@@ -276,14 +286,14 @@ def merge(config: ModelConfig, params: dict) -> Model:
 def apply(params: dict, tokens_BxT, cache: caches.ModelCache, index: caches.BatchIndex, *, config: ModelConfig,
           layout: caches.CacheLayout = caches.CacheLayout(),
           kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
-  """Pure: `nnx.merge` of the cached graphdef with `params`, then the module call. Returns (cache, logits)."""
+  """Pure: `nnx.merge` of the cached graphdef with `params`, then `Model.__call__`. Returns (cache, logits)."""
   return merge(config, params)(tokens_BxT, cache, index, layout=layout, kernel_cfg=kernel_cfg)
 
 
 def apply_ragged(params: dict, tokens_N, cache: caches.ModelCache, step: caches.StepIndex, *, config: ModelConfig,
                  layout: caches.CacheLayout = caches.CacheLayout(),
                  kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
-  """Pure, the engine's step shape: (cache, final-norm hidden_NxD) of `Model.ragged` (`model.forward_ragged`)."""
+  """Pure, the engine's step shape: (cache, final-norm hidden_NxD) of `Model.ragged` of `params` merged."""
   return merge(config, params).ragged(tokens_N, cache, step, layout=layout, kernel_cfg=kernel_cfg)
 
 

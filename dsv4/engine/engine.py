@@ -115,7 +115,9 @@ class Engine:
 
   def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *, mesh=None,
                rules=None, pools_over_data: bool = True):
-    """mesh / rules: run the model step sharded on a device mesh (dsv4.sharding); None = one device.
+    """params: the param dict, or with EngineConfig(model_api="nnx") an `nnx_model.Model`, which the engine holds
+    (not a copy): a module replaced in it runs from the next step on.
+    mesh / rules: run the model step sharded on a device mesh (dsv4.sharding); None = one device.
     pools_over_data (mesh only): one block pool and cache manager per data shard (False: one pool replicated over
     `data`, one manager)."""
     # what this engine compiles (building its cache, admissions, steps), apart from anything else in the process
