@@ -14,6 +14,7 @@ spelling (wq_a, wkv, wo_a, ...), see `dsv4.loading` for the HF <-> project mappi
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -161,41 +162,98 @@ def _engram_hashes(params, config: ModelConfig, tokens_N, ctx: StepContext, cach
   return cl, engram_mod.hash_ids(params["engram_token_map"], ext, e, 1)[:, 0]
 
 
-def _block(params_l, config: ModelConfig, plan: LayerPlan, X, tokens, ctx, cache_l, kernel_cfg, collect_aux):
-  cfg_hc, eps = config.mhc, config.rms_norm_eps
-  pre, post, comb = mhc.hc_coefficients(params_l["hc_attn"], X, cfg_hc, eps)
-  u = rms_norm(mhc.collapse(pre, X), params_l["attn_norm"], eps)
-  cache_l, y, aux = attention_layer(params_l["attn"], config, plan, u[0], ctx, cache_l, kernel_cfg, collect_aux)
+class Sublayers(NamedTuple):
+  """One layer's parts as the block wiring (`block_forward`) calls them. The functional model builds them from a
+  layer's param dict (`layer_sublayers`); `nnx_model.Block` hands over its own sub-modules, so the wiring exists
+  once and whatever a sub-module computes is what the block runs."""
+  hc_attn: Callable       # X_BxTxNxD -> (pre, post, comb)      (mhc.hc_coefficients)
+  attn_norm: jax.Array    # [D]
+  attn: Callable          # (x_NxD, ctx, cache_l, kernel_cfg, collect_aux[, shared]) -> (cache_l, y_NxD, aux[, shared])
+  hc_ffn: Callable        # X_BxTxNxD -> (pre, post, comb)
+  ffn_norm: jax.Array     # [D]
+  ffn: Callable           # (x_BxTxD, tokens_BxT) -> y_BxTxD     (moe.moe)
+  engram: Callable | None = None   # V4.1: (X_BxTxNxD, hash_BxTxH) -> X_BxTxNxD (engram.engram); None = no Engram
+
+
+def layer_sublayers(params_l, config: ModelConfig, plan: LayerPlan) -> Sublayers:
+  """The sublayer functions of `dsv4.layers` bound to one layer's params, config and plan."""
+  eps = config.rms_norm_eps
+  attn = attention_layer_shared if config.single_pass_mhc else attention_layer
+  return Sublayers(
+      hc_attn=functools.partial(_hc, params_l["hc_attn"], config),
+      attn_norm=params_l["attn_norm"],
+      attn=functools.partial(attn, params_l["attn"], config, plan),
+      hc_ffn=functools.partial(_hc, params_l["hc_ffn"], config),
+      ffn_norm=params_l["ffn_norm"],
+      ffn=lambda x, tokens: moe.moe(params_l["ffn"], x, tokens, config.moe, plan.hash_moe),
+      engram=(lambda X, h: engram_mod.engram(params_l["engram"], X, h, eps)) if plan.engram else None)
+
+
+def _hc(p, config: ModelConfig, X):
+  return mhc.hc_coefficients(p, X, config.mhc, config.rms_norm_eps)
+
+
+def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, kernel_cfg, collect_aux, *,
+                  pre_prev=None, shared=None, engram_hash=None):
+  """One block's wiring around its sublayers `s`: the attention and MoE sublayers with mHC.
+
+  V4: returns (cache_l, X, aux). V4.1 (`single_pass_mhc`, docs/model.md): Engram first, then single-pass mHC, where
+  each sublayer collapses with the previous one's `pre` (`pre_prev` in, the FFN's `pre` out) and the CSA2 state
+  `shared` goes from layer to layer: returns (cache_l, X, pre, aux, shared)."""
+  eps = config.rms_norm_eps
+  if not config.single_pass_mhc:
+    pre, post, comb = s.hc_attn(X)
+    u = rms_norm(mhc.collapse(pre, X), s.attn_norm, eps)
+    cache_l, y, aux = s.attn(u[0], ctx, cache_l, kernel_cfg, collect_aux)
+    X = mhc.expand(y[None], X, post, comb)
+    pre, post, comb = s.hc_ffn(X)
+    u = rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps)
+    y = s.ffn(u, tokens)
+    return cache_l, mhc.expand(y, X, post, comb), aux
+  if s.engram is not None:
+    X = s.engram(X, engram_hash)
+  pre, post, comb = s.hc_attn(X)
+  u = rms_norm(mhc.collapse(pre_prev, X), s.attn_norm, eps)
+  cache_l, y, aux, shared = s.attn(u[0], ctx, cache_l, kernel_cfg, collect_aux, shared)
   X = mhc.expand(y[None], X, post, comb)
-  pre, post, comb = mhc.hc_coefficients(params_l["hc_ffn"], X, cfg_hc, eps)
-  u = rms_norm(mhc.collapse(pre, X), params_l["ffn_norm"], eps)
-  y = moe.moe(params_l["ffn"], u, tokens, config.moe, plan.hash_moe)
-  return cache_l, mhc.expand(y, X, post, comb), aux
+  pre2, post2, comb2 = s.hc_ffn(X)
+  u = rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps)
+  y = s.ffn(u, tokens)
+  return cache_l, mhc.expand(y, X, post2, comb2), pre2, aux, shared
+
+
+def _block(params_l, config: ModelConfig, plan: LayerPlan, X, tokens, ctx, cache_l, kernel_cfg, collect_aux):
+  """V4 block on a layer's param dict: `block_forward` of its `layer_sublayers`."""
+  return block_forward(layer_sublayers(params_l, config, plan), config, X, tokens, ctx, cache_l, kernel_cfg,
+                       collect_aux)
 
 
 def _block_single_pass(params_l, config: ModelConfig, plan: LayerPlan, X, pre_prev, tokens, ctx, cache_l, kernel_cfg,
                        collect_aux, shared, engram_hash):
-  """V4.1 block (docs/model.md): Engram, then single-pass mHC: each sublayer collapses with the previous one's `pre`."""
-  cfg_hc, eps = config.mhc, config.rms_norm_eps
-  if plan.engram:
-    X = engram_mod.engram(params_l["engram"], X, engram_hash, eps)
-  pre, post, comb = mhc.hc_coefficients(params_l["hc_attn"], X, cfg_hc, eps)
-  u = rms_norm(mhc.collapse(pre_prev, X), params_l["attn_norm"], eps)
-  cache_l, y, aux, shared = attention_layer_shared(params_l["attn"], config, plan, u[0], ctx, cache_l, kernel_cfg,
-                                                   collect_aux, shared)
-  X = mhc.expand(y[None], X, post, comb)
-  pre2, post2, comb2 = mhc.hc_coefficients(params_l["hc_ffn"], X, cfg_hc, eps)
-  u = rms_norm(mhc.collapse(pre, X), params_l["ffn_norm"], eps)
-  y = moe.moe(params_l["ffn"], u, tokens, config.moe, plan.hash_moe)
-  return cache_l, mhc.expand(y, X, post2, comb2), pre2, aux, shared
+  """V4.1 block on a layer's param dict (docs/model.md): `block_forward` of its `layer_sublayers`."""
+  return block_forward(layer_sublayers(params_l, config, plan), config, X, tokens, ctx, cache_l, kernel_cfg,
+                       collect_aux, pre_prev=pre_prev, shared=shared, engram_hash=engram_hash)
 
 
 def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.ModelCache, step: caches.StepIndex, *,
                        layout: caches.CacheLayout = caches.CacheLayout(),
-                       kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), collect_aux: bool = False):
-  """`forward_ragged` plus a per-layer aux list (indexer picks [N,k], scores [N,M] when collect_aux)."""
+                       kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), collect_aux: bool = False,
+                       blocks: Sequence[Callable] | None = None, hc_head: Callable | None = None):
+  """`forward_ragged` plus a per-layer aux list (indexer picks [N,k], scores [N,M] when collect_aux).
+
+  blocks: one callable per layer, `block(X, tokens, ctx, cache_l, kernel_cfg, collect_aux)` (V4) or with the
+  keywords `pre_prev`, `shared`, `engram_hash` (V4.1), returning what `block_forward` returns; hc_head (V4): the
+  final mHC collapse, X -> h. None (the default) = `block_forward` of each layer's params, `mhc.hc_head` of
+  params["hc_head"]. The NNX model (`dsv4.nnx_model.Model`) passes its own modules here; params then needs only
+  the top-level arrays (embed, norm, engram_token_map)."""
   ctx = StepContext.from_step(step, layout)
   tokens = jnp.clip(tokens_N.astype(jnp.int32), 0, config.vocab_size - 1)[None]  # range is checked by the callers
+  plans = config.layer_plan()
+  if blocks is None:
+    blocks = [functools.partial(block_forward, layer_sublayers(params_l, config, plan), config)
+              for plan, params_l in zip(plans, params["layers"])]
+  if len(blocks) != len(plans):
+    raise ValueError(f"forward_ragged_aux: {len(blocks)} blocks for {len(plans)} layers")
   # The flat axis rides as T of a batch of one through the per-token layers (mHC, MoE, Engram).
   h = sharding.constrain_batch(params["embed"][tokens])  # no-op without a mesh (dsv4/sharding.py)
   X = jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], config.mhc.hc_mult, h.shape[-1]))
@@ -207,19 +265,20 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
       layers_in[config.engram.layer_ids[0]], hashes = _engram_hashes(params, config, tokens[0], ctx, layers_in)
     pre = jnp.zeros((*h.shape[:2], config.mhc.hc_mult), jnp.float32).at[..., 0].set(1.0)
     shared = None
-    for plan, params_l, cache_l in zip(config.layer_plan(), params["layers"], layers_in):
+    for plan, block, cache_l in zip(plans, blocks, layers_in):
       eh = hashes[None, :, config.engram.layer_ids.index(plan.index)] if plan.engram else None
-      cache_l, X, pre, aux, shared = _block_single_pass(params_l, config, plan, X, pre, tokens, ctx, cache_l,
-                                                        kernel_cfg, collect_aux, shared, eh)
+      cache_l, X, pre, aux, shared = block(X, tokens, ctx, cache_l, kernel_cfg, collect_aux, pre_prev=pre,
+                                           shared=shared, engram_hash=eh)
       new_layers.append(cache_l)
       auxes.append(aux)
     h = mhc.collapse(pre, X)
   else:
-    for plan, params_l, cache_l in zip(config.layer_plan(), params["layers"], cache.layers):
-      cache_l, X, aux = _block(params_l, config, plan, X, tokens, ctx, cache_l, kernel_cfg, collect_aux)
+    for block, cache_l in zip(blocks, cache.layers):
+      cache_l, X, aux = block(X, tokens, ctx, cache_l, kernel_cfg, collect_aux)
       new_layers.append(cache_l)
       auxes.append(aux)
-    h = mhc.hc_head(params["hc_head"], X, config.mhc, config.rms_norm_eps)
+    h = (hc_head(X) if hc_head is not None
+         else mhc.hc_head(params["hc_head"], X, config.mhc, config.rms_norm_eps))
   h = rms_norm(h, params["norm"], config.rms_norm_eps)[0]
   return caches.ModelCache(tuple(new_layers)), h, auxes
 
@@ -257,14 +316,17 @@ def forward_ragged_jit(params, config, tokens_N, cache, step, layout=caches.Cach
 def forward_aux(params, config: ModelConfig, tokens_BxT, cache: caches.ModelCache, index: caches.BatchIndex, *,
                 layout: caches.CacheLayout = caches.CacheLayout(),
                 kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), collect_aux: bool = False,
-                return_hidden: bool = False):
+                return_hidden: bool = False, blocks: Sequence[Callable] | None = None,
+                hc_head: Callable | None = None):
   """Like `forward`, plus a per-layer aux list (indexer picks [B,T,k] and scores [B,T,M] when collect_aux).
+  blocks / hc_head: as `forward_ragged_aux` (None = the functional blocks on params).
 
   The padded [B, T] layout is a ragged step whose flat token b*T + t is row b's token t (padding: t >= num)."""
   B, T = tokens_BxT.shape
   step = caches.step_index_from_batch(index, T)
   cache, h, auxes = forward_ragged_aux(params, config, tokens_BxT.reshape(B * T), cache, step, layout=layout,
-                                       kernel_cfg=kernel_cfg, collect_aux=collect_aux)
+                                       kernel_cfg=kernel_cfg, collect_aux=collect_aux, blocks=blocks,
+                                       hc_head=hc_head)
   h = h.reshape(B, T, -1)
   auxes = [{k: v.reshape(B, T, *v.shape[1:]) for k, v in aux.items()} for aux in auxes]
   if return_hidden:

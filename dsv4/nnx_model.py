@@ -1,9 +1,12 @@
-"""The DeepSeek-V4 / V4.1 model as Flax NNX modules that own the parameters and their logical axes, applied as a
-pure function over today's parameter dict.
+"""The DeepSeek-V4 / V4.1 model as Flax NNX modules that own the parameters and their logical axes and execute:
+each block calls its own sub-modules, so replacing or editing a module changes what the model (and the engine)
+computes.
 
     net = nnx_model.Model.init(config, jax.random.PRNGKey(0))      # == model.init_params(config, key), as modules
-    params = nnx_model.params_of(net)                              # the plain nested dict (checkpoint spelling)
-    cache, logits = nnx_model.apply(params, tokens_BxT, cache, index, config=config)   # == model.forward
+    net = nnx_model.merge(config, params)                          # or around a loaded checkpoint's dict
+    cache, logits = net(tokens_BxT, cache, index)                  # == model.forward, bit for bit
+    net.layers[3].attn = net.layers[3].attn.with_config(small_topk_config)   # this layer now selects fewer entries
+    engine = Engine(net, config, EngineConfig(model_api="nnx"))    # the engine runs `net` (edits count next step)
 
 Why NNX: it is Flax's main API, MaxText's DeepSeek-V4 code is NNX, and its
 modules are plain Python objects whose state splits into a pytree, so the explicit-cache style of `dsv4.model`
@@ -23,9 +26,16 @@ What the modules are, and are not:
   done by `sharding.Rules` (with its divisibility fallbacks), see `partition_specs`.
 * Values (shapes, dtypes, init) come from `model.init_params` / a loaded checkpoint: a module is built from a param
   dict, never re-initialised by its own rule, so `Model.init(config, key)` equals `model.init_params(config, key)`.
-* `__call__`s run the existing functions of `dsv4.model` and `dsv4.layers` on the module's parameters as the dict
-  they already take; there is one implementation of the math. `Model.__call__` is `model.forward` (whose layer
-  loop calls `model._block` / `_block_single_pass`, the functions `Block.__call__` calls).
+* Each module keeps its own `config` and `plan` (static, part of the graphdef): `with_config` gives the same
+  weights under another config (e.g. a smaller indexer top-k for one layer's `Attention`).
+* One implementation of the math and of the wiring. Leaf modules (`Attention`, `MoE`, `HyperConnection`,
+  `HeadConnection`, `Engram`) run the `dsv4.layers` functions on their own parameters, config and plan. `Block`
+  runs `model.block_forward` (the block wiring the functional model uses too) over its own sub-modules, and
+  `Model` runs `model.forward_ragged_aux`'s layer loop over its own `Block`s and `hc_head` (its `blocks` /
+  `hc_head` arguments). With unedited modules the traced program is the functional model's, op for op.
+* The engine's step (`dsv4.engine.runner.ragged_step`, model_api="nnx") takes the `nnx.split` of the runner's
+  module: the state is the traced argument, the graphdef a static one (a changed module is a new graphdef, so
+  its own compiled program), and `nnx.merge` inside the jit rebuilds the module that runs.
 """
 
 from __future__ import annotations
@@ -72,7 +82,7 @@ class _ParamTree(nnx.Module):
   _children: dict = {}
 
   def __init__(self, config: ModelConfig, plan: LayerPlan | None, tree: dict, path: tuple[str, ...]):
-    self.config, self.plan = config, plan
+    self.config, self.plan, self.path = config, plan, tuple(path)
     for key, value in tree.items():
       if isinstance(value, dict):
         if key not in self._children:
@@ -86,6 +96,12 @@ class _ParamTree(nnx.Module):
 
   def param_dict(self) -> dict:
     return params_of(self)
+
+  def with_config(self, config: ModelConfig) -> "_ParamTree":
+    """A new module of this class holding the same parameter arrays that runs with `config` (its sub-modules
+    too), e.g. `attn.with_config(dataclasses.replace(cfg, indexer=dataclasses.replace(cfg.indexer, topk=4)))`.
+    The parameter shapes must still be those of `config`."""
+    return type(self)(config, self.plan, self.param_dict(), self.path)
 
 
 class Compressor(_ParamTree):
@@ -150,22 +166,27 @@ class Engram(_ParamTree):
 
 
 class Block(_ParamTree):
-  """One transformer block: attention + MoE with mHC (+ Engram in V4.1); the call is `model._block` (V4) or
-  `model._block_single_pass` (V4.1), the functions `model.forward`'s layer loop runs."""
+  """One transformer block: attention + MoE with mHC (+ Engram in V4.1). The call is `model.block_forward` (the
+  block wiring the functional model runs too) over this block's own sub-modules: `hc_attn`, `attn`, `hc_ffn`,
+  `ffn`, `engram` and the norm weights. Replacing a sub-module (`blk.attn = ...`) changes what the block runs."""
   _children = {"attn": Attention, "ffn": MoE, "hc_attn": HyperConnection, "hc_ffn": HyperConnection,
                "engram": Engram}
 
+  def sublayers(self) -> model.Sublayers:
+    return model.Sublayers(hc_attn=self.hc_attn, attn_norm=self.attn_norm[...], attn=self.attn,
+                           hc_ffn=self.hc_ffn, ffn_norm=self.ffn_norm[...], ffn=self.ffn,
+                           engram=getattr(self, "engram", None))
+
   def __call__(self, X, tokens, ctx, cache_layer, kernel_cfg=dispatch.KernelConfig(), collect_aux=False, *,
                pre_prev=None, shared=None, engram_hash=None):
-    if self.config.single_pass_mhc:
-      return model._block_single_pass(self.param_dict(), self.config, self.plan, X, pre_prev, tokens, ctx,
-                                      cache_layer, kernel_cfg, collect_aux, shared, engram_hash)
-    return model._block(self.param_dict(), self.config, self.plan, X, tokens, ctx, cache_layer, kernel_cfg,
-                        collect_aux)
+    """V4: (cache_layer, X, aux); V4.1: (cache_layer, X, pre, aux, shared), as `model.block_forward`."""
+    return model.block_forward(self.sublayers(), self.config, X, tokens, ctx, cache_layer, kernel_cfg, collect_aux,
+                               pre_prev=pre_prev, shared=shared, engram_hash=engram_hash)
 
 
 class Model(_ParamTree):
-  """The whole text model: embed, blocks, final norm, lm_head (+ hc_head for V4, engram_token_map for V4.1)."""
+  """The whole text model: embed, blocks, final norm, lm_head (+ hc_head for V4, engram_token_map for V4.1).
+  Its calls run `model.forward_ragged_aux`'s layer loop over this model's own `Block` modules (and `hc_head`)."""
   _children = {"hc_head": HeadConnection}
 
   def __init__(self, config: ModelConfig, params: dict):
@@ -180,19 +201,37 @@ class Model(_ParamTree):
     """Random parameters exactly as `model.init_params(config, key, scale)`."""
     return cls(config, model.init_params(config, key, scale))
 
+  def with_config(self, config: ModelConfig) -> "Model":
+    """A new Model of `config` holding this model's parameter arrays (every module rebuilt)."""
+    return type(self)(config, self.param_dict())
+
+  def _top(self) -> dict:
+    """The model's own arrays (embed, norm, lm_head, engram_token_map), as `dsv4.model` reads them."""
+    return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+  def _hooks(self) -> dict:
+    return {"blocks": list(self.layers), "hc_head": getattr(self, "hc_head", None)}
+
   def __call__(self, tokens_BxT, cache: caches.ModelCache, index: caches.BatchIndex, *,
                layout: caches.CacheLayout = caches.CacheLayout(),
                kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
-    """(new cache, logits_BxTxV), i.e. `model.forward` on this module's parameters."""
-    return model.forward(self.param_dict(), self.config, tokens_BxT, cache, index, layout=layout,
-                         kernel_cfg=kernel_cfg)
+    """(new cache, logits_BxTxV): `model.forward`'s step with this model's modules."""
+    cache, logits, _ = model.forward_aux(self._top(), self.config, tokens_BxT, cache, index, layout=layout,
+                                         kernel_cfg=kernel_cfg, **self._hooks())
+    return cache, logits
 
   def ragged(self, tokens_N, cache: caches.ModelCache, step: caches.StepIndex, *,
              layout: caches.CacheLayout = caches.CacheLayout(),
-             kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
-    """(new cache, final-norm hidden_NxD), i.e. `model.forward_ragged` (the engine's step shape)."""
-    return model.forward_ragged(self.param_dict(), self.config, tokens_N, cache, step, layout=layout,
-                                kernel_cfg=kernel_cfg)
+             kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), collect_aux: bool = False):
+    """(new cache, final-norm hidden_NxD) of one ragged step (the engine's step shape, `model.forward_ragged`) with
+    this model's modules; with collect_aux also the per-layer aux list."""
+    cache, h, auxes = model.forward_ragged_aux(self._top(), self.config, tokens_N, cache, step, layout=layout,
+                                               kernel_cfg=kernel_cfg, collect_aux=collect_aux, **self._hooks())
+    return (cache, h, auxes) if collect_aux else (cache, h)
+
+  def logits(self, h_NxD):
+    """fp32 logits of final-norm hidden states (`model.lm_logits` with this model's lm_head)."""
+    return model.lm_logits({"lm_head": self.lm_head[...]}, h_NxD)
 
 
 def _check_tree(config: ModelConfig, params: dict) -> None:
@@ -247,14 +286,14 @@ def merge(config: ModelConfig, params: dict) -> Model:
 def apply(params: dict, tokens_BxT, cache: caches.ModelCache, index: caches.BatchIndex, *, config: ModelConfig,
           layout: caches.CacheLayout = caches.CacheLayout(),
           kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
-  """Pure: `nnx.merge` of the cached graphdef with `params`, then the module call. Returns (cache, logits)."""
+  """Pure: `nnx.merge` of the cached graphdef with `params`, then `Model.__call__`. Returns (cache, logits)."""
   return merge(config, params)(tokens_BxT, cache, index, layout=layout, kernel_cfg=kernel_cfg)
 
 
 def apply_ragged(params: dict, tokens_N, cache: caches.ModelCache, step: caches.StepIndex, *, config: ModelConfig,
                  layout: caches.CacheLayout = caches.CacheLayout(),
                  kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
-  """Pure, the engine's step shape: (cache, final-norm hidden_NxD) of `Model.ragged` (`model.forward_ragged`)."""
+  """Pure, the engine's step shape: (cache, final-norm hidden_NxD) of `Model.ragged` of `params` merged."""
   return merge(config, params).ragged(tokens_N, cache, step, layout=layout, kernel_cfg=kernel_cfg)
 
 

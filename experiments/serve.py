@@ -198,9 +198,9 @@ def check_flags() -> list[str]:
   if FLAGS.retention_interval < 0 or FLAGS.retention_interval % 128:
     raise FlagError(f"--retention_interval={FLAGS.retention_interval}: must be 0 or a positive multiple of 128 (the "
                     "full-attention block size)")
-  if FLAGS.model_api == "nnx" and (FLAGS.mesh or FLAGS.batch_invariant):
-    raise FlagError("--model_api=nnx runs the one-device ragged step: drop --mesh / --batch_invariant (those steps "
-                    "use dsv4.model)")
+  if FLAGS.model_api == "nnx" and FLAGS.mesh:
+    raise FlagError("--model_api=nnx runs on one device (the module state carries no mesh shardings): drop --mesh "
+                    "or use --model_api=functional")
   for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_model_len", "num_full_blocks",
                "num_swa_blocks", "num_processes"):
     if FLAGS[name].value < 1:

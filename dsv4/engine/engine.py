@@ -115,7 +115,9 @@ class Engine:
 
   def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *, mesh=None,
                rules=None, pools_over_data: bool = True):
-    """mesh / rules: run the model step sharded on a device mesh (dsv4.sharding); None = one device.
+    """params: the param dict, or with EngineConfig(model_api="nnx") an `nnx_model.Model`, which the engine holds
+    (not a copy): a module replaced in it runs from the next step on.
+    mesh / rules: run the model step sharded on a device mesh (dsv4.sharding); None = one device.
     pools_over_data (mesh only): one block pool and cache manager per data shard (False: one pool replicated over
     `data`, one manager)."""
     # what this engine compiles (building its cache, admissions, steps), apart from anything else in the process
@@ -128,6 +130,20 @@ class Engine:
       raise ValueError("Engine: KV tiers (EngineConfig.tiering) are not supported with a mesh yet: the tier glue "
                        "reads and writes pool blocks of a one-device cache")
     engine_config.validate()
+    # params may be an nnx_model.Model (model_api="nnx"): the runner holds that module, so editing it (replacing a
+    # layer's attention, say) changes what the following steps compute.
+    net = None
+    if not isinstance(params, dict):
+      import sys
+      flax_nnx = sys.modules.get("flax.nnx")        # a Model exists only once Flax is imported
+      if flax_nnx is not None and isinstance(params, flax_nnx.Module):
+        if engine_config.model_api != "nnx":
+          raise ValueError("Engine: an nnx_model.Model runs with EngineConfig(model_api='nnx'); pass its "
+                           "params_of(...) dict for the functional path")
+        if engine_config.dtype != "fp32":
+          raise ValueError("Engine: dtype='bf16' casts a param dict; cast a Model's params before building it "
+                           "(nnx_model.merge(config, model.cast_params(params, jnp.bfloat16)))")
+        net = params
     self.config, self.ec = config, engine_config
     ec = engine_config
     from dsv4 import sharding
@@ -168,6 +184,9 @@ class Engine:
     self.tiering = None                 # KV tiers below the device: all the glue lives in dsv4/engine/tiering.py
     if ec.tiering is not None:
       from dsv4.engine.tiering import Tiering
+      if net is not None:
+        from dsv4 import nnx_model
+        params = nnx_model.params_of(net)             # the model digest of the module's arrays
       self.tiering = Tiering(self, ec.tiering, params)
 
   # ------------------------------------------------------------------------------------------ intake

@@ -146,31 +146,35 @@ def _sample(p, logits_RxV):
   return sample_rows_impl(logits_RxV, p["temperature"], p["top_k"], p["top_p"], p["seed"], p["step"])
 
 
-def _forward(params, tokens_N, cache, step, *, config, layout, kernel_cfg, model_api):
-  if model_api == "nnx":
-    from dsv4 import nnx_model  # local: the default path does not import Flax
-    return nnx_model.apply_ragged(params, tokens_N, cache, step, config=config, layout=layout, kernel_cfg=kernel_cfg)
-  return model.forward_ragged(params, config, tokens_N, cache, step, layout=layout, kernel_cfg=kernel_cfg)
-
-
 def step_body(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedShape, record_logits: bool,
-              model_api: str = "functional"):
+              model_api: str = "functional", graphdef=None):
   """The engine's one step program (unjitted; `ragged_step` is its one-device jit, `ModelRunner` wraps it for a
   mesh). All rows of a step on one flat token axis (`model.forward_ragged`): a decode row costs one token, a prefill
   row its chunk, padding only up to the token bucket. Logits at each row's last token, then sampling. Returns
   (cache, tokens_R, logits_RxV or None).
+
+  model_api="nnx": params is the `nnx.State` and graphdef (static) the `nnx.GraphDef` of an `nnx_model.Model`
+  (`nnx.split`); the step runs that module (`Model.ragged`, its blocks calling their own sub-modules), so a changed
+  module is a changed graphdef and compiles its own program.
 
   shape.invariant: every real token runs the same one-token forward, in order (a loop with a dynamic trip count,
   so padding costs nothing), then each row's logits and sample at a fixed [1, D] / [1, V] shape: nothing in a
   token's math depends on what else shares the step or on how its prompt was chunked. The tables are the live
   ones (the runner sizes them by each token's own position, see `ModelRunner._invariant_calls`)."""
   p = _unpack(buf, shape)
-  fwd = functools.partial(_forward, config=config, layout=layout, kernel_cfg=kernel_cfg, model_api=model_api)
+  if model_api == "nnx":
+    from flax import nnx  # local: the default path does not import Flax
+    net = nnx.merge(graphdef, params)
+    fwd = functools.partial(net.ragged, layout=layout, kernel_cfg=kernel_cfg)
+    to_logits, h_dtype = net.logits, net.lm_head.value.dtype
+  else:
+    fwd = functools.partial(model.forward_ragged, params, config, layout=layout, kernel_cfg=kernel_cfg)
+    to_logits, h_dtype = functools.partial(model.lm_logits, params), params["lm_head"].dtype
   if not shape.invariant:
     step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], {caches.SWA: p["swa"], caches.FULL: p["full"]},
                             swa_base_R=p["swa_base"])
-    cache, h_NxD = fwd(params, p["tokens"], cache, step)
-    logits = model.lm_logits(params, h_NxD[jnp.maximum(p["last"], 0)])
+    cache, h_NxD = fwd(p["tokens"], cache, step)
+    logits = to_logits(h_NxD[jnp.maximum(p["last"], 0)])
     return cache, _sample(p, logits), (logits if record_logits else None)
 
   one = jnp.ones((1,), jnp.int32)
@@ -182,14 +186,14 @@ def step_body(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedSh
     step = caches.StepIndex(jnp.zeros((1,), jnp.int32), pos, pos, one,
                             {caches.SWA: p["swa"][r][None], caches.FULL: p["full"][r][None]},
                             swa_base_R=p["swa_base"][r][None])
-    cache, h = fwd(params, p["tokens"][i][None], cache, step)
+    cache, h = fwd(p["tokens"][i][None], cache, step)
     return cache, h_NxD.at[i].set(h[0].astype(h_NxD.dtype))
 
-  h0 = jnp.zeros((shape.tokens, params["lm_head"].shape[0]), params["lm_head"].dtype)
+  h0 = jnp.zeros((shape.tokens, config.hidden_size), h_dtype)
   cache, h_NxD = jax.lax.fori_loop(0, p["n_real"][0], body, (cache, h0))
 
   def per_row(r):
-    logits = model.lm_logits(params, h_NxD[jnp.maximum(p["last"][r], 0)][None])
+    logits = to_logits(h_NxD[jnp.maximum(p["last"][r], 0)][None])
     q = {k: p[k][r][None] for k in ("temperature", "top_k", "top_p", "seed", "step")}
     return _sample(q, logits)[0], logits[0]
 
@@ -197,13 +201,13 @@ def step_body(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedSh
   return cache, toks, (logits if record_logits else None)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api",
+                                             "graphdef"), donate_argnames=("cache",))
 def ragged_step(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedShape, record_logits: bool,
-                model_api: str = "functional"):
+                model_api: str = "functional", graphdef=None):
   """`step_body` jitted for one device (compile logs name it `jit(ragged_step)`, on a mesh too)."""
   return step_body(params, cache, buf, config=config, layout=layout, kernel_cfg=kernel_cfg, shape=shape,
-                   record_logits=record_logits, model_api=model_api)
+                   record_logits=record_logits, model_api=model_api, graphdef=graphdef)
 
 
 @dataclasses.dataclass
@@ -233,6 +237,13 @@ class ModelRunner:
       raise ValueError("ModelRunner: model_api='nnx' runs on one device (the module state carries no mesh "
                        "shardings); drop the mesh or use model_api='functional'")
     self.model_api = model_api
+    if model_api == "nnx":
+      from dsv4 import nnx_model  # local: the default path does not import Flax
+      # The module the step runs: a Model passed in is held, not copied, and split again at every step, so
+      # replacing or changing one of its modules takes effect at the next step (a param dict is merged once).
+      self.net = params if isinstance(params, nnx_model.Model) else nnx_model.merge(config, params)
+      if self.net.config != config:
+        raise ValueError("ModelRunner: the nnx_model.Model was built for another config than the runner's")
     self.max_num_seqs, self.chunk_size = max_num_seqs, chunk_size
     self.batch_invariant, self.record_logits = batch_invariant, record_logits
     if token_bucket_growth not in (2, 4):
@@ -456,7 +467,11 @@ class ModelRunner:
               record_logits=self.record_logits, model_api=self.model_api)
     if self.mesh is None:
       (dev,) = jax.device_put([bufs[0]])                       # the step plan: one host->device transfer
-      self.cache, t, l = ragged_step(self.params, self.cache, dev, **kw)
+      params = self.params
+      if self.model_api == "nnx":
+        from flax import nnx
+        kw["graphdef"], params = nnx.split(self.net)           # this step's module: edits since the last step count
+      self.cache, t, l = ragged_step(params, self.cache, dev, **kw)
     else:
       dev = sharding.put(np.stack(bufs) if D > 1 else bufs[0], self.shardings["plan"])
       with jax.set_mesh(self.mesh):

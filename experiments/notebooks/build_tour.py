@@ -16,14 +16,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PATH = os.path.join(HERE, "tour.ipynb")
 
 CELLS = [
-    ("md", """# dsv4 tour: model, caches, indexer picks, one cache ablation
+    ("md", """# dsv4 tour: model, caches, indexer picks, a layer swap, one cache ablation
 
 1. load the model (the trained `v4_retrieval` checkpoint when it is shipped, else random `v4_tiny` weights);
 2. run a prompt through `dsv4.model.forward_aux(..., collect_aux=True)` with a contiguous cache;
 3. the cache pytree: array shapes per layer and cache group (`window_kv` etc. live in the paged *swa* group,
    compressed entries and indexer keys in the *full* group);
 4. which compressed entries the Lightning indexer picked for a query (`topk_ids` of a CSA layer);
-5. one ablation plot: SWA checkpoint retention interval vs tokens recomputed (`experiments/ablate_retention.py`)."""),
+5. editing the model: the engine runs the Flax NNX modules, so replacing one layer's attention changes its output;
+6. one ablation plot: SWA checkpoint retention interval vs tokens recomputed (`experiments/ablate_retention.py`)."""),
     ("code", """import os
 import numpy as np
 import jax, jax.numpy as jnp
@@ -81,6 +82,41 @@ buf = io.BytesIO()          # experiments.plotting selects the Agg backend: rend
 fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
 plt.close(fig)
 display(Image(data=buf.getvalue()))"""),
+    ("md", """## Edit the model: replace one layer's attention, the engine's output changes
+
+`nnx_model.merge(config, params)` is the model as Flax NNX modules (`net.layers[i].attn`, `.ffn`, `.hc_attn`, ...).
+Each block calls its own sub-modules, and the engine (`EngineConfig(model_api="nnx")`) runs the module it is given,
+split into graph + state at every step. Here layer `k`'s attention is replaced by the same weights with a smaller
+indexer top-k (8 -> 2): the next request's logits change; putting the original module back restores them."""),
+    ("code", """import dataclasses
+from dsv4 import nnx_model
+from dsv4.engine.api import generate
+from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.sampling import SamplingParams
+
+net = nnx_model.merge(config, params)
+engine = Engine(net, config, EngineConfig(model_api="nnx", max_num_seqs=1, max_num_batched_tokens=32, chunk_size=32,
+                                          max_model_len=128, num_full_blocks=8, num_swa_blocks=32,
+                                          record_logits=True))
+swap_prompt = prompt[0, :32].tolist()     # 32 tokens: 8 compressed entries at ratio 4, so top-k 2 drops some
+
+def next_token():
+  (out,) = generate(None, config, [swap_prompt], SamplingParams(max_tokens=1), engine=engine)
+  return out.output[0], np.asarray(engine.requests[out.rid].token_logits[0])
+
+k = max(p.index for p in config.layer_plan() if p.has_index_query)       # the last CSA layer
+tok_a, logits_a = next_token()
+original = net.layers[k].attn
+small = dataclasses.replace(config, indexer=dataclasses.replace(config.indexer, topk=2))
+net.layers[k].attn = original.with_config(small)     # same weights; this layer alone selects 2 entries, not 8
+tok_b, logits_b = next_token()
+net.layers[k].attn = original
+tok_c, logits_c = next_token()
+print(f"layer {k} top-k {config.indexer.topk}: next token {tok_a}, top-5 {np.argsort(-logits_a)[:5].tolist()}")
+print(f"layer {k} top-k 2:  next token {tok_b}, top-5 {np.argsort(-logits_b)[:5].tolist()}, "
+      f"max |dlogit| {np.abs(logits_b - logits_a).max():.4f}")
+print(f"original module back: next token {tok_c}, logits identical: {np.array_equal(logits_c, logits_a)}")
+assert np.abs(logits_b - logits_a).max() > 0 and np.array_equal(logits_c, logits_a)"""),
     ("md", """## One ablation plot: retention interval
 
 The full run's plot (`python -m experiments.ablate_retention`) if it is shipped; otherwise the `--small` sweep is run

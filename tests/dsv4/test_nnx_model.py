@@ -183,8 +183,8 @@ def test_engine_through_the_modules_gives_the_same_tokens():
     np.testing.assert_array_equal(np.stack(ef.requests[a.rid].token_logits), np.stack(en.requests[b.rid].token_logits))
   with pytest.raises(ValueError, match="model_api"):
     Engine(params, cfg, dataclasses.replace(ec, model_api="flax"))
-  with pytest.raises(ValueError, match="one-device ragged step"):
-    Engine(params, cfg, dataclasses.replace(ec, model_api="nnx", batch_invariant=True))
+  with pytest.raises(ValueError, match="runs on one device"):
+    Engine(params, cfg, dataclasses.replace(ec, model_api="nnx"), mesh=sharding.make_mesh("data:1"))
 
 
 def test_serve_refuses_nnx_on_a_mesh_before_loading_anything():
@@ -194,7 +194,7 @@ def test_serve_refuses_nnx_on_a_mesh_before_loading_anything():
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   r = subprocess.run([sys.executable, "-m", "experiments.serve", "--model_api=nnx", "--mesh=tensor:2"], cwd=root,
                      capture_output=True, text=True, timeout=300)
-  assert r.returncode != 0 and "--model_api=nnx runs the one-device ragged step" in r.stderr, r.stderr[-2000:]
+  assert r.returncode != 0 and "--model_api=nnx runs on one device" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("variant", ["v4", "v41"])
@@ -261,3 +261,104 @@ def test_bf16_params_merge_and_keep_their_dtype():
   bad["layers"][0]["ffn"]["tid2eid"] = bad["layers"][0]["ffn"]["tid2eid"].astype(jnp.float32)
   with pytest.raises(ValueError, match=r"tid2eid.*expected int32"):
     nnx_model.merge(cfg, bad)
+
+
+def _smaller_topk(attn: nnx_model.Attention, topk: int) -> nnx_model.Attention:
+  import dataclasses
+  cfg = attn.config
+  return attn.with_config(dataclasses.replace(cfg, indexer=dataclasses.replace(cfg.indexer, topk=topk)))
+
+
+class _ScaledAttention(nnx_model.Attention):
+  """An Attention whose output is scaled: a module edit the engine can only see if it runs the modules."""
+
+  def __call__(self, *args, **kwargs):
+    out = super().__call__(*args, **kwargs)
+    return (out[0], 2.0 * out[1], *out[2:])
+
+
+def test_engine_runs_the_modules_so_edits_change_its_output():
+  """The engine (model_api="nnx") holds the Model it is given and runs its modules at every step: a layer's
+  attention replaced by one with a smaller indexer top-k, or by a subclass scaling its output, changes the logits
+  of the same engine's next request; putting the original module back restores them bit for bit. (As built, the
+  step is the functional one: test_module_ragged_step_traces_to_the_functional_program, and the slow tier's
+  test_engine_through_the_modules_gives_the_same_tokens.) One 32-token prefill per run (max_tokens=1): one step
+  program per module graph."""
+  import dataclasses
+
+  from dsv4.engine.api import generate
+  from dsv4.engine.engine import Engine, EngineConfig
+  from dsv4.engine.sampling import SamplingParams
+  cfg = C.v4_tiny(num_layers=2)                 # a window layer and a CSA layer: half the compile of v4_tiny
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  ec = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, chunk_size=32, max_model_len=128,
+                    num_full_blocks=8, num_swa_blocks=32, record_logits=True)
+  prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, 32).tolist()
+
+  def logits(eng):
+    (out,) = generate(None, cfg, [prompt], SamplingParams(max_tokens=1), engine=eng)
+    assert out.error is None and eng.stats["prefix_hit_tokens"] == 0   # every run computes the whole prompt
+    return np.asarray(eng.requests[out.rid].token_logits[0])
+
+  net = nnx_model.merge(cfg, params)
+  eng = Engine(net, cfg, dataclasses.replace(ec, model_api="nnx"))
+  base = logits(eng)
+
+  li = max(p.index for p in cfg.layer_plan() if p.has_index_query)   # a CSA layer: 8 entries visible, top-k 8
+  orig = net.layers[li].attn
+  net.layers[li].attn = _smaller_topk(orig, 2)
+  assert net.layers[li].attn.config.indexer.topk == 2 and net.config.indexer.topk == cfg.indexer.topk
+  small = logits(eng)                           # the same engine: the edit takes effect at its next step
+  assert np.max(np.abs(small - base)) > 1e-3
+  net.layers[li].attn = orig
+  np.testing.assert_array_equal(logits(eng), base)
+
+  net.layers[li].attn = _ScaledAttention(cfg, orig.plan, orig.param_dict(), orig.path)
+  assert np.max(np.abs(logits(eng) - base)) > 1e-3
+  net.layers[li].attn = orig
+
+  with pytest.raises(ValueError, match="model_api='nnx'"):
+    Engine(net, cfg, ec)
+
+
+@pytest.mark.parametrize("variant", ["v4", "v41"])
+def test_module_ragged_step_traces_to_the_functional_program(variant):
+  """Tracing only: the engine's nnx step body (nnx.merge of graphdef + state, `Model.ragged`, `Model.logits`) is
+  the program of `model.forward_ragged` + `lm_logits` (so equal bit for bit); with one layer's attention at a
+  smaller top-k it is another program, and the top-k picks of that layer have the smaller width."""
+  from flax import nnx
+  cfg = CONFIGS[variant]()
+  graphdef, abstract = nnx_model.abstract_model(cfg)
+  params = model.abstract_params(cfg)
+  cache = jax.eval_shape(lambda: caches.init_contiguous(cfg, 2, 16, caches.CacheLayout())[0])
+  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  sw, fu = caches.contiguous_tables(2, 16, caches.CacheLayout())
+  idx = caches.BatchIndex(i32(2), i32(2), i32(*sw.shape), i32(*fu.shape))
+  toks = i32(32)
+
+  def functional(p, t, c, i):
+    c, h = model.forward_ragged(p, cfg, t, c, caches.step_index_from_batch(i, 16))
+    return c, model.lm_logits(p, h)
+
+  def modules(graphdef):
+    def run(state, t, c, i):
+      net = nnx.merge(graphdef, state)
+      c, h = net.ragged(t, c, caches.step_index_from_batch(i, 16))
+      return c, net.logits(h)
+    return run
+
+  a = jax.make_jaxpr(functional)(params, toks, cache, idx)
+  b = jax.make_jaxpr(modules(graphdef))(abstract, toks, cache, idx)
+  assert str(a) == str(b)
+
+  net = nnx.merge(graphdef, abstract)
+  li = max(p.index for p in cfg.layer_plan() if p.has_index_query)
+  net.layers[li].attn = _smaller_topk(net.layers[li].attn, 4)
+  g2, s2 = nnx.split(net)
+  assert g2 != graphdef
+  assert str(jax.make_jaxpr(modules(g2))(s2, toks, cache, idx)) != str(a)
+  aux = jax.eval_shape(lambda s, t, c, i: nnx.merge(g2, s).ragged(t, c, caches.step_index_from_batch(i, 16),
+                                                                   collect_aux=True)[2], s2, toks, cache, idx)
+  assert aux[li]["topk_ids"].shape == (32, 4)
+  other = next(p.index for p in cfg.layer_plan() if p.has_index_query and p.index != li)
+  assert aux[other]["topk_ids"].shape == (32, cfg.indexer.topk)

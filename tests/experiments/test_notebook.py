@@ -33,6 +33,7 @@ def test_notebook_runs(tmp_path):
     os.environ["PYTHONPATH"] = env_path
   text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
   assert "model:" in text and "topk_ids" in text and "window_kv" in text
+  assert "top-k 2:" in text and "logits identical: True" in text     # the layer swap changed the engine's output
   images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
   assert len(images) >= 2                     # the indexer heatmap and the ablation plot
   nbformat.write(nb, str(tmp_path / "tour.executed.ipynb"))

@@ -58,7 +58,7 @@ def _cases(tmp):
       ("bad_enum", ["--dtype=fp16"], "--dtype=fp16: value should be one of <auto|fp32|bf16>"),
       ("unknown_flag", ["--max_new_tokens=3"], "Unknown command line flag 'max_new_tokens'"),
       ("retention", ["--retention_interval=100"], "multiple of 128"),
-      ("nnx_mesh", ["--model_api=nnx", "--batch_invariant"], "--model_api=nnx"),
+      ("nnx_mesh", ["--model_api=nnx", "--mesh=tensor:2"], "--model_api=nnx runs on one device"),
       ("zero_rows", ["--max_num_seqs=0"], "--max_num_seqs=0: must be >= 1"),
       ("bad_preset", ["--model=random", "--preset=v9"], "--preset=v9: unknown"),
       ("redis_client_missing", [NO_REDIS, "--kv_tiers=redis", "--kv_store_url=redis://127.0.0.1:6379/0"],
