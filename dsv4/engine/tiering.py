@@ -659,7 +659,7 @@ class Tiering:
     """Demote every block the device still caches, then drop L1 (prefix identities and the pool contents). Only
     between requests. Returns the number of blocks demoted."""
     self._process_events()
-    blocks = [(g, b, ident) for (g, b), ident in self._resident.items()]
+    blocks = [(*loc, ident) for loc, ident in self._resident.items()]     # (shard, group, block id, identity)
     before = self.stats["demoted_blocks"]
     self._demote(blocks)
     self.store.drain()
