@@ -31,6 +31,10 @@ SLOW = {
     "tests/dsv4/test_tiers_reload.py::test_reload_gate_mooncake": "tests/cache/tiers/test_tiers.py (Mooncake store)",
     "tests/dsv4/test_tiers_reload.py::test_two_engines_in_two_processes_share_redis":
         "tests/cache/tiers (Redis backend); the process boundary is the slow part",
+    "tests/dsv4/test_tiers_precision.py::test_engine_reload_same_tokens_as_cold":
+        "test_tiers_precision.py::test_blocks_through_host_and_disk_bit_for_bit (the FP8 / bf16 records, raw bits)",
+    "tests/dsv4/test_tiers_precision.py::test_engine_on_a_mesh_reload_same_tokens_as_cold":
+        "test_tiers_precision.py::test_blocks_on_a_mesh_bit_for_bit (the per-shard tier copies, 8 devices)",
     # every V4.1 variant of a test whose V4 variant stays fast
     "tests/dsv4/test_tiers_reload.py::test_corrupt_records_are_rejected_and_recomputed[v41-truncated]": "[v4-*]",
     "tests/dsv4/test_tiers_reload.py::test_corrupt_records_are_rejected_and_recomputed[v41-flipped_bit]": "[v4-*]",

@@ -22,6 +22,7 @@ import hashlib
 import json
 import struct
 
+import ml_dtypes
 import numpy as np
 
 MAGIC = b"DSV4KVR1"
@@ -31,6 +32,26 @@ CHECKSUM_BYTES = 16
 
 class RecordError(ValueError):
   """A record that must not be used (corrupt, truncated, or not what the reader asked for)."""
+
+
+def dtype_str(dtype) -> str:
+  """The manifest's name of an array dtype: numpy's own string for numpy types ("<f4", "<i4", "|u1"), the type's
+  name for ml_dtypes types ("bfloat16", "float8_e4m3fn"), whose numpy string ("<V2", "<V1") would read back as
+  raw void bytes."""
+  dt = np.dtype(dtype)
+  if dt.kind == "V":
+    if not hasattr(ml_dtypes, dt.name):
+      raise ValueError(f"record: no manifest name for dtype {dt!r}")
+    return dt.name
+  return dt.str
+
+
+def np_dtype(name: str) -> np.dtype:
+  """The numpy dtype a manifest entry names (`dtype_str`'s inverse); a raw void type is refused."""
+  dt = np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+  if dt.kind == "V" and not hasattr(ml_dtypes, dt.name):
+    raise ValueError(f"record: manifest dtype {name!r} is raw bytes, not a number type")
+  return dt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +74,12 @@ class Fingerprint:
 @dataclasses.dataclass(frozen=True)
 class ArrayEntry:
   name: str             # e.g. "L3/window_kv"
-  dtype: str            # numpy dtype string, e.g. "<f4"
+  dtype: str            # `dtype_str`: numpy's string ("<f4", "|u1") or an ml_dtypes name ("bfloat16", "float8_e4m3fn")
   shape: tuple[int, ...]
 
   @property
   def nbytes(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+    return int(np.prod(self.shape, dtype=np.int64)) * np_dtype(self.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +121,10 @@ def encode(header: RecordHeader, arrays: list[np.ndarray]) -> bytes:
     raise ValueError(f"encode: {len(arrays)} arrays for a manifest of {len(header.arrays)}")
   parts = []
   for a, e in zip(arrays, header.arrays):
-    a = np.ascontiguousarray(a, dtype=np.dtype(e.dtype))
+    dt = np_dtype(e.dtype)
+    if np.asarray(a).dtype != dt:     # raw bytes are stored as they are: never a silent conversion
+      raise ValueError(f"encode: array {e.name} is {np.asarray(a).dtype}, manifest says {e.dtype}")
+    a = np.ascontiguousarray(a)
     if a.shape != e.shape:
       raise ValueError(f"encode: array {e.name} has shape {a.shape}, manifest says {e.shape}")
     parts.append(a.tobytes())
@@ -131,6 +155,8 @@ def peek_header(data: bytes) -> RecordHeader:
     raise RecordError("header length past the end of the record")
   try:
     h = _parse_header(json.loads(body[off:off + hl]))
+    for a in h.arrays:
+      np_dtype(a.dtype)
   except (ValueError, KeyError, TypeError) as e:
     raise RecordError(f"unreadable header ({e})") from e
   if h.version != FORMAT_VERSION:
@@ -164,7 +190,7 @@ def decode(data: bytes, expect: Expect) -> list[np.ndarray]:
       raise RecordError(f"header field {name!r} differs from the request's")
   out, off = [], len(MAGIC) + 4 + struct.unpack_from("<I", data, len(MAGIC))[0]
   for e in h.arrays:
-    out.append(np.frombuffer(data, dtype=np.dtype(e.dtype), count=int(np.prod(e.shape, dtype=np.int64)),
+    out.append(np.frombuffer(data, dtype=np_dtype(e.dtype), count=int(np.prod(e.shape, dtype=np.int64)),
                              offset=off).reshape(e.shape))
     off += e.nbytes
   return out

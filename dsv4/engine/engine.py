@@ -126,9 +126,6 @@ class Engine:
       self._build(params, config, engine_config, mesh, rules, pools_over_data)
 
   def _build(self, params, config, engine_config, mesh, rules, pools_over_data):
-    if mesh is not None and engine_config.tiering is not None:
-      raise ValueError("Engine: KV tiers (EngineConfig.tiering) are not supported with a mesh yet: the tier glue "
-                       "reads and writes pool blocks of a one-device cache")
     engine_config.validate()
     # params may be an nnx_model.Model (model_api="nnx"): the runner holds that module, so editing it (replacing a
     # layer's attention, say) changes what the following steps compute.

@@ -40,6 +40,7 @@ from cache.tiers.tier import Tier, TierPolicy
 from cache.tiers.writeback import WriteBehind
 from dsv4 import caches
 from dsv4.loading.weights_digest import params_digest
+from pallas_kernels import dispatch
 
 POLICIES = ("auto", "load", "recompute")
 DEMOTES = ("evict", "store")
@@ -113,17 +114,114 @@ class _Ident:
   tokens: tuple[int, ...]
 
 
+# A record component is (layer, array name, part): part -1 = a plain pool array, 0..2 = the nope / scale / rope array
+# of an FP8 pool (`Fp8KVPool`). Components move between pools and records as their raw stored arrays (e4m3, UE8M0
+# bytes, bf16, fp32), never dequantized; the copy programs move float arrays as same-width unsigned integers, so no
+# backend float handling (an fp8 op upcast, a NaN made canonical) can touch a bit: a reload is exactly the rows the
+# step wrote.
+
+def _leaf(cache, l, n, p):
+  x = cache.layers[l][n]
+  return x if p < 0 else x[p]
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _bits(a):
+  """A float array as same-width unsigned integers (a bitcast); other arrays as they are."""
+  if jnp.issubdtype(a.dtype, jnp.floating):
+    return jax.lax.bitcast_convert_type(a, _UINT[a.dtype.itemsize])
+  return a
+
+
+def _unbits(b, dtype):
+  return b if b.dtype == dtype else jax.lax.bitcast_convert_type(b, dtype)
+
+
+def _gather(cache, names, ids_N):
+  """Rows of the named components at block ids (clamped), as bits (`_bits`)."""
+  return tuple(_bits(_leaf(cache, l, n, p))[ids_N] for l, n, p in names)
+
+
+def _set_blocks(cache, names, ids_N, rows):
+  """Scatter block rows into the named components (ids out of range are dropped)."""
+  layers = [dict(d) for d in cache.layers]
+  for (l, n, p), r in zip(names, rows):
+    x = layers[l][n]
+    a = x if p < 0 else x[p]
+    r = r if r.dtype == _bits(a).dtype else _bits(r.astype(a.dtype))
+    a = _unbits(_bits(a).at[ids_N].set(r, mode="drop"), a.dtype)
+    if p < 0:
+      layers[l][n] = a
+    else:
+      parts = list(x)
+      parts[p] = a
+      layers[l][n] = type(x)(*parts)
+  return caches.ModelCache(tuple(layers))
+
+
 @functools.partial(jax.jit, static_argnames=("names",), donate_argnums=(0,))
 def _write_blocks(cache, names, ids_N, rows):
-  layers = [dict(d) for d in cache.layers]
-  for (l, n), r in zip(names, rows):
-    layers[l][n] = layers[l][n].at[ids_N].set(r.astype(layers[l][n].dtype), mode="drop")
-  return caches.ModelCache(tuple(layers))
+  return _set_blocks(cache, names, ids_N, rows)
 
 
 @functools.partial(jax.jit, static_argnames=("names",))
 def _read_blocks(cache, names, ids_N):
-  return tuple(cache.layers[l][n][ids_N] for l, n in names)
+  return _gather(cache, names, ids_N)
+
+
+class _MeshCopies:
+  """Block copies on a mesh. Pools over `data` (D > 1): each data shard owns num_blocks / D blocks with shard-local
+  ids, so a copy runs inside a `shard_map` manual over `data` (the other axes automatic, as the step runs): every
+  shard reads / writes only the ids tagged with its own shard index, so no pool byte crosses devices and nothing
+  but the rows copied reaches the host. Pools replicated over `data` (D = 1): a plain jit that keeps the runner's
+  cache shardings."""
+
+  def __init__(self, runner, D: int):
+    self.mesh, self.D = runner.mesh, D
+    self.cache_sh = runner.shardings["cache"]
+    self._fns: dict = {}
+
+  def _fn(self, kind, names):
+    f = self._fns.get((kind, names))
+    if f is not None:
+      return f
+    from jax.sharding import PartitionSpec as P
+    if self.D == 1:
+      if kind == "read":
+        f = jax.jit(lambda c, s, i: _gather(c, names, i))
+      else:
+        f = jax.jit(lambda c, s, i, r: _set_blocks(c, names, i, r), donate_argnums=(0,), out_shardings=self.cache_sh)
+    elif kind == "read":
+      def local_read(c, s_N, i_N):
+        mine = s_N == jax.lax.axis_index("data")
+        return _gather(c, names, jnp.where(mine, i_N, 0))
+      f = jax.jit(jax.shard_map(local_read, mesh=self.mesh, in_specs=(P("data"), P(), P()), out_specs=P("data"),
+                                axis_names={"data"}, check_vma=False))
+    else:
+      def local_write(c, s_N, i_N, rows):
+        nb = _leaf(c, *names[0]).shape[0]            # this shard's blocks (every component of a group has nb)
+        return _set_blocks(c, names, jnp.where(s_N == jax.lax.axis_index("data"), i_N, nb), rows)
+      f = jax.jit(jax.shard_map(local_write, mesh=self.mesh, in_specs=(P("data"), P(), P(), P()),
+                                out_specs=P("data"), axis_names={"data"}, check_vma=False),
+                  donate_argnums=(0,), out_shardings=self.cache_sh)
+    self._fns[(kind, names)] = f
+    return f
+
+  def read(self, cache, names, shard_N, ids_N):
+    n = len(ids_N)
+    with jax.set_mesh(self.mesh):
+      out = self._fn("read", names)(cache, jnp.asarray(shard_N), jnp.asarray(ids_N))
+    out = [np.asarray(x) for x in out]
+    if self.D == 1:
+      return out
+    # shard s's gather sits at rows [s*n, (s+1)*n): keep each id's row from its own shard
+    return [x.reshape(self.D, n, *x.shape[1:])[shard_N, np.arange(n)] for x in out]
+
+  def write(self, cache, names, shard_N, ids_N, rows):
+    with jax.set_mesh(self.mesh):
+      return self._fn("write", names)(cache, jnp.asarray(shard_N), jnp.asarray(ids_N), rows)
 
 
 _BUCKETS = (8, 64, 512)   # id-array widths of the copy programs: at most three compiles per group and direction
@@ -141,15 +239,35 @@ class Tiering:
   def __init__(self, engine, tc: TieringConfig, params=None):
     tc.validate()
     self.tc, self.engine = tc, engine
-    self.mgr, self.runner = engine.cache_manager, engine.runner
+    # One cache manager per data shard (pools split over `data` on a mesh; one otherwise), shard-local block ids.
+    # Specs, policies, model id and key bits are the same on every shard: read from the first.
+    self.mgrs, self.runner = list(engine.managers), engine.runner
+    self.mgr = self.mgrs[0]
+    self.num_shards = len(self.mgrs)
+    self._mesh = _MeshCopies(self.runner, self.num_shards) if getattr(self.runner, "mesh", None) is not None else None
     self.specs = self.mgr.specs
     self.groups = {g.name: g for g in self.specs.groups}
-    # cache.specs are plain (no arrays): the model's arrays per group come from dsv4.caches
+    # cache.specs are plain (no arrays): the model's arrays per group come from dsv4.caches; the record components
+    # (and their dtypes) are the pool arrays as stored, an FP8 pool's three arrays each on its own
     arrays = caches.cache_array_specs(engine.config, engine.ec.layout)
-    by_group = {g: tuple(a for a in arrays if a.group == g) for g in self.groups}
-    self.names = {g: tuple((a.layer, a.name) for a in by_group[g]) for g in self.groups}
-    self.manifest = {g: tuple(R.ArrayEntry(f"L{a.layer}/{a.name}", np.dtype(a.dtype).str, tuple(a.block_shape))
-                              for a in by_group[g]) for g in self.groups}
+    self.names, self.manifest = {}, {}
+    for g in self.groups:
+      names, entries = [], []
+      for a in arrays:
+        if a.group != g:
+          continue
+        x = self.runner.cache.layers[a.layer][a.name]
+        if isinstance(x, dispatch.Fp8KVPool):
+          for p, (field, arr) in enumerate(zip(x._fields, x)):
+            names.append((a.layer, a.name, p))
+            entries.append(R.ArrayEntry(f"L{a.layer}/{a.name}.{field}", R.dtype_str(arr.dtype), tuple(arr.shape[1:])))
+        else:
+          names.append((a.layer, a.name, -1))
+          entries.append(R.ArrayEntry(f"L{a.layer}/{a.name}", R.dtype_str(x.dtype), tuple(x.shape[1:])))
+      self.names[g], self.manifest[g] = tuple(names), tuple(entries)
+    # blocks per shard of each group's pool (the out-of-range id that drops a write)
+    self.shard_blocks = {g: _leaf(self.runner.cache, *self.names[g][0]).shape[0] // self.num_shards
+                         for g in self.groups}
     self.model_digest = tc.model_digest or (params_digest(params) if params is not None else "")
     self.layout_fp = f"{self.specs.fingerprint}/rec{R.FORMAT_VERSION}"
     caps = list(tc.capacity_bytes) + [1 << 30] * (len(tc.tiers) - len(tc.capacity_bytes))
@@ -175,8 +293,8 @@ class Tiering:
     self._ident: dict[tuple[str, int], _Ident] = {}
     self._rid_keys: dict[str, set] = {}
     self._hashed: dict[str, tuple[RequestHasher, int]] = {}
-    self._resident: dict[tuple[str, int], _Ident] = {}
-    self._resident_by_key: dict[str, tuple[str, int]] = {}   # record key -> (group, device block id)
+    self._resident: dict[tuple[int, str, int], _Ident] = {}      # (shard, group, block id) -> identity
+    self._resident_by_key: dict[str, tuple[int, str, int]] = {}  # record key -> (shard, group, device block id)
     self._step_t0 = None
     self.stats = {"admissions_probed": 0, "tier_hit_tokens": 0, "loaded_records": 0, "rejected_records": 0,
                   "chose_recompute": 0, "chose_load": 0, "l1_copied_records": 0, "degraded": 0, "demoted_blocks": 0,
@@ -234,23 +352,29 @@ class Tiering:
   def _process_events(self) -> None:
     """Map new BlockStored to prefixes; demote what the manager evicted (before the step overwrites it)."""
     out = []
-    for ev in self.mgr.take_events():
-      if isinstance(ev, BlockStored):
-        ident = self._ident.get((ev.group, ev.block_hash))
-        if ident is not None:
-          self._resident[(ev.group, ev.block_id)] = ident
-          self._resident_by_key[ident.key] = (ev.group, ev.block_id)
-          if self.tc.demote == "store":
-            out.append((ev.group, ev.block_id, ident))
-      elif isinstance(ev, BlockRemoved):
-        ident = self._resident.pop((ev.group, ev.block_id), None)
-        if ident is not None:
-          self._resident_by_key.pop(ident.key, None)
-          if self.tc.demote == "evict":
-            out.append((ev.group, ev.block_id, ident))
-      elif isinstance(ev, AllBlocksCleared):
-        self._resident.clear()
-        self._resident_by_key.clear()
+    for s, mgr in enumerate(self.mgrs):
+      for ev in mgr.take_events():
+        if isinstance(ev, BlockStored):
+          ident = self._ident.get((ev.group, ev.block_hash))
+          if ident is not None:
+            loc = (s, ev.group, ev.block_id)
+            self._resident[loc] = ident
+            self._resident_by_key[ident.key] = loc
+            if self.tc.demote == "store":
+              out.append((*loc, ident))
+        elif isinstance(ev, BlockRemoved):
+          loc = (s, ev.group, ev.block_id)
+          ident = self._resident.pop(loc, None)
+          if ident is not None:
+            if self._resident_by_key.get(ident.key) == loc:     # (another shard may hold the same prefix)
+              self._resident_by_key.pop(ident.key)
+            if self.tc.demote == "evict":
+              out.append((*loc, ident))
+        elif isinstance(ev, AllBlocksCleared):
+          for loc in [loc for loc in self._resident if loc[0] == s]:
+            ident = self._resident.pop(loc)
+            if self._resident_by_key.get(ident.key) == loc:
+              self._resident_by_key.pop(ident.key)
     self._demote(out)
 
   def _demote(self, blocks) -> None:
@@ -258,30 +382,56 @@ class Tiering:
       return
     first = self.store.tiers[0]
     by_group: dict[str, list] = {}
-    for g, b, ident in blocks:
+    for s, g, b, ident in blocks:
       if not first.contains_many([ident.key])[0]:
-        by_group.setdefault(g, []).append((b, ident))
+        by_group.setdefault(g, []).append(((s, b), ident))
     for g, items in by_group.items():
-      for lo in range(0, len(items), _BUCKETS[-1]):
-        part = items[lo:lo + _BUCKETS[-1]]
-        ids = np.full(_bucket(len(part)), 0, np.int32)
-        ids[:len(part)] = [b for b, _ in part]
-        rows = [np.asarray(x) for x in _read_blocks(self.runner.cache, self.names[g], jnp.asarray(ids))]
-        for i, (_, ident) in enumerate(part):
-          hdr = R.RecordHeader(ident.fp, g, ident.digest, ident.parent, ident.start, ident.tokens, self.manifest[g])
-          data = R.encode(hdr, [r[i] for r in rows])
-          self.store.put(ident.key, data, ident.fp.tenant)
-          self.stats["demoted_blocks"] += 1
+      rows = self._read(g, [loc for loc, _ in items])
+      for i, (_, ident) in enumerate(items):
+        hdr = R.RecordHeader(ident.fp, g, ident.digest, ident.parent, ident.start, ident.tokens, self.manifest[g])
+        data = R.encode(hdr, [r[i] for r in rows])
+        self.store.put(ident.key, data, ident.fp.tenant)
+        self.stats["demoted_blocks"] += 1
+
+  # ---------------------------------------------------------------------------------------------- device copies
+  def _dev_read(self, g, shard_N, ids_N) -> list[np.ndarray]:
+    if self._mesh is None:
+      out = [np.asarray(x) for x in _read_blocks(self.runner.cache, self.names[g], jnp.asarray(ids_N))]
+    else:
+      out = self._mesh.read(self.runner.cache, self.names[g], shard_N, ids_N)
+    return [x.view(R.np_dtype(e.dtype)) for x, e in zip(out, self.manifest[g])]     # bits -> the stored dtype
+
+  def _dev_write(self, g, shard_N, ids_N, rows) -> None:
+    """rows: host arrays of the stored dtypes, sent to the device as their bits."""
+    rows = tuple(jnp.asarray(r.view(_UINT[r.dtype.itemsize]) if jnp.issubdtype(r.dtype, jnp.floating) else r)
+                 for r in rows)
+    if self._mesh is None:
+      self.runner.cache = _write_blocks(self.runner.cache, self.names[g], jnp.asarray(ids_N), rows)
+    else:
+      self.runner.cache = self._mesh.write(self.runner.cache, self.names[g], shard_N, ids_N, rows)
+
+  def _read(self, g, locs) -> list[np.ndarray]:
+    """Rows of blocks (shard, shard-local id) of group g, per record component: raw stored arrays on the host."""
+    out = []
+    for lo in range(0, len(locs), _BUCKETS[-1]):
+      part = locs[lo:lo + _BUCKETS[-1]]
+      n = _bucket(len(part))
+      sh, ids = np.zeros(n, np.int32), np.zeros(n, np.int32)
+      sh[:len(part)] = [s for s, _ in part]
+      ids[:len(part)] = [b for _, b in part]
+      out.append([r[:len(part)] for r in self._dev_read(g, sh, ids)])
+    return [np.concatenate(c) for c in zip(*out)] if len(out) > 1 else out[0]
 
   # ---------------------------------------------------------------------------------------------- engine hooks
   def warmup(self) -> None:
     """Compile the device copy programs for every bucket now (benchmarks: keeps compiles out of TTFT)."""
     for g in self.groups:
-      nb = self.runner.cache.layers[self.names[g][0][0]][self.names[g][0][1]].shape[0]
+      nb = _leaf(self.runner.cache, *self.names[g][0]).shape[0]
       for n in _BUCKETS:
-        ids = jnp.full((n,), nb, jnp.int32)                 # out of range: reads clamp, writes are dropped
-        rows = _read_blocks(self.runner.cache, self.names[g], ids)
-        self.runner.cache = _write_blocks(self.runner.cache, self.names[g], ids, rows)
+        # out of range (and, on a mesh, no shard's): reads clamp, writes are dropped
+        sh, ids = np.full(n, -1, np.int32), np.full(n, nb, np.int32)
+        rows = self._dev_read(g, sh, ids)
+        self._dev_write(g, sh, ids, rows)
     jax.block_until_ready(self.runner.cache)
 
   def before_run(self, scheduled) -> None:
@@ -324,13 +474,13 @@ class Tiering:
       return nfull, None
     return nfull, swa
 
-  def _optional(self, rid: str, h1: int, P: int) -> list[set[int]]:
+  def _optional(self, req, h1: int, P: int) -> list[set[int]]:
     """Swa tails (index sets) of the checkpoint boundaries in (h1, P) this request's commit at P would take
     (the manager's own placement for it): loaded with P's when the tiers have them whole (they become device
     checkpoints again), skipped otherwise."""
     pol = self.mgr.policies[caches.SWA]
     lo = h1 // self.groups[caches.SWA].block_tokens
-    tails = [set(pol.tail_blocks(b)) for b in self.mgr.checkpoint_boundaries(rid, h1, P - 1)]
+    tails = [set(pol.tail_blocks(b)) for b in self.mgrs[req.shard].checkpoint_boundaries(req.rid, h1, P - 1)]
     return [t for t in tails if t and min(t) >= lo]
 
   def on_admit(self, req, h1: int) -> int:
@@ -370,7 +520,7 @@ class Tiering:
     if best is None:
       return h1
     need_full, need_swa = self._required(h1, best, len(toks))
-    opt = {j for t in self._optional(req.rid, h1, best) if all(locs[swa_ids[j].key] for j in t) for j in t}
+    opt = {j for t in self._optional(req, h1, best) if all(locs[swa_ids[j].key] for j in t) for j in t}
     # required records first: the fetch tries them first while the time budget lasts
     plan_ids = full_ids[:need_full - j0] + [swa_ids[j] for j in sorted(need_swa)] + \
         [swa_ids[j] for j in sorted(opt - need_swa)]
@@ -406,17 +556,19 @@ class Tiering:
     if P2 == h1:
       return h1
     nfull, nswa = self._required(h1, P2, len(toks))
-    for t in self._optional(req.rid, h1, P2):     # optional tails that arrived whole
+    for t in self._optional(req, h1, P2):     # optional tails that arrived whole
       if all(swa_ids[j].key in arrays for j in t):
         nswa |= t
-    tables = self.mgr.extend_for_load(req.rid, P2, nswa)
+    mgr = self.mgrs[req.shard]
+    tables = mgr.extend_for_load(req.rid, P2, nswa)
     if not tables:
       self.stats["no_room"] += 1
       return h1
     self._process_events()          # demote what that allocation evicted before we overwrite it
-    self._write({caches.FULL: [(int(tables.full[j]), arrays[full_ids[j - j0].key]) for j in range(j0, nfull)],
-                 caches.SWA: [(int(tables.swa[j]), arrays[swa_ids[j].key]) for j in sorted(nswa)]})
-    self.mgr.commit(req.rid, P2)
+    s = req.shard
+    self._write({caches.FULL: [(s, int(tables.full[j]), arrays[full_ids[j - j0].key]) for j in range(j0, nfull)],
+                 caches.SWA: [(s, int(tables.swa[j]), arrays[swa_ids[j].key]) for j in sorted(nswa)]})
+    mgr.commit(req.rid, P2)
     req.num_computed = P2
     self._learn(req)
     self._process_events()
@@ -442,13 +594,11 @@ class Tiering:
       if t and t[0] < 0:
         t.pop(0)
         if k in self._resident_by_key:        # still cached on the device after our own allocation
-          on_device.setdefault(self._resident_by_key[k][0], []).append(k)
+          on_device.setdefault(self._resident_by_key[k][1], []).append(k)
         else:                                 # our allocation evicted (and so demoted) it: look again
           tries[k] = self.store.locate([k])[0]
-    for g, ks in on_device.items():
-      ids = np.zeros(_bucket(len(ks)), np.int32)
-      ids[:len(ks)] = [self._resident_by_key[k][1] for k in ks]
-      rows = [np.asarray(x) for x in _read_blocks(self.runner.cache, self.names[g], jnp.asarray(ids))]
+    for g, ks in on_device.items():          # (from any shard: the rows go through the host)
+      rows = self._read(g, [(self._resident_by_key[k][0], self._resident_by_key[k][2]) for k in ks])
       for i, k in enumerate(ks):
         arrays[k], src[k] = [r[i] for r in rows], -1
     while True:
@@ -483,40 +633,48 @@ class Tiering:
     return arrays, src
 
   def _write(self, per_group) -> None:
+    """per_group: group -> [(shard, shard-local block id, record arrays)]; each component's raw arrays go into
+    that shard's pool as they are."""
     for g, items in per_group.items():
       if not items:
         continue
+      local = np.array([b for _, b, _ in items])
+      if (local < 0).any() or (local >= self.shard_blocks[g]).any():   # -1 would wrap to the last block
+        raise RuntimeError(f"tier load into an unallocated {g} block: {local}")
       n = _bucket(len(items))
-      nb = self.runner.cache.layers[self.names[g][0][0]][self.names[g][0][1]].shape[0]
-      ids = np.full(n, nb, np.int32)          # out of range = dropped
-      ids[:len(items)] = [b for b, _ in items]
-      if (ids < 0).any():                     # -1 would wrap to the last block: never write there
-        raise RuntimeError(f"tier load into an unallocated {g} block: {ids[:len(items)]}")
+      sh = np.full(n, -1, np.int32)                 # padding: no shard's (mesh), out of range (one pool): dropped
+      sh[:len(items)] = [s for s, _, _ in items]
+      ids = np.full(n, self.shard_blocks[g], np.int32)
+      ids[:len(items)] = local
       rows = []
       for a_i, e in enumerate(self.manifest[g]):
-        r = np.zeros((n, *e.shape), np.dtype(e.dtype))
-        for i, (_, arrs) in enumerate(items):
+        r = np.zeros((n, *e.shape), R.np_dtype(e.dtype))
+        for i, (_, _, arrs) in enumerate(items):
           r[i] = arrs[a_i]
-        rows.append(jnp.asarray(r))
-      self.runner.cache = _write_blocks(self.runner.cache, self.names[g], jnp.asarray(ids), tuple(rows))
+        rows.append(r)
+      self._dev_write(g, sh, ids, tuple(rows))
 
   # ---------------------------------------------------------------------------------------------- control
   def drop_device_cache(self) -> int:
     """Demote every block the device still caches, then drop L1 (prefix identities and the pool contents). Only
     between requests. Returns the number of blocks demoted."""
     self._process_events()
-    blocks = [(g, b, ident) for (g, b), ident in self._resident.items()]
+    blocks = [(*loc, ident) for loc, ident in self._resident.items()]     # (shard, group, block id, identity)
     before = self.stats["demoted_blocks"]
     self._demote(blocks)
     self.store.drain()
-    if not self.mgr.reset_prefix_cache():
+    if not all([m.reset_prefix_cache() for m in self.mgrs]):
       raise RuntimeError("drop_device_cache: requests still hold blocks")
     self._process_events()
     ec = self.engine.ec
-    fresh = caches.init_cache(self.engine.config, ec.layout, ec.num_swa_blocks, ec.num_full_blocks)
-    if getattr(self.runner, "mesh", None) is not None:      # keep the sharded runner's pool layout
-      fresh = jax.device_put(fresh, self.runner.shardings["cache"])
-    self.runner.cache = fresh
+
+    def fresh():
+      return caches.init_cache(self.engine.config, ec.layout, ec.num_swa_blocks, ec.num_full_blocks)
+
+    if self._mesh is not None:      # made in place with the sharded runner's pool layout (no host copy)
+      self.runner.cache = jax.jit(fresh, out_shardings=self.runner.shardings["cache"])()
+    else:
+      self.runner.cache = fresh()
     return self.stats["demoted_blocks"] - before
 
   def flush(self) -> None:
