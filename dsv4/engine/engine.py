@@ -68,7 +68,7 @@ class EngineConfig:
   # model.cast_params). The KV pools' dtype is layout.kv_dtype (fp32, bf16 or caches.FP8).
   dtype: str = "fp32"
   tiering: object = None                # dsv4.engine.tiering.TieringConfig: KV tiers below the device (None = off)
-  # "functional" (dsv4.model, the default) or "nnx" (the Flax modules of dsv4.nnx_model, one-device ragged step)
+  # "functional" (dsv4.model, the default) or "nnx" (the Flax modules of dsv4.nnx_model, on one device)
   model_api: str = "functional"
   # Bucket fill: a ragged step runs padded to its token bucket (8 * g^k), so a step that spills a few tokens past a
   # bucket pays for the next one (up to g x the work). When deferring at most this fraction of the step's prefill
