@@ -35,7 +35,7 @@ MAINTAINED = [
          "python -m benchmarks.kernels_bench"),
         ("  CPU interpret-mode smoke run (numbers meaningless)", "python -m benchmarks.kernels_bench --small")]),
     ("gpu_check.sh", [
-        ("the one GPU check: lowering tests + kernels_bench, report + validations (< 8 min)",
+        ("the one GPU check: lowering tests + kernels_bench, report (< 8 min)",
          "bash benchmarks/gpu_check.sh gpu_check_out"),
         ("  CPU smoke run (what tests/pallas_kernels/test_bench_small.py runs)",
          "bash benchmarks/gpu_check.sh --small OUT_DIR")]),

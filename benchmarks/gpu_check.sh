@@ -2,8 +2,8 @@
 # The one GPU check for pallas_kernels: environment line, correctness at V4-Flash shapes, then device-side
 # timings (L2 flushed) of decode batch 64 and 256 at 8k and 128k (CSA + HCA; bf16 and FP8 paged rows), prefill 4096
 # queries, and the indexer (scores; fused top-512 with bf16 and FP8 keys). Writes OUT/results.jsonl (streamed),
-# OUT/gpu_check.json, OUT/gpu_check.md; on a GPU also records per-op validations in pallas_kernels/validations.json
-# (what lets KernelConfig("auto") use a kernel). Budget: < 8 min of GPU time (the bench stops at 450 s; results so
+# OUT/gpu_check.json, OUT/gpu_check.md (KernelConfig("auto") needs none of it: it validates each kernel itself at
+# start-up, at the shapes it is called with). Budget: < 8 min of GPU time (the bench stops at 450 s; results so
 # far are kept). --small: tiny shapes in interpret mode on the CPU (CI smoke test).
 #
 #   benchmarks/gpu_check.sh [--small] [OUT_DIR]       (default OUT_DIR: gpu_check_out)

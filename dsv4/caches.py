@@ -38,7 +38,7 @@ SWA = "swa"
 FULL = "full"
 # `CacheLayout.kv_dtype` value selecting the V4 FP8 KV record (pallas_kernels' Fp8KVPool: e4m3 nope channels with
 # a UE8M0 scale per 64, bf16 RoPE channels; 584 bytes per 512-wide row). Window and compressed KV use it; index
-# keys are kept in bf16 (their FP8 format is not implemented in pallas_kernels).
+# keys are kept in bf16 (the cache has no FP8 index-key format; the fused top-k kernel could read `Fp8IndexKeys`).
 FP8 = "fp8_v4"
 KV_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp8": FP8}
 

@@ -1,25 +1,30 @@
 """The one entry point the model uses for attention and indexer math.
 
-backend: "auto" (GPU *and* a recorded validation of that kernel on this JAX version and device kind -> Pallas
-kernel, otherwise the XLA reference), "xla", "pallas", "interpret" (the Pallas kernel in interpret mode, for CPU
-tests). Validations live in `pallas_kernels/validations.json`, written by `benchmarks/gpu_check.sh` after the kernel
-matched its reference at V4 shapes on that machine; a new JAX version or GPU needs a new check. Kernels register
-themselves in `_KERNELS`: each kernel module exports a `KERNELS` dict that this module registers at import; until a
-kernel exists for an op, every backend falls back to the XLA reference (the fallback always exists).
+backend: "auto" (the default), "xla", "pallas", "interpret" (the Pallas kernel in interpret mode, for CPU tests).
+"auto" is the XLA reference off a GPU. On a GPU it validates a kernel the first time an op is dispatched with a given
+input structure (shapes, dtypes, pool layout), tuning and static arguments: the kernel and its XLA reference run
+eagerly (outside the trace that asked) on random inputs of exactly those shapes and are compared within the op's
+tolerance; the verdict is cached per process (`validation_verdicts`, `clear_validations`). A kernel that fails (wrong
+answer, or an error while lowering or running) is reported once per key with a `RuntimeWarning` and that call site
+uses the XLA reference. Kernels register themselves in `_KERNELS`: each kernel module exports a `KERNELS` dict that
+this module registers at import; an op without a kernel falls back to the XLA reference on every backend.
 
 The kernels target the Pallas-Triton GPU backend (explicit `triton.CompilerParams`); see BUILD_NOTES.md, Kernels for
-why and for the Mosaic GPU plan. Pools may be plain arrays or `Fp8KVPool` (V4 FP8 record) on every backend.
+why and for the Mosaic GPU plan. Pools may be plain arrays or FP8 pools (`Fp8KVPool`, `Fp8PagedPool`; FP8 index keys
+`Fp8IndexKeys`) on every backend.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import functools
-import json
-import os
+import time
+import warnings
 from typing import Callable, Literal
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import indexer as _indexer
 from pallas_kernels import indexer_paged as _indexer_paged
@@ -60,56 +65,123 @@ for _mod in (_sparse, _indexer, _indexer_topk):
     register_kernel(_op, _fn)
 
 
-VALIDATIONS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "validations.json")
+# ----------------------------------------------------------------------------------------------------------------
+# "auto": validate each kernel once per process at the shapes it is called with
+# ----------------------------------------------------------------------------------------------------------------
+
+# (op, tuning, input structure and shapes / dtypes, static arguments) -> verdict (True: the kernel matched its
+# reference). Filled the first time `auto` meets a key on a GPU; `clear_validations` empties it.
+_VERDICTS: dict[tuple, bool] = {}
+_WARNED: set[tuple] = set()
+# op -> (make random inputs, run the reference, err / tol of the kernel's output against the reference's)
+_CHECKS: dict[str, tuple[Callable, Callable, Callable]] = {}
 
 
-def _device_kind() -> str:
-  return jax.devices()[0].device_kind
+def _on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
 
 
-def load_validations(path: str = VALIDATIONS_PATH) -> list[dict]:
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return json.load(f).get("validations", [])
+def clear_validations() -> None:
+  """Forget every verdict (and which failures were reported): the next `auto` dispatch validates again."""
+  _VERDICTS.clear()
+  _WARNED.clear()
 
 
-@functools.lru_cache(maxsize=None)
-def _validated(op: str, jax_version: str, device_kind: str, path: str) -> bool:
-  return any(v.get("op") == op and v.get("jax") == jax_version and v.get("device") == device_kind and v.get("ok")
-             for v in load_validations(path))
+def validation_verdicts() -> dict[tuple, bool]:
+  """A copy of this process's verdicts: key (op, tuning, input structure, static arguments) -> kernel used."""
+  return dict(_VERDICTS)
 
 
-def is_validated(op: str, path: str = VALIDATIONS_PATH) -> bool:
-  """Whether a GPU check recorded `op`'s kernel as correct on this JAX version and device kind."""
-  return _validated(op, jax.__version__, _device_kind(), path)
+def _abstract(x):
+  return (tuple(x.shape), jnp.dtype(x.dtype).name)
 
 
-def record_validation(op: str, ok: bool, details: dict, path: str = VALIDATIONS_PATH) -> dict:
-  """Append (or replace) the record for (op, JAX version, device kind); used by benchmarks/gpu_check.sh."""
-  entry = dict(op=op, jax=jax.__version__, device=_device_kind(), ok=bool(ok), **details)
-  keep = [v for v in load_validations(path)
-          if not (v.get("op") == op and v.get("jax") == entry["jax"] and v.get("device") == entry["device"])]
-  with open(path, "w") as f:
-    json.dump({"validations": keep + [entry]}, f, indent=1, sort_keys=True)
-    f.write("\n")
-  _validated.cache_clear()
-  return entry
+def _key(cfg: KernelConfig, op: str, args: tuple, static: dict) -> tuple:
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  return (op, _tuning(cfg, op), tree, tuple(_abstract(x) for x in leaves), tuple(sorted(static.items())))
 
 
-def _resolve(cfg: KernelConfig, op: str):
+def _tuning(cfg: KernelConfig, op: str):
+  return {"sparse_attention": cfg.sparse_tuning, "indexer_scores": cfg.indexer_tuning,
+          "indexer_topk": cfg.topk_tuning}.get(op)
+
+
+def _validate(cfg: KernelConfig, op: str, args: tuple, static: dict) -> bool:
+  """Run `op`'s kernel and its XLA reference on random inputs with exactly the structure, shapes and dtypes of
+  `args` (tracers are fine: only their shapes are read), eagerly, outside any trace; cache the verdict per process.
+  A failure (wrong answer, or an error while lowering / running) is reported once per key and means XLA."""
+  key = _key(cfg, op, args, static)
+  if key in _VERDICTS:
+    return _VERDICTS[key]
+  make, reference, err_over_tol = _CHECKS[op]
+  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+
+  def check():
+    with jax.transfer_guard("allow"):
+      inputs = make(abstract, static, jax.random.PRNGKey(0))
+      got = _call_kernel(cfg, op, inputs, static, interpret=False)
+      want = reference(inputs, static)
+      return float(err_over_tol(jax.device_get(got), jax.device_get(want), inputs, static))
+
+  why = ""
+  t0 = time.perf_counter()
+  try:
+    # A fresh thread has no enclosing trace (JAX's trace state is per thread): everything there runs eagerly.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      err = pool.submit(check).result()
+    ok = err <= 1.0  # NaN is not <= 1
+    if not ok:
+      why = f"max error / tolerance {err:.3g}"
+  except Exception as e:  # noqa: BLE001 - a kernel that cannot lower or run at these shapes falls back too
+    ok, why = False, f"{type(e).__name__}: {str(e)[:300]}"
+  _VERDICTS[key] = ok
+  if not ok and key not in _WARNED:
+    _WARNED.add(key)
+    shapes = ", ".join("x".join(map(str, s)) + f" {d}" for s, d in key[3])
+    warnings.warn(f"dispatch: the {op!r} Pallas kernel did not match its XLA reference at ({shapes}) "
+                  f"{dict(static)} on {jax.devices()[0].device_kind} ({why}); using the XLA reference for it "
+                  f"(validated in {time.perf_counter() - t0:.1f} s)", RuntimeWarning, stacklevel=3)
+  return ok
+
+
+def _resolve(cfg: KernelConfig, op: str, args: tuple | None = None, static: dict | None = None):
+  """None = the XLA reference; else the kernel's keyword arguments (interpret, tuning).
+
+  `auto`: XLA off a GPU; on a GPU the kernel once it has matched its reference at these shapes (validated here the
+  first time; without `args` nothing can be validated and the answer is XLA)."""
   backend = cfg.backend
-  if backend == "auto":
-    # A kernel nobody has run on this GPU/JAX yet stays off the default path (docs/kernels.md, Dispatch).
-    backend = "pallas" if jax.default_backend() == "gpu" and op in _KERNELS and is_validated(op) else "xla"
-  if backend == "xla" or op not in _KERNELS:
+  if op not in _KERNELS or backend == "xla":
     return None
-  return dict(interpret=(backend == "interpret"))
+  if backend == "auto":
+    if not _on_gpu() or args is None or not _validate(cfg, op, args, static or {}):
+      return None
+    backend = "pallas"
+  kw = dict(interpret=(backend == "interpret"))
+  if _tuning(cfg, op) is not None:
+    kw["tuning"] = _tuning(cfg, op)
+  return kw
 
 
-def uses_kernel(cfg: KernelConfig, op: str) -> bool:
-  """Whether `cfg` sends `op` to a Pallas kernel (or its interpret mode) rather than the XLA reference."""
-  return _resolve(cfg, op) is not None
+def uses_kernel(cfg: KernelConfig, op: str, *args, **static) -> bool:
+  """Whether `cfg` sends `op` called with these arguments (the op's own signature, without cfg) to a Pallas
+  kernel (or its interpret mode) rather than the XLA reference. `auto` on a GPU validates the kernel at these
+  shapes first (once per process); without arguments `auto` answers False."""
+  if args:
+    args, static = _OP_ARGS[op](*args, **static)
+  return _resolve(cfg, op, args or None, static) is not None
+
+
+def _call_kernel(cfg, op, inputs, static, interpret):
+  kw = dict(interpret=interpret)
+  if _tuning(cfg, op) is not None:
+    kw["tuning"] = _tuning(cfg, op)
+  return _RUN[op](_KERNELS[op], inputs, static, kw)
+
+
+def _sparse_args(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, *, scale: float,
+                 window_len_N=None, comp_len_N=None):
+  return ((q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, window_len_N, comp_len_N),
+          dict(scale=float(scale)))
 
 
 def sparse_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, *,
@@ -124,15 +196,17 @@ def sparse_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, co
   they hold, and kernels stop their loops there (cost O(live ids), not O(W + K)). None = the whole row counts
   (ids < 0 or >= pool rows are always invalid). See `sparse_attention.py` for the full contract.
   """
-  kw = _resolve(cfg, "sparse_attention")
+  args, static = _sparse_args(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H,
+                              scale=scale, window_len_N=window_len_N, comp_len_N=comp_len_N)
+  kw = _resolve(cfg, "sparse_attention", args, static)
   if kw is None:
-    return _sparse.sparse_attention_reference(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD,
-                                              comp_idx_NxK, sink_H, scale=scale, window_len_N=window_len_N,
-                                              comp_len_N=comp_len_N)
-  if cfg.sparse_tuning is not None:
-    kw["tuning"] = cfg.sparse_tuning
-  return _KERNELS["sparse_attention"](q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK,
-                                      sink_H, scale=scale, window_len_N=window_len_N, comp_len_N=comp_len_N, **kw)
+    return _sparse_reference(args, static)
+  return _RUN["sparse_attention"](_KERNELS["sparse_attention"], args, static, kw)
+
+
+def _scores_args(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None, *,
+                 num_keys_B=None):
+  return (q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM, num_keys_B), {}
 
 
 def indexer_scores(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None, *,
@@ -146,38 +220,192 @@ def indexer_scores(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_B
   live length of sequence b's entry list (entries >= num_keys_B[b] are invisible and never read, so kernels cost
   O(live entries)); None = all M. Visible = entry < min(num_visible, num_keys), row valid, and allowed (if given).
   """
-  kw = _resolve(cfg, "indexer_scores")
+  args, static = _scores_args(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM,
+                              num_keys_B=num_keys_B)
+  kw = _resolve(cfg, "indexer_scores", args, static)
   if kw is None:
-    return _indexer.indexer_scores_reference(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT,
-                                             allowed_BxTxM, num_keys_B)
-  if cfg.indexer_tuning is not None:
-    kw["tuning"] = cfg.indexer_tuning
-  return _KERNELS["indexer_scores"](q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT,
-                                    allowed_BxTxM, num_keys_B=num_keys_B, **kw)
+    return _scores_reference(args, static)
+  return _RUN["indexer_scores"](_KERNELS["indexer_scores"], args, static, kw)
+
+
+def _topk_args(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k: int, allowed_BxTxM=None, *,
+               num_keys_B=None, candidate_blocks_BxTxC=None, block_size: int = 8):
+  return ((q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM, num_keys_B,
+           candidate_blocks_BxTxC), dict(k=int(k), block_size=int(block_size)))
 
 
 def indexer_topk(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k: int, allowed_BxTxM=None, *,
-                 cfg: KernelConfig = KernelConfig(), num_keys_B=None):
+                 cfg: KernelConfig = KernelConfig(), num_keys_B=None, candidate_blocks_BxTxC=None,
+                 block_size: int = 8):
   """Top-k entry ids [B, T, min(k, M)] int32 (-1 for picks that are not visible; only the set matters).
 
   indexer_topk(q_BxTxHxC, w_BxTxH, key_pool_PxC | Fp8IndexKeys, key_rows_BxM, num_visible_BxT, k,
-               allowed_BxTxM=None, *, cfg=KernelConfig(), num_keys_B=None)
+               allowed_BxTxM=None, *, cfg=KernelConfig(), num_keys_B=None, candidate_blocks_BxTxC=None,
+               block_size=8)
 
-  Same arguments as `indexer_scores` plus k; the pool may be FP8 (`Fp8IndexKeys`). The fused kernel
-  ("indexer_topk", `indexer_topk.py`) keeps scores on chip and writes only the k ids (per chunk of
-  IndexerTopkTuning.select_chunk entries); V4.1 candidate blocks: call `indexer_topk.indexer_topk_pallas` with
-  candidate_blocks_BxTxC to score only those blocks."""
-  kw = _resolve(cfg, "indexer_topk")
+  Same arguments as `indexer_scores` plus k; the pool may be FP8 (`Fp8IndexKeys`); V4.1 candidate blocks
+  (`candidate_blocks_BxTxC`, block ids of `block_size` entries, -1 = none) restrict the picks to those blocks. The
+  fused kernel ("indexer_topk", `indexer_topk.py`) keeps scores on chip and writes only the k ids (per chunk of
+  IndexerTopkTuning.select_chunk entries) and scores only the candidate blocks' entries when given; the XLA
+  reference is the reference scores (FP8 keys dequantized, candidates as a mask) and `topk_from_scores`."""
+  args, static = _topk_args(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k, allowed_BxTxM,
+                            num_keys_B=num_keys_B, candidate_blocks_BxTxC=candidate_blocks_BxTxC,
+                            block_size=block_size)
+  kw = _resolve(cfg, "indexer_topk", args, static)
   if kw is None:
-    if isinstance(key_pool_PxC, Fp8IndexKeys):
-      key_pool_PxC = _indexer_topk.dequantize_index_keys(key_pool_PxC)
-    scores = indexer_scores(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM,
-                            cfg=cfg, num_keys_B=num_keys_B)
-    return topk_from_scores(scores, k)[0]
-  if cfg.topk_tuning is not None:
-    kw["tuning"] = cfg.topk_tuning
-  return _KERNELS["indexer_topk"](q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k,
-                                  allowed_BxTxM, num_keys_B=num_keys_B, **kw)
+    return _topk_reference(args, static)
+  return _RUN["indexer_topk"](_KERNELS["indexer_topk"], args, static, kw)
+
+
+def _sparse_reference(a, s):
+  q, wp, wi, cp, ci, sink, wl, cl = a
+  return _sparse.sparse_attention_reference(q, wp, wi, cp, ci, sink, scale=s["scale"], window_len_N=wl,
+                                            comp_len_N=cl)
+
+
+def _scores_reference(a, s):
+  return _indexer.indexer_scores_reference(*a)
+
+
+def _topk_reference(a, s):
+  q, w, pool, rows, nv, allowed, nk, cand = a
+  return _indexer_topk.indexer_topk_reference(q, w, pool, rows, nv, s["k"], allowed, nk, cand, s["block_size"])
+
+
+def _topk_check_scores(a, s):
+  """The reference scores the top-k is checked against (FP8 keys dequantized, candidates as a mask)."""
+  q, w, pool, rows, nv, allowed, nk, cand = a
+  if isinstance(pool, Fp8IndexKeys):
+    pool = _indexer_topk.dequantize_index_keys(pool)
+  if cand is not None:
+    mask = _indexer.candidate_blocks_to_allowed(cand, rows.shape[1], s["block_size"])
+    allowed = mask if allowed is None else allowed & mask
+  return _indexer.indexer_scores_reference(q, w, pool, rows, nv, allowed, nk)
+
+
+_OP_ARGS = {"sparse_attention": _sparse_args, "indexer_scores": _scores_args, "indexer_topk": _topk_args}
+_RUN = {
+    "sparse_attention": lambda fn, a, s, kw: fn(*a[:6], scale=s["scale"], window_len_N=a[6], comp_len_N=a[7], **kw),
+    "indexer_scores": lambda fn, a, s, kw: fn(*a[:6], num_keys_B=a[6], **kw),
+    "indexer_topk": lambda fn, a, s, kw: fn(*a[:5], s["k"], a[5], num_keys_B=a[6], candidate_blocks_BxTxC=a[7],
+                                           block_size=s["block_size"], **kw),
+}
+
+
+# Random inputs with the structure, shapes and dtypes of the call (values inside each argument's contract).
+
+def _normal(key, a, scale=1.0):
+  return (jax.random.normal(key, a.shape, jnp.float32) * scale).astype(a.dtype)
+
+
+def _ints(key, a, lo, hi):
+  return jax.random.randint(key, a.shape, lo, max(hi, lo + 1), jnp.int32).astype(a.dtype)
+
+
+def _random_pool(key, pool):
+  if isinstance(pool, Fp8KVPool):
+    P, R = pool.nope.shape[0], pool.rope.shape[1]
+    out = quantize_kv_fp8(jax.random.normal(key, (P, pool.nope.shape[1] + R), jnp.float32), R)
+  elif isinstance(pool, Fp8PagedPool):
+    rows = pool.pages.shape[0] * pool.page_size
+    rec = quantize_kv_fp8(jax.random.normal(key, (rows, pool.nope_dim + pool.rope_dim), jnp.float32), pool.rope_dim)
+    out = _sparse.record_to_paged(rec, pool.page_size)
+  elif isinstance(pool, Fp8IndexKeys):
+    out = _indexer_topk.quantize_index_keys(jax.random.normal(key, pool.keys.shape, jnp.float32))
+  else:
+    return _normal(key, pool)
+  got, want = jax.tree_util.tree_structure(out), jax.tree_util.tree_structure(pool)
+  if got != want or [_abstract(x) for x in jax.tree_util.tree_leaves(out)] != [
+      _abstract(x) for x in jax.tree_util.tree_leaves(pool)]:
+    raise ValueError(f"cannot build a random pool like {type(pool).__name__} {want}")
+  return out
+
+
+def _sparse_inputs(a, s, key):
+  q, wp, wi, cp, ci, sink, wl, cl = a
+  k = jax.random.split(key, 8)
+  P, Q = wp.shape[0], None if cp is None else cp.shape[0]
+  return (_normal(k[0], q), _random_pool(k[1], wp), _ints(k[2], wi, -1, P),
+          None if cp is None else _random_pool(k[3], cp), None if ci is None else _ints(k[4], ci, -1, Q or 1),
+          _normal(k[5], sink), None if wl is None else _ints(k[6], wl, 0, wi.shape[1] + 1),
+          None if cl is None else _ints(k[7], cl, 0, ci.shape[1] + 1))
+
+
+def _indexer_inputs(a, key):
+  q, w, pool, rows, nv, allowed, nk = a[:7]
+  k = jax.random.split(key, 8)
+  M, P = rows.shape[1], pool.shape[0]
+  out = [_normal(k[0], q), (jax.random.uniform(k[1], w.shape, jnp.float32) + 0.1).astype(w.dtype),
+         _random_pool(k[2], pool), _ints(k[3], rows, -1, P), _ints(k[4], nv, 0, M + 1),
+         None if allowed is None else jax.random.bernoulli(k[5], 0.7, allowed.shape).astype(allowed.dtype),
+         None if nk is None else _ints(k[6], nk, 0, M + 1)]
+  return out, k[7]
+
+
+def _scores_inputs(a, s, key):
+  return tuple(_indexer_inputs(a, key)[0])
+
+
+def _topk_inputs(a, s, key):
+  out, k = _indexer_inputs(a, key)
+  cand = a[7]
+  nb = -(-a[3].shape[1] // s["block_size"])
+  return (*out, None if cand is None else _ints(k, cand, -1, nb))
+
+
+def _tols(dtype):
+  return (1e-4, 1e-4) if jnp.dtype(dtype) == jnp.float32 else (2e-2, 2e-2)
+
+
+def _close(got, want, atol, rtol):
+  """max |got - want| / (atol + rtol |want|) over finite `want`; inf when the non-finite patterns differ."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  if got.shape != want.shape or (np.isfinite(want) != np.isfinite(got)).any() or (
+      np.isinf(want) & (got != want)).any():
+    return np.inf
+  f = np.isfinite(want)
+  if not f.any():
+    return 0.0
+  return float(np.max(np.abs(got[f] - want[f]) / (atol + rtol * np.abs(want[f]))))
+
+
+def _sparse_err(got, want, a, s):
+  atol, rtol = _tols(a[0].dtype)
+  return max(_close(got[0], want[0], atol, rtol), _close(got[1], want[1], 1e-3, 1e-3))
+
+
+def _scores_err(got, want, a, s):
+  scale = max(1.0, float(np.max(np.abs(np.where(np.isfinite(want), want, 0.0)), initial=0.0)))
+  return _close(got, want, 1e-3 * scale, 1e-3)
+
+
+def _topk_err(got, scores, a, s):
+  """The picks are a top-k of the reference scores: as many as min(k, visible), distinct, visible, none scored
+  below the k-th largest score (ties within 1e-4 relative may be broken either way)."""
+  M = scores.shape[-1]
+  ids = np.asarray(got).reshape(-1, np.shape(got)[-1])
+  sc = np.asarray(scores, np.float64).reshape(-1, M)
+  kk = min(s["k"], M)
+  if ids.shape[1] != kk or ((ids < -1) | (ids >= M)).any():
+    return np.inf
+  valid = ids >= 0
+  n_want = np.minimum(kk, np.isfinite(sc).sum(1))
+  srt = np.sort(np.where(valid, ids, M + np.arange(kk)[None, :]), axis=1)
+  if (valid.sum(1) != n_want).any() or (srt[:, 1:] == srt[:, :-1]).any():
+    return np.inf
+  picked = np.take_along_axis(sc, np.maximum(ids, 0), axis=1)
+  if not np.isfinite(picked[valid]).all():
+    return np.inf
+  kth = np.take_along_axis(-np.sort(-sc, axis=1), np.maximum(n_want - 1, 0)[:, None], axis=1)
+  short = np.where(valid, (kth - picked) / (1e-4 * np.maximum(1.0, np.abs(kth))), 0.0)
+  return float(max(0.0, np.max(short, initial=0.0)))
+
+
+_CHECKS.update({
+    "sparse_attention": (_sparse_inputs, _sparse_reference, _sparse_err),
+    "indexer_scores": (_scores_inputs, _scores_reference, _scores_err),
+    "indexer_topk": (_topk_inputs, _topk_check_scores, _topk_err),
+})
 
 
 topk_from_scores = _indexer.topk_from_scores

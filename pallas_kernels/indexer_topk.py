@@ -348,13 +348,15 @@ def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_
 
 
 def indexer_topk_kernel(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_BxT, k, allowed_BxTxM=None, *,
-                        num_keys_B=None, interpret: bool = False, tuning=None):
+                        num_keys_B=None, candidate_blocks_BxTxC=None, block_size: int = 8, interpret: bool = False,
+                        tuning=None):
   """Dispatcher entry point (registered as "indexer_topk"). `tuning` may be an IndexerTuning (ignored fields) or an
   IndexerTopkTuning."""
   if not isinstance(tuning, IndexerTopkTuning):
     tuning = None
   return indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_BxT, allowed_BxTxM,
-                             num_keys_B, k=int(k), interpret=interpret, tuning=tuning)
+                             num_keys_B, candidate_blocks_BxTxC, k=int(k), block_size=int(block_size),
+                             interpret=interpret, tuning=tuning)
 
 
 KERNELS = {"indexer_topk": indexer_topk_kernel}

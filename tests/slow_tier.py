@@ -63,6 +63,11 @@ SLOW = {
     "tests/pallas_kernels/test_model_integration.py::test_small_model_logits_match_between_backends":
         "test_dispatch.py (each kernel through dispatch vs the XLA reference)",
     "tests/pallas_kernels/test_bench_small.py::test_gpu_check_small": "test_dispatch.py, test_sparse_attention.py",
+    "tests/dsv4/test_engine_kernels.py::test_engine_interpret_kernels_give_the_xla_tokens_v4":
+        "test_engine_interpret_kernels_give_the_xla_tokens (V4 with one layer of each kind)",
+    "tests/dsv4/test_engine_kernels.py::test_engine_interpret_kernels_give_the_xla_tokens_v41":
+        "test_engine_interpret_kernels_give_the_xla_tokens (the engine), test_model_integration.py::"
+        "test_indexer_uses_the_fused_topk_kernel_when_kernels_are_on[v41] (V4.1's kernel calls)",
     "tests/pallas_kernels/test_fp8_pages.py::test_kernel_fp8_paths[rec]": "[paged], [rec16]",
     # whole scripts as subprocesses (the main job's own test stays fast)
     "tests/experiments/test_serve.py::test_other_shipped_models_serve_by_name":

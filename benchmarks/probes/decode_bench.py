@@ -107,7 +107,7 @@ def main(argv):
     ns = B * caches.blocks_for(2 * cfg.attention.window, layout.swa_block_tokens) + B
     cache = caches.init_cache(cfg, layout, ns, nf)
     for mode in ("paged", "reference", "no_score"):
-      dispatch.uses_kernel = (lambda c, op: True) if mode == "reference" else orig_uses
+      dispatch.uses_kernel = (lambda c, op, *a, **k: True) if mode == "reference" else orig_uses
       A.indexer_select_paged = _no_score if mode == "no_score" else orig_paged
       jax.clear_caches()
       for ctx in ctxs:

@@ -59,9 +59,9 @@ def _indexer_qw(p, config: ModelConfig, x_NxD, cq_NxR, ctx: StepContext, inv_fre
 
 def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool, rows_NxM,
                    inv_freq, kernel_cfg, allowed_NxM=None):
-  """Lightning indexer through `dispatch.indexer_scores` (the reference, or a Pallas kernel): returns (top-k entry
-  ids [N,k] with -1 for invisible picks, scores [N,M]). O(M) memory per query; the model uses it when a kernel is
-  selected and for aux outputs; otherwise `indexer_select_paged`."""
+  """Lightning indexer through `dispatch.indexer_scores` (the reference, or the score kernel): returns (top-k entry
+  ids [N,k] with -1 for invisible picks, scores [N,M]). O(M) memory per query; the model uses it where the scores
+  themselves are needed (the V4.1 candidate source's block maxima with a kernel selected, aux outputs)."""
   q, w = _indexer_qw(p, config, x_NxD, cq_NxR, ctx, inv_freq)
   nv = num_visible(ctx, plan.ratio)
   # One query per "batch row" (B = N, T = 1): each flat token brings its own row's entry list.
@@ -69,6 +69,29 @@ def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: 
                                    None if allowed_NxM is None else allowed_NxM[:, None], cfg=kernel_cfg)[:, 0]
   ids, _ = dispatch.topk_from_scores(scores, config.indexer.topk)
   return ids, scores
+
+
+def _fused_topk_call(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool, inv_freq,
+                     candidate_blocks_NxCb=None):
+  """Arguments of `dispatch.indexer_topk` for the layer's queries (B = N flat tokens, T = 1)."""
+  q, w = _indexer_qw(p, config, x_NxD, cq_NxR, ctx, inv_freq)
+  nv = num_visible(ctx, plan.ratio)
+  cand = None if candidate_blocks_NxCb is None else candidate_blocks_NxCb[:, None]
+  args = (q[:, None], w[:, None], caches.flat_pool(key_pool), entry_rows(ctx, plan.ratio), nv[:, None],
+          config.indexer.topk)
+  return args, dict(candidate_blocks_BxTxC=cand, block_size=config.indexer.candidate_block_size)
+
+
+def indexer_select_fused(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool,
+                         inv_freq, kernel_cfg, candidate_blocks_NxCb=None):
+  """Lightning indexer through the fused top-k kernel (`dispatch.indexer_topk`: scores stay on chip, only the k ids
+  come back; V4.1 reindex layers score only their candidate blocks). Returns ids [N, k] (-1 = no visible pick), or
+  None when `kernel_cfg` does not send "indexer_topk" at these shapes to a kernel (the caller then takes the paged
+  XLA path). The index keys are read as the cache stores them (float; an FP8 KV cache keeps them in bf16)."""
+  args, kw = _fused_topk_call(p, config, plan, x_NxD, cq_NxR, ctx, key_pool, inv_freq, candidate_blocks_NxCb)
+  if not dispatch.uses_kernel(kernel_cfg, "indexer_topk", *args, **kw):
+    return None
+  return dispatch.indexer_topk(*args, cfg=kernel_cfg, **kw)[:, 0]
 
 
 def indexer_select_paged(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool,
@@ -153,23 +176,33 @@ def _select(p_ix, config: ModelConfig, plan: LayerPlan, x_NxD, cq, ctx: StepCont
             cand_blocks, candidate_source: bool, q_attn, comp_pool, collect_aux: bool, aux: dict):
   """Indexer top-k for one layer -> (ids [N, k], candidate block ids [N, Cb] when candidate_source else None).
 
-  Without a Pallas kernel: the paged XLA path (block reads, chunked running top-k; V4.1 reindex layers score only
-  their candidate blocks). With a kernel selected (`dispatch.uses_kernel`): the kernel over the live entry list,
-  candidates expanded to a mask. Aux outputs (training, tests) always come from the reference scores [N, M]."""
+  With the fused top-k kernel selected (`dispatch.uses_kernel(.., "indexer_topk", ..)`): the kernel over the live
+  entry list (V4 CSA, V4.1 full and reindex layers; candidate blocks passed as block ids). The V4.1 candidate source
+  needs every score for its block maxima: the score kernel (`indexer_scores`) when selected. Otherwise the paged XLA
+  path (block reads, chunked running top-k; V4.1 reindex layers score only their candidate blocks). Aux outputs
+  (training, tests) always come from the scores [N, M]."""
   ix = config.indexer
   bs = ix.candidate_block_size
   E = ctx.full_block_tokens // plan.ratio
   nv = num_visible(ctx, plan.ratio)
-  paged = not dispatch.uses_kernel(kernel_cfg, "indexer_scores") and (not candidate_source or E % bs == 0)
-  rows = allowed = scores = None
-  if not paged or collect_aux:
+  ids = bmax = rows = scores = None
+  if candidate_source:
+    args, _ = _fused_topk_call(p_ix, config, plan, x_NxD, cq, ctx, key_pool, inv_freq)
+    paged = not dispatch.uses_kernel(kernel_cfg, "indexer_scores", *args[:5]) and E % bs == 0
+  else:
+    ids = indexer_select_fused(p_ix, config, plan, x_NxD, cq, ctx, key_pool, inv_freq, kernel_cfg, cand_blocks)
+    paged = ids is None
+  if (ids is None and not paged) or collect_aux:
     rows = entry_rows(ctx, plan.ratio)
     M = rows.shape[1]
+    allowed = None
     if cand_blocks is not None:
       visible = (jnp.arange(M)[None, :] < nv[:, None]) & (rows >= 0)
       allowed = dispatch.candidate_blocks_to_allowed(cand_blocks[:, None], M, bs)[:, 0] & visible
-    ids, scores = indexer_select(p_ix, config, plan, x_NxD, cq, ctx, key_pool, rows, inv_freq, kernel_cfg, allowed)
-    bmax = _block_max_of_scores(scores, bs) if candidate_source else None
+    s_ids, scores = indexer_select(p_ix, config, plan, x_NxD, cq, ctx, key_pool, rows, inv_freq, kernel_cfg, allowed)
+    if ids is None and not paged:
+      ids = s_ids
+      bmax = _block_max_of_scores(scores, bs) if candidate_source else None
   if paged:
     ids, bmax = indexer_select_paged(p_ix, config, plan, x_NxD, cq, ctx, key_pool, inv_freq, cand_blocks,
                                      bs if candidate_source else 0)
@@ -181,6 +214,13 @@ def _select(p_ix, config: ModelConfig, plan: LayerPlan, x_NxD, cq, ctx: StepCont
                comp_attn_target=dense_compressed_attention(q_attn, comp_pool, rows, ctx, plan.ratio,
                                                            config.attention.head_dim ** -0.5))
   return ids, cand
+
+
+def live_length(ids_NxK):
+  """1 + the last position of each row holding an id >= 0 (0 for none): the per-query valid length
+  `dispatch.sparse_attention` takes, exact whatever order the ids come in."""
+  pos = jnp.arange(1, ids_NxK.shape[1] + 1, dtype=jnp.int32)
+  return jnp.max(jnp.where(ids_NxK >= 0, pos[None, :], 0), axis=1, initial=0).astype(jnp.int32)
 
 
 def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: StepContext, cache_layer: dict,
@@ -209,15 +249,17 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
     q = unweighted_rms_norm(q, eps)
   q = apply_rope(q, pos[:, None], inv_freq)
 
-  # Window KV (K = V): write this step's rows, then read each query's window [t - W + 1, t].
+  # Window KV (K = V): write this step's rows, then read each query's window [max(t - W + 1, 0), t], oldest first
+  # and from column 0, so the valid ids lead the row and the window length is min(t + 1, W) (0 for padding).
   kv = apply_rope(rms_norm(jnp.dot(x_NxD, p["wkv"], precision=_HI), p["kv_norm"], eps), pos, inv_freq)
   if config.quantized_cache:  # NeMo: FP8 window KV (32 channels) after RoPE
     kv = cache_quant.fp8_window_kv(kv)
   cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], ctx.token_slots(), kv)
-  win_pos = pos[:, None] - (a.window - 1) + jnp.arange(a.window)[None, :]
-  win_idx = ctx.swa_slots(ctx.row_N[:, None], win_pos, ctx.valid_N[:, None] & (win_pos >= 0))
+  win_pos = jnp.maximum(pos - (a.window - 1), 0)[:, None] + jnp.arange(a.window)[None, :]
+  win_idx = ctx.swa_slots(ctx.row_N[:, None], win_pos, ctx.valid_N[:, None] & (win_pos <= pos[:, None]))
+  win_len = jnp.where(ctx.valid_N, jnp.minimum(pos + 1, a.window), 0).astype(jnp.int32)
 
-  comp_pool, comp_idx = None, None
+  comp_pool, comp_idx, comp_len = None, None, None
   if plan.kind in ("full", "reindex", "reuse"):
     ix = config.indexer
     if plan.has_compressor:
@@ -247,6 +289,7 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
       if plan.candidate_source:
         shared["cand"] = cand
     comp_idx = _entry_ids_to_pool_rows(ctx, plan.ratio, shared["ids"])
+    comp_len = live_length(comp_idx)
   elif plan.has_compressor:
     state, cache_layer["comp_kv"] = compress_step(
         p["compressor"], x_NxD, kv_compressor_spec(config, plan), ctx, cache_layer.get("comp_state"),
@@ -261,14 +304,17 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
     ids, _ = _select(p["indexer"], config, plan, x_NxD, cq, ctx, cache_layer["index_keys"], inv_freq, kernel_cfg,
                      None, False, q, comp_pool, collect_aux, aux)
     comp_idx = _entry_ids_to_pool_rows(ctx, plan.ratio, ids)
+    comp_len = live_length(comp_idx)
   elif plan.dense_compressed:
     rows = entry_rows(ctx, plan.ratio)
-    visible = jnp.arange(rows.shape[1])[None, :] < num_visible(ctx, plan.ratio)[:, None]
-    comp_idx = jnp.where(visible, rows, -1)
+    nv = num_visible(ctx, plan.ratio)
+    comp_idx = jnp.where(jnp.arange(rows.shape[1])[None, :] < nv[:, None], rows, -1)
+    comp_len = jnp.minimum(nv, rows.shape[1]).astype(jnp.int32)
 
+  # Per-query valid lengths: the kernels stop their loops there (O(live ids), not O(W + K)).
   out, _ = dispatch.sparse_attention(
       q, caches.flat_pool(cache_layer["window_kv"]), win_idx, comp_pool, comp_idx, p["sink"],
-      scale=d ** -0.5, cfg=kernel_cfg)
+      scale=d ** -0.5, cfg=kernel_cfg, window_len_N=win_len, comp_len_N=comp_len)
   out = apply_rope(out.reshape(N, H, d), pos[:, None], inv_freq, inverse=True)
 
   # Grouped low-rank output projection: group g of heads -> its own o_lora block, then one mixing matrix.

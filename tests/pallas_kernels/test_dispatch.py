@@ -11,6 +11,14 @@ from pallas_kernels import indexer as ix
 from pallas_kernels import sparse_attention as sa
 
 
+@pytest.fixture(autouse=True)
+def _fresh_verdicts():
+  """Each test starts and ends with no cached validation verdicts."""
+  dispatch.clear_validations()
+  yield
+  dispatch.clear_validations()
+
+
 def test_kernels_registered_and_auto_is_xla_on_cpu():
   assert {"sparse_attention", "indexer_scores"} <= set(dispatch._KERNELS)
   assert jax.default_backend() == "cpu"
@@ -130,25 +138,114 @@ def test_indexer_num_keys(backend):
   assert ids.shape == (B, T, 6) and ids[0].max() < 5 and ids[1].max() < 17
 
 
-def test_auto_needs_a_recorded_validation(tmp_path, monkeypatch):
-  """'auto' on a GPU uses a kernel only after the GPU check recorded it for this JAX version + device kind."""
-  path = str(tmp_path / "validations.json")
-  monkeypatch.setattr(dispatch, "VALIDATIONS_PATH", path)
-  monkeypatch.setattr(dispatch, "is_validated", lambda op, path=path: dispatch._validated(
-      op, jax.__version__, dispatch._device_kind(), path))
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  auto = dispatch.KernelConfig()
-  assert dispatch._resolve(auto, "sparse_attention") is None  # no record: XLA
-  dispatch.record_validation("sparse_attention", False, {"err_over_tol": 3.0}, path=path)
-  assert dispatch._resolve(auto, "sparse_attention") is None  # failed check: XLA
-  dispatch.record_validation("sparse_attention", True, {"err_over_tol": 0.2}, path=path)
-  assert dispatch._resolve(auto, "sparse_attention") == {"interpret": False}
-  assert dispatch._resolve(auto, "indexer_scores") is None  # validated per op
-  assert len(dispatch.load_validations(path)) == 1  # the record was replaced, not duplicated
-  with open(path) as f:
-    text = f.read().replace(jax.__version__, "0.0.1")
-  with open(path, "w") as f:
-    f.write(text)
-  dispatch._validated.cache_clear()
-  assert dispatch._resolve(auto, "sparse_attention") is None  # another JAX version: check again
-  assert dispatch._resolve(dispatch.KernelConfig("pallas"), "sparse_attention") == {"interpret": False}
+def _interpret_as_pallas(monkeypatch, broken=None):
+  """A CPU stand-in for a GPU: `auto` sees a GPU, and each registered kernel runs in interpret mode when dispatch
+  asks for the compiled one. `broken`: op -> a kernel replacing the real one (its answer is wrong, or it raises).
+  Returns the kernel calls per op."""
+  monkeypatch.setattr(dispatch, "_on_gpu", lambda: True)
+  dispatch.clear_validations()
+  calls = {}
+  for op, fn in list(dispatch._KERNELS.items()):
+    fn = (broken or {}).get(op, fn)
+
+    def as_pallas(*a, _fn=fn, _op=op, interpret=False, **k):
+      calls[_op] = calls.get(_op, 0) + 1
+      return _fn(*a, interpret=True, **k)
+
+    monkeypatch.setitem(dispatch._KERNELS, op, as_pallas)
+  return calls
+
+
+def _sparse_case(fp8=False):
+  rng = np.random.default_rng(5)
+  N, H, D, P, Q = 3, 16, 128, 24, 40
+  cp = jnp.asarray(rng.standard_normal((Q, D)), jnp.bfloat16)
+  return (jnp.asarray(rng.standard_normal((N, H, D)), jnp.bfloat16), jnp.asarray(rng.standard_normal((P, D)),
+                                                                                  jnp.bfloat16),
+          jnp.asarray(rng.integers(-1, P, (N, 8)), jnp.int32), dispatch.quantize_kv_fp8(cp) if fp8 else cp,
+          jnp.asarray(rng.integers(-1, Q, (N, 16)), jnp.int32), jnp.asarray(rng.standard_normal(H), jnp.float32))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_auto_validates_each_kernel_once_at_its_shapes(monkeypatch, recwarn, fp8):
+  """'auto' on a GPU: the first dispatch at given shapes runs the kernel against its reference on random inputs of
+  those shapes (inside a jit trace: the check runs eagerly in its own thread), then uses the kernel; the verdict is
+  cached per process (no second check at the same shapes, a new check at new shapes)."""
+  calls = _interpret_as_pallas(monkeypatch)
+  args = _sparse_case(fp8)
+  lens = jnp.asarray([8, 3, 0], jnp.int32), jnp.asarray([16, 0, 5], jnp.int32)
+  f = jax.jit(lambda *a: dispatch.sparse_attention(*a[:6], scale=128 ** -0.5, window_len_N=a[6], comp_len_N=a[7]))
+  got = f(*args, *lens)
+  assert calls["sparse_attention"] == 2  # the validation's run, then the traced call
+  assert list(dispatch.validation_verdicts().values()) == [True]
+  want = sa.sparse_attention_reference(*args, scale=128 ** -0.5, window_len_N=lens[0], comp_len_N=lens[1])
+  np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=2e-2, rtol=2e-2)
+  f2 = jax.jit(lambda *a: dispatch.sparse_attention(*a, scale=128 ** -0.5, window_len_N=lens[0], comp_len_N=lens[1]))
+  f2(*args)  # same key (a new trace): no new check
+  assert calls["sparse_attention"] == 3 and len(dispatch.validation_verdicts()) == 1
+  dispatch.sparse_attention(*args[:3], None, None, args[5], scale=0.1)  # other shapes: checked again
+  assert calls["sparse_attention"] == 5 and len(dispatch.validation_verdicts()) == 2
+  assert not [w for w in recwarn if "dispatch" in str(w.message)]
+
+
+def test_auto_validates_the_fused_topk_with_fp8_keys_and_candidates(monkeypatch, recwarn):
+  calls = _interpret_as_pallas(monkeypatch)
+  rng = np.random.default_rng(6)
+  B, T, H, C, P, M = 2, 3, 4, 32, 60, 40
+  q = jnp.asarray(rng.standard_normal((B, T, H, C)), jnp.float32)
+  w = jnp.asarray(rng.random((B, T, H)) + 0.1, jnp.float32)
+  keys = dispatch._indexer_topk.quantize_index_keys(jnp.asarray(rng.standard_normal((P, C)), jnp.float32))
+  rows = jnp.asarray(rng.integers(-1, P, (B, M)), jnp.int32)
+  nv = jnp.asarray(rng.integers(0, M + 1, (B, T)), jnp.int32)
+  cand = jnp.asarray(rng.integers(-1, 5, (B, T, 2)), jnp.int32)
+  got = dispatch.indexer_topk(q, w, keys, rows, nv, 6, candidate_blocks_BxTxC=cand)
+  assert calls["indexer_topk"] == 2 and list(dispatch.validation_verdicts().values()) == [True]
+  scores = dispatch._topk_check_scores((q, w, keys, rows, nv, None, None, cand), dict(k=6, block_size=8))
+  assert dispatch._topk_err(np.asarray(got), np.asarray(scores), None, dict(k=6)) <= 1.0
+  assert not [w for w in recwarn if "dispatch" in str(w.message)]
+
+
+def _wrong_sparse(*a, interpret=False, **k):
+  out, lse = sa.sparse_attention_kernel(*a, interpret=interpret, **k)
+  return out * 1.5, lse
+
+
+def _raising_topk(*a, **k):
+  raise RuntimeError("lowering failed")
+
+
+@pytest.mark.parametrize("op", ["sparse_attention", "indexer_topk"])
+def test_auto_falls_back_to_xla_once_with_one_warning(monkeypatch, op):
+  """A kernel that gives a wrong answer (sparse MLA scaled by 1.5) or cannot run (the top-k raises) fails its
+  validation: that call site gets the XLA reference, bit for bit, and one warning however often it is dispatched."""
+  broken = {"sparse_attention": _wrong_sparse, "indexer_topk": _raising_topk}
+  calls = _interpret_as_pallas(monkeypatch, broken={op: broken[op]})
+  if op == "sparse_attention":
+    args = _sparse_case()
+    run = lambda cfg: dispatch.sparse_attention(*args, scale=0.1, cfg=cfg)
+  else:
+    rng = np.random.default_rng(7)
+    args = (jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.float32), jnp.ones((2, 3, 4), jnp.float32),
+            jnp.asarray(rng.standard_normal((30, 16)), jnp.float32), jnp.asarray(rng.integers(-1, 30, (2, 20)),
+                                                                                 jnp.int32),
+            jnp.asarray(rng.integers(0, 21, (2, 3)), jnp.int32))
+    run = lambda cfg: dispatch.indexer_topk(*args, 5, cfg=cfg)
+  with pytest.warns(RuntimeWarning, match=f"the '{op}' Pallas kernel did not match") as rec:
+    first = jax.jit(lambda: run(dispatch.KernelConfig()))()
+    again = run(dispatch.KernelConfig())
+  assert len([w for w in rec if "dispatch" in str(w.message)]) == 1
+  assert calls.get(op, 0) <= 1  # the validation only (the raising kernel counts its one try)
+  assert list(dispatch.validation_verdicts().values()) == [False]
+  xla = dispatch.KernelConfig("xla")
+  for g, want in ((first, jax.jit(lambda: run(xla))()), (again, run(xla))):  # jitted and eager, each like for like
+    for x, y in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(want)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_auto_never_validates_off_a_gpu(monkeypatch):
+  dispatch.clear_validations()
+  monkeypatch.setattr(dispatch, "_validate", lambda *a: pytest.fail("validated on a CPU"))
+  args = _sparse_case()
+  dispatch.sparse_attention(*args, scale=0.1)
+  assert not dispatch.uses_kernel(dispatch.KernelConfig(), "sparse_attention", *args, scale=0.1)
+  assert dispatch.uses_kernel(dispatch.KernelConfig("interpret"), "sparse_attention", *args, scale=0.1)
