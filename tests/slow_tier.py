@@ -20,7 +20,7 @@ SLOW = {
         "the replicated latent on a mesh: test_engine_on_mesh_same_tokens_with_prefix_hits",
     "tests/dsv4/test_sharding.py::test_engine_with_one_kv_pool_per_data_shard":
         "test_runner_slots_are_per_data_shard, test_pools_over_data_need_divisible_block_counts",
-    # batch invariance compiles one [1, 1] program per token position in a child at XLA's default level
+    # batch invariance: the one-token loop of the step program, in a child at XLA's default level
     "tests/dsv4/test_engine_step.py::test_batch_invariant_mode_is_bitwise":
         "test_engine_step.py::test_batch_invariant_alone_equals_batched",
     "tests/dsv4/test_engine_step.py::test_engine_equals_forward_full[v41]":
@@ -139,4 +139,19 @@ SLOW = {
         "test_hit_blocks_are_claimed_and_tables_consistent",
     "tests/experiments/test_ablate_cache.py::test_policy_invariants[append_uncached]": "[lru]",
     "tests/experiments/test_ablate_cache.py::test_fifo_no_refresh_on_hit": "test_policy_invariants[lru]",
+    # fourth cut (engines whose programs no other fast test shares, covered at another level)
+    "tests/dsv4/test_engine.py::test_session_switch_hits_everything_up_to_the_last_boundary":
+        "tests/cache/test_manager.py::test_session_switch_a_b_a[False] (the manager), "
+        "test_engine.py::test_hit_accounting_on_a_scripted_trace (engine hits)",
+    "tests/dsv4/test_engine.py::test_pool_too_small_for_one_request_is_rejected_not_hung":
+        "test_engine.py::test_bad_input_gets_a_clear_error_and_the_batch_goes_on (refused alone), "
+        "tests/cache/test_manager.py::test_out_of_blocks_is_reported_and_changes_nothing",
+    "tests/dsv4/test_engine_api_stop.py::test_stop_request_running_prefilling_and_waiting":
+        "tests/experiments/test_serve_stop.py (stop strings end a running request through stop_request)",
+    "tests/dsv4/test_engine_defer.py::test_cold_wave_followers_hit_the_system_prompt":
+        "test_engine_defer.py::test_followers_wait_only_for_the_leaders_shared_prefill",
+    "tests/dsv4/test_nnx_model.py::test_apply_equals_forward_bit_for_bit":
+        "test_nnx_model.py::test_apply_traces_to_the_same_program_as_forward (the same program: the same bits)",
+    "tests/experiments/test_ablate_cache.py::test_lru_and_legacy_plumbing_equal_plain_manager":
+        "test_ablate_cache.py::test_policy_invariants[lru]",
 }
