@@ -223,6 +223,11 @@ def check_pools(variant: str, shape=(2, 2, 2)) -> None:
     sys.exit(f"FAIL pools {variant}: placement {shard}")
   if e2.num_shards != D or [m.num_blocks for m in e2.managers] != [{"full": 48 // D, "swa": 160 // D}] * D:
     sys.exit(f"FAIL pools {variant}: managers {[m.num_blocks for m in e2.managers]}")
+  # The mesh runs the engine's one step program: every step shape went through the shard_map-wrapped ragged step.
+  from dsv4.engine import runner as R
+  shapes = e2.runner.shapes_run
+  if not shapes or set(e2.runner._mesh_steps) != shapes or not all(isinstance(s, R.RaggedShape) for s in shapes):
+    sys.exit(f"FAIL pools {variant}: step shapes {shapes} vs mesh programs {set(e2.runner._mesh_steps)}")
 
   # Per-device pool bytes = total / D: each pool's block axis is split over data (and nothing else splits it).
   total = local = 0
