@@ -44,13 +44,14 @@ FACTORS = {"mesh": (False, True), "kv": ("fp32", "bf16", "fp8"), "tiers": (False
            "invariant": (False, True), "kernels": ("xla", "interpret")}
 # Max |engine logits - forward_full logits| / max |forward_full logits|, forward_full's contiguous cache storing K/V
 # at the row's precision (so both round every cached entry the same way). fp32: only the summation order differs
-# (measured <= 1e-6). bf16 / FP8: an entry whose fp32 value differs in its last bits between the two paths (paged
+# (measured <= 1.5e-6). bf16 / FP8: an entry whose fp32 value differs in its last bits between the two paths (paged
 # chunked writes vs one contiguous prefill) can round to the neighbouring bf16 (2^-8 relative) or e4m3 (2^-3 times
-# its block scale) value; measured maxima on V4 bf16 2.2e-4, FP8 5.1e-5, so 1e-3 leaves room for a few such
-# flips. Against the fp32 model (forward_full with fp32 K/V) the KV rounding itself shows: bf16 up to 1.1e-2, FP8 up
-# to 6.3e-1 on the mesh rows' 8-head config (its 70-token requests), which no tolerance of a "same math" test
-# should absorb, hence the same-precision reference.
-TOL = {"fp32": 1e-4, "bf16": 1e-3, "fp8": 1e-3}
+# its block scale) value, and V4.1's shared / reused KV carries such a flip into later layers; measured maxima bf16
+# 2.2e-4 (V4) and 1.4e-3 (V4.1, the cold engine too), FP8 5.1e-5 (V4) and 5.3e-4 (V4.1), so 5e-3 (about one bf16
+# ulp) leaves room for a few flips. Against the fp32 model (forward_full with fp32 K/V) the KV rounding itself shows:
+# bf16 up to 1.1e-2, FP8 up to 6.3e-1 on the mesh rows' 8-head V4 config (its 70-token requests), which no
+# tolerance of a "same math" test should absorb, hence the same-precision reference.
+TOL = {"fp32": 1e-4, "bf16": 5e-3, "fp8": 5e-3}
 
 
 @dataclasses.dataclass(frozen=True)
