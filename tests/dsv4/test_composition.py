@@ -1,0 +1,106 @@
+"""The composition matrix on tiny V4 and V4.1: {one device, mesh (2, 2, 2) on 8 host devices} x {fp32, bf16, FP8
+KV} x {no tiers, host + disk tiers with a small pool that forces demotion and reload} x {batch-invariant off, on} x
+{XLA, interpret kernels}. Every row: greedy tokens equal to a cold one-device engine at the same KV precision,
+logits within a stated tolerance of `forward_full`, prefix hits, tier hits where tiers are on, and in invariant rows
+a batched request's logits bitwise equal to its run alone (the checks: tests/dsv4/composition_worker.py).
+
+The all-pairs covering set has 6 rows (every pair of factor values in some row). Default tier: its one-device V4 rows,
+in this process. Slow tier (tests/slow_tier.py): its mesh rows (one child process per variant) and V4.1 rows, and
+the full product (48 rows per variant). Batch invariance with pools split over data shards is refused at
+configuration (the test below); the invariant mesh rows run with one pool replicated over data."""
+
+import dataclasses
+import itertools
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from dsv4 import config as C
+from dsv4 import sharding
+from dsv4.engine.engine import Engine, EngineConfig
+from tests import xla_test_flags
+from tests.dsv4 import composition_worker as W
+from tests.dsv4.test_sharding import ROOT
+
+
+def run_mesh_worker(variant, combos, tmp, timeout=3000):
+  env = dict(xla_test_flags.child_env("--xla_force_host_platform_device_count=8"), PYTHONPATH=ROOT)
+  r = subprocess.run([sys.executable, "-m", "tests.dsv4.composition_worker", variant,
+                      ",".join(c.name for c in combos), str(tmp)], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=timeout)
+  print(r.stdout)
+  assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-4000:] + r.stderr[-4000:]
+  return r.stdout
+
+
+@pytest.fixture(scope="module")
+def cold_v4():
+  return W.Cold("v4", mesh=False)
+
+
+@pytest.fixture(scope="module")
+def cold_v41():
+  return W.Cold("v41", mesh=False)
+
+
+def test_all_pairs_rows_cover_every_pair_of_factor_values():
+  names = list(W.FACTORS)
+  assert names == [f.name for f in dataclasses.fields(W.Combo)]
+  rows = [dataclasses.astuple(c) for c in W.ALL_PAIRS]     # fields in FACTORS order
+  for (i, a), (j, b) in itertools.combinations(enumerate(names), 2):
+    for va, vb in itertools.product(W.FACTORS[a], W.FACTORS[b]):
+      assert any(r[i] == va and r[j] == vb for r in rows), (a, va, b, vb)
+  assert len(W.FULL) == 48 and len(set(W.FULL)) == 48
+  assert all(c in W.FULL for c in W.ALL_PAIRS)
+  assert all(W.Combo.parse(c.name) == c for c in W.FULL)
+
+
+def test_batch_invariant_with_pools_over_data_shards_is_refused():
+  """The one refused combination: batch invariance with the pools split over data shards (the mesh default). Each
+  shard's one-token loop runs its own token count, so the collectives inside it would deadlock; the engine says so
+  at configuration (the matrix's invariant mesh rows run with one pool replicated over data instead)."""
+  mesh = jax.sharding.AbstractMesh(W.MESH, sharding.AXES)
+  ec = EngineConfig(max_num_seqs=2, num_full_blocks=8, num_swa_blocks=16, batch_invariant=True)
+  with pytest.raises(ValueError, match="batch_invariant=True on a mesh needs pools_over_data=False"):
+    Engine({}, C.v4_tiny(num_layers=3), ec, mesh=mesh)
+
+
+ONE_PAIRS = [c for c in W.ALL_PAIRS if not c.mesh and c.name not in W.REFUSED]
+MESH_PAIRS = [c for c in W.ALL_PAIRS if c.mesh and c.name not in W.REFUSED]
+
+
+@pytest.mark.parametrize("combo", ONE_PAIRS, ids=lambda c: c.name)
+def test_all_pairs_one_device_v4(combo, cold_v4, tmp_path):
+  print(W.check(combo, cold_v4, str(tmp_path)))
+
+
+@pytest.mark.parametrize("combo", ONE_PAIRS, ids=lambda c: c.name)
+def test_all_pairs_one_device_v41(combo, cold_v41, tmp_path):
+  print(W.check(combo, cold_v41, str(tmp_path)))
+
+
+@pytest.mark.parametrize("variant", ["v4", "v41"])
+def test_all_pairs_mesh(variant, tmp_path):
+  """The all-pairs set's mesh rows, in one child process with 8 host devices."""
+  out = run_mesh_worker(variant, MESH_PAIRS, tmp_path)
+  assert out.count("tokens == cold") == len(MESH_PAIRS)
+
+
+FULL_ONE = [c for c in W.FULL if not c.mesh and c.name not in W.REFUSED]
+FULL_MESH = [c for c in W.FULL if c.mesh and c.name not in W.REFUSED]
+
+
+@pytest.mark.parametrize("combo", FULL_ONE, ids=lambda c: c.name)
+@pytest.mark.parametrize("variant", ["v4", "v41"])
+def test_full_product_one_device(variant, combo, tmp_path, request):
+  cold = request.getfixturevalue(f"cold_{variant}")
+  print(W.check(combo, cold, str(tmp_path)))
+
+
+@pytest.mark.parametrize("variant", ["v4", "v41"])
+def test_full_product_mesh(variant, tmp_path):
+  """All 24 mesh rows of a variant in one child process (long: one engine per row)."""
+  out = run_mesh_worker(variant, FULL_MESH, tmp_path, timeout=6 * 3600)
+  assert out.count("tokens == cold") == len(FULL_MESH)
