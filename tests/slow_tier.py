@@ -154,14 +154,10 @@ SLOW = {
         "test_nnx_model.py::test_apply_traces_to_the_same_program_as_forward (the same program: the same bits)",
     "tests/experiments/test_ablate_cache.py::test_lru_and_legacy_plumbing_equal_plain_manager":
         "test_ablate_cache.py::test_policy_invariants[lru]",
-    # the composition matrix: the all-pairs rows on a mesh (8 host devices) and of V4.1, and the full product
+    # the composition matrix: the all-pairs rows on a mesh (8 host devices) and of V4.1 (the full product: `-m matrix`)
     "tests/dsv4/test_composition.py::test_all_pairs_mesh":
         "test_composition.py::test_all_pairs_one_device_v4 (every pair of the other four factors but mesh x each); "
         "mesh logic without devices: test_sharding.py::test_runner_slots_are_per_data_shard",
     "tests/dsv4/test_composition.py::test_all_pairs_one_device_v41":
         "test_composition.py::test_all_pairs_one_device_v4 (same engine code; V4.1's model: test_v41_parity.py)",
-    "tests/dsv4/test_composition.py::test_full_product_one_device":
-        "test_composition.py::test_all_pairs_one_device_v4 (the all-pairs covering set)",
-    "tests/dsv4/test_composition.py::test_full_product_mesh":
-        "test_composition.py::test_all_pairs_one_device_v4 (the all-pairs covering set)",
 }

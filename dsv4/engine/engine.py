@@ -147,11 +147,6 @@ class Engine:
     D = sharding.axis_size(mesh, "data") if (mesh is not None and pools_over_data) else 1
     if D > 1:
       sharding.check_pools_over_data(mesh, ec.num_swa_blocks, ec.num_full_blocks, ec.max_num_seqs)
-      if ec.batch_invariant:
-        raise ValueError(
-            "Engine: batch_invariant=True on a mesh needs pools_over_data=False (one pool replicated over data): "
-            "with the pools split over data each data shard's one-token loop runs its own token count, so the "
-            "tensor / expert collectives inside it would wait forever on the shards that stopped")
     self.num_shards = D
     self.managers = [KVCacheManager(caches.group_specs(config, ec.layout), num_full_blocks=ec.num_full_blocks // D,
                                     num_swa_blocks=ec.num_swa_blocks // D, retention_interval=ec.retention_interval,

@@ -177,13 +177,12 @@ def step_body(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedSh
     logits = to_logits(h_NxD[jnp.maximum(p["last"], 0)])
     return cache, _sample(p, logits), (logits if record_logits else None)
 
-  one = jnp.ones((1,), jnp.int32)
-
   def body(i, carry):
     cache, h_NxD = carry
+    real = p["row"][i] >= 0          # padding: on a mesh every data shard loops to the longest shard's count
     r = jnp.maximum(p["row"][i], 0)
     pos = p["pos"][i][None]
-    step = caches.StepIndex(jnp.zeros((1,), jnp.int32), pos, pos, one,
+    step = caches.StepIndex(jnp.where(real, 0, -1)[None], pos, pos, real.astype(jnp.int32)[None],
                             {caches.SWA: p["swa"][r][None], caches.FULL: p["full"][r][None]},
                             swa_base_R=p["swa_base"][r][None])
     cache, h = fwd(p["tokens"][i][None], cache, step)
@@ -463,6 +462,11 @@ class ModelRunner:
     self.stats["step_tokens"] += sum(totals)
     self.stats["step_slots"] += N * D
     bufs = [self._pack_rows([rows[i] for i in b], shape) for b in by_shard]
+    if self.batch_invariant:
+      # The one-token loop's trip count: the same on every data shard (shorter shards run padding tokens, which
+      # write nothing), so the tensor / expert collectives inside it meet on every shard.
+      for b in bufs:
+        b[0] = max(totals)
     kw = dict(config=self.config, layout=self.layout, kernel_cfg=self.kernel_cfg, shape=shape,
               record_logits=self.record_logits, model_api=self.model_api)
     if self.mesh is None:

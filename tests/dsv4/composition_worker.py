@@ -78,12 +78,6 @@ ALL_PAIRS = [Combo(False, "fp32", False, False, "xla"), Combo(True, "fp32", True
              Combo(False, "bf16", True, False, "interpret"), Combo(True, "bf16", False, True, "xla"),
              Combo(False, "fp8", False, True, "interpret"), Combo(True, "fp8", True, False, "xla")]
 FULL = [Combo(*v) for v in itertools.product(*FACTORS.values())]
-# Refused at configuration: batch-invariant with the pools split over data shards (the mesh default). Each data
-# shard's one-token loop would run its own token count and the tensor / expert collectives inside it would
-# deadlock. The mesh rows with invariance on run with one pool replicated over data (pools_over_data=False), which
-# composes; no row of the matrix is excluded.
-REFUSED_SETTINGS = {"mesh + pools_over_data=True + batch_invariant":
-                    "per-shard loop trip counts differ; collectives inside the loop deadlock"}
 REFUSED: dict[str, str] = {}      # matrix rows excluded: none
 
 
@@ -201,9 +195,9 @@ def check(combo: Combo, cold: Cold, tmp: str, mesh=None) -> str:
   """One row of the matrix (see the module docstring); returns a summary line, raises AssertionError on a miss."""
   t0 = time.time()
   cfg, params = cold.cfg, cold.params
-  # Batch-invariant on a mesh: one pool replicated over data (the engine refuses pools split over data, see
-  # REFUSED); otherwise the mesh default, pools split over data.
-  over_data = mesh is not None and not combo.invariant
+  # On a mesh: the mesh default, pools split over data (batch invariance included: every data shard's token loop
+  # runs the longest shard's count, padding tokens writing nothing).
+  over_data = mesh is not None
   D = sharding.axis_size(mesh, "data") if over_data else 1
   eng = Engine(params, cfg, engine_config(combo, D, tmp), mesh=mesh, pools_over_data=over_data)
   try:

@@ -5,21 +5,18 @@ logits within a stated tolerance of `forward_full`, prefix hits, tier hits where
 a batched request's logits bitwise equal to its run alone (the checks: tests/dsv4/composition_worker.py).
 
 The all-pairs covering set has 6 rows (every pair of factor values in some row). Default tier: its one-device V4 rows,
-in this process. Slow tier (tests/slow_tier.py): its mesh rows (one child process per variant) and V4.1 rows, and
-the full product (48 rows per variant). Batch invariance with pools split over data shards is refused at
-configuration (the test below); the invariant mesh rows run with one pool replicated over data."""
+in this process. Slow tier (tests/slow_tier.py): its mesh rows (one child process per variant) and V4.1 rows. The
+full product (48 rows per variant, 30-100 s a row) is marked `matrix` and runs on demand (`pytest -n 2 -m matrix
+tests`): in CI's slow tier it would take longer than the whole CI budget. Mesh rows split the pools over data shards (the engine's default on a
+mesh), batch-invariant rows included."""
 
 import dataclasses
 import itertools
 import subprocess
 import sys
 
-import jax
 import pytest
 
-from dsv4 import config as C
-from dsv4 import sharding
-from dsv4.engine.engine import Engine, EngineConfig
 from tests import xla_test_flags
 from tests.dsv4 import composition_worker as W
 from tests.dsv4.test_sharding import ROOT
@@ -57,16 +54,6 @@ def test_all_pairs_rows_cover_every_pair_of_factor_values():
   assert all(W.Combo.parse(c.name) == c for c in W.FULL)
 
 
-def test_batch_invariant_with_pools_over_data_shards_is_refused():
-  """The one refused combination: batch invariance with the pools split over data shards (the mesh default). Each
-  shard's one-token loop runs its own token count, so the collectives inside it would deadlock; the engine says so
-  at configuration (the matrix's invariant mesh rows run with one pool replicated over data instead)."""
-  mesh = jax.sharding.AbstractMesh(W.MESH, sharding.AXES)
-  ec = EngineConfig(max_num_seqs=2, num_full_blocks=8, num_swa_blocks=16, batch_invariant=True)
-  with pytest.raises(ValueError, match="batch_invariant=True on a mesh needs pools_over_data=False"):
-    Engine({}, C.v4_tiny(num_layers=3), ec, mesh=mesh)
-
-
 ONE_PAIRS = [c for c in W.ALL_PAIRS if not c.mesh and c.name not in W.REFUSED]
 MESH_PAIRS = [c for c in W.ALL_PAIRS if c.mesh and c.name not in W.REFUSED]
 
@@ -92,6 +79,7 @@ FULL_ONE = [c for c in W.FULL if not c.mesh and c.name not in W.REFUSED]
 FULL_MESH = [c for c in W.FULL if c.mesh and c.name not in W.REFUSED]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("combo", FULL_ONE, ids=lambda c: c.name)
 @pytest.mark.parametrize("variant", ["v4", "v41"])
 def test_full_product_one_device(variant, combo, tmp_path, request):
@@ -99,6 +87,7 @@ def test_full_product_one_device(variant, combo, tmp_path, request):
   print(W.check(combo, cold, str(tmp_path)))
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("variant", ["v4", "v41"])
 def test_full_product_mesh(variant, tmp_path):
   """All 24 mesh rows of a variant in one child process (long: one engine per row)."""
