@@ -12,24 +12,16 @@ mesh), batch-invariant rows included."""
 
 import dataclasses
 import itertools
-import subprocess
-import sys
 
 import pytest
 
-from tests import xla_test_flags
 from tests.dsv4 import composition_worker as W
-from tests.dsv4.test_sharding import ROOT
+from tests.dsv4.test_sharding import run_worker
 
 
 def run_mesh_worker(variant, combos, tmp, timeout=3000):
-  env = dict(xla_test_flags.child_env("--xla_force_host_platform_device_count=8"), PYTHONPATH=ROOT)
-  r = subprocess.run([sys.executable, "-m", "tests.dsv4.composition_worker", variant,
-                      ",".join(c.name for c in combos), str(tmp)], cwd=ROOT, env=env, capture_output=True, text=True,
-                     timeout=timeout)
-  print(r.stdout)
-  assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-4000:] + r.stderr[-4000:]
-  return r.stdout
+  return run_worker(variant, ",".join(c.name for c in combos), str(tmp), timeout=timeout,
+                    module="tests.dsv4.composition_worker")
 
 
 @pytest.fixture(scope="module")

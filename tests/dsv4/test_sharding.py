@@ -20,12 +20,13 @@ from dsv4.layers import moe
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_worker(*args, timeout=1500):
+def run_worker(*args, timeout=1500, module="tests.dsv4.sharding_worker"):
+  """Runs a worker module in a child process with 8 host devices; it must print OK last."""
   env = dict(xla_test_flags.child_env("--xla_force_host_platform_device_count=8"), PYTHONPATH=ROOT)
-  r = subprocess.run([sys.executable, "-m", "tests.dsv4.sharding_worker", *args], cwd=ROOT, env=env,
+  r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                      capture_output=True, text=True, timeout=timeout)
   print(r.stdout)
-  assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-3000:] + r.stderr[-3000:]
+  assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-4000:] + r.stderr[-4000:]
   return r.stdout
 
 

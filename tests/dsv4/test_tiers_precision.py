@@ -10,9 +10,6 @@
 
 The mesh checks run in a child process with 8 host devices (tests/dsv4/tiers_precision_worker.py)."""
 
-import dataclasses
-import subprocess
-import sys
 
 import jax
 import ml_dtypes
@@ -24,18 +21,12 @@ from cache.tiers import record as R
 from dsv4 import caches, model
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.tiering import TieringConfig
-from tests import xla_test_flags
 from tests.dsv4 import tiers_precision_worker as W
-from tests.dsv4.test_sharding import ROOT
+from tests.dsv4.test_sharding import run_worker
 
 
 def run_mesh_worker(*args, timeout=1500):
-  env = dict(xla_test_flags.child_env("--xla_force_host_platform_device_count=8"), PYTHONPATH=ROOT)
-  r = subprocess.run([sys.executable, "-m", "tests.dsv4.tiers_precision_worker", *args], cwd=ROOT, env=env,
-                     capture_output=True, text=True, timeout=timeout)
-  print(r.stdout)
-  assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-3000:] + r.stderr[-3000:]
-  return r.stdout
+  return run_worker(*args, timeout=timeout, module="tests.dsv4.tiers_precision_worker")
 
 
 def test_record_manifest_names_ml_dtypes_and_round_trips_raw_bits():
