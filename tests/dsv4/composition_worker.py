@@ -83,15 +83,9 @@ REFUSED: dict[str, str] = {}      # matrix rows excluded: none
 
 def config(variant: str, mesh: bool) -> C.ModelConfig:
   """The smallest tiny config with window, CSA and HCA layers (V4: 3 layers, one of each; V4.1: the whole tiny
-  model), widened so the FP8 record applies (non-RoPE channels in blocks of 64) and, on a mesh, with enough heads /
-  output groups / experts to split (as tests/dsv4/sharding_worker.py)."""
-  cfg = C.v4_tiny(num_layers=3) if variant == "v4" else C.v41_tiny()
-  cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, head_dim=128, rope_head_dim=64),
-                            indexer=dataclasses.replace(cfg.indexer, head_dim=64))
-  if mesh:
-    cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, num_heads=8, o_groups=8),
-                              moe=dataclasses.replace(cfg.moe, n_routed_experts=16))
-  return cfg
+  model), with the FP8-capable, mesh-splittable widths of `tiers_precision_worker.widen`."""
+  from tests.dsv4.tiers_precision_worker import widen
+  return widen(C.v4_tiny(num_layers=3) if variant == "v4" else C.v41_tiny(), mesh)
 
 
 def engine_config(combo: Combo, D: int, tmp: str, tag: str = "") -> EngineConfig:

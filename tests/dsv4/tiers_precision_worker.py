@@ -28,16 +28,20 @@ MESH = (2, 2, 2)
 KV = {"fp32": caches.KV_DTYPES["fp32"], "bf16": caches.KV_DTYPES["bf16"], "fp8": caches.FP8}
 
 
-def config(mesh: bool) -> C.ModelConfig:
-  """v4_tiny with FP8-capable widths (the FP8 record quantizes the non-RoPE channels in blocks of 64); on a mesh also
-  enough heads / groups / experts to split (as tests/dsv4/sharding_worker.py)."""
-  cfg = C.v4_tiny()
+def widen(cfg: C.ModelConfig, mesh: bool) -> C.ModelConfig:
+  """FP8-capable widths (the FP8 record quantizes the non-RoPE channels in blocks of 64); on a mesh also enough
+  heads / groups / experts to split (as tests/dsv4/sharding_worker.py)."""
   cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, head_dim=128, rope_head_dim=64),
                             indexer=dataclasses.replace(cfg.indexer, head_dim=64))
   if mesh:
     cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, num_heads=8, o_groups=8),
                               moe=dataclasses.replace(cfg.moe, n_routed_experts=16))
   return cfg
+
+
+def config(mesh: bool) -> C.ModelConfig:
+  """v4_tiny, `widen`ed."""
+  return widen(C.v4_tiny(), mesh)
 
 
 def _bytes(x: np.ndarray) -> np.ndarray:
