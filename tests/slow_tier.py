@@ -22,7 +22,7 @@ SLOW = {
         "test_runner_slots_are_per_data_shard, test_pools_over_data_need_divisible_block_counts",
     # batch invariance: the one-token loop of the step program, in a child at XLA's default level
     "tests/dsv4/test_engine_step.py::test_batch_invariant_mode_is_bitwise":
-        "test_engine_step.py::test_batch_invariant_alone_equals_batched",
+        "test_composition.py::test_all_pairs_one_device_v4 (the invariant row)",
     "tests/dsv4/test_engine_step.py::test_engine_equals_forward_full[v41]":
         "the [v4] variant (same engine code; V4.1's model: tests/dsv4/test_v41_parity.py)",
     # KV tiers end to end: every tier, Mooncake, Redis across processes, the V4.1 variants
@@ -64,9 +64,9 @@ SLOW = {
         "test_dispatch.py (each kernel through dispatch vs the XLA reference)",
     "tests/pallas_kernels/test_bench_small.py::test_gpu_check_small": "test_dispatch.py, test_sparse_attention.py",
     "tests/dsv4/test_engine_kernels.py::test_engine_interpret_kernels_give_the_xla_tokens_v4":
-        "test_engine_interpret_kernels_give_the_xla_tokens (V4 with one layer of each kind)",
+        "test_composition.py::test_all_pairs_one_device_v4 (interpret-kernel rows, V4 with one layer of each kind)",
     "tests/dsv4/test_engine_kernels.py::test_engine_interpret_kernels_give_the_xla_tokens_v41":
-        "test_engine_interpret_kernels_give_the_xla_tokens (the engine), test_model_integration.py::"
+        "test_composition.py::test_all_pairs_one_device_v4 (the engine), test_model_integration.py::"
         "test_indexer_uses_the_fused_topk_kernel_when_kernels_are_on[v41] (V4.1's kernel calls)",
     "tests/pallas_kernels/test_fp8_pages.py::test_kernel_fp8_paths[rec]": "[paged], [rec16]",
     # whole scripts as subprocesses (the main job's own test stays fast)
@@ -160,4 +160,10 @@ SLOW = {
         "mesh logic without devices: test_sharding.py::test_runner_slots_are_per_data_shard",
     "tests/dsv4/test_composition.py::test_all_pairs_one_device_v41":
         "test_composition.py::test_all_pairs_one_device_v4 (same engine code; V4.1's model: test_v41_parity.py)",
+    # fifth cut: checks the composition matrix's default rows now make (tests/dsv4/test_composition.py)
+    "tests/dsv4/test_engine_kernels.py::test_engine_interpret_kernels_give_the_xla_tokens":
+        "test_composition.py::test_all_pairs_one_device_v4 (interpret-kernel rows: greedy tokens == a cold XLA "
+        "engine, logits vs forward_full)",
+    "tests/dsv4/test_engine_step.py::test_batch_invariant_alone_equals_batched":
+        "test_composition.py::test_all_pairs_one_device_v4 (the invariant row: a request alone == batched, bit for bit)",
 }
