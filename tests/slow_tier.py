@@ -31,10 +31,6 @@ SLOW = {
     "tests/dsv4/test_tiers_reload.py::test_reload_gate_mooncake": "tests/cache/tiers/test_tiers.py (Mooncake store)",
     "tests/dsv4/test_tiers_reload.py::test_two_engines_in_two_processes_share_redis":
         "tests/cache/tiers (Redis backend); the process boundary is the slow part",
-    "tests/dsv4/test_tiers_precision.py::test_engine_reload_same_tokens_as_cold":
-        "test_tiers_precision.py::test_blocks_through_host_and_disk_bit_for_bit (the FP8 / bf16 records, raw bits)",
-    "tests/dsv4/test_tiers_precision.py::test_engine_on_a_mesh_reload_same_tokens_as_cold":
-        "test_tiers_precision.py::test_blocks_on_a_mesh_bit_for_bit (the per-shard tier copies, 8 devices)",
     # every V4.1 variant of a test whose V4 variant stays fast
     "tests/dsv4/test_tiers_reload.py::test_corrupt_records_are_rejected_and_recomputed[v41-truncated]": "[v4-*]",
     "tests/dsv4/test_tiers_reload.py::test_corrupt_records_are_rejected_and_recomputed[v41-flipped_bit]": "[v4-*]",
@@ -63,11 +59,6 @@ SLOW = {
     "tests/pallas_kernels/test_model_integration.py::test_small_model_logits_match_between_backends":
         "test_dispatch.py (each kernel through dispatch vs the XLA reference)",
     "tests/pallas_kernels/test_bench_small.py::test_gpu_check_small": "test_dispatch.py, test_sparse_attention.py",
-    "tests/dsv4/test_engine_kernels.py::test_engine_interpret_kernels_give_the_xla_tokens_v4":
-        "test_composition.py::test_all_pairs_one_device_v4 (interpret-kernel rows, V4 with one layer of each kind)",
-    "tests/dsv4/test_engine_kernels.py::test_engine_interpret_kernels_give_the_xla_tokens_v41":
-        "test_composition.py::test_all_pairs_one_device_v4 (the engine), test_model_integration.py::"
-        "test_indexer_uses_the_fused_topk_kernel_when_kernels_are_on[v41] (V4.1's kernel calls)",
     "tests/pallas_kernels/test_fp8_pages.py::test_kernel_fp8_paths[rec]": "[paged], [rec16]",
     # whole scripts as subprocesses (the main job's own test stays fast)
     "tests/experiments/test_serve.py::test_other_shipped_models_serve_by_name":

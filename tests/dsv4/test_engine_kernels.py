@@ -65,14 +65,14 @@ def test_engine_interpret_kernels_give_the_xla_tokens(monkeypatch):
   assert calls["indexer_scores"] == 0  # V4 has no candidate source: every indexer goes through the fused top-k
 
 
-@pytest.mark.slow   # ~2 min on 2 cores: 4 layers, two step programs (8 and 32 tokens), interpret-mode compiles
+@pytest.mark.matrix   # on demand, ~2 min on 2 cores: 4 layers, two step programs, interpret-mode compiles
 def test_engine_interpret_kernels_give_the_xla_tokens_v4(monkeypatch):
   """The whole tiny V4 (two CSA layers) with 16-token chunks next to decodes in 32-token steps."""
   calls = _compare(C.v4_tiny(), monkeypatch, (45, 38, 9), 3, EC)
   assert calls["sparse_attention"] > 0 and calls["indexer_topk"] > 0 and calls["indexer_scores"] == 0
 
 
-@pytest.mark.slow   # ~1.5 min on 2 cores: 8 layers in interpret mode
+@pytest.mark.matrix   # on demand, ~1.5 min on 2 cores: 8 layers in interpret mode
 def test_engine_interpret_kernels_give_the_xla_tokens_v41(monkeypatch):
   """V4.1 (CSA2 full / reuse / reindex layers, ratio 2 and 1, a candidate source and a reindex layer restricted to
   its candidate blocks): past 32 tokens the ratio-1 layers have more than 4 candidate blocks of 8 entries."""

@@ -99,13 +99,13 @@ def test_records_of_one_precision_never_load_at_another(tmp_path):
     t.close()
 
 
-@pytest.mark.slow
+@pytest.mark.matrix   # on demand: the composition matrix's tier rows cover it in CI
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8"])
 def test_engine_reload_same_tokens_as_cold(kv, tmp_path):
   print(W.check_engine(kv, str(tmp_path)))
 
 
-@pytest.mark.slow
+@pytest.mark.matrix   # on demand (~10 min): the composition matrix's mesh tier rows cover it in CI
 def test_engine_on_a_mesh_reload_same_tokens_as_cold(tmp_path):
   out = run_mesh_worker("engine", "fp32,bf16,fp8", str(tmp_path), timeout=3000)
   assert out.count("shards=2") == 3
