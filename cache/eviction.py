@@ -68,13 +68,13 @@ class PolicyCacheManager(KVCacheManager):
     self.events = _StampingLog(enable_events)
     self.stats["fifo_reorders"] = 0
 
-  def _free_ids(self, name: str, ids) -> None:
-    # Callers pass blocks newest-first (tail-first) as a numpy array or None; head_first releases them oldest-first.
-    if ids is None or not len(ids):
+  def _free_ids(self, name: str, slot: int, entries) -> None:
+    # Callers pass table entries newest-first (tail-first) or None; head_first releases them oldest-first.
+    if entries is None or not len(entries):
       return
     if self.policy_name == "head_first":
-      ids = np.asarray(ids)[::-1]
-    super()._free_ids(name, ids)
+      entries = np.asarray(entries)[::-1]
+    super()._free_ids(name, slot, entries)
     if self.policy_name == "fifo":
       self._fifo_reorder(name)
 

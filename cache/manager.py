@@ -1,5 +1,8 @@
-"""KVCacheManager: the host-side facade the engine calls. Owns one block pool per cache group (jitted, donated
-array state), the requests' block tables and hashes, checkpoints of the sliding groups, and the KV event stream.
+"""KVCacheManager: the host-side planner of the paged KV cache. The DEVICE owns the state: one block pool per
+cache group (jitted, donated arrays) and every request's block tables (`[slots, table blocks]` int32 per group).
+The host keeps counts (blocks per request and group, which table entries a request holds, exact-or-conservative
+free counts) and hashes, and never needs a block id: every queued operation names table positions
+(slot, entry), which the device resolves.
 
 It works from plain `cache.specs.CacheSpecs` (any number of full-history and sliding-window groups); the model
 side builds them (`dsv4.caches.group_specs(config, layout)`).
@@ -8,23 +11,24 @@ Lifecycle of a request (all token counts are absolute positions in the request):
 
     mgr = KVCacheManager(specs, num_blocks={"full": ..., "swa": ...}, retention_interval=0)
     hit = mgr.add_request("r1", prompt_ids, ExtraKeys(tenant="t"))   # lookup + claim; hit.num_tokens to skip
-    tables = mgr.allocate_for("r1", n)         # BlockTables covering positions [0, num_computed + n), or
-                                               # OutOfBlocks (nothing changed: the scheduler waits or preempts)
-    ... model step writes KV for the chunk ...
+    ok = mgr.allocate_for("r1", n)             # blocks covering positions [0, num_computed + n), or OutOfBlocks
+                                               # (nothing changed: the scheduler waits or preempts)
+    ... model step writes KV for the chunk (its tables: mgr.slot_of("r1") rows of the device tables) ...
     mgr.commit("r1", num_computed)             # register full blocks + checkpoints, release rows behind the tail
     mgr.append_tokens("r1", [sampled])         # outputs, so later blocks can be hashed
     mgr.free("r1")                             # end-of-request checkpoint, then release everything (tail first)
     mgr.take_events()                          # BlockStored / BlockRemoved / AllBlocksCleared
 
-**One device call per step.** Operations are queued on the host and applied by ONE jitted `step.apply_step`
-(one transfer in, one out) when a result is needed:
-* `commit`, `free` and `allocate_for` never call the device: registrations and frees are queued; allocations are
-  decided against an exact host mirror of the free counts (so OutOfBlocks is answered at once) and their block ids
-  are filled in by the next call. `BlockTables` returned by allocate_for resolve lazily on first access.
-* `add_requests([...])` (or `add_request`) runs the queued work plus the batched search, the claim and, with
-  `allocate_tokens`, the first allocation of every admitted request, in that one call.
-* `flush()` applies what is queued (the engine calls it, or `block_tables`, once per step before the model runs).
-So a decode step costs one call; a step that admits requests through `add_requests` costs one call too.
+**No device call of its own per step.** `commit`, `free` and `allocate_for` only queue work. The engine's step
+program takes the queue (`take_step_plan`: one int32 buffer of fixed widths) and runs it on the device state
+(`step_packed`) right before the model, in the same program; the host reads back a few counters with the sampled
+tokens (`on_step_result`, possibly one step late). Standalone calls (`flush`, `add_requests`, lookups, reading
+tables) apply the queue in their own jitted call (`apply_step_packed`, one transfer in, one out).
+
+Free counts: allocations are decided on the host against a count that is exact after every read of the device's
+counters and lowers by every allocation since; releases only raise it when the device confirms them (siblings
+may share blocks). So `allocate_for` never over-commits; when it would fail while releases are unconfirmed, the
+manager syncs (applies the queue, reads the counts) and decides again, so OutOfBlocks is exact.
 
 Errors: unknown / duplicate request ids, commits beyond allocated or known tokens, and negative counts raise
 `CacheError`; running out of blocks is a return value (`OutOfBlocks`), never an exception or a silent failure.
@@ -68,8 +72,8 @@ class PrefixHit:
 
 
 class BlockTables:
-  """Per-group block tables of one request (dict by group name; `.full` / `.swa` for today's engine). Built
-  lazily: the ids of blocks allocated since the last device call are filled in on first access."""
+  """Per-group block tables of one request (dict by group name; `.full` / `.swa` for today's engine). Read from
+  the device tables lazily, on first access (tests, tiers, debugging: the engine's step never reads them)."""
 
   def __init__(self, mgr: "KVCacheManager | None", rid: str | None, tables: dict[str, np.ndarray] | None = None):
     self._mgr, self._rid, self._tables = mgr, rid, tables
@@ -109,12 +113,12 @@ def _empty(shape) -> np.ndarray:
   return np.empty(shape, np.int32)
 
 
-PENDING = -2     # table entry: allocated, id filled in by the next device call
+HELD = 1         # host table entry: the request holds a block there (its id lives in the device table only)
 
 
 class _Buf:
-  """A growable int32 numpy buffer (doubling): a request's block table of one group (entries: block id, -1
-  released / not needed, PENDING) or its token list. Slices and masks replace per-block Python loops."""
+  """A growable int32 numpy buffer (doubling): which entries of a request's block table it holds (HELD, or -1
+  released / not needed) or its token list. Slices and masks replace per-block Python loops."""
 
   __slots__ = ("buf", "n")
 
@@ -160,12 +164,36 @@ class _Request:
   tenant: str
   prompt_len: int
   num_computed: int
-  tables: dict[str, _Buf]            # -1: released / not needed; PENDING: allocated, id not known yet
+  tables: dict[str, _Buf]            # HELD / -1 (released, not needed) per entry; the ids are on the device
   num_registered: dict[str, int]       # full groups: leading blocks already offered to the cache
   released: dict[str, int]             # sliding groups: leading blocks already released
   junctions: tuple[int, ...] = ()      # extra checkpoint boundaries (shared-prefix junction)
   dense: bool = True                   # take the dense-start checkpoints (only a request that hit nothing does)
   plan: tuple[int, ...] | None = None  # its checkpoint boundaries (policy.plan), computed at the first commit
+  slot: int = -1                       # its row of the device block tables
+
+
+@dataclasses.dataclass
+class _Sent:
+  """What the host needs to read one device call's results: its result layout, the blocks allocated by all calls
+  sent so far (to turn the device's free counts back into the current ones), the releases sent so far, and, with
+  events on, the registrations it carried."""
+  layout: tuple
+  alloc_total: dict
+  free_seq: int
+  regs: dict | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  """The queued bookkeeping of one engine step, as the step program takes it: `buf` (one int32 host buffer) plus
+  the static arguments of `cache.step.step_packed` (`statics`, hashable). Results: `KVCacheManager.on_step_result`."""
+  buf: np.ndarray
+  statics: tuple
+  sent: _Sent
+
+  def kwargs(self) -> dict:
+    return dict(self.statics)
 
 
 def _bucket(n: int, lo: int = 16) -> int:
@@ -187,7 +215,11 @@ class KVCacheManager:
                num_full_blocks: int | None = None, num_swa_blocks: int | None = None, retention_interval: int = 0,
                model_id: str = "", key_bits: int = 64, max_probe: int = P.DEFAULT_MAX_PROBE,
                enable_events: bool = True, legacy_dense_swa: bool = False, dense_start: bool = True,
-               rerender_tokens: int = 64, junction_checkpoints: bool = True):
+               rerender_tokens: int = 64, junction_checkpoints: bool = True, num_slots: int | None = None,
+               max_tokens: int | None = None):
+    """num_slots / max_tokens: rows of the device block tables (requests held at once) and the longest request
+    (table width). The engine fixes both (max_num_seqs, max_model_len), so its step program has one shape; left
+    None (standalone use), the tables start small and grow on demand."""
     if not isinstance(specs, CacheSpecs):
       raise TypeError("KVCacheManager: pass cache.specs.CacheSpecs (the model side builds them: "
                       "dsv4.caches.group_specs(config, layout))")
@@ -224,26 +256,83 @@ class KVCacheManager:
     self._requests: dict[str, _Request] = {}
     # (group, block id) -> (key, tenant) of cached blocks, only to label BlockRemoved events.
     self._identity: dict[tuple[str, int], tuple[int, str]] = {}
-    # Host mirror of reference counts and free counts (exact): allocate_for answers without the device.
-    self._ref = {g: np.zeros(sizes[g], np.int32) for g in self.groups}
+    # device block tables: per group [slots, width], -1 where no block
+    self._fixed = num_slots is not None and max_tokens is not None
+    slots = num_slots or 8
+    width = {g: max(8, -(-(max_tokens or 2048) // bt)) for g, bt in zip(self.groups, self._bt)}
+    self._tab = {g: jnp.full((slots, width[g]), -1, jnp.int32) for g in self.groups}
+    self._free_slots = list(range(slots - 1, -1, -1))
+    # free counts (see the module doc): exact at the last read, minus every allocation since
     self._nfree = dict(sizes)
-    # releases not yet applied to the mirror: settled in one numpy pass per step, before anything reads the counts
-    self._unsettled = {g: [] for g in self.groups}
+    self._alloc_total = {g: 0 for g in self.groups}     # blocks allocated by all calls queued so far
+    self._free_seq = 0          # releases queued so far (any count change upwards is unconfirmed until read)
+    self._free_seen = 0         # releases whose effect the free counts include
+    self._count_seq = -1        # the call whose counts were read last (older reads are ignored)
+    self._calls = 0
+    self.peak_used = {g: 0 for g in self.groups}
+    self._step_widths = None
     self._reset_queue()
     self._out_layouts = {}      # result buffer layout per (input layout, widths): computed once each
     self._in_treedefs = {}
-    self.stats = {"table_full": 0, "duplicate": 0, "queried_tokens": 0, "hit_tokens": 0, "device_calls": 0}
+    self.stats = {"table_full": 0, "duplicate": 0, "queried_tokens": 0, "hit_tokens": 0, "device_calls": 0,
+                  "syncs": 0, "step_plans": 0, "step_plan_overflows": 0}
+
+  # ------------------------------------------------------------------------------------------ slots, tables
+  @property
+  def num_slots(self) -> int:
+    return self._tab[self.groups[0]].shape[0]
+
+  def table_width(self, group: str) -> int:
+    return self._tab[group].shape[1]
+
+  def slot_of(self, request_id: str) -> int:
+    """The request's row of the device block tables (the engine's step reads its tables there)."""
+    return self._req(request_id).slot
+
+  def _take_slot(self) -> int:
+    if not self._free_slots:
+      if self._fixed:
+        raise CacheError(f"no free table row: {self.num_slots} requests are held (num_slots)")
+      self.flush()
+      n = self.num_slots
+      self._tab = {g: jnp.pad(t, ((0, n), (0, 0)), constant_values=-1) for g, t in self._tab.items()}
+      self._free_slots = list(range(2 * n - 1, n - 1, -1))
+    return self._free_slots.pop()
+
+  def _ensure_width(self, g: str, blocks: int) -> None:
+    w = self.table_width(g)
+    if blocks <= w:
+      return
+    if self._fixed:
+      raise CacheError(f"group {g}: {blocks} blocks exceed the table width {w} (max_tokens)")
+    self.flush()
+    nw = w
+    while nw < blocks:
+      nw *= 2
+    # queued refs are (slot, entry) pairs, resolved against the width when packed: growing is safe
+    self._tab[g] = jnp.pad(self._tab[g], ((0, 0), (0, nw - w)), constant_values=-1)
+
+  @property
+  def device_tables(self) -> dict:
+    """The device block tables per group, [slots, width] (what the engine's step reads; do not keep them: the
+    next call donates them)."""
+    return self._tab
 
   # ------------------------------------------------------------------------------------------ queue
   def _reset_queue(self):
-    # chunks (ids, hasher, first block index, explicit block indices or None (= contiguous), tokens [m, bt], event
-    # infos or None), one per _register call (never
-    # empty); turned into arrays for all chunks at once when the step is packed (numpy per step, not per request)
+    # chunks (slot, table entries, hasher, first block index, explicit block indices or None (= contiguous),
+    # tokens [m, bt], event infos or None), one per _register call (never empty); turned into arrays for all
+    # chunks at once when the step is packed (numpy per step, not per request)
     self._q_reg = {g: [] for g in self.groups}
-    self._q_free = {g: [] for g in self.groups}     # arrays of released ids (eviction order), concatenated per step
-    self._q_alloc = {g: [] for g in self.groups}    # (table, table indices) waiting for ids
+    self._q_free = {g: [] for g in self.groups}     # [k, 2] (slot, entry) arrays, eviction order
+    self._q_alloc = {g: [] for g in self.groups}    # [k, 2] (slot, entry) arrays to fill
     self._q_nalloc = {g: 0 for g in self.groups}
-    self._q_rids = set()          # requests whose tables hold PENDING (ids of queued allocations, not known yet)
+    # requests with queued allocations: a commit or free of theirs applies the queue first (the device runs
+    # registrations and releases before allocations)
+    self._q_rids = set()
+
+  def _queued(self) -> bool:
+    return any(self._q_reg[g] or self._q_free[g] or self._q_nalloc[g] for g in self.groups)
 
   @property
   def pools(self) -> dict:
@@ -253,136 +342,223 @@ class KVCacheManager:
 
   def flush(self) -> None:
     """Apply every queued operation in one device call (no-op when nothing is queued)."""
-    if any(self._q_reg[g] or self._q_free[g] or self._q_nalloc[g] for g in self.groups):
-      self._check_free_counts(self._apply(None))
+    if self._queued():
+      self._apply(None)
 
   def _group_dims(self, g: str):
-    """(registrations, frees, their static widths) queued for group g."""
-    nr = sum(len(c[0]) for c in self._q_reg[g])
+    """(registrations, frees, allocations queued for group g, and their static widths)."""
+    nr = sum(len(c[1]) for c in self._q_reg[g])
     nf = sum(len(a) for a in self._q_free[g])
-    return nr, nf, _bucket(nr), _bucket(nf)
+    na = self._q_nalloc[g]
+    return nr, nf, na, _bucket(nr), _bucket(nf), _bucket(na)
 
-  def _group_plan(self, g: str, take=_empty, dims=None) -> GroupPlan:
+  def _refs(self, g, pairs):
+    return pairs[:, 0] * self.table_width(g) + pairs[:, 1]
+
+  def _group_plan(self, g: str, take, dims) -> GroupPlan:
     """The queued work of group g as a GroupPlan; `take(shape)` hands out the (uninitialised) arrays, views of the
     step's one input buffer (InputCarver) in leaf order."""
     bt = self._bt_of[g]
-    regs, frees = self._q_reg[g], self._q_free[g]
-    nr, nf, r, f = dims or self._group_dims(g)
-    ids, key, par, tok = take((r,)), take((r, 2)), take((r, 4)), take((r, bt))
-    ids[nr:], key[nr:], par[nr:], tok[nr:] = -1, 0, 0, 0
+    w = self.table_width(g)
+    regs, frees, allocs = self._q_reg[g], self._q_free[g], self._q_alloc[g]
+    nr, nf, na, r, f, a = dims
+    ref, key, par, tok = take((r,)), take((r, 2)), take((r, 4)), take((r, bt))
+    ref[nr:], key[nr:], par[nr:], tok[nr:] = -1, 0, 0, 0
     if regs:      # whole chunks at once (numpy), not per block
-      np.concatenate([c[0] for c in regs], out=ids[:nr])
+      np.concatenate([c[0] * w + c[1] for c in regs], out=ref[:nr])
       kw, pw = self._reg_words(g)
       key[:nr] = keys_from_words(kw, self.key_bits)
       par[:nr] = pw
-      np.concatenate([c[4] for c in regs], out=tok[:nr])
+      np.concatenate([c[5] for c in regs], out=tok[:nr])
     fr = take((f,))
     fr[nf:] = -1
     if frees:
-      np.concatenate(frees, out=fr[:nf])
-    n = take(())
-    n[...] = self._q_nalloc[g]
-    return GroupPlan(ids, key, par, tok, fr, n)
-
-  def _settle(self) -> None:
-    """Apply the queued releases to the host mirror: one pass over all of them (not numpy calls per request)."""
-    for g in self.groups:
-      q = self._unsettled[g]
-      if not q:
-        continue
-      a = np.concatenate(q) if len(q) > 1 else q[0]
-      q.clear()
-      ref = self._ref[g]
-      np.subtract.at(ref, a, 1)        # exact when siblings release the same block in one step
-      z = a[ref[a] == 0]
-      self._nfree[g] += len(np.unique(z)) if len(z) > 1 else len(z)
+      fr[:nf] = self._refs(g, np.concatenate(frees))
+    al = take((a,))
+    al[na:] = -1
+    if allocs:
+      al[:na] = self._refs(g, np.concatenate(allocs))
+    return GroupPlan(ref, key, par, tok, fr, al)
 
   def _in_treedef(self, with_admit: bool):
     if with_admit not in self._in_treedefs:
       plans = tuple(GroupPlan(*range(6)) for _ in self.groups)
-      self._in_treedefs[with_admit] = jax.tree_util.tree_structure((plans, AdmitPlan(*range(5)) if with_admit else None))
+      self._in_treedefs[with_admit] = jax.tree_util.tree_structure((plans, AdmitPlan(*range(6)) if with_admit else None))
     return self._in_treedefs[with_admit]
 
-  def _apply(self, admit=None, admit_widths=None):
-    """One device call: the queued work plus, with admit = (token arrays, hashers, allocate targets or None), the
-    batched admission. Every plan array is a view of one int32 buffer (one transfer in); every result comes back
-    in one int32 buffer (one transfer out), unpacked as numpy views."""
-    self._settle()
-    G = self._G
+  def _statics(self, admit_widths=None):
+    return dict(groups=self._searches, block_tokens=self._bt, align=self.specs.align_tokens,
+                hash_tokens=self._G, prepend=self.prepend_uncached,
+                admit_widths=admit_widths or tuple(16 for _ in self.groups))
+
+  def _carve(self, dims, admit=None):
+    """Every queued operation (and the admission batch) carved into one InputCarver; resets the queue. Returns
+    (carver, in_layout, _Sent without layout)."""
     shapes = []
-    dims = [self._group_dims(g) for g in self.groups]
-    for (_, _, r, f), bt in zip(dims, self._bt):
-      shapes += [(r,), (r, 2), (r, 4), (r, bt), (f,), ()]
+    for (_, _, _, r, f, a), bt in zip(dims, self._bt):
+      shapes += [(r,), (r, 2), (r, 4), (r, bt), (f,), (a,)]
     if admit is not None:
       b, u = self._admit_dims(admit[0])
-      shapes += [(b, u, 2), (b, u, 4), (b, u, G), (b,), (b,)]
+      shapes += [(b, u, 2), (b, u, 4), (b, u, self._G), (b,), (b,), (b,)]
     carver = InputCarver(shapes)
-    plans = tuple(self._group_plan(g, carver.take, d) for g, d in zip(self.groups, dims))
+    for g, d in zip(self.groups, dims):
+      self._group_plan(g, carver.take, d)
     if admit is not None:
       self._pack(*admit, take=carver.take)
-    alloc_w = tuple(_bucket(self._q_nalloc[g]) for g in self.groups)
-    if admit_widths is None:
-      admit_widths = tuple(16 for _ in self.groups)
-    in_layout = (self._in_treedef(admit is not None), carver.shapes)
-    statics = dict(groups=self._searches, block_tokens=self._bt, align=self.specs.align_tokens, hash_tokens=G,
-                   prepend=self.prepend_uncached, alloc_widths=alloc_w, admit_widths=admit_widths)
-    pools = tuple(self._pools[g] for g in self.groups)
-    lkey = (in_layout, alloc_w, admit_widths)
-    if lkey not in self._out_layouts:
-      self._out_layouts[lkey] = result_layout(pools, in_layout, **statics)
-    pools, out = apply_step_packed(pools, carver.buf, in_layout=in_layout, **statics)
-    res = unpack(np.asarray(jax.device_get(out)), *self._out_layouts[lkey])   # the one device -> host transfer
-    self.stats["device_calls"] += 1
-    self._pools = dict(zip(self.groups, pools))
-    for gi, g in enumerate(self.groups):
-      if not res["free_ok"][gi]:
-        raise RuntimeError(f"free refused blocks of group {g}: {self._q_free[g]}")
-      if not res["alloc_ok"][gi]:
-        raise RuntimeError(f"allocate of {self._q_nalloc[g]} blocks failed in group {g} after the free check")
-      self._after_register(g, res["status"][gi])
-      ids, ev = res["alloc_ids"][gi], res["alloc_ev"][gi]
-      self._removed(g, ids[:self._q_nalloc[g]], ev[:self._q_nalloc[g]])
-      k = 0
-      for tab, idx in self._q_alloc[g]:
-        tab.buf[idx] = ids[k:k + len(idx)]
-        k += len(idx)
-      self._ref[g][ids[:self._q_nalloc[g]]] = 1
+    regs = None
+    if self.events.enabled:
+      regs = {g: self._q_reg[g] for g in self.groups}
+    sent = _Sent(None, dict(self._alloc_total), self._free_seq, regs)
+    self._calls += 1
     self._reset_queue()
+    return carver, (self._in_treedef(admit is not None), carver.shapes), sent
+
+  def _apply(self, admit=None, admit_widths=None):
+    """One device call: the queued work plus, with admit = (token arrays, hashers, allocate targets or None,
+    slots), the batched admission. Every plan array is a view of one int32 buffer (one transfer in); every result
+    comes back in one int32 buffer (one transfer out), unpacked as numpy views."""
+    dims = [self._group_dims(g) for g in self.groups]
+    carver, in_layout, sent = self._carve(dims, admit)
+    statics = self._statics(admit_widths)
+    pools = tuple(self._pools[g] for g in self.groups)
+    tabs = tuple(self._tab[g] for g in self.groups)
+    lkey = (in_layout, tuple(statics["admit_widths"]), tuple(t.shape for t in tabs))
+    if lkey not in self._out_layouts:
+      self._out_layouts[lkey] = result_layout(pools, tabs, in_layout, **statics)
+    sent.layout = self._out_layouts[lkey]
+    pools, tabs, out = apply_step_packed(pools, tabs, carver.buf, in_layout=in_layout, **statics)
+    self._pools, self._tab = dict(zip(self.groups, pools)), dict(zip(self.groups, tabs))
+    res = unpack(np.asarray(jax.device_get(out)), *sent.layout)   # the one device -> host transfer
+    self.stats["device_calls"] += 1
+    self._on_result(res, sent, self._calls)
     return res
 
-  def _check_free_counts(self, res):
+  def _on_result(self, res, sent: _Sent, seq: int) -> None:
+    """Read one call's results: refusals are bugs (raise), events, and the free counts."""
+    counts = res["counters"] if "counters" in res else [None] * len(self.groups)
     for gi, g in enumerate(self.groups):
-      if int(res["num_free"][gi]) != self._nfree[g]:
-        raise RuntimeError(f"group {g}: device free count {int(res['num_free'][gi])} != host {self._nfree[g]}")
+      c = counts[gi]
+      if c is None:
+        bad_reg = int(np.count_nonzero(res["status"][gi] == P.INVALID))
+        bad_free, bad_alloc = not res["free_ok"][gi], not res["alloc_ok"][gi]
+        dup = int(np.count_nonzero(res["status"][gi] == P.DUPLICATE))
+        full = int(np.count_nonzero(res["status"][gi] == P.TABLE_FULL))
+        nfree = int(res["num_free"][gi])
+      else:
+        nfree, bad_reg, bad_free, bad_alloc, dup, full = (int(x) for x in c)
+      if bad_reg:
+        raise RuntimeError(f"register refused {bad_reg} block(s) of group {g}")
+      if bad_free:
+        raise RuntimeError(f"free refused blocks of group {g}")
+      if bad_alloc:
+        raise RuntimeError(f"allocate failed in group {g} after the free check")
+      self.stats["duplicate"] += dup
+      self.stats["table_full"] += full
+      if c is None and self.events.enabled:
+        self._events_of(g, gi, res, sent)
+      if seq > self._count_seq:
+        # the device count after this call, less what calls sent after it allocate (releases sent after it are
+        # not counted until a later read confirms them)
+        self._nfree[g] = nfree - (self._alloc_total[g] - sent.alloc_total[g])
+        self.peak_used[g] = max(self.peak_used[g], self.num_blocks[g] - nfree)
+    if seq > self._count_seq:
+      self._count_seq = seq
+      self._free_seen = sent.free_seq
 
-  def _removed(self, g, ids, ev):
-    if not self.events.enabled:   # identities are tracked only to label events
-      return
-    for b, e in zip(ids, ev):
-      if e:
-        k, tenant = self._identity.pop((g, int(b)))
-        self.events.emit(BlockRemoved(k, g, tenant, int(b)))
+  def _events_of(self, g, gi, res, sent: _Sent):
+    regs = sent.regs[g]
+    if regs:
+      n = sum(len(c[1]) for c in regs)
+      ids, st = res["reg_ids"][gi][:n], res["status"][gi][:n]
+      keys = None
+      infos = [i for c in regs for i in c[6]]
+      for i in np.flatnonzero(st == P.STORED):
+        if keys is None:
+          keys = keys_from_words(self._reg_words(g, regs)[0], self.key_bits)
+        kk = key_int(keys[i])
+        parent, tenant, bt = infos[i]
+        b = int(ids[i])
+        self._identity[(g, b)] = (kk, tenant)
+        self.events.emit(BlockStored(kk, parent, g, tenant, b, bt))
+    for ids, ev in ((res["alloc_ids"][gi], res["alloc_ev"][gi]),
+                    (res["admit_ids"][gi], res["admit_ev"][gi]) if "admit_ids" in res else ((), ())):
+      for b, e in zip(ids, ev):
+        if e:
+          k, tenant = self._identity.pop((g, int(b)))
+          self.events.emit(BlockRemoved(k, g, tenant, int(b)))
 
-  def _after_register(self, g, status):
-    regs = self._q_reg[g]
-    if not regs:
-      return
-    ids = np.concatenate([c[0] for c in regs])
-    st = np.asarray(status)[:len(ids)]
-    if (st == P.INVALID).any():
-      raise RuntimeError(f"register refused block {int(ids[np.argmax(st == P.INVALID)])} of group {g}")
-    self.stats["duplicate"] += int(np.count_nonzero(st == P.DUPLICATE))
-    self.stats["table_full"] += int(np.count_nonzero(st == P.TABLE_FULL))
-    if not self.events.enabled:
-      return
-    keys = keys_from_words(self._reg_words(g)[0], self.key_bits)
-    infos = [i for c in regs for i in c[5]]
-    for i in np.flatnonzero(st == P.STORED):
-      kk = key_int(keys[i])
-      parent, tenant, bt = infos[i]
-      b = int(ids[i])
-      self._identity[(g, b)] = (kk, tenant)
-      self.events.emit(BlockStored(kk, parent, g, tenant, b, bt))
+  # ------------------------------------------------------------------------------------------ the step program
+  def set_step_capacity(self, tokens: int, rows: int) -> None:
+    """Fix the widths of the bookkeeping the engine's step program carries (one compiled shape): at most
+    `tokens` new tokens over `rows` requests per step. A step whose queue does not fit (a long request's end
+    releases many blocks at once) applies it in a call of its own first (`take_step_plan`)."""
+    w = []
+    for g, bt in zip(self.groups, self._bt):
+      need = self.policies[g].need_blocks if g in self.policies else 0
+      a = -(-tokens // bt) + rows
+      w.append((-(-(a + 2 * rows * need) // 8) * 8, -(-(2 * a + rows * need) // 8) * 8, -(-a // 8) * 8))
+    self._step_widths = tuple(w)
+
+  def take_step_plan(self) -> StepPlan:
+    """Everything queued, as the step program's bookkeeping (fixed widths, see set_step_capacity). The caller
+    runs `cache.step.step_packed(pools, tables, plan.buf, **plan.kwargs())` on `device_state()` and hands the new
+    state back (`set_device_state`) and, when it reads them, the results (`on_step_result`)."""
+    if self._step_widths is None:
+      raise CacheError("take_step_plan: call set_step_capacity first")
+    dims = [self._group_dims(g) for g in self.groups]
+    if any(d[0] > w[0] or d[1] > w[1] for d, w in zip(dims, self._step_widths)):
+      # too much for the fixed widths: registrations and releases go first in a call of their own (allocations
+      # stay queued: they follow the releases either way)
+      self.stats["step_plan_overflows"] += 1
+      allocs, nalloc = self._q_alloc, self._q_nalloc
+      self._q_alloc, self._q_nalloc = {g: [] for g in self.groups}, {g: 0 for g in self.groups}
+      tot = dict(self._alloc_total)
+      for g in self.groups:
+        self._alloc_total[g] -= nalloc[g]
+      self._apply(None)
+      self._q_alloc, self._q_nalloc, self._alloc_total = allocs, nalloc, tot
+      dims = [self._group_dims(g) for g in self.groups]
+    if any(d[2] > w[2] for d, w in zip(dims, self._step_widths)):
+      self.stats["step_plan_overflows"] += 1
+      self._apply(None)
+      dims = [self._group_dims(g) for g in self.groups]
+    dims = [(nr, nf, na, r, f, a) for (nr, nf, na, _, _, _), (r, f, a) in zip(dims, self._step_widths)]
+    carver, in_layout, sent = self._carve(dims)
+    results = "all" if self.events.enabled else "counts"
+    statics = self._statics()
+    key = (in_layout, results, tuple(t.shape for t in self._tab.values()))
+    if key not in self._out_layouts:
+      self._out_layouts[key] = result_layout(tuple(self._pools.values()), tuple(self._tab.values()), in_layout,
+                                             results=results, **statics)
+    sent.layout = self._out_layouts[key]
+    self.stats["step_plans"] += 1
+    return StepPlan(carver.buf, tuple(sorted({**statics, "in_layout": in_layout, "results": results}.items())),
+                    dataclasses.replace(sent, layout=(sent.layout, self._calls)))
+
+  def device_state(self):
+    """(pools, tables) as tuples in group order, for the step program (which donates them)."""
+    return tuple(self._pools[g] for g in self.groups), tuple(self._tab[g] for g in self.groups)
+
+  def set_device_state(self, pools, tables) -> None:
+    self._pools, self._tab = dict(zip(self.groups, pools)), dict(zip(self.groups, tables))
+
+  def on_step_result(self, plan: StepPlan, buf) -> None:
+    """The results of a step program's bookkeeping (its packed int32 result buffer, on the host), in any order
+    after the step; the free counts only move forward."""
+    layout, seq = plan.sent.layout
+    self._on_result(unpack(np.asarray(buf), *layout), plan.sent, seq)
+
+  def sync_counts(self) -> None:
+    """Apply what is queued and read the device's free counts (waits for every call sent): exact counts."""
+    self.stats["syncs"] += 1
+    if self._queued():
+      self._apply(None)
+    if self._free_seen < self._free_seq:
+      nf = jax.device_get([self._pools[g].num_free for g in self.groups])
+      for g, n in zip(self.groups, nf):
+        self._nfree[g] = int(n)
+      self._free_seen = self._free_seq
+      self._count_seq = self._calls
 
   @property
   def policy(self) -> CheckpointPolicy:
@@ -403,12 +579,13 @@ class KVCacheManager:
     b = 1 << (len(toks) - 1).bit_length()        # powers of 2: padding rows cost a whole search each
     return b, -(-u // per_align) * per_align
 
-  def _pack(self, toks, hashers, targets=None, take=_empty) -> AdmitPlan:
+  def _pack(self, toks, hashers, targets=None, slots=None, take=_empty) -> AdmitPlan:
     """The admission batch as an AdmitPlan (arrays from `take`, see _group_plan). Keys and parents of all requests
     in one numpy pass (one bytes join), not per request."""
     g = self._G
     b, u = self._admit_dims(toks)
-    key, par, tok, max_len, target = take((b, u, 2)), take((b, u, 4)), take((b, u, g)), take((b,)), take((b,))
+    key, par, tok, max_len, target, slot = (take((b, u, 2)), take((b, u, 4)), take((b, u, g)), take((b,)),
+                                            take((b,)), take((b,)))
     nb = len(toks)
     ns = np.array([min(u, len(h.digests)) for h in hashers], np.int64)
     tot = int(ns.sum())
@@ -428,7 +605,7 @@ class KVCacheManager:
       par[rows, cols] = pw
     tok[nb:] = 0
     for i, t in enumerate(toks):
-      nu = len(t) // g
+      nu = min(len(t) // g, u)
       tok[i, :nu] = t[:nu * g].reshape(nu, g)
       tok[i, nu:] = 0
     max_len[:] = 0
@@ -436,7 +613,10 @@ class KVCacheManager:
     target[:] = -1
     if targets is not None:
       target[:nb] = [-1 if t is None else t for t in targets]
-    return AdmitPlan(key, par, tok, max_len, target)
+    slot[:] = -1
+    if slots is not None:
+      slot[:nb] = slots
+    return AdmitPlan(key, par, tok, max_len, target, slot)
 
   def lookup(self, token_ids, extra_keys: ExtraKeys = ExtraKeys()) -> PrefixHit:
     return self.lookup_batch([(token_ids, extra_keys)])[0]
@@ -484,10 +664,10 @@ class KVCacheManager:
     return self.add_requests([(request_id, prompt_token_ids, extra_keys)])[0]
 
   def add_requests(self, requests, allocate_tokens=None) -> list[PrefixHit]:
-    """Admit several requests in ONE device call (with everything queued): search, claim, and with
-    `allocate_tokens[i]` (total tokens to cover, e.g. hit + first chunk; None = no allocation) their first
-    allocation. If the pools cannot cover every admitted request's allocation, none is made (check
-    `block_tables` / call allocate_for)."""
+    """Admit several requests in ONE device call (with everything queued): search, claim (the hit blocks are
+    written into each request's table row on the device), and with `allocate_tokens[i]` (total tokens to cover,
+    e.g. hit + first chunk; None = no allocation) their first allocation. If the pools cannot cover every
+    admitted request's allocation, none is made (call allocate_for)."""
     reqs = []
     seen = set()
     for rid, prompt, extra in requests:
@@ -498,24 +678,24 @@ class KVCacheManager:
         raise CacheError("add_request: prompt_token_ids must be a non-empty 1-D sequence")
       seen.add(rid)
       reqs.append((rid, toks, extra))
+    if not reqs:
+      return []
     if allocate_tokens is not None and len(allocate_tokens) != len(reqs):
       raise CacheError("add_requests: allocate_tokens must have one entry per request")
     if allocate_tokens is not None and any(t is not None and t < 0 for t in allocate_tokens):
       raise CacheError("add_requests: allocate_tokens must be >= 0")
+    longest = max([len(t) for _, t, _ in reqs] + [t or 0 for t in (allocate_tokens or [])])
+    for g, bt in zip(self.groups, self._bt):
+      self._ensure_width(g, -(-longest // bt))
+    if self._fixed and len(self._free_slots) < len(reqs):
+      raise CacheError(f"add_requests: {len(reqs)} requests but {len(self._free_slots)} free table rows")
+    slots = [self._take_slot() for _ in reqs]
     hashers = [self._hasher(t, e) for _, t, e in reqs]
     tgts = [t for t in allocate_tokens if t is not None] if allocate_tokens is not None else []
     widths = tuple(_bucket(sum(-(-int(t) // bt) for t in tgts)) for bt in self._bt)
-    res = self._apply(([t for _, t, _ in reqs], hashers, allocate_tokens), widths)
+    res = self._apply(([t for _, t, _ in reqs], hashers, allocate_tokens, slots), widths)
     hit, run, ids = res["hit"], res["run"], res["hit_ids"]
     out = []
-    nb = len(reqs)
-    for gi, g in enumerate(self.groups):    # claims (the device did them) mirrored on the host, all requests at once
-      gid = ids[gi][:nb]          # -1 past the hit (full groups) / outside the tail (sliding groups)
-      got = gid[gid >= 0]
-      if len(got):          # siblings may claim the same block: count it once (checked against the device after)
-        ref = self._ref[g]
-        self._nfree[g] -= int(np.count_nonzero(ref[np.unique(got)] == 0))
-        np.add.at(ref, got, 1)
     for i, (rid, toks, extra) in enumerate(reqs):
       h = self._hit(i, len(toks), hit, ids)
       n = h.num_tokens
@@ -527,30 +707,24 @@ class KVCacheManager:
       # "Checkpoint placement").
       if self.junction_checkpoints and int(run[i]) > n and (n == 0 or int(run[i]) < 2 * n):
         junction = (int(run[i]),)
-      tables = {g: _Buf(h.block_ids[g]) for g in self.groups}
+      tables = {g: _Buf(np.where(h.block_ids[g] >= 0, HELD, -1).astype(np.int32)) for g in self.groups}
       released = {g: max(0, n // p.block_tokens - p.need_blocks) for g, p in self.policies.items()}
       r = _Request(rid, _Buf(toks), hashers[i], extra.tenant, len(toks), n, tables,
-                   {g: len(tables[g]) for g in self.groups}, released, junction, n == 0)
+                   {g: len(tables[g]) for g in self.groups}, released, junction, n == 0, slot=slots[i])
       self._requests[rid] = r
       out.append(h)
-    if allocate_tokens is not None:
-      if res["admit_ok"]:
-        for gi, g in enumerate(self.groups):
-          ids_g = res["admit_ids"][gi]
-          k = 0
-          bt = self._bt[gi]
-          for i, (rid, _, _) in enumerate(reqs):
-            t = allocate_tokens[i]
-            if t is None:
-              continue
-            tab = self._requests[rid].tables[g]
-            need = max(0, -(-t // bt) - len(tab))
-            tab.extend(ids_g[k:k + need])
-            k += need
-          self._ref[g][ids_g[:k]] = 1
-          self._nfree[g] -= k
-          self._removed(g, ids_g[:k], res["admit_ev"][gi][:k])
-    self._check_free_counts(res)
+    if allocate_tokens is not None and res["admit_ok"]:
+      for gi, g in enumerate(self.groups):
+        bt = self._bt[gi]
+        k = 0
+        for i, (rid, _, _) in enumerate(reqs):
+          t = allocate_tokens[i]
+          if t is None:
+            continue
+          tab = self._requests[rid].tables[g]
+          need = max(0, -(-t // bt) - len(tab))
+          tab.extend_fill(HELD, need)
+          k += need
     return out
 
   def append_tokens(self, request_id: str, token_ids) -> None:
@@ -558,42 +732,60 @@ class KVCacheManager:
     r.tokens.extend(np.atleast_1d(np.asarray(token_ids, np.int64)))
 
   def allocate_for(self, request_id: str, num_new_tokens: int) -> BlockTables | OutOfBlocks:
-    """Blocks for positions up to num_computed + num_new_tokens in every group, all or nothing. Decided on the
-    host (exact free counts); the ids are filled in by the next device call (the returned tables are lazy)."""
+    """Blocks for positions up to num_computed + num_new_tokens in every group, all or nothing."""
     r = self._req(request_id)
     if num_new_tokens < 0:
       raise CacheError(f"allocate_for: num_new_tokens must be >= 0, got {num_new_tokens}")
-    self._settle()
-    total = r.num_computed + num_new_tokens
+    return self.allocate_to(request_id, r.num_computed + num_new_tokens)
+
+  def allocate_to(self, request_id: str, total_tokens: int) -> BlockTables | OutOfBlocks:
+    """Blocks for positions [0, total_tokens) in every group, all or nothing. Decided on the host by counts; the
+    device fills the table entries in the next call (the engine's step program). The returned tables are read
+    from the device on first access (not by the engine)."""
+    r = self._req(request_id)
     need = {}
     for g, bt in zip(self.groups, self._bt):
-      need[g] = max(0, -(-total // bt) - len(r.tables[g]))
-      if need[g] > self._nfree[g]:
-        return OutOfBlocks(g, need[g], self._nfree[g])
-    for g in self.groups:
+      need[g] = max(0, -(-total_tokens // bt) - len(r.tables[g]))
+    short = next((g for g in self.groups if need[g] > self._nfree[g]), None)
+    if short is not None and self._free_seen < self._free_seq:
+      self.sync_counts()           # releases not confirmed yet: read the exact counts, then decide
+      short = next((g for g in self.groups if need[g] > self._nfree[g]), None)
+    if short is not None:
+      return OutOfBlocks(short, need[short], self._nfree[short])
+    for g, bt in zip(self.groups, self._bt):
       if need[g]:
-        start = r.tables[g].extend_fill(PENDING, need[g])
-        self._q_alloc[g].append((r.tables[g], np.arange(start, start + need[g])))
-        self._q_rids.add(r.rid)
+        self._ensure_width(g, len(r.tables[g]) + need[g])
+        start = r.tables[g].extend_fill(HELD, need[g])
+        self._q_alloc[g].append(np.stack([np.full(need[g], r.slot), np.arange(start, start + need[g])], 1))
         self._q_nalloc[g] += need[g]
         self._nfree[g] -= need[g]
+        self._alloc_total[g] += need[g]
+        self._q_rids.add(r.rid)
     return BlockTables(self, request_id)
 
   def _tables_now(self, request_id: str) -> dict[str, np.ndarray]:
+    """The request's block ids per group, read from the device (tests, tiers, debugging)."""
     r = self._req(request_id)
-    if r.rid in self._q_rids:
-      self.flush()
-    return {g: r.tables[g].view().copy() for g in self.groups}
+    self.flush()
+    rows = jax.device_get({g: self._tab[g][r.slot] for g in self.groups})
+    out = {}
+    for g in self.groups:
+      held = r.tables[g].view()
+      ids = np.asarray(rows[g])[:len(held)].copy()
+      if not np.array_equal(ids >= 0, held >= 0):
+        raise RuntimeError(f"group {g}: device table of {request_id!r} disagrees with the host's counts")
+      out[g] = ids
+    return out
 
   def block_tables(self, request_id: str) -> BlockTables:
-    """The request's tables now (applies what is queued if some ids are not known yet)."""
+    """The request's tables now (applies what is queued first; one device read)."""
     return BlockTables(None, None, self._tables_now(request_id))
 
   # ------------------------------------------------------------------------------------------ register
   def _register(self, r: _Request, g: str, block_idx, all_held: bool = False) -> None:
-    """Queue blocks (by table index) of a group for registration under the request's hashes. Only the ids (a
-    copy: the table may release them before the call) and a token view are taken here; the digest words of every
-    queued block of every request are gathered at once when the step is packed (`_reg_words`)."""
+    """Queue blocks (by table index) of a group for registration under the request's hashes. Only the entries
+    and a token view are taken here; the digest words of every queued block of every request are gathered at
+    once when the step is packed (`_reg_words`)."""
     bt = self._bt_of[g]
     tab = r.tables[g]
     js = None
@@ -601,41 +793,39 @@ class KVCacheManager:
       a, b = block_idx.start, block_idx.stop
       if a >= b:
         return
-      ids = tab.buf[a:b]
-      if all_held or ids.min() >= 0:     # the usual case (commit, checkpoint): contiguous, all held
-        ids = ids.copy()
+      ent = np.arange(a, b, dtype=np.int32)
+      if all_held or tab.buf[a:b].min() >= 0:     # the usual case (commit, checkpoint): contiguous, all held
         tok = r.tokens.buf[a * bt:b * bt].reshape(-1, bt)     # a view (token positions never change)
         block_idx = None
     if block_idx is not None:
       js = np.asarray(block_idx, np.int64)
       if not len(js):
         return
-      v = tab.buf[js]
-      keep = v >= 0
-      js, ids = js[keep], v[keep]
+      js = js[tab.buf[js] >= 0]
       if not len(js):
         return
       a = int(js[0])
+      ent = js.astype(np.int32)
       tok = r.tokens.buf[:(int(js.max()) + 1) * bt].reshape(-1, bt)[js]      # (blocks, bt), one gather
     infos = None
     if self.events.enabled:
       upb = bt // self._G
-      jl = range(a, a + len(ids)) if js is None else js.tolist()
+      jl = range(a, a + len(ent)) if js is None else js.tolist()
       infos = [(key_int(device_key(r.hasher.digests[j * upb - 1], self.key_bits)) if j else None, r.tenant, bt)
                for j in jl]
-    self._q_reg[g].append((ids, r.hasher, a, js, tok, infos))
+    self._q_reg[g].append((r.slot, ent, r.hasher, a, js, tok, infos))
 
-  def _reg_words(self, g: str):
+  def _reg_words(self, g: str, regs=None):
     """(key digest words [R, 4] uint32, parent words [R, 4] int32) of every queued registration of group g: one
     bytes join and two numpy gathers, not per block. Each chunk contributes only the digests its blocks span (from
     the parent of its first block to the key of its last), so the cost follows the blocks registered, not the
     requests' lengths."""
-    regs = self._q_reg[g]
+    regs = self._q_reg[g] if regs is None else regs
     upb = self._bt_of[g] // self._G
     parts, lo, base, n_words = [], [], [], 0
     for c in regs:
-      h, a, js = c[1], c[2], c[3]
-      first, last = (a, a + len(c[0]) - 1) if js is None else (int(js.min()), int(js.max()))
+      h, a, js = c[2], c[3], c[4]
+      first, last = (a, a + len(c[1]) - 1) if js is None else (int(js.min()), int(js.max()))
       u0, u1 = first * upb - 1, (last + 1) * upb      # units u0 .. u1 - 1; unit -1 is the root
       if u0 < 0:
         parts.append(h.root)
@@ -644,14 +834,14 @@ class KVCacheManager:
       base.append(n_words)
       n_words += u1 - u0
     w = np.frombuffer(b"".join(parts), dtype="<u4").reshape(-1, 4)
-    counts = np.fromiter((len(c[0]) for c in regs), np.int64, len(regs))
+    counts = np.fromiter((len(c[1]) for c in regs), np.int64, len(regs))
     tot = int(counts.sum())
     starts = np.cumsum(counts) - counts
     j = (np.arange(tot) - np.repeat(starts, counts)
-         + np.repeat(np.fromiter((c[2] for c in regs), np.int64, len(regs)), counts))
+         + np.repeat(np.fromiter((c[3] for c in regs), np.int64, len(regs)), counts))
     for k, c in enumerate(regs):      # explicit (non-contiguous) block lists: rare
-      if c[3] is not None:
-        j[starts[k]:starts[k] + counts[k]] = c[3]
+      if c[4] is not None:
+        j[starts[k]:starts[k] + counts[k]] = c[4]
     # in the joined words, unit u of chunk k sits at base_k + u - lo_k (the root is unit -1)
     at = np.repeat(np.asarray(base, np.int64) - np.asarray(lo, np.int64), counts)
     return w[at + (j + 1) * upb - 1], w[at + j * upb - 1].view(np.int32)
@@ -668,7 +858,7 @@ class KVCacheManager:
     request no longer reads (both queued for the next device call)."""
     r = self._req(request_id)
     if r.rid in self._q_rids:
-      self.flush()              # the engine reads block_tables (one flush) before the model runs; tests may not
+      self.flush()              # its allocation is still queued (the engine's step program applied it already)
     n = num_computed_tokens
     if n < r.num_computed:
       raise CacheError(f"commit: num_computed_tokens went backwards ({r.num_computed} -> {n})")
@@ -696,34 +886,36 @@ class KVCacheManager:
 
   def _release(self, r: _Request, g: str, upto: int) -> None:
     lo = r.released[g]
-    ids = None
+    ent = None
     if upto > lo:
       seg = r.tables[g].buf[lo:upto]     # a view: -1 written below lands in the table
-      rev = seg[::-1]
-      ids = rev[rev >= 0]                 # a copy (boolean mask), tail first
+      js = np.flatnonzero(seg[::-1] >= 0)
+      ent = (upto - 1 - js).astype(np.int32)          # held entries, tail first
       seg[:] = -1
     r.released[g] = max(lo, upto)
-    self._free_ids(g, ids)
+    self._free_ids(g, r.slot, ent)
 
-  def _free_ids(self, g: str, ids) -> None:
-    """Queue releases (eviction order) and update the host mirror."""
-    if ids is None or not len(ids):
+  def _free_ids(self, g: str, slot: int, entries) -> None:
+    """Queue releases of table entries (eviction order): the device reads the ids and clears the entries."""
+    if entries is None or not len(entries):
       return
-    a = np.asarray(ids, np.int32)
-    self._unsettled[g].append(a)       # the mirror is updated once per step (_settle)
-    self._q_free[g].append(a)
+    e = np.asarray(entries, np.int32)
+    self._q_free[g].append(np.stack([np.full(len(e), slot, np.int32), e], 1))
+    self._free_seq += 1
 
   def free(self, request_id: str) -> None:
     """End of request: checkpoint the sliding tails where the next turn resumes, then release every block, tail
-    first (a chain's last blocks become evictable before its head)."""
+    first (a chain's last blocks become evictable before its head). Its table row is reused once the device
+    has applied the releases (they come first in the next call)."""
     r = self._req(request_id)
     if r.rid in self._q_rids:
-      self.flush()              # ids of blocks allocated since the last call are needed to release them
+      self.flush()
     if not self.legacy and self.policies:
       self._checkpoint(r, next(iter(self.policies.values())).floor_align(r.num_computed))
     for g in self.groups:
-      rev = r.tables[g].view()[::-1]
-      self._free_ids(g, rev[rev >= 0])
+      v = r.tables[g].view()
+      self._free_ids(g, r.slot, np.flatnonzero(v[::-1] >= 0).astype(np.int32) * -1 + (len(v) - 1))
+    self._free_slots.append(r.slot)
     del self._requests[request_id]
 
   def checkpoint_boundaries(self, request_id: str, lo: int, hi: int) -> list[int]:
@@ -741,14 +933,12 @@ class KVCacheManager:
   def extend_for_load(self, request_id: str, num_tokens: int, tail_blocks) -> BlockTables | OutOfBlocks:
     """Blocks to receive a prefix [num_computed, num_tokens) loaded from a lower tier: every full-history block up
     to num_tokens, but sliding-group blocks only at the table indices in `tail_blocks` (the checkpoint tails the
-    resume reads; -1 elsewhere, as after a device hit). All or nothing; applied at once (ids known, BlockRemoved
-    events emitted). The caller writes the rows, then `commit(request_id, num_tokens)`."""
+    resume reads; -1 elsewhere, as after a device hit). All or nothing; applied at once (ids read back,
+    BlockRemoved events emitted). The caller writes the rows, then `commit(request_id, num_tokens)`."""
     r = self._req(request_id)
     if num_tokens % self.specs.align_tokens or num_tokens <= r.num_computed or num_tokens > len(r.tokens) - 1:
       raise CacheError(f"extend_for_load: {num_tokens} must be aligned, > {r.num_computed} and < {len(r.tokens)}")
-    if r.rid in self._q_rids:
-      self.flush()
-    self._settle()
+    self.sync_counts()
     wanted = set(int(j) for j in tail_blocks)
     new = {}
     for g, bt in zip(self.groups, self._bt):
@@ -763,13 +953,14 @@ class KVCacheManager:
         return OutOfBlocks(g, len(new[g]), self._nfree[g])
     for g, bt in zip(self.groups, self._bt):
       lo, hi = len(r.tables[g]), num_tokens // bt
+      self._ensure_width(g, hi)
       want = set(new[g])
-      r.tables[g].extend([PENDING if j in want else -1 for j in range(lo, hi)])
+      r.tables[g].extend([HELD if j in want else -1 for j in range(lo, hi)])
       if new[g]:
-        self._q_alloc[g].append((r.tables[g], np.asarray(new[g], np.int64)))
-        self._q_rids.add(r.rid)
+        self._q_alloc[g].append(np.stack([np.full(len(new[g]), r.slot), np.asarray(new[g])], 1))
         self._q_nalloc[g] += len(new[g])
         self._nfree[g] -= len(new[g])
+        self._alloc_total[g] += len(new[g])
     self.flush()
     return self.block_tables(request_id)
 
@@ -791,13 +982,18 @@ class KVCacheManager:
     return True
 
   def num_free_blocks(self, group: str) -> int:
-    self._settle()
+    """Exact free blocks now (reads the device when releases are not confirmed yet)."""
+    if self._free_seen < self._free_seq or self._queued():
+      self.sync_counts()
+    return self._nfree[group]
+
+  def free_blocks_estimate(self, group: str) -> int:
+    """Free blocks as the host knows them without reading the device: never more than the truth."""
     return self._nfree[group]
 
   def usage(self, group: str) -> float:
     """Fraction of blocks held by requests (cached-but-free blocks count as free, as in vLLM)."""
-    self._settle()
-    return 1.0 - self._nfree[group] / self.num_blocks[group]
+    return 1.0 - self.num_free_blocks(group) / self.num_blocks[group]
 
   def is_cached(self, group: str, token_ids, extra_keys: ExtraKeys, block: int) -> bool:
     """Whether block `block` of `group` for this token prefix is findable (tests, debugging)."""

@@ -30,15 +30,19 @@ import numpy as np
 
 from cache import pool as P
 from cache.prefix import search
+from cache.specs import FULL_HISTORY
 
 
 class GroupPlan(NamedTuple):
-  reg_ids_R: jax.Array
+  """One group's queued work, addressed by block-table position, never by block id: a ref is `slot * W + j` into
+  the group's tables [S, W] (entry j of the request in slot `slot`), -1 = padding. The device resolves refs to ids,
+  so the host never needs to know which block a request holds."""
+  reg_ref_R: jax.Array        # blocks to register (the id is read from the table)
   reg_key_Rx2: jax.Array
   reg_par_Rx4: jax.Array
   reg_tok_RxT: jax.Array
-  free_ids_F: jax.Array
-  alloc_n: jax.Array          # scalar: blocks to allocate (width static: `alloc_widths`)
+  free_ref_F: jax.Array       # entries to release, eviction order; the table entry becomes -1
+  alloc_ref_A: jax.Array      # entries to fill with newly allocated blocks, packed at the front (count = refs >= 0)
 
 
 class AdmitPlan(NamedTuple):
@@ -47,6 +51,7 @@ class AdmitPlan(NamedTuple):
   tok_BxUxG: jax.Array
   max_len_B: jax.Array
   target_B: jax.Array         # tokens to cover with blocks after the hit (-1: no admission allocation)
+  slot_B: jax.Array           # table row that receives the request's hit (and allocated) blocks; -1 = padding
 
 
 def _admit_need(hit_B, target_B, block_tokens):
@@ -55,25 +60,43 @@ def _admit_need(hit_B, target_B, block_tokens):
   return jnp.where(target_B >= 0, jnp.maximum(0, want - have), 0)
 
 
-_STATIC = ("groups", "block_tokens", "align", "hash_tokens", "prepend", "alloc_widths", "admit_widths")
+def resolve(table_SxW, ref_M):
+  """Block ids at table positions (-1 for padding refs)."""
+  flat = table_SxW.reshape(-1)
+  return jnp.where(ref_M >= 0, flat[jnp.clip(ref_M, 0, flat.shape[0] - 1)], -1)
 
 
-def step_core(pools, plans, admit, *, groups, block_tokens, align, hash_tokens, prepend, alloc_widths,
-              admit_widths):
-  """pools / plans: tuples in the order of `groups`; admit: AdmitPlan or None. Returns (pools, results).
-  results["hit_ids"]: per group, full-history groups [B, U // k] (-1 past the hit), sliding groups the tail only,
-  [B, need_blocks] (see prefix.search, compact form)."""
-  pools = list(pools)
-  res = {"status": [], "alloc_ids": [], "alloc_ev": [], "alloc_ok": [], "free_ok": []}
+def _write(table_SxW, ref_M, ids_M):
+  s, w = table_SxW.shape
+  flat = table_SxW.reshape(-1)
+  return flat.at[jnp.where(ref_M >= 0, ref_M, s * w)].set(ids_M, mode="drop").reshape(s, w)
+
+
+_STATIC = ("groups", "block_tokens", "align", "hash_tokens", "prepend", "admit_widths")
+
+
+def step_core(pools, tables, plans, admit, *, groups, block_tokens, align, hash_tokens, prepend, admit_widths):
+  """pools / tables / plans: tuples in the order of `groups`; admit: AdmitPlan or None. Returns (pools, tables,
+  results). results["hit_ids"]: per group, full-history groups [B, U // k] (-1 past the hit), sliding groups the
+  tail only, [B, need_blocks] (see prefix.search, compact form). Hit and allocated ids are also written into the
+  admitted requests' table rows."""
+  pools, tables = list(pools), list(tables)
+  res = {"status": [], "reg_ids": [], "alloc_ids": [], "alloc_ev": [], "alloc_ok": [], "free_ok": []}
   for i, plan in enumerate(plans):
-    st = pools[i]
-    st, status = P._register_core(st, plan.reg_ids_R, plan.reg_key_Rx2, plan.reg_par_Rx4, plan.reg_tok_RxT)
+    st, tab = pools[i], tables[i]
+    reg_ids = resolve(tab, plan.reg_ref_R)
+    st, status = P._register_core(st, reg_ids, plan.reg_key_Rx2, plan.reg_par_Rx4, plan.reg_tok_RxT)
+    free_ids = resolve(tab, plan.free_ref_F)
     # register read ref_N (held blocks) and free writes it: make the write depend on that read so that XLA keeps
     # ref_N in place (pool.py, `_after`)
-    st, fok = P._free_core(st, P._after(plan.free_ids_F, -1, status), prepend)
-    st, ids, ev, aok = P._allocate_core(st, plan.alloc_n, alloc_widths[i])
-    pools[i] = st
+    st, fok = P._free_core(st, P._after(free_ids, -1, status), prepend)
+    tab = _write(tab, P._after(plan.free_ref_F, -1, free_ids, reg_ids), jnp.full_like(free_ids, -1))
+    n = jnp.sum(plan.alloc_ref_A >= 0, dtype=jnp.int32)
+    st, ids, ev, aok = P._allocate_core(st, n, plan.alloc_ref_A.shape[0])
+    tab = _write(tab, plan.alloc_ref_A, ids)
+    pools[i], tables[i] = st, tab
     res["status"].append(status)
+    res["reg_ids"].append(reg_ids)
     res["free_ok"].append(fok)
     res["alloc_ids"].append(ids)
     res["alloc_ev"].append(ev)
@@ -82,8 +105,19 @@ def step_core(pools, plans, admit, *, groups, block_tokens, align, hash_tokens, 
     hit, run, _, ids = search(tuple(pools), admit.key_BxUx2, admit.par_BxUx4, admit.tok_BxUxG, admit.max_len_B,
                               groups, align, hash_tokens)
     res["hit"], res["run"], res["hit_ids"] = hit, run, ids
-    for i in range(len(pools)):     # sliding groups: only the tail ids (not the scattered [B, U // k] table)
+    b = admit.slot_B.shape[0]
+    for i, grp in enumerate(groups):     # sliding groups: only the tail ids (not the scattered [B, U // k] table)
       pools[i], _ = P._touch_core(pools[i], ids[i].reshape(-1))
+      w = tables[i].shape[1]
+      k = ids[i].shape[1]
+      if grp.kind == FULL_HISTORY:
+        j = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32)[None], (b, k))
+      else:
+        e = hit // (grp.units_per_block * hash_tokens)
+        j = e[:, None] - k + jnp.arange(k, dtype=jnp.int32)[None]
+      ok = (admit.slot_B[:, None] >= 0) & (j >= 0) & (j < w) & (ids[i] >= 0)
+      tables[i] = _write(tables[i], jnp.where(ok, admit.slot_B[:, None] * w + j, -1).reshape(-1),
+                         ids[i].reshape(-1))
     needs = [_admit_need(hit, admit.target_B, bt) for bt in block_tokens]
     ok = jnp.bool_(True)
     for i in range(len(pools)):
@@ -91,15 +125,24 @@ def step_core(pools, plans, admit, *, groups, block_tokens, align, hash_tokens, 
     res["admit_ok"] = ok
     res["admit_ids"], res["admit_ev"] = [], []
     for i in range(len(pools)):
-      n = jnp.where(ok, jnp.sum(needs[i]), 0)
+      need = jnp.where(ok, needs[i], 0)
+      n = jnp.sum(need)
       pools[i], aids, aev, _ = P._allocate_core(pools[i], n, admit_widths[i])
+      # allocated entry k goes to request r (cumulative needs) at table index have_r + (k - first_r)
+      w = tables[i].shape[1]
+      kk = jnp.arange(admit_widths[i], dtype=jnp.int32)
+      ends = jnp.cumsum(need)
+      r = jnp.minimum(jnp.searchsorted(ends, kk, side="right"), b - 1)
+      j = hit[r] // block_tokens[i] + kk - (ends[r] - need[r])
+      ref = jnp.where((kk < n) & (j < w), admit.slot_B[r] * w + j, -1)
+      tables[i] = _write(tables[i], ref, aids)
       res["admit_ids"].append(aids)
       res["admit_ev"].append(aev)
   res["num_free"] = [p.num_free for p in pools]
-  return tuple(pools), res
+  return tuple(pools), tuple(tables), res
 
 
-apply_step = jax.jit(step_core, donate_argnums=0, static_argnames=_STATIC)
+apply_step = jax.jit(step_core, donate_argnums=(0, 1), static_argnames=_STATIC)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -144,23 +187,39 @@ def _pack_device(tree):
   return jnp.concatenate([jnp.ravel(x).astype(jnp.int32) for x in leaves]) if leaves else jnp.zeros(0, jnp.int32)
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames=("in_layout",) + _STATIC)
-def apply_step_packed(pools, buf, *, in_layout, groups, block_tokens, align, hash_tokens, prepend, alloc_widths,
-                      admit_widths):
+def step_packed(pools, tables, buf, *, in_layout, results="all", **statics):
   """`step_core` with (plans, admit) unpacked from one int32 buffer (in_layout = (treedef, shapes), static) and
-  every result packed into one int32 buffer (layout: `result_layout`)."""
+  its results packed into one int32 buffer (layout: `result_layout`). Traceable: the engine's step program calls
+  it before the model. results="counts": only the counters a host that keeps counts needs (free blocks, refusals,
+  duplicate / table-full registrations per group), not the ids ("all": events and tiers need them)."""
   plans, admit = unpack(buf, *in_layout)
-  pools, res = step_core(pools, plans, admit, groups=groups, block_tokens=block_tokens, align=align,
-                         hash_tokens=hash_tokens, prepend=prepend, alloc_widths=alloc_widths,
-                         admit_widths=admit_widths)
-  return pools, _pack_device(res)
+  pools, tables, res = step_core(pools, tables, plans, admit, **statics)
+  if results == "counts":
+    res = counters(res)
+  return pools, tables, _pack_device(res)
 
 
-def result_layout(pools, in_layout, **kw):
-  """(treedef, shapes, dtypes) of `apply_step_packed`'s result buffer (abstract evaluation; cache it per
-  in_layout and statics)."""
+def counters(res):
+  """Per group [num_free, register refused, free refused, allocate refused, duplicates, table full]."""
+  out = []
+  for i in range(len(res["num_free"])):
+    st = res["status"][i]
+    out.append(jnp.stack([res["num_free"][i], jnp.sum(st == P.INVALID), (~res["free_ok"][i]).astype(jnp.int32),
+                          (~res["alloc_ok"][i]).astype(jnp.int32), jnp.sum(st == P.DUPLICATE),
+                          jnp.sum(st == P.TABLE_FULL)]).astype(jnp.int32))
+  return {"counters": out}
+
+
+apply_step_packed = jax.jit(step_packed, donate_argnums=(0, 1), static_argnames=("in_layout", "results") + _STATIC)
+
+
+def result_layout(pools, tables, in_layout, results="all", **kw):
+  """(treedef, shapes, dtypes) of `step_packed`'s result buffer (abstract evaluation; cache it per in_layout and
+  statics)."""
   treedef, shapes = in_layout
   args = jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(sh, jnp.int32) for sh in shapes])
-  out = jax.eval_shape(functools.partial(step_core, **kw), pools, *args)[1]
+  out = jax.eval_shape(functools.partial(step_core, **kw), pools, tables, *args)[2]
+  if results == "counts":
+    out = jax.eval_shape(counters, out)
   leaves, rdef = jax.tree_util.tree_flatten(out)
   return rdef, tuple(x.shape for x in leaves), tuple(np.dtype(x.dtype) for x in leaves)

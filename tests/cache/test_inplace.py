@@ -61,12 +61,14 @@ def test_apply_step_updates_in_place(monkeypatch):
   seen = []
   real = manager_mod.apply_step_packed     # what the manager calls: one buffer in, one out
 
-  def spy(pools, buf, **kw):
-    seen.append(real.lower(pools, buf, **kw).compile().as_text())
-    return real(pools, buf, **kw)
+  def spy(pools, tables, buf, **kw):
+    seen.append(real.lower(pools, tables, buf, **kw).compile().as_text())
+    return real(pools, tables, buf, **kw)
 
   monkeypatch.setattr(manager_mod, "apply_step_packed", spy)
-  m = KVCacheManager(specs, num_blocks={"full": N, "swa": N}, enable_events=False)
+  # block tables larger than the pool (64 rows x 128 / 512 entries), so a copy of them would be caught too
+  m = KVCacheManager(specs, num_blocks={"full": N, "swa": N}, enable_events=False, num_slots=64,
+                     max_tokens=128 * 128)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(2, 1000, 700) for _ in range(3)]
   m.add_requests([(f"a{i}", p, ExtraKeys()) for i, p in enumerate(prompts)], allocate_tokens=[700] * 3)   # admit path

@@ -2,9 +2,8 @@
 allocations on every group, applied in the documented order (register, free, allocate); full pool state compared
 after every step."""
 
-import collections
-
 import jax
+import jax.numpy as jnp
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -21,65 +20,74 @@ W = 8                      # register / free / allocate widths
 MAX_PROBE = 4
 
 
-def packed(pools, plans, admit, **kw):
+S, TW = 4, 6                # table rows x entries per group
+
+
+def packed(pools, tables, plans, admit, **kw):
   """apply_step through the manager's path: plans carved into one int32 buffer, results in one buffer, unpacked."""
   leaves, treedef = jax.tree_util.tree_flatten((plans, admit))
   c = InputCarver([np.shape(x) for x in leaves])
   for x in leaves:
     c.take(np.shape(x))[...] = x
   in_layout = (treedef, c.shapes)
-  layout = result_layout(pools, in_layout, **kw)
-  pools, out = apply_step_packed(pools, c.buf, in_layout=in_layout, **kw)
-  return pools, unpack(np.asarray(out), *layout)
+  layout = result_layout(pools, tables, in_layout, **kw)
+  pools, tables, out = apply_step_packed(pools, tables, c.buf, in_layout=in_layout, **kw)
+  return pools, tables, unpack(np.asarray(out), *layout)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.sampled_from(["pytree", "packed"]))
 def test_apply_step_matches_reference(d, path):
+  """Plans name table positions (slot * TW + entry); the reference resolves them on the host against its own copy
+  of the tables, runs the plain pool, and writes the same entries; pools and tables are compared after each step."""
   pools = tuple(P.init_pool(N[g], T, MAX_PROBE) for g in SPECS.names)
+  tables = tuple(jnp.full((S, TW), -1, jnp.int32) for _ in SPECS.names)
   refs = [RefPool(N[g], T, MAX_PROBE) for g in SPECS.names]
-  holders = [collections.Counter() for _ in SPECS.names]
+  host = [np.full(S * TW, -1, np.int64) for _ in SPECS.names]
   prepend = d.draw(st.booleans())
   for _ in range(d.draw(st.integers(2, 8))):
     plans, want = [], []
     for gi, g in enumerate(SPECS.names):
-      held = sorted(holders[gi].elements())
-      # repeats, -1 padding and out-of-range ids (INVALID)
-      reg = d.draw(st.lists(st.sampled_from(held + [-1, 0, N[g], -3]), max_size=W))
+      held = [int(e) for e in np.flatnonzero(host[gi] >= 0)]
+      empty = [int(e) for e in np.flatnonzero(host[gi] < 0)]
+      # repeats and -1 padding; a registration of an empty entry resolves to -1 (skipped)
+      reg = d.draw(st.lists(st.sampled_from(held + empty[:2] + [-1]), max_size=W))
       k = d.draw(st.lists(st.integers(0, 3), min_size=W, max_size=W))
       p = d.draw(st.lists(st.integers(0, 1), min_size=W, max_size=W))
       t = d.draw(st.lists(st.integers(0, 2), min_size=W, max_size=W))
       key = np.array([[0, x] for x in k], np.int32)
       par = np.array([[x, 0, 0, 1] for x in p], np.int32)
       tok = np.array([[x] * T for x in t], np.int32)
-      c = collections.Counter(held)
-      fr = []
-      for b in d.draw(st.lists(st.sampled_from(held), max_size=W)) if held else []:
-        if c[b]:
-          fr.append(b)
-          c[b] -= 1
-      free_left = refs[gi].num_free + sum(1 for b in set(fr) if c[b] == 0)
-      n = d.draw(st.integers(0, min(W, free_left)))
-      ids = np.array(reg + [-1] * (W - len(reg)), np.int32)
-      fids = np.array(fr + [-1] * (W - len(fr)), np.int32)
-      plans.append(GroupPlan(ids, key, par, tok, fids, np.int32(n)))
-      want.append((list(ids), key, par, tok, fr, n))
-    call = apply_step if path == "pytree" else packed
-    pools, res = call(pools, tuple(plans), None, groups=group_searches(SPECS), block_tokens=(T, T),
-                            align=SPECS.align_tokens, hash_tokens=SPECS.hash_tokens, prepend=prepend,
-                            alloc_widths=(W, W), admit_widths=(W, W))
+      fr = d.draw(st.lists(st.sampled_from(held), max_size=W, unique=True)) if held else []
+      ids_fr = [int(host[gi][e]) for e in fr]
+      free_left = refs[gi].num_free + sum(1 for b in set(ids_fr)
+                                          if sum(1 for e in held if host[gi][e] == b) == ids_fr.count(b))
+      now_empty = sorted(set(empty) | set(fr))
+      n = d.draw(st.integers(0, min(W, free_left, len(now_empty))))
+      al = d.draw(st.permutations(now_empty))[:n] if n else []
+      rr = np.array(reg + [-1] * (W - len(reg)), np.int32)
+      plans.append(GroupPlan(rr, key, par, tok, np.array(fr + [-1] * (W - len(fr)), np.int32),
+                             np.array(al + [-1] * (W - len(al)), np.int32)))
+      want.append((reg, key, par, tok, fr, al))
+    kw = dict(groups=group_searches(SPECS), block_tokens=(T, T), align=SPECS.align_tokens,
+              hash_tokens=SPECS.hash_tokens, prepend=prepend, admit_widths=(W, W))
+    if path == "pytree":
+      pools, tables, res = apply_step(pools, tables, tuple(plans), None, **kw)
+    else:
+      pools, tables, res = packed(pools, tables, tuple(plans), None, **kw)
     res = jax.device_get(res)
-    for gi, (ids, key, par, tok, fr, n) in enumerate(want):
-      ref = refs[gi]
+    for gi, (reg, key, par, tok, fr, al) in enumerate(want):
+      ref, tab = refs[gi], host[gi]
+      ids = [int(tab[e]) if e >= 0 else -1 for e in reg] + [-1] * (W - len(reg))
       assert list(res["status"][gi]) == ref.register(ids, key, par, tok)
-      assert bool(res["free_ok"][gi]) == ref.free(fr, prepend_uncached=prepend)
-      holders[gi].subtract(fr)
-      got_ids, got_ev, ok = ref.allocate(n, max_n=W)
+      assert bool(res["free_ok"][gi]) == ref.free([int(tab[e]) for e in fr], prepend_uncached=prepend)
+      tab[fr] = -1
+      got_ids, got_ev, ok = ref.allocate(len(al), max_n=W)
       assert ok and bool(res["alloc_ok"][gi])
-      assert [int(x) for x in res["alloc_ids"][gi][:n]] == got_ids
-      assert list(res["alloc_ev"][gi][:n]) == got_ev
-      holders[gi].update(got_ids)
-      holders[gi] += collections.Counter()
+      assert [int(x) for x in res["alloc_ids"][gi][:len(al)]] == got_ids
+      assert list(res["alloc_ev"][gi][:len(al)]) == got_ev
+      tab[al] = got_ids
       ref.check_invariants()
       ref.assert_matches(pools[gi])
       assert int(res["num_free"][gi]) == ref.num_free
+      assert np.array_equal(np.asarray(tables[gi]).reshape(-1), tab)
