@@ -51,7 +51,7 @@ MAINTAINED = [
 # name -> one-line question (benchmarks/probes/README.md has the commands with their flags)
 PROBES = [
     ("bucket_fill_bench", "EngineConfig.bucket_fill on vs off: steps, padded token slots, wall time"),
-    ("cache_waves_vllm", "the hits vLLM 0.33 gives the cold concurrent waves of tests/cache/test_scenarios.py"),
+    ("cache_waves_vllm", "the hits vLLM 0.33 gives the cold waves / document fan-out of tests/cache/test_scenarios.py"),
     ("decode_bench", "model decode step vs context with three indexer paths (paged, dense reference, no score)"),
     ("decode_profile", "where a wide-config decode step spends its time, per XLA CPU thunk"),
     ("defer_ttft", "cost of in-batch shared-prefix deferral in time-to-first-token (engine steps)"),

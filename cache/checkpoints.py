@@ -7,7 +7,12 @@ pending compressor rows), so nothing is replayed.
 Where checkpoints are taken (BUILD_NOTES.md, Cache bookkeeping, "Checkpoint placement" has the memory cost):
 * **dense start**: at align * 2^k (128, 256, 512, ...) inside the prompt, so sessions that share only a system
   prompt (or any prefix) hit a boundary at least half as long as the shared part, and the very first follower of
-  the very first session already hits a power-of-two system prompt completely (vLLM 0.33 misses it);
+  the very first session already hits a power-of-two system prompt completely (vLLM 0.33 misses it). A request
+  that hit takes only the points past its full-history run (`dense_points`): the part nobody computed before it
+  (a document after a cached system prompt). Any later request sharing S tokens of that part then hits > S / 2,
+  so its junction at S lies within twice its hit and is pinned: the one after hits all S. Powers of two rather than
+  every N tokens: O(log) per request, and a conversation turn's new part rarely contains one (no extra checkpoint
+  per turn under a fixed budget);
 * the **prompt boundary** floor((prompt_len - 1) / align) * align: the largest hit an identical prompt can get
   (merged into the re-render boundary when that one lies one alignment before it: `merge_prompt_boundary`);
 * the **re-render boundary** floor((prompt_len - 1 - rerender_tokens) / align) * align: chat templates re-render
@@ -59,7 +64,25 @@ class CheckpointPolicy:
 
   def planned(self, prompt_len: int, dense: bool = True) -> set[int]:
     """Boundaries fixed at admission (besides retention multiples, junctions and the end of the request).
-    `dense=False` leaves out the dense-start schedule (the manager does for a request that hit a cached prefix)."""
+    `dense=False` leaves out the dense-start schedule (the manager does for a request that hit a cached prefix and
+    passes its `dense_points` past the run as extras instead)."""
+    out = self._prompt_points(prompt_len)
+    return out | set(self.dense_points(prompt_len)) if dense else out
+
+  def dense_points(self, prompt_len: int, after: int = 0) -> tuple[int, ...]:
+    """The dense-start schedule align * 2^k in (after, top], top = the largest prompt / re-render boundary kept
+    (past it the prompt boundary and the end of the request take over)."""
+    if not self.dense_start:
+      return ()
+    top = max(self._prompt_points(prompt_len))
+    out, p = [], self.align_tokens
+    while p <= top:
+      if p > after:
+        out.append(p)
+      p *= 2
+    return tuple(out)
+
+  def _prompt_points(self, prompt_len: int) -> set[int]:
     pb = self.prompt_boundary(prompt_len)
     out = {pb}
     if self.rerender_tokens:
@@ -71,12 +94,6 @@ class CheckpointPolicy:
         # per prompt made round-robin sessions evict each other's useful checkpoint (BUILD_NOTES.md, Cache
         # bookkeeping).
         out.discard(pb)
-    if self.dense_start and dense:
-      top = max(out)
-      p = self.align_tokens
-      while p <= top:
-        out.add(p)
-        p *= 2
     return out
 
   def plan(self, prompt_len: int, extra: tuple[int, ...] = (), dense: bool = True) -> tuple[int, ...]:

@@ -167,7 +167,7 @@ class _Request:
   tables: dict[str, _Buf]            # HELD / -1 (released, not needed) per entry; the ids are on the device
   num_registered: dict[str, int]       # full groups: leading blocks already offered to the cache
   released: dict[str, int]             # sliding groups: leading blocks already released
-  junctions: tuple[int, ...] = ()      # extra checkpoint boundaries (shared-prefix junction)
+  junctions: tuple[int, ...] = ()      # extra checkpoint boundaries (junction, dense start past the run)
   dense: bool = True                   # take the dense-start checkpoints (only a request that hit nothing does)
   plan: tuple[int, ...] | None = None  # its checkpoint boundaries (policy.plan), computed at the first commit
   slot: int = -1                       # its row of the device block tables
@@ -707,6 +707,10 @@ class KVCacheManager:
       # "Checkpoint placement").
       if self.junction_checkpoints and int(run[i]) > n and (n == 0 or int(run[i]) < 2 * n):
         junction = (int(run[i]),)
+      if n and self._pol0 is not None:
+        # dense start over what nobody computed before it (past its run): a later request sharing part of it hits
+        # more than half, so its junction falls inside that rule (a document after a cached system prompt)
+        junction += self._pol0.dense_points(len(toks), after=int(run[i]))
       tables = {g: _Buf(np.where(h.block_ids[g] >= 0, HELD, -1).astype(np.int32)) for g in self.groups}
       released = {g: max(0, n // p.block_tokens - p.need_blocks) for g, p in self.policies.items()}
       r = _Request(rid, _Buf(toks), hashers[i], extra.tenant, len(toks), n, tables,

@@ -36,7 +36,10 @@ def load(src: str):
 class VllmStep:
   """Admit B warm requests of L tokens per step and retire the previous step's B, through vLLM's manager."""
 
-  def __init__(self, src: str, pool: int, max_len: int):
+  def __init__(self, src: str, pool: int, max_len: int, retention_interval: int | None = None):
+    """`retention_interval` is vLLM's prefix_cache_retention_interval for the sliding group: None (what this adapter
+    has always passed, by leaving it unset: dense, a tail at every aligned boundary; `cache_bench` expects that),
+    0 (vLLM 0.33's engine default, CacheConfig: replay boundary + pinned junctions only) or a multiple of 128."""
     import torch
     load(src)
     from vllm.sampling_params import SamplingParams
@@ -53,7 +56,9 @@ class VllmStep:
     swa = SlidingWindowSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.bfloat16, sliding_window=128)
     cfg = KVCacheConfig(num_blocks=2 * pool, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["full.0"], full), KVCacheGroupSpec(["swa.0"], swa)],
-                        hash_block_size=32, cache_hit_alignment_tokens=128)
+                        hash_block_size=32, cache_hit_alignment_tokens=128,
+                        prefix_cache_retention_interval=retention_interval)
+    self.retention_interval = retention_interval
     self.m = KVCacheManager(cfg, max_model_len=max_len + 256, scheduler_block_size=128, hash_block_size=32,
                             enable_caching=True)
     self.module = sys.modules[KVCacheManager.__module__].__file__

@@ -463,7 +463,7 @@ class Tiering:
   def _required(self, h1: int, P: int, prompt_len: int) -> tuple[int, set[int]]:
     """Full blocks [h1/fb, P/fb) and the swa block indices a resume at P needs from the tiers: P's tail only.
     Checkpoints at boundaries between h1 and P are optional (`_optional`): whether they were ever stored depends on
-    the placement of the request that computed them (a request that hit takes no dense-start checkpoints), so
+    the placement of the request that computed them (a request that hit takes dense-start ones only past its run), so
     requiring them made a reload stop short of a P whose tail is there."""
     pol = self.mgr.policies[caches.SWA]
     swa = set(pol.tail_blocks(P))

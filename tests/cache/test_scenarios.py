@@ -117,7 +117,8 @@ def serve_wave(m, tag, prompts, n_out=4, chunk=512):
 
 # Waves of 3 sessions that share only a 256-token system prompt, each wave admitted in one step.
 # vLLM 0.33, MEASURED on this exact trace with its own KVCacheManager (benchmarks/probes/cache_waves_vllm.py, see
-# BUILD_NOTES.md, Cache bookkeeping): [[0, 256, 256], [256] * 3, [256] * 3]. vLLM registers a block's hash when it is
+# BUILD_NOTES.md, Cache bookkeeping) with dense retention: [[0, 256, 256], [256] * 3, [256] * 3] (at its engine default
+# retention 0 the cold wave gets [0, 0, 256]: the stricter bar is kept). vLLM registers a block's hash when it is
 # ALLOCATED for the step that computes it, so the 2nd and 3rd arrival of the cold wave hit the blocks the 1st one
 # computes in the same forward pass (sound there because every layer writes the step's KV before attending). Our
 # manager registers at `commit` (after compute), so a cold wave hits 0; from the second wave on we match.
@@ -169,9 +170,9 @@ def test_pressure_does_not_multiply_checkpoints():
   schedule stops at 384, so no 512 (an earlier placement added 512 back). Then memory pressure evicts the 384 and 640
   tails. Turn 2 (turn 1's history + 300 tokens, 1005 tokens) hits 256 while its full-history run reaches 640
   (>= 2 * 256): that is its own earlier turn, not a prefix another request left, so no junction checkpoint at 640; and a
-  request that hit something takes no dense-start checkpoints (no 512). It takes only 896 (re-render = prompt
-  boundary, 1004 -> 896; 1005 + 3 = 1008 computed -> end 896 too). Without these two rules turn 2 would also take 512
-  and 640, 3 checkpoints instead of 1."""
+  request that hit takes dense-start checkpoints only past its full-history run (640: none up to 896, so no 512). It
+  takes only 896 (re-render = prompt boundary, 1004 -> 896; 1005 + 3 = 1008 computed -> end 896 too). Without these
+  two rules turn 2 would also take 512 and 640, 3 checkpoints instead of 1."""
   rng = np.random.default_rng(7)
   conv = rng.integers(2, 1000, 2000)
   m = KVCacheManager(SPECS, num_full_blocks=NF, num_swa_blocks=NS)
@@ -205,3 +206,33 @@ def test_sibling_junction_inside_dense_gap_still_pinned():
   m = KVCacheManager(SPECS, num_full_blocks=NF, num_swa_blocks=NS)
   got = [serve(m, f"s{i}", np.concatenate([sys, rng.integers(2, 1000, 700 + 37 * i)])) for i in range(3)]
   assert got == [0, 512, 640]
+
+
+# Fan-out over one document: a cached 256-token system prompt (one warm-up session), then requests over the same
+# 1536-token document (system prompt + document = 1792 tokens, aligned), each with its own question.
+# Ours, by hand: D1 hits the system prompt (the warm-up's dense 256) and its full-history run ends there too, so it
+# takes the dense start past 256 (512, 1024) besides its re-render / prompt boundary and end. D2 hits 1024 (the
+# largest checkpoint before 1792) and pins its junction 1792 (< 2 * 1024); D3, D4 hit all 1792.
+# vLLM 0.33 by its rule with its engine default prefix_cache_retention_interval=0 (sliding tails only at the replay
+# boundary floor((prompt_len - 1) / 128) * 128 and at the junction the scheduler pins): the warm-up keeps 896 only,
+# so D1 misses (full-history hit 256, sliding 0) and pins 256; D2 hits 256 and pins 1792; D3, D4 hit 1792 (the same
+# lists measured: benchmarks/probes/cache_waves_vllm.py --trace fanout --q0 200 / 40).
+# Short questions (40 + 37 i tokens) end D1's prompt within one alignment of the document's end, so its end / prompt
+# boundary is 1792 itself on both sides (vLLM: replay boundary floor(1831 / 128) * 128 = 1792).
+FANOUT_VLLM_033 = {200: [0, 0, 256, 1792, 1792], 40: [0, 0, 1792, 1792, 1792]}
+
+
+@pytest.mark.parametrize("q0,want", [
+    (200, [0, 256, 1024, 1792, 1792]),   # 200 + 37 i tokens (dense start only after a miss: [0, 256, 256, 256, 256])
+    (40, [0, 256, 1792, 1792, 1792]),
+])
+def test_fanout_over_one_document_hits_the_document(q0, want):
+  rng = np.random.default_rng(q0)
+  sys, doc = rng.integers(2, 1000, 256), rng.integers(2, 1000, 1536)
+  m = KVCacheManager(SPECS, num_full_blocks=NF, num_swa_blocks=NS)
+  got = [serve(m, "warm", np.concatenate([sys, rng.integers(2, 1000, 700)]))]
+  got += [serve(m, f"d{i}", np.concatenate([sys, doc, rng.integers(2, 1000, q0 + 37 * i)])) for i in range(4)]
+  assert got == want
+  assert not any(type(e).__name__ == "BlockRemoved" for e in m.take_events())     # ample: nothing was evicted
+  assert all(g >= v for g, v in zip(got, FANOUT_VLLM_033[q0]))
+  assert got[3:] == [256 + 1536] * 2

@@ -92,6 +92,7 @@ def test_checkpoint_placement_v2():
   # the largest prompt boundary kept (it no longer adds 1024 back)
   assert p.boundaries(0, 1030, 1030) == [128, 256, 512, 896]
   assert p.boundaries(0, 1030, 1030, dense=False) == [896]           # a request that hit: no dense start
+  assert p.dense_points(1030, after=256) == (512,) and p.dense_points(1030, after=512) == ()   # ... but past its run
   assert p.boundaries(0, 2000, 1030, extra=(1152,)) == [128, 256, 512, 896, 1152]
   assert p.boundaries(300, 600, 1030) == [512]
 

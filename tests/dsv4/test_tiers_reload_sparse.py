@@ -1,14 +1,15 @@
 """A tier reload needs only the resume point's SWA tail, not a checkpoint at every boundary before it (the sparse
-checkpoint placement leaves gaps: a request that hit something takes no dense-start checkpoints).
+checkpoint placement leaves gaps: a request that hit takes dense-start checkpoints only past its full-history run,
+up to its prompt / re-render boundary).
 
 Hand case (v4_tiny: 128-token alignment = full block, 32-token swa blocks, 1-block tail; retention 0; host tier):
 * X = S (150 shared tokens) + 60 own tokens, 4 answer tokens: hits nothing, takes the dense-start checkpoint 128
   (its prompt / re-render / end boundaries are all 128 too).
-* Y = S + 300 own tokens (450), 30 answer tokens: hits X's 128, so it takes no dense-start checkpoints (no 256);
-  its re-render = prompt boundary is 384 and its end floor(479 / 128) * 128 = 384. So the cached checkpoints are
-  128 and 384, and nothing at 256.
+* Y = S + 50 own tokens (200), 190 answer tokens: hits X's 128 where its full-history run ends too; its re-render =
+  prompt boundary is 128, so no dense-start point past the run (256 > 128); its end floor(389 / 128) * 128 = 384.
+  So the cached checkpoints are 128 and 384, and nothing at 256.
 * The device cache is dropped (everything demoted to the host tier), then Z = Y's prompt + answer + 50 tokens
-  (530) arrives: no device hit, and the tiers hold full blocks [0, 384) and the swa tails of 128 and 384.
+  (440) arrives: no device hit, and the tiers hold full blocks [0, 384) and the swa tails of 128 and 384.
 Z must resume at 384, and the 128 tail comes along as an optional record (requiring also the tail of every boundary
 in (0, 384] that a request with the dense schedule would have taken, 256 included, would stop it at 128), and its
 tokens / logits must equal a cold engine's."""
@@ -36,12 +37,12 @@ def test_reload_needs_only_the_resume_points_tail():
   V = cfg.vocab_size
   s = [int(t) for t in rng.integers(2, V, 150)]
   x = s + [int(t) for t in rng.integers(2, V, 60)]
-  y = s + [int(t) for t in rng.integers(2, V, 300)]
+  y = s + [int(t) for t in rng.integers(2, V, 50)]
   assert x[150] != y[150]
   eng = Engine(params, cfg, dataclasses.replace(EC, tiering=TieringConfig(tiers=("host",), policy="load")))
   try:
     (ox,) = generate(params, cfg, [x], SamplingParams(max_tokens=4, ignore_eos=True), engine=eng)
-    (oy,) = generate(params, cfg, [y], SamplingParams(max_tokens=30, ignore_eos=True), engine=eng)
+    (oy,) = generate(params, cfg, [y], SamplingParams(max_tokens=190, ignore_eos=True), engine=eng)
     assert (ox.hit_tokens, oy.hit_tokens) == (0, 128)
     z = y + oy.output + [int(t) for t in rng.integers(2, V, 50)]
     # the device holds checkpoints at 128 and 384 only (nothing at 256)
