@@ -12,15 +12,21 @@ One CTA per query token, 3 warpgroups (`plgpu.kernel(num_threads=3)`):
     consumers have released the previous block, it repacks the block (64 x 64 register tiles) into the tiled,
     128-byte swizzled layout wgmma reads and signals the consumers. So the TMA gather of block i + 1 overlaps the
     consumers' math on block i.
-  * two consumers (wg 0, 1; 232 registers): each holds q (64 x 512, SMEM) and a [64 heads, 256] f32 accumulator for
+  * two consumers (wg 0, 1; 232 registers): each loads half of q's heads into the shared q buffer with its own
+    barrier (one arrival per barrier: a copy is an arrival, so a shared single-arrival barrier would complete
+    early and run its phases out of step) and waits for both halves; each holds a [64 heads, 256] f32 accumulator for
     its half of d_v (a full 64 x 512 f32 accumulator does not fit one warpgroup's registers). Each computes
     S = q K^T for the block with wgmma, masks invalid ids to -inf, runs the online softmax (base 2), and accumulates
     P V over its half of the columns.
 Known gaps vs FlashMLA (BUILD_NOTES.md, Kernels): both consumers compute the full QK^T (FlashMLA splits it by key
 block and exchanges P through SMEM), the repack costs an SMEM round trip per row, and there is one staging + one
-tiled buffer (SMEM: 64 KB q + 2 x 64 KB), not a deeper ring. Mosaic GPU has no interpret mode for these primitives
-on CPU, so this kernel is checked by CUDA lowering on CPU and against the reference by benchmarks/gpu_check.sh on a
-GPU.
+tiled buffer (SMEM: 64 KB q + 2 x 64 KB), not a deeper ring. Mosaic GPU's CPU interpreter (JAX 0.10.2) does not run
+these primitives (plgpu.load, run_state, transposed / register wgmma operands), so on a CPU this kernel is checked
+by CUDA lowering and by a static check of its barrier protocol (`barrier_check.py`: arrivals per phase ==
+num_arrivals for every barrier); against the reference only by benchmarks/gpu_check.sh --mosaic on a GPU.
+
+Barriers: q (1 arrival, one per consumer), ids (one arrival per 128-id copy), land (one per row box copy: 128 per
+block), kv ready (the producer, once per block), kv free (both consumers, once per block).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ except ImportError:  # pragma: no cover
   plgpu = None
 
 H_MGPU, D_MGPU, BLOCK_K = 64, 512, 64
+_CONSUMERS = 2  # consumer warpgroups (wg 0, 1); the producer is wg 2
 _BOX = 256  # TMA box limit per dimension (elements)
 _IDS_CHUNK = 128
 _LOG2E = 1.4426950408889634
@@ -110,10 +117,16 @@ def sparse_attention_mgpu(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_Qx
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(232, action="increase")
+      # q is shared (one 64 KB copy in SMEM): consumer wg loads half of the heads (rows: a contiguous half of the
+      # tiled buffer) with its own barrier (one arrival each), then waits for both halves. A copy arrives on its
+      # barrier, so two consumers copying with one single-arrival barrier would complete it twice (or early) and
+      # desynchronise its phases.
+      rows = pl.ds(wg * (H // _CONSUMERS), H // _CONSUMERS)
+      plgpu.copy_gmem_to_smem(q_ref.at[n, rows], q_smem.at[rows], q_bar.at[wg])
       plgpu.barrier_wait(ids_bar.at[0])
       nbw, nbc = ids_smem[tail0], ids_smem[tail0 + 1]
-      plgpu.copy_gmem_to_smem(q_ref.at[n], q_smem, q_bar.at[0])
       plgpu.barrier_wait(q_bar.at[0])
+      plgpu.barrier_wait(q_bar.at[1])
       m = plgpu.layout_cast(jnp.full((H,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
       l = plgpu.layout_cast(jnp.full((H,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
       acc = plgpu.layout_cast(jnp.full((H, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -199,11 +212,11 @@ def sparse_attention_mgpu(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_Qx
          plgpu.SMEM((1, BLOCK_K, D), jnp.bfloat16, transforms=transforms),
          plgpu.SMEM((BLOCK_K, D), jnp.bfloat16),
          plgpu.SMEM((KI,), jnp.int32)),
-        (plgpu.Barrier(num_barriers=1),
+        (plgpu.Barrier(num_arrivals=1, num_barriers=_CONSUMERS),  # q: one barrier per consumer (its half)
          plgpu.Barrier(num_arrivals=KI // _IDS_CHUNK, num_barriers=1),
          plgpu.Barrier(num_arrivals=BLOCK_K * (D // _BOX), num_barriers=1)),
-        plgpu.Barrier(num_arrivals=1, num_barriers=1),
-        plgpu.Barrier(num_arrivals=2, num_barriers=1),
+        plgpu.Barrier(num_arrivals=1, num_barriers=1),  # kv ready: the producer arrives once per block
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=1),  # kv free: each consumer arrives once per block
         collective_axes="wg")
 
   out, lse = plgpu.kernel(
