@@ -3,9 +3,10 @@
   python benchmarks/kernels_bench.py --jsonl out.jsonl          # GPU: the gpu_check case list (defaults below)
   python benchmarks/kernels_bench.py --small --jsonl out.jsonl  # CPU interpret-mode smoke run (CI)
 
-Defaults = what benchmarks/gpu_check.sh needs: decode batch 64 and 256 at 8k and 128k (csa: 128 window + top-512;
-hca: 128 + ctx/128), bf16 and FP8 (paged layout) rows, prefill 4096 queries at 32k, the indexer (scores; fused
-top-512 with bf16 and FP8 keys).
+Defaults: decode batch 64 and 256 at 8k and 128k (csa: 128 window + top-512; hca: 128 + ctx/128), bf16 and FP8
+(paged layout) rows, prefill 4096 queries at 32k, the indexer (scores; fused top-512 with bf16 and FP8 keys); the
+Mosaic GPU kernel only with --mosaic. All cases run in this one process: benchmarks/gpu_check.sh is the GPU check
+(one process per case, timeouts, a budget, results streamed); it uses this module's inputs, timing and checks.
 
 Order per case: build inputs, run kernel and reference once and compare (correctness first: a failing case is
 recorded and not timed), then time. Each result is appended to the JSONL file as soon as it exists.
@@ -310,49 +311,8 @@ def parse_args(argv):
                  help="also time the XLA references (3 more compiles per case; off in the GPU check's budget)")
   p.add_argument("--jsonl", default="", help="append each result here as soon as it exists")
   p.add_argument("--json", default="", help="also write all results as one JSON list at the end")
-  p.add_argument("--report", default="", metavar="DIR",
-                 help="gpu_check mode: DIR/results.jsonl (streamed), DIR/gpu_check.json, DIR/gpu_check.md")
+  p.add_argument("--mosaic", action="store_true", help="also run the Mosaic GPU kernel (GPU, bf16, H 64 x d 512)")
   return p.parse_args(argv)
-
-
-def environment_line() -> dict:
-  env = dict(jax=jax.__version__, backend=jax.default_backend(), devices=[d.device_kind for d in jax.devices()],
-             python=sys.version.split()[0])
-  try:
-    import jaxlib
-    env["jaxlib"] = jaxlib.__version__
-  except Exception:  # pragma: no cover
-    pass
-  try:
-    import subprocess
-    env["nvidia_smi"] = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"],
-        capture_output=True, text=True, timeout=20).stdout.strip()
-  except Exception:
-    env["nvidia_smi"] = None
-  return env
-
-
-def write_report(out_dir: str, rows: list[dict], env: dict) -> dict:
-  """gpu_check.json + a markdown table, with a per-op summary (every case of the op correct)."""
-  by_op: dict[str, list[dict]] = {}
-  for r in rows:
-    by_op.setdefault(r["op"], []).append(r)
-  summary = {op: dict(cases=len(rs), ok=all(r["ok"] for r in rs), max_err_over_tol=max(r["max_err"] for r in rs))
-             for op, rs in by_op.items()}
-  with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
-    json.dump(dict(env=env, summary=summary, results=rows), f, indent=1)
-  lines = [f"GPU check: jax {env.get('jax')} on {', '.join(env.get('devices', []))} "
-           f"({env.get('nvidia_smi') or 'no nvidia-smi'})", "",
-           "| op | case | ok | err/tol | ms (L2 flushed) | ms (hot) | flush ms | XLA ms | TFLOP/s | GB/s | % HBM | % TC | splits |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    lines.append(f"| {r['op']} | {r['case']} | {'ok' if r['ok'] else 'FAIL'} | {r['max_err']:.2f} | "
-                 f"{r['kernel_ms']:.4f} | {r['hot_ms']:.4f} | {r['flush_ms']:.4f} | {r['xla_ms']:.4f} | {r['tflops']:.1f} | {r['gbps']:.0f} | "
-                 f"{r['pct_hbm']:.1f} | {r['pct_tc']:.1f} | {r['num_splits'] or ''} |")
-  with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  return summary
 
 
 def main(argv=None):
@@ -386,13 +346,6 @@ def main(argv=None):
   print(f"# {json.dumps(env)}", flush=True)
   if interpret and not a.small:
     print("# WARNING: no GPU: kernels run in interpret mode; timings are meaningless", flush=True)
-  if a.report:
-    os.makedirs(a.report, exist_ok=True)
-    env = dict(environment_line(), interpret=interpret, small=a.small)
-    print(f"# env {json.dumps(env)}", flush=True)
-    a.jsonl = a.jsonl or os.path.join(a.report, "results.jsonl")
-    if os.path.exists(a.jsonl):
-      os.remove(a.jsonl)
   key = jax.random.PRNGKey(0)
   results = []
   jsonl = open(a.jsonl, "a") if a.jsonl else None
@@ -419,7 +372,7 @@ def main(argv=None):
           args = sparse_case(key, N=b, H=H, D=D, W=W, K=E if kind == "hca" else K, comp_rows_per_seq=E,
                              seqs=b, hca=kind == "hca", fmt=fmt, prefill=False, ctx=ctx, page_size=page)
           emit(bench_sparse(f"decode {kind} {fmt} b{b} ctx{ctx}", args, tuning=tuning, D=D, **common))
-          if on_gpu and fmt == "bf16" and H == 64 and D == 512:
+          if a.mosaic and on_gpu and fmt == "bf16" and H == 64 and D == 512:
             emit(bench_sparse_mgpu(f"decode {kind} {fmt} b{b} ctx{ctx}", args, tuning=tuning, D=D, **common))
           del args
   if "sparse_prefill" in ops:
@@ -428,7 +381,7 @@ def main(argv=None):
         args = sparse_case(key, N=pf_q, H=H, D=D, W=W, K=K, comp_rows_per_seq=ctx // 4, seqs=1, hca=False,
                            fmt=fmt, prefill=True, ctx=ctx, page_size=page)
         emit(bench_sparse(f"prefill csa {fmt} q{pf_q} ctx{ctx}", args, tuning=tuning, D=D, **common))
-        if on_gpu and fmt == "bf16" and H == 64 and D == 512:
+        if a.mosaic and on_gpu and fmt == "bf16" and H == 64 and D == 512:
           emit(bench_sparse_mgpu(f"prefill csa {fmt} q{pf_q} ctx{ctx}", args, tuning=tuning, D=D, **common))
         del args
   key_fmts = ["bf16", "fp8"] if not a.small else ["fp8"]
@@ -454,9 +407,6 @@ def main(argv=None):
   if a.json:
     with open(a.json, "w") as f:
       json.dump(dict(env=env, results=[dataclasses.asdict(r) for r in results]), f, indent=1)
-  if a.report:
-    summary = write_report(a.report, [dataclasses.asdict(r) for r in results], env)
-    print(f"# summary {json.dumps(summary)}", flush=True)
   bad = [r for r in results if not r.ok]
   if bad:
     print(f"# {len(bad)} check(s) FAILED", flush=True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any
 
 import jax
 import numpy as np

@@ -58,7 +58,6 @@ SLOW = {
     # kernels: whole-model interpret runs and the GPU check's CPU smoke run
     "tests/pallas_kernels/test_model_integration.py::test_small_model_logits_match_between_backends":
         "test_dispatch.py (each kernel through dispatch vs the XLA reference)",
-    "tests/pallas_kernels/test_bench_small.py::test_gpu_check_small": "test_dispatch.py, test_sparse_attention.py",
     "tests/pallas_kernels/test_fp8_pages.py::test_kernel_fp8_paths[rec]": "[paged], [rec16]",
     # whole scripts as subprocesses (the main job's own test stays fast)
     "tests/experiments/test_serve.py::test_other_shipped_models_serve_by_name":
