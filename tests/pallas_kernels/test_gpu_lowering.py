@@ -1,7 +1,9 @@
 """The real GPU lowering (jax.export(..., platforms=("cuda",))) of every kernel at V4-Flash shapes, on CPU.
 
 Only lowers (Pallas -> Triton IR inside an XLA custom call); nothing executes, so these shapes cost no memory.
-A kernel that cannot be lowered for a GPU fails here."""
+A kernel that cannot be lowered for a GPU fails here. The lowering targets an abstract H200 (`lowering.py`: JAX 0.11
+needs an AbstractDevice to lower Pallas-Triton without a GPU; 0.10 falls back to compute capability 9.0); a JAX that
+can target no GPU here skips these tests with the reason."""
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,30 @@ from pallas_kernels import sparse_attention as sa
 S = jax.ShapeDtypeStruct
 H, D, W, TOPK, ROPE = 64, 512, 128, 512, 64  # V4-Flash: 64 heads, d 512 (64 RoPE), window 128, top-k 512
 TRITON = "__gpu$xla.gpu.triton"
+
+
+def export_for_cuda(*a, **k):
+  try:
+    return lowering.export_for_cuda(*a, **k)
+  except lowering.NoGpuTarget as e:
+    pytest.skip(str(e))
+
+
+def test_lowering_runs_under_an_abstract_h200():
+  with lowering.abstract_gpu_target():
+    device = jax.sharding.get_abstract_mesh().abstract_device
+  assert device is not None and device.device_kind == "NVIDIA H200" and device.platform == "gpu"
+
+
+def test_abstract_h200_gives_triton_compute_capability_90():
+  """JAX >= 0.11 reads the Triton target from the abstract device (and refuses to lower without a GPU otherwise)."""
+  try:
+    from jax._src.pallas.triton import gpu_info
+  except ImportError:
+    pytest.skip(f"jax {jax.__version__}: no jax._src.pallas.triton.gpu_info; its Triton lowering falls back to "
+                "compute capability 9.0 without a device")
+  with lowering.abstract_gpu_target():
+    assert gpu_info.get_gpu_info().compute_capability == 90
 
 
 def pool_spec(rows, fp8):
@@ -33,7 +59,7 @@ def pool_spec(rows, fp8):
 def test_sparse_attention_lowers_for_cuda(name, N, K, splits, fp8):
   ctx = 131072
   window_rows, comp_rows = max(N, 256) * W, max(N, 64) * ctx // 4
-  exp = lowering.export_for_cuda(
+  exp = export_for_cuda(
       sa.sparse_attention_pallas, S((N, H, D), jnp.bfloat16), pool_spec(window_rows, fp8), S((N, W), jnp.int32),
       pool_spec(comp_rows, fp8), S((N, K), jnp.int32), S((H,), jnp.float32), scale=D ** -0.5,
       tuning=sa.SparseAttentionTuning(num_splits=splits))
@@ -48,7 +74,7 @@ def test_sparse_attention_lowers_for_cuda(name, N, K, splits, fp8):
 ])
 def test_indexer_lowers_for_cuda(name, B, T, M, allowed):
   HI, C = 64, 128  # indexer: 64 heads x 128
-  exp = lowering.export_for_cuda(
+  exp = export_for_cuda(
       ix.indexer_scores_pallas, S((B, T, HI, C), jnp.bfloat16), S((B, T, HI), jnp.float32), S((B * M, C), jnp.bfloat16),
       S((B, M), jnp.int32), S((B, T), jnp.int32), S((B, T, M), jnp.bool_) if allowed else None)
   assert TRITON in lowering.custom_call_targets(exp)
@@ -58,7 +84,7 @@ def test_indexer_lowers_for_cuda(name, B, T, M, allowed):
 def test_lowering_check_has_teeth():
   """A non-power-of-two head dim (V3.2's 576) cannot lower on Triton: the export check must fail."""
   with pytest.raises(Exception, match="power of 2"):
-    lowering.export_for_cuda(
+    export_for_cuda(
         sa.sparse_attention_pallas, S((4, H, 576), jnp.bfloat16), S((1024, 576), jnp.bfloat16), S((4, W), jnp.int32),
         S((1024, 576), jnp.bfloat16), S((4, TOPK), jnp.int32), S((H,), jnp.float32), scale=576 ** -0.5)
 
@@ -72,7 +98,7 @@ def paged_spec(rows, page_size=64):
 def test_paged_fp8_lowers_for_cuda(name, N, K):
   """The TMA-friendly page layout (576 B rows + per-page scale tail, uint16 storage) at V4-Flash shapes."""
   ctx = 131072
-  exp = lowering.export_for_cuda(
+  exp = export_for_cuda(
       sa.sparse_attention_pallas, S((N, H, D), jnp.bfloat16), paged_spec(max(N, 256) * W), S((N, W), jnp.int32),
       paged_spec(max(N, 64) * ctx // 4), S((N, K), jnp.int32), S((H,), jnp.float32), S((N,), jnp.int32),
       S((N,), jnp.int32), scale=D ** -0.5)
@@ -84,11 +110,11 @@ def test_huge_fp8_record_pool_goes_through_uint16_view():
   """An e4m3 array past 2^31 elements (but under 2^32 bytes) would overflow JAX-Triton's 32-bit element offsets:
   the kernel reads it as uint16 words (offsets < 2^31), visible as a ui16 operand of the Triton custom call."""
   rows = (2 ** 31) // 448 + 1024  # 2^31 + 458752 e4m3 elements, < 2^32 bytes
-  exp = lowering.export_for_cuda(
+  exp = export_for_cuda(
       sa.sparse_attention_pallas, S((64, H, D), jnp.bfloat16), pool_spec(256 * W, False), S((64, W), jnp.int32),
       pool_spec(rows, True), S((64, TOPK), jnp.int32), S((H,), jnp.float32), scale=D ** -0.5)
   assert f"tensor<{rows}x224xui16>" in exp.mlir_module()
-  small = lowering.export_for_cuda(
+  small = export_for_cuda(
       sa.sparse_attention_pallas, S((64, H, D), jnp.bfloat16), pool_spec(256 * W, False), S((64, W), jnp.int32),
       pool_spec(4096, True), S((64, TOPK), jnp.int32), S((H,), jnp.float32), scale=D ** -0.5)
   assert "tensor<4096x448xf8E4M3FN>" in small.mlir_module()
@@ -101,7 +127,7 @@ def test_fp32_dots_are_ieee_not_tf32(default_precision, capsys, monkeypatch):
   if default_precision:
     monkeypatch.setattr(sa, "_precision_for", lambda cdtype: None)
   N = 8 if default_precision else 4  # distinct shapes: the jit trace cache must not hand back the other variant
-  lowering.export_for_cuda(
+  export_for_cuda(
       sa.sparse_attention_pallas, S((N, 16, 64), jnp.float32), S((256, 64), jnp.float32), S((N, 16), jnp.int32),
       None, None, S((16,), jnp.float32), scale=0.125, tuning=sa.SparseAttentionTuning(block_k=16, debug=True))
   dots = [ln for ln in capsys.readouterr().out.splitlines() if "tt.dot" in ln]
@@ -121,7 +147,7 @@ def test_indexer_topk_lowers_for_cuda(name, B, T, M, cand, keys):
   P = B * M
   pool = (it.Fp8IndexKeys(S((P, C), jnp.float8_e4m3fn), S((P,), jnp.float32)) if keys == "fp8"
           else S((P, C), jnp.bfloat16))
-  exp = lowering.export_for_cuda(
+  exp = export_for_cuda(
       it.indexer_topk_pallas, S((B, T, HI, C), jnp.bfloat16), S((B, T, HI), jnp.float32), pool,
       S((B, M), jnp.int32), S((B, T), jnp.int32), None, S((B,), jnp.int32),
       S((B, T, 64), jnp.int32) if cand else None, k=K)
@@ -140,7 +166,7 @@ def test_mosaic_gpu_kernel_lowers_for_cuda(name, N, K):
   numbers are checked against the reference by benchmarks/gpu_check.sh on a GPU)."""
   from pallas_kernels import sparse_attention_mgpu as mg
   comp = (S((max(N, 64) * 32768, D), jnp.bfloat16), S((N, K), jnp.int32)) if K else (None, None)
-  exp = lowering.export_for_cuda(
+  exp = export_for_cuda(
       mg.sparse_attention_mgpu, S((N, H, D), jnp.bfloat16), S((max(N, 256) * W, D), jnp.bfloat16),
       S((N, W), jnp.int32), comp[0], comp[1], S((H,), jnp.float32), S((N,), jnp.int32),
       S((N,), jnp.int32) if K else None, scale=D ** -0.5)
