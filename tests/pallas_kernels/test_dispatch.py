@@ -1,5 +1,6 @@
-"""Dispatcher: the interpret-mode kernels agree with the XLA references through dispatch; kernels are registered;
-auto picks XLA on CPU."""
+"""Dispatcher: the interpret-mode kernels, called through dispatch, agree with the plain-JAX references (called
+directly, never through dispatch's own XLA path); kernels are registered; auto picks XLA on CPU and validates on a
+GPU (simulated with the interpret kernels)."""
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +40,10 @@ def test_sparse_attention_backends_agree(fp8):
   wi = jnp.asarray(rng.integers(-1, P, (N, 6)), jnp.int32)
   ci = jnp.asarray(rng.integers(-1, Q + 2, (N, 10)), jnp.int32)
   sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
-  # the Pallas kernel (interpret mode) through dispatch vs dispatch's XLA reference ('auto' is XLA on CPU: the
-  # first test checks that resolution, so comparing it here would compare XLA with itself)
+  # the Pallas kernel (interpret mode) through dispatch vs the plain reference
   kernel = dispatch.KernelConfig("interpret", sparse_tuning=sa.SparseAttentionTuning(block_k=8, num_splits=2))
   got = dispatch.sparse_attention(q, wp, wi, cp, ci, sink, scale=D ** -0.5, cfg=kernel)
-  want = dispatch.sparse_attention(q, wp, wi, cp, ci, sink, scale=D ** -0.5, cfg=dispatch.KernelConfig("xla"))
+  want = sa.sparse_attention_reference(q, wp, wi, cp, ci, sink, scale=D ** -0.5)
   np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=1.5e-2, rtol=2e-2)
   np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=3e-4, rtol=3e-4)
 
@@ -57,7 +57,7 @@ def test_indexer_backends_agree_and_topk():
   rows = jnp.asarray(rng.integers(-1, P, (B, M)), jnp.int32)
   nv = jnp.asarray(rng.integers(0, M + 1, (B, T)), jnp.int32)
   allowed = ix.candidate_blocks_to_allowed(jnp.asarray(rng.integers(-1, 3, (B, T, 2)), jnp.int32), M, 8)
-  a = dispatch.indexer_scores(q, w, kp, rows, nv, allowed, cfg=dispatch.KernelConfig("xla"))   # the reference
+  a = ix.indexer_scores_reference(q, w, kp, rows, nv, allowed)
   b = dispatch.indexer_scores(q, w, kp, rows, nv, allowed,
                               cfg=dispatch.KernelConfig("interpret", indexer_tuning=ix.IndexerTuning(block_m=8)))
   np.testing.assert_array_equal(np.isinf(np.asarray(a)), np.isinf(np.asarray(b)))
@@ -81,10 +81,9 @@ def test_jit_through_dispatch():
   np.testing.assert_allclose(np.asarray(l), np.asarray(rl), atol=3e-5, rtol=3e-5)
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
-def test_sparse_attention_per_query_lengths(backend):
-  """Ids past window_len_N / comp_len_N are ignored even when they are valid rows (here rows full of NaN): same
-  answer as the same ids cut to -1 by hand."""
+def test_sparse_attention_per_query_lengths():
+  """Ids past window_len_N / comp_len_N are ignored even when they are valid rows (here rows full of NaN): the
+  kernel through dispatch gives the reference's answer for the same ids cut to -1 by hand."""
   rng = np.random.default_rng(3)
   N, H, D, P, Q, W, K = 4, 16, 64, 24, 40, 8, 16
   q = jnp.asarray(rng.standard_normal((N, H, D)) * 0.2, jnp.float32)
@@ -102,7 +101,7 @@ def test_sparse_attention_per_query_lengths(backend):
   cut_w = np.where(np.arange(W)[None] < wl[:, None], wi, -1)
   cut_c = np.where(np.arange(K)[None] < cl[:, None], ci, -1)
   sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
-  cfg = dispatch.KernelConfig(backend, sparse_tuning=sa.SparseAttentionTuning(block_k=4, num_splits=2))
+  cfg = dispatch.KernelConfig("interpret", sparse_tuning=sa.SparseAttentionTuning(block_k=4, num_splits=2))
   o, l = dispatch.sparse_attention(q, jnp.asarray(wp), jnp.asarray(wi, jnp.int32), jnp.asarray(cp),
                                    jnp.asarray(ci, jnp.int32), sink, scale=D ** -0.5, cfg=cfg,
                                    window_len_N=jnp.asarray(wl), comp_len_N=jnp.asarray(cl))
@@ -117,8 +116,9 @@ def test_sparse_attention_per_query_lengths(backend):
                               cfg=cfg, window_len_N=jnp.zeros((N + 1,), jnp.int32))
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
-def test_indexer_num_keys(backend):
+def test_indexer_num_keys():
+  """num_keys_B cuts each sequence's entries: the kernels through dispatch match the reference with the visible
+  counts cut by hand."""
   rng = np.random.default_rng(4)
   B, T, H, C, P, M = 2, 3, 4, 16, 50, 24
   q = jnp.asarray(rng.standard_normal((B, T, H, C)), jnp.float32)
@@ -127,7 +127,7 @@ def test_indexer_num_keys(backend):
   rows = jnp.asarray(rng.integers(0, P, (B, M)), jnp.int32)
   nv = jnp.asarray(rng.integers(0, M + 1, (B, T)), jnp.int32)
   nk = jnp.asarray([5, 17], jnp.int32)
-  cfg = dispatch.KernelConfig(backend, indexer_tuning=ix.IndexerTuning(block_m=8))
+  cfg = dispatch.KernelConfig("interpret", indexer_tuning=ix.IndexerTuning(block_m=8))
   got = np.asarray(dispatch.indexer_scores(q, w, kp, rows, nv, cfg=cfg, num_keys_B=nk))
   want = np.asarray(ix.indexer_scores_reference(q, w, kp, rows, jnp.minimum(nv, nk[:, None])))
   np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
@@ -217,12 +217,14 @@ def _raising_topk(*a, **k):
 @pytest.mark.parametrize("op", ["sparse_attention", "indexer_topk"])
 def test_auto_falls_back_to_xla_once_with_one_warning(monkeypatch, op):
   """A kernel that gives a wrong answer (sparse MLA scaled by 1.5) or cannot run (the top-k raises) fails its
-  validation: that call site gets the XLA reference, bit for bit, and one warning however often it is dispatched."""
+  validation: that call site gets the plain reference's answer, bit for bit, and one warning however often it is
+  dispatched."""
   broken = {"sparse_attention": _wrong_sparse, "indexer_topk": _raising_topk}
   calls = _interpret_as_pallas(monkeypatch, broken={op: broken[op]})
   if op == "sparse_attention":
     args = _sparse_case()
     run = lambda cfg: dispatch.sparse_attention(*args, scale=0.1, cfg=cfg)
+    reference = lambda: sa.sparse_attention_reference(*args, scale=0.1)
   else:
     rng = np.random.default_rng(7)
     args = (jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.float32), jnp.ones((2, 3, 4), jnp.float32),
@@ -230,14 +232,15 @@ def test_auto_falls_back_to_xla_once_with_one_warning(monkeypatch, op):
                                                                                  jnp.int32),
             jnp.asarray(rng.integers(0, 21, (2, 3)), jnp.int32))
     run = lambda cfg: dispatch.indexer_topk(*args, 5, cfg=cfg)
+    reference = lambda: dispatch._indexer_topk.indexer_topk_reference(*args, 5)
   with pytest.warns(RuntimeWarning, match=f"the '{op}' Pallas kernel did not match") as rec:
     first = jax.jit(lambda: run(dispatch.KernelConfig()))()
     again = run(dispatch.KernelConfig())
   assert len([w for w in rec if "dispatch" in str(w.message)]) == 1
   assert calls.get(op, 0) <= 1  # the validation only (the raising kernel counts its one try)
   assert list(dispatch.validation_verdicts().values()) == [False]
-  xla = dispatch.KernelConfig("xla")
-  for g, want in ((first, jax.jit(lambda: run(xla))()), (again, run(xla))):  # jitted and eager, each like for like
+  # the plain reference, called directly: jitted and eager, each like for like
+  for g, want in ((first, jax.jit(reference)()), (again, reference())):
     for x, y in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(want)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
