@@ -44,6 +44,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATUSES = ("ok", "mismatch", "error", "timeout", "skipped")
+MIN_CASE_S = 10.0  # a case needs at least this much budget to start (JAX's start-up alone takes seconds)
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -385,8 +386,8 @@ def main(argv=None) -> int:
     row = planned_row(case, args.dry_run)
     left = args.budget - (time.monotonic() - t_start)
     timeout = min(args.case_timeout or case.timeout, left)
-    if left <= 1.0:
-      row.update(status="skipped", error=f"global budget of {args.budget:.0f} s used up")
+    if left < MIN_CASE_S:
+      row.update(status="skipped", error=f"global budget of {args.budget:.0f} s used up ({max(left, 0):.0f} s left)")
     else:
       part = os.path.join(out, "logs", case.name + ".json.part")
       if os.path.exists(part):
