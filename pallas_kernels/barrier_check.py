@@ -213,10 +213,24 @@ class _Walker:
       self.event("arrive" if name == "barrier_arrive" else "wait",
                  self.barrier_index(env, eqn.invars, name, eqn), ctx, eqn)
     elif name == "copy_gmem_to_smem":
-      n_src = eqn.params["src_transforms_treedef"].num_leaves
-      n_dst = eqn.params["dst_transforms_treedef"].num_leaves
-      bar = [eqn.invars[2]] + list(eqn.invars[3 + n_src + n_dst:])
-      self.event("copy", self.barrier_index(env, bar, name, eqn), ctx, eqn)
+      # operands: src, dst, [barrier] (JAX >= 0.11: only with has_barrier), src / dst / barrier transforms,
+      # [predicate] (JAX >= 0.11)
+      pr = eqn.params
+      n_src, n_dst = pr["src_transforms_treedef"].num_leaves, pr["dst_transforms_treedef"].num_leaves
+      if pr.get("has_barrier", True):
+        n_bar = pr["barrier_transforms_treedef"].num_leaves
+        start = 3 + n_src + n_dst
+        bar = [eqn.invars[2]] + list(eqn.invars[start:start + n_bar])
+        pred = [self.read(env, v) for v in eqn.invars[start + n_bar:]]
+        if len(pred) > 1:
+          raise UnsupportedJaxpr(f"copy_gmem_to_smem with {len(pred)} trailing operands ({_where(eqn)})")
+        if pred and isinstance(pred[0], (bool, np.bool_, int, np.integer)) and not pred[0]:
+          pass  # statically off: no copy, no arrival
+        else:
+          if pred and not isinstance(pred[0], (bool, np.bool_, int, np.integer)):  # a predicated copy: a free condition
+            atom = pred[0] if isinstance(pred[0], _Atom) else self.fresh_atom()
+            ctx = (ctx[0], ctx[1], ctx[2] | {(atom.id, 0 if atom.negated else 1)})
+          self.event("copy", self.barrier_index(env, bar, name, eqn), ctx, eqn)
     elif name == "axis_index":
       outs = [self.thread if eqn.params.get("axis_name") == self.thread_name else None]
     elif name == "run_scoped":

@@ -162,8 +162,9 @@ def test_indexer_topk_lowers_for_cuda(name, B, T, M, cand, keys):
     ("window_only", 64, 0),
 ])
 def test_mosaic_gpu_kernel_lowers_for_cuda(name, N, K):
-  """The Mosaic GPU (plgpu) producer/consumer kernel lowers for CUDA on the CPU (it has no CPU interpret mode; its
-  numbers are checked against the reference by benchmarks/gpu_check.sh on a GPU)."""
+  """The Mosaic GPU (plgpu) producer/consumer kernel lowers for CUDA on the CPU (Mosaic GPU's CPU interpreter cannot
+  run it: its barriers are checked in test_mgpu_barriers.py, its numbers by benchmarks/gpu_check.sh --mosaic on a
+  GPU)."""
   from pallas_kernels import sparse_attention_mgpu as mg
   comp = (S((max(N, 64) * 32768, D), jnp.bfloat16), S((N, K), jnp.int32)) if K else (None, None)
   exp = export_for_cuda(
