@@ -731,6 +731,10 @@ class KVCacheManager:
           k += need
     return out
 
+  def num_committed(self, request_id: str) -> int:
+    """Tokens committed so far (what the cache will have registered after the next call)."""
+    return self._req(request_id).num_computed
+
   def append_tokens(self, request_id: str, token_ids) -> None:
     r = self._req(request_id)
     r.tokens.extend(np.atleast_1d(np.asarray(token_ids, np.int64)))

@@ -30,12 +30,18 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]],
   sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
   if len(sps) != len(prompts):
     raise ValueError(f"generate: {len(prompts)} prompts but {len(sps)} sampling params")
-  base = len(engine.requests)
+  base = engine.next_request_index()
   rids = [f"req{base + i}" for i in range(len(prompts))]
+  outs = {}
   for rid, prompt, sp in zip(rids, prompts, sps):
-    engine.add_request(rid, prompt, sp)
-  engine.run()
-  return [RequestOutput.of(engine.requests[r]) for r in rids]
+    r = engine.add_request(rid, prompt, sp)
+    if r.status is Status.REJECTED and engine.requests.get(rid) is not r:   # an id in use: refused, not tracked
+      outs[rid] = RequestOutput.of(r)
+  while engine.has_work():
+    engine.step()
+  # the engine forgets what it returns: a long job's host memory stays flat
+  outs.update(zip((r for r in rids if r not in outs), engine.take_outputs([r for r in rids if r not in outs])))
+  return [outs[r] for r in rids]
 
 
 def grade(output: Sequence[int], expected: Sequence[int] | None) -> bool | None:
@@ -230,7 +236,7 @@ def generate_text(params, config: ModelConfig, tokenizer, prompts: Sequence,
   if len(sps) != len(prompts):
     raise ValueError(f"generate_text: {len(prompts)} prompts but {len(sps)} sampling params")
   stop = tuple(stop)
-  base = len(engine.requests)
+  base = engine.next_request_index()
   rids, ids = [], []
   for i, (p, sp) in enumerate(zip(prompts, sps)):
     if isinstance(p, str):

@@ -79,6 +79,12 @@ class EngineConfig:
   # it instead of computing the same KV alongside it (a cold wave of siblings sharing a system prompt). False =
   # admit in arrival order regardless (the behaviour before).
   defer_shared_prefix: bool = True
+  # Async scheduling: step N+1 is planned and sent before step N's tokens are read; N's sampled tokens feed N+1 on
+  # the device, stop conditions are seen one step late (a request that stopped may run one more step, whose
+  # token is dropped). Same tokens as the synchronous engine. It applies on one device without tiers or batch
+  # invariance; there (a mesh: the managers' own calls; tiers: they read block ids; batch invariance: several
+  # calls per step) each step is read before the next is planned (`Engine.async_active` says which).
+  async_scheduling: bool = True
 
   def validate(self):
     for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_model_len", "num_full_blocks",
@@ -148,9 +154,13 @@ class Engine:
     if D > 1:
       sharding.check_pools_over_data(mesh, ec.num_swa_blocks, ec.num_full_blocks, ec.max_num_seqs)
     self.num_shards = D
+    # Block tables: one row per running request of the shard, as wide as max_model_len; KV events (block ids read
+    # back) only when the tiers need them.
     self.managers = [KVCacheManager(caches.group_specs(config, ec.layout), num_full_blocks=ec.num_full_blocks // D,
                                     num_swa_blocks=ec.num_swa_blocks // D, retention_interval=ec.retention_interval,
-                                    model_id=ec.model_id) for _ in range(D)]
+                                    model_id=ec.model_id, num_slots=ec.max_num_seqs // D,
+                                    max_tokens=ec.max_model_len, enable_events=ec.tiering is not None)
+                     for _ in range(D)]
     # One device (or pools replicated over data): the one manager, as before.
     self.cache_manager = self.managers[0] if D == 1 else None
     if ec.dtype == "bf16":
@@ -166,12 +176,16 @@ class Engine:
                               max_num_batched_tokens=ec.max_num_batched_tokens,
                               token_bucket_growth=ec.token_bucket_growth,
                               token_bucket_steps=ec.token_bucket_steps, model_api=ec.model_api,
-                              mesh=mesh, pools_over_data=D > 1, **({} if rules is None else {"rules": rules}))
-    self._tables: dict[str, object] = {}     # rid -> BlockTables of this step's allocation
+                              mesh=mesh, pools_over_data=D > 1, managers=self.managers,
+                              **({} if rules is None else {"rules": rules}))
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
+    # every request not yet taken by the caller (`take_outputs` forgets finished ones: a long job's host memory
+    # stays flat)
     self.requests: dict[str, Request] = {}
-    self.finished: list[Request] = []
+    self._next_index = 0
+    self._inflight = None                          # the step sent but not read yet (async scheduling)
+    self.async_active = (ec.async_scheduling and mesh is None and not ec.batch_invariant and ec.tiering is None)
     self.stats = collections.Counter()
     self._lead_keys: dict[str, object] = {}        # rid -> (extra keys, first aligned chunk) for deferral
     self._shared: dict[str, dict[str, int]] = {}   # follower -> leader -> shared prefix tokens, once stable
@@ -189,10 +203,15 @@ class Engine:
   # ------------------------------------------------------------------------------------------ intake
   def _reject(self, req: Request, why: str) -> Request:
     req.status, req.error, req.finish_reason = Status.REJECTED, why, "error"
-    self._lead_keys.pop(req.rid, None)
-    self._shared.pop(req.rid, None)
-    self.finished.append(req)
+    self._forget_aux(req.rid)
     return req
+
+  def _forget_aux(self, rid: str) -> None:
+    self._lead_keys.pop(rid, None)
+    self._shared.pop(rid, None)
+    self._deferred.discard(rid)
+    for known in self._shared.values():
+      known.pop(rid, None)
 
   @_counted
   def add_request(self, rid: str, prompt, params: SamplingParams = SamplingParams(),
@@ -208,6 +227,8 @@ class Engine:
     except schema.RequestError as e:
       bad = str(e)
     req = Request(rid, prompt_list, params, extra_keys, self.clock() if arrival is None else arrival)
+    req.index = self._next_index
+    self._next_index += 1
     if rid in self.requests:
       # Refused without touching the engine's state under that id: the request holding it is unaffected, and the
       # refusal is returned, not tracked (engine.requests keeps the original).
@@ -231,21 +252,32 @@ class Engine:
   def _running_on(self, shard: int) -> list[Request]:
     return [r for r in self.running if r.shard == shard]
 
-  def _place(self, req: Request) -> int | None:
-    """The data shard for an admission: longest prefix hit, then most free blocks, then fewest running rows (only
-    shards with a free row slot; None if none has one)."""
+  def _rows_free(self, shard: int) -> bool:
+    return len(self._running_on(shard)) < self.ec.max_num_seqs // self.num_shards
+
+  def _place_batch(self, reqs: list[Request]) -> list[int | None]:
+    """Data shards for a step's admissions: longest prefix hit (one batched lookup per shard for all of them),
+    then most free blocks, then fewest running rows, among shards with a free row."""
     if self.num_shards == 1:
-      return 0
-    salt = req.cache_salt(self.ec.enable_prefix_caching)
-    best, key = None, None
-    for s, m in enumerate(self.managers):
-      if not self.runner.num_free_slots(s):
-        continue
-      k = (m.lookup(req.tokens, salt).num_tokens, sum(m.num_free_blocks(g) for g in m.groups),
-           -len(self._running_on(s)), -s)
-      if key is None or k > key:
-        best, key = s, k
-    return best
+      return [0] * len(reqs)
+    salts = [r.cache_salt(self.ec.enable_prefix_caching) for r in reqs]
+    hits = [[h.num_tokens for h in m.lookup_batch([(r.tokens, x) for r, x in zip(reqs, salts)])]
+            for m in self.managers]
+    rows = [len(self._running_on(s)) for s in range(self.num_shards)]
+    cap = self.ec.max_num_seqs // self.num_shards
+    out = []
+    for i in range(len(reqs)):
+      best, key = None, None
+      for s, m in enumerate(self.managers):
+        if rows[s] >= cap:
+          continue
+        k = (hits[s][i], sum(m.free_blocks_estimate(g) for g in m.groups), -rows[s], -s)
+        if key is None or k > key:
+          best, key = s, k
+      if best is not None:
+        rows[best] += 1
+      out.append(best)
+    return out
 
   def _preempt(self, victim: Request):
     """Preemption by recompute: give back every block, keep the generated tokens, requeue at the front."""
@@ -257,14 +289,13 @@ class Engine:
     self.waiting.appendleft(victim)
     self.stats["preemptions"] += 1
 
-  def _admit(self, req: Request) -> int:
-    hit = self._mgr(req).add_request(req.rid, req.tokens, req.cache_salt(self.ec.enable_prefix_caching))
-    n = hit.num_tokens
+  def _admitted(self, req: Request, hit_tokens: int) -> int:
+    n = hit_tokens
     if self.tiering is not None:
       n = self.tiering.on_admit(req, n)   # extends the device hit with what it loads from the tiers
     req.num_computed = n
     if req.num_preemptions == 0:
-      req.hit_tokens, req.tier_hit_tokens = n, n - hit.num_tokens
+      req.hit_tokens, req.tier_hit_tokens = n, n - hit_tokens
     else:
       req.readmit_hit_tokens += n
     return n
@@ -309,11 +340,13 @@ class Engine:
     a = self.managers[0].specs.align_tokens
     cap = (len(req.tokens) - 1) // a * a        # the longest hit any resume can give this request
     for lead in self.running:
-      if lead.num_computed >= cap or self._lead_key(lead) != key:
+      # its progress as the cache knows it (commits follow the step that computed them; one step later with async
+      # scheduling): a follower released earlier would search before the blocks are registered
+      done = self._mgr(lead).num_committed(lead.rid)
+      if done >= cap or self._lead_key(lead) != key:
         continue
       shared = self._shared_len(req, lead, cap) // a * a
-      if shared > lead.num_computed and self._mgr(lead).checkpoint_boundaries(lead.rid, lead.num_computed,
-                                                                                shared):
+      if shared > done and self._mgr(lead).checkpoint_boundaries(lead.rid, done, shared):
         self.stats["deferred_steps"] += 1
         if req.rid not in self._deferred:
           self._deferred.add(req.rid)
@@ -323,8 +356,14 @@ class Engine:
 
   def _track_usage(self):
     for g in self.peak_blocks:
-      total = self.ec.num_full_blocks if g == caches.FULL else self.ec.num_swa_blocks
-      self.peak_blocks[g] = max(self.peak_blocks[g], total - sum(m.num_free_blocks(g) for m in self.managers))
+      self.peak_blocks[g] = max(self.peak_blocks[g], sum(m.peak_used[g] for m in self.managers))
+
+  def _todo(self, req: Request) -> int:
+    """Tokens the request can run now: its known tokens not computed yet plus the sampled one still on the device;
+    0 once the tokens in flight reach max_tokens (it finishes when they are read)."""
+    if req.inflight and len(req.output) + req.inflight >= req.params.max_tokens:
+      return 0
+    return len(req.tokens) + req.inflight - req.num_computed
 
   def schedule(self) -> list[tuple[Request, int]]:
     budget = self.ec.max_num_batched_tokens
@@ -335,11 +374,11 @@ class Engine:
         break
       if req not in self.running:       # preempted earlier in this loop
         continue
-      n = min(req.num_pending, budget, self.ec.chunk_size)
+      n = min(self._todo(req), budget, self.ec.chunk_size)
+      if n <= 0:
+        continue
       while True:
-        tables = self._mgr(req).allocate_for(req.rid, n)
-        if tables:
-          self._tables[req.rid] = tables
+        if self._mgr(req).allocate_to(req.rid, req.num_computed + n):
           scheduled.append((req, n))
           budget -= n
           break
@@ -357,41 +396,75 @@ class Engine:
         if victim is req:
           break
     if not preempted:
-      held: list[Request] = []          # deferred this step: they keep their place at the head of the queue
-      while self.waiting and len(self.running) < self.ec.max_num_seqs and budget > 0:
-        req = self.waiting[0]
-        if self._defer(req):
-          held.append(self.waiting.popleft())
-          continue
-        self._shared.pop(req.rid, None)
-        shard = self._place(req)
-        if shard is None:               # every shard's row slots are taken
-          break
-        req.shard = shard
-        hit = self._admit(req)
-        n = min(req.num_pending, budget, self.ec.chunk_size)
-        tables = self._mgr(req).allocate_for(req.rid, n)
-        if not tables:
-          self._mgr(req).free(req.rid)
-          req.num_computed = 0
-          if req.num_preemptions:       # a failed admission reuses nothing: count only the one that succeeds
-            req.readmit_hit_tokens -= hit
-          # Every shard has the same number of blocks: out of blocks on an idle shard means it never fits.
-          if not self._running_on(shard) and not any(r.shard == shard for r, _ in scheduled):
-            self.waiting.popleft()
-            self._reject(req, "the KV block pool is too small for this request even when it runs alone")
-            continue
-          break
-        self.waiting.popleft()
-        req.status = Status.RUNNING
-        req.slot = self.runner.acquire_slot(shard)
-        self.running.append(req)
-        self._tables[req.rid] = tables
-        scheduled.append((req, n))
-        budget -= n
-      self.waiting.extendleft(reversed(held))
+      scheduled += self._admit_waiting(budget, scheduled)
     self._track_usage()
     return self._fill_bucket(scheduled)
+
+  def _admit_waiting(self, budget: int, scheduled) -> list[tuple[Request, int]]:
+    """Admissions of one step: candidates from the head of the queue (free rows, budget, deferral against the
+    running requests), ONE batched prefix search + claim per shard for all of them, then in order: deferral
+    against the ones admitted before it, the first chunk within the budget, its blocks. A candidate that does not
+    make it gives its claim back and keeps its place at the head of the queue."""
+    held: list[Request] = []          # deferred this step: they keep their place at the head of the queue
+    cands: list[Request] = []
+    order: dict[str, int] = {}        # queue order of everything taken from the head (put back in that order)
+    rows = {s: len(self._running_on(s)) for s in range(self.num_shards)}
+    cap = self.ec.max_num_seqs // self.num_shards
+    while self.waiting and len(self.running) + len(cands) < self.ec.max_num_seqs and len(cands) < budget:
+      req = self.waiting[0]
+      if (self.num_shards == 1 and rows[0] >= cap) or req.inflight:
+        break                           # (a request preempted with a token in flight waits until it is read)
+      order[req.rid] = len(order)
+      if self._defer(req):
+        held.append(self.waiting.popleft())
+        continue
+      cands.append(self.waiting.popleft())
+    places = self._place_batch(cands) if cands else []
+    by_shard: dict[int, list[Request]] = {}
+    for req, s in zip(cands, places):
+      if s is not None:
+        req.shard = s
+        by_shard.setdefault(s, []).append(req)
+    hits = {}
+    for s, reqs in by_shard.items():
+      salted = [(r.rid, r.tokens, r.cache_salt(self.ec.enable_prefix_caching)) for r in reqs]
+      for r, h in zip(reqs, self.managers[s].add_requests(salted)):
+        hits[r.rid] = h.num_tokens
+    out: list[tuple[Request, int]] = []
+    back: list[Request] = []
+    stop = False
+    for req in cands:
+      if req.rid not in hits or stop:
+        if req.rid in hits:
+          self._mgr(req).free(req.rid)
+        back.append(req)
+        continue
+      self._shared.pop(req.rid, None)
+      if budget <= 0 or self._defer(req):
+        self._mgr(req).free(req.rid)
+        (held if budget > 0 else back).append(req)
+        continue
+      hit = self._admitted(req, hits[req.rid])
+      n = min(self._todo(req), budget, self.ec.chunk_size)
+      if not self._mgr(req).allocate_to(req.rid, req.num_computed + n):
+        self._mgr(req).free(req.rid)
+        req.num_computed = 0
+        if req.num_preemptions:       # a failed admission reuses nothing: count only the one that succeeds
+          req.readmit_hit_tokens -= hit
+        # Every shard has the same number of blocks: out of blocks on an idle shard means it never fits.
+        if not self._running_on(req.shard) and not any(r.shard == req.shard for r, _ in scheduled + out):
+          self._reject(req, "the KV block pool is too small for this request even when it runs alone")
+          continue
+        back.append(req)
+        stop = True
+        continue
+      req.status = Status.RUNNING
+      req.slot = self._mgr(req).slot_of(req.rid)
+      self.running.append(req)
+      out.append((req, n))
+      budget -= n
+    self.waiting.extendleft(reversed(sorted(held + back, key=lambda r: order[r.rid])))
+    return out
 
   def _fill_bucket(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
     """Trims the step's last prefill chunks so its tokens fit the next smaller token bucket, when that defers at
@@ -425,26 +498,23 @@ class Engine:
 
   # ------------------------------------------------------------------------------------------ step
   def _leave(self, req: Request):
-    """Out of the running set (finish, preemption, rejection): give its runner slot back."""
+    """Out of the running set (finish, preemption, rejection)."""
     self.running.remove(req)
-    self._tables.pop(req.rid, None)
-    if req.slot >= 0:
-      self.runner.release_slot(req.slot)
-      req.slot = -1
+    req.slot = -1
 
   def _finish(self, req: Request, reason: str):
     req.status, req.finish_reason = Status.FINISHED, reason
-    self._lead_keys.pop(req.rid, None)
+    self._forget_aux(req.rid)
     self._mgr(req).free(req.rid)
     self._leave(req)
-    self.finished.append(req)
 
   @_counted
   def stop_request(self, rid: str, reason: str = "stop") -> bool:
-    """Finish a running or waiting request now, as if it had stopped at its last sampled token (stop strings, a
-    client that went away): its blocks are freed exactly as at a normal finish (what it computed is registered, so
-    later requests still hit it; with tiers, written through / demoted as usual) and `finish_reason` = reason.
-    Call between steps. False (nothing changes) if the id is unknown or the request already ended."""
+    """Finish a running or waiting request now, as if it had stopped at its last sampled token read (stop strings,
+    a client that went away): its blocks are freed exactly as at a normal finish (what it computed is registered,
+    so later requests still hit it; with tiers, written through / demoted as usual) and `finish_reason` = reason.
+    A token still in flight (async scheduling) is dropped. Call between steps. False (nothing changes) if the id
+    is unknown or the request already ended."""
     req = self.requests.get(rid)
     if req is None or req.status not in (Status.RUNNING, Status.WAITING):
       return False
@@ -454,34 +524,52 @@ class Engine:
       # Waiting: never admitted, or preempted (its blocks were freed then): nothing held in the manager.
       self.waiting.remove(req)
       req.status, req.finish_reason = Status.FINISHED, reason
-      self._lead_keys.pop(rid, None)
-      self.finished.append(req)
-    self._shared.pop(rid, None)
+      self._forget_aux(rid)
     if self.tiering is not None:
       self.tiering.after_finish()       # its final registrations reach the tiers now, not at some later step
     return True
 
   @_counted
   def step(self) -> list[Request]:
-    """One scheduler step + one model call. Returns the requests that finished in it.
+    """One scheduler step: plan, send the step program, and read a step's results. Returns the requests that
+    finished.
 
-    Host work is O(new tokens): each row's chunk is a slice of the request's incrementally kept token list, its
-    block tables are synced into the runner's slot rows by what changed, and the runner makes one transfer of the
-    step plan and one of the sampled tokens."""
+    Synchronous: the step just sent is read. Async (`async_active`): the step is sent first, then the PREVIOUS
+    step's results are read while it runs; its sampled tokens already feed this step on the device. Host work is
+    O(new tokens): each row's chunk is a slice of the request's token list, block tables never leave the device,
+    and a step moves one plan buffer in and one buffer (tokens + cache counters) out."""
     scheduled = self.schedule()
-    if not scheduled:
-      return []
-    if self.tiering is not None:
-      self.tiering.before_run(scheduled)
-    rows = []
-    for req, n in scheduled:
-      tables = self._tables.pop(req.rid)
-      self.runner.sync_tables(req.slot, tables.swa, tables.full)
-      start = req.num_computed
-      rows.append(Row(req.slot, req.tokens[start:start + n], start, req.params, len(req.output)))
-    sampled, logits = self.runner.run(rows)
+    sent = None
+    if scheduled:
+      if self.tiering is not None:
+        for m in self.managers:
+          m.flush()                     # evictions happen (and are demoted) before the step overwrites them
+        self.tiering.before_run(scheduled)
+      sent = self._dispatch(scheduled)
     done = []
-    now = None
+    if self._inflight is not None:
+      done += self._collect(self._inflight)
+      self._inflight = None
+    if sent is not None:
+      if self.async_active:
+        self._inflight = sent
+      else:
+        done += self._collect(sent)
+    if scheduled:
+      self.stats["steps"] += 1
+      if self.tiering is not None:
+        self.tiering.after_step(scheduled)
+    return done
+
+  def _dispatch(self, scheduled):
+    rows = []
+    for i, (req, n) in enumerate(scheduled):
+      start = req.num_computed
+      known = req.tokens[start:start + n]
+      if len(known) < n:                # the last token is the one sampled by the previous step, on the device
+        known = known + [-1 - req.sample_row]
+      rows.append(Row(req.slot, known, start, req.params, len(req.output) + req.inflight, req.shard))
+    handle = self.runner.dispatch(rows)
     for i, (req, n) in enumerate(scheduled):
       start = req.num_computed
       recomputed = max(0, min(start + n, req.max_computed) - start)
@@ -491,12 +579,33 @@ class Engine:
       self.stats["recomputed_tokens"] += recomputed
       req.num_computed = start + n
       req.max_computed = max(req.max_computed, req.num_computed)
-      self._mgr(req).commit(req.rid, req.num_computed)
-      if req.num_pending:
-        continue                      # mid-prompt chunk: its row's sample is not wanted
+      # commit now what is known (a prompt chunk; a decode row up to its input token, still on the device): the
+      # registrations go into the next program, after this one has written the KV
+      self._mgr(req).commit(req.rid, min(req.num_computed, len(req.tokens)))
+    rows = []
+    for i, (req, n) in enumerate(scheduled):
+      samples = req.num_computed >= len(req.tokens) + req.inflight    # its last token ran: its sample is wanted
+      if samples:
+        req.inflight += 1
+        req.sample_row = i
+      rows.append((req, req.num_computed, req.num_preemptions, samples))
+    return handle, rows
+
+  def _collect(self, sent) -> list[Request]:
+    handle, rows = sent
+    sampled, logits = self.runner.collect(handle)
+    done, now = [], None
+    for i, (req, end, preemptions, samples) in enumerate(rows):
+      live = req.status is Status.RUNNING and req.num_preemptions == preemptions
+      if live and min(end, len(req.tokens)) > self._mgr(req).num_committed(req.rid):
+        self._mgr(req).commit(req.rid, min(end, len(req.tokens)))
+      if not samples or req.status in (Status.FINISHED, Status.REJECTED):
+        continue                      # mid-prompt chunk (its sample is not wanted), or it already ended
       tok = int(sampled[i])
+      req.inflight -= 1
       req.append_output(tok)
-      self._mgr(req).append_tokens(req.rid, [tok])
+      if live:
+        self._mgr(req).append_tokens(req.rid, [tok])
       if self.ec.record_logits:
         req.token_logits = (req.token_logits or []) + [logits[i]]
       now = self.clock() if now is None else now
@@ -504,15 +613,19 @@ class Engine:
         req.first_token_time = now
       req.last_token_time = now
       p = req.params
+      reason = None
       if tok in p.stop_token_ids or (not p.ignore_eos and tok == self.config.eos_token_id):
-        self._finish(req, "stop")
-        done.append(req)
+        reason = "stop"
       elif len(req.output) >= p.max_tokens:
-        self._finish(req, "length")
+        reason = "length"
+      if reason is not None:
+        if req.status is Status.RUNNING:
+          self._finish(req, reason)
+        else:                         # preempted while its token was in flight: it ends in the queue
+          self.waiting.remove(req)
+          req.status, req.finish_reason = Status.FINISHED, reason
+          self._forget_aux(req.rid)
         done.append(req)
-    self.stats["steps"] += 1
-    if self.tiering is not None:
-      self.tiering.after_step(scheduled)
     return done
 
   def compile_report(self) -> dict:
@@ -527,14 +640,37 @@ class Engine:
             "runner": dict(self.runner.stats)}
 
   def has_work(self) -> bool:
-    return bool(self.waiting or self.running)
+    return bool(self.waiting or self.running or self._inflight is not None)
 
   def run(self, progress=None) -> list[RequestOutput]:
+    """Steps until every request ended. Returns the outputs of every request the engine holds (in the order they
+    were added); they stay in `engine.requests` until `take_outputs` / `forget`."""
     while self.has_work():
       done = self.step()
       if progress is not None and done:
         progress(len(done))
-    return [RequestOutput.of(self.requests[r]) for r in self.requests]
+    return self.outputs()
 
   def outputs(self) -> list[RequestOutput]:
     return [RequestOutput.of(r) for r in self.requests.values()]
+
+  def take_outputs(self, rids) -> list[RequestOutput]:
+    """The outputs of these ended requests, forgetting them (a long batch job's host memory stays flat)."""
+    outs = [RequestOutput.of(self.requests[r]) for r in rids]
+    self.forget(rids)
+    return outs
+
+  def forget(self, rids) -> None:
+    """Drop ended requests from `engine.requests` (refuses one that is still waiting or running)."""
+    for rid in rids:
+      req = self.requests.get(rid)
+      if req is None:
+        continue
+      if req.status in (Status.WAITING, Status.RUNNING):
+        raise ValueError(f"forget: request {rid!r} has not ended")
+      del self.requests[rid]
+      self._forget_aux(rid)
+
+  def next_request_index(self) -> int:
+    """A number no request id made by `generate` has used on this engine."""
+    return self._next_index

@@ -41,7 +41,10 @@ class Request:
   first_token_time: float | None = None
   last_token_time: float | None = None
   token_logits: list[np.ndarray] | None = None
-  slot: int = -1                   # runner slot (persistent block-table rows) while running
+  slot: int = -1                   # its row of its cache manager's device block tables while running
+  inflight: int = 0                # sampled tokens sent to the device and not read yet (async scheduling): 0 or 1
+  sample_row: int = -1             # its row in the step that samples that token (the next step reads it there)
+  index: int = 0                   # order of arrival at the engine
   shard: int = 0                   # data shard whose pool and manager hold its blocks (engine on a mesh)
   # prompt + output, maintained incrementally (append_output) so a step never rebuilds it
   tokens: list[int] = dataclasses.field(default_factory=list)
@@ -60,7 +63,7 @@ class Request:
 
   @property
   def num_pending(self) -> int:
-    return len(self.tokens) - self.num_computed
+    return len(self.tokens) + self.inflight - self.num_computed
 
   def cache_salt(self, prefix_caching: bool) -> ExtraKeys:
     """With prefix caching off, every admission gets keys nobody else (not even itself later) can match."""
@@ -84,6 +87,7 @@ class RequestOutput:
   ttft_s: float | None
   tpot_s: float | None
   tier_hit_tokens: int = 0         # of hit_tokens, loaded from the KV tiers (last: positional callers keep working)
+  token_logits: tuple | None = None  # each sampled position's logits (EngineConfig.record_logits)
 
   @property
   def device_hit_tokens(self) -> int:
@@ -97,4 +101,5 @@ class RequestOutput:
     if r.first_token_time is not None and len(r.output) > 1:
       tpot = (r.last_token_time - r.first_token_time) / (len(r.output) - 1)
     return RequestOutput(r.rid, list(r.prompt), list(r.output), r.finish_reason, r.error, r.hit_tokens,
-                         r.computed_tokens, r.recomputed_tokens, r.num_preemptions, ttft, tpot, r.tier_hit_tokens)
+                         r.computed_tokens, r.recomputed_tokens, r.num_preemptions, ttft, tpot, r.tier_hit_tokens,
+                         None if r.token_logits is None else tuple(r.token_logits))

@@ -1,18 +1,25 @@
-"""Model runner: owns the params and the paged cache pytree; turns one scheduler step into device work with one
-host->device transfer of the step plan and one device->host fetch of the sampled tokens per call of the one step
-program, `step_body` (jitted as `ragged_step`).
+"""Model runner: owns the params and the paged cache pytree; turns one scheduler step into device work: ONE program,
+`step_body` (jitted as `ragged_step`), with one host->device transfer (the packed step plan and the cache
+manager's queued bookkeeping) and one device->host transfer (the sampled tokens and the cache's counters).
 
-Host side (numpy, O(new tokens) per step): each running request owns a *slot* with persistent block-table rows.
-`sync_tables` copies only what changed since the last step (new blocks at the end, swa blocks released behind the
-window at the front), so a step never rebuilds a request's whole table or token list.
+Block tables never visit the host: the cache manager keeps them on the device ([slots, width] per group, next to
+its pools), each row of a step names its manager slot, and the program gathers the row's tables there (the full
+table from entry 0 at a width that follows the live context, the swa table from the row's base block: window +
+chunk). On one device the manager's queued work (registrations, releases, allocations that write the tables) runs
+inside the same program, before the model (`cache.step.step_packed`), so a step is one program and the host
+plans with counts only.
 
-Device side: all rows of a step ride ONE flat token axis through `model.forward_ragged`: a decode row contributes 1
-token, a prefill row its chunk; per-token row / position metadata and per-row block tables (`caches.StepIndex`)
-travel in one packed int32 buffer with the sampling parameters, and sampling runs inside the same program. So a
-mixed step (one prefill chunk + many decodes) costs its real tokens. Shapes are bucketed so compilation stays
-bounded: tokens to 8 * g^k (g = `token_bucket_growth`, 2 or 4; `token_bucket_steps` > 1 adds equal steps inside
-each interval), rows to max_num_seqs (4x buckets from 64 beyond 64), the full table to a power-of-two width that
-covers the live context of the step, the swa table to the window + chunk (`swa_base`).
+All rows of a step ride ONE flat token axis through `model.forward_ragged`: a decode row contributes 1 token, a
+prefill row its chunk; per-token row / position metadata and per-row slots travel in the packed int32 plan with
+the sampling parameters, and sampling runs inside the same program. So a mixed step (one prefill chunk + many
+decodes) costs its real tokens. Shapes are bucketed so compilation stays bounded: tokens to 8 * g^k
+(g = `token_bucket_growth`, 2 or 4; `token_bucket_steps` > 1 adds equal steps inside each interval), rows to
+max_num_seqs (4x buckets from 64 beyond 64), the full table to a power-of-two width that covers the live context of
+the step, the swa table to the window + chunk (`swa_base`); the bookkeeping has fixed widths per engine.
+
+Async scheduling: `dispatch` sends a step and returns at once; `collect` waits for it. The sampled tokens also
+stay on the device (`prev_tokens`), and a token id -(1 + j) in the next plan means "row j's sample of the
+previous step", so the engine can send step N+1 before it reads step N.
 
 Every mode is this program:
 * Batch-invariant (`batch_invariant=True`): the same plan, with `RaggedShape.invariant` set: every token runs the
@@ -22,11 +29,11 @@ Every mode is this program:
   context, never max_model_len.
 * A mesh (dsv4.sharding): params and pools carry the rule shardings (tensor and expert parallel inside the
   program). `pools_over_data=True` (the engine's default on a mesh): every pool's block axis is split over `data`
-  and the program runs manual over `data` (`jax.shard_map`): data shard s holds num_blocks/D blocks and the slots
-  [s*S/D, (s+1)*S/D); its requests take slots in that range (`acquire_slot(shard)`), its plan row holds its own
-  rows, flat tokens and SHARD-LOCAL block ids (the engine keeps one cache manager per shard), and the sampled
+  and the program runs manual over `data` (`jax.shard_map`): data shard s holds num_blocks/D blocks and its own
+  cache manager (max_num_seqs/D slots, SHARD-LOCAL block ids); its plan row holds its own rows, and the sampled
   tokens are gathered over `data` so every process reads all of them. `pools_over_data=False`: one pool
-  replicated over `data`, one plan.
+  replicated over `data`, one plan. On a mesh the managers apply their bookkeeping in their own call before the
+  step and their tables travel with it (stacked per shard): the one place block tables still cross the host.
 * KV precision, kernels (`kernel_cfg`) and the model API (functional or NNX modules) are static arguments of the
   same program.
 """
@@ -99,8 +106,10 @@ class _PackedShape:
 @dataclasses.dataclass(frozen=True)
 class RaggedShape(_PackedShape):
   """Static shape of the step program (part of the jit key): N flat tokens (every row's tokens packed, decode rows
-  1 each, prefill rows their chunk), R rows, block tables [R, width]. `invariant`: the batch-invariant body (each
-  token through the same one-token program, in order)."""
+  1 each, prefill rows their chunk), R rows, block tables [R, width] (gathered in the program from the rows'
+  slots of the device tables). `invariant`: the batch-invariant body (each token through the same one-token
+  program, in order). A token id < 0 is -(1 + j): the token sampled by row j of the previous step program, still
+  on the device (async scheduling)."""
   tokens: int
   rows: int
   swa_width: int
@@ -110,8 +119,8 @@ class RaggedShape(_PackedShape):
   def fields(self):
     N, R = self.tokens, self.rows
     return (("n_real", (1,)), ("tokens", (N,)), ("row", (N,)), ("pos", (N,)), ("start", (R,)), ("num", (R,)),
-            ("last", (R,)), ("swa_base", (R,)), ("swa", (R, self.swa_width)), ("full", (R, self.full_width)),
-            ("temperature", (R,)), ("top_k", (R,)), ("top_p", (R,)), ("seed", (R,)), ("step", (R,)))
+            ("last", (R,)), ("slot", (R,)), ("swa_base", (R,)), ("temperature", (R,)), ("top_k", (R,)),
+            ("top_p", (R,)), ("seed", (R,)), ("step", (R,)))
 
 
 def _unpack(buf, shape):
@@ -146,12 +155,38 @@ def _sample(p, logits_RxV):
   return sample_rows_impl(logits_RxV, p["temperature"], p["top_k"], p["top_p"], p["seed"], p["step"])
 
 
-def step_body(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedShape, record_logits: bool,
-              model_api: str = "functional", graphdef=None):
+def _row_tables(tables, p, shape: RaggedShape):
+  """Each row's block tables [R, width], gathered from the device tables [slots, W] at its slot: the full table
+  from entry 0 (width follows the live context), the swa table from its base block (the window + chunk)."""
+  out = {}
+  slot = jnp.maximum(p["slot"], 0)
+  for g, t in tables.items():
+    w = t.shape[1]
+    if g == caches.SWA:
+      cols = p["swa_base"][:, None] + jnp.arange(shape.swa_width, dtype=jnp.int32)[None]
+      out[g] = jnp.where(cols < w, t[slot[:, None], jnp.minimum(cols, w - 1)], -1)
+    else:
+      out[g] = t[slot, :min(shape.full_width, w)]
+      if shape.full_width > w:
+        out[g] = jnp.pad(out[g], ((0, 0), (0, shape.full_width - w)), constant_values=-1)
+  return out
+
+
+def step_body(params, cache, tables, prev_tokens, buf, pools=None, kv_buf=None, *, config, layout, kernel_cfg, shape: RaggedShape,
+              record_logits: bool, model_api: str = "functional", graphdef=None, kv_statics=None):
   """The engine's one step program (unjitted; `ragged_step` is its one-device jit, `ModelRunner` wraps it for a
-  mesh). All rows of a step on one flat token axis (`model.forward_ragged`): a decode row costs one token, a prefill
-  row its chunk, padding only up to the token bucket. Logits at each row's last token, then sampling. Returns
-  (cache, tokens_R, logits_RxV or None).
+  mesh): the cache bookkeeping of the step, then all rows on one flat token axis (`model.forward_ragged`): a decode
+  row costs one token, a prefill row its chunk, padding only up to the token bucket. Logits at each row's last
+  token, then sampling.
+
+  tables: per group the device block tables [slots, W]. pools + kv_buf with kv_statics: the cache manager's
+  queued work (`cache.step.step_packed`: registrations, releases, allocations that write the tables) runs first,
+  in this program; None = the tables are already final (a mesh, benchmarks). prev_tokens [S]: the previous step
+  program's sampled tokens, which a token id -(1 + j) refers to.
+
+  Returns (cache, tables, pools or None, out [S + K] int32: the sampled token per row padded to S, then the
+  bookkeeping results (K = 0 without kv), the sampled tokens [S] again (the next step's prev_tokens, kept on the
+  device), logits_RxV or None).
 
   model_api="nnx": params is the `nnx.State` and graphdef (static) the `nnx.GraphDef` of an `nnx_model.Model`
   (`nnx.split`); the step runs that module (`Model.ragged`, its blocks calling their own sub-modules), so a changed
@@ -161,7 +196,17 @@ def step_body(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedSh
   so padding costs nothing), then each row's logits and sample at a fixed [1, D] / [1, V] shape: nothing in a
   token's math depends on what else shares the step or on how its prompt was chunked. The tables are the live
   ones (the runner sizes them by each token's own position, see `ModelRunner._invariant_calls`)."""
+  kv_res = jnp.zeros((0,), jnp.int32)
+  if kv_buf is not None:
+    from cache import step as cache_step   # the cache's own bookkeeping program, traced into this one
+    names = tuple(tables)
+    pools, tabs, kv_res = cache_step.step_packed(pools, tuple(tables[g] for g in names), kv_buf, **dict(kv_statics))
+    tables = dict(zip(names, tabs))
   p = _unpack(buf, shape)
+  toks_in = p["tokens"]
+  p["tokens"] = jnp.where(toks_in < 0, prev_tokens[jnp.clip(-toks_in - 1, 0, prev_tokens.shape[0] - 1)], toks_in)
+  rows = _row_tables(tables, p, shape)
+  S = prev_tokens.shape[0]
   if model_api == "nnx":
     from flax import nnx  # local: the default path does not import Flax
     net = nnx.merge(graphdef, params)
@@ -170,12 +215,16 @@ def step_body(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedSh
   else:
     fwd = functools.partial(model.forward_ragged, params, config, layout=layout, kernel_cfg=kernel_cfg)
     to_logits, h_dtype = functools.partial(model.lm_logits, params), params["lm_head"].dtype
+
+  def out(cache, toks):
+    padded = jnp.zeros((S,), jnp.int32).at[:toks.shape[0]].set(toks.astype(jnp.int32), mode="drop")
+    return cache, tables, pools, jnp.concatenate([padded, kv_res]), padded
+
   if not shape.invariant:
-    step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], {caches.SWA: p["swa"], caches.FULL: p["full"]},
-                            swa_base_R=p["swa_base"])
+    step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
     cache, h_NxD = fwd(p["tokens"], cache, step)
     logits = to_logits(h_NxD[jnp.maximum(p["last"], 0)])
-    return cache, _sample(p, logits), (logits if record_logits else None)
+    return (*out(cache, _sample(p, logits)), (logits if record_logits else None))
 
   def body(i, carry):
     cache, h_NxD = carry
@@ -183,8 +232,7 @@ def step_body(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedSh
     r = jnp.maximum(p["row"][i], 0)
     pos = p["pos"][i][None]
     step = caches.StepIndex(jnp.where(real, 0, -1)[None], pos, pos, real.astype(jnp.int32)[None],
-                            {caches.SWA: p["swa"][r][None], caches.FULL: p["full"][r][None]},
-                            swa_base_R=p["swa_base"][r][None])
+                            {g: t[r][None] for g, t in rows.items()}, swa_base_R=p["swa_base"][r][None])
     cache, h = fwd(p["tokens"][i][None], cache, step)
     return cache, h_NxD.at[i].set(h[0].astype(h_NxD.dtype))
 
@@ -197,26 +245,38 @@ def step_body(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedSh
     return _sample(q, logits)[0], logits[0]
 
   toks, logits = jax.lax.map(per_row, jnp.arange(shape.rows))
-  return cache, toks, (logits if record_logits else None)
+  return (*out(cache, toks), (logits if record_logits else None))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api",
-                                             "graphdef"), donate_argnames=("cache",))
-def ragged_step(params, cache, buf, *, config, layout, kernel_cfg, shape: RaggedShape, record_logits: bool,
-                model_api: str = "functional", graphdef=None):
+_STEP_STATICS = ("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api", "graphdef", "kv_statics")
+
+
+@functools.partial(jax.jit, static_argnames=_STEP_STATICS, donate_argnames=("cache", "tables", "pools"))
+def ragged_step(params, cache, tables, prev_tokens, buf, pools=None, kv_buf=None, *, config, layout, kernel_cfg,
+                shape: RaggedShape, record_logits: bool, model_api: str = "functional", graphdef=None,
+                kv_statics=None):
   """`step_body` jitted for one device (compile logs name it `jit(ragged_step)`, on a mesh too)."""
-  return step_body(params, cache, buf, config=config, layout=layout, kernel_cfg=kernel_cfg, shape=shape,
-                   record_logits=record_logits, model_api=model_api, graphdef=graphdef)
+  return step_body(params, cache, tables, prev_tokens, buf, pools, kv_buf, config=config, layout=layout, kernel_cfg=kernel_cfg,
+                   shape=shape, record_logits=record_logits, model_api=model_api, graphdef=graphdef,
+                   kv_statics=kv_statics)
 
 
 @dataclasses.dataclass
 class Row:
   """One request's work in a step, as the engine hands it to the runner."""
-  slot: int
-  tokens: list[int]              # the token ids to compute (len = n)
+  slot: int                      # its row of its cache manager's device tables
+  tokens: list[int]              # the token ids to compute (len = n); -(1 + j): row j's sample of the last step
   start: int                     # position of tokens[0]
   params: SamplingParams
   step: int                      # index of the token to sample in the request's output (the sampler's key)
+  shard: int = 0                 # data shard (its manager, its slice of the pools) on a mesh
+
+
+@dataclasses.dataclass
+class _Dispatched:
+  """A step sent to the device: per program call, (its rows, rows per shard, output buffer, logits, plans)."""
+  num_rows: int
+  calls: list
 
 
 class ModelRunner:
@@ -226,8 +286,13 @@ class ModelRunner:
                kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), batch_invariant: bool = False,
                record_logits: bool = False, min_table_tokens: int = 4096, max_num_batched_tokens: int = 512,
                mesh=None, rules: sharding.Rules = sharding.Rules(), token_bucket_growth: int = 4,
-               token_bucket_steps: int = 1, model_api: str = "functional", pools_over_data: bool = False):
+               token_bucket_steps: int = 1, model_api: str = "functional", pools_over_data: bool = False,
+               managers=None):
+    """managers: the engine's cache managers (one per data shard): the step reads each row's block tables from
+    their device tables (rows name their manager slot) and, on one device, runs their queued bookkeeping inside
+    the step program. None (benchmarks, tests): the runner keeps its own tables, set with `set_tables`."""
     self.params, self.config, self.layout, self.kernel_cfg = params, config, layout, kernel_cfg
+    self.managers = managers
     # "functional": dsv4.model's functions (the default); "nnx": the same math through the Flax NNX modules
     # (dsv4.nnx_model), on one device.
     if model_api not in ("functional", "nnx"):
@@ -285,19 +350,21 @@ class ModelRunner:
       # Built straight into its shards (no host copy), so it also works when no process sees the whole mesh.
       self.cache = jax.jit(lambda: caches.init_cache(config, layout, num_swa_blocks, num_full_blocks),
                            out_shardings=self.shardings["cache"])()
-    # Persistent per-slot block-table rows (host), synced incrementally.
     S = max_num_seqs
-    self.swa_host = np.full((S, self.max_swa_width), -1, np.int32)
-    self.full_host = np.full((S, self.max_full_width), -1, np.int32)
-    self.swa_synced = np.zeros(S, np.int64)    # entries copied so far
-    self.swa_lo = np.zeros(S, np.int64)        # entries before this index are known released (-1)
-    self.full_synced = np.zeros(S, np.int64)
-    # Per data shard, its slots [s*S/D, (s+1)*S/D), lowest first.
-    per = S // self.num_shards
-    self.free_slots_by_shard = [list(range((s + 1) * per - 1, s * per - 1, -1)) for s in range(self.num_shards)]
+    if managers is None:     # the runner's own device tables (slot rows), for use without an engine
+      self._own_tables = {caches.SWA: jnp.full((S, self.max_swa_width), -1, jnp.int32),
+                          caches.FULL: jnp.full((S, self.max_full_width), -1, jnp.int32)}
+    # the previous step program's sampled tokens (a token id -(1 + j) in a plan refers to its entry j)
+    self.prev_tokens = jnp.zeros((S // self.num_shards,), jnp.int32)
+    # fused: the cache bookkeeping runs inside the step program (one device with managers); on a mesh the
+    # managers apply it in their own call before the step and the tables travel with it
+    self.fused = managers is not None and mesh is None
+    if managers is not None:
+      for m in managers:
+        m.set_step_capacity(max_num_batched_tokens, S // self.num_shards)
     # step_tokens: real tokens run; step_slots: the flat-axis slots they were padded to (per data shard, summed)
-    self.stats = {"steps": 0, "calls": 0, "device_puts": 0, "device_gets": 0, "table_entries_copied": 0,
-                  "step_tokens": 0, "step_slots": 0}
+    self.stats = {"steps": 0, "calls": 0, "device_puts": 0, "device_gets": 0, "step_tokens": 0, "step_slots": 0,
+                  "host_bytes_in": 0, "host_bytes_out": 0}
 
   def token_buckets(self) -> list[int] | None:
     """The flat-axis sizes a step can be padded to (module `token_buckets`); None where a step's shape does not
@@ -306,42 +373,22 @@ class ModelRunner:
       return None
     return token_buckets(self.token_bucket_growth, self.max_num_batched_tokens, self.token_bucket_steps)
 
-  # ------------------------------------------------------------------------------------------ slots / tables
-  @property
-  def free_slots(self) -> list[int]:
-    return [x for f in self.free_slots_by_shard for x in f]
+  # ------------------------------------------------------------------------------------------ tables
+  def set_tables(self, slot: int, swa_ids, full_ids) -> None:
+    """Write one slot's block tables (runner without managers: benchmarks, tests)."""
+    if self.managers is not None:
+      raise ValueError("set_tables: this runner reads its tables from the cache managers")
+    for g, ids in ((caches.SWA, swa_ids), (caches.FULL, full_ids)):
+      t = self._own_tables[g]
+      row = np.full(t.shape[1], -1, np.int32)
+      row[:len(ids)] = ids
+      self._own_tables[g] = t.at[slot].set(jnp.asarray(row))
 
-  def shard_of_slot(self, slot: int) -> int:
-    return slot // (self.max_num_seqs // self.num_shards)
-
-  def num_free_slots(self, shard: int = 0) -> int:
-    return len(self.free_slots_by_shard[shard])
-
-  def acquire_slot(self, shard: int = 0) -> int:
-    return self.free_slots_by_shard[shard].pop()
-
-  def release_slot(self, slot: int) -> None:
-    self.swa_host[slot, : self.swa_synced[slot]] = -1
-    self.full_host[slot, : self.full_synced[slot]] = -1
-    self.swa_synced[slot] = self.swa_lo[slot] = self.full_synced[slot] = 0
-    self.free_slots_by_shard[self.shard_of_slot(slot)].append(slot)
-
-  def sync_tables(self, slot: int, swa_ids: np.ndarray, full_ids: np.ndarray) -> None:
-    """Copy what changed in a request's tables since the last sync: full blocks only grow at the end; swa blocks
-    grow at the end and are released (-1) from the front, behind the window. Cost O(window + new blocks)."""
-    n, k = len(full_ids), int(self.full_synced[slot])
-    if n > k:
-      self.full_host[slot, k:n] = full_ids[k:n]
-      self.stats["table_entries_copied"] += n - k
-    self.full_synced[slot] = max(n, k)
-    n, lo = len(swa_ids), int(self.swa_lo[slot])
-    if n > lo:
-      seg = swa_ids[lo:n]
-      self.swa_host[slot, lo:n] = seg
-      self.stats["table_entries_copied"] += n - lo
-      live = np.flatnonzero(seg >= 0)
-      self.swa_lo[slot] = lo + (int(live[0]) if live.size else len(seg))
-    self.swa_synced[slot] = max(n, int(self.swa_synced[slot]))
+  def _tables(self, shard: int = 0) -> dict:
+    if self.managers is None:
+      return dict(self._own_tables)
+    return {g: self.managers[shard].device_tables[g] for g in (caches.SWA, caches.FULL)
+            if g in self.managers[shard].device_tables}
 
   # ------------------------------------------------------------------------------------------ buckets
   def _full_width(self, end_tokens: int) -> int:
@@ -379,22 +426,12 @@ class ModelRunner:
     return cap if cap <= 64 else min(cap, pow4_at_least(n, 64))
 
   def _pack_rows(self, rows: list[Row], shape: RaggedShape) -> np.ndarray:
-    N, R, ws, wf = shape.tokens, shape.rows, shape.swa_width, shape.full_width
+    N, R = shape.tokens, shape.rows
     a = {"n_real": np.array([sum(len(r.tokens) for r in rows)], np.int32), "tokens": np.zeros(N, np.int32),
          "row": np.full(N, -1, np.int32), "pos": np.zeros(N, np.int32), "start": np.zeros(R, np.int32),
-         "num": np.zeros(R, np.int32), "last": np.zeros(R, np.int32), "swa_base": np.zeros(R, np.int32),
-         "swa": np.full((R, ws), -1, np.int32), "full": np.full((R, wf), -1, np.int32),
-         "temperature": np.zeros(R, np.float32), "top_k": np.zeros(R, np.int32), "top_p": np.ones(R, np.float32),
-         "seed": np.zeros(R, np.uint32), "step": np.zeros(R, np.int32)}
-    if rows:
-      slots = np.array([r.slot for r in rows], np.int64)
-      base = np.array([self._swa_base(r) for r in rows], np.int64)
-      cols = base[:, None] + np.arange(ws)[None, :]
-      inside = cols < self.max_swa_width
-      a["swa"][: len(rows)] = np.where(
-          inside, self.swa_host[slots[:, None], np.minimum(cols, self.max_swa_width - 1)], -1)
-      a["swa_base"][: len(rows)] = base
-      a["full"][: len(rows)] = self.full_host[slots, :wf]
+         "num": np.zeros(R, np.int32), "last": np.zeros(R, np.int32), "slot": np.full(R, -1, np.int32),
+         "swa_base": np.zeros(R, np.int32), "temperature": np.zeros(R, np.float32), "top_k": np.zeros(R, np.int32),
+         "top_p": np.ones(R, np.float32), "seed": np.zeros(R, np.uint32), "step": np.zeros(R, np.int32)}
     o = 0
     for i, r in enumerate(rows):
       n = len(r.tokens)
@@ -402,6 +439,7 @@ class ModelRunner:
       a["row"][o:o + n] = i
       a["pos"][o:o + n] = np.arange(r.start, r.start + n)
       a["start"][i], a["num"][i], a["last"][i] = r.start, n, o + n - 1
+      a["slot"][i], a["swa_base"][i] = r.slot, self._swa_base(r)
       self._sampling(a, i, r)
       o += n
     return _pack(a, shape)
@@ -425,31 +463,54 @@ class ModelRunner:
 
   # ------------------------------------------------------------------------------------------ run
   def run(self, rows: list[Row]) -> tuple[np.ndarray, np.ndarray | None]:
-    """Computes the rows' tokens, samples one token per row at its last computed token. Returns (sampled token
-    per row [len(rows)], logits per row [len(rows), V] when record_logits else None). Rows whose sample is not
-    wanted (mid-prompt chunks) are simply ignored by the caller."""
+    """Computes the rows' tokens, samples one token per row at its last computed token, and waits for them.
+    Returns (sampled token per row [len(rows)], logits per row [len(rows), V] when record_logits else None). Rows
+    whose sample is not wanted (mid-prompt chunks) are simply ignored by the caller."""
+    return self.collect(self.dispatch(rows))
+
+  def dispatch(self, rows: list[Row]) -> "_Dispatched":
+    """Sends the step (its cache bookkeeping and its rows) to the device without waiting for it. Row j's sampled
+    token stays on the device as `prev_tokens[j]` for the next dispatch (a token id -(1 + j) refers to it);
+    `collect` reads it."""
     assert 0 < len(rows) <= self.max_num_seqs
     calls = (self._invariant_calls(rows) if self.batch_invariant else [list(enumerate(rows))])
-    toks = np.zeros(len(rows), np.int32)
-    logits = None
-    for call in calls:
-      t, l = self._call([r for _, r in call])
-      # A row split over calls samples in the last one (its last token); earlier parts' samples are overwritten.
-      for j, (i, _) in enumerate(call):
-        toks[i] = t[j]
-        if l is not None:
-          logits = np.zeros((len(rows), l.shape[-1]), l.dtype) if logits is None else logits
-          logits[i] = l[j]
+    sent = [(call, *self._call([r for _, r in call])) for call in calls]
     self.stats["steps"] += 1
+    return _Dispatched(len(rows), sent)
+
+  def collect(self, d: "_Dispatched") -> tuple[np.ndarray, np.ndarray | None]:
+    """Waits for a dispatched step: (sampled token per row, logits per row or None). Hands each manager the
+    results of its bookkeeping."""
+    toks = np.zeros(d.num_rows, np.int32)
+    logits = None
+    for call, by_shard, out, l, plans in d.calls:
+      out, l = jax.device_get((out, l))                        # one device->host transfer per call
+      self.stats["device_gets"] += 1
+      out = np.asarray(out)
+      self.stats["host_bytes_out"] += out.nbytes + (0 if l is None else np.asarray(l).nbytes)
+      D = len(by_shard)
+      if plans:                                                # fused bookkeeping: its counters follow the tokens
+        self.managers[0].on_step_result(plans[0], out[self.prev_tokens.shape[0]:])
+        out = out[:self.prev_tokens.shape[0]]
+      t = out.reshape(D, -1)
+      l = None if l is None else np.asarray(l).reshape(D, -1, np.asarray(l).shape[-1])
+      for s, b in enumerate(by_shard):
+        for k, j in enumerate(b):
+          i = call[j][0]
+          # a row split over calls (batch-invariant) samples in its last one: earlier samples are overwritten
+          toks[i] = t[s, k]
+          if l is not None:
+            logits = np.zeros((d.num_rows, l.shape[-1]), l.dtype) if logits is None else logits
+            logits[i] = l[s, k]
     return toks, logits
 
   def _call(self, rows: list[Row]):
-    """One dispatch of the step program: plan packed per data shard, one host->device transfer, one
-    device->host fetch. Returns (tokens [len(rows)], logits [len(rows), V] or None) in `rows` order."""
+    """One dispatch of the step program: plan packed per data shard, one host->device transfer. Returns
+    (rows per shard, the device's output buffer, logits or None, the bookkeeping plans it carried)."""
     D = self.num_shards
     by_shard = [[] for _ in range(D)]
     for i, r in enumerate(rows):
-      by_shard[self.shard_of_slot(r.slot)].append(i)
+      by_shard[r.shard].append(i)
     totals = [sum(len(rows[i].tokens) for i in b) for b in by_shard]
     if self.batch_invariant:
       N = pow2_at_least(max(totals), 8)
@@ -469,58 +530,86 @@ class ModelRunner:
         b[0] = max(totals)
     kw = dict(config=self.config, layout=self.layout, kernel_cfg=self.kernel_cfg, shape=shape,
               record_logits=self.record_logits, model_api=self.model_api)
+    plans = []
+    self.stats["calls"] += 1
+    self.stats["device_puts"] += 1
     if self.mesh is None:
-      (dev,) = jax.device_put([bufs[0]])                       # the step plan: one host->device transfer
-      params = self.params
+      params, kv = self.params, None
       if self.model_api == "nnx":
         from flax import nnx
         kw["graphdef"], params = nnx.split(self.net)           # this step's module: edits since the last step count
-      self.cache, t, l = ragged_step(params, self.cache, dev, **kw)
+      if self.fused:
+        m = self.managers[0]
+        plan = m.take_step_plan()
+        pools, tabs = m.device_state()
+        names = m.groups
+        (dev, kvbuf) = jax.device_put([bufs[0], plan.buf])      # the step plan: one host->device transfer
+        self.stats["host_bytes_in"] += bufs[0].nbytes + plan.buf.nbytes
+        kv, kw["kv_statics"] = (pools, kvbuf), plan.statics
+        tables = dict(zip(names, tabs))
+        plans.append(plan)
+      else:
+        (dev,) = jax.device_put([bufs[0]])
+        self.stats["host_bytes_in"] += bufs[0].nbytes
+        tables = self._tables()
+      tables, pools, out, prev, l = self._run_one(params, tables, dev, kv, kw)
+      if self.fused:
+        m.set_device_state(pools, tuple(tables[g] for g in names))
+      elif self.managers is None:
+        self._own_tables = tables
+      self.prev_tokens = prev
     else:
+      # the managers apply their bookkeeping in their own call; their tables travel with the step (stacked per
+      # data shard)
+      for m in self.managers:
+        m.flush()
+      per = [jax.device_get(self._tables(s)) for s in range(D)]
+      tables = {g: np.stack([np.asarray(t[g]) for t in per]) if D > 1 else np.asarray(per[0][g]) for g in per[0]}
       dev = sharding.put(np.stack(bufs) if D > 1 else bufs[0], self.shardings["plan"])
+      self.stats["host_bytes_in"] += sum(b.nbytes for b in bufs) + sum(t.nbytes for t in tables.values())
+      tables = {g: sharding.put(t, self.shardings["plan"]) for g, t in tables.items()}
       with jax.set_mesh(self.mesh):
-        self.cache, t, l = self._mesh_step(shape)(self.params, self.cache, dev)
+        self.cache, _, _, out, l = self._mesh_step(shape)(self.params, self.cache, tables, self.prev_tokens, dev)
       # replicated: this process's copy, a plain one-device array (also under jax.distributed)
-      t, l = t.addressable_data(0), (None if l is None else l.addressable_data(0))
-    t, l = jax.device_get((t, l))                              # the sampled tokens: one device->host transfer
-    self.stats["device_puts"] += 1
-    self.stats["device_gets"] += 1
-    self.stats["calls"] += 1
-    t, l = np.asarray(t).reshape(D, -1), (None if l is None else np.asarray(l).reshape(D, shape.rows, -1))
-    out_t = np.empty(len(rows), np.int32)
-    out_l = None if l is None else np.empty((len(rows), l.shape[-1]), l.dtype)
-    for s, b in enumerate(by_shard):
-      out_t[b] = t[s, : len(b)]
-      if l is not None:
-        out_l[b] = l[s, : len(b)]
-    return out_t, out_l
+      out, l = out.addressable_data(0), (None if l is None else l.addressable_data(0))
+    return by_shard, out, l, plans
+
+  def _run_one(self, params, tables, dev, kv, kw):
+    pools, kv_buf = kv if kv is not None else (None, None)
+    self.cache, tables, pools, out, prev, l = ragged_step(params, self.cache, tables, self.prev_tokens, dev, pools,
+                                                          kv_buf, **kw)
+    return tables, pools, out, prev, l
 
   def _mesh_step(self, shape: RaggedShape):
     """The step program jitted for the mesh, per shape. Pools over data: `step_body` runs manual over `data`
-    (tensor / expert stay automatic), each data shard on its own packed plan, its own rows and its own slice of
-    the pools (SHARD-LOCAL block ids); the sampled tokens (and logits) are gathered over `data` so every process
-    reads them all. Otherwise one replicated pool and one plan."""
+    (tensor / expert stay automatic), each data shard on its own packed plan, its own rows, its own tables and
+    its own slice of the pools (SHARD-LOCAL block ids); the sampled tokens (and logits) are gathered over `data`
+    so every process reads them all. Otherwise one replicated pool and one plan."""
     fn = self._mesh_steps.get(shape)
     if fn is not None:
       return fn
     body = functools.partial(step_body, config=self.config, layout=self.layout, kernel_cfg=self.kernel_cfg,
                              shape=shape, record_logits=self.record_logits, model_api=self.model_api)
     if self.num_shards > 1:
-      def local(params, cache, buf_1xS):
-        cache, t, l = body(params, cache, buf_1xS[0])
+      def local(params, cache, tables, prev, buf_1xS):
+        cache, _, _, out, _, l = body(params, cache, {g: t[0] for g, t in tables.items()}, prev, buf_1xS[0])
         gather = functools.partial(jax.lax.all_gather, axis_name="data")
-        return cache, gather(t), (None if l is None else gather(l))
-      inner = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P("data"), P("data")),
+        return cache, gather(out), (None if l is None else gather(l))
+      inner = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P("data"), P("data"), P(), P("data")),
                             out_specs=(P("data"), P(), P()), axis_names={"data"}, check_vma=False)
     else:
-      inner = body
+      def inner(params, cache, tables, prev, buf):
+        cache, _, _, out, _, l = body(params, cache, tables, prev, buf)
+        return cache, out, l
 
-    def ragged_step(params, cache, buf):   # the name compile logs show
-      return inner(params, cache, buf)
+    def ragged_step(params, cache, tables, prev, buf):   # the name compile logs show
+      cache, out, l = inner(params, cache, tables, prev, buf)
+      return cache, None, None, out, l
     rep = NamedSharding(self.mesh, P())
     sh = self.shardings
-    fn = jax.jit(ragged_step, in_shardings=(sh["params"], sh["cache"], sh["plan"]),
-                 out_shardings=(sh["cache"], rep, rep if self.record_logits else None), donate_argnums=(1,))
+    fn = jax.jit(ragged_step, in_shardings=(sh["params"], sh["cache"], sh["plan"], rep, sh["plan"]),
+                 out_shardings=(sh["cache"], None, None, rep, rep if self.record_logits else None),
+                 donate_argnums=(1,))
     self._mesh_steps[shape] = fn
     return fn
 

@@ -102,7 +102,7 @@ swap_prompt = prompt[0, :32].tolist()     # 32 tokens: 8 compressed entries at r
 
 def next_token():
   (out,) = generate(None, config, [swap_prompt], SamplingParams(max_tokens=1), engine=engine)
-  return out.output[0], np.asarray(engine.requests[out.rid].token_logits[0])
+  return out.output[0], np.asarray(out.token_logits[0])
 
 k = max(p.index for p in config.layer_plan() if p.has_index_query)       # the last CSA layer
 tok_a, logits_a = next_token()

@@ -142,7 +142,7 @@ def run_trace(eng: Engine, cfg, tr: Trace):
 
 
 def logits_of(eng: Engine, outs):
-  return [np.stack(eng.requests[o.rid].token_logits) for o in outs]
+  return [np.stack(o.token_logits) for o in outs]
 
 
 def forward_full_logits(params, cfg, outs, kv: str = "fp32") -> list[np.ndarray]:
@@ -231,7 +231,7 @@ def check(combo: Combo, cold: Cold, tmp: str, mesh=None) -> str:
     finally:
       if solo.tiering is not None:
         solo.tiering.close()
-    lb = np.stack(solo.requests[ob.rid].token_logits)
+    lb = np.stack(ob.token_logits)
     assert ob.output == outs[1].output and np.array_equal(lb.view(np.uint32), got[1].view(np.uint32)), \
         f"{combo.name}: B alone is not bitwise B batched (max diff {np.max(np.abs(lb - got[1])):.2e})"
     extra = ", B alone == batched bit for bit"

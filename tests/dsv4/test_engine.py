@@ -41,8 +41,8 @@ def _assert_same_answers(rep_a, eng_a, rep_b, eng_b):
   for oa, ob in zip(rep_a.outputs, rep_b.outputs):
     assert oa.rid == ob.rid and oa.error is None and ob.error is None
     assert oa.output == ob.output, oa.rid
-    la = np.stack(eng_a.requests[oa.rid].token_logits)
-    lb = np.stack(eng_b.requests[ob.rid].token_logits)
+    la = np.stack(oa.token_logits)
+    lb = np.stack(ob.token_logits)
     assert np.max(np.abs(la - lb)) <= 1e-5 * max(1.0, np.max(np.abs(la))), oa.rid
 
 

@@ -60,8 +60,8 @@ def test_cold_wave_followers_hit_the_system_prompt(tiny):
   for rep, eng in [(on, eng_on), (off, eng_off)]:
     for o, ref in zip(rep.outputs, nc.outputs):
       assert o.error is None and o.output == ref.output, o.rid
-      la = np.stack(eng.requests[o.rid].token_logits)
-      lb = np.stack(eng_nc.requests[ref.rid].token_logits)
+      la = np.stack(o.token_logits)
+      lb = np.stack(ref.token_logits)
       assert np.max(np.abs(la - lb)) <= 1e-5 * max(1.0, np.max(np.abs(lb))), o.rid
 
 

@@ -39,7 +39,7 @@ def _run(cfg, params, backend, prompts, max_tokens, ec):
   eng = Engine(params, cfg, dataclasses.replace(ec, kernel=dispatch.KernelConfig(backend)))
   outs = generate(params, cfg, prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), engine=eng)
   assert all(o.error is None for o in outs), [o.error for o in outs]
-  return [list(o.output) for o in outs], [np.stack(eng.requests[o.rid].token_logits) for o in outs]
+  return [list(o.output) for o in outs], [np.stack(o.token_logits) for o in outs]
 
 
 def _compare(cfg, monkeypatch, prompt_lens, max_tokens, ec):

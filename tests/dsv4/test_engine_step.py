@@ -14,6 +14,7 @@ from dsv4 import model
 from dsv4.engine import runner, workloads
 from dsv4.engine.api import generate, run_workload
 from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.runner import Row
 from dsv4.engine.sampling import SamplingParams
 from tests.isolation import run_in_child
 
@@ -70,8 +71,9 @@ def test_engine_equals_forward_full(tiny):
 
 
 def test_one_transfer_each_way_per_step(monkeypatch):
-  """Inside the runner nothing moves between host and device implicitly (transfer guard), and each step makes
-  exactly one device_put call (the packed plan) and one device_get call (the sampled tokens)."""
+  """Inside the runner nothing moves between host and device implicitly (transfer guard): sending a step makes
+  exactly one device_put call (the packed plan and the cache bookkeeping) and reading it one device_get call (the
+  sampled tokens and the cache's counters)."""
   cfg = C.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   eng = Engine(params, cfg, BASE)
@@ -86,25 +88,58 @@ def test_one_transfer_each_way_per_step(monkeypatch):
     calls["get"] += 1
     return get(*a, **k)
 
-  run = eng.runner.run
+  dispatch, collect = eng.runner.dispatch, eng.runner.collect
   per_step = []
 
-  def guarded_run(rows):
-    before = dict(calls)
-    with jax.transfer_guard("disallow"):
-      out = run(rows)
-    per_step.append((calls["put"] - before["put"], calls["get"] - before["get"], len(rows)))
-    return out
+  def guarded(fn, kind):
+    def run(x):
+      before = dict(calls)
+      with jax.transfer_guard("disallow"):
+        out = fn(x)
+      per_step.append((kind, calls["put"] - before["put"], calls["get"] - before["get"],
+                       len(x) if kind == "send" else 0))
+      return out
+    return run
 
   monkeypatch.setattr(jax, "device_put", counting_put)
   monkeypatch.setattr(jax, "device_get", counting_get)
-  monkeypatch.setattr(eng.runner, "run", guarded_run)
+  monkeypatch.setattr(eng.runner, "dispatch", guarded(dispatch, "send"))
+  monkeypatch.setattr(eng.runner, "collect", guarded(collect, "read"))
   rng = np.random.default_rng(0)
   prompts = [[int(t) for t in rng.integers(2, cfg.vocab_size, n)] for n in (70, 5, 40, 130)]
   outs = generate(params, cfg, prompts, SamplingParams(max_tokens=6, ignore_eos=True), engine=eng)
   assert all(o.error is None and len(o.output) == 6 for o in outs)
-  assert per_step and all(p == 1 and g == 1 for p, g, _ in per_step), per_step
-  assert any(n > 1 for _, _, n in per_step), "some step must batch several rows"
+  sends = [(p, g, n) for k, p, g, n in per_step if k == "send"]
+  reads = [(p, g) for k, p, g, _ in per_step if k == "read"]
+  assert sends and all(p == 1 and g == 0 for p, g, _ in sends), sends
+  assert len(reads) == len(sends) and all(p == 0 and g == 1 for p, g in reads), reads
+  assert any(n > 1 for _, _, n in sends), "some step must batch several rows"
+
+
+def test_host_bytes_per_step_do_not_grow_with_context():
+  """A decode step moves the same bytes between host and device at 64k context as at 2k: block tables never
+  leave the device (blocks are allocated by count; the KV content does not matter for what moves)."""
+  cfg = C.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  ec = dataclasses.replace(BASE, max_model_len=70_000, num_full_blocks=1200, num_swa_blocks=64, max_num_seqs=4)
+  eng = Engine(params, cfg, ec)
+  mgr, runner = eng.cache_manager, eng.runner
+  moved = {}
+  for ctx in (2048, 65536):
+    rid = f"r{ctx}"
+    mgr.add_request(rid, (np.arange(ctx + 1) + ctx) % 400 + 2)
+    for end in list(range(1024, ctx, 1024)) + [ctx]:      # window blocks are released behind it as it goes
+      assert mgr.allocate_to(rid, end)
+      mgr.commit(rid, end)
+    assert mgr.allocate_to(rid, ctx + 1)
+    row = Row(mgr.slot_of(rid), [7], ctx, SamplingParams(), 0)
+    runner.run([row])                      # compiles this width
+    before = dict(runner.stats)
+    runner.run([row])
+    moved[ctx] = (runner.stats["host_bytes_in"] - before["host_bytes_in"],
+                  runner.stats["host_bytes_out"] - before["host_bytes_out"])
+    mgr.free(rid)
+  assert moved[65536] == moved[2048], moved
 
 
 def test_compilation_is_bounded_and_counted():
@@ -163,13 +198,13 @@ def _invariant_runs(cfg, params, prompts, sp, ec):
   for p in prompts:
     eng = Engine(params, cfg, ec)
     (o,) = generate(params, cfg, [p], sp, engine=eng)
-    alone.append((o.output, np.stack(eng.requests[o.rid].token_logits)))
+    alone.append((o.output, np.stack(o.token_logits)))
   runs["alone"] = alone
   for name, e in (("batched", ec), ("chunk8", dataclasses.replace(ec, chunk_size=8, max_num_batched_tokens=24)),
                   ("preempted", dataclasses.replace(ec, num_full_blocks=3, num_swa_blocks=8))):
     eng = Engine(params, cfg, e)
     outs = generate(params, cfg, prompts, sp, engine=eng)
-    runs[name] = [(o.output, np.stack(eng.requests[o.rid].token_logits)) for o in outs]
+    runs[name] = [(o.output, np.stack(o.token_logits)) for o in outs]
     if name == "preempted":
       assert eng.stats["preemptions"] > 0
   return runs
@@ -190,12 +225,12 @@ def test_batch_invariant_alone_equals_batched():
   for p in prompts:
     eng = Engine(params, cfg, ec)
     (o,) = generate(params, cfg, [p], sp, engine=eng)
-    alone.append((o.output, np.stack(eng.requests[o.rid].token_logits)))
+    alone.append((o.output, np.stack(o.token_logits)))
   eng = Engine(params, cfg, ec)
   outs = generate(params, cfg, prompts, sp, engine=eng)
   for (tok_a, log_a), o in zip(alone, outs):
     assert tok_a == o.output
-    assert np.array_equal(log_a.view(np.uint32), np.stack(eng.requests[o.rid].token_logits).view(np.uint32))
+    assert np.array_equal(log_a.view(np.uint32), np.stack(o.token_logits).view(np.uint32))
 
 
 def test_batch_invariant_mode_is_bitwise(tiny, request):

@@ -180,7 +180,7 @@ def test_engine_through_the_modules_gives_the_same_tokens():
   assert rn.summary()["prefix_hit_tokens"] == rf.summary()["prefix_hit_tokens"]
   for a, b in zip(rf.outputs, rn.outputs):
     assert a.rid == b.rid and a.error is None and b.error is None and a.output == b.output
-    np.testing.assert_array_equal(np.stack(ef.requests[a.rid].token_logits), np.stack(en.requests[b.rid].token_logits))
+    np.testing.assert_array_equal(np.stack(a.token_logits), np.stack(b.token_logits))
   with pytest.raises(ValueError, match="model_api"):
     Engine(params, cfg, dataclasses.replace(ec, model_api="flax"))
   with pytest.raises(ValueError, match="runs on one device"):
@@ -298,7 +298,7 @@ def test_engine_runs_the_modules_so_edits_change_its_output():
   def logits(eng):
     (out,) = generate(None, cfg, [prompt], SamplingParams(max_tokens=1), engine=eng)
     assert out.error is None and eng.stats["prefix_hit_tokens"] == 0   # every run computes the whole prompt
-    return np.asarray(eng.requests[out.rid].token_logits[0])
+    return np.asarray(out.token_logits[0])
 
   net = nnx_model.merge(cfg, params)
   eng = Engine(net, cfg, dataclasses.replace(ec, model_api="nnx"))

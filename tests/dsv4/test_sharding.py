@@ -76,16 +76,15 @@ def test_pools_over_data_need_divisible_block_counts():
   assert r.mesh_axes("engram_rows") == ("tensor", "expert") and r.mesh_axes("batch") == ("data",)
 
 
-def test_runner_slots_are_per_data_shard():
-  """Slot bookkeeping of the per-shard layout, on one device (num_shards = 1 keeps the one free list)."""
-  from dsv4.engine.runner import ModelRunner
-  cfg = C.v4_tiny()
-  r = ModelRunner(model.init_params(cfg, jax.random.PRNGKey(0)), cfg, caches.CacheLayout(), num_swa_blocks=8,
-                  num_full_blocks=4, max_num_seqs=4, chunk_size=8, max_model_len=256)
-  assert r.num_shards == 1 and [r.acquire_slot() for _ in range(4)] == [0, 1, 2, 3] and r.free_slots == []
-  r.release_slot(2)
-  assert r.free_slots == [2] and r.acquire_slot(0) == 2
-
+def test_engine_table_rows_are_per_data_shard():
+  """Each data shard's cache manager owns max_num_seqs / D table rows (shard-local slots); on one device the one
+  manager owns them all, and the runner reads the tables from it."""
+  from dsv4.engine.engine import Engine, EngineConfig
+  cfg = C.v4_tiny(num_layers=2)
+  eng = Engine(model.init_params(cfg, jax.random.PRNGKey(0)), cfg,
+               EngineConfig(max_num_seqs=4, max_model_len=256, num_full_blocks=4, num_swa_blocks=8))
+  assert eng.num_shards == 1 and eng.managers[0].num_slots == 4 and eng.runner.managers is eng.managers
+  assert eng.managers[0].device_tables["swa"].shape == (4, 256 // caches.CacheLayout().swa_block_tokens)
 
 
 @pytest.mark.parametrize("preset", ["v4_tiny", "v41_tiny", "v4_flash", "v41_flash"])

@@ -68,7 +68,7 @@ class World:
     self.other = [int(t) for t in rng.integers(2, V, 560)]
     cold = Engine(self.params, self.cfg, EC)
     (c,) = generate(self.params, self.cfg, [self.p2], SP2, engine=cold)
-    self.cold_tokens, self.cold_logits = c.output, np.stack(cold.requests[c.rid].token_logits)
+    self.cold_tokens, self.cold_logits = c.output, np.stack(c.token_logits)
     # device (L1) hit, then other traffic that evicts the session's cached blocks (demoted on eviction), then the
     # device cache is dropped (everything still cached is demoted): every tier now holds the conversation.
     self.local = self.turn2(self.A)

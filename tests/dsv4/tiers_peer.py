@@ -28,7 +28,7 @@ def main():
   t = eng.tiering.store.tiers[0]
   print(json.dumps({"output": o.output, "hit": o.hit_tokens, "redis_hit_records": t.metrics["hit_records"],
                     "redis_hit_tokens": t.metrics["hit_tokens"],
-                    "logits": [x.tolist() for x in eng.requests[o.rid].token_logits]}))
+                    "logits": [x.tolist() for x in o.token_logits]}))
   eng.tiering.close()
 
 

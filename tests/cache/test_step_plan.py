@@ -1,0 +1,118 @@
+"""The engine's path through the cache: the queued work handed to a step program (`take_step_plan`, run by
+`cache.step.step_packed` inside a jitted program, results read back with `on_step_result`, possibly a step late)
+leaves exactly the device state (pools AND block tables) of the same operations applied by the manager's own
+calls; every request's device table agrees with the host's counts; and the pools satisfy the plain reference's
+invariants after every step. Random admissions with shared prefixes (hits, claims), allocations, commits with
+checkpoints and releases, frees (evictions follow), and preemption-like free + re-admission."""
+
+import functools
+
+import jax
+import numpy as np
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from cache.hashing import ExtraKeys
+from cache.manager import KVCacheManager
+from cache.reference import RefPool
+from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs, GroupSpec
+from cache.step import step_packed
+
+SPECS = CacheSpecs((GroupSpec("full", FULL_HISTORY, 16, 1, 0), GroupSpec("swa", SLIDING_WINDOW, 8, 1, 11)))
+SLOTS, MAX_TOKENS = 4, 256
+
+
+@functools.partial(jax.jit, static_argnames=("statics",), donate_argnums=(0, 1))
+def program(pools, tables, buf, statics):
+  """What the engine's step program does with the cache (the model part left out)."""
+  return step_packed(pools, tables, buf, **dict(statics))
+
+
+def make(num_blocks):
+  m = KVCacheManager(SPECS, num_blocks={"full": num_blocks, "swa": num_blocks}, num_slots=SLOTS,
+                     max_tokens=MAX_TOKENS, enable_events=False)
+  m.set_step_capacity(32, SLOTS)
+  return m
+
+
+def run_step(m, late, pending):
+  """One step program on manager m; its results are read now, or (late) at the next step."""
+  plan = m.take_step_plan()
+  pools, tables = m.device_state()
+  pools, tables, res = program(pools, tables, plan.buf, plan.statics)
+  m.set_device_state(pools, tables)
+  if pending:
+    pm, pp, pr = pending.pop()
+    pm.on_step_result(pp, np.asarray(pr))
+  if late:
+    pending.append((m, plan, res))
+  else:
+    m.on_step_result(plan, np.asarray(res))
+
+
+def same_state(a, b):
+  for g in a.groups:
+    for x, y in zip(jax.tree_util.tree_leaves(a.pools[g]), jax.tree_util.tree_leaves(b.pools[g])):
+      assert np.array_equal(np.asarray(x), np.asarray(y)), g
+    assert np.array_equal(np.asarray(a.device_tables[g]), np.asarray(b.device_tables[g])), g
+    RefPool.from_state(a.pools[g]).check_invariants()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data(), st.booleans())
+def test_step_plans_match_the_managers_own_calls(d, late):
+  rng = np.random.default_rng(d.draw(st.integers(0, 1 << 20)))
+  nb = d.draw(st.sampled_from([12, 40]))
+  fused, plain = make(nb), make(nb)
+  prefixes = [rng.integers(2, 60, 48) for _ in range(2)]
+  live, pending = {}, []
+  for step in range(d.draw(st.integers(3, 10))):
+    # admissions (one batched call on each manager)
+    new = []
+    for k in range(d.draw(st.integers(0, 2))):
+      if len(live) + len(new) >= SLOTS:
+        break
+      toks = np.concatenate([prefixes[d.draw(st.integers(0, 1))][:d.draw(st.integers(0, 48))],
+                             rng.integers(2, 60, d.draw(st.integers(1, 60)))])
+      new.append((f"r{step}.{k}", toks))
+    for m in (fused, plain):
+      hits = m.add_requests([(rid, t, ExtraKeys()) for rid, t in new])
+      for (rid, t), h in zip(new, hits):
+        live[rid] = [t, h.num_tokens]
+    # every live request advances by a chunk if the pools allow (the same decision on both: exact counts)
+    for rid, (toks, done) in list(live.items()):
+      if done >= len(toks):
+        continue
+      n = min(len(toks) - done, d.draw(st.integers(1, 20)))
+      a, b = fused.allocate_to(rid, done + n), plain.allocate_to(rid, done + n)
+      assert bool(a) == bool(b)
+      if not a:                       # out of blocks: preempt it (free; it is re-admitted later as a new id)
+        for m in (fused, plain):
+          m.free(rid)
+        del live[rid]
+        continue
+      live[rid][1] = done + n
+    run_step(fused, late, pending)
+    plain.flush()
+    check(fused, plain, live)
+    for rid, (toks, done) in live.items():
+      for m in (fused, plain):
+        if done > m.num_committed(rid):
+          m.commit(rid, done)
+    for rid in [r for r, (t, dn) in live.items() if dn >= len(t) and d.draw(st.booleans())]:
+      for m in (fused, plain):
+        m.free(rid)
+      del live[rid]
+  run_step(fused, late, pending)        # the last commits and frees, through a step plan too
+  plain.flush()
+  check(fused, plain, live)
+
+
+def check(fused, plain, live):
+  """(Both queues are empty here: the commits and frees that follow go into the next step plan.)"""
+  for g in fused.groups:
+    assert fused.free_blocks_estimate(g) <= fused.num_free_blocks(g)
+    assert fused.num_free_blocks(g) == plain.num_free_blocks(g)
+  for rid in live:                    # device tables agree with the host's counts (raises otherwise)
+    assert {g: list(x) for g, x in fused.block_tables(rid).tables.items()} == \
+        {g: list(x) for g, x in plain.block_tables(rid).tables.items()}
+  same_state(fused, plain)
