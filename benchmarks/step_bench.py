@@ -73,10 +73,7 @@ def rows_at(run: R.ModelRunner, contexts, ntoks, rng):
     swa = np.full(nsb, -1, np.int32)
     live = max(0, (ctx - 64) // lay.swa_block_tokens)
     swa[live:] = (np.arange(nsb - live) + 4 * i) % run.cache.layers[0]["window_kv"].shape[0]
-    if slot not in run.free_slots:
-      run.release_slot(slot)            # reuse: forget the previous synthetic tables
-    run.free_slots_by_shard[run.shard_of_slot(slot)].remove(slot)
-    run.sync_tables(slot, swa, full.astype(np.int32))
+    run.set_tables(slot, swa, full.astype(np.int32))
     out.append(R.Row(slot, [int(t) for t in rng.integers(2, 500, n)], ctx, SamplingParams(), 0))
   return out
 
@@ -164,7 +161,8 @@ def memory(cfg, params, rng, res):
     rows = rows_at(run, [2048] * 8, [1] * 8, rng)
     shape = R.RaggedShape(8, run._rows_bucket(len(rows)), run._swa_width(rows), run._full_width(2049))
     buf = run._pack_rows(rows, shape)
-    comp = R.ragged_step.lower(run.params, run.cache, jax.numpy.asarray(buf), config=cfg, layout=run.layout,
+    comp = R.ragged_step.lower(run.params, run.cache, run._tables(), run.prev_tokens, jax.numpy.asarray(buf),
+                               config=cfg, layout=run.layout,
                               kernel_cfg=run.kernel_cfg, shape=shape, record_logits=False).compile()
     res[f"decode_temp_bytes_max_len_{mml // 1024}k"] = int(comp.memory_analysis().temp_size_in_bytes)
     del run

@@ -66,6 +66,8 @@ flags.DEFINE_integer("token_bucket_steps", 1, "Buckets per growth interval, 1..8
 flags.DEFINE_integer("max_model_len", 2048, "Longest request (prompt + output).")
 flags.DEFINE_integer("num_full_blocks", 128, "Full-history blocks (128 tokens each).")
 flags.DEFINE_integer("num_swa_blocks", 256, "SWA blocks (32 tokens each).")
+flags.DEFINE_bool("async_scheduling", True, "Plan and send step N+1 before reading step N's tokens (same tokens; "
+                  "applies on one device without tiers or batch invariance).")
 flags.DEFINE_bool("batch_invariant", False, "Bitwise-reproducible logits whatever shares a step and however a "
                   "prompt is chunked (every token runs one fixed-shape program; slower).")
 flags.DEFINE_enum("kv_dtype", "fp32", ["fp32", "bf16", "fp8"], "Storage of the KV pools: fp32, bf16, or fp8 (the "
@@ -527,7 +529,7 @@ def main(argv):
                     tiering=TieringConfig.from_flags(",".join(tier_kinds), FLAGS.kv_disk_dir, FLAGS.kv_store_url,
                                                      demote=FLAGS.kv_tier_write),
                     model_api=FLAGS.model_api, token_bucket_growth=int(FLAGS.token_bucket_growth),
-                    token_bucket_steps=FLAGS.token_bucket_steps)
+                    token_bucket_steps=FLAGS.token_bucket_steps, async_scheduling=FLAGS.async_scheduling)
   refused, order, stops, line_of = [], None, {}, {}
   tok = load_tokenizer(FLAGS.checkpoint)
   if FLAGS.requests:

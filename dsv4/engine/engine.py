@@ -102,6 +102,8 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.token_bucket_growth: 2 or 4, got {self.token_bucket_growth}")
     if not 1 <= self.token_bucket_steps <= 8:
       raise ValueError(f"EngineConfig.token_bucket_steps: 1..8, got {self.token_bucket_steps}")
+    if not isinstance(self.async_scheduling, bool):
+      raise ValueError(f"EngineConfig.async_scheduling: True or False, got {self.async_scheduling!r}")
     if not 0.0 <= self.bucket_fill < 1.0:
       raise ValueError(f"EngineConfig.bucket_fill: a fraction in [0, 1), got {self.bucket_fill}")
     if self.tiering is not None:

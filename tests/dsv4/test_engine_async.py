@@ -15,9 +15,10 @@ from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.request import Status
 from dsv4.engine.sampling import SamplingParams
 
+# the configurations of tests/dsv4/test_engine.py: the same step programs (compiled once for the suite)
 BASE = EngineConfig(max_num_seqs=4, max_num_batched_tokens=96, chunk_size=32, max_model_len=1024,
-                    num_full_blocks=48, num_swa_blocks=160)
-TINY_POOL = dataclasses.replace(BASE, num_full_blocks=3, num_swa_blocks=10)
+                    num_full_blocks=48, num_swa_blocks=160, record_logits=True)
+TINY_POOL = dataclasses.replace(BASE, num_full_blocks=4, num_swa_blocks=14)
 
 
 @pytest.fixture(scope="module")
