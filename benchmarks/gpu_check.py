@@ -537,9 +537,24 @@ def _roofline(row, flops, nbytes, ms, args):
   return row
 
 
+def _judged(row, err, case, partial, what) -> bool:
+  """Record the correctness verdict; True when the case goes on to its timing (a timing case that matched; the
+  row so far is written first, so a timeout in the timing keeps it)."""
+  row["err_over_tol"] = err
+  if not err <= 1.0:
+    row.update(status="mismatch", error=f"{what} = {err:.3g} (> 1)")
+    return False
+  row["status"] = "ok"
+  if case.kind != "timing":
+    return False
+  partial(row)
+  return True
+
+
 def _sparse_inputs(p, key):
   import jax
   import jax.numpy as jnp
+  from benchmarks import kernels_bench as kb
   from pallas_kernels import sparse_attention as sa
   N, H, D, W, K, ctx = p["N"], p["H"], p["D"], p["W"], p["K"], p["ctx"]
   hca, prefill = p["layer"] == "hca", p["mode"] == "prefill"
@@ -547,25 +562,9 @@ def _sparse_inputs(p, key):
   seqs = 1 if prefill else N
   k1, k2, k3, k4, k5, k6 = jax.random.split(key, 6)
   q = (jax.random.normal(k1, (N, H, D), jnp.float32) * 0.05)
-  if prefill:
-    pos = ctx - N + jnp.arange(N)
-    win_pool = jax.random.normal(k2, (ctx, D), jnp.float32)
-    win_idx = pos[:, None] - (W - 1) + jnp.arange(W)[None, :]
-    win_idx = jnp.where(win_idx >= 0, win_idx, -1)
-    comp_pool = jax.random.normal(k3, (E, D), jnp.float32)
-    vis = (pos + 1) // (128 if hca else 4)
-    r = jnp.where(jnp.arange(E)[None, :] < vis[:, None], jax.random.uniform(k4, (N, E)), -1.0)
-    vals, comp_idx = jax.lax.top_k(r, K)
-    comp_idx = jnp.where(vals >= 0, comp_idx, -1)
-  else:
-    win_pool = jax.random.normal(k2, (seqs * W, D), jnp.float32)
-    win_idx = jnp.arange(seqs)[:, None] * W + jnp.arange(W)[None, :]
-    comp_pool = jax.random.normal(k3, (seqs * E, D), jnp.float32)
-    if hca:
-      comp_idx = jnp.arange(seqs)[:, None] * E + jnp.arange(E)[None, :]
-    else:
-      _, pick = jax.lax.top_k(jax.random.uniform(k4, (seqs, E)), K)  # K distinct entries per sequence
-      comp_idx = jnp.arange(seqs)[:, None] * E + pick
+  win_pool, win_idx, comp_pool, comp_idx = kb.synthetic_rows(k2, k3, k4, N=N, D=D, W=W, K=K, E=E, seqs=seqs,
+                                                             hca=hca, prefill=prefill, ctx=ctx, dtype=jnp.float32,
+                                                             ratio=128 if hca else 4)
   sink = jax.random.normal(k5, (H,), jnp.float32)
   fmt = p["fmt"]
   dt = jnp.float32 if fmt == "f32" else jnp.bfloat16
@@ -621,15 +620,9 @@ def _run_sparse(args, p, case, dry, inject, partial):
     got = (got[0] * 1.5, got[1])
   tol = (1e-4, 1e-4) if p["fmt"] == "f32" else (1.5e-2, 2e-2)
   err = max(kb.tol_ratio(got[0], want[0], *tol), kb.tol_ratio(got[1], want[1], 1e-3, 1e-3))
-  row["err_over_tol"] = err
   del got, want
-  if not err <= 1.0:
-    row.update(status="mismatch", error=f"max |kernel - reference| / tol = {err:.3g} (> 1)")
+  if not _judged(row, err, case, partial, "max |kernel - reference| / tol"):
     return row
-  row["status"] = "ok"
-  if case.kind != "timing":
-    return row
-  partial(row)
   H = p["H"]
   wi_l, ci_l = sa.apply_len(wi, wl), sa.apply_len(ci, cl)
   uw, aw = kb.unique_valid(wi_l, sa.pool_rows(wp))
@@ -685,15 +678,9 @@ def _run_indexer(args, p, case, dry, inject, partial):
     err = float(dispatch._topk_err(got, scores, None, dict(k=k)))
   else:
     err = float(dispatch._scores_err(got, scores, None, {}))
-  row["err_over_tol"] = err
   del got, scores
-  if not err <= 1.0:
-    row.update(status="mismatch", error=f"max error / tol = {err:.3g} (> 1)")
+  if not _judged(row, err, case, partial, "max error / tol"):
     return row
-  row["status"] = "ok"
-  if case.kind != "timing":
-    return row
-  partial(row)
   pairs = float(np.minimum(np.asarray(nv), M).sum())
   flops = 2.0 * H * C * pairs
   uk, _ = kb.unique_valid(rows, pool.shape[0])

@@ -135,32 +135,41 @@ def unique_valid(idx, rows):
 # ------------------------------------------------------------------------------------------------ sparse attention
 
 
+def synthetic_rows(k2, k3, k4, *, N, D, W, K, E, seqs, hca, prefill, ctx, dtype, ratio):
+  """Window and compressed pools with their index rows. Prefill: one sequence, N queries at the last N positions
+  of ctx (window rows before each, the compressed entries visible at its position, `ratio` tokens per entry, top-K
+  of random scores). Decode: `seqs` sequences with their own window rows and E compressed entries each (all of
+  them for HCA, K distinct ones for CSA)."""
+  if prefill:
+    pos = ctx - N + jnp.arange(N)
+    win_pool = jax.random.normal(k2, (ctx, D), dtype)
+    win_idx = pos[:, None] - (W - 1) + jnp.arange(W)[None, :]
+    win_idx = jnp.where(win_idx >= 0, win_idx, -1)
+    comp_pool = jax.random.normal(k3, (E, D), dtype)
+    vis = (pos + 1) // ratio
+    r = jnp.where(jnp.arange(E)[None, :] < vis[:, None], jax.random.uniform(k4, (N, E)), -1.0)
+    vals, comp_idx = jax.lax.top_k(r, K)
+    comp_idx = jnp.where(vals >= 0, comp_idx, -1)
+  else:
+    win_pool = jax.random.normal(k2, (seqs * W, D), dtype)
+    win_idx = jnp.arange(seqs)[:, None] * W + jnp.arange(W)[None, :]
+    comp_pool = jax.random.normal(k3, (seqs * E, D), dtype)
+    if hca:
+      comp_idx = jnp.arange(seqs)[:, None] * E + jnp.arange(E)[None, :]
+    else:
+      _, pick = jax.lax.top_k(jax.random.uniform(k4, (seqs, E)), K)  # K distinct entries per sequence
+      comp_idx = jnp.arange(seqs)[:, None] * E + pick
+  return win_pool, win_idx, comp_pool, comp_idx
+
+
 def sparse_case(key, *, N, H, D, W, K, comp_rows_per_seq, seqs, hca, fmt, prefill, ctx, page_size):
   """Decode: N = seqs sequences, one query each, own window rows and compressed region. Prefill: one sequence,
   N queries at the last N positions of a ctx-token context."""
   k1, k2, k3, k4, k5 = jax.random.split(key, 5)
   q = (jax.random.normal(k1, (N, H, D), jnp.float32) * 0.05).astype(jnp.bfloat16)
   E = comp_rows_per_seq
-  if prefill:
-    pos = ctx - N + jnp.arange(N)
-    win_pool = jax.random.normal(k2, (ctx, D), jnp.bfloat16)
-    win_idx = pos[:, None] - (W - 1) + jnp.arange(W)[None, :]
-    win_idx = jnp.where(win_idx >= 0, win_idx, -1)
-    comp_pool = jax.random.normal(k3, (E, D), jnp.bfloat16)
-    vis = (pos + 1) // 4
-    r = jax.random.uniform(k4, (N, E))
-    r = jnp.where(jnp.arange(E)[None, :] < vis[:, None], r, -1.0)
-    vals, comp_idx = jax.lax.top_k(r, K)
-    comp_idx = jnp.where(vals >= 0, comp_idx, -1)
-  else:
-    win_pool = jax.random.normal(k2, (seqs * W, D), jnp.bfloat16)
-    win_idx = jnp.arange(seqs)[:, None] * W + jnp.arange(W)[None, :]
-    comp_pool = jax.random.normal(k3, (seqs * E, D), jnp.bfloat16)
-    if hca:
-      comp_idx = jnp.arange(seqs)[:, None] * E + jnp.arange(E)[None, :]
-    else:
-      _, pick = jax.lax.top_k(jax.random.uniform(k4, (seqs, E)), K)  # K distinct entries per sequence
-      comp_idx = jnp.arange(seqs)[:, None] * E + pick
+  win_pool, win_idx, comp_pool, comp_idx = synthetic_rows(k2, k3, k4, N=N, D=D, W=W, K=K, E=E, seqs=seqs, hca=hca,
+                                                          prefill=prefill, ctx=ctx, dtype=jnp.bfloat16, ratio=4)
   sink = jax.random.normal(k5, (H,), jnp.float32)
   if fmt == "fp8":
     win_pool = sa.record_to_paged(sa.quantize_kv_fp8(win_pool), page_size)

@@ -19,7 +19,7 @@ SLOW = {
     "tests/dsv4/test_sharding.py::test_kv_latent_split_by_feature_matches_one_device":
         "the replicated latent on a mesh: test_engine_on_mesh_same_tokens_with_prefix_hits",
     "tests/dsv4/test_sharding.py::test_engine_with_one_kv_pool_per_data_shard":
-        "test_runner_slots_are_per_data_shard, test_pools_over_data_need_divisible_block_counts",
+        "test_engine_table_rows_are_per_data_shard, test_pools_over_data_need_divisible_block_counts",
     # batch invariance: the one-token loop of the step program, in a child at XLA's default level
     "tests/dsv4/test_engine_step.py::test_batch_invariant_mode_is_bitwise":
         "test_composition.py::test_all_pairs_one_device_v4 (the invariant row)",

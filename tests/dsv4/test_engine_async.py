@@ -4,27 +4,16 @@ seeded sampling, preemption); and a long job's host state returns to empty."""
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
-from dsv4 import config as C
-from dsv4 import model
 from dsv4.engine.api import generate
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.request import Status
 from dsv4.engine.sampling import SamplingParams
 
-# the configurations of tests/dsv4/test_engine.py: the same step programs (compiled once for the suite)
-BASE = EngineConfig(max_num_seqs=4, max_num_batched_tokens=96, chunk_size=32, max_model_len=1024,
-                    num_full_blocks=48, num_swa_blocks=160, record_logits=True)
-TINY_POOL = dataclasses.replace(BASE, num_full_blocks=4, num_swa_blocks=14)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-  cfg = C.v4_tiny()
-  return cfg, model.init_params(cfg, jax.random.PRNGKey(0))
+# test_engine.py's configurations and model: the same step programs, compiled once for the suite
+from tests.dsv4.test_engine import BASE, TINY_POOL, tiny  # noqa: F401,E402  (tiny: the shared fixture)
 
 
 def _mix(cfg, seed, n=7):
@@ -95,3 +84,15 @@ def test_stop_token_seen_one_step_late_is_not_emitted(tiny):
   assert eng.cache_manager.num_free_blocks("full") == BASE.num_full_blocks
   assert eng.cache_manager.num_free_blocks("swa") == BASE.num_swa_blocks
   assert eng.requests == {} and all(r.status is not Status.RUNNING for r in [])
+
+
+@pytest.mark.slow
+def test_async_bench_runs_and_both_modes_agree():
+  """`python -m benchmarks.async_bench` at tiny sizes: prints the table and the same tokens both ways (its speed
+  is what it prints, not asserted here)."""
+  import subprocess
+  import sys
+  out = subprocess.run([sys.executable, "-m", "benchmarks.async_bench", "--requests=4", "--max_tokens=6",
+                        "--repeats=1"], capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "same tokens: True" in out.stdout and "| async |" in out.stdout, out.stdout
