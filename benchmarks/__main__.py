@@ -23,10 +23,12 @@ MAINTAINED = [
         ("TTFT of a resumed session with / without prefix reuse; batched vs one-by-one throughput",
          "python -m benchmarks.engine_bench")]),
     ("cache_bench", [
-        ("KV cache bookkeeping per engine step vs vLLM 0.33's KVCacheManager, same trace",
-         "python -m benchmarks.cache_bench --shapes 256x2048,8x32768 --pools 65536 --vllm_src=DIR"),
-        ("  same, small matrix, no vLLM (~40 s)", "python -m benchmarks.cache_bench --small"),
-        ("  cost of one jitted call with both pools donated (the floor)",
+        ("KV cache bookkeeping per engine step as the engine pays it (marginal time of the fused step + the "
+         "admission call) vs vLLM 0.33's KVCacheManager at its engine defaults, same trace",
+         "python -m benchmarks.cache_bench --vllm_src=DIR"),
+        ("  same, 8 x 2k at 4k and 65k blocks only (~2 min, mostly compiles)",
+         "python -m benchmarks.cache_bench --small --vllm_src=DIR"),
+        ("  cost of one standalone jitted call with both pools donated (the floor under add_requests)",
          "python -m benchmarks.cache_bench --call_floor --pools 4096,65536,262144"),
         ("  hit tokens under a fixed KV byte budget, v1 vs v2 checkpoint placement",
          "python -m benchmarks.cache_bench --budget --budgets_gib 0.375,0.5,0.75,1")]),

@@ -1,22 +1,43 @@
-"""Per-engine-step bookkeeping of the KV cache manager: lookup + claim + allocate + register + free.
+"""KV cache bookkeeping per engine step, as the engine pays it, beside vLLM 0.33's KVCacheManager on the same trace.
 
-One step = admit B warm requests of L tokens (their prompt minus the last 128 tokens was served just before,
-untimed, so each hits L - 128 and claims its blocks, then allocates blocks up to L) and retire the B requests
-admitted in the previous step (commit L tokens: register full blocks + checkpoints, release; free). Ours: ONE
-jitted `apply_step` call per step, as in an engine: the retirements are queued on the host (commit / free never
-call the device) and applied by the same call that admits the new batch (`add_requests(..., allocate_tokens=...)`)
-plus host work (table bookkeeping, packing). `--two_calls` times the old driver (admit, then `flush()` of the
-retirements: two calls per step).
-Hashing is excluded and reported separately (blake2b of the prompts; an engine hashes as tokens arrive).
+The trace (one engine step): retire the B requests admitted in the previous step (each computed its last 128
+prompt tokens and sampled one token: `commit(L)`, `append_tokens`, `free`) and admit B new warm requests of L tokens
+(their prompt minus its last 128 tokens was served just before, untimed, so each hits L - 128, claims its blocks and
+allocates blocks up to L).
 
-Matrix: B x L in {256 x 2k, 64 x 8k, 8 x 32k} (+ 8 x 2k, the only shape that fits a 4k pool), pools of {4k, 65k,
-262k} blocks per group (V4-Flash geometry: 128-token full blocks, 32-token swa blocks, 4-block tail). With
-`--vllm_src=DIR` vLLM 0.33's own KVCacheManager does the same trace (benchmarks/support/vllm_adapter.py, whose
-docstring says how to get vLLM's sources; not a project dependency); without it, or if it does not import, vLLM is
-skipped with the reason printed.
+Ours goes through the engine's calls (`dsv4/engine/engine.py`, `runner.py`), the manager built as the engine builds
+it (fixed table rows = max_num_seqs = 2 B, width = max_model_len = L, `set_step_capacity(B x 128, 2 B)`):
+  (a) host planning: commit / append_tokens / free of the retiring batch (queued on the host), ONE batched
+      `add_requests` for the admissions (a standalone jitted call that applies the queue, searches and claims),
+      `allocate_to(rid, L)` and `slot_of` per admitted request, `take_step_plan`, `device_state`, and after the step
+      `on_step_result`;
+  (b) the step program: one jitted call = `cache.step.step_packed` on the device pools and tables + a minimal model
+      body (each row's full and swa table rows gathered from the device tables as the runner's `_row_tables` does,
+      summed into a [B, 128, 64] activation, one 64 x 64 matmul, an argmax per row), its two input buffers in one
+      `device_put` and its one output buffer read back (`device_get`), as `ModelRunner._call` / `collect` do;
+  (c) the same program (same shapes and statics: one compilation) with an EMPTY bookkeeping plan (all padding:
+      nothing registered, freed or allocated) and no host planning.
+Reported: marginal bookkeeping per step = (a) + (b) - (c), each step paired with the mean of two (c) runs made
+right before and after it (interleaved), median over the timed steps; the admission call alone (part of (a)); the
+rest of (a); (b) - (c). The first two steps (compilation) are not timed.
+Hashing is excluded on both sides (ours: prompts hashed untimed and handed to the manager; vLLM: Request
+construction) and reported separately for ours.
 
-`--call_floor`: what one jitted call with both pools donated and one buffer each way costs on this machine (the
-floor under any per-step time), then exit.
+vLLM (`--vllm_src=DIR`, see benchmarks/support/vllm_adapter.py; skipped with the reason when absent): its own
+KVCacheManager on the same prompts, its steps interleaved with ours: retire (`cache_blocks` + `free`) then per
+admitted request `get_computed_blocks` (the shared-prefix junction stored on the request, as its scheduler does) +
+`allocate_slots`. Settings: its 0.33 engine default `prefix_cache_retention_interval=0` (CacheConfig's default,
+passed unchanged into KVCacheConfig for every model; `--vllm_retention dense` = None, a tail at every aligned
+boundary, what this bench used before), one shared pool of 2 x pool blocks, hashes every 32 tokens, caching on.
+Its time is host Python only (nothing reaches a device); ours includes the device work and transfers of our calls.
+
+Matrix: B x L in {256 x 2k, 64 x 8k, 8 x 32k, 8 x 2k} x pools of {4k, 65k, 262k} blocks per group (V4-Flash
+geometry: 128-token full blocks, 32-token swa blocks, 4-block tail). A point whose pool cannot hold two batches is
+skipped (of these shapes only 8 x 2k fits 4k blocks). Flatness per shape: our marginal at the largest pool over the
+smallest pool that fit, within 1.5x or not.
+
+`--call_floor`: what one standalone jitted call with both pools donated and one buffer each way costs here (the
+floor under `add_requests` and any other standalone call), then exit.
 
 `--budget`: a different question, hit tokens rather than time. Round-robin chat sessions under a fixed KV byte
 budget: total hit tokens with cache v1 checkpoint placement (prompt boundary + end of request) and with cache v2
@@ -28,7 +49,11 @@ answer is `--answer` tokens. Sessions take turns round-robin for `--rounds` roun
 prefilled in 512-token chunks, decoded (committed in one go), freed. One row per budget in `--budgets_gib`.
 
     python -m benchmarks.cache_bench --vllm_src=DIR            # full matrix
-    python -m benchmarks.cache_bench --small --vllm_src=DIR    # 4k and 65k pools, 8 x 2k and 8 x 32k
+    python -m benchmarks.cache_bench --small --vllm_src=DIR    # 8 x 2k at 4k and 65k blocks
+
+Time goes mostly to XLA compiles (about 5 programs per point, 10-15 s each on 2 cores; a point's pool size is part
+of every shape): `--small` takes about 2 minutes, the full matrix about 15-20 minutes of CPU plus the 256 x 2k
+warm-ups. `--compilation_cache_dir DIR` makes reruns skip them.
     python -m benchmarks.cache_bench --shapes 256x2048,8x32768 --pools 65536 --vllm_src=DIR
     python -m benchmarks.cache_bench --call_floor --pools 4096,65536,262144
     python -m benchmarks.cache_bench --budget --budgets_gib 0.375,0.5,0.75,1
@@ -38,89 +63,235 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
+import os
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
+from cache.step import step_packed
 from dsv4.caches import group_specs
 from dsv4.config import v4_flash
 
+CHUNK = 128          # tokens each admitted request computes in its step (its prompt past the warm hit)
+MODEL_DIM = 64       # the minimal model body's width
+VOCAB = 1024
+SWA_TAIL = 127       # swa rows before a chunk's start that it reads (V4-Flash window 128)
 
-def bench(B: int, L: int, pool: int, steps: int, seed: int = 0, profile=None, two_calls: bool = False):
-  specs = group_specs(v4_flash())
-  m = KVCacheManager(specs, num_blocks={"full": pool, "swa": pool}, enable_events=False)
-  rng = np.random.default_rng(seed)
-  # each step's batch: B prompts of L tokens; warm = served before without the last 128 tokens
-  prompts = [[rng.integers(2, 1000, L).astype(np.int32) for _ in range(B)] for _ in range(steps + 2)]
-  t0 = time.perf_counter()
-  hashers = {}
-  for s, batch in enumerate(prompts):
-    for i, p in enumerate(batch):
-      hashers[(s, i)] = m._hasher(p, ExtraKeys())
-  hash_ms = (time.perf_counter() - t0) / len(prompts) * 1e3
-  orig = m._hasher
 
-  ready = {}
+def _pow2(n: int, lo: int = 8) -> int:
+  w = lo
+  while w < n:
+    w *= 2
+  return w
 
-  def prepare(s):
-    """Fresh copies of batch s's hashers, made untimed (hashing is excluded; commit may extend a hasher)."""
-    for i, p in enumerate(prompts[s]):
-      h = hashers[(s, i)]
+
+@functools.partial(jax.jit, donate_argnums=(0, 1),
+                   static_argnames=("kv_statics", "names", "rows", "full_w", "swa_w"))
+def step_program(pools, tables, kv_buf, model_buf, params, *, kv_statics, names, rows, full_w, swa_w):
+  """The engine's step program reduced to what touches the cache: `step_packed` (the queued bookkeeping, which
+  writes the device tables), then each row's tables gathered at its slot as `dsv4.engine.runner._row_tables` does
+  (full from entry 0, swa from its base block), feeding a minimal model body so XLA cannot drop the table work.
+  model_buf: slot [R], swa base block [R], chunk tokens [R x CHUNK]. Returns (pools, tables, one int32 buffer:
+  a token per row, then the bookkeeping's result counters)."""
+  pools, tables, kv_res = step_packed(pools, tables, kv_buf, **dict(kv_statics))
+  R = rows
+  slot, base = model_buf[:R], model_buf[R:2 * R]
+  tok = model_buf[2 * R:].reshape(R, CHUNK)
+  tab = dict(zip(names, tables))
+  full = tab["full"][slot, :full_w]                                            # [R, full_w]
+  w = tab["swa"].shape[1]
+  cols = base[:, None] + jnp.arange(swa_w, dtype=jnp.int32)[None]
+  swa = jnp.where(cols < w, tab["swa"][slot[:, None], jnp.minimum(cols, w - 1)], -1)   # [R, swa_w]
+  feat = (jnp.sum(jnp.maximum(full, 0), 1) + jnp.sum(jnp.maximum(swa, 0), 1)).astype(jnp.float32) * 1e-6
+  x = params["emb"][tok] + feat[:, None, None]                                 # [R, CHUNK, D]
+  h = jnp.tanh(x @ params["w"])
+  toks = jnp.argmax(jnp.sum(h, 1), -1).astype(jnp.int32)                      # [R]
+  return pools, tables, jnp.concatenate([toks, kv_res])
+
+
+class Ours:
+  """Our KVCacheManager driven through the engine's calls (module docstring: (a), (b), (c))."""
+
+  def __init__(self, B: int, L: int, pool: int, prompts):
+    self.B, self.L = B, L
+    specs = group_specs(v4_flash())
+    self.m = m = KVCacheManager(specs, num_blocks={"full": pool, "swa": pool}, enable_events=False,
+                                num_slots=2 * B, max_tokens=L)
+    m.set_step_capacity(B * CHUNK, 2 * B)
+    self.empty = m.take_step_plan()          # nothing queued yet: an all-padding plan of the step's fixed widths
+    start = L - CHUNK
+    base = max(0, start - SWA_TAIL) // 32
+    full_w = min(m.table_width("full"), _pow2(-(-L // 128)))
+    swa_w = min(m.table_width("swa"), _pow2(-(-L // 32) - base))
+    self._shape = dict(names=m.groups, rows=B, full_w=full_w, swa_w=swa_w)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    self.params = {"emb": jax.random.normal(k1, (VOCAB, MODEL_DIM), jnp.float32),
+                   "w": jax.random.normal(k2, (MODEL_DIM, MODEL_DIM), jnp.float32) / 8}
+    self.base = base
+    self.prompts = prompts
+    # hashing is excluded: every prompt is hashed once here; the manager gets a fresh copy of its hasher (commit may
+    # extend it) through `_hasher`, looked up by the prompt array's address
+    t0 = time.perf_counter()
+    self._hashers = {}
+    for s, batch in enumerate(prompts):
+      for i, p in enumerate(batch):
+        self._hashers[(s, i)] = m._hasher(p, ExtraKeys())
+    self.hash_ms = (time.perf_counter() - t0) / len(prompts) * 1e3
+    self._orig = m._hasher
+    self._ready = {}
+    self.prev, self.slots = [], np.arange(B, dtype=np.int32)
+    self.model_buf = None
+
+  def _cached_hasher(self, tokens, extra):
+    h = self._ready.pop(tokens.ctypes.data, None) if len(tokens) == self.L else None
+    return self._orig(tokens, extra) if h is None else h
+
+  def warm(self, s: int):
+    """Serve batch s's prompts minus their last 128 tokens (fills the cache), untimed, just before step s; then
+    prepare step s's hashers and model input (untimed: the model input is the same for (b) and (c))."""
+    m, L, B = self.m, self.L, self.B
+    m._hasher = self._orig
+    rids = [f"w{s}.{i}" for i in range(B)]
+    m.add_requests([(rid, p[:L - CHUNK], ExtraKeys()) for rid, p in zip(rids, self.prompts[s])])
+    n = 0
+    while n < L - CHUNK:            # chunked prefill, all B together: sliding blocks are released as the window moves
+      c = min(2048, L - CHUNK - n)
+      for rid in rids:
+        if not m.allocate_for(rid, c):
+          raise RuntimeError(f"ours: out of blocks in the warm-up at {B} x {L}")
+      n += c
+      for rid in rids:              # the first commit applies the round's allocations (one call per round)
+        m.commit(rid, n)
+    for rid in rids:
+      m.free(rid)
+    m.flush()
+    for i, p in enumerate(self.prompts[s]):
+      h = self._hashers[(s, i)]
       c = copy.copy(h)
       c.digests, c.blob = list(h.digests), bytearray(h.blob)
-      ready[p.ctypes.data] = c
+      self._ready[p.ctypes.data] = c
+    m._hasher = self._cached_hasher
+    buf = np.empty(2 * B + B * CHUNK, np.int32)
+    buf[B:2 * B] = self.base
+    buf[2 * B:] = np.stack([p[L - CHUNK:] for p in self.prompts[s]]).reshape(-1) % VOCAB
+    self.model_buf = buf
 
-  def cached_hasher(tokens, extra):
-    h = ready.pop(tokens.ctypes.data, None) if len(tokens) == L else None
-    return orig(tokens, extra) if h is None else h
+  def _run(self, plan, slots):
+    """(b) / (c): the step program's dispatch: model input packed, both buffers in one device_put, the call, the
+    state handed back, the one result buffer read."""
+    m = self.m
+    pools, tables = m.device_state()
+    buf = self.model_buf.copy()
+    buf[:self.B] = slots
+    kv, mb = jax.device_put([plan.buf, buf])
+    pools, tables, out = step_program(pools, tables, kv, mb, self.params, kv_statics=plan.statics, **self._shape)
+    m.set_device_state(pools, tables)
+    return np.asarray(jax.device_get(out))
 
-  def warm(s):
-    """Serve batch s's prompts minus the last 128 tokens (fills the cache), untimed, just before step s."""
-    m._hasher = orig
-    batch = prompts[s]
-    ws = [p[:L - 128] for p in batch]
-    m.add_requests([(f"w{s}.{i}", w, ExtraKeys()) for i, w in enumerate(ws)])
-    for i, w in enumerate(ws):      # chunked prefill: sliding blocks are released as the window moves on
-      n = 0
-      while n < len(w):
-        c = min(2048, len(w) - n)
-        assert m.allocate_for(f"w{s}.{i}", c)
-        n += c
-        m.commit(f"w{s}.{i}", n)
-      m.free(f"w{s}.{i}")
-    m.flush()
-    prepare(s)
-    m._hasher = cached_hasher
-
-  times, hits = [], []
-  prev = []
-  for s, batch in enumerate(prompts):
-    warm(s)
-    if profile is not None and s >= 2:
-      profile.enable()
+  def empty_step(self) -> float:
+    """(c): the step program with the empty plan, no host planning. Seconds."""
     t = time.perf_counter()
-    calls = m.stats["device_calls"]
-    if not two_calls:           # retirements queued on the host, applied by the admitting call (one call per step)
-      for rid in prev:
-        m.commit(rid, L)
-        m.free(rid)
-    hs = m.add_requests([(f"r{s}.{i}", p, ExtraKeys()) for i, p in enumerate(batch)],
-                        allocate_tokens=[L] * B)
-    if two_calls:
-      for rid in prev:
-        m.commit(rid, L)
-        m.free(rid)
-      m.flush()   # this step's retirements in a second call
-    times.append(time.perf_counter() - t)
-    step_calls = m.stats["device_calls"] - calls
+    self._run(self.empty, self.slots)
+    return time.perf_counter() - t
+
+  def step(self, s: int, profile=None) -> dict:
+    """One engine step: (a) + (b). Seconds per part; hit tokens of the batch."""
+    m, L, B = self.m, self.L, self.B
+    rids = [f"r{s}.{i}" for i in range(B)]
+    reqs = [(rid, p, ExtraKeys()) for rid, p in zip(rids, self.prompts[s])]
+    if profile is not None:
+      profile.enable()
+    t0 = time.perf_counter()
+    for rid in self.prev:                 # retire (the engine: commit at dispatch, append + free at collect)
+      m.commit(rid, L)
+      m.append_tokens(rid, [1])
+      m.free(rid)
+    t1 = time.perf_counter()
+    hits = m.add_requests(reqs)           # the step's one admission call
+    t2 = time.perf_counter()
+    for rid in rids:
+      if not m.allocate_to(rid, L):
+        raise RuntimeError(f"ours: out of blocks at {B} x {L}")
+    slots = np.fromiter((m.slot_of(rid) for rid in rids), np.int32, B)
+    plan = m.take_step_plan()
+    t3 = time.perf_counter()
+    out = self._run(plan, slots)
+    t4 = time.perf_counter()
+    m.on_step_result(plan, out[B:])
+    t5 = time.perf_counter()
     if profile is not None:
       profile.disable()
-    hits.append(min(h.num_tokens for h in hs))
-    prev = [f"r{s}.{i}" for i in range(B)]
-  return {"ms": float(np.median(times[2:]) * 1e3), "hit": min(hits), "hash_ms": hash_ms,
-          "calls_per_step": step_calls}
+    if plan.statics != self.empty.statics:
+      raise RuntimeError("the step plan's statics differ from the empty plan's: (b) and (c) are different programs")
+    self.prev, self.slots = rids, slots
+    return {"total": t5 - t0, "retire": t1 - t0, "admit": t2 - t1, "plan": (t3 - t2) + (t5 - t4),
+            "program": t4 - t3, "hit": sum(h.num_tokens for h in hits), "min_hit": min(h.num_tokens for h in hits)}
+
+  def check(self):
+    """The device tables agree with the host's counts for every held request (reads the device; untimed)."""
+    for rid in self.prev:
+      self.m.block_tables(rid)
+
+
+def make_prompts(B: int, L: int, steps: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  return [[rng.integers(2, 1000, L).astype(np.int32) for _ in range(B)] for _ in range(steps + 2)]
+
+
+def bench(B: int, L: int, pool: int, steps: int, seed: int = 0, vllm_src: str = "", vllm_retention=0,
+          profile=None) -> dict:
+  """One matrix point: ours (and vLLM when vllm_src is given) on the same prompts, steps interleaved. Medians of the
+  timed steps (the first two are dropped) in ms; hit tokens per step (the batch's sum) and per request (smallest)."""
+  prompts = make_prompts(B, L, steps, seed)
+  ours = Ours(B, L, pool, prompts)
+  v = None
+  if vllm_src:
+    from benchmarks.support.vllm_adapter import VllmStep
+    v = VllmStep(vllm_src, pool, L, retention_interval=vllm_retention)
+    vreqs = [[v.request(f"r{s}.{i}", p) for i, p in enumerate(batch)] for s, batch in enumerate(prompts)]  # hashing
+  rows, vrows = [], []
+  vprev = []
+  for s in range(len(prompts)):
+    timed = s >= 2
+    ours.warm(s)
+    if v is not None:
+      v.warm(prompts[s], CHUNK, s)
+    c0 = ours.empty_step()
+    r = ours.step(s, profile if timed else None)
+    c1 = ours.empty_step()
+    r["empty"] = (c0 + c1) / 2
+    r["marginal"] = r["total"] - r["empty"]
+    if timed:
+      rows.append(r)
+    if v is not None:
+      t = time.perf_counter()
+      for q in vprev:
+        v.finish(q, L)
+      hs = [v.admit(q, L) for q in vreqs[s]]
+      dt = time.perf_counter() - t
+      vprev = vreqs[s]
+      if timed:
+        vrows.append({"total": dt, "hit": sum(hs), "min_hit": min(hs)})
+  ours.check()
+
+  def med(rs, k):
+    return float(np.median([x[k] for x in rs]) * 1e3)
+
+  out = {k: med(rows, k) for k in ("marginal", "total", "admit", "retire", "plan", "program", "empty")}
+  out["prog_minus_empty"] = float(np.median([x["program"] - x["empty"] for x in rows]) * 1e3)
+  out["hit"] = min(x["hit"] for x in rows)
+  out["min_hit"] = min(x["min_hit"] for x in rows)
+  out["hash_ms"] = ours.hash_ms
+  out["overflows"] = ours.m.stats["step_plan_overflows"]
+  if vrows:
+    out["vllm"] = {"ms": med(vrows, "total"), "hit": min(x["hit"] for x in vrows),
+                   "min_hit": min(x["min_hit"] for x in vrows)}
+  return out
 
 
 class DeviceProfile:
@@ -135,14 +306,11 @@ class DeviceProfile:
     self._on = False
 
   def enable(self):
-    import os
-    import jax
     self.dirs.append(os.path.join(self._tmp, str(len(self.dirs))))
     jax.profiler.start_trace(self.dirs[-1])
     self._on = True
 
   def disable(self):          # bench calls it after every step, profiled or not
-    import jax
     if self._on:
       jax.profiler.stop_trace()
       self._on = False
@@ -150,8 +318,6 @@ class DeviceProfile:
   def report(self, top: int):
     import collections
     import glob
-    import os
-    import jax
     per, cnt = collections.Counter(), collections.Counter()
     for d in self.dirs:
       path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
@@ -176,11 +342,6 @@ def call_floor(pool: int, calls: int = 200) -> dict:
   """What one jitted call costs on this machine before it does any bookkeeping: both V4-Flash pools donated and
   passed through, (a) nothing else, (b) one 16-id scatter per pool; one int32 buffer in, one out (`device_get`), as
   `apply_step_packed` does. Median us per call."""
-  import functools
-
-  import jax
-  import jax.numpy as jnp
-
   from cache import pool as P
   specs = group_specs(v4_flash())
   pools = tuple(P.init_pool(pool, g.block_tokens) for g in specs.groups)
@@ -273,22 +434,35 @@ def budget_main(a) -> None:
     print(f"| {gib:g} | {nf} | {ns} | {t1} | {t2} | {l1} | {l2} | {c1} | {c2} |", flush=True)
 
 
+def _load() -> str:
+  try:
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+  except OSError:
+    return "unknown"
+
+
+def _retention(arg: str):
+  return {"engine": 0, "dense": None}[arg] if arg in ("engine", "dense") else int(arg)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--small", action="store_true")
-  ap.add_argument("--steps", type=int, default=5)
+  ap.add_argument("--small", action="store_true", help="8 x 2k at 4k and 65k blocks only")
+  ap.add_argument("--steps", type=int, default=5, help="timed steps per point (two more run first, untimed)")
   ap.add_argument("--shapes", default="", help="BxL list, e.g. 256x2048,8x32768 (default: the matrix)")
   ap.add_argument("--pools", default="", help="pool blocks per group, e.g. 65536 (default: the matrix)")
-  ap.add_argument("--profile", type=int, default=0, help="print the N most expensive functions (cProfile of the "
-                  "timed steps of our manager, cumulative time)")
+  ap.add_argument("--profile", type=int, default=0, help="print the N most expensive functions (cProfile of our "
+                  "timed steps, (a) + (b), cumulative time)")
   ap.add_argument("--device_profile", type=int, default=0, help="print the N most expensive XLA thunks per timed "
-                  "step (jax.profiler trace of our manager's steps)")
-  ap.add_argument("--two_calls", action="store_true", help="time the old driver: admit, then a second device "
-                  "call for the retirements")
+                  "step (jax.profiler trace of our steps)")
   ap.add_argument("--vllm_src", default="", help="directory holding vLLM 0.33's unpacked `vllm` package "
                   "(see benchmarks/support/vllm_adapter.py); empty: vLLM is skipped")
-  ap.add_argument("--call_floor", action="store_true", help="only print what one jitted call with both pools "
-                  "donated and one buffer each way costs here (the floor under any per-step time), then exit")
+  ap.add_argument("--vllm_retention", default="engine", help="vLLM's prefix_cache_retention_interval: engine (its "
+                  "0.33 engine default, 0), dense (None) or a multiple of 128")
+  ap.add_argument("--compilation_cache_dir", default="", help="persistent XLA compilation cache (opt-in; '' = off): "
+                  "a rerun of the same points skips their compiles, which are most of a point's time")
+  ap.add_argument("--call_floor", action="store_true", help="only print what one standalone jitted call with both "
+                  "pools donated and one buffer each way costs here, then exit")
   bg = ap.add_argument_group("--budget mode: hit tokens of round-robin chat sessions under a fixed KV byte budget, "
                              "cache v1 vs v2 checkpoint placement")
   bg.add_argument("--budget", action="store_true", help="run this mode instead of the per-step matrix")
@@ -299,6 +473,9 @@ def main():
   bg.add_argument("--answer", type=int, default=150, help="answer tokens per turn")
   bg.add_argument("--user", type=int, default=300, help="new user tokens per turn")
   a = ap.parse_args()
+  if a.compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(a.compilation_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   if a.budget:
     budget_main(a)
     return
@@ -309,36 +486,45 @@ def main():
       f = call_floor(pool)
       print(f"| {pool} | {f['nothing']:.1f} | {f['scatter16']:.1f} |", flush=True)
     return
-  # (8, 2048) is extra: the matrix's other three shapes do not fit a 4k pool, so it is the only 4k-vs-262k comparison
-  shapes = [(8, 2048), (8, 32768)] if a.small else [(8, 2048), (256, 2048), (64, 8192), (8, 32768)]
+  shapes = [(8, 2048)] if a.small else [(256, 2048), (64, 8192), (8, 32768), (8, 2048)]
   pools = [4096, 65536] if a.small else [4096, 65536, 262144]
   if a.shapes:
     shapes = [tuple(int(v) for v in x.split("x")) for x in a.shapes.split(",")]
   if a.pools:
     pools = [int(x) for x in a.pools.split(",")]
-  vllm_ok = False
+  retention = _retention(a.vllm_retention)
+  vllm_src = ""
   if a.vllm_src:
     try:
       from benchmarks.support import vllm_adapter
       print(f"vLLM KVCacheManager from {vllm_adapter.load(a.vllm_src).__file__}")
-      vllm_ok = True
+      vllm_src = a.vllm_src
     except Exception as e:  # any import failure: report it, never fail the benchmark
       print(f"vLLM not importable from {a.vllm_src!r} ({type(e).__name__}: {e}); skipped")
   else:
     print("vLLM skipped (no --vllm_src)")
-  print("ours = KVCacheManager: commit/free of the previous batch (register + free, queued) + add_requests "
-        "(lookup + claim + allocate; with the queued work: one device call per step, two with --two_calls); "
-        "hashing excluded (separate column). vLLM = its "
-        "KVCacheManager: get_computed_blocks + allocate_slots per request, cache_blocks + free per retired request; "
-        "hashing (Request construction) excluded. ms per step, median of steps 3..; hit = smallest hit/request.")
-  print("| B | L | pool blocks/group | ours ms/step | ours hit | vLLM ms/step | vLLM hit | vLLM / ours | "
-        "our hashing ms/step | our device calls/step |")
-  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+  print(f"load average at start: {_load()} ({os.cpu_count()} CPUs)")
+  print("ours: KVCacheManager through the engine's calls, settings: its defaults (retention_interval=0, dense start, "
+        "re-render 64, junction checkpoints), events off, table rows 2 B, width L, step capacity B x 128 tokens / 2 B "
+        "rows. marginal = (a) host planning incl. the admission call + (b) the step program (step_packed + minimal "
+        "model body, transfers) - (c) the same program with an empty plan; admission = the one add_requests call; "
+        "host rest = (a) without it; (b)-(c) = the program's share.")
+  if vllm_src:
+    print(f"vLLM 0.33: KVCacheManager, prefix_cache_retention_interval={retention!r}"
+          f"{' (its engine default)' if retention == 0 else ' (NOT its engine default)'}, one pool of 2 x pool "
+          "blocks, hash block 32, retire = cache_blocks + free, admit = get_computed_blocks (junction stored) + "
+          "allocate_slots; host Python only.")
+  print("ms per step, median of the timed steps; hit tokens per step = the batch's sum (per request: hit / B). "
+        "Hashing excluded on both sides.")
+  print("| B | L | pool blocks/group | ours marginal ms | admission call ms | host rest ms | (b)-(c) ms | "
+        "empty program (c) ms | ours hit tok/step | vLLM ms | vLLM hit tok/step | vLLM / ours | "
+        "our hashing ms/step (excluded) |")
+  print("|" + " --- |" * 13)
   res = {}
   for B, L in shapes:
     for pool in pools:
       if 2 * (B * L // 128 + B) > pool:   # two batches are held at once (admitted + retiring)
-        print(f"| {B} | {L} | {pool} | pool too small for two batches | | | | | |")
+        print(f"| {B} | {L} | {pool} | pool too small for two batches |" + " |" * 9, flush=True)
         continue
       prof = None
       if a.profile:
@@ -346,24 +532,30 @@ def main():
         prof = cProfile.Profile()
       elif a.device_profile:
         prof = DeviceProfile()
-      r = bench(B, L, pool, a.steps, profile=prof, two_calls=a.two_calls)
+      r = bench(B, L, pool, a.steps, vllm_src=vllm_src, vllm_retention=retention, profile=prof)
       if isinstance(prof, DeviceProfile):
         prof.report(a.device_profile)
       elif prof is not None:
         import pstats
-        print(f"cProfile {B}x{L} pool {pool} (steps 3..):")
+        print(f"cProfile {B}x{L} pool {pool} (timed steps):")
         pstats.Stats(prof).sort_stats("cumulative").print_stats(a.profile)
-      res[(B, L, pool)] = r["ms"]
-      vm, vh, ratio = "", "", ""
-      if vllm_ok:
-        v = vllm_adapter.bench(a.vllm_src, B, L, pool, a.steps)
-        vm, vh, ratio = f"{v['ms']:.2f}", v["hit"], f"{v['ms'] / r['ms']:.2f}"
-      print(f"| {B} | {L} | {pool} | {r['ms']:.2f} | {r['hit']} | {vm} | {vh} | {ratio} | {r['hash_ms']:.1f} | {r['calls_per_step']} |",
-            flush=True)
+      res[(B, L, pool)] = r["marginal"]
+      vm = vh = ratio = ""
+      if "vllm" in r:
+        v = r["vllm"]
+        vm, vh, ratio = f"{v['ms']:.2f}", v["hit"], f"{v['ms'] / r['marginal']:.2f}"
+      if r["overflows"]:
+        print(f"(note: {r['overflows']} step plans overflowed their fixed widths and ran a call of their own)")
+      print(f"| {B} | {L} | {pool} | {r['marginal']:.2f} | {r['admit']:.2f} | {r['total'] - r['admit'] - r['program']:.2f}"
+            f" | {r['prog_minus_empty']:.2f} | {r['empty']:.2f} | {r['hit']} | {vm} | {vh} | {ratio} | "
+            f"{r['hash_ms']:.1f} |", flush=True)
   for B, L in shapes:
-    row = [res[(B, L, p)] for p in pools if (B, L, p) in res]
+    row = [(p, res[(B, L, p)]) for p in pools if (B, L, p) in res]
     if len(row) > 1:
-      print(f"flatness {B}x{L}: largest / smallest pool = {row[-1] / row[0]:.2f}x")
+      f = row[-1][1] / row[0][1]
+      print(f"flatness {B}x{L}: ours at {row[-1][0]} / {row[0][0]} blocks = {f:.2f}x "
+            f"({'within' if f <= 1.5 else 'NOT within'} 1.5x)")
+  print(f"load average at end: {_load()}")
 
 
 if __name__ == "__main__":

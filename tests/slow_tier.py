@@ -66,6 +66,9 @@ SLOW = {
     "tests/experiments/test_experiments.py::test_train_small": "test_training_steps_reduce_the_loss",
     "tests/experiments/test_experiments.py::test_ablation_small[experiments.ablate_window-window]":
         "[experiments.ablate_topk-topk]",
+    "tests/cache/test_cache_bench.py::test_cache_bench_tiny":
+        "the pieces it times: tests/cache/test_step_props.py (step_packed), test_manager.py (the manager's calls), "
+        "tests/dsv4/test_engine_step.py (the fused step program)",
     "tests/experiments/test_ablate_cache.py::test_ablate_eviction_small": "test_policy_invariants",
     "tests/experiments/test_ablate_cache.py::test_ablate_retention_small":
         "tests/cache/test_manager.py (retention checkpoints in the manager)",

@@ -1,5 +1,5 @@
 """vLLM 0.33's own `KVCacheManager` doing the per-step work of `benchmarks.cache_bench` (benchmark only; the probe
-`benchmarks.probes.cache_waves_vllm` drives it too).
+`benchmarks.probes.cache_waves_vllm` drives it too). `cache_bench` interleaves its steps with ours.
 
 vLLM is NOT a project dependency. Get its pure-Python sources once, outside the repo:
 
@@ -9,7 +9,11 @@ vLLM is NOT a project dependency. Get its pure-Python sources once, outside the 
 
 and pass `--vllm_src=/tmp/vllm_dl/src` to `python -m benchmarks.cache_bench`. Nothing is stubbed: the real
 `vllm.v1.core.kv_cache_manager` (with its block pool, coordinator, single-type managers and hashing) runs; the
-module path is printed and the hits it reports are checked against the expected warm hit.
+module path is printed and the hits it reports are printed beside ours.
+
+Settings: `prefix_cache_retention_interval` defaults to 0, what vLLM 0.33's engine passes (CacheConfig's default,
+copied unchanged into KVCacheConfig by vllm/v1/core/kv_cache_planning.py for every model: replay boundary and pinned
+shared-prefix junctions only); None (dense) must be asked for.
 
 Geometry (V4-Flash, like ours): a full-attention group of 128-token blocks and a sliding-window group of 32-token
 blocks (window 128), hashes every 32 tokens; one shared block pool of `2 * pool` blocks (we have one pool of
@@ -20,9 +24,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import time
-
-import numpy as np
 
 
 def load(src: str):
@@ -36,10 +37,10 @@ def load(src: str):
 class VllmStep:
   """Admit B warm requests of L tokens per step and retire the previous step's B, through vLLM's manager."""
 
-  def __init__(self, src: str, pool: int, max_len: int, retention_interval: int | None = None):
-    """`retention_interval` is vLLM's prefix_cache_retention_interval for the sliding group: None (what this adapter
-    has always passed, by leaving it unset: dense, a tail at every aligned boundary; `cache_bench` expects that),
-    0 (vLLM 0.33's engine default, CacheConfig: replay boundary + pinned junctions only) or a multiple of 128."""
+  def __init__(self, src: str, pool: int, max_len: int, retention_interval: int | None = 0):
+    """`retention_interval` is vLLM's prefix_cache_retention_interval for the sliding group: 0 (vLLM 0.33's engine
+    default, CacheConfig: replay boundary + pinned junctions only), None (dense: a tail at every aligned boundary;
+    what this adapter passed before it took the setting) or a multiple of 128."""
     import torch
     load(src)
     from vllm.sampling_params import SamplingParams
@@ -68,8 +69,10 @@ class VllmStep:
     return self._Request(rid, [int(t) for t in tokens], sp, None, block_hasher=self.hasher)
 
   def admit(self, req, num_tokens: int) -> int:
-    """Lookup + claim + allocate up to `num_tokens`; returns the hit."""
-    blocks, hit, _ = self.m.get_computed_blocks(req)
+    """Lookup + claim + allocate up to `num_tokens`; returns the hit. The shared-prefix junction the lookup reports
+    is stored on the request (vLLM pins it), as its scheduler does."""
+    blocks, hit, junction = self.m.get_computed_blocks(req)
+    req.shared_prefix_boundary = junction
     got = self.m.allocate_slots(req, num_tokens - hit, hit, blocks)
     if got is None:
       raise RuntimeError("vLLM: out of blocks")
@@ -84,7 +87,7 @@ class VllmStep:
 
   def serve_chunked(self, req, chunk: int = 2048) -> None:
     """Warm-up: prefill a new request in chunks (sliding-window blocks behind the window are released)."""
-    blocks, hit, _ = self.m.get_computed_blocks(req)
+    blocks, hit, req.shared_prefix_boundary = self.m.get_computed_blocks(req)
     n = hit
     first = True
     while n < req.num_tokens:
@@ -98,23 +101,8 @@ class VllmStep:
     self.m.cache_blocks(req, n)
     self.m.free(req)
 
-
-def bench(src: str, B: int, L: int, pool: int, steps: int, seed: int = 0):
-  """Same trace as cache_bench.bench (same seeds): ms per step (median, first two steps dropped), hit/request."""
-  v = VllmStep(src, pool, L)
-  rng = np.random.default_rng(seed)
-  prompts = [[rng.integers(2, 1000, L).astype(np.int32) for _ in range(B)] for _ in range(steps + 2)]
-  reqs = [[v.request(f"r{s}.{i}", p) for i, p in enumerate(batch)] for s, batch in enumerate(prompts)]  # hashing
-  times, hits = [], []
-  prev = []
-  for s, batch in enumerate(prompts):
-    for i, p in enumerate(batch):     # warm-up of this step's prompts, untimed (as in cache_bench.bench)
-      v.serve_chunked(v.request(f"w{s}.{i}", p[:L - 128]))
-    t = time.perf_counter()
-    h = [v.admit(r, L) for r in reqs[s]]
-    for r in prev:
-      v.finish(r, L)
-    times.append(time.perf_counter() - t)
-    hits.append(min(h))
-    prev = reqs[s]
-  return {"ms": float(np.median(times[2:]) * 1e3), "hit": min(hits), "module": v.module}
+  def warm(self, prompts, cut: int, step: int, chunk: int = 2048) -> None:
+    """Untimed, before a `cache_bench` step: serve each prompt minus its last `cut` tokens, chunked (as
+    `cache_bench.Ours.warm` does)."""
+    for i, p in enumerate(prompts):
+      self.serve_chunked(self.request(f"w{step}.{i}", p[:len(p) - cut]), chunk)
