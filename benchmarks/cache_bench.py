@@ -51,13 +51,13 @@ prefilled in 512-token chunks, decoded (committed in one go), freed. One row per
 
     python -m benchmarks.cache_bench --vllm_src=DIR            # full matrix
     python -m benchmarks.cache_bench --small --vllm_src=DIR    # 8 x 2k at 4k and 65k blocks
-
-Time goes mostly to XLA compiles (about 5 programs per point, 10-15 s each on 2 cores; a point's pool size is part
-of every shape): `--small` takes about 2 minutes, the full matrix about 15-20 minutes of CPU plus the 256 x 2k
-warm-ups. `--compilation_cache_dir DIR` makes reruns skip them.
     python -m benchmarks.cache_bench --shapes 256x2048,8x32768 --pools 65536 --vllm_src=DIR
     python -m benchmarks.cache_bench --call_floor --pools 4096,65536,262144
     python -m benchmarks.cache_bench --budget --budgets_gib 0.375,0.5,0.75,1
+
+Time goes mostly to XLA compiles (about 5 programs per point, 10-15 s each on 2 cores; a point's pool size is part
+of every shape): `--small` takes 2-2.5 minutes of CPU, about 1 minute with a warm `--compilation_cache_dir DIR`
+(reruns skip the compiles); the full matrix about 15-20 minutes.
 """
 
 from __future__ import annotations
