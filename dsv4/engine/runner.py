@@ -561,18 +561,25 @@ class ModelRunner:
     else:
       # the managers apply their bookkeeping in their own call; their tables travel with the step (stacked per
       # data shard)
-      for m in self.managers:
-        m.flush()
-      per = [jax.device_get(self._tables(s)) for s in range(D)]
-      tables = {g: np.stack([np.asarray(t[g]) for t in per]) if D > 1 else np.asarray(per[0][g]) for g in per[0]}
-      dev = sharding.put(np.stack(bufs) if D > 1 else bufs[0], self.shardings["plan"])
-      self.stats["host_bytes_in"] += sum(b.nbytes for b in bufs) + sum(t.nbytes for t in tables.values())
-      tables = {g: sharding.put(t, self.shardings["plan"]) for g, t in tables.items()}
+      tables, dev = self.mesh_inputs(bufs)
       with jax.set_mesh(self.mesh):
         self.cache, _, _, out, l = self._mesh_step(shape)(self.params, self.cache, tables, self.prev_tokens, dev)
       # replicated: this process's copy, a plain one-device array (also under jax.distributed)
       out, l = out.addressable_data(0), (None if l is None else l.addressable_data(0))
     return by_shard, out, l, plans
+
+  def mesh_inputs(self, bufs):
+    """(tables, plan) of a mesh step: the managers' queued bookkeeping applied in their own calls, every shard's
+    block tables stacked over `data` and put with the plan's sharding, the per-shard plans likewise."""
+    D = self.num_shards
+    if self.managers is not None:
+      for m in self.managers:
+        m.flush()
+    per = [jax.device_get(self._tables(s)) for s in range(D)]
+    tables = {g: np.stack([np.asarray(t[g]) for t in per]) if D > 1 else np.asarray(per[0][g]) for g in per[0]}
+    self.stats["host_bytes_in"] += sum(b.nbytes for b in bufs) + sum(t.nbytes for t in tables.values())
+    dev = sharding.put(np.stack(bufs) if D > 1 else bufs[0], self.shardings["plan"])
+    return {g: sharding.put(t, self.shardings["plan"]) for g, t in tables.items()}, dev
 
   def _run_one(self, params, tables, dev, kv, kw):
     pools, kv_buf = kv if kv is not None else (None, None)

@@ -186,9 +186,9 @@ def step_collectives(engine, tokens: int):
   r = engine.runner
   shape = R.RaggedShape(R.token_bucket(tokens, r.token_bucket_growth, r.max_num_batched_tokens), r._rows_bucket(1),
                         8, r.min_full_width)
-  buf = np.zeros((r.num_shards, shape.size) if r.num_shards > 1 else (shape.size,), np.int32)
+  tables, plan = r.mesh_inputs([np.zeros(shape.size, np.int32) for _ in range(r.num_shards)])
   with jax.set_mesh(r.mesh):
-    hlo = r._mesh_step(shape).lower(r.params, r.cache, sharding.put(buf, r.shardings["plan"])).compile().as_text()
+    hlo = r._mesh_step(shape).lower(r.params, r.cache, tables, r.prev_tokens, plan).compile().as_text()
   # Partition i runs on the mesh's i-th device (row-major over data, tensor, expert).
   per_data = r.mesh.devices.size // sharding.axis_size(r.mesh, "data")
   return collectives(hlo, lambda i: i // per_data)

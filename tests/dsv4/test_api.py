@@ -64,13 +64,13 @@ def test_failed_admission_does_not_count_readmit_hits(tiny):
   eng.step()                                                # "long" is running
   r = eng.add_request("again", p + [9], SP)
   r.num_preemptions = 1                                     # as if preempted: its hits count as re-admission hits
-  real, calls = eng.cache_manager.allocate_for, []
+  real, calls = eng.cache_manager.allocate_to, []
 
-  def fail_once(rid, n):
+  def fail_once(rid, total):
     calls.append(rid)
-    return False if calls.count("again") == 1 and rid == "again" else real(rid, n)
+    return False if calls.count("again") == 1 and rid == "again" else real(rid, total)
 
-  eng.cache_manager.allocate_for = fail_once
+  eng.cache_manager.allocate_to = fail_once
   eng.run()
   assert calls.count("again") >= 2 and r.error is None
   assert r.readmit_hit_tokens == 256

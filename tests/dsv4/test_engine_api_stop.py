@@ -32,8 +32,10 @@ def _free(eng):
 
 
 def test_stop_request_running_prefilling_and_waiting(tiny):
+  """The synchronous engine's timeline (each step read before the next: a request's state between steps is final;
+  with async scheduling a stop also drops the token in flight, tests/dsv4/test_engine_async.py)."""
   cfg, params = tiny
-  eng = Engine(params, cfg, EC)
+  eng = Engine(params, cfg, dataclasses.replace(EC, async_scheduling=False))
   free0 = _free(eng)
   rng = np.random.default_rng(0)
   pa = [int(t) for t in rng.integers(2, cfg.vocab_size, 300)]
