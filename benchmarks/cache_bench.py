@@ -11,10 +11,11 @@ it (fixed table rows = max_num_seqs = 2 B, width = max_model_len = L, `set_step_
       `add_requests` for the admissions (a standalone jitted call that applies the queue, searches and claims),
       `allocate_to(rid, L)` and `slot_of` per admitted request, `take_step_plan`, `device_state`, and after the step
       `on_step_result`;
-  (b) the step program: one jitted call = `cache.step.step_packed` on the device pools and tables + a minimal model
-      body (each row's full and swa table rows gathered from the device tables as the runner's `_row_tables` does,
-      summed into a [B, 128, 64] activation, one 64 x 64 matmul, an argmax per row), its two input buffers in one
-      `device_put` and its one output buffer read back (`device_get`), as `ModelRunner._call` / `collect` do;
+  (b) the step: the cache's bookkeeping program (`cache.step.apply_step_packed` on the device pools and tables)
+      then a minimal model program (each row's full and swa table rows gathered from the device tables as the
+      runner's `_row_tables` does, summed into a [B, 128, 64] activation, one 64 x 64 matmul, an argmax per row),
+      dispatched back to back, their two input buffers in one `device_put` and their results read back in one
+      `device_get`, as `ModelRunner._call` / `collect` do;
   (c) the same program (same shapes and statics: one compilation) with an EMPTY bookkeeping plan (all padding:
       nothing registered, freed or allocated) and no host planning.
 Reported: marginal bookkeeping per step = (a) + (b) - (c), each step paired with the mean of the two (c) runs made
@@ -75,7 +76,7 @@ import numpy as np
 
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
-from cache.step import step_packed
+from cache.step import apply_step_packed
 from dsv4.caches import group_specs
 from dsv4.config import v4_flash
 
@@ -92,15 +93,11 @@ def _pow2(n: int, lo: int = 8) -> int:
   return w
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1),
-                   static_argnames=("kv_statics", "names", "rows", "full_w", "swa_w"))
-def step_program(pools, tables, kv_buf, model_buf, params, *, kv_statics, names, rows, full_w, swa_w):
-  """The engine's step program reduced to what touches the cache: `step_packed` (the queued bookkeeping, which
-  writes the device tables), then each row's tables gathered at its slot as `dsv4.engine.runner._row_tables` does
-  (full from entry 0, swa from its base block), feeding a minimal model body so XLA cannot drop the table work.
-  model_buf: slot [R], swa base block [R], chunk tokens [R x CHUNK]. Returns (pools, tables, one int32 buffer:
-  a token per row, then the bookkeeping's result counters)."""
-  pools, tables, kv_res = step_packed(pools, tables, kv_buf, **dict(kv_statics))
+@functools.partial(jax.jit, static_argnames=("names", "rows", "full_w", "swa_w"))
+def model_body(tables, model_buf, params, *, names, rows, full_w, swa_w):
+  """A minimal model program: each row's tables gathered at its slot as `dsv4.engine.runner._row_tables` does
+  (full from entry 0, swa from its base block), feeding a small body so XLA cannot drop the table work.
+  model_buf: slot [R], swa base block [R], chunk tokens [R x CHUNK]. Returns a token per row."""
   R = rows
   slot, base = model_buf[:R], model_buf[R:2 * R]
   tok = model_buf[2 * R:].reshape(R, CHUNK)
@@ -112,8 +109,17 @@ def step_program(pools, tables, kv_buf, model_buf, params, *, kv_statics, names,
   feat = (jnp.sum(jnp.maximum(full, 0), 1) + jnp.sum(jnp.maximum(swa, 0), 1)).astype(jnp.float32) * 1e-6
   x = params["emb"][tok] + feat[:, None, None]                                 # [R, CHUNK, D]
   h = jnp.tanh(x @ params["w"])
-  toks = jnp.argmax(jnp.sum(h, 1), -1).astype(jnp.int32)                      # [R]
-  return pools, tables, jnp.concatenate([toks, kv_res])
+  return jnp.argmax(jnp.sum(h, 1), -1).astype(jnp.int32)                      # [R]
+
+
+def step_program(pools, tables, kv_buf, model_buf, params, *, kv_statics, names, rows, full_w, swa_w):
+  """The engine's step reduced to what touches the cache, dispatched as `ModelRunner._call` does: the cache's
+  bookkeeping program (`apply_step_packed`: the queued work, which writes the device tables), then the model
+  program reading those tables, back to back with no host read between. Returns (pools, tables, (tokens, the
+  bookkeeping's result counters))."""
+  pools, tables, kv_res = apply_step_packed(pools, tables, kv_buf, **dict(kv_statics))
+  toks = model_body(tables, model_buf, params, names=names, rows=rows, full_w=full_w, swa_w=swa_w)
+  return pools, tables, (toks, kv_res)
 
 
 class Ours:
@@ -193,7 +199,8 @@ class Ours:
     kv, mb = jax.device_put([plan.buf, buf])
     pools, tables, out = step_program(pools, tables, kv, mb, self.params, kv_statics=plan.statics, **self._shape)
     m.set_device_state(pools, tables)
-    return np.asarray(jax.device_get(out))
+    toks, kv_res = jax.device_get(out)                       # one device -> host transfer, as `collect` makes
+    return np.concatenate([np.asarray(toks), np.asarray(kv_res)])
 
   def empty_step(self) -> float:
     """(c): the step program with the empty plan, no host planning. Seconds."""
@@ -511,7 +518,7 @@ def main():
   print(f"load average at start: {_load()} ({os.cpu_count()} CPUs)")
   print("ours: KVCacheManager through the engine's calls, settings: its defaults (retention_interval=0, dense start, "
         "re-render 64, junction checkpoints), events off, table rows 2 B, width L, step capacity B x 128 tokens / 2 B "
-        "rows. marginal = (a) host planning incl. the admission call + (b) the step program (step_packed + minimal "
+        "rows. marginal = (a) host planning incl. the admission call + (b) the step (bookkeeping program + minimal "
         "model body, transfers) - (c) the same program with an empty plan; admission = the one add_requests call; "
         "host rest = (a) without it; (b)-(c) = the program's share.")
   if vllm_src:

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from cache import step as cache_step
 from dsv4 import caches, model, sharding
 from dsv4.config import ModelConfig
 from dsv4.engine.sampling import SamplingParams, sample_rows_impl
@@ -172,21 +173,18 @@ def _row_tables(tables, p, shape: RaggedShape):
   return out
 
 
-def step_body(params, cache, tables, prev_tokens, buf, pools=None, kv_buf=None, *, config, layout, kernel_cfg, shape: RaggedShape,
-              record_logits: bool, model_api: str = "functional", graphdef=None, kv_statics=None):
+def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel_cfg, shape: RaggedShape,
+              record_logits: bool, model_api: str = "functional", graphdef=None):
   """The engine's one step program (unjitted; `ragged_step` is its one-device jit, `ModelRunner` wraps it for a
-  mesh): the cache bookkeeping of the step, then all rows on one flat token axis (`model.forward_ragged`): a decode
-  row costs one token, a prefill row its chunk, padding only up to the token bucket. Logits at each row's last
-  token, then sampling.
+  mesh): all rows on one flat token axis (`model.forward_ragged`): a decode row costs one token, a prefill row its
+  chunk, padding only up to the token bucket. Logits at each row's last token, then sampling.
 
-  tables: per group the device block tables [slots, W]. pools + kv_buf with kv_statics: the cache manager's
-  queued work (`cache.step.step_packed`: registrations, releases, allocations that write the tables) runs first,
-  in this program; None = the tables are already final (a mesh, benchmarks). prev_tokens [S]: the previous step
-  program's sampled tokens, which a token id -(1 + j) refers to.
+  tables: per group the device block tables [slots, W], as the cache's bookkeeping program left them (it runs
+  right before this one on the device, `cache.step.apply_step_packed`; no host read between). prev_tokens [S]: the
+  previous step's sampled tokens, which a token id -(1 + j) refers to.
 
-  Returns (cache, tables, pools or None, out [S + K] int32: the sampled token per row padded to S, then the
-  bookkeeping results (K = 0 without kv), the sampled tokens [S] again (the next step's prev_tokens, kept on the
-  device), logits_RxV or None).
+  Returns (cache, tables, None, out [S] int32: the sampled token per row padded to S, the same tokens as the next
+  step's prev_tokens (kept on the device), logits_RxV or None).
 
   model_api="nnx": params is the `nnx.State` and graphdef (static) the `nnx.GraphDef` of an `nnx_model.Model`
   (`nnx.split`); the step runs that module (`Model.ragged`, its blocks calling their own sub-modules), so a changed
@@ -196,12 +194,7 @@ def step_body(params, cache, tables, prev_tokens, buf, pools=None, kv_buf=None, 
   so padding costs nothing), then each row's logits and sample at a fixed [1, D] / [1, V] shape: nothing in a
   token's math depends on what else shares the step or on how its prompt was chunked. The tables are the live
   ones (the runner sizes them by each token's own position, see `ModelRunner._invariant_calls`)."""
-  kv_res = jnp.zeros((0,), jnp.int32)
-  if kv_buf is not None:
-    from cache import step as cache_step   # the cache's own bookkeeping program, traced into this one
-    names = tuple(tables)
-    pools, tabs, kv_res = cache_step.step_packed(pools, tuple(tables[g] for g in names), kv_buf, **dict(kv_statics))
-    tables = dict(zip(names, tabs))
+  pools, kv_res = None, jnp.zeros((0,), jnp.int32)
   p = _unpack(buf, shape)
   toks_in = p["tokens"]
   p["tokens"] = jnp.where(toks_in < 0, prev_tokens[jnp.clip(-toks_in - 1, 0, prev_tokens.shape[0] - 1)], toks_in)
@@ -248,17 +241,15 @@ def step_body(params, cache, tables, prev_tokens, buf, pools=None, kv_buf=None, 
   return (*out(cache, toks), (logits if record_logits else None))
 
 
-_STEP_STATICS = ("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api", "graphdef", "kv_statics")
+_STEP_STATICS = ("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api", "graphdef")
 
 
-@functools.partial(jax.jit, static_argnames=_STEP_STATICS, donate_argnames=("cache", "tables", "pools"))
-def ragged_step(params, cache, tables, prev_tokens, buf, pools=None, kv_buf=None, *, config, layout, kernel_cfg,
-                shape: RaggedShape, record_logits: bool, model_api: str = "functional", graphdef=None,
-                kv_statics=None):
+@functools.partial(jax.jit, static_argnames=_STEP_STATICS, donate_argnames=("cache", "tables"))
+def ragged_step(params, cache, tables, prev_tokens, buf, *, config, layout, kernel_cfg, shape: RaggedShape,
+                record_logits: bool, model_api: str = "functional", graphdef=None):
   """`step_body` jitted for one device (compile logs name it `jit(ragged_step)`, on a mesh too)."""
-  return step_body(params, cache, tables, prev_tokens, buf, pools, kv_buf, config=config, layout=layout, kernel_cfg=kernel_cfg,
-                   shape=shape, record_logits=record_logits, model_api=model_api, graphdef=graphdef,
-                   kv_statics=kv_statics)
+  return step_body(params, cache, tables, prev_tokens, buf, config=config, layout=layout, kernel_cfg=kernel_cfg,
+                   shape=shape, record_logits=record_logits, model_api=model_api, graphdef=graphdef)
 
 
 @dataclasses.dataclass
@@ -486,12 +477,12 @@ class ModelRunner:
     for call, by_shard, out, l, plans in d.calls:
       out, l = jax.device_get((out, l))                        # one device->host transfer per call
       self.stats["device_gets"] += 1
-      out = np.asarray(out)
-      self.stats["host_bytes_out"] += out.nbytes + (0 if l is None else np.asarray(l).nbytes)
+      self.stats["host_bytes_out"] += sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves((out, l)))
+      out = tuple(np.asarray(x) for x in out) if isinstance(out, tuple) else np.asarray(out)
       D = len(by_shard)
-      if plans:                                                # fused bookkeeping: its counters follow the tokens
-        self.managers[0].on_step_result(plans[0], out[self.prev_tokens.shape[0]:])
-        out = out[:self.prev_tokens.shape[0]]
+      if plans:                                                # the bookkeeping's counters came with the tokens
+        out, kv_res = out
+        self.managers[0].on_step_result(plans[0], kv_res)
       t = out.reshape(D, -1)
       l = None if l is None else np.asarray(l).reshape(D, -1, np.asarray(l).shape[-1])
       for s, b in enumerate(by_shard):
@@ -538,26 +529,30 @@ class ModelRunner:
       if self.model_api == "nnx":
         from flax import nnx
         kw["graphdef"], params = nnx.split(self.net)           # this step's module: edits since the last step count
+      kv_res = None
       if self.fused:
         m = self.managers[0]
         plan = m.take_step_plan()
         pools, tabs = m.device_state()
-        names = m.groups
         (dev, kvbuf) = jax.device_put([bufs[0], plan.buf])      # the step plan: one host->device transfer
         self.stats["host_bytes_in"] += bufs[0].nbytes + plan.buf.nbytes
-        kv, kw["kv_statics"] = (pools, kvbuf), plan.statics
-        tables = dict(zip(names, tabs))
+        # the cache's bookkeeping program, then the model's, back to back on the device (no host read between):
+        # its shape is fixed per engine, so it compiles once, not inside every step shape's program
+        pools, tabs, kv_res = cache_step.apply_step_packed(pools, tabs, kvbuf, **plan.kwargs())
+        tables = dict(zip(m.groups, tabs))
         plans.append(plan)
       else:
         (dev,) = jax.device_put([bufs[0]])
         self.stats["host_bytes_in"] += bufs[0].nbytes
         tables = self._tables()
-      tables, pools, out, prev, l = self._run_one(params, tables, dev, kv, kw)
+      tables, _, out, prev, l = self._run_one(params, tables, dev, kw)
       if self.fused:
-        m.set_device_state(pools, tuple(tables[g] for g in names))
+        m.set_device_state(pools, tuple(tables[g] for g in m.groups))
       elif self.managers is None:
         self._own_tables = tables
       self.prev_tokens = prev
+      if kv_res is not None:
+        out = (out, kv_res)
     else:
       # the managers apply their bookkeeping in their own call; their tables travel with the step (stacked per
       # data shard)
@@ -581,11 +576,9 @@ class ModelRunner:
     dev = sharding.put(np.stack(bufs) if D > 1 else bufs[0], self.shardings["plan"])
     return {g: sharding.put(t, self.shardings["plan"]) for g, t in tables.items()}, dev
 
-  def _run_one(self, params, tables, dev, kv, kw):
-    pools, kv_buf = kv if kv is not None else (None, None)
-    self.cache, tables, pools, out, prev, l = ragged_step(params, self.cache, tables, self.prev_tokens, dev, pools,
-                                                          kv_buf, **kw)
-    return tables, pools, out, prev, l
+  def _run_one(self, params, tables, dev, kw):
+    self.cache, tables, _, out, prev, l = ragged_step(params, self.cache, tables, self.prev_tokens, dev, **kw)
+    return tables, None, out, prev, l
 
   def _mesh_step(self, shape: RaggedShape):
     """The step program jitted for the mesh, per shape. Pools over data: `step_body` runs manual over `data`
