@@ -19,10 +19,10 @@ Lifecycle of a request (all token counts are absolute positions in the request):
     mgr.free("r1")                             # end-of-request checkpoint, then release everything (tail first)
     mgr.take_events()                          # BlockStored / BlockRemoved / AllBlocksCleared
 
-**No device call of its own per step.** `commit`, `free` and `allocate_for` only queue work. The engine's step
-program takes the queue (`take_step_plan`: one int32 buffer of fixed widths) and runs it on the device state
-(`step_packed`) right before the model, in the same program; the host reads back a few counters with the sampled
-tokens (`on_step_result`, possibly one step late). Standalone calls (`flush`, `add_requests`, lookups, reading
+**No host round trip of its own per step.** `commit`, `free` and `allocate_for` only queue work. The engine takes
+the queue (`take_step_plan`: one int32 buffer of fixed widths) and runs it on the device state
+(`apply_step_packed`) right before the model program, with no host read between; the host reads back a few
+counters with the sampled tokens (`on_step_result`, possibly one step late). Standalone calls (`flush`, `add_requests`, lookups, reading
 tables) apply the queue in their own jitted call (`apply_step_packed`, one transfer in, one out).
 
 Free counts: allocations are decided on the host against a count that is exact after every read of the device's

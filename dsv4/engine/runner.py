@@ -1,13 +1,14 @@
-"""Model runner: owns the params and the paged cache pytree; turns one scheduler step into device work: ONE program,
-`step_body` (jitted as `ragged_step`), with one host->device transfer (the packed step plan and the cache
-manager's queued bookkeeping) and one device->host transfer (the sampled tokens and the cache's counters).
+"""Model runner: owns the params and the paged cache pytree; turns one scheduler step into device work: the cache
+manager's bookkeeping program then ONE step program, `step_body` (jitted as `ragged_step`), back to back, with one
+host->device transfer (the packed step plan and the queued bookkeeping) and one device->host transfer (the sampled
+tokens and the cache's counters).
 
 Block tables never visit the host: the cache manager keeps them on the device ([slots, width] per group, next to
 its pools), each row of a step names its manager slot, and the program gathers the row's tables there (the full
 table from entry 0 at a width that follows the live context, the swa table from the row's base block: window +
 chunk). On one device the manager's queued work (registrations, releases, allocations that write the tables) runs
-inside the same program, before the model (`cache.step.step_packed`), so a step is one program and the host
-plans with counts only.
+right before the model on the device (`cache.step.apply_step_packed`, a fixed shape per engine: compiled once,
+not inside every step shape's program), with no host read between, and the host plans with counts only.
 
 All rows of a step ride ONE flat token axis through `model.forward_ragged`: a decode row contributes 1 token, a
 prefill row its chunk; per-token row / position metadata and per-row slots travel in the packed int32 plan with
@@ -347,8 +348,8 @@ class ModelRunner:
                           caches.FULL: jnp.full((S, self.max_full_width), -1, jnp.int32)}
     # the previous step program's sampled tokens (a token id -(1 + j) in a plan refers to its entry j)
     self.prev_tokens = jnp.zeros((S // self.num_shards,), jnp.int32)
-    # fused: the cache bookkeeping runs inside the step program (one device with managers); on a mesh the
-    # managers apply it in their own call before the step and the tables travel with it
+    # fused: the cache bookkeeping is sent with the step and runs on the device right before it (one device with
+    # managers); on a mesh the managers apply it in their own call before the step and the tables travel with it
     self.fused = managers is not None and mesh is None
     if managers is not None:
       for m in managers:
