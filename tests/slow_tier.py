@@ -20,6 +20,15 @@ SLOW = {
         "the replicated latent on a mesh: test_engine_on_mesh_same_tokens_with_prefix_hits",
     "tests/dsv4/test_sharding.py::test_engine_with_one_kv_pool_per_data_shard":
         "test_engine_table_rows_are_per_data_shard, test_pools_over_data_need_divisible_block_counts",
+    # async scheduling: the other mixes (each runs a sync and an async engine)
+    "tests/dsv4/test_engine_async.py::test_async_equals_sync[0-ample]":
+        "test_async_equals_sync[0-preempting] (prefix hits, seeded sampling, stop ids, with preemption)",
+    "tests/dsv4/test_engine_async.py::test_async_equals_sync[1-ample]":
+        "test_async_equals_sync[0-preempting]",
+    "tests/dsv4/test_engine_async.py::test_async_equals_sync[1-preempting]":
+        "test_async_equals_sync[0-preempting]",
+    "tests/dsv4/test_engine_step.py::test_host_bytes_per_step_do_not_grow_with_context":
+        "test_one_transfer_each_way_per_step (one plan buffer in, one token buffer out, under a transfer guard)",
     # batch invariance: the one-token loop of the step program, in a child at XLA's default level
     "tests/dsv4/test_engine_step.py::test_batch_invariant_mode_is_bitwise":
         "test_composition.py::test_all_pairs_one_device_v4 (the invariant row)",
