@@ -195,7 +195,6 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
   so padding costs nothing), then each row's logits and sample at a fixed [1, D] / [1, V] shape: nothing in a
   token's math depends on what else shares the step or on how its prompt was chunked. The tables are the live
   ones (the runner sizes them by each token's own position, see `ModelRunner._invariant_calls`)."""
-  pools, kv_res = None, jnp.zeros((0,), jnp.int32)
   p = _unpack(buf, shape)
   toks_in = p["tokens"]
   p["tokens"] = jnp.where(toks_in < 0, prev_tokens[jnp.clip(-toks_in - 1, 0, prev_tokens.shape[0] - 1)], toks_in)
@@ -212,7 +211,7 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
 
   def out(cache, toks):
     padded = jnp.zeros((S,), jnp.int32).at[:toks.shape[0]].set(toks.astype(jnp.int32), mode="drop")
-    return cache, tables, pools, jnp.concatenate([padded, kv_res]), padded
+    return cache, tables, None, padded, padded
 
   if not shape.invariant:
     step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
