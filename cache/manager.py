@@ -204,6 +204,9 @@ def _bucket(n: int, lo: int = 16) -> int:
   return w
 
 
+_ADMIT_ROWS_FIXED = 16   # engines with at most this many table rows admit at one fixed batch width
+
+
 def _units_bucket(n: int) -> int:
   """Hash units per request in a search: powers of 4 from 64 (2048 tokens at 32-token units)."""
   return _bucket(n, 64)
@@ -271,6 +274,7 @@ class KVCacheManager:
     self._calls = 0
     self.peak_used = {g: 0 for g in self.groups}
     self._step_widths = None
+    self._step_rows = None
     self._reset_queue()
     self._out_layouts = {}      # result buffer layout per (input layout, widths): computed once each
     self._in_treedefs = {}
@@ -498,6 +502,7 @@ class KVCacheManager:
       a = -(-tokens // bt) + rows
       w.append((-(-(a + 2 * rows * need) // 8) * 8, -(-(2 * a + rows * need) // 8) * 8, -(-a // 8) * 8))
     self._step_widths = tuple(w)
+    self._step_rows = rows
 
   def take_step_plan(self) -> StepPlan:
     """Everything queued, as the step program's bookkeeping (fixed widths, see set_step_capacity). The caller
@@ -552,7 +557,15 @@ class KVCacheManager:
     """Apply what is queued and read the device's free counts (waits for every call sent): exact counts."""
     self.stats["syncs"] += 1
     if self._queued():
-      self._apply(None)
+      if self._step_widths is not None:
+        # the engine's own bookkeeping program (same widths and statics: no compile of another shape)
+        plan = self.take_step_plan()
+        pools, tables, out = apply_step_packed(*self.device_state(), plan.buf, **dict(plan.statics))
+        self.set_device_state(pools, tables)
+        self.stats["device_calls"] += 1
+        self.on_step_result(plan, jax.device_get(out))
+      else:
+        self._apply(None)
     if self._free_seen < self._free_seq:
       nf = jax.device_get([self._pools[g].num_free for g in self.groups])
       for g, n in zip(self.groups, nf):
@@ -577,6 +590,10 @@ class KVCacheManager:
     per_align = self.specs.align_tokens // self._G
     u = _units_bucket(max(len(t) // self._G for t in toks))
     b = 1 << (len(toks) - 1).bit_length()        # powers of 2: padding rows cost a whole search each
+    if self._step_rows is not None and self._step_rows <= _ADMIT_ROWS_FIXED:
+      # an engine admitting into few rows: one admission shape (each new shape is a compile of the whole
+      # bookkeeping program, seconds; a few padded rows' searches cost far less)
+      b = max(b, self._step_rows)
     return b, -(-u // per_align) * per_align
 
   def _pack(self, toks, hashers, targets=None, slots=None, take=_empty) -> AdmitPlan:

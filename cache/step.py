@@ -213,9 +213,21 @@ def counters(res):
 apply_step_packed = jax.jit(step_packed, donate_argnums=(0, 1), static_argnames=("in_layout", "results") + _STATIC)
 
 
+_RESULT_LAYOUTS: dict = {}
+
+
 def result_layout(pools, tables, in_layout, results="all", **kw):
-  """(treedef, shapes, dtypes) of `step_packed`'s result buffer (abstract evaluation; cache it per in_layout and
-  statics)."""
+  """(treedef, shapes, dtypes) of `step_packed`'s result buffer. Abstract evaluation traces the whole step (about
+  half a second on a CPU), so layouts are memoised here by the abstract signature, shared by every manager of the
+  process (an engine, a test, a benchmark point builds managers again and again with the same shapes)."""
+  leaves, tdef = jax.tree_util.tree_flatten((pools, tables))
+  key = (tdef, tuple((x.shape, np.dtype(x.dtype)) for x in leaves), in_layout, results, tuple(sorted(kw.items())))
+  if key not in _RESULT_LAYOUTS:
+    _RESULT_LAYOUTS[key] = _result_layout(pools, tables, in_layout, results, **kw)
+  return _RESULT_LAYOUTS[key]
+
+
+def _result_layout(pools, tables, in_layout, results, **kw):
   treedef, shapes = in_layout
   args = jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(sh, jnp.int32) for sh in shapes])
   out = jax.eval_shape(functools.partial(step_core, **kw), pools, tables, *args)[2]

@@ -34,7 +34,8 @@ def run_in_child(request, timeout_s: float = 1500, default_xla_opt: bool = False
          if not k.startswith("PYTEST_XDIST")}
   env[_ENV] = nodeid
   # -m: the child runs this test whatever its tier (the default addopts deselect slow tests)
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
+  # (xdist stays loaded, unused without -n: the suite's addopts name its --dist mode)
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                          "-m", "slow or not slow", nodeid],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
   out = proc.stdout[-6000:] + proc.stderr[-3000:]
