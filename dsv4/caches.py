@@ -129,7 +129,7 @@ def layer_array_specs(config: ModelConfig, layout: CacheLayout, plan: LayerPlan)
 
 def cache_array_specs(config: ModelConfig, layout: CacheLayout) -> list[ArraySpec]:
   layout.validate(config)
-  return [s for p in config.layer_plan() for s in layer_array_specs(config, layout, p)]
+  return [s for p in config.cache_plans() for s in layer_array_specs(config, layout, p)]
 
 
 def state_tail_tokens(config: ModelConfig) -> int:
@@ -254,7 +254,7 @@ def step_index_from_batch(index: "BatchIndex", T: int) -> StepIndex:
 
 
 def init_cache(config: ModelConfig, layout: CacheLayout, num_swa_blocks: int, num_full_blocks: int) -> ModelCache:
-  layers = [dict() for _ in range(config.num_layers)]
+  layers = [dict() for _ in config.cache_plans()]
   for s in cache_array_specs(config, layout):
     n = num_swa_blocks if s.group == SWA else num_full_blocks
     if s.dtype == FP8:

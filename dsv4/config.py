@@ -149,6 +149,9 @@ class ModelConfig:
   # V4.1 as NeMo ships it: quantize-dequantize the cache (FP8 window KV, NVFP4 compressed KV, MXFP4 index q/k;
   # dsv4/layers/cache_quant.py). Off = exact float cache.
   quantized_cache: bool = False
+  # Multi-token prediction blocks (V4: `num_nextn_predict_layers`, one `mtp.0.*` block in V4-Flash): each fuses the
+  # backbone's last stream with the next token's embedding and runs one window-only block (docs/model.md, MTP).
+  num_mtp_layers: int = 0
 
   def __post_init__(self):
     a, ix, moe = self.attention, self.indexer, self.moe
@@ -187,10 +190,13 @@ class ModelConfig:
                  "must be strictly increasing existing layer ids")
         _require(len(ids) == moe.num_hash_layers, "moe.num_hash_layers", f"must equal len(hash_layer_ids)={len(ids)}")
       _require(not self.quantized_cache, "quantized_cache", "the quantized cache mode is V4.1-only")
+      _require(self.num_mtp_layers >= 0, "num_mtp_layers", "must be >= 0")
       if moe.num_hash_layers:
         _require(moe.num_experts_per_tok <= moe.n_routed_experts, "moe.num_hash_layers", "tid2eid width")
     else:
       self._validate_v41()
+      _require(self.num_mtp_layers == 0, "num_mtp_layers",
+               "V4.1 drafts with DSpark blocks, which are not implemented; MTP blocks are V4-only")
     self.layer_plan()  # surfaces any remaining schedule error at construction
 
   def _validate_v41(self):
@@ -271,6 +277,20 @@ class ModelConfig:
           candidate_source=i == cand, uses_candidates=is_reindex and 0 <= cand < i and kv_src == cand,
           hash_moe=False, q_head_norm=False, engram=eng))
     return tuple(plans)
+
+  @functools.cache
+  def mtp_plans(self) -> tuple[LayerPlan, ...]:
+    """The MTP blocks' plans: window-only attention (main RoPE, no compressor), learned MoE routing; their cache
+    layers follow the backbone's (index num_layers + depth)."""
+    return tuple(LayerPlan(
+        index=self.num_layers + d, kind="swa", ratio=0, rope="main", overlap=False, has_compressor=False,
+        has_index_keys=False, has_index_query=False, dense_compressed=False, kv_source=-1, index_source=-1,
+        candidate_source=False, uses_candidates=False, hash_moe=False, q_head_norm=True)
+        for d in range(self.num_mtp_layers))
+
+  def cache_plans(self) -> tuple[LayerPlan, ...]:
+    """Every layer that owns cache arrays: the backbone, then the MTP blocks."""
+    return self.layer_plan() + self.mtp_plans()
 
   # Derived sizes used by the cache layout.
   def compressor_width(self, plan: LayerPlan) -> int:

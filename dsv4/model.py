@@ -51,8 +51,7 @@ def param_shapes(config: ModelConfig) -> dict:
       out["ape"] = ((ratio, c * width), f32, "normal")
     return out
 
-  layers = []
-  for plan in config.layer_plan():
+  def block(plan):
     attn = {
         "wq_a": ((D, a.q_lora_rank), f32, "dense"), "q_norm": ((a.q_lora_rank,), f32, "ones"),
         "wq_b": ((a.q_lora_rank, a.num_heads * a.head_dim), f32, "dense"),
@@ -91,9 +90,17 @@ def param_shapes(config: ModelConfig) -> dict:
       layer["engram"] = {"embed": ((rows, e.head_dim), f32, "embed"),
                          "wkv": ((e.hash_heads * e.head_dim, D * (n + 1)), f32, "dense"),
                          "q_weight": ((n, D), f32, "ones_param"), "k_weight": ((n, D), f32, "ones_param")}
-    layers.append(layer)
+    return layer
+
+  layers = [block(plan) for plan in config.layer_plan()]
   out = {"embed": ((config.vocab_size, D), f32, "embed"), "layers": layers, "norm": ((D,), f32, "ones"),
          "lm_head": ((D, config.vocab_size), f32, "dense")}
+  if config.num_mtp_layers:
+    # an MTP block: a whole block plus its input fusion (e_proj, h_proj and their norms) and its own final collapse
+    # and norm; the embedding and the LM head are the backbone's
+    out["mtp"] = [{**block(plan), "e_proj": ((D, D), f32, "dense"), "h_proj": ((D, D), f32, "dense"),
+                   "enorm": ((D,), f32, "ones"), "hnorm": ((D,), f32, "ones"), "norm": ((D,), f32, "ones"),
+                   "hc_head": hc(n)} for plan in config.mtp_plans()]
   if not config.single_pass_mhc:
     out["hc_head"] = hc(n)
   if config.engram.layer_ids:
@@ -238,8 +245,10 @@ def _block_single_pass(params_l, config: ModelConfig, plan: LayerPlan, X, pre_pr
 def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.ModelCache, step: caches.StepIndex, *,
                        layout: caches.CacheLayout = caches.CacheLayout(),
                        kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), collect_aux: bool = False,
-                       blocks: Sequence[Callable] | None = None, hc_head: Callable | None = None):
+                       blocks: Sequence[Callable] | None = None, hc_head: Callable | None = None,
+                       return_stream: bool = False):
   """`forward_ragged` plus a per-layer aux list (indexer picks [N,k], scores [N,M] when collect_aux).
+  return_stream (V4): also the last block's streams X_1xNxnxD (what an MTP block reads), as a 4th result.
 
   blocks: one callable per layer, `block(X, tokens, ctx, cache_l, kernel_cfg, collect_aux)` (V4) or with the
   keywords `pre_prev`, `shared`, `engram_hash` (V4.1), returning what `block_forward` returns; hc_head (V4): the
@@ -280,7 +289,59 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
     h = (hc_head(X) if hc_head is not None
          else mhc.hc_head(params["hc_head"], X, config.mhc, config.rms_norm_eps))
   h = rms_norm(h, params["norm"], config.rms_norm_eps)[0]
-  return caches.ModelCache(tuple(new_layers)), h, auxes
+  # the MTP blocks' cache layers (after the backbone's) pass through untouched: `mtp_forward` writes them
+  new_cache = caches.ModelCache(tuple(new_layers) + tuple(cache.layers[len(new_layers):]))
+  if return_stream:
+    if config.single_pass_mhc:
+      raise ValueError("return_stream: V4 only (MTP blocks are V4-only)")
+    return new_cache, h, auxes, X
+  return new_cache, h, auxes
+
+
+def mtp_forward(params, config: ModelConfig, depth: int, X_1xNxnxD, next_tokens_N, cache: caches.ModelCache,
+                step: caches.StepIndex, *, layout: caches.CacheLayout = caches.CacheLayout(),
+                kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
+  """MTP block `depth` on one ragged step: at each position t it fuses the previous stream (the backbone's last
+  block, or depth - 1's output) with the embedding of the token at t + 1 and runs its window-only block, writing
+  its own window KV at t (cache layer num_layers + depth). Returns (cache, X_1xNxnxD for the next depth,
+  final-norm hidden_NxD whose `lm_logits` predict the token at t + 1 + depth + 1)."""
+  pm = params["mtp"][depth]
+  plan = config.mtp_plans()[depth]
+  parts = MTPParts(pm["e_proj"], pm["h_proj"], pm["enorm"], pm["hnorm"], layer_sublayers(pm, config, plan),
+                   functools.partial(mhc.hc_head, pm["hc_head"], cfg=config.mhc, norm_eps=config.rms_norm_eps),
+                   pm["norm"])
+  return mtp_block_forward(parts, config, plan, params["embed"], X_1xNxnxD, next_tokens_N, cache, step,
+                           layout=layout, kernel_cfg=kernel_cfg)
+
+
+class MTPParts(NamedTuple):
+  """One MTP block's parts as `mtp_block_forward` calls them (the functional model binds its params;
+  `nnx_model.MTPBlock` hands over its own modules)."""
+  e_proj: jax.Array       # [D, D]
+  h_proj: jax.Array       # [D, D]
+  enorm: jax.Array        # [D]
+  hnorm: jax.Array        # [D]
+  block: Sublayers        # the window-only block
+  hc_head: Callable       # X_BxTxNxD -> h_BxTxD (the block's own final collapse)
+  norm: jax.Array         # [D]
+
+
+def mtp_block_forward(parts: MTPParts, config: ModelConfig, plan: LayerPlan, embed_VxD, X_1xNxnxD, next_tokens_N,
+                      cache: caches.ModelCache, step: caches.StepIndex, *,
+                      layout: caches.CacheLayout = caches.CacheLayout(),
+                      kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
+  """The MTP wiring (see `mtp_forward`): e_proj(enorm(embed[next])) + h_proj(hnorm(X)) per stream, the block, the
+  block's own hc_head and norm."""
+  eps = config.rms_norm_eps
+  ctx = StepContext.from_step(step, layout)
+  tokens = jnp.clip(next_tokens_N.astype(jnp.int32), 0, config.vocab_size - 1)[None]
+  e = jnp.dot(rms_norm(embed_VxD[tokens], parts.enorm, eps), parts.e_proj)
+  X = e[:, :, None, :] + jnp.dot(rms_norm(X_1xNxnxD, parts.hnorm, eps), parts.h_proj)
+  layers = list(cache.layers)
+  layers[plan.index], X, _ = block_forward(parts.block, config, X, tokens, ctx, layers[plan.index], kernel_cfg,
+                                           False)
+  h = rms_norm(parts.hc_head(X), parts.norm, eps)[0]
+  return caches.ModelCache(tuple(layers)), X, h
 
 
 def forward_ragged(params, config: ModelConfig, tokens_N, cache: caches.ModelCache, step: caches.StepIndex, *,

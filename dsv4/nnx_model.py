@@ -184,6 +184,20 @@ class Block(_ParamTree):
                                pre_prev=pre_prev, shared=shared, engram_hash=engram_hash)
 
 
+class MTPBlock(Block):
+  """One MTP block (V4): a `Block` plus its input fusion (`e_proj`, `h_proj`, `enorm`, `hnorm`) and its own final
+  collapse (`hc_head`) and `norm`. Its call is `model.mtp_block_forward` over these modules."""
+  _children = {**Block._children, "hc_head": HeadConnection}
+
+  def __call__(self, embed_VxD, X_1xNxnxD, next_tokens_N, cache: caches.ModelCache, step: caches.StepIndex, *,
+               layout: caches.CacheLayout = caches.CacheLayout(),
+               kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
+    parts = model.MTPParts(self.e_proj[...], self.h_proj[...], self.enorm[...], self.hnorm[...], self.sublayers(),
+                           self.hc_head, self.norm[...])
+    return model.mtp_block_forward(parts, self.config, self.plan, embed_VxD, X_1xNxnxD, next_tokens_N, cache, step,
+                                   layout=layout, kernel_cfg=kernel_cfg)
+
+
 class Model(_ParamTree):
   """The whole text model: embed, blocks, final norm, lm_head (+ hc_head for V4, engram_token_map for V4.1).
   Its calls run `model.forward_ragged_aux`'s layer loop over this model's own `Block` modules (and `hc_head`)."""
@@ -191,10 +205,13 @@ class Model(_ParamTree):
 
   def __init__(self, config: ModelConfig, params: dict):
     _check_tree(config, params)
-    top = {k: v for k, v in params.items() if k != "layers"}
+    top = {k: v for k, v in params.items() if k not in ("layers", "mtp")}
     super().__init__(config, None, top, ())
     self.layers = nnx.List([Block(config, plan, p, ("layers", str(plan.index)))
                             for plan, p in zip(config.layer_plan(), params["layers"])])
+    if config.num_mtp_layers:
+      self.mtp = nnx.List([MTPBlock(config, plan, p, ("mtp", str(d)))
+                           for d, (plan, p) in enumerate(zip(config.mtp_plans(), params["mtp"]))])
 
   @classmethod
   def init(cls, config: ModelConfig, key: jax.Array, scale: float = 1.0) -> "Model":

@@ -164,6 +164,8 @@ _PARAM_AXES = {
     "norm": ("embed",),
     "engram_token_map": ("vocab_table",),
     "attn_norm": ("embed",), "ffn_norm": ("embed",),
+    # MTP input fusion (replicated: two D x D matrices)
+    "e_proj": ("embed", None), "h_proj": ("embed", None), "enorm": ("embed",), "hnorm": ("embed",),
     "hc/fn": ("hc_in", "hc_out"), "hc/base": ("hc_out",), "hc/scale": (None,),
     "attn/wq_a": ("embed", "q_lora"), "attn/q_norm": ("q_lora",),
     "attn/wq_b": ("q_lora", "heads_x_dim"),

@@ -64,15 +64,20 @@ def _t2(x):
 def _leaf_original(path: Path, shape: tuple, kind: str, dtype) -> list[TensorSpec]:
   """Original checkpoint spelling of one param leaf."""
   integer = np.issubdtype(np.dtype(dtype), np.integer)
-  if path[0] == "layers":
+  if path[0] in ("layers", "mtp"):   # MTP blocks: `mtp.D.*`, spelled like a layer (DeepSeek's MTPBlock is a Block)
     n, rest = path[1], path[2:]
-    pre = f"layers.{n}."
+    pre = f"{path[0]}.{n}."
   else:
     rest, pre = path, ""
   head, last = rest[:-1], rest[-1]
 
   def one(name, stored_shape, to_param=_ident, from_param=_ident):
     return [TensorSpec(name, path, tuple(stored_shape), integer, None, to_param, from_param)]
+
+  if path[0] == "mtp" and not head and last in ("e_proj", "h_proj", "enorm", "hnorm", "norm"):
+    if last in ("e_proj", "h_proj"):
+      return one(f"{pre}{last}.weight", shape[::-1], _t2, _t2)
+    return one(f"{pre}{last}.weight", shape)
 
   # mHC: flat names hc_attn_fn / hc_ffn_fn / hc_head_fn, fn stored [rows, n*D]
   if head and head[0] in ("hc_attn", "hc_ffn", "hc_head"):

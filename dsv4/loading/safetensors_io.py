@@ -199,7 +199,16 @@ def read_entries(path: str) -> dict[str, _Entry]:
 # ----------------------------------------------------------------------------------------------------------
 # Loading
 
-_IGNORE = (re.compile(r"^(model\.)?mtp\."),)  # MTP / draft block: not part of the text backbone (HF drops it too)
+_MTP_RE = re.compile(r"^(model\.)?mtp\.(layers\.)?(\d+)?")
+
+
+def _ignored(name: str, config: ModelConfig | None) -> bool:
+  """MTP / draft tensors beyond the config's MTP blocks (all of them when it has none, as HF drops them)."""
+  m = _MTP_RE.match(name)
+  if m is None:
+    return False
+  n = config.num_mtp_layers if config is not None else 0
+  return m.group(3) is None or int(m.group(3)) >= n
 
 
 _SAVED_RE = re.compile(r"^model\.(layers\.\d+\.(attn\.|ffn\.|attn_norm\.|ffn_norm\.|hc_attn_|hc_ffn_))")  # model.hc_head.* is common to both
@@ -430,7 +439,7 @@ def storage_dtype(path_or_entries) -> np.dtype:
   * no plain float tensor at all (everything quantized) -> bfloat16.
   Quantized tensors therefore dequantize into the dtype of the checkpoint's non-quantized float tensors."""
   entries = path_or_entries if isinstance(path_or_entries, dict) else read_entries(path_or_entries)
-  entries = {k: v for k, v in entries.items() if not any(p.match(k) for p in _IGNORE)}
+  entries = {k: v for k, v in entries.items() if not _ignored(k, None)}
   if not entries:
     return np.dtype(ml_dtypes.bfloat16)
   naming = detect_naming(entries)
@@ -458,10 +467,13 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
   e8m0 scales ({"fp4", "scale"} leaves, dequantized inside the MoE step: dsv4/layers/expert_quant.py).
   """
   fp8_block = fp8_block or Q.FP8_BLOCK[config.variant]
-  entries = {k: v for k, v in read_entries(path).items() if not any(p.match(k) for p in _IGNORE)}
+  entries = {k: v for k, v in read_entries(path).items() if not _ignored(k, config)}
   if isinstance(dtype, str):
     dtype = resolve_dtype(dtype, entries)
   naming = detect_naming(entries)
+  if config.num_mtp_layers and naming not in ("original", "saved"):
+    raise CheckpointError(f"{path}: MTP blocks load from original-named checkpoints (mtp.D.*, as DeepSeek ships "
+                          f"V4-Flash); this one uses {naming} names: load it with num_mtp_layers=0")
   if naming == "saved":  # key by original name; each entry keeps its stored name for messages
     renamed = {}
     for k, e in entries.items():
