@@ -314,7 +314,7 @@ def parse_args(argv):
   p.add_argument("--block_k", type=int, default=32)
   p.add_argument("--num_splits", type=int, default=0)
   p.add_argument("--num_warps", type=int, default=8)
-  p.add_argument("--num_stages", type=int, default=2)
+  p.add_argument("--num_stages", type=int, default=sa.SparseAttentionTuning.num_stages)
   p.add_argument("--no_time", action="store_true", help="correctness only")
   p.add_argument("--time_xla", action="store_true",
                  help="also time the XLA references (3 more compiles per case; off in the GPU check's budget)")

@@ -12,9 +12,11 @@ row are 8 bytes at a known offset in the same page. Storage is uint16 on purpose
 offsets only above 2^32 *bytes*; with 2-byte elements the two limits coincide, so every pool size is addressed
 correctly. Word i of a row's e4m3 part holds channels 2i (low byte) and 2i+1 (high byte).
 
-In-kernel dequant (`e4m3_bytes_to_f32`): an e4m3 byte is re-biased into an f32 bit pattern with shifts and masks and
-the UE8M0 scale is applied as an integer add on the exponent field (power-of-two scales make the multiply an
-exponent add; no fp8 -> f16 -> f32 conversion chain).
+In-kernel dequant: each loaded word is split into its two e4m3 bytes, bitcast to float8_e4m3fn and converted by the
+type conversion (`e4m3_to_f32`; sm_90 converts e4m3 in hardware), then multiplied once by the 64-channel block's
+UE8M0 scale, built from the exponent byte's bits (`ue8m0_to_f32`). The kernels once decoded e4m3 with integer
+shifts and masks (about 40 ALU ops per channel); the conversion lowers for Triton and runs in interpret mode, so no
+path needs that decode any more.
 """
 
 from __future__ import annotations
@@ -193,46 +195,41 @@ def paged_to_record(pg: Fp8PagedPool) -> Fp8KVPool:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# In-kernel decoding (pure jnp integer/bit ops on loaded values; also used by the reference tests)
+# In-kernel decoding (jnp ops on loaded values; also used by the reference tests)
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def e4m3_bytes_to_f32(b, e8):
-  """Dequantize e4m3 bytes `b` (int32 in 0..255) with UE8M0 exponents `e8` (int32, broadcastable; scale =
-  2^(e8 - 127)) to f32, exactly (for the finite codes; e4m3fn's NaN codes 0x7f/0xff, which the quantizer never
-  writes, decode as +-480 x scale; results in the f32 subnormal range may flush to zero).
-
-  Placing the 7 magnitude bits at f32 bits 20..26 gives an f32 whose exponent field is the e4m3 exponent e and whose
-  mantissa is the e4m3 mantissa, i.e. 2^(e - 127) x 1.m; adding (120 + k) to the exponent field (k = e8 - 127)
-  turns it into 2^(e - 7 + k) x 1.m = value x scale. Subnormals (e = 0) take one more exponent step and subtract the
-  implicit one (2^(k - 6)). Extreme scales fall back to two exact power-of-two multiplies so the exponent field never
-  wraps."""
-  b = b.astype(jnp.int32)
-  k = e8.astype(jnp.int32) - 127
-  sign = jnp.left_shift(jnp.right_shift(b, 7) & 1, 31)
-  mag = b & 0x7F
-  sub = jnp.right_shift(mag, 3) == 0
-  bias = 120 + k + sub.astype(jnp.int32)
-  body = jnp.left_shift(mag, 20)
-  fast = jnp.bitwise_or(sign, body + jnp.left_shift(jnp.maximum(bias, 1), 23))
-  v = jax.lax.bitcast_convert_type(fast, jnp.float32)
-  one = jax.lax.bitcast_convert_type(jnp.bitwise_or(sign, jnp.left_shift(jnp.maximum(121 + k, 1), 23)),
-                                     jnp.float32)
-  v = jnp.where(sub, v - one, v)
-  # Extreme scales (k < -110 or k > 100, never produced for bf16 rows with amax > 1e-30): integer significand times
-  # 2^exp in two exact power-of-two steps, so no exponent field wraps and no intermediate is subnormal.
-  m3 = mag & 7
-  sig = jnp.where(sub, m3, 8 + m3).astype(jnp.float32)
-  sig = jnp.where(sign != 0, -sig, sig)
-  ex = jnp.where(sub, -9, jnp.right_shift(mag, 3) - 10) + k
-  h = jnp.right_shift(ex, 1)
-  slow = sig * _pow2(h) * _pow2(ex - h)
-  return jnp.where((k < -110) | (k > 100), slow, v)
+def as_e4m3(x):
+  """e4m3 codes as float8_e4m3fn: an e4m3 array as is; integer bytes (uint8 / int32 in 0..255, e.g. a byte taken
+  out of a loaded uint16 word) by a bitcast of their low byte (Triton: trunci + bitcast, no arithmetic)."""
+  if x.dtype == jnp.float8_e4m3fn:
+    return x
+  if x.dtype != jnp.uint8:
+    x = x.astype(jnp.uint8)
+  return jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
 
 
-def _pow2(n):
-  """2^n as f32 for int32 n in [-126, 127], built from bits (exact; exp2 need not be)."""
-  return jax.lax.bitcast_convert_type(jnp.left_shift(n + 127, 23), jnp.float32)
+def e4m3_to_f32(x):
+  """e4m3 codes (see `as_e4m3`) -> f32 by the type conversion: Triton lowers it to `tt.fp_to_fp`, which sm_90 runs
+  as the hardware e4m3x2 -> f16x2 conversion (two channels per instruction) and one widening; exact for every
+  finite code. e4m3fn's NaN codes (0x7f / 0xff, never written by the quantizer) decode as NaN; rows behind invalid
+  ids are never loaded, so a NaN there cannot reach an output."""
+  return as_e4m3(x).astype(jnp.float32)
+
+
+def ue8m0_to_f32(e8):
+  """UE8M0 exponent bytes (int, 0..254) -> the scale 2^(e8 - 127) as f32, exactly, built from bits (exp2 need not
+  be exact): e8 << 23 is that f32 for e8 >= 1; e8 = 0 is the subnormal 2^-127 (a GPU that flushes subnormals
+  reads it as 0; the quantizer writes e8 = 0 only for blocks whose amax is below 2^-118)."""
+  e8 = e8.astype(jnp.int32)
+  return jax.lax.bitcast_convert_type(jnp.where(e8 > 0, jnp.left_shift(e8, 23), 1 << 22), jnp.float32)
+
+
+def word_bytes_as_e4m3(words):
+  """uint16 words holding two e4m3 codes -> (low byte, high byte) as float8_e4m3fn: the word is loaded once and both
+  channels come out of it (channel 2i is the low byte, 2i+1 the high byte)."""
+  w = words.astype(jnp.int32)
+  return as_e4m3(w & 0xFF), as_e4m3(jnp.right_shift(w, 8) & 0xFF)
 
 
 def bf16_words_to_f32(w):

@@ -54,7 +54,7 @@ quantize_kv_fp8 = _fp8.quantize_kv_fp8
 dequantize_kv_fp8 = _fp8.dequantize_kv_fp8
 record_to_paged = _fp8.record_to_paged
 paged_to_record = _fp8.paged_to_record
-MAX_SPLITS = 2  # key splits per program row (flash decoding); see auto_num_splits
+MAX_SPLITS = 16  # key splits per program row (flash decoding); see auto_num_splits
 
 
 def _next_pow2(x: int) -> int:
@@ -160,14 +160,19 @@ class SparseAttentionTuning:
 
   block_h: heads per program (power of two, >= 16 for the Triton dot; smaller H is padded).
   block_k: keys (gathered rows) per inner step (power of two).
-  num_splits: key splits per (token, head block), 0 = auto (2 only when there are fewer programs than
-    target_programs / 2 = one wave of 132 H200 SMs, else 1); at most MAX_SPLITS = 2.
+  num_splits: key splits per (token, head block), 0 = auto (`auto_num_splits`: 1 from one wave of programs,
+    target_programs / 2 = 132 H200 SMs, up; below it about one wave's worth, 2 .. MAX_SPLITS = 16).
   chunk_d: column chunk width when every pool is a plain array (power of two; 0 = whole row). With an FP8 pool
     the plan is fixed: each 64-channel FP8 block is two 32-wide chunks (even / odd channels: the two bytes of a
     uint16 word), then the RoPE channels.
   fp8_u16_min_elems: a record pool's e4m3 array with at least this many elements is read through a uint16 view
     (the paged layout's path), because 32-bit element offsets overflow at 2^31 one-byte elements while JAX's
     Triton lowering only switches to 64-bit offsets above 2^32 bytes. Tests lower it to force that path.
+  num_stages: Triton software-pipelining depth of the key loop (3: the gathers of step j + 2 are issued while
+    step j computes; an estimate of the right depth, set without a GPU run; SMEM use at block_k 32, d 512 bf16 is
+    3 x 32 KB).
+  id_row_max: an id row of at most this many (padded) ids is loaded once per program and each step picks its
+    block from registers; a wider row is read one block per step (2048 ids = 8 registers a thread at 8 warps).
   debug: print the kernel jaxpr and Triton module when lowering (pallas_call(debug=True)).
   """
   block_h: int = 64
@@ -175,9 +180,10 @@ class SparseAttentionTuning:
   num_splits: int = 0
   chunk_d: int = 0
   num_warps: int = 8
-  num_stages: int = 2
+  num_stages: int = 3
   target_programs: int = 264
   fp8_u16_min_elems: int = 2 ** 31
+  id_row_max: int = 2048
   debug: bool = False
 
   def __post_init__(self):
@@ -255,57 +261,83 @@ def _masked_gather(ref, r, c, m, other=0):
   return _pl_triton.load(ref.at[r, c], mask=m, other=jnp.asarray(other, ref.dtype))
 
 
-def _byte(words, parity):
-  """Byte `parity` (0 = low) of uint16 words, as int32."""
-  w = words.astype(jnp.int32)
-  return (jnp.right_shift(w, 8) if parity else w) & 0xFF
+def _load_plan(refs, kind, meta, ids, valid, plan, Dn, dtype):
+  """Rows `ids` (clamped) of a pool, dequantized, as one `dtype` [bk, w] array per plan chunk; rows that are not
+  `valid` are never read (zeros; FP8 scales read as 2^0).
 
-
-def _load_chunk(refs, kind, meta, ids, valid, chunk, Dn, dtype):
-  """Rows `ids` (clamped) of one plan chunk from a pool, dequantized, as `dtype` [bk, w]; rows that are not
-  `valid` are never read (zeros; FP8 scales read as 2^0)."""
-  _, w, rec = chunk
+  Every word is loaded once: a uint16 word of e4m3 pairs (paged, rec16) feeds both parity chunks of its block, and a
+  row's scale bytes (or scale words) are loaded together and picked per block. FP8 decode is a bitcast to
+  float8_e4m3fn, the type conversion and one multiply by the block's scale (fp8.py)."""
   bk = ids.shape[0]
-  j = jax.lax.broadcasted_iota(jnp.int32, (bk, w), 1)
-  rows = jnp.broadcast_to(ids[:, None], (bk, w))
-  m = jnp.broadcast_to(valid[:, None], (bk, w))
-  if rec[0] == "plain":
-    cols = rec[1] + j
-  elif rec[0] == "nope":
-    cols = rec[1] * FP8_BLOCK + 2 * j + rec[2]
-  else:
-    cols = Dn + rec[1] + j
-  if kind == "plain":
-    return _masked_gather(refs[0], rows, cols, m).astype(dtype)
-
+  m_row = valid[:, None]
+  out = {}
+  scales = None
   if kind == "paged":
     (pages_ref,) = refs
     ps, rw, sw, tail0 = meta
     page, slot = ids // ps, ids % ps
-    prow = jnp.broadcast_to(page[:, None], (bk, w))
-    base = jnp.broadcast_to((slot * rw)[:, None], (bk, w))
+    base = (slot * rw)[:, None]
+    page2 = page[:, None]
+  for i, (_, w, rec) in enumerate(plan):
+    if i in out:
+      continue
+    j = jax.lax.broadcasted_iota(jnp.int32, (bk, w), 1)
+    rows = jnp.broadcast_to(ids[:, None], (bk, w))
+    m = jnp.broadcast_to(m_row, (bk, w))
+    if kind == "plain":  # a float pool, in the plan's channel order (which FP8 pools beside it may permute)
+      if rec[0] == "nope":
+        cols = rec[1] * FP8_BLOCK + 2 * j + rec[2]
+      else:
+        cols = (Dn if rec[0] == "rope" else 0) + rec[1] + j
+      out[i] = _masked_gather(refs[0], rows, cols, m).astype(dtype)
+      continue
     if rec[0] == "rope":
-      x = bf16_words(_masked_gather(pages_ref, prow, base + Dn // 2 + rec[1] + j, m))
-      return x.astype(dtype)
+      if kind == "paged":
+        x = _fp8.bf16_words_to_f32(_masked_gather(pages_ref, jnp.broadcast_to(page2, (bk, w)),
+                                                  base + Dn // 2 + rec[1] + j, m))
+      else:
+        x = _masked_gather(refs[2], rows, rec[1] + j, m)
+      out[i] = x.astype(dtype)
+      continue
     blk, par = rec[1], rec[2]
-    b = _byte(_masked_gather(pages_ref, prow, base + blk * (FP8_BLOCK // 2) + j, m), par)
-    swd = _masked_gather(pages_ref, page, tail0 + slot * sw + blk // 2, valid, 127 * 257)
-    e8 = _byte(swd, blk % 2)
-    return _fp8.e4m3_bytes_to_f32(b, e8[:, None]).astype(dtype)
+    if scales is None:  # the row's scale bytes / words, once per step
+      if kind == "paged":
+        c = jax.lax.broadcasted_iota(jnp.int32, (bk, sw), 1)
+        scales = _masked_gather(pages_ref, jnp.broadcast_to(page2, (bk, sw)), tail0 + slot[:, None] * sw + c,
+                                jnp.broadcast_to(m_row, (bk, sw)), 127 * 257).astype(jnp.int32)
+      else:
+        scale_ref = refs[1]
+        sc = scale_ref.shape[1]
+        c = jax.lax.broadcasted_iota(jnp.int32, (bk, sc), 1)
+        scales = _masked_gather(scale_ref, jnp.broadcast_to(ids[:, None], (bk, sc)), c,
+                                jnp.broadcast_to(m_row, (bk, sc)), 127).astype(jnp.int32)
+    if kind == "paged":
+      e8 = _pick_col(scales, blk // 2)
+      e8 = (jnp.right_shift(e8, 8) if blk % 2 else e8) & 0xFF
+    else:
+      e8 = _pick_col(scales, blk)
+    scale = _fp8.ue8m0_to_f32(e8)[:, None]
+    pair = i + 1 - 2 * par  # the other parity chunk of this block
+    if kind in ("paged", "rec16"):
+      if kind == "paged":
+        words = _masked_gather(pages_ref, jnp.broadcast_to(page2, (bk, w)), base + blk * (FP8_BLOCK // 2) + j, m)
+      else:
+        words = _masked_gather(refs[0], rows, blk * (FP8_BLOCK // 2) + j, m)
+      lo, hi = _fp8.word_bytes_as_e4m3(words)
+      byp = {0: lo, 1: hi}
+      out[i] = (_fp8.e4m3_to_f32(byp[par]) * scale).astype(dtype)
+      out[pair] = (_fp8.e4m3_to_f32(byp[1 - par]) * scale).astype(dtype)
+    else:  # "rec": the e4m3 array itself, one byte per channel (each byte is read once, by its parity chunk)
+      x = _masked_gather(refs[0], rows, blk * FP8_BLOCK + 2 * j + par, m)
+      out[i] = (_fp8.e4m3_to_f32(x) * scale).astype(dtype)
+  return [out[i] for i in range(len(plan))]
 
-  nope_ref, scale_ref, rope_ref = refs
-  if rec[0] == "rope":
-    return _masked_gather(rope_ref, rows, rec[1] + j, m).astype(dtype)
-  blk, par = rec[1], rec[2]
-  e8 = _masked_gather(scale_ref, ids, jnp.full((bk,), blk, jnp.int32), valid, 127).astype(jnp.int32)
-  if kind == "rec16":
-    b = _byte(_masked_gather(nope_ref, rows, blk * (FP8_BLOCK // 2) + j, m), par)
-  else:
-    b = jax.lax.bitcast_convert_type(_masked_gather(nope_ref, rows, cols, m), jnp.uint8).astype(jnp.int32)
-  return _fp8.e4m3_bytes_to_f32(b, e8[:, None]).astype(dtype)
 
-
-bf16_words = _fp8.bf16_words_to_f32
+def _pick_col(x_BxC, c: int):
+  """Column c (static) of a small [B, C] tile as [B] (Triton has no vector indexing; C is a handful of scales)."""
+  if x_BxC.shape[1] == 1:
+    return jnp.sum(x_BxC, axis=1)
+  return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, x_BxC.shape, 1) == c, x_BxC, 0), axis=1)
 
 
 def _dot_nt(a, b, precision=None):
@@ -329,11 +361,11 @@ def _pick(vec, i):
   return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, vec.shape, 0) == i, vec, 0))
 
 
-def _sparse_kernel(*refs, plan, Dn, pools_meta, block_k, num_splits, qk_scale2, cdtype):
+def _sparse_kernel(*refs, plan, Dn, pools_meta, block_k, num_splits, qk_scale2, cdtype, id_row_max):
   """One program: one query token, block_h heads, one split of the query's live key blocks.
 
-  refs: q, sink, lens (valid leading ids per pool for this query), then per pool (idx, pool arrays...), then
-  outputs (out, lse)."""
+  refs: q, sink, lens (valid leading ids per pool for this query), then per pool (ids [nblk, block_k], pool
+  arrays...), then outputs (out, lse)."""
   q_ref, sink_ref, lens_ref = refs[0], refs[1], refs[2]
   pos = 3
   pool_refs = []
@@ -360,14 +392,32 @@ def _sparse_kernel(*refs, plan, Dn, pools_meta, block_k, num_splits, qk_scale2, 
   hi = jnp.minimum(lo + per_split, total)
   base = 0
   for (idx_ref, arrs, kind_meta, P), nb, ln in zip(pool_refs, live, lens):
-    def body(j, carry, idx_ref=idx_ref, arrs=arrs, kind_meta=kind_meta, P=P, ln=ln):
+    nblk = idx_ref.shape[0]
+    if nblk * block_k <= id_row_max:
+      # The whole id row is loaded once per program, checked once (-1 = invalid: bad id or past the length), and
+      # each step picks its block out of registers: no dependent id load in front of every gather.
+      tile = idx_ref[...]
+      posn = (jax.lax.broadcasted_iota(jnp.int32, tile.shape, 0) * block_k
+              + jax.lax.broadcasted_iota(jnp.int32, tile.shape, 1))
+      tagged = jnp.where((tile >= 0) & (tile < P) & (posn < ln), tile, -1)
+      row_of = jax.lax.broadcasted_iota(jnp.int32, tile.shape, 0)
+
+      def block_ids(j, tagged=tagged, row_of=row_of):
+        ids = jnp.sum(jnp.where(row_of == j, tagged, 0), axis=0)
+        return ids >= 0, ids
+    else:  # a row too wide to hold in registers (e.g. HCA over a very long context): one block per step
+
+      def block_ids(j, idx_ref=idx_ref, P=P, ln=ln):
+        ids = idx_ref[pl.ds(j, 1), :].reshape(block_k)
+        posn = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        return (ids >= 0) & (ids < P) & (posn < ln), ids
+
+    def body(j, carry, arrs=arrs, kind_meta=kind_meta, block_ids=block_ids):
       kind, meta = kind_meta
       m, l, accs = carry
-      ids = idx_ref[pl.ds(j * block_k, block_k)]
-      posn = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-      valid = (ids >= 0) & (ids < P) & (posn < ln)
+      valid, ids = block_ids(j)
       safe = jnp.where(valid, ids, 0)  # explicit clamp: never rely on interpret-mode clamping
-      ks = [_load_chunk(arrs, kind, meta, safe, valid, chunk, Dn, cdtype) for chunk in plan]
+      ks = _load_plan(arrs, kind, meta, safe, valid, plan, Dn, cdtype)
       s = _dot_nt(q_chunks[0], ks[0], prec)
       for qc, kc in zip(q_chunks[1:], ks[1:]):
         s = s + _dot_nt(qc, kc, prec)
@@ -402,12 +452,15 @@ def _sparse_kernel(*refs, plan, Dn, pools_meta, block_k, num_splits, qk_scale2, 
 
 
 def _merge_splits(o_NxSxHxD, lse_NxSxH, sink_H, out_dtype):
+  """Flash-decoding merge of per-split normalized partials. Written as a broadcast multiply and a sum over the split
+  axis (not an einsum, which XLA may hand to a batched GEMM with a contraction of S <= 16) so it fuses into one pass
+  over the partials, which at decode sizes sit in L2."""
   m = jnp.max(lse_NxSxH, axis=1)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
   w = jnp.exp(lse_NxSxH - m_safe[:, None, :])
   L = jnp.sum(w, axis=1)
   denom = L + jnp.exp(sink_H.astype(jnp.float32)[None, :] - m_safe)
-  acc = jnp.einsum("nsh,nshd->nhd", w, o_NxSxHxD.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  acc = jnp.sum(w[..., None] * o_NxSxHxD.astype(jnp.float32), axis=1)
   ok = (denom > 0) & jnp.isfinite(denom)
   out = jnp.where(ok[..., None], acc / jnp.where(ok, denom, 1.0)[..., None], 0.0)
   lse = jnp.where(L > 0, jnp.log(jnp.maximum(L, 1e-37)) + m_safe, -jnp.inf)
@@ -415,21 +468,27 @@ def _merge_splits(o_NxSxHxD, lse_NxSxH, sink_H, out_dtype):
 
 
 def _pad_idx(idx_NxK, block_k):
-  K = idx_NxK.shape[1]
-  Kp = max(block_k, -(-K // block_k) * block_k)
+  """[N, K] ids -> [N, nblk, block_k] with nblk a power of two (a Triton block), padded with -1."""
+  N, K = idx_NxK.shape
+  nblk = _next_pow2(max(1, -(-K // block_k)))
+  Kp = nblk * block_k
   if Kp != K:
     idx_NxK = jnp.pad(idx_NxK, ((0, 0), (0, Kp - K)), constant_values=-1)
-  return idx_NxK.astype(jnp.int32)
+  return idx_NxK.astype(jnp.int32).reshape(N, nblk, block_k)
 
 
 def auto_num_splits(N: int, head_blocks: int, nblocks: int, target_programs: int) -> int:
-  """Split the keys only when there are too few rows of work to fill the GPU (fewer programs than one wave,
-  target_programs / 2), and then into at most MAX_SPLITS: every extra split costs a [block_h, D] partial written and
-  read back, which at batch 64 outweighed the gain."""
+  """Key splits for N queries: 1 once the (token, head block) programs fill one wave (target_programs / 2 = one
+  program per SM); below that, enough splits for about one wave (at least 2, at most MAX_SPLITS and one block per
+  split). Batch 1-8 at 64 heads (one head block) gets 16 splits instead of 1-2 programs on 132 SMs; batch 64 keeps
+  2 (128 programs). Each extra split writes one [block_h, D] partial in the output dtype, merged by one fused XLA
+  pass (`_merge_splits`); at batch <= 8 those partials are <= 8 MB, small next to the latency of a 1-program wave
+  (an estimate: nothing has been timed on a GPU)."""
   progs = N * head_blocks
-  if 2 * progs >= target_programs or nblocks < 2:
+  wave = max(1, target_programs // 2)
+  if progs >= wave or nblocks < 2:
     return 1
-  return MAX_SPLITS
+  return max(2, min(MAX_SPLITS, nblocks, wave // progs))
 
 
 def chosen_num_splits(N: int, H: int, id_widths, tuning: SparseAttentionTuning | None = None) -> int:
@@ -438,8 +497,8 @@ def chosen_num_splits(N: int, H: int, id_widths, tuning: SparseAttentionTuning |
   bh = min(t.block_h, max(16, _next_pow2(H)))
   nhb = -(-H // bh)
   total = sum(max(1, -(-w // t.block_k)) for w in id_widths)
-  S = t.num_splits or auto_num_splits(N, nhb, total, t.target_programs)
-  return max(1, min(S, total))
+  S = max(1, min(t.num_splits or auto_num_splits(N, nhb, total, t.target_programs), total))
+  return -(-total // -(-total // S))  # every split gets a block: 20 blocks in 16 splits is 10 splits of 2
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "tuning"))
@@ -473,9 +532,9 @@ def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_
   idxs = [_pad_idx(idx, bk) for _, idx, _ in pools]
   # Per-query valid lengths (clipped to the id width); a power-of-two column count for the Triton block.
   lens = [jnp.full((N,), idx.shape[1], jnp.int32) if ln is None else jnp.clip(ln.astype(jnp.int32), 0, idx.shape[1])
-          for (_, idx, ln) in pools]
+          for (_, idx, ln) in pools]  # the unpadded widths
   lens_Nx2 = jnp.stack(lens + [jnp.zeros((N,), jnp.int32)] * (2 - len(lens)), axis=1)
-  S = chosen_num_splits(N, H, [i.shape[1] for i in idxs], t)
+  S = chosen_num_splits(N, H, [idx.shape[1] for _, idx, _ in pools], t)
 
   args = [q, sink, lens_Nx2]
   in_specs = [pl.BlockSpec((None, bh, D), lambda n, h, s: (n, h, 0)),
@@ -484,7 +543,7 @@ def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_
   meta = []
   for (pool, _, _), idx in zip(pools, idxs):
     args.append(idx)
-    in_specs.append(pl.BlockSpec((None, idx.shape[1]), lambda n, h, s: (n, 0)))
+    in_specs.append(pl.BlockSpec((None,) + idx.shape[1:], lambda n, h, s: (n, 0, 0)))
     kind, arrs = _pool_kind_arrays(pool, t.fp8_u16_min_elems)
     for a in arrs:
       args.append(a)
@@ -505,7 +564,7 @@ def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_
                  pl.BlockSpec((None, None, bh), lambda n, h, s: (n, s, h))]
 
   kernel = functools.partial(_sparse_kernel, plan=plan, Dn=Dn, pools_meta=tuple(meta), block_k=bk, num_splits=S,
-                             qk_scale2=float(scale) * _LOG2E, cdtype=cdtype)
+                             qk_scale2=float(scale) * _LOG2E, cdtype=cdtype, id_row_max=t.id_row_max)
   compiler_params = None
   if _pl_triton is not None:
     compiler_params = _pl_triton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)

@@ -1,5 +1,6 @@
-"""FP8 rows: exponent-add dequant vs XLA's conversion (every byte), record <-> paged layout (byte exact), and the
-kernel on every FP8 storage path (record, record via uint16 view, paged) vs dequantize-then-reference."""
+"""FP8 rows: the in-kernel decode (bitcast, conversion, one scale multiply) vs float64 for every code, record <->
+paged layout (byte exact), and the kernel on every FP8 storage path (record, record via uint16 view, paged) vs
+dequantize-then-reference."""
 
 import jax
 import jax.numpy as jnp
@@ -16,15 +17,39 @@ def _bytes(a):
   return a.view(np.uint8)
 
 
-@pytest.mark.parametrize("e8", [0, 5, 16, 17, 60, 120, 127, 128, 140, 200, 227, 228, 247])
-def test_exponent_add_dequant_matches_conversion(e8):
-  b = jnp.arange(256, dtype=jnp.int32)
-  want = np.asarray(jax.lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32))
-  want = want.astype(np.float64) * 2.0 ** (e8 - 127)
-  got = np.asarray(fp8.e4m3_bytes_to_f32(b, jnp.full((256,), e8, jnp.int32)), np.float64)
-  ok = np.isfinite(want) & (np.abs(want) >= 2.0 ** -126) | (want == 0)  # f32 normal range (CPU may flush subnormals)
-  ok &= np.abs(want) < 3.4e38
-  np.testing.assert_array_equal(got[ok], want[ok])
+def test_ue8m0_scale_is_exact_for_every_exponent():
+  got = np.asarray(fp8.ue8m0_to_f32(jnp.arange(255, dtype=jnp.int32)), np.float64)
+  np.testing.assert_array_equal(got, 2.0 ** (np.arange(255) - 127.0))
+
+
+def _decode_words_kernel(w_ref, e8_ref, lo_ref, hi_ref):
+  """The kernels' decode on one tile: a word loaded once, both bytes bitcast + converted, one scale multiply."""
+  lo, hi = fp8.word_bytes_as_e4m3(w_ref[...])
+  scale = fp8.ue8m0_to_f32(e8_ref[...])[:, None]
+  lo_ref[...] = fp8.e4m3_to_f32(lo) * scale
+  hi_ref[...] = fp8.e4m3_to_f32(hi) * scale
+
+
+@pytest.mark.parametrize("e8", [1, 5, 16, 60, 120, 127, 128, 140, 200, 228, 254])
+def test_in_kernel_decode_matches_conversion_for_every_code(e8):
+  """Every (low byte, high byte) e4m3 pair of a uint16 word, decoded by the kernels' path inside a Pallas kernel
+  (interpret mode), equals the e4m3 value times 2^(e8 - 127) (computed in float64) wherever that is a finite f32
+  normal; e4m3fn's two NaN codes decode as NaN."""
+  from jax.experimental import pallas as pl
+  words = jnp.arange(65536, dtype=jnp.int32).astype(jnp.uint16).reshape(256, 256)
+  e8s = jnp.full((256,), e8, jnp.int32)
+  out = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+  lo, hi = pl.pallas_call(_decode_words_kernel, out_shape=[out, out], interpret=True)(words, e8s)
+  codes = np.asarray(jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8),
+                                                  jnp.float8_e4m3fn).astype(jnp.float32), np.float64)
+  w = np.arange(65536).reshape(256, 256)
+  for got, byte in ((lo, w & 0xFF), (hi, w >> 8)):
+    want = codes[byte] * 2.0 ** (e8 - 127)
+    got = np.asarray(got, np.float64)
+    nan = np.isnan(want)
+    assert nan.sum() == 2 * 256 and np.isnan(got[nan]).all()
+    ok = ~nan & ((np.abs(want) >= 2.0 ** -126) | (want == 0)) & (np.abs(want) < 3.4e38)
+    np.testing.assert_array_equal(got[ok], want[ok])
 
 
 @pytest.mark.parametrize("P,page_size", [(37, 4), (64, 64), (5, 2)])

@@ -192,3 +192,64 @@ def test_mosaic_gpu_id_layout():
   assert np.all(ids[1, 64:192] == -1)  # comp length 0
   tail = ids[:, -128:]
   np.testing.assert_array_equal(tail[:, :2], [[1, 2], [1, 0]])
+
+
+def _triton_module(capsys, *specs, **kw):
+  export_for_cuda(sa.sparse_attention_pallas, *specs, scale=D ** -0.5, **kw)
+  return capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("id_row", ["registers", "per_step"])
+def test_fp8_paged_decode_loads_each_word_once(id_row, capsys):
+  """The Triton module of the FP8 paged decode (window 128 + top-512, block_k 32): per pool and step one load of the
+  row's scale words [32 x 4], seven loads of e4m3 word pairs [32 x 32] (one per 64-channel block, feeding both of
+  its byte chunks) and one RoPE load [32 x 64]; e4m3 is decoded by the type conversion (`tt.fp_to_fp`, 2 pools x
+  14 chunks), not integer arithmetic. The id rows are loaded once per program ([4 x 32], [16 x 32]) unless
+  `id_row_max` sends them through one [1 x 32] load per step."""
+  N = 4
+  tun = sa.SparseAttentionTuning(debug=True, id_row_max=2048 if id_row == "registers" else 0)
+  ir = _triton_module(capsys, S((N, H, D), jnp.bfloat16), paged_spec(4096), S((N, W), jnp.int32),
+                      paged_spec(8192), S((N, TOPK), jnp.int32), S((H,), jnp.float32), tuning=tun)
+  loads = [ln for ln in ir if "tt.load" in ln]
+  i16 = lambda shape: sum(f"tensor<{shape}x!tt.ptr<i16>>" in ln for ln in loads)
+  assert (i16("32x4"), i16("32x32"), i16("32x64")) == (2, 14, 2)
+  assert sum("tt.fp_to_fp" in ln and "f8E4M3FN" in ln for ln in ir) == 28
+  once = [sum(f"tensor<{s}x!tt.ptr<i32>>" in ln for ln in loads) for s in ("4x32", "16x32", "1x32")]
+  assert once == ([1, 1, 0] if id_row == "registers" else [0, 0, 2])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_paged"])
+def test_batch1_decode_many_splits_lowers(fmt):
+  """Batch 1 at 64 heads splits the keys 10 ways (window 128 + top-512 = 20 blocks of 32); the split partials
+  [1, 10, 64, 512] come out of the Triton call and are merged by XLA."""
+  assert sa.chosen_num_splits(1, H, [W, TOPK]) == 10
+  pool = paged_spec(256 * W) if fmt == "fp8_paged" else pool_spec(256 * W, fmt == "fp8")
+  cpool = paged_spec(64 * 32768) if fmt == "fp8_paged" else pool_spec(64 * 32768, fmt == "fp8")
+  exp = export_for_cuda(
+      sa.sparse_attention_pallas, S((1, H, D), jnp.bfloat16), pool, S((1, W), jnp.int32), cpool,
+      S((1, TOPK), jnp.int32), S((H,), jnp.float32), S((1,), jnp.int32), S((1,), jnp.int32), scale=D ** -0.5)
+  assert TRITON in lowering.custom_call_targets(exp)
+  assert "tensor<1x10x64x512xbf16>" in exp.mlir_module()
+  assert exp.out_avals[0].shape == (1, H, D)
+
+
+def test_fp8_dot_lowers_for_triton():
+  """Triton-under-JAX lowers a dot of two e4m3 tiles to `tt.dot` on f8E4M3FN operands (the FP8 tensor-core path an
+  FP8-query indexer would use; the kernels do not use it yet, see BUILD_NOTES.md, Kernels)."""
+  from jax.experimental import pallas as pl
+
+  def kernel(a_ref, b_ref, o_ref):
+    o_ref[...] = jax.lax.dot_general(a_ref[...], b_ref[...], (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+
+  def f(a, b):
+    return pl.pallas_call(kernel, out_shape=S((64, 32), jnp.float32), debug=True,
+                          compiler_params=sa._pl_triton.CompilerParams(num_warps=4, num_stages=1))(a, b)
+
+  import contextlib
+  import io
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    export_for_cuda(f, S((64, 128), jnp.float8_e4m3fn), S((32, 128), jnp.float8_e4m3fn))
+  dots = [ln for ln in buf.getvalue().splitlines() if "tt.dot" in ln]
+  assert dots and all("xf8E4M3FN>" in ln for ln in dots), dots

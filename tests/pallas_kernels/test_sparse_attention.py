@@ -182,9 +182,49 @@ def test_tuning_validation():
   with pytest.raises(ValueError):
     sa.SparseAttentionTuning(block_h=0)
   with pytest.raises(ValueError):
-    sa.SparseAttentionTuning(num_splits=3)  # at most 2 splits (partials cost bytes)
-  assert sa.auto_num_splits(1, 1, 20, 264) == 2  # too few rows of work: split in two
+    sa.SparseAttentionTuning(num_splits=sa.MAX_SPLITS + 1)
+  sa.SparseAttentionTuning(num_splits=sa.MAX_SPLITS)
+
+
+def test_auto_splits_fill_one_wave():
+  """Split count by batch at 64 heads (one head block), 20 key blocks (window 128 + top-512 at block_k 32)."""
+  assert sa.MAX_SPLITS == 16
+  assert sa.auto_num_splits(1, 1, 20, 264) == 16  # batch 1-8: as many splits as the cap allows
+  assert sa.auto_num_splits(8, 1, 20, 264) == 16
+  assert sa.auto_num_splits(16, 1, 20, 264) == 8  # 128 programs
   assert sa.auto_num_splits(64, 1, 20, 264) == 2
+  assert sa.auto_num_splits(100, 1, 20, 264) == 2  # below one wave: at least 2
   assert sa.auto_num_splits(132, 1, 20, 264) == 1  # one full wave already
   assert sa.auto_num_splits(256, 1, 20, 264) == 1
   assert sa.auto_num_splits(1, 1, 1, 264) == 1  # a single key block cannot split
+  assert sa.auto_num_splits(1, 1, 5, 264) == 5  # at most one split per key block
+  # chosen_num_splits drops splits that would get no block: 20 blocks in 16 splits are 10 splits of 2.
+  assert sa.chosen_num_splits(1, 64, [128, 512]) == 10
+  assert sa.chosen_num_splits(8, 64, [128, 1024]) == 12  # 36 blocks: 16 splits of 3 would leave 4 empty
+  assert sa.chosen_num_splits(64, 64, [128, 512]) == 2
+  assert sa.chosen_num_splits(512, 64, [128, 512]) == 1
+
+
+@pytest.mark.parametrize("id_row", ["registers", "per_step"])
+@pytest.mark.parametrize("splits", [1, 4, 16])
+def test_lengths_at_block_boundaries_with_many_splits(splits, id_row):
+  """Per-row valid lengths at 0, 1, block_k - 1, block_k, block_k + 1, the full width and past it, on both pools,
+  with up to 16 key splits (most of them empty for the short rows) and both id-row paths (loaded once per program
+  and picked from registers, or read one block per step). Ids past a row's length hold valid-looking rows: a
+  kernel that read them would differ from the reference."""
+  N, H, D, P, Q, W, K, bk = 8, 16, 64, 40, 90, 20, 40, 8
+  q, wp, wi, cp, ci, sink = make_case(17, N, H, D, P, Q, W, K, jnp.float32)
+  rng = np.random.default_rng(17)
+  wi = jnp.asarray(rng.integers(0, P, (N, W)), jnp.int32)  # every id valid: only the lengths cut rows short
+  ci = jnp.asarray(rng.integers(0, Q, (N, K)), jnp.int32)
+  wl = jnp.asarray([0, 1, bk - 1, bk, bk + 1, W, W + 5, 3], jnp.int32)
+  cl = jnp.asarray([0, bk + 1, K, 1, bk, bk - 1, 0, K + 9], jnp.int32)
+  tun = sa.SparseAttentionTuning(block_h=16, block_k=bk, num_splits=splits,
+                                 id_row_max=2048 if id_row == "registers" else 0)
+  ko, kl = sa.sparse_attention_pallas(q, wp, wi, cp, ci, sink, wl, cl, scale=D ** -0.5, interpret=True, tuning=tun)
+  ro, rl = sa.sparse_attention_reference(q, wp, wi, cp, ci, sink, scale=D ** -0.5, window_len_N=wl, comp_len_N=cl)
+  assert_close(ko, ro, *TOL[jnp.float32], "out")
+  assert_close(kl, rl, 3e-4, 3e-4, "lse")
+  assert np.all(np.asarray(kl[0]) == -np.inf) and np.all(np.asarray(ko[0]) == 0.0)  # both lengths 0
+  full, _ = sa.sparse_attention_reference(q, wp, wi, cp, ci, sink, scale=D ** -0.5)
+  assert np.abs(np.asarray(full[1]) - np.asarray(ro[1])).max() > 1e-2  # the lengths change the answer

@@ -6,7 +6,8 @@
   moves the reference answer far outside the tolerance, which is set per output block (each block's own magnitude):
   a kernel that applied a wrong block's scale would fail.
 * The tuning the kernels ship with (block_h 64, block_k 32: `SparseAttentionTuning()`) at 64 heads x d 512, bf16 and
-  FP8, with one and two key splits; the fused top-k's default tuning at 64 heads x 128 with FP8 keys.
+  FP8, with one split, auto splits at batch 3 and a batch-1 decode over window 128 + top-512 ids (10 splits); the
+  fused top-k's default tuning at 64 heads x 128 with FP8 keys.
 Small batches and contexts keep each case to seconds; the default tier runs the paged FP8 path at d 512, the
 shipped tuning in bf16 and the fused top-k; the other FP8 paths and the FP8 x shipped-tuning cases (3-5 s each) are in
 the slow tier."""
@@ -105,14 +106,35 @@ def flash_case(seed, fmt, N=3):
                                         pytest.param("fp8_paged", 0, marks=pytest.mark.slow),
                                         pytest.param("fp8_paged", 1, marks=pytest.mark.slow)])
 def test_v4_flash_tuning(fmt, splits):
-  """The shipped tuning (block_h 64 = all 64 heads in one program, block_k 32) at d 512; 0 = auto (2 splits at this
-  batch), 1 = one split (the prefill / large-batch path)."""
+  """The shipped tuning (block_h 64 = all 64 heads in one program, block_k 32) at d 512; 0 = auto (3 splits at this
+  batch: one per key block), 1 = one split (the prefill / large-batch path)."""
   tun = sa.SparseAttentionTuning(num_splits=splits)
   assert (tun.block_h, tun.block_k) == (64, 32)
   args = flash_case(2, fmt)
-  assert sa.chosen_num_splits(3, 64, [16, 40], tun) == (2 if splits == 0 else 1)
+  assert sa.chosen_num_splits(3, 64, [16, 40], tun) == (3 if splits == 0 else 1)
   got = sa.sparse_attention_pallas(*args, scale=D ** -0.5, interpret=True, tuning=tun)
   want = sa.sparse_attention_reference(*args[:6], scale=D ** -0.5, window_len_N=args[6], comp_len_N=args[7])
+  assert_close_blockwise(got[0], want[0], "out")
+  assert_close(got[1], want[1], 3e-4, 3e-4, "lse")
+
+
+@pytest.mark.parametrize("fmt", ["fp8_paged", pytest.param("fp8_record", marks=pytest.mark.slow)])
+def test_v4_flash_batch1_decode_many_splits(fmt):
+  """Batch-1 decode at the shipped tuning: window 128 + top-512 ids (20 blocks of 32), auto splits (10 splits of 2
+  blocks), ragged lengths (window 77, compressed 300: splits past the live blocks are empty), FP8 at d 512 with
+  seven block scales per row."""
+  rng = np.random.default_rng(9)
+  q, _, _, _, _, sink = make_case(9, 1, 64, D, 8, 8, 8, 8, jnp.bfloat16)
+  rec_w, rec_c = sa.quantize_kv_fp8(fp8_rows(rng, 160)), sa.quantize_kv_fp8(fp8_rows(rng, 640))
+  wi = jnp.asarray(rng.permutation(160)[None, :128], jnp.int32)
+  ci = jnp.asarray(rng.permutation(640)[None, :512], jnp.int32)
+  wl, cl = jnp.asarray([77], jnp.int32), jnp.asarray([300], jnp.int32)
+  pw, pc = (sa.record_to_paged(rec_w, 16), sa.record_to_paged(rec_c, 64)) if fmt == "fp8_paged" else (rec_w, rec_c)
+  tun = sa.SparseAttentionTuning()
+  assert sa.chosen_num_splits(1, 64, [128, 512], tun) == 10
+  got = sa.sparse_attention_pallas(q, pw, wi, pc, ci, sink, wl, cl, scale=D ** -0.5, interpret=True, tuning=tun)
+  want = sa.sparse_attention_reference(q, rec_w, wi, rec_c, ci, sink, scale=D ** -0.5, window_len_N=wl,
+                                       comp_len_N=cl)
   assert_close_blockwise(got[0], want[0], "out")
   assert_close(got[1], want[1], 3e-4, 3e-4, "lse")
 
