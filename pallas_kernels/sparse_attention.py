@@ -13,14 +13,15 @@ over the real keys only (the sink is not included; -inf when a row has no valid 
 Ids outside [0, pool rows) are invalid exactly like -1 (clamped for the read and masked explicitly).
 A pool is a plain [P, D] array (any float dtype), an `Fp8KVPool` (the V4 584-byte FP8 record, the interchange
 format) or an `Fp8PagedPool` (576-byte rows + per-page scale tail, uint16 storage; see fp8.py); FP8 rows are
-dequantized in-kernel by exponent add.
+dequantized in-kernel by a bitcast to float8_e4m3fn, the type conversion and one multiply by the block's scale.
 
 The Pallas kernel (`sparse_attention_pallas`) is written for the Pallas-Triton GPU backend (BUILD_NOTES.md, Kernels
 says why): grid (query token, head block, key split); each program keeps block_h heads of one query token in
-registers, walks the token's window ids and then its compressed ids block_k at a time, gathers those rows straight
-from the pool by indexing the pool ref with the id vector, and runs an online softmax (base 2). With one split it
-applies the sink and writes the final out/lse; with 2 splits (decode with fewer programs than one wave of SMs) it
-writes per-split partials in the output dtype that a tiny XLA epilogue merges (flash-decoding). Rows behind invalid
+registers, loads the token's id rows once, walks its window ids and then its compressed ids block_k at a time,
+gathers those rows straight from the pool by indexing the pool ref with the id vector, and runs an online softmax
+(base 2). With one split it applies the sink and writes the final out/lse; with more (decode with fewer programs
+than one wave of SMs: up to 16 at batch 1-8) it writes per-split partials in the output dtype that one fused XLA
+pass merges (flash-decoding). Rows behind invalid
 ids are never read (masked loads, zero fill), so non-finite data there cannot leak; fp32 inputs use HIGHEST (IEEE)
 dots.
 """
