@@ -15,18 +15,22 @@ One CTA per query token, 3 warpgroups (`plgpu.kernel(num_threads=3)`):
   * two consumers (wg 0, 1; 232 registers): each loads half of q's heads into the shared q buffer with its own
     barrier (one arrival per barrier: a copy is an arrival, so a shared single-arrival barrier would complete
     early and run its phases out of step) and waits for both halves; each holds a [64 heads, 256] f32 accumulator for
-    its half of d_v (a full 64 x 512 f32 accumulator does not fit one warpgroup's registers). Each computes
-    S = q K^T for the block with wgmma, masks invalid ids to -inf, runs the online softmax (base 2), and accumulates
-    P V over its half of the columns.
-Known gaps vs FlashMLA (BUILD_NOTES.md, Kernels): both consumers compute the full QK^T (FlashMLA splits it by key
-block and exchanges P through SMEM), the repack costs an SMEM round trip per row, and there is one staging + one
-tiled buffer (SMEM: 64 KB q + 2 x 64 KB), not a deeper ring. Mosaic GPU's CPU interpreter (JAX 0.10.2) does not run
+    its half of d_v (a full 64 x 512 f32 accumulator does not fit one warpgroup's registers). QK^T is split by keys:
+    consumer wg computes S = q K^T for keys [32 wg, 32 wg + 32) of the block with wgmma (N = 32) and masks invalid
+    ids to -inf; the two consumers exchange their half-block row maxima through SMEM (so both run the online
+    softmax, base 2, with the same running max), then their P halves (bf16), and each accumulates P V over the whole
+    block (contraction 64) for its half of the columns. Each keeps the row sum of its own keys; the two are added
+    through SMEM after the loop. So each consumer does half of the QK^T MMA work it used to (both computed the full
+    [64, 64] S), at the price of two consumer-to-consumer barrier meetings per block.
+Known gaps vs FlashMLA (BUILD_NOTES.md, Kernels): the repack costs an SMEM round trip per row, and there is one
+staging + one tiled buffer (SMEM: 64 KB q + 2 x 64 KB + 12 KB of exchange buffers), not a deeper ring. Mosaic GPU's CPU interpreter (JAX 0.10.2) does not run
 these primitives (plgpu.load, run_state, transposed / register wgmma operands), so on a CPU this kernel is checked
 by CUDA lowering and by a static check of its barrier protocol (`barrier_check.py`: arrivals per phase ==
 num_arrivals for every barrier); against the reference only by benchmarks/gpu_check.sh --mosaic on a GPU.
 
 Barriers: q (1 arrival, one per consumer), ids (one arrival per 128-id copy), land (one per row box copy: 128 per
-block), kv ready (the producer, once per block), kv free (both consumers, once per block).
+block), kv ready (the producer, once per block), kv free (both consumers, once per block), consumer exchanges (both
+consumers: [0] maxima and [1] P once per block, [2] row sums once).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ except ImportError:  # pragma: no cover
 
 H_MGPU, D_MGPU, BLOCK_K = 64, 512, 64
 _CONSUMERS = 2  # consumer warpgroups (wg 0, 1); the producer is wg 2
+_KH = BLOCK_K // _CONSUMERS  # keys of a block each consumer scores (the QK^T split)
+_XW = 8  # width of a per-head value in the exchange buffers (the narrowest WGMMA-layout tile)
 _BOX = 256  # TMA box limit per dimension (elements)
 _IDS_CHUNK = 128
 _LOG2E = 1.4426950408889634
@@ -104,7 +110,8 @@ def sparse_attention_mgpu(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_Qx
   qk2 = float(scale) * _LOG2E
 
   def body(q_ref, wpool_ref, cpool_ref, ids_ref, sink_ref, o_ref, lse_ref, scoped):
-    (q_smem, kv_smem, stage_smem, ids_smem), (q_bar, ids_bar, land_bar), kv_bar, kv_free = scoped
+    ((q_smem, kv_smem, stage_smem, ids_smem, m_xchg, p_xchg), (q_bar, ids_bar, land_bar), kv_bar, kv_free,
+     xchg_bar) = scoped
     n = lax.axis_index("n")
     wg = lax.axis_index("wg")
 
@@ -131,33 +138,57 @@ def sparse_attention_mgpu(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_Qx
       l = plgpu.layout_cast(jnp.full((H,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
       acc = plgpu.layout_cast(jnp.full((H, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
+      def exchange(smem, bar, x):
+        """Write this consumer's [H, w] tile into its column half of `smem`, meet the other consumer at `bar`
+        (2 arrivals: one per consumer; each waits once per phase) and return the whole [H, 2w] tile. Reuse is
+        safe: a consumer rewrites a buffer only after the next exchange on another barrier, which the other
+        consumer reaches after its reads of this one."""
+        for w in range(_CONSUMERS):  # static column offsets: one branch per consumer
+          @pl.when(wg == w)
+          def _():
+            smem.at[:, pl.ds(w * x.shape[1], x.shape[1])][...] = x
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(bar)
+        plgpu.barrier_wait(bar)
+        return plgpu.load(smem, (), layout=plgpu.Layout.WGMMA, optimized=False)
+
+      def rows(v):  # a per-head vector as an [H, _XW] tile (the exchange buffers' element)
+        return lax.broadcast_in_dim(v, (H, _XW), [0])
+
       def step(i, carry):
         acc, m, l = carry
         start = jnp.where(i < nbw, i * BLOCK_K, c_off + (i - nbw) * BLOCK_K)
-        blk_ids = plgpu.load(ids_smem.at[pl.ds(start, BLOCK_K)], (), layout=plgpu.Layout.WGMMA.reduce(0),
+        # QK^T split by keys: consumer wg scores keys [wg * KH, (wg + 1) * KH) of the block for all heads.
+        blk_ids = plgpu.load(ids_smem.at[pl.ds(start + wg * _KH, _KH)], (), layout=plgpu.Layout.WGMMA.reduce(0),
                              optimized=False)
         plgpu.barrier_wait(kv_bar.at[0])
 
         def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kv_smem.at[0], (1, 0)))
+          plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kv_smem.at[0, pl.ds(wg * _KH, _KH)], (1, 0)))
           return acc_ref[...]
-        s = pl.run_scoped(qk, plgpu.ACC((H, BLOCK_K), jnp.float32))
+        s = pl.run_scoped(qk, plgpu.ACC((H, _KH), jnp.float32))
         valid = lax.broadcast_in_dim(blk_ids >= 0, s.shape, [1])
         s = jnp.where(valid, s * qk2, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
+        # Both consumers need the same running max: exchange the half-block maxima.
+        m_blk = exchange(m_xchg, xchg_bar.at[0], rows(s.max(axis=1))).max(axis=1)
+        m_new = jnp.maximum(m, m_blk)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
+        l = l * alpha + p.sum(axis=1)  # this consumer's keys only; the two halves are added at the end
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        # P of the whole block (both halves, through SMEM) times V for this consumer's half of d_v.
+        p_all = exchange(p_xchg, xchg_bar.at[1], p.astype(jnp.bfloat16))
 
         def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), kv_smem.at[0, :, pl.ds(wg * half, half)])
+          plgpu.wgmma(acc_ref, p_all, kv_smem.at[0, :, pl.ds(wg * half, half)])
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(kv_free.at[0])
         return acc, m_new, l
 
       acc, m, l = lax.fori_loop(0, nbw + nbc, step, (acc, m, l))
+      # Both halves' sums (each repeated _XW times); a barrier of its own (one phase, outside the loop).
+      l = exchange(m_xchg, xchg_bar.at[2], rows(l)).sum(axis=1) / _XW
       m_safe = jnp.where(m == -jnp.inf, 0.0, m)
       sink2 = plgpu.load(sink_ref, (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False) * _LOG2E
       denom = l + jnp.exp2(sink2 - m_safe)
@@ -211,12 +242,17 @@ def sparse_attention_mgpu(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_Qx
         (plgpu.SMEM((H, D), jnp.bfloat16, transforms=transforms),
          plgpu.SMEM((1, BLOCK_K, D), jnp.bfloat16, transforms=transforms),
          plgpu.SMEM((BLOCK_K, D), jnp.bfloat16),
-         plgpu.SMEM((KI,), jnp.int32)),
+         plgpu.SMEM((KI,), jnp.int32),
+         plgpu.SMEM((H, _CONSUMERS * _XW), jnp.float32),  # row maxima (and at the end the row sums), one half each
+         plgpu.SMEM((H, BLOCK_K), jnp.bfloat16)),  # P of the block: consumer wg writes columns of its keys
         (plgpu.Barrier(num_arrivals=1, num_barriers=_CONSUMERS),  # q: one barrier per consumer (its half)
          plgpu.Barrier(num_arrivals=KI // _IDS_CHUNK, num_barriers=1),
          plgpu.Barrier(num_arrivals=BLOCK_K * (D // _BOX), num_barriers=1)),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),  # kv ready: the producer arrives once per block
         plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=1),  # kv free: each consumer arrives once per block
+        # Exchanges between the consumers, both arriving: [0] block maxima and [1] P, once per block; [2] the final
+        # row sums, once.
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=3),
         collective_axes="wg")
 
   out, lse = plgpu.kernel(

@@ -41,8 +41,16 @@ def test_sparse_attention_mgpu_barrier_protocol(name, N, K):
     assert r.arrivals(q.alloc, wg) == {wg: 1}
     assert r.waiters(q.alloc, wg) == {0, 1}
   # kv free: both consumers arrive once per block (loop depth 1); only the producer waits.
-  (free,) = [b for b in r.barriers if r.arrivals(b.alloc, 0, depth=1) == {0: 1, 1: 1}]
-  assert free.num_arrivals == 2 and r.waiters(free.alloc, 0) == {2}
+  (free,) = [b for b in r.barriers
+             if r.arrivals(b.alloc, 0, depth=1) == {0: 1, 1: 1} and r.waiters(b.alloc, 0) == {2}]
+  assert free.num_arrivals == 2
+  # The consumers' exchanges (QK^T split by keys): [0] block maxima and [1] P once per block, [2] the row sums once
+  # after the loop; each arrived on and waited on by both consumers, never by the producer.
+  (xchg,) = [b for b in r.barriers if b.num_barriers == 3]
+  assert xchg.num_arrivals == 2
+  for i, depth in ((0, 1), (1, 1), (2, 0)):
+    assert r.arrivals(xchg.alloc, i, depth=depth) == {0: 1, 1: 1}, i
+    assert r.waiters(xchg.alloc, i) == {0, 1}, i
   # land: the producer's 64 rows x 2 boxes per block, under either branch (window or compressed pool).
   (land,) = [b for b in r.barriers if b.num_arrivals == 128]
   assert {e.mult for e in r.events if e.alloc == land.alloc and e.arrives} == {64}
