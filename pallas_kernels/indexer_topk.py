@@ -65,6 +65,17 @@ def dequantize_index_keys(pool: Fp8IndexKeys, dtype=jnp.float32):
   return (pool.keys.astype(jnp.float32) * pool.scale[:, None]).astype(dtype)
 
 
+def quantize_index_queries(q_BxTxHxC, w_BxTxH):
+  """FP8 queries for the FP8 x FP8 dot (`IndexerTopkTuning(fp8_query=True)`): per (query, head) symmetric e4m3
+  (amax -> 448), the scale folded into the head weight, since w ReLU(s x) = (w s) ReLU(x) for s > 0. Returns
+  (q e4m3, w f32, q dequantized f32): the kernel's answer with fp8_query is the reference's on the dequantized q."""
+  q = q_BxTxHxC.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(q), axis=-1)
+  s = jnp.where(amax > 0, amax / 448.0, 1.0)
+  q8 = (q / s[..., None]).astype(jnp.float8_e4m3fn)
+  return q8, w_BxTxH.astype(jnp.float32) * s, q8.astype(jnp.float32) * s[..., None]
+
+
 def candidate_entries(block_ids_BxTxC, M: int, block_size: int):
   """Entry ids [B, T, C * block_size] of the candidate blocks (-1 for invalid, out-of-range or repeated blocks, so
   every entry appears at most once, as in the dense `allowed` mask)."""
@@ -103,12 +114,17 @@ def indexer_topk_reference(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visib
 class IndexerTopkTuning:
   """block_t: queries per program (0 = auto: block_t * H ~ 64 MMA rows; 1 with candidate blocks).
   block_m: entries per inner step (power of two). select_chunk: entries whose scores one program keeps on chip
-  (power of two; M above it is split into chunks merged by XLA)."""
+  (power of two; M above it is split into chunks merged by XLA).
+  fp8_query: with FP8 keys, quantize q to e4m3 per (query, head) (`quantize_index_queries`) and score with an
+  e4m3 x e4m3 dot (Hopper's FP8 tensor cores: twice the bf16 rate, for the compute-bound prefill indexer). Off by
+  default: it rounds q to 3 mantissa bits, so picks can differ from the bf16-q reference at near-ties; its contract
+  is the reference on the dequantized q. Needs C a multiple of 64 (two half-width dots of K >= 32)."""
   block_t: int = 0
   block_m: int = 64
   select_chunk: int = 4096
   num_warps: int = 8
   num_stages: int = 2
+  fp8_query: bool = False
   debug: bool = False
 
   def __post_init__(self):
@@ -141,10 +157,14 @@ def _kernel(*refs, H, C, P, bt, bm, nblk, k, kout, per_query, has_allowed, fp8, 
   sc_ref = next(it) if write_scores else None
   MC = nblk * bm
 
-  # q [bt * H, C] (FP8: even channels then odd channels) is loaded once and held for the whole loop.
+  # q [bt * H, C] (FP8: even channels then odd channels) is loaded once and held for the whole loop. An e4m3 q
+  # (fp8_query) stays e4m3: the dots take e4m3 on both sides.
+  fp8_dot = q_ref.dtype == jnp.float8_e4m3fn
   if fp8:
-    q_lo = q_ref[:, pl.ds(0, C // 2)].astype(cdtype)
-    q_hi = q_ref[:, pl.ds(C // 2, C // 2)].astype(cdtype)
+    q_lo = q_ref[:, pl.ds(0, C // 2)]
+    q_hi = q_ref[:, pl.ds(C // 2, C // 2)]
+    if not fp8_dot:
+      q_lo, q_hi = q_lo.astype(cdtype), q_hi.astype(cdtype)
   else:
     q = q_ref[...].astype(cdtype)
   w = w_ref[...].astype(jnp.float32)  # [bt * H]
@@ -166,10 +186,14 @@ def _kernel(*refs, H, C, P, bt, bm, nblk, k, kout, per_query, has_allowed, fp8, 
       words = _gather(keys_ref, r2, c2, jnp.broadcast_to(valid[:, None], (bm, W)), 0).astype(jnp.int32)
       # Dequant-free: the two e4m3 bytes of each word are converted (hardware cast on sm_90) straight to the dot's
       # input type, unscaled; the row scale multiplies the scores after the dot (ReLU(s x) = s ReLU(x), s > 0).
-      k_lo, k_hi = (b.astype(cdtype) for b in _fp8.word_bytes_as_e4m3(words))
+      # With fp8_query the bytes feed the e4m3 x e4m3 dot as they are (a bitcast, no conversion at all).
+      k_lo, k_hi = _fp8.word_bytes_as_e4m3(words)
+      if not fp8_dot:
+        k_lo, k_hi = k_lo.astype(cdtype), k_hi.astype(cdtype)
       dn = (((1,), (1,)), ((), ()))
-      s = (jax.lax.dot_general(q_lo, k_lo, dn, preferred_element_type=jnp.float32, precision=prec)
-           + jax.lax.dot_general(q_hi, k_hi, dn, preferred_element_type=jnp.float32, precision=prec))
+      dprec = None if fp8_dot else prec
+      s = (jax.lax.dot_general(q_lo, k_lo, dn, preferred_element_type=jnp.float32, precision=dprec)
+           + jax.lax.dot_general(q_hi, k_hi, dn, preferred_element_type=jnp.float32, precision=dprec))
       rs = _gather(scale_ref, safe, jnp.zeros_like(safe), valid, 0.0) if scale_ref.ndim == 2 else None
       s = s * rs[None, :]
     else:
@@ -267,7 +291,11 @@ def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_
   bm = t.block_m
   per_query = candidate_blocks_BxTxC is not None
 
-  q = q_BxTxHxC
+  q, w = q_BxTxHxC, w_BxTxH
+  if fp8 and t.fp8_query:
+    if C % 64:
+      raise ValueError(f"fp8_query needs the index head dim to be a multiple of 64, got {C}")
+    q, w, _ = quantize_index_queries(q, w)
   if fp8:  # even channels, then odd: the two bytes of each uint16 word feed two half-width dots
     q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
   if per_query:
@@ -291,7 +319,7 @@ def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_
   kout = _next_pow2(kk)
   nblk = MC // bm
   qf = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0))).reshape(B, Tp * H, C)
-  wf = jnp.pad(w_BxTxH.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0))).reshape(B, Tp * H)
+  wf = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0))).reshape(B, Tp * H)
   nvp = jnp.pad(nv, ((0, 0), (0, Tp - T)))
 
   args = [qf, wf, nvp]

@@ -253,3 +253,21 @@ def test_fp8_dot_lowers_for_triton():
     export_for_cuda(f, S((64, 128), jnp.float8_e4m3fn), S((32, 128), jnp.float8_e4m3fn))
   dots = [ln for ln in buf.getvalue().splitlines() if "tt.dot" in ln]
   assert dots and all("xf8E4M3FN>" in ln for ln in dots), dots
+
+
+@pytest.mark.parametrize("name,B,T,M", [("decode_b64_128k", 64, 1, 131072 // 4), ("prefill_4k", 1, 4096, 16384 // 4)])
+def test_indexer_topk_fp8_query_lowers_to_fp8_dots(name, B, T, M, capsys):
+  """fp8_query: the fused top-k's score dots take e4m3 on both sides (`tt.dot` on f8E4M3FN); without it they take
+  bf16 (the keys converted, unscaled)."""
+  HI, C, K = 64, 128, 512
+  P = B * M
+  pool = it.Fp8IndexKeys(S((P, C), jnp.float8_e4m3fn), S((P,), jnp.float32))
+  for fp8_query in (True, False):
+    exp = export_for_cuda(
+        it.indexer_topk_pallas, S((B, T, HI, C), jnp.bfloat16), S((B, T, HI), jnp.float32), pool, S((B, M), jnp.int32),
+        S((B, T), jnp.int32), None, S((B,), jnp.int32), None, k=K,
+        tuning=it.IndexerTopkTuning(fp8_query=fp8_query, debug=True))
+    assert TRITON in lowering.custom_call_targets(exp)
+    dots = [ln for ln in capsys.readouterr().out.splitlines() if "tt.dot" in ln]
+    assert len(dots) == 2
+    assert all(("xf8E4M3FN> *" in ln) == fp8_query for ln in dots), dots

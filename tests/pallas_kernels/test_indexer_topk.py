@@ -92,6 +92,28 @@ def test_topk_fp8_keys_and_bf16():
   assert dispatch.indexer_topk(q, w, fk, rows, nv, 6).shape == got.shape
 
 
+@pytest.mark.parametrize("chunk", [64, 16])  # one chunk (ids only), several chunks (candidates merged by XLA)
+def test_topk_fp8_query_dot(chunk):
+  """fp8_query: q rounded to e4m3 per (query, head), scale folded into the head weight, e4m3 x e4m3 dots. Equals
+  the reference run on the dequantized q (its contract; the dequantized q really differs from q). That the dots are
+  e4m3 on both sides is checked on the lowered module (test_gpu_lowering.py)."""
+  B, T, H, C, P, M = 2, 3, 16, 64, 120, 40
+  q, w, kp, rows, nv, _ = make_case(5, B, T, H, C, P, M, jnp.bfloat16, False)
+  w = jnp.abs(w)
+  fk = it.quantize_index_keys(kp.astype(jnp.float32))
+  q8, w8, qd = it.quantize_index_queries(q, w)
+  assert q8.dtype == jnp.float8_e4m3fn and float(jnp.max(jnp.abs(qd - q.astype(jnp.float32)))) > 1e-3
+  np.testing.assert_allclose(np.asarray(w8), np.asarray(w) * np.asarray(jnp.max(jnp.abs(q.astype(jnp.float32)), -1)
+                                                                          / 448.0), rtol=1e-6)
+  want = ix.indexer_scores_reference(qd, w, it.dequantize_index_keys(fk), rows, nv)
+  tun = it.IndexerTopkTuning(block_m=16, select_chunk=chunk, fp8_query=True)
+  got = it.indexer_topk_pallas(q, w, fk, rows, nv, k=6, interpret=True, tuning=tun)
+  assert_ids_match(got, want, 6, 1e-4 * float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(want), want, 0)))))
+  with pytest.raises(ValueError, match="multiple of 64"):
+    it.indexer_topk_pallas(q[..., :32], w, it.quantize_index_keys(kp[:, :32].astype(jnp.float32)), rows, nv, k=6,
+                           interpret=True, tuning=tun)
+
+
 def test_topk_v41_candidate_blocks():
   """Candidate blocks (with a repeated and an out-of-range id): the kernel scores only those blocks and matches the
   reference with the dense candidate mask."""
