@@ -21,9 +21,8 @@ registers, loads the token's id rows once, walks its window ids and then its com
 gathers those rows straight from the pool by indexing the pool ref with the id vector, and runs an online softmax
 (base 2). With one split it applies the sink and writes the final out/lse; with more (decode with fewer programs
 than one wave of SMs: up to 16 at batch 1-8) it writes per-split partials in the output dtype that one fused XLA
-pass merges (flash-decoding). Rows behind invalid
-ids are never read (masked loads, zero fill), so non-finite data there cannot leak; fp32 inputs use HIGHEST (IEEE)
-dots.
+pass merges (flash-decoding). Rows behind invalid ids are never read (masked loads, zero fill), so non-finite data
+there cannot leak; fp32 inputs use HIGHEST (IEEE) dots.
 """
 
 from __future__ import annotations
