@@ -1,0 +1,65 @@
+"""The MTP draft trainer (experiments/mtp_lib.py, experiments/train_mtp.py): distillation moves the block toward the
+backbone and never touches the backbone; acceptance counts exactly the weighted positions; the CLI's --small path
+writes a checkpoint that loads with its block."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dsv4 import config as C
+from dsv4 import model as M
+from experiments import mtp_lib
+from experiments import train_lib as L
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_distillation_trains_the_block_and_leaves_the_backbone():
+  base = C.v4_tiny(num_layers=1, vocab_size=64, window=8)   # window-only backbone: a short compile
+  params = M.init_params(base, jax.random.PRNGKey(0))
+  cfg, params = mtp_lib.add_mtp(base, params)
+  assert cfg.num_mtp_layers == 1 and set(params) == set(M.param_shapes(cfg))
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 32)), jnp.int32)
+  backbone = {k: v for k, v in params.items() if k != "mtp"}
+  before = jax.tree_util.tree_map(np.asarray, backbone)
+  opt = optax.adam(1e-2)
+  step = mtp_lib.make_train_step(cfg, opt)
+  mtp, state = params["mtp"], opt.init(params["mtp"])
+  losses = []
+  for _ in range(12):
+    mtp, state, loss, _ = step(mtp, backbone, state, toks)
+    losses.append(float(loss))
+  assert losses[-1] < 0.7 * losses[0], losses
+  for x, y in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(backbone)):
+    np.testing.assert_array_equal(x, np.asarray(y))
+  # acceptance: the weighted mean of argmax(mtp_t) == argmax(backbone_{t+1}), computed here by hand
+  trained = {**backbone, "mtp": mtp}
+  bb, mt = (np.asarray(x) for x in mtp_lib.forward_with_mtp(trained, cfg, toks))
+  ok = np.argmax(mt[:, :-1], -1) == np.argmax(bb[:, 1:], -1)
+  w = np.zeros(toks.shape, np.float32)
+  w[:, 5:20] = 1
+  assert mtp_lib.acceptance(trained, cfg, toks, w) == pytest.approx(ok[:, 5:20].mean())
+  assert mtp_lib.acceptance(trained, cfg, toks) == pytest.approx(ok.mean())
+
+
+@pytest.mark.slow
+def test_train_mtp_small_cli(tmp_path):
+  out = tmp_path / "ck"
+  r = subprocess.run([sys.executable, "-m", "experiments.train_mtp", "--small", f"--out_dir={out}"], cwd=REPO,
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  info = json.load(open(out / "config.json"))
+  assert info["small"] and set(info["acceptance_after"]) == {"task", "free_generation"}
+  config, params = L.load_trained(str(out))
+  shipped_config, shipped = L.load_trained("v4_retrieval")
+  assert config.num_mtp_layers == 1 and "mtp" in params
+  for x, y in zip(jax.tree_util.tree_leaves(shipped), jax.tree_util.tree_leaves({k: v for k, v in params.items()
+                                                                                 if k != "mtp"})):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
