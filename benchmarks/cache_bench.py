@@ -561,6 +561,10 @@ def main():
       print(f"| {B} | {L} | {pool} | {r['marginal']:.2f} | {r['admit']:.2f} | {r['total'] - r['admit'] - r['program']:.2f}"
             f" | {r['prog_minus_empty']:.2f} | {r['empty']:.2f} | {r['hit']} | {vm} | {vh} | {ratio} | "
             f"{r['hash_ms']:.1f} |", flush=True)
+      # every point compiles its own programs (the pool size is part of each shape): drop them, or a full matrix
+      # holds enough live executables to reach vm.max_map_count and XLA aborts ("Cannot allocate memory")
+      jax.clear_caches()
+      gc.collect()
   for B, L in shapes:
     row = [(p, res[(B, L, p)]) for p in pools if (B, L, p) in res]
     if len(row) > 1:
