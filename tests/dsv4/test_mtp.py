@@ -24,7 +24,7 @@ from dsv4.loading import safetensors_io as S
 sys.path.insert(0, os.path.dirname(__file__))
 import v41_oracle as O  # noqa: E402
 
-CFG = dataclasses.replace(C.v4_tiny(), num_mtp_layers=1)
+CFG = dataclasses.replace(C.v4_tiny(num_layers=2), num_mtp_layers=1)   # window + CSA backbone: short compiles
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -164,9 +164,10 @@ def test_loader_names_and_refusals(tmp_path):
   for x, y in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(back)):
     np.testing.assert_array_equal(np.asarray(x), y)
   # a config without MTP ignores the block (as transformers does); one that wants it and finds none says so
-  plain = load_checkpoint(str(tmp_path / "ck"), C.v4_tiny(), as_jax=False)
+  base = dataclasses.replace(CFG, num_mtp_layers=0)
+  plain = load_checkpoint(str(tmp_path / "ck"), base, as_jax=False)
   assert "mtp" not in plain
-  S.save_original_safetensors(M.init_params(C.v4_tiny(), jax.random.PRNGKey(2)), C.v4_tiny(), str(tmp_path / "no"))
+  S.save_original_safetensors(M.init_params(base, jax.random.PRNGKey(2)), base, str(tmp_path / "no"))
   with pytest.raises(S.CheckpointError, match="mtp.0"):
     load_checkpoint(str(tmp_path / "no"), CFG)
   with pytest.raises(ConfigError, match="num_mtp_layers"):
