@@ -44,6 +44,9 @@ SLOW = {
     "tests/dsv4/test_tiers_reload.py::test_corrupt_records_are_rejected_and_recomputed[v41-truncated]": "[v4-*]",
     "tests/dsv4/test_tiers_reload.py::test_corrupt_records_are_rejected_and_recomputed[v41-flipped_bit]": "[v4-*]",
     "tests/dsv4/test_tiers_reload.py::test_other_model_layout_or_tenant_never_loads[v41]": "[v4]",
+    "tests/cache/test_manager.py::test_events_stream":
+        "tests/experiments/test_serve_tiers.py (the tiers consume the stream: records stored as blocks are computed, "
+        "reloaded by a second process), test_manager.py::test_hit_blocks_are_claimed_and_tables_consistent",
     "tests/dsv4/test_mtp.py::test_mtp_logits_match_nemo":
         "test_mtp.py::test_chunked_and_nnx_equal_the_whole_sequence, test_loader_names_and_refusals (the block, "
         "its cache layer and its checkpoint names); the oracle builds NeMo's model in torch",
