@@ -305,6 +305,9 @@ def mtp_forward(params, config: ModelConfig, depth: int, X_1xNxnxD, next_tokens_
   block, or depth - 1's output) with the embedding of the token at t + 1 and runs its window-only block, writing
   its own window KV at t (cache layer num_layers + depth). Returns (cache, X_1xNxnxD for the next depth,
   final-norm hidden_NxD whose `lm_logits` predict the token at t + 1 + depth + 1)."""
+  if not 0 <= depth < config.num_mtp_layers:
+    raise ValueError(f"mtp_forward: depth {depth} but the config has {config.num_mtp_layers} MTP block(s) "
+                     f"(num_mtp_layers)")
   pm = params["mtp"][depth]
   plan = config.mtp_plans()[depth]
   parts = MTPParts(pm["e_proj"], pm["h_proj"], pm["enorm"], pm["hnorm"], layer_sublayers(pm, config, plan),
