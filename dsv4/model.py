@@ -246,16 +246,18 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
                        layout: caches.CacheLayout = caches.CacheLayout(),
                        kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), collect_aux: bool = False,
                        blocks: Sequence[Callable] | None = None, hc_head: Callable | None = None,
-                       return_stream: bool = False):
+                       return_stream: bool = False, tap_states: bool = False):
   """`forward_ragged` plus a per-layer aux list (indexer picks [N,k], scores [N,M] when collect_aux).
   return_stream (V4): also the last block's streams X_1xNxnxD (what an MTP block reads), as a 4th result.
+  tap_states: each pooling layer's aux also holds every token's compressor state rows (`store_states` writes the
+  ones a speculative step accepted).
 
   blocks: one callable per layer, `block(X, tokens, ctx, cache_l, kernel_cfg, collect_aux)` (V4) or with the
   keywords `pre_prev`, `shared`, `engram_hash` (V4.1), returning what `block_forward` returns; hc_head (V4): the
   final mHC collapse, X -> h. None (the default) = `block_forward` of each layer's params, `mhc.hc_head` of
   params["hc_head"]. The NNX model (`dsv4.nnx_model.Model`) passes its own modules here; params then needs only
   the top-level arrays (embed, norm, engram_token_map)."""
-  ctx = StepContext.from_step(step, layout)
+  ctx = StepContext.from_step(step, layout, tap_state=tap_states)
   tokens = jnp.clip(tokens_N.astype(jnp.int32), 0, config.vocab_size - 1)[None]  # range is checked by the callers
   plans = config.layer_plan()
   if blocks is None:
@@ -296,6 +298,25 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
       raise ValueError("return_stream: V4 only (MTP blocks are V4-only)")
     return new_cache, h, auxes, X
   return new_cache, h, auxes
+
+
+# The running-pool state pools of a layer and the aux keys their per-token rows are tapped under.
+_STATE_TAPS = (("comp_state", "comp_state_rows"), ("index_state", "index_state_rows"))
+
+
+def store_states(cache: caches.ModelCache, auxes, step: caches.StepIndex, keep_N, *,
+                 layout: caches.CacheLayout = caches.CacheLayout()) -> caches.ModelCache:
+  """Writes the compressor state rows of the tokens in keep_N (from a `tap_states` forward of the same step) into
+  their swa blocks' state rows: after a speculative verification, the state at each row's last accepted position
+  replaces the one the forward left there (the state after the row's last token, maybe a rejected draft)."""
+  ctx = StepContext.from_step(step, layout)
+  slots = ctx.state_slots(ctx.pos_N, ctx.valid_N & keep_N)[:, None]
+  layers = list(cache.layers)
+  for l, aux in enumerate(auxes):
+    for pool, key in _STATE_TAPS:
+      if key in aux and pool in layers[l]:
+        layers[l] = dict(layers[l], **{pool: caches.write_rows(layers[l][pool], slots, aux[key][:, None])})
+  return caches.ModelCache(tuple(layers))
 
 
 def mtp_forward(params, config: ModelConfig, depth: int, X_1xNxnxD, next_tokens_N, cache: caches.ModelCache,

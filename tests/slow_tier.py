@@ -9,6 +9,9 @@ quietly move a slow test into the default tier.
 
 # node id -> what still covers the feature in the default tier
 SLOW = {
+    # speculative decoding: forced partly-wrong drafts on a window + CSA + HCA model (every rollback length)
+    "tests/dsv4/test_engine_spec.py::test_partly_wrong_drafts_never_change_tokens":
+        "test_trained_drafts_give_the_same_greedy_tokens (real drafts, rejections, preemption, hits)",
     # meshes (8 host devices, a worker process each) and multi-process runs
     "tests/dsv4/test_sharding_multiprocess.py::test_two_processes_same_tokens_as_one":
         "test_sharding.py::test_engine_on_mesh_same_tokens_with_prefix_hits (one process)",

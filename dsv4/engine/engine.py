@@ -85,6 +85,12 @@ class EngineConfig:
   # invariance; there (a mesh: the managers' own calls; tiers: they read block ids; batch invariance: several
   # calls per step) each step is read before the next is planned (`Engine.async_active` says which).
   async_scheduling: bool = True
+  # Speculative decoding with the model's MTP block (ModelConfig.num_mtp_layers >= 1): each decode row carries the
+  # k drafts the block proposed last step; one step verifies them (greedy: the tokens without drafts; sampled:
+  # rejection sampling, the same distribution), keeps the accepted prefix plus one decided token, and drafts k
+  # more. 0 = off. The engine then reads each step before planning the next (async scheduling off) and runs on one
+  # device with the functional model, without batch invariance or recorded logits (refused at construction).
+  num_speculative_tokens: int = 0
 
   def validate(self):
     for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_model_len", "num_full_blocks",
@@ -104,6 +110,18 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.token_bucket_steps: 1..8, got {self.token_bucket_steps}")
     if not isinstance(self.async_scheduling, bool):
       raise ValueError(f"EngineConfig.async_scheduling: True or False, got {self.async_scheduling!r}")
+    k = self.num_speculative_tokens
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 0 <= k <= 8:
+      raise ValueError(f"EngineConfig.num_speculative_tokens: an integer in 0..8 (0 = off), got {k!r}")
+    if k and min(self.chunk_size, self.max_num_batched_tokens) < 1 + k:
+      raise ValueError(f"EngineConfig.num_speculative_tokens={k}: a decode row is 1 + k tokens; chunk_size and "
+                       f"max_num_batched_tokens must be >= {1 + k}")
+    if k:
+      for name, bad in (("batch_invariant", self.batch_invariant), ("record_logits", self.record_logits),
+                        ("model_api='nnx'", self.model_api != "functional")):
+        if bad:
+          raise ValueError(f"EngineConfig: num_speculative_tokens > 0 with {name} is not supported (the speculative "
+                           f"step is the functional model's, one verified row per request)")
     if not 0.0 <= self.bucket_fill < 1.0:
       raise ValueError(f"EngineConfig.bucket_fill: a fraction in [0, 1), got {self.bucket_fill}")
     if self.tiering is not None:
@@ -151,6 +169,12 @@ class Engine:
         net = params
     self.config, self.ec = config, engine_config
     ec = engine_config
+    self.spec = ec.num_speculative_tokens
+    if self.spec and config.num_mtp_layers < 1:
+      raise ValueError("EngineConfig.num_speculative_tokens > 0: the model has no MTP block (ModelConfig."
+                       "num_mtp_layers = 0; a checkpoint with mtp.0.* weights, or experiments/train_mtp.py)")
+    if self.spec and mesh is not None:
+      raise ValueError("EngineConfig.num_speculative_tokens > 0 runs on one device (no mesh)")
     from dsv4 import sharding
     D = sharding.axis_size(mesh, "data") if (mesh is not None and pools_over_data) else 1
     if D > 1:
@@ -179,7 +203,7 @@ class Engine:
                               token_bucket_growth=ec.token_bucket_growth,
                               token_bucket_steps=ec.token_bucket_steps, model_api=ec.model_api,
                               mesh=mesh, pools_over_data=D > 1, managers=self.managers,
-                              **({} if rules is None else {"rules": rules}))
+                              num_speculative_tokens=self.spec, **({} if rules is None else {"rules": rules}))
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     # every request not yet taken by the caller (`take_outputs` forgets finished ones: a long job's host memory
@@ -187,7 +211,8 @@ class Engine:
     self.requests: dict[str, Request] = {}
     self._next_index = 0
     self._inflight = None                          # the step sent but not read yet (async scheduling)
-    self.async_active = (ec.async_scheduling and mesh is None and not ec.batch_invariant and ec.tiering is None)
+    self.async_active = (ec.async_scheduling and mesh is None and not ec.batch_invariant and ec.tiering is None
+                         and not self.spec)
     self.stats = collections.Counter()
     self._lead_keys: dict[str, object] = {}        # rid -> (extra keys, first aligned chunk) for deferral
     self._shared: dict[str, dict[str, int]] = {}   # follower -> leader -> shared prefix tokens, once stable
@@ -286,6 +311,7 @@ class Engine:
     self._mgr(victim).free(victim.rid)
     self._leave(victim)
     victim.num_computed = 0
+    victim.drafts = []
     victim.num_preemptions += 1
     victim.status = Status.WAITING
     self.waiting.appendleft(victim)
@@ -379,8 +405,9 @@ class Engine:
       n = min(self._todo(req), budget, self.ec.chunk_size)
       if n <= 0:
         continue
+      n = self._with_drafts(req, n, budget)
       while True:
-        if self._mgr(req).allocate_to(req.rid, req.num_computed + n):
+        if self._mgr(req).allocate_to(req.rid, self._alloc_end(req, n)):
           scheduled.append((req, n))
           budget -= n
           break
@@ -448,7 +475,8 @@ class Engine:
         continue
       hit = self._admitted(req, hits[req.rid])
       n = min(self._todo(req), budget, self.ec.chunk_size)
-      if not self._mgr(req).allocate_to(req.rid, req.num_computed + n):
+      req.step_drafts = 0
+      if not self._mgr(req).allocate_to(req.rid, self._alloc_end(req, n)):
         self._mgr(req).free(req.rid)
         req.num_computed = 0
         if req.num_preemptions:       # a failed admission reuses nothing: count only the one that succeeds
@@ -468,6 +496,26 @@ class Engine:
     self.waiting.extendleft(reversed(sorted(held + back, key=lambda r: order[r.rid])))
     return out
 
+  def _with_drafts(self, req: Request, n: int, budget: int) -> int:
+    """Tokens of req's row this step with speculative decoding: a decode row (its one pending token is the last
+    decided one) also verifies the drafts it holds, as many as its remaining output, the budget and the chunk
+    allow. Sets req.step_drafts."""
+    req.step_drafts = 0
+    if not self.spec or not req.drafts or req.num_computed != len(req.tokens) - 1 or req.inflight:
+      return n
+    nd = min(len(req.drafts), self.spec, req.params.max_tokens - len(req.output) - 1, budget - 1,
+             self.ec.chunk_size - 1)
+    req.step_drafts = max(nd, 0)
+    return 1 + req.step_drafts
+
+  def _alloc_end(self, req: Request, n: int) -> int:
+    """Positions req's blocks must cover for a row of n tokens: with speculative decoding a row that decides a
+    token also runs the MTP block k - 1 positions past its frontier (its recursive drafts write window KV there)."""
+    end = req.num_computed + n
+    if self.spec and req.num_computed + n - req.step_drafts >= len(req.tokens):
+      end += self.spec - 1
+    return min(end, self.ec.max_model_len)
+
   def _fill_bucket(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
     """Trims the step's last prefill chunks so its tokens fit the next smaller token bucket, when that defers at
     most `bucket_fill` of its prefill tokens (see EngineConfig). Decode rows are never trimmed and a trimmed chunk
@@ -481,8 +529,8 @@ class Engine:
     if not smaller:
       return scheduled
     excess = total - smaller[-1]
-    prefill = sum(n for _, n in scheduled if n > 1)
-    trimmable = sum(n - 1 for _, n in scheduled if n > 1)
+    prefill = sum(n for r, n in scheduled if n > 1 and not r.step_drafts)
+    trimmable = sum(n - 1 for r, n in scheduled if n > 1 and not r.step_drafts)
     if excess > min(trimmable, int(self.ec.bucket_fill * prefill)):
       return scheduled
     out = list(scheduled)
@@ -490,7 +538,7 @@ class Engine:
       req, n = out[i]
       if excess == 0:
         break
-      if n > 1:
+      if n > 1 and not req.step_drafts:        # a row verifying drafts is a decode row: never trimmed
         cut = min(excess, n - 1)
         out[i] = (req, n - cut)
         excess -= cut
@@ -567,10 +615,15 @@ class Engine:
     rows = []
     for i, (req, n) in enumerate(scheduled):
       start = req.num_computed
-      known = req.tokens[start:start + n]
-      if len(known) < n:                # the last token is the one sampled by the previous step, on the device
+      nd = req.step_drafts
+      known = req.tokens[start:start + n - nd]
+      if len(known) < n - nd:           # the last token is the one sampled by the previous step, on the device
         known = known + [-1 - req.sample_row]
-      rows.append(Row(req.slot, known, start, req.params, len(req.output) + req.inflight, req.shard))
+      nxt = -1
+      if self.spec and start + n < len(req.tokens):   # stops mid-prompt: the MTP block's input after its last token
+        nxt = req.tokens[start + n]
+      rows.append(Row(req.slot, known + req.drafts[:nd], start, req.params, len(req.output) + req.inflight,
+                      req.shard, num_drafts=nd, next_token=nxt))
     handle = self.runner.dispatch(rows)
     for i, (req, n) in enumerate(scheduled):
       start = req.num_computed
@@ -579,7 +632,8 @@ class Engine:
       req.computed_tokens += n
       self.stats["computed_tokens"] += n
       self.stats["recomputed_tokens"] += recomputed
-      req.num_computed = start + n
+      # drafts are final only once verified (`_collect` advances past the accepted ones)
+      req.num_computed = start + n - req.step_drafts
       req.max_computed = max(req.max_computed, req.num_computed)
       # commit now what is known (a prompt chunk; a decode row up to its input token, still on the device): the
       # registrations go into the next program, after this one has written the KV
@@ -603,6 +657,10 @@ class Engine:
         self._mgr(req).commit(req.rid, min(end, len(req.tokens)))
       if not samples or req.status in (Status.FINISHED, Status.REJECTED):
         continue                      # mid-prompt chunk (its sample is not wanted), or it already ended
+      if self.spec:
+        if self._take_verified(req, sampled[i], live):
+          done.append(req)
+        continue
       tok = int(sampled[i])
       req.inflight -= 1
       req.append_output(tok)
@@ -614,21 +672,57 @@ class Engine:
       if req.first_token_time is None:
         req.first_token_time = now
       req.last_token_time = now
-      p = req.params
-      reason = None
-      if tok in p.stop_token_ids or (not p.ignore_eos and tok == self.config.eos_token_id):
-        reason = "stop"
-      elif len(req.output) >= p.max_tokens:
-        reason = "length"
-      if reason is not None:
-        if req.status is Status.RUNNING:
-          self._finish(req, reason)
-        else:                         # preempted while its token was in flight: it ends in the queue
-          self.waiting.remove(req)
-          req.status, req.finish_reason = Status.FINISHED, reason
-          self._forget_aux(req.rid)
+      if self._stops(req, tok):
         done.append(req)
     return done
+
+  def _stops(self, req: Request, tok: int) -> bool:
+    """Finishes req if tok (just appended) is a stop token or its last; True if it finished."""
+    p = req.params
+    reason = None
+    if tok in p.stop_token_ids or (not p.ignore_eos and tok == self.config.eos_token_id):
+      reason = "stop"
+    elif len(req.output) >= p.max_tokens:
+      reason = "length"
+    if reason is None:
+      return False
+    if req.status is Status.RUNNING:
+      self._finish(req, reason)
+    else:                             # preempted while its token was in flight: it ends in the queue
+      self.waiting.remove(req)
+      req.status, req.finish_reason = Status.FINISHED, reason
+      self._forget_aux(req.rid)
+    return True
+
+  def _take_verified(self, req: Request, res, live: bool) -> bool:
+    """A speculative row's results (runner.RaggedShape.out_width): the accepted drafts and the decided token
+    join the output one by one (a stop ends it there; later ones are dropped), the positions of the accepted
+    drafts become computed and committed, and the new drafts are kept for the next step. True if it finished."""
+    k = self.spec
+    n_new = int(res[0])
+    new, drafts = [int(t) for t in res[1:1 + n_new]], [int(t) for t in res[2 + k:2 + 2 * k]]
+    req.inflight -= 1
+    accepted = n_new - 1
+    self.stats["spec_rows"] += req.step_drafts > 0
+    self.stats["spec_draft_tokens"] += req.step_drafts
+    self.stats["spec_accepted_tokens"] += accepted
+    if live:
+      req.num_computed += accepted
+      req.max_computed = max(req.max_computed, req.num_computed)
+    now = self.clock()
+    for tok in new:
+      req.append_output(tok)
+      if live:
+        self._mgr(req).append_tokens(req.rid, [tok])
+      if req.first_token_time is None:
+        req.first_token_time = now
+      req.last_token_time = now
+      if self._stops(req, tok):
+        return True
+    if live:
+      self._mgr(req).commit(req.rid, min(req.num_computed, len(req.tokens)))
+      req.drafts = drafts
+    return False
 
   def compile_report(self) -> dict:
     """What this engine compiled (every jitted function and eager op its construction, admissions and steps

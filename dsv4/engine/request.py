@@ -46,6 +46,8 @@ class Request:
   sample_row: int = -1             # its row in the step that samples that token (the next step reads it there)
   index: int = 0                   # order of arrival at the engine
   shard: int = 0                   # data shard whose pool and manager hold its blocks (engine on a mesh)
+  drafts: list[int] = dataclasses.field(default_factory=list)  # the MTP block's proposals for the next positions
+  step_drafts: int = 0             # drafts its row verifies in the step being planned / run
   # prompt + output, maintained incrementally (append_output) so a step never rebuilds it
   tokens: list[int] = dataclasses.field(default_factory=list)
 

@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from cache import step as cache_step
 from dsv4 import caches, model, sharding
 from dsv4.config import ModelConfig
-from dsv4.engine.sampling import SamplingParams, sample_rows_impl
+from dsv4.engine.sampling import SamplingParams, sample_rows_impl, verify_drafts
 from pallas_kernels import dispatch
 
 _HI = jax.lax.Precision.HIGHEST
@@ -117,12 +117,20 @@ class RaggedShape(_PackedShape):
   swa_width: int
   full_width: int
   invariant: bool = False
+  spec: int = 0      # speculative decoding: drafts per row (k); the MTP block drafts, rows carry their drafts
 
   def fields(self):
     N, R = self.tokens, self.rows
+    spec = (("ndraft", (R,)), ("next_tok", (R,))) if self.spec else ()
     return (("n_real", (1,)), ("tokens", (N,)), ("row", (N,)), ("pos", (N,)), ("start", (R,)), ("num", (R,)),
             ("last", (R,)), ("slot", (R,)), ("swa_base", (R,)), ("temperature", (R,)), ("top_k", (R,)),
-            ("top_p", (R,)), ("seed", (R,)), ("step", (R,)))
+            ("top_p", (R,)), ("seed", (R,)), ("step", (R,))) + spec
+
+  @property
+  def out_width(self) -> int:
+    """Int32 results per row: 1 (the sampled token), or with drafts 1 + (k + 1) + k: the number of new tokens,
+    the new tokens (accepted drafts, then the sampled one), the next drafts."""
+    return 2 + 2 * self.spec if self.spec else 1
 
 
 def _unpack(buf, shape):
@@ -213,6 +221,14 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
     padded = jnp.zeros((S,), jnp.int32).at[:toks.shape[0]].set(toks.astype(jnp.int32), mode="drop")
     return cache, tables, None, padded, padded
 
+  if shape.spec:
+    if model_api != "functional":
+      raise ValueError("speculative decoding runs the functional model (model_api='functional')")
+    cache, res_RxW, last_R, logits = _speculative(params, config, layout, kernel_cfg, shape, p, rows, cache)
+    padded = jnp.zeros((S, shape.out_width), jnp.int32).at[:shape.rows].set(res_RxW, mode="drop")
+    prev = jnp.zeros((S,), jnp.int32).at[:shape.rows].set(last_R, mode="drop")
+    return cache, tables, None, padded, prev, (logits if record_logits else None)
+
   if not shape.invariant:
     step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
     cache, h_NxD = fwd(p["tokens"], cache, step)
@@ -241,6 +257,66 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
   return (*out(cache, toks), (logits if record_logits else None))
 
 
+def _speculative(params, config, layout, kernel_cfg, shape: RaggedShape, p, rows, cache):
+  """The step with MTP drafts (shape.spec = k). A row's tokens end with its drafts (p["ndraft"] of them: a decode
+  row is [last decided token, drafts...]). One backbone pass scores every draft; `verify_drafts` accepts a prefix
+  and decides one more token (exactly greedy; distribution-preserving when sampled). Then:
+  * the compressors' state rows are rewritten at each row's last accepted position (the forward left the state
+    after the row's last token there, which may be a rejected draft);
+  * MTP block 0 catches up on the positions that just became final (its input at position t is the token at
+    t + 1: the next token in the row, the decided one at the frontier, or p["next_tok"] for a row that stops
+    mid-prompt), writing its window KV there; its output at the frontier is the first next draft;
+  * k - 1 more one-position runs of the block on its own output stream give the remaining drafts.
+  KV written past the frontier (rejected drafts, the recursion's positions) is overwritten before anything reads
+  it: every step writes its positions before attending, and reads stop at each query's position.
+  Returns (cache, results [R, out_width], the last new token per row [R], scored logits [R, V] or None)."""
+  K, R, N = shape.spec, shape.rows, shape.tokens
+  step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
+  cache, h_NxD, auxes, X = model.forward_ragged_aux(params, config, p["tokens"], cache, step, layout=layout,
+                                                     kernel_cfg=kernel_cfg, return_stream=True, tap_states=True)
+  last = jnp.maximum(p["last"], 0)
+  ndraft = jnp.where(p["num"] > 0, jnp.minimum(p["ndraft"], K), 0)
+  base = last - ndraft                                  # flat index of the input whose logits score draft 1
+  j = jnp.arange(K + 1)[None, :]
+  scored = jnp.minimum(base[:, None] + j, last[:, None])
+  logits_RxJxV = model.lm_logits(params, h_NxD[scored])
+  drafts_RxK = p["tokens"][jnp.minimum(base[:, None] + 1 + j[:, :K], N - 1)]
+  accepted, new_RxJ = verify_drafts(logits_RxJxV, drafts_RxK, ndraft, p["temperature"], p["top_k"], p["top_p"],
+                                    p["seed"], p["step"])
+  decided = jnp.take_along_axis(new_RxJ, accepted[:, None], axis=1)[:, 0]
+  frontier = base + accepted                            # flat index of each row's last final position
+  n = jnp.arange(N)
+  row_N = jnp.maximum(p["row"], 0)
+  real = p["row"] >= 0
+  at_frontier = real & (n == frontier[row_N])
+  cache = model.store_states(cache, auxes, step, at_frontier & (ndraft[row_N] > 0), layout=layout)
+
+  # MTP block 0 over the same positions: the token after each position, the decided / next prompt token at the
+  # frontier (a mid-prompt row: the host's next_tok).
+  samples = p["next_tok"] < 0
+  after_frontier = jnp.where(samples, decided, p["next_tok"])
+  shifted = jnp.concatenate([p["tokens"][1:], jnp.zeros((1,), p["tokens"].dtype)])
+  nxt_N = jnp.where(at_frontier, after_frontier[row_N], shifted)
+  cache, Xm, hm = model.mtp_forward(params, config, 0, X, nxt_N, cache, step, layout=layout, kernel_cfg=kernel_cfg)
+  draft = jnp.argmax(model.lm_logits(params, hm[frontier]), axis=-1).astype(jnp.int32)
+  drafts = [draft]
+  # The recursion: position frontier + i, the block's own stream, the previous draft. Only rows that sampled draft.
+  drafting = samples & (p["num"] > 0) & (p["slot"] >= 0)
+  pos = p["pos"][frontier] + 1
+  Xr = Xm[:, frontier]
+  for _ in range(K - 1):
+    rstep = caches.StepIndex(jnp.where(drafting, jnp.arange(R), -1), pos, pos, drafting.astype(jnp.int32), rows,
+                             swa_base_R=p["swa_base"])
+    cache, Xr, hr = model.mtp_forward(params, config, 0, Xr, drafts[-1], cache, rstep, layout=layout,
+                                      kernel_cfg=kernel_cfg)
+    drafts.append(jnp.argmax(model.lm_logits(params, hr), axis=-1).astype(jnp.int32))
+    pos = pos + 1
+  drafts_RxK = jnp.where(drafting[:, None], jnp.stack(drafts, axis=1), 0)
+  res = jnp.concatenate([(accepted + 1)[:, None], new_RxJ, drafts_RxK], axis=1)
+  chosen = jnp.take_along_axis(logits_RxJxV, accepted[:, None, None], axis=1)[:, 0]
+  return cache, res.astype(jnp.int32), decided, chosen
+
+
 _STEP_STATICS = ("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api", "graphdef")
 
 
@@ -261,6 +337,8 @@ class Row:
   params: SamplingParams
   step: int                      # index of the token to sample in the request's output (the sampler's key)
   shard: int = 0                 # data shard (its manager, its slice of the pools) on a mesh
+  num_drafts: int = 0            # speculative decoding: tokens[-num_drafts:] are drafts to verify
+  next_token: int = -1           # speculative decoding, a row that stops mid-prompt: the prompt token after it
 
 
 @dataclasses.dataclass
@@ -278,7 +356,7 @@ class ModelRunner:
                record_logits: bool = False, min_table_tokens: int = 4096, max_num_batched_tokens: int = 512,
                mesh=None, rules: sharding.Rules = sharding.Rules(), token_bucket_growth: int = 4,
                token_bucket_steps: int = 1, model_api: str = "functional", pools_over_data: bool = False,
-               managers=None):
+               managers=None, num_speculative_tokens: int = 0):
     """managers: the engine's cache managers (one per data shard): the step reads each row's block tables from
     their device tables (rows name their manager slot) and, on one device, runs their queued bookkeeping inside
     the step program. None (benchmarks, tests): the runner keeps its own tables, set with `set_tables`."""
@@ -301,6 +379,12 @@ class ModelRunner:
         raise ValueError("ModelRunner: the nnx_model.Model was built for another config than the runner's")
     self.max_num_seqs, self.chunk_size = max_num_seqs, chunk_size
     self.batch_invariant, self.record_logits = batch_invariant, record_logits
+    # k > 0: every step runs the speculative program (verification, the MTP block's catch-up and k drafts per row)
+    if num_speculative_tokens and (batch_invariant or mesh is not None or model_api != "functional"
+                                   or config.num_mtp_layers < 1):
+      raise ValueError("ModelRunner: speculative decoding needs an MTP block and runs on one device, with the "
+                       "functional model, without batch invariance")
+    self.spec = num_speculative_tokens
     if token_bucket_growth not in (2, 4):
       raise ValueError(f"ModelRunner: token_bucket_growth must be 2 or 4, got {token_bucket_growth}")
     # Flat-axis token buckets grow by this factor: 2 = at most 2x padding, more programs; 4 = half the programs
@@ -407,7 +491,9 @@ class ModelRunner:
     """Swa table width: a power of two >= 8 covering every row from its base block to the block of its last token,
     so the swa table follows the window + chunk, not the context."""
     sb = self.layout.swa_block_tokens
-    need = max(-(-(r.start + len(r.tokens)) // sb) - self._swa_base(r) for r in rows)
+    # with drafts, the MTP block's recursion writes up to k - 1 positions past a row's last token
+    extra = max(self.spec - 1, 0)
+    need = max(-(-(r.start + len(r.tokens) + extra) // sb) - self._swa_base(r) for r in rows)
     return min(self.max_swa_width, pow2_at_least(need, 8))
 
   def _rows_bucket(self, n: int) -> int:
@@ -422,7 +508,8 @@ class ModelRunner:
          "row": np.full(N, -1, np.int32), "pos": np.zeros(N, np.int32), "start": np.zeros(R, np.int32),
          "num": np.zeros(R, np.int32), "last": np.zeros(R, np.int32), "slot": np.full(R, -1, np.int32),
          "swa_base": np.zeros(R, np.int32), "temperature": np.zeros(R, np.float32), "top_k": np.zeros(R, np.int32),
-         "top_p": np.ones(R, np.float32), "seed": np.zeros(R, np.uint32), "step": np.zeros(R, np.int32)}
+         "top_p": np.ones(R, np.float32), "seed": np.zeros(R, np.uint32), "step": np.zeros(R, np.int32),
+         "ndraft": np.zeros(R, np.int32), "next_tok": np.full(R, -1, np.int32)}
     o = 0
     for i, r in enumerate(rows):
       n = len(r.tokens)
@@ -431,6 +518,8 @@ class ModelRunner:
       a["pos"][o:o + n] = np.arange(r.start, r.start + n)
       a["start"][i], a["num"][i], a["last"][i] = r.start, n, o + n - 1
       a["slot"][i], a["swa_base"][i] = r.slot, self._swa_base(r)
+      if shape.spec:
+        a["ndraft"][i], a["next_tok"][i] = r.num_drafts, r.next_token
       self._sampling(a, i, r)
       o += n
     return _pack(a, shape)
@@ -472,7 +561,8 @@ class ModelRunner:
   def collect(self, d: "_Dispatched") -> tuple[np.ndarray, np.ndarray | None]:
     """Waits for a dispatched step: (sampled token per row, logits per row or None). Hands each manager the
     results of its bookkeeping."""
-    toks = np.zeros(d.num_rows, np.int32)
+    toks = np.zeros((d.num_rows, RaggedShape(0, 0, 0, 0, spec=self.spec).out_width) if self.spec else d.num_rows,
+                    np.int32)
     logits = None
     for call, by_shard, out, l, plans in d.calls:
       out, l = jax.device_get((out, l))                        # one device->host transfer per call
@@ -483,7 +573,7 @@ class ModelRunner:
       if plans:                                                # the bookkeeping's counters came with the tokens
         out, kv_res = out
         self.managers[0].on_step_result(plans[0], kv_res)
-      t = out.reshape(D, -1)
+      t = out.reshape(D, -1, *out.shape[1:])
       l = None if l is None else np.asarray(l).reshape(D, -1, np.asarray(l).shape[-1])
       for s, b in enumerate(by_shard):
         for k, j in enumerate(b):
@@ -509,7 +599,7 @@ class ModelRunner:
       N = token_bucket(max(totals), self.token_bucket_growth, self.max_num_batched_tokens, self.token_bucket_steps)
     wf = self._full_width(max(r.start + len(r.tokens) for r in rows))
     shape = RaggedShape(N, self._rows_bucket(max(len(b) for b in by_shard)), self._swa_width(rows), wf,
-                        self.batch_invariant)
+                        self.batch_invariant, self.spec)
     self.shapes_run.add(shape)
     self.stats["step_tokens"] += sum(totals)
     self.stats["step_slots"] += N * D

@@ -266,7 +266,8 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
       state, cache_layer["comp_kv"], (lat, ent, slots) = compress_step(
           p["compressor"], x_NxD, kv_compressor_spec(config, plan), ctx, cache_layer.get("comp_state"),
           cache_layer["comp_kv"], inv_freq, eps, return_latent=True,
-          quantize_rows=cache_quant.nvfp4_compressed_kv if config.quantized_cache else None)
+          quantize_rows=cache_quant.nvfp4_compressed_kv if config.quantized_cache else None, taps=aux,
+          tap_key="comp_state_rows")
       if state is not None:
         cache_layer["comp_state"] = state
       if plan.has_index_keys:
@@ -293,14 +294,14 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
   elif plan.has_compressor:
     state, cache_layer["comp_kv"] = compress_step(
         p["compressor"], x_NxD, kv_compressor_spec(config, plan), ctx, cache_layer.get("comp_state"),
-        cache_layer["comp_kv"], inv_freq, eps)
+        cache_layer["comp_kv"], inv_freq, eps, taps=aux, tap_key="comp_state_rows")
     if state is not None:
       cache_layer["comp_state"] = state
     comp_pool = caches.flat_pool(cache_layer["comp_kv"])
   if plan.kind == "csa":
     cache_layer["index_state"], cache_layer["index_keys"] = compress_step(
         p["indexer"]["compressor"], x_NxD, index_compressor_spec(config, plan), ctx, cache_layer["index_state"],
-        cache_layer["index_keys"], inv_freq, eps)
+        cache_layer["index_keys"], inv_freq, eps, taps=aux, tap_key="index_state_rows")
     ids, _ = _select(p["indexer"], config, plan, x_NxD, cq, ctx, cache_layer["index_keys"], inv_freq, kernel_cfg,
                      None, False, q, comp_pool, collect_aux, aux)
     comp_idx = _entry_ids_to_pool_rows(ctx, plan.ratio, ids)

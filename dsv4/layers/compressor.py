@@ -52,9 +52,14 @@ class StepContext:
   swa_base_R: jax.Array     # swa block index of swa table column 0, per row (StepIndex.swa_base_R)
   swa_block_tokens: int = dataclasses.field(metadata=dict(static=True))
   full_block_tokens: int = dataclasses.field(metadata=dict(static=True))
+  # Speculative verification: the compressors also hand out every token's running-pool state row (layer aux
+  # "comp_state_rows" / "index_state_rows"), so the step can store the state at the last ACCEPTED position of a
+  # row once verification has decided it (the row written here is the state after the row's last, maybe
+  # rejected, token).
+  tap_state: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @staticmethod
-  def from_step(step: "caches.StepIndex", layout: "caches.CacheLayout") -> "StepContext":
+  def from_step(step: "caches.StepIndex", layout: "caches.CacheLayout", tap_state: bool = False) -> "StepContext":
     row = step.token_row_N.astype(jnp.int32)
     valid = row >= 0
     r = jnp.maximum(row, 0)
@@ -68,7 +73,8 @@ class StepContext:
     base = (jnp.zeros((R,), jnp.int32) if step.swa_base_R is None else step.swa_base_R.astype(jnp.int32))
     return StepContext(row_N=r, valid_N=valid, pos_N=pos, first_N=valid & (pos == start),
                        last_N=valid & (pos == end - 1), swa_table_RxS=swa, full_table_RxF=full, swa_base_R=base,
-                       swa_block_tokens=layout.swa_block_tokens, full_block_tokens=layout.full_block_tokens)
+                       swa_block_tokens=layout.swa_block_tokens, full_block_tokens=layout.full_block_tokens,
+                       tap_state=tap_state)
 
   def swa_slots(self, row_N_, pos_N_, valid_N_):
     """SWA-group pool row of each (row, position); -1 where invalid or outside the step's swa table."""
@@ -129,11 +135,12 @@ def _emit(ctx: StepContext, entry_N, emitted_N, ratio: int):
 
 
 def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, out_pool, inv_freq, eps: float,
-                  return_latent: bool = False, quantize_rows=None):
+                  return_latent: bool = False, quantize_rows=None, taps: dict | None = None, tap_key: str = ""):
   """Runs one ragged step through a compressor. Returns (new state pool or None, new out pool), plus, with
   `return_latent`, (pre-RoPE latent [N,w], entry ids [N], full-group slots [N] (-1: not emitted)) of the entry each
   token would close: V4.1 derives its index keys from that latent (docs/model.md, Lightning indexer).
-  `quantize_rows` (V4.1 quantized cache) is applied to the post-RoPE rows before they are stored."""
+  `quantize_rows` (V4.1 quantized cache) is applied to the post-RoPE rows before they are stored. With
+  `ctx.tap_state`, every token's state row [N, state width] is put in `taps[tap_key]` (pooling compressors only)."""
   q_rows = quantize_rows or (lambda r: r)
   m, w = spec.ratio, spec.width
   a, z = project(p, x_NxD, spec, ctx.pos_N)
@@ -179,6 +186,8 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
     cl0, cm0 = merge(p_cl, p_cm, z, a)
     cl, cm = segmented_pool_scan(reset, jnp.where(mid, cl0, z), jnp.where(mid, cm0, a), m)
     state_rows = jnp.concatenate([cl, cm], axis=-1)
+  if ctx.tap_state and taps is not None:
+    taps[tap_key] = state_rows
 
   # Keep the state after the last token of each block touched (a later step reads the row of its start - 1).
   keep = ctx.valid_N & (ctx.last_N | (pos % ctx.swa_block_tokens == ctx.swa_block_tokens - 1))
