@@ -162,3 +162,23 @@ def test_refusals(trained):
               dict(num_speculative_tokens=2, model_api="nnx")):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
       dataclasses.replace(EC, **bad).validate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv,dtype", [("fp32", "fp32"), ("fp8", "bf16")])
+def test_drafts_compose_with_tiers_and_kv_precision(kv, dtype, tmp_path):
+  """The composition trace (tests/dsv4/composition_worker.py) with host + disk tiers under a pool that demotes and
+  reloads, at fp32 and at FP8 KV with bf16 compute: drafts change no token, the reload happened, no block leaked."""
+  from tests.dsv4 import composition_worker as W
+  cfg = dataclasses.replace(W.config("v4", False), num_mtp_layers=1)
+  params = model.init_params(cfg, jax.random.PRNGKey(4))
+  tr = W.Trace.make(cfg, 2)
+  outs = {}
+  for k in (0, 2):
+    ec = dataclasses.replace(W.engine_config(W.Combo(False, kv, True, False, "xla"), 1, str(tmp_path), f"k{k}"),
+                             record_logits=False, dtype=dtype, num_speculative_tokens=k)
+    eng = Engine(params, cfg, ec)
+    outs[k] = W.run_trace(eng, cfg, tr)
+    assert _free(eng) == {"full": ec.num_full_blocks, "swa": ec.num_swa_blocks}
+  assert [o.output for o in outs[2]] == [o.output for o in outs[0]]
+  assert outs[2][-1].tier_hit_tokens > 0
