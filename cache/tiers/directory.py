@@ -1,6 +1,8 @@
 """Global directory: record key -> which tiers hold it (tier names; engine-local tiers are suffixed with the engine
-id), tenant, size, state, expiry. Kept in the L4 server (a Redis hash per key, `dsv4dir:<key>`) so every engine
-and a router see the same view; without an L4 server it is a dict in this process.
+id), tenant, size, state, expiry, and optionally the fingerprint of what was stored. Kept in the L4 server (a Redis
+hash per key, `dsv4dir:<key>`) so every engine and a router see the same view; without an L4 server it is a dict
+in this process. A set per location (`dsv4dirloc:<location>`) lists the keys published there, so everything one
+location held can be dropped at once (a replica that restarted empty).
 
 The directory is advisory: a record it lists may have been evicted or expired by the server since (then the get
 misses and the request degrades), and a record is verified on every load regardless of what the directory says."""
@@ -16,8 +18,9 @@ class LocalDirectory:
   def __init__(self):
     self._d: dict[str, dict] = {}
 
-  def publish(self, key, tier, tenant, nbytes, ttl_s=None):
-    e = self._d.setdefault(key, {"tiers": set(), "tenant": tenant, "bytes": nbytes, "state": "ready"})
+  def publish(self, key, tier, tenant, nbytes, ttl_s=None, fingerprint=""):
+    e = self._d.setdefault(key, {"tiers": set(), "tenant": tenant, "bytes": nbytes, "state": "ready",
+                                 "fingerprint": fingerprint})
     e["tiers"].add(tier)
     e["expires"] = None if ttl_s is None else time.time() + ttl_s
 
@@ -27,6 +30,14 @@ class LocalDirectory:
       e["tiers"].discard(tier)
       if not e["tiers"]:
         del self._d[key]
+
+  def drop_location(self, tier) -> int:
+    """Forget every entry's `tier` location (its holder restarted empty). Returns the keys it was listed for."""
+    n = 0
+    for key in [k for k, e in self._d.items() if tier in e["tiers"]]:
+      self.unpublish(key, tier)
+      n += 1
+    return n
 
   def lookup_many(self, keys):
     now = time.time()
@@ -47,15 +58,35 @@ class RedisDirectory:
   def _k(key):
     return "dsv4dir:" + key
 
-  def publish(self, key, tier, tenant, nbytes, ttl_s=None):
+  @staticmethod
+  def _loc(tier):
+    return "dsv4dirloc:" + tier
+
+  def publish(self, key, tier, tenant, nbytes, ttl_s=None, fingerprint=""):
     p = self.client.pipeline(transaction=False)
-    p.hset(self._k(key), mapping={f"t:{tier}": 1, "tenant": tenant, "bytes": nbytes, "state": "ready"})
+    fields = {f"t:{tier}": 1, "tenant": tenant, "bytes": nbytes, "state": "ready"}
+    if fingerprint:
+      fields["fp"] = fingerprint
+    p.hset(self._k(key), mapping=fields)
+    p.sadd(self._loc(tier), key)
     if ttl_s:
       p.pexpire(self._k(key), int(ttl_s * 1000))
     p.execute()
 
   def unpublish(self, key, tier):
-    self.client.hdel(self._k(key), f"t:{tier}")
+    p = self.client.pipeline(transaction=False)
+    p.hdel(self._k(key), f"t:{tier}")
+    p.srem(self._loc(tier), key)
+    p.execute()
+
+  def drop_location(self, tier) -> int:
+    keys = [k.decode() if isinstance(k, bytes) else k for k in self.client.smembers(self._loc(tier))]
+    p = self.client.pipeline(transaction=False)
+    for k in keys:
+      p.hdel(self._k(k), f"t:{tier}")
+    p.delete(self._loc(tier))
+    p.execute()
+    return len(keys)
 
   def lookup_many(self, keys):
     if not keys:
@@ -70,6 +101,10 @@ class RedisDirectory:
         continue
       h = {(a.decode() if isinstance(a, bytes) else a): (b.decode() if isinstance(b, bytes) else b)
            for a, b in h.items()}
-      out.append({"tiers": {f[2:] for f in h if f.startswith("t:")}, "tenant": h.get("tenant", ""),
-                  "bytes": int(h.get("bytes", 0)), "state": h.get("state", "")})
+      tiers = {f[2:] for f in h if f.startswith("t:")}
+      if not tiers:                 # every location dropped: the hash holds only its labels
+        out.append(None)
+        continue
+      out.append({"tiers": tiers, "tenant": h.get("tenant", ""), "bytes": int(h.get("bytes", 0)),
+                  "state": h.get("state", ""), "fingerprint": h.get("fp", "")})
     return out
