@@ -118,6 +118,20 @@ def pool_blocks(cfg, layout, batch: int, context: int, chunk: int) -> tuple[int,
   return swa, full
 
 
+def handoff_state_bytes(cfg, layout, num_tokens: int) -> int:
+  """Bytes of the state a prefill replica hands to a decode replica for a request with `num_tokens` known tokens
+  (prompt + first token): every full-history block before the aligned resume point P and the sliding-window tail
+  of P (window rows and compressor state rows), as the pools store them. Record headers and checksums come on top
+  (docs/cluster.md)."""
+  from dsv4 import caches
+  specs = caches.group_specs(cfg, layout)
+  P = (num_tokens - 1) // specs.align_tokens * specs.align_tokens
+  if P <= 0:
+    return 0
+  full = P // specs.full.block_tokens * specs.full.bytes_per_block
+  return full + min(specs.swa.need_blocks, P // specs.swa.block_tokens) * specs.swa.bytes_per_block
+
+
 def pool_bytes(cfg, layout, mesh, rules, n_swa: int, n_full: int, over_data: bool = False) -> tuple[float, float]:
   """(total pool bytes, per-device pool bytes) under the rules: pools replicated over `data`, or with over_data
   split over it by their block axis (block counts rounded up to a multiple of the data size)."""
