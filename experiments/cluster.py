@@ -7,6 +7,7 @@ configuration; greedy tokens are checked against a single engine. Prints a table
     python -m experiments.cluster                          # 4 replicas on a local Ray cluster (CPU, ~5-8 min)
     python -m experiments.cluster --ray_address=auto       # join a running Ray cluster instead
     python -m experiments.cluster --groups=chat,rag --configs=combined+rr,combined+kv
+    python -m experiments.cluster --predict                # the node-scale model only: PREDICTED numbers (seconds)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def define_flags():
   flags.DEFINE_string("model", "v4_retrieval", "Shipped model (experiments/checkpoints/<name>).")
   flags.DEFINE_float("slo_ttft_s", 3.0, "TTFT of the SLO (goodput).")
   flags.DEFINE_float("slo_tpot_s", 0.25, "TPOT of the SLO (goodput).")
+  flags.DEFINE_bool("predict", False, "Only the discrete-event model at 8 x H200 scale (predictions, no engines).")
   plotting.define_output_flags(SCRIPT, "the table and the plot", "cluster")
 
 
@@ -90,6 +92,17 @@ def main(argv):
   from dsv4.serving import matrix
   from dsv4.serving import workloads as W
   out_dir = plotting.output_dir("cluster")
+  if FLAGS.predict:
+    from dsv4.serving import simulation
+    rows = simulation.predict_matrix(groups=FLAGS.groups)
+    cols = ("config", "group", "requests", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "hit_tokens", "prompt_tokens",
+            "transfer_bytes_mean")
+    print("PREDICTED by the discrete-event model (8 x H200 constants), not measured:")
+    print(" | ".join(cols))
+    for r in rows:
+      print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    plotting.write_table(rows, out_dir, "cluster_prediction", meta={"predicted": True})
+    return 0
   configs = [c for c in C.MATRIX if not FLAGS.configs or c.name in FLAGS.configs]
   unknown = set(FLAGS.configs) - {c.name for c in C.MATRIX}
   if unknown:
