@@ -86,7 +86,9 @@ def plot(rows, out_dir):
 
 def main(argv):
   del argv
+  from absl import logging
   from tqdm import tqdm
+  logging.set_verbosity(logging.WARNING)      # orbax's per-restore lines would bury the progress bar
 
   from dsv4.serving import cluster as C
   from dsv4.serving import matrix
