@@ -88,8 +88,9 @@ class EngineConfig:
   # Speculative decoding with the model's MTP block (ModelConfig.num_mtp_layers >= 1): each decode row carries the
   # k drafts the block proposed last step; one step verifies them (greedy: the tokens without drafts; sampled:
   # rejection sampling, the same distribution), keeps the accepted prefix plus one decided token, and drafts k
-  # more. 0 = off. The engine then reads each step before planning the next (async scheduling off) and runs on one
-  # device with the functional model, without batch invariance or recorded logits (refused at construction).
+  # more. 0 = off. With async scheduling the next step is planned before this one is read: its row is filled on
+  # the device from this step's results and shifted by the number of drafts accepted. One device, the functional
+  # model, no batch invariance or recorded logits (refused at construction).
   num_speculative_tokens: int = 0
 
   def validate(self):
@@ -211,8 +212,7 @@ class Engine:
     self.requests: dict[str, Request] = {}
     self._next_index = 0
     self._inflight = None                          # the step sent but not read yet (async scheduling)
-    self.async_active = (ec.async_scheduling and mesh is None and not ec.batch_invariant and ec.tiering is None
-                         and not self.spec)
+    self.async_active = (ec.async_scheduling and mesh is None and not ec.batch_invariant and ec.tiering is None)
     self.stats = collections.Counter()
     self._lead_keys: dict[str, object] = {}        # rid -> (extra keys, first aligned chunk) for deferral
     self._shared: dict[str, dict[str, int]] = {}   # follower -> leader -> shared prefix tokens, once stable
@@ -501,19 +501,27 @@ class Engine:
     decided one) also verifies the drafts it holds, as many as its remaining output, the budget and the chunk
     allow. Sets req.step_drafts."""
     req.step_drafts = 0
-    if not self.spec or not req.drafts or req.num_computed != len(req.tokens) - 1 or req.inflight:
+    if not self.spec or self._todo(req) != 1:
       return n
-    nd = min(len(req.drafts), self.spec, req.params.max_tokens - len(req.output) - 1, budget - 1,
-             self.ec.chunk_size - 1)
-    req.step_drafts = max(nd, 0)
+    if req.inflight:
+      # async: the row continues the unread step (its decided token and drafts fill it on the device); that step
+      # adds at least one token, so at most max_tokens - output - 2 more can still be needed after this row's first
+      have, left = self.spec, req.params.max_tokens - len(req.output) - 2
+    elif req.drafts and req.num_computed == len(req.tokens) - 1:
+      have, left = len(req.drafts), req.params.max_tokens - len(req.output) - 1
+    else:
+      return n
+    req.step_drafts = max(min(have, self.spec, left, budget - 1, self.ec.chunk_size - 1), 0)
     return 1 + req.step_drafts
 
   def _alloc_end(self, req: Request, n: int) -> int:
     """Positions req's blocks must cover for a row of n tokens: with speculative decoding a row that decides a
     token also runs the MTP block k - 1 positions past its frontier (its recursive drafts write window KV there)."""
     end = req.num_computed + n
-    if self.spec and req.num_computed + n - req.step_drafts >= len(req.tokens):
+    if self.spec and req.num_computed + n - req.step_drafts >= len(req.tokens) + req.inflight:
       end += self.spec - 1
+    if self.spec and req.inflight:
+      end += req.inflight_drafts      # the unread step may accept all its drafts: the row then starts that much later
     return min(end, self.ec.max_model_len)
 
   def _fill_bucket(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
@@ -617,13 +625,17 @@ class Engine:
       start = req.num_computed
       nd = req.step_drafts
       known = req.tokens[start:start + n - nd]
+      prev_row, drafts = -1, req.drafts[:nd]
       if len(known) < n - nd:           # the last token is the one sampled by the previous step, on the device
-        known = known + [-1 - req.sample_row]
+        if self.spec:                   # ... and so are the drafts; the device fills the row and shifts it
+          known, prev_row, drafts = known + [0], req.sample_row, [0] * nd
+        else:
+          known = known + [-1 - req.sample_row]
       nxt = -1
       if self.spec and start + n < len(req.tokens):   # stops mid-prompt: the MTP block's input after its last token
         nxt = req.tokens[start + n]
-      rows.append(Row(req.slot, known + req.drafts[:nd], start, req.params, len(req.output) + req.inflight,
-                      req.shard, num_drafts=nd, next_token=nxt))
+      rows.append(Row(req.slot, known + drafts, start, req.params, len(req.output) + req.inflight, req.shard,
+                      num_drafts=nd, next_token=nxt, prev_row=prev_row))
     handle = self.runner.dispatch(rows)
     for i, (req, n) in enumerate(scheduled):
       start = req.num_computed
@@ -644,21 +656,22 @@ class Engine:
       if samples:
         req.inflight += 1
         req.sample_row = i
-      rows.append((req, req.num_computed, req.num_preemptions, samples))
+        req.inflight_drafts = req.step_drafts
+      rows.append((req, req.num_computed, req.num_preemptions, samples, req.step_drafts))
     return handle, rows
 
   def _collect(self, sent) -> list[Request]:
     handle, rows = sent
     sampled, logits = self.runner.collect(handle)
     done, now = [], None
-    for i, (req, end, preemptions, samples) in enumerate(rows):
+    for i, (req, end, preemptions, samples, num_drafts) in enumerate(rows):
       live = req.status is Status.RUNNING and req.num_preemptions == preemptions
       if live and min(end, len(req.tokens)) > self._mgr(req).num_committed(req.rid):
         self._mgr(req).commit(req.rid, min(end, len(req.tokens)))
       if not samples or req.status in (Status.FINISHED, Status.REJECTED):
         continue                      # mid-prompt chunk (its sample is not wanted), or it already ended
       if self.spec:
-        if self._take_verified(req, sampled[i], live):
+        if self._take_verified(req, sampled[i], live, num_drafts):
           done.append(req)
         continue
       tok = int(sampled[i])
@@ -694,7 +707,7 @@ class Engine:
       self._forget_aux(req.rid)
     return True
 
-  def _take_verified(self, req: Request, res, live: bool) -> bool:
+  def _take_verified(self, req: Request, res, live: bool, num_drafts: int) -> bool:
     """A speculative row's results (runner.RaggedShape.out_width): the accepted drafts and the decided token
     join the output one by one (a stop ends it there; later ones are dropped), the positions of the accepted
     drafts become computed and committed, and the new drafts are kept for the next step. True if it finished."""
@@ -703,8 +716,8 @@ class Engine:
     new, drafts = [int(t) for t in res[1:1 + n_new]], [int(t) for t in res[2 + k:2 + 2 * k]]
     req.inflight -= 1
     accepted = n_new - 1
-    self.stats["spec_rows"] += req.step_drafts > 0
-    self.stats["spec_draft_tokens"] += req.step_drafts
+    self.stats["spec_rows"] += num_drafts > 0
+    self.stats["spec_draft_tokens"] += num_drafts
     self.stats["spec_accepted_tokens"] += accepted
     if live:
       req.num_computed += accepted

@@ -48,6 +48,7 @@ class Request:
   shard: int = 0                   # data shard whose pool and manager hold its blocks (engine on a mesh)
   drafts: list[int] = dataclasses.field(default_factory=list)  # the MTP block's proposals for the next positions
   step_drafts: int = 0             # drafts its row verifies in the step being planned / run
+  inflight_drafts: int = 0         # drafts verified by its unread step (async): that step may add 1 + this many
   # prompt + output, maintained incrementally (append_output) so a step never rebuilds it
   tokens: list[int] = dataclasses.field(default_factory=list)
 

@@ -121,7 +121,7 @@ class RaggedShape(_PackedShape):
 
   def fields(self):
     N, R = self.tokens, self.rows
-    spec = (("ndraft", (R,)), ("next_tok", (R,))) if self.spec else ()
+    spec = (("ndraft", (R,)), ("next_tok", (R,)), ("prev_row", (R,))) if self.spec else ()
     return (("n_real", (1,)), ("tokens", (N,)), ("row", (N,)), ("pos", (N,)), ("start", (R,)), ("num", (R,)),
             ("last", (R,)), ("slot", (R,)), ("swa_base", (R,)), ("temperature", (R,)), ("top_k", (R,)),
             ("top_p", (R,)), ("seed", (R,)), ("step", (R,))) + spec
@@ -204,8 +204,11 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
   token's math depends on what else shares the step or on how its prompt was chunked. The tables are the live
   ones (the runner sizes them by each token's own position, see `ModelRunner._invariant_calls`)."""
   p = _unpack(buf, shape)
-  toks_in = p["tokens"]
-  p["tokens"] = jnp.where(toks_in < 0, prev_tokens[jnp.clip(-toks_in - 1, 0, prev_tokens.shape[0] - 1)], toks_in)
+  if shape.spec:
+    p = _continue_rows(p, prev_tokens, shape)
+  else:
+    toks_in = p["tokens"]
+    p["tokens"] = jnp.where(toks_in < 0, prev_tokens[jnp.clip(-toks_in - 1, 0, prev_tokens.shape[0] - 1)], toks_in)
   rows = _row_tables(tables, p, shape)
   S = prev_tokens.shape[0]
   if model_api == "nnx":
@@ -224,10 +227,9 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
   if shape.spec:
     if model_api != "functional":
       raise ValueError("speculative decoding runs the functional model (model_api='functional')")
-    cache, res_RxW, last_R, logits = _speculative(params, config, layout, kernel_cfg, shape, p, rows, cache)
+    cache, res_RxW, logits = _speculative(params, config, layout, kernel_cfg, shape, p, rows, cache)
     padded = jnp.zeros((S, shape.out_width), jnp.int32).at[:shape.rows].set(res_RxW, mode="drop")
-    prev = jnp.zeros((S,), jnp.int32).at[:shape.rows].set(last_R, mode="drop")
-    return cache, tables, None, padded, prev, (logits if record_logits else None)
+    return cache, tables, None, padded, padded, (logits if record_logits else None)
 
   if not shape.invariant:
     step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
@@ -257,6 +259,28 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
   return (*out(cache, toks), (logits if record_logits else None))
 
 
+def _continue_rows(p, prev_RxW, shape: RaggedShape):
+  """Async scheduling with drafts: a row with prev_row = j >= 0 continues row j of the previous step, whose results
+  (`prev_RxW`, [rows, out_width]) are still on the device: its first token is j's decided token and the rest are
+  j's drafts, and everything the host planned assuming no draft of j was accepted (positions, start, the sampler's
+  output index) moves by the number j accepted."""
+  K = shape.spec
+  j = jnp.maximum(p["prev_row"], 0)
+  cont = p["prev_row"] >= 0
+  acc = jnp.where(cont, prev_RxW[j, 0] - 1, 0)
+  decided = jnp.take_along_axis(prev_RxW[j], (1 + jnp.maximum(acc, 0))[:, None], axis=1)[:, 0]
+  row_N = jnp.maximum(p["row"], 0)
+  off_N = jnp.arange(p["tokens"].shape[0]) - (p["last"] - p["num"] + 1)[row_N]
+  draft_N = prev_RxW[j[row_N], 2 + K + jnp.clip(off_N - 1, 0, K - 1)]
+  tok_N = jnp.where(off_N == 0, decided[row_N], draft_N)
+  real_cont = cont[row_N] & (p["row"] >= 0)
+  p = dict(p)
+  p["tokens"] = jnp.where(real_cont, tok_N, p["tokens"])
+  p["pos"] = p["pos"] + jnp.where(real_cont, acc[row_N], 0)
+  p["start"], p["step"] = p["start"] + acc, p["step"] + acc
+  return p
+
+
 def _speculative(params, config, layout, kernel_cfg, shape: RaggedShape, p, rows, cache):
   """The step with MTP drafts (shape.spec = k). A row's tokens end with its drafts (p["ndraft"] of them: a decode
   row is [last decided token, drafts...]). One backbone pass scores every draft; `verify_drafts` accepts a prefix
@@ -269,7 +293,7 @@ def _speculative(params, config, layout, kernel_cfg, shape: RaggedShape, p, rows
   * k - 1 more one-position runs of the block on its own output stream give the remaining drafts.
   KV written past the frontier (rejected drafts, the recursion's positions) is overwritten before anything reads
   it: every step writes its positions before attending, and reads stop at each query's position.
-  Returns (cache, results [R, out_width], the last new token per row [R], scored logits [R, V] or None)."""
+  Returns (cache, results [R, out_width], the logits the decided token was drawn from [R, V])."""
   K, R, N = shape.spec, shape.rows, shape.tokens
   step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
   cache, h_NxD, auxes, X = model.forward_ragged_aux(params, config, p["tokens"], cache, step, layout=layout,
@@ -314,7 +338,7 @@ def _speculative(params, config, layout, kernel_cfg, shape: RaggedShape, p, rows
   drafts_RxK = jnp.where(drafting[:, None], jnp.stack(drafts, axis=1), 0)
   res = jnp.concatenate([(accepted + 1)[:, None], new_RxJ, drafts_RxK], axis=1)
   chosen = jnp.take_along_axis(logits_RxJxV, accepted[:, None, None], axis=1)[:, 0]
-  return cache, res.astype(jnp.int32), decided, chosen
+  return cache, res.astype(jnp.int32), chosen
 
 
 _STEP_STATICS = ("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api", "graphdef")
@@ -339,6 +363,8 @@ class Row:
   shard: int = 0                 # data shard (its manager, its slice of the pools) on a mesh
   num_drafts: int = 0            # speculative decoding: tokens[-num_drafts:] are drafts to verify
   next_token: int = -1           # speculative decoding, a row that stops mid-prompt: the prompt token after it
+  prev_row: int = -1             # speculative decoding, async: continues this row of the previous step (its decided
+                                 # token and drafts fill the row on the device; its accepted count shifts positions)
 
 
 @dataclasses.dataclass
@@ -431,6 +457,8 @@ class ModelRunner:
                           caches.FULL: jnp.full((S, self.max_full_width), -1, jnp.int32)}
     # the previous step program's sampled tokens (a token id -(1 + j) in a plan refers to its entry j)
     self.prev_tokens = jnp.zeros((S // self.num_shards,), jnp.int32)
+    if self.spec:                    # with drafts: each row's whole result (`RaggedShape.out_width`)
+      self.prev_tokens = jnp.zeros((S, RaggedShape(0, 0, 0, 0, spec=self.spec).out_width), jnp.int32)
     # fused: the cache bookkeeping is sent with the step and runs on the device right before it (one device with
     # managers); on a mesh the managers apply it in their own call before the step and the tables travel with it
     self.fused = managers is not None and mesh is None
@@ -491,8 +519,9 @@ class ModelRunner:
     """Swa table width: a power of two >= 8 covering every row from its base block to the block of its last token,
     so the swa table follows the window + chunk, not the context."""
     sb = self.layout.swa_block_tokens
-    # with drafts, the MTP block's recursion writes up to k - 1 positions past a row's last token
-    extra = max(self.spec - 1, 0)
+    # with drafts, the MTP block's recursion writes up to k - 1 positions past a row's last token, and a row that
+    # continues an unread step lands up to k positions later than planned (async scheduling)
+    extra = max(2 * self.spec - 1, 0)
     need = max(-(-(r.start + len(r.tokens) + extra) // sb) - self._swa_base(r) for r in rows)
     return min(self.max_swa_width, pow2_at_least(need, 8))
 
@@ -509,7 +538,7 @@ class ModelRunner:
          "num": np.zeros(R, np.int32), "last": np.zeros(R, np.int32), "slot": np.full(R, -1, np.int32),
          "swa_base": np.zeros(R, np.int32), "temperature": np.zeros(R, np.float32), "top_k": np.zeros(R, np.int32),
          "top_p": np.ones(R, np.float32), "seed": np.zeros(R, np.uint32), "step": np.zeros(R, np.int32),
-         "ndraft": np.zeros(R, np.int32), "next_tok": np.full(R, -1, np.int32)}
+         "ndraft": np.zeros(R, np.int32), "next_tok": np.full(R, -1, np.int32), "prev_row": np.full(R, -1, np.int32)}
     o = 0
     for i, r in enumerate(rows):
       n = len(r.tokens)
@@ -519,7 +548,7 @@ class ModelRunner:
       a["start"][i], a["num"][i], a["last"][i] = r.start, n, o + n - 1
       a["slot"][i], a["swa_base"][i] = r.slot, self._swa_base(r)
       if shape.spec:
-        a["ndraft"][i], a["next_tok"][i] = r.num_drafts, r.next_token
+        a["ndraft"][i], a["next_tok"][i], a["prev_row"][i] = r.num_drafts, r.next_token, r.prev_row
       self._sampling(a, i, r)
       o += n
     return _pack(a, shape)
@@ -597,7 +626,7 @@ class ModelRunner:
       N = pow2_at_least(max(totals), 8)
     else:
       N = token_bucket(max(totals), self.token_bucket_growth, self.max_num_batched_tokens, self.token_bucket_steps)
-    wf = self._full_width(max(r.start + len(r.tokens) for r in rows))
+    wf = self._full_width(max(r.start + len(r.tokens) for r in rows) + (2 * self.spec if self.spec else 0))
     shape = RaggedShape(N, self._rows_bucket(max(len(b) for b in by_shard)), self._swa_width(rows), wf,
                         self.batch_invariant, self.spec)
     self.shapes_run.add(shape)

@@ -66,11 +66,30 @@ def test_trained_drafts_give_the_same_greedy_tokens(trained):
   prompts = _prompts(cfg, 0, [70, 20, 150, 45, 100], shared=130)
   base, want = _run(params, cfg, EC, prompts, 24)
   eng, got = _run(params, cfg, dataclasses.replace(EC, num_speculative_tokens=3), prompts, 24)
-  assert got == want
+  assert eng.async_active and got == want
+  sync, got_sync = _run(params, cfg, dataclasses.replace(EC, num_speculative_tokens=3, async_scheduling=False),
+                        prompts, 24)
+  assert got_sync == want and sync.stats["spec_accepted_tokens"] > 0
   assert eng.stats["spec_accepted_tokens"] > 0 and eng.stats["preemptions"] > 0
   assert sum(o.hit_tokens for o in eng.outputs()) > 0
   assert eng.stats["steps"] < base.stats["steps"]
   assert _free(eng) == {"full": EC.num_full_blocks, "swa": EC.num_swa_blocks}
+
+
+def test_sampled_async_equals_sync(trained):
+  """Seeded sampling with drafts: the async engine (rows filled and shifted on the device) draws exactly the tokens
+  of the synchronous one, the keys following each token's index in the output."""
+  cfg, params = trained
+  prompts = _prompts(cfg, 3, [60, 25, 110], shared=40)
+  outs = []
+  for a in (True, False):
+    eng = Engine(params, cfg, dataclasses.replace(EC, num_speculative_tokens=2, async_scheduling=a))
+    for i, p in enumerate(prompts):
+      eng.add_request(f"r{i}", p, SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=i,
+                                                 ignore_eos=True))
+    outs.append([o.output for o in eng.run()])
+    assert eng.stats["spec_accepted_tokens"] > 0
+  assert outs[0] == outs[1]
 
 
 def test_partly_wrong_drafts_never_change_tokens(hca):
@@ -91,7 +110,9 @@ def test_partly_wrong_drafts_never_change_tokens(hca):
       d[j] = (d[j] + 1 + int(rng.integers(0, cfg.vocab_size - 1))) % cfg.vocab_size
     return d
 
-  eng, got = _run(params, cfg, dataclasses.replace(ec, num_speculative_tokens=3), prompts, 30, force)
+  # synchronous: the forced drafts are host values (async rows take the block's drafts on the device)
+  eng, got = _run(params, cfg, dataclasses.replace(ec, num_speculative_tokens=3, async_scheduling=False), prompts,
+                  30, force)
   assert got == want
   s = eng.stats
   assert 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"]
