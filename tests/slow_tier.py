@@ -12,6 +12,12 @@ SLOW = {
     # speculative decoding: forced partly-wrong drafts on a window + CSA + HCA model (every rollback length)
     "tests/dsv4/test_engine_spec.py::test_partly_wrong_drafts_never_change_tokens":
         "test_trained_drafts_give_the_same_greedy_tokens (real drafts, rejections, preemption, hits)",
+    "tests/dsv4/test_engine_spec.py::test_trained_drafts_synchronous":
+        "test_trained_drafts_give_the_same_greedy_tokens (the async engine; sync is the reference it equals)",
+    "tests/dsv4/test_engine_spec.py::test_sampled_async_equals_sync":
+        "test_rejection_sampling_keeps_the_distribution (the sampled verifier both engines run)",
+    "tests/dsv4/test_engine_spec.py::test_prefix_hit_carries_the_mtp_window":
+        "test_trained_drafts_give_the_same_greedy_tokens (prefix hits with drafts)",
     # meshes (8 host devices, a worker process each) and multi-process runs
     "tests/dsv4/test_sharding_multiprocess.py::test_two_processes_same_tokens_as_one":
         "test_sharding.py::test_engine_on_mesh_same_tokens_with_prefix_hits (one process)",
