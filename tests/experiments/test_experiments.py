@@ -208,3 +208,15 @@ def test_shipped_v41_checkpoint_loads_and_is_small():
   assert "command" in info and "final_eval" in info
   size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(CKPT_V41) for f in fs)
   assert size <= 20 * 2**20
+
+
+@pytest.mark.slow
+def test_ablate_spec_small(tmp_path):
+  """experiments/ablate_spec.py --small: k = 0 and 2 on both workloads through the engine, the table and plot read,
+  every k gives the greedy tokens of k = 0 and the trained draft is accepted."""
+  from tests.experiments.test_ablation_plots import checked_outputs
+  _run(["experiments.ablate_spec", "--small", f"--out_dir={tmp_path}"])
+  rows = checked_outputs(tmp_path, "ablate_spec", "spec", "k", [0, 2])
+  assert sorted((r["workload"], r["k"]) for r in rows) == [("free", 0), ("free", 2), ("task", 0), ("task", 2)]
+  assert all(r["same_tokens_as_k0"] for r in rows if r["k"] > 0)
+  assert all(r["acceptance"] > 0 and r["tokens_per_row"] > 1 for r in rows if r["k"] > 0)
