@@ -3,6 +3,10 @@ r"""Speculative decoding ablation: the engine with the MTP block's drafts, k = 0
     python -m experiments.ablate_spec                     # -> out/ablate_spec/spec.{csv,json,png}
     python -m experiments.ablate_spec --small --out_dir=/tmp/x    # CI smoke run
     python -m experiments.ablate_spec --refresh_results   # refresh the committed experiments/results/spec.*
+    python -m experiments.ablate_spec --replot --refresh_results   # re-draw the committed plot from its table
+
+Output goes to --out_dir (default out/ablate_spec/, untracked); --refresh_results writes the committed
+experiments/results/ instead.
 
 The checkpoint is the retrieval model with its trained draft block (`experiments/checkpoints/v4_retrieval_mtp`,
 made by `experiments/train_mtp.py`). Two greedy workloads of held-out task sequences:
@@ -41,6 +45,7 @@ def define_flags():
   flags.DEFINE_integer("free_tokens", 48, "Generated tokens per request on the free workload.")
   flags.DEFINE_integer("max_num_seqs", 8, "Engine rows per step.")
   flags.DEFINE_bool("small", False, "CI: k in {0, 2}, 4 requests, 8 free tokens.")
+  flags.DEFINE_bool("replot", False, "Re-draw the plot from the table already in the output directory (no runs).")
   plotting.define_output_flags(SCRIPT, "spec.csv/json/png")
 
 
@@ -138,7 +143,11 @@ def main(argv):
     ks, requests, free_tokens = [0, 2], 4, 8
   if any(not 0 <= k <= 8 for k in ks):
     raise app.UsageError(f"--ks: each k in 0..8, got {ks}")
-  out = run(FLAGS.checkpoint, ks, requests, free_tokens, FLAGS.max_num_seqs, plotting.output_dir())
+  out_dir = plotting.output_dir()
+  if FLAGS.replot:
+    print("wrote", plotting.save_figure(plot(*plotting.read_table(out_dir, "spec")), out_dir, "spec"))
+    return
+  out = run(FLAGS.checkpoint, ks, requests, free_tokens, FLAGS.max_num_seqs, out_dir)
   print(f"wrote {out['csv']} {out['json']} {out['png']}")
   print("workload  k  acceptance  tokens/row  tokens/step  ms/token  speed-up  same tokens")
   for r in out["rows"]:

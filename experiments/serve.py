@@ -37,7 +37,7 @@ import sys
 
 from absl import app, flags, logging
 
-SHIPPED_MODELS = ("v4_retrieval", "v41_retrieval", "v4_count")
+SHIPPED_MODELS = ("v4_retrieval", "v41_retrieval", "v4_count", "v4_retrieval_mtp")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "v4_retrieval", [*SHIPPED_MODELS, "random"],
@@ -68,6 +68,9 @@ flags.DEFINE_integer("num_full_blocks", 128, "Full-history blocks (128 tokens ea
 flags.DEFINE_integer("num_swa_blocks", 256, "SWA blocks (32 tokens each).")
 flags.DEFINE_bool("async_scheduling", True, "Plan and send step N+1 before reading step N's tokens (same tokens; "
                   "applies on one device without tiers or batch invariance).")
+flags.DEFINE_integer("num_speculative_tokens", 0, "Speculative decoding: drafts per step from the model's MTP block "
+                     "(0 = off, up to 8; e.g. --model=v4_retrieval_mtp). Greedy answers are unchanged; sampled "
+                     "ones keep their distribution.")
 flags.DEFINE_bool("batch_invariant", False, "Bitwise-reproducible logits whatever shares a step and however a "
                   "prompt is chunked (every token runs one fixed-shape program; slower).")
 flags.DEFINE_enum("kv_dtype", "fp32", ["fp32", "bf16", "fp8"], "Storage of the KV pools: fp32, bf16, or fp8 (the "
@@ -209,6 +212,27 @@ def check_flags() -> list[str]:
       raise FlagError(f"--{name}={FLAGS[name].value}: must be >= 1")
   if not 1 <= FLAGS.token_bucket_steps <= 8:
     raise FlagError(f"--token_bucket_steps={FLAGS.token_bucket_steps}: must be in 1..8")
+  k = FLAGS.num_speculative_tokens
+  if not 0 <= k <= 8:
+    raise FlagError(f"--num_speculative_tokens={k}: must be in 0..8 (0 = off)")
+  if k:
+    for bad, why in ((FLAGS.batch_invariant, "--batch_invariant"), (FLAGS.mesh, "--mesh"),
+                     (FLAGS.model_api != "functional", "--model_api=nnx")):
+      if bad:
+        raise FlagError(f"--num_speculative_tokens={k} with {why} is not supported (drafts run on one device, "
+                        "through the functional model, without batch invariance)")
+    if min(FLAGS.chunk_size, FLAGS.max_num_batched_tokens) < 1 + k:
+      raise FlagError(f"--num_speculative_tokens={k}: --chunk_size and --max_num_batched_tokens must be >= {1 + k}")
+    if not FLAGS.checkpoint and FLAGS.model in SHIPPED_MODELS:     # its config.json says, before any weight loads
+      from experiments import train_lib
+      try:
+        with open(os.path.join(train_lib.CHECKPOINT_ROOT, FLAGS.model, "config.json")) as f:
+          mtp = json.load(f)["config"].get("num_mtp_layers", 0)
+      except (OSError, ValueError, KeyError):
+        mtp = None                     # unreadable: load_model reports it
+      if mtp == 0:
+        raise FlagError(f"--num_speculative_tokens={k}: --model={FLAGS.model} has no MTP block (try "
+                        "--model=v4_retrieval_mtp, or train one with experiments/train_mtp.py)")
   if not 0 <= FLAGS.process_id < FLAGS.num_processes:
     raise FlagError(f"--process_id={FLAGS.process_id}: must be in [0, --num_processes={FLAGS.num_processes})")
   if FLAGS.mesh:
@@ -529,7 +553,11 @@ def main(argv):
                     tiering=TieringConfig.from_flags(",".join(tier_kinds), FLAGS.kv_disk_dir, FLAGS.kv_store_url,
                                                      demote=FLAGS.kv_tier_write),
                     model_api=FLAGS.model_api, token_bucket_growth=int(FLAGS.token_bucket_growth),
-                    token_bucket_steps=FLAGS.token_bucket_steps, async_scheduling=FLAGS.async_scheduling)
+                    token_bucket_steps=FLAGS.token_bucket_steps, async_scheduling=FLAGS.async_scheduling,
+                    num_speculative_tokens=FLAGS.num_speculative_tokens)
+  if ec.num_speculative_tokens and cfg.num_mtp_layers < 1:
+    _die(f"--num_speculative_tokens={ec.num_speculative_tokens}: this model has no MTP block (try "
+         "--model=v4_retrieval_mtp, or train one with experiments/train_mtp.py)")
   refused, order, stops, line_of = [], None, {}, {}
   tok = load_tokenizer(FLAGS.checkpoint)
   if FLAGS.requests:

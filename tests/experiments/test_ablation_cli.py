@@ -13,8 +13,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = ["ablate_topk", "ablate_window", "ablate_retention", "ablate_eviction", "tiers_workload", "precision",
-           "cache_bytes", "v41_quant_cache_parity", "train"]
-WRITERS = {"ablate_topk", "ablate_window", "ablate_retention", "ablate_eviction", "tiers_workload"}
+           "cache_bytes", "v41_quant_cache_parity", "train", "ablate_spec"]
+WRITERS = {"ablate_topk", "ablate_window", "ablate_retention", "ablate_eviction", "tiers_workload", "ablate_spec"}
 
 
 def _run(args, cwd=REPO, timeout=180):
@@ -47,7 +47,8 @@ def test_importing_the_scripts_defines_no_flags():
   """Flags are defined when a script runs, so tests, the notebook and ablate_eviction can import `run` / `plot` (and
   serve's flags) in one process."""
   from absl import flags
-  from experiments import ablate_eviction, ablate_retention, ablate_topk, ablate_window, tiers_workload  # noqa: F401
+  from experiments import (ablate_eviction, ablate_retention, ablate_spec, ablate_topk, ablate_window,  # noqa: F401
+                           tiers_workload)
   assert "refresh_results" not in flags.FLAGS and "replot" not in flags.FLAGS
 
 

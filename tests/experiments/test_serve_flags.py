@@ -61,6 +61,7 @@ def _cases(tmp):
       ("nnx_mesh", ["--model_api=nnx", "--mesh=tensor:2"], "--model_api=nnx runs on one device"),
       ("zero_rows", ["--max_num_seqs=0"], "--max_num_seqs=0: must be >= 1"),
       ("bad_preset", ["--model=random", "--preset=v9"], "--preset=v9: unknown"),
+      ("drafts_without_mtp", ["--model=v4_retrieval", "--num_speculative_tokens=2"], "has no MTP block"),
       ("redis_client_missing", [NO_REDIS, "--kv_tiers=redis", "--kv_store_url=redis://127.0.0.1:6379/0"],
        "needs the redis client library: pip install redis"),
   ]
