@@ -72,9 +72,12 @@ def run(checkpoint: str, ks, requests: int, free_tokens: int, max_num_seqs: int,
   if config.num_mtp_layers < 1:
     raise ValueError(f"{checkpoint}: no MTP block (train one with experiments/train_mtp.py)")
   spec = L.task_spec_from_info(info)
+  # Fine token buckets (growth 2, 4 steps per interval): a decode step of R rows runs R (1 + k) tokens, and with
+  # the default 4x buckets its padding alone (8 -> 32 slots at k = 1..3) would decide the comparison on a CPU,
+  # where a step's time follows its padded tokens.
   base = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, chunk_size=128,
                       max_model_len=spec.seq_len + free_tokens + 16, num_full_blocks=8 * max_num_seqs,
-                      num_swa_blocks=32 * max_num_seqs)
+                      num_swa_blocks=32 * max_num_seqs, token_bucket_growth=2, token_bucket_steps=4)
   rows = []
   for name, (prompts, max_tokens) in workloads(spec, requests, free_tokens).items():
     ref = None
@@ -99,7 +102,8 @@ def run(checkpoint: str, ks, requests: int, free_tokens: int, max_num_seqs: int,
       if r["workload"] == name and k0:
         r["speedup_vs_k0"] = round(k0 / r["ms_per_token"], 3)
   engine = {f: getattr(base, f) for f in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_model_len",
-                                          "num_full_blocks", "num_swa_blocks")}
+                                          "num_full_blocks", "num_swa_blocks", "token_bucket_growth",
+                                          "token_bucket_steps")}
   meta = dict(checkpoint=checkpoint, config_name=config.name, engine=engine,
               note="greedy; wall time from a second engine of the same configuration (compiled programs reused); "
                    "CPU, one run")
