@@ -120,16 +120,18 @@ def pool_blocks(cfg, layout, batch: int, context: int, chunk: int) -> tuple[int,
 
 def handoff_state_bytes(cfg, layout, num_tokens: int) -> int:
   """Bytes of the state a prefill replica hands to a decode replica for a request with `num_tokens` known tokens
-  (prompt + first token): every full-history block before the aligned resume point P and the sliding-window tail
-  of P (window rows and compressor state rows), as the pools store them. Record headers and checksums come on top
-  (docs/cluster.md)."""
+  (prompt + first token), which resumes at L = num_tokens - 1: every full-history block up to L (the last one
+  partially filled), the sliding-window tail of the aligned point P <= L and every swa block from P up to L (window
+  rows, compressor state rows, Engram ids), as the pools store them (a partially filled block travels whole).
+  Record headers and checksums come on top (docs/cluster.md)."""
   from dsv4 import caches
   specs = caches.group_specs(cfg, layout)
-  P = (num_tokens - 1) // specs.align_tokens * specs.align_tokens
-  if P <= 0:
-    return 0
-  full = P // specs.full.block_tokens * specs.full.bytes_per_block
-  return full + min(specs.swa.need_blocks, P // specs.swa.block_tokens) * specs.swa.bytes_per_block
+  L = num_tokens - 1
+  P = L // specs.align_tokens * specs.align_tokens
+  full = -(-L // specs.full.block_tokens) * specs.full.bytes_per_block if caches.FULL in specs.names else 0
+  sb = specs.swa.block_tokens
+  swa_blocks = min(specs.swa.need_blocks, P // sb) + -(-L // sb) - P // sb
+  return full + swa_blocks * specs.swa.bytes_per_block
 
 
 def pool_bytes(cfg, layout, mesh, rules, n_swa: int, n_full: int, over_data: bool = False) -> tuple[float, float]:

@@ -989,6 +989,21 @@ class KVCacheManager:
     self.flush()
     return self.block_tables(request_id)
 
+  def extend_for_import(self, request_id: str, num_tokens: int) -> BlockTables | OutOfBlocks:
+    """Blocks to receive state [num_computed, num_tokens) computed elsewhere (another engine's partially filled
+    last blocks), at any point, aligned or not: every group's blocks up to num_tokens, owned by the request exactly
+    like blocks it allocates for a step. All or nothing; applied at once (ids read back). The caller writes the
+    rows, then `commit(request_id, num_tokens)`: blocks that are complete are registered as after a step, a partially
+    filled last block stays the request's own (never cached) until a later step completes it."""
+    r = self._req(request_id)
+    if not r.num_computed < num_tokens < len(r.tokens):
+      raise CacheError(f"extend_for_import: {num_tokens} must be > {r.num_computed} and < {len(r.tokens)} (the last "
+                       f"known token is always computed)")
+    got = self.allocate_to(request_id, num_tokens)
+    if not got:
+      return got
+    return self.block_tables(request_id)
+
   # -------------------------------------------------------------------------------------------- misc
   def take_events(self) -> list[KVEvent]:
     self.flush()

@@ -219,6 +219,9 @@ class Engine:
     self._deferred: set[str] = set()               # requests held back at least once
     self.peak_blocks = {g: 0 for g in self.managers[0].groups}
     self.clock = time.perf_counter
+    # Called with a finishing request before its blocks are freed (a prefill replica reads its state for the
+    # handoff then: the partially filled last blocks are never cached, so they are gone once freed).
+    self.on_finish = None
     self.tiering = None                 # KV tiers below the device: all the glue lives in dsv4/engine/tiering.py
     if ec.tiering is not None:
       from dsv4.engine.tiering import Tiering
@@ -563,6 +566,8 @@ class Engine:
   def _finish(self, req: Request, reason: str):
     req.status, req.finish_reason = Status.FINISHED, reason
     self._forget_aux(req.rid)
+    if self.on_finish is not None:
+      self.on_finish(req)
     self._mgr(req).free(req.rid)
     self._leave(req)
 

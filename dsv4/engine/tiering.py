@@ -114,6 +114,17 @@ class _Ident:
   tokens: tuple[int, ...]
 
 
+@dataclasses.dataclass
+class HandedTail:
+  """The part of a handed-off state past its aligned point (`dsv4.engine.handoff`), kept in memory until its
+  request's admission reaches `base`: rows per group and block index, written into blocks the request owns."""
+  base: int                                        # P: where the admission must stand (device hit or tier load)
+  point: int                                       # L: where the request resumes
+  tokens: tuple[int, ...]                          # the request's tokens [0, L) the rows were verified against
+  rows: dict[str, dict[int, list[np.ndarray]]]     # group -> block index -> record arrays
+  adopted: int = 0                                 # admissions that used it (a re-admission may use it again)
+
+
 # A record component is (layer, array name, part): part -1 = a plain pool array, 0..2 = the nope / scale / rope array
 # of an FP8 pool (`Fp8KVPool`). Components move between pools and records as their raw stored arrays (e4m3, UE8M0
 # bytes, bf16, fp32), never dequantized; the copy programs move float arrays as same-width unsigned integers, so no
@@ -298,7 +309,8 @@ class Tiering:
     self._step_t0 = None
     self.stats = {"admissions_probed": 0, "tier_hit_tokens": 0, "loaded_records": 0, "rejected_records": 0,
                   "chose_recompute": 0, "chose_load": 0, "l1_copied_records": 0, "degraded": 0, "demoted_blocks": 0,
-                  "no_room": 0, "load_s_total": 0.0}
+                  "no_room": 0, "load_s_total": 0.0, "handed_tails_adopted": 0, "handed_tail_tokens": 0}
+    self.handed_tails: dict[str, HandedTail] = {}     # request id -> its handed-off state past the aligned point
     self.decisions: list[dict] = []
 
   # ---------------------------------------------------------------------------------------------- identity
@@ -347,6 +359,10 @@ class Tiering:
         for k in self._rid_keys.pop(rid):
           self._ident.pop(k, None)
         self._hashed.pop(rid, None)
+    for rid, tail in list(self.handed_tails.items()):
+      r = self.engine.requests.get(rid)
+      if (r is None and tail.adopted) or (r is not None and r.status in (Status.FINISHED, Status.REJECTED)):
+        del self.handed_tails[rid]
 
   # ---------------------------------------------------------------------------------------------- demotion
   def _process_events(self) -> None:
@@ -484,6 +500,36 @@ class Tiering:
     return [t for t in tails if t and min(t) >= lo]
 
   def on_admit(self, req, h1: int) -> int:
+    """Extend the device hit h1 from the tiers, then by a handed-off state's tail. Returns the tokens the request
+    may skip (>= h1)."""
+    return self._adopt_handed_tail(req, self._load_from_tiers(req, h1))
+
+  def _adopt_handed_tail(self, req, h: int) -> int:
+    """With a handed-off tail for req and the admission standing at its aligned point: blocks the request owns for
+    [h, L), the tail's rows written into them, committed at L. Otherwise (no tail, the admission fell short of or
+    went past its base, no room) h unchanged: the request computes from h."""
+    tail = self.handed_tails.get(req.rid)
+    if tail is None or h != tail.base or tuple(req.all_tokens[:tail.point]) != tail.tokens:
+      return h
+    mgr = self.mgrs[req.shard]
+    tables = mgr.extend_for_import(req.rid, tail.point)
+    if not tables:
+      self.stats["no_room"] += 1
+      return h
+    self._process_events()          # demote what that allocation evicted before we overwrite it
+    s = req.shard
+    self._write({g: [(s, int(tables[g][j]), arrs) for j, arrs in sorted(by_block.items())]
+                 for g, by_block in tail.rows.items()})
+    mgr.commit(req.rid, tail.point)
+    req.num_computed = tail.point
+    self._learn(req)
+    self._process_events()
+    tail.adopted += 1
+    self.stats["handed_tails_adopted"] += 1
+    self.stats["handed_tail_tokens"] += tail.point - h
+    return tail.point
+
+  def _load_from_tiers(self, req, h1: int) -> int:
     """Extend the device hit h1 from the tiers. Returns the tokens the request may skip (>= h1)."""
     if self.tc.policy == "recompute" or not self.store.tiers:
       return h1

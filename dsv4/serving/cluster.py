@@ -56,10 +56,12 @@ class SLO:
 
 
 def state_slot_bytes(specs, max_model_len: int) -> int:
-  """A transfer slot: the largest state (every full block of max_model_len and a window tail) plus headers."""
+  """A transfer slot: the largest state (every full block of max_model_len, a window tail and the swa blocks of
+  the last alignment) plus headers."""
+  nswa = specs.swa.need_blocks + specs.align_tokens // specs.swa.block_tokens
   full = specs.full.bytes_per_block * (max_model_len // specs.full.block_tokens + 1)
-  swa = specs.swa.bytes_per_block * (specs.swa.need_blocks + 1)
-  n = max_model_len // specs.full.block_tokens + specs.swa.need_blocks + 2
+  swa = specs.swa.bytes_per_block * nswa
+  n = max_model_len // specs.full.block_tokens + 1 + nswa
   return full + swa + n * 16384
 
 

@@ -5,10 +5,13 @@ A background thread steps the engine whenever it has work; `submit` / `poll` onl
 router never waits for a step. Roles:
 
 * combined: prefill and decode of a request here.
-* prefill: runs the prompt and samples the first token (max_tokens = 1), then hands the request's whole state to a
-  decode replica (`dsv4.engine.handoff`) over its transfer endpoint, into the slot the router reserved.
-* decode: `receive` verifies a handed-off state (all or nothing) into its host tier, then admits the request with
-  prompt + first token; the admission loads the state instead of recomputing it.
+* prefill: runs the prompt and samples the first token (max_tokens = 1); the request's whole state is read off its
+  blocks as it finishes (`Engine.on_finish`, before they are freed) and handed to a decode replica
+  (`dsv4.engine.handoff`) over its transfer endpoint, into the slot the router reserved.
+* decode: `receive` verifies a handed-off state (all or nothing): the aligned part into its host tier, the tail past
+  it kept for the admission; then it admits the request with prompt + first token. The admission loads the aligned
+  part and writes the tail into the request's own blocks: it resumes where the prefill replica stopped and computes
+  no prompt token.
 
 The engine's KV events are teed (the tier glue consumes them too) into the global directory (`DirectoryFeed`)."""
 
@@ -131,6 +134,9 @@ class Replica:
                                     shared_store=shared if spec.demote == "store" else "")
         self.feed.restarted()                 # an empty engine: whatever the directory says we held is stale
       self._pending: dict[str, dict] = {}     # rid -> what to do when it finishes (prefill: where to send)
+      self._exports: dict[str, tuple] = {}    # rid -> (plan, records, seconds) or the HandoffError, until sent
+      if spec.role == "prefill":
+        self.engine.on_finish = self._capture_state
       self._times: dict[str, list[float]] = {}
       self._done: list[dict] = []
       self.counters = {"exports": 0, "export_failures": 0, "imports": 0, "import_failures": 0,
@@ -169,7 +175,7 @@ class Replica:
         for n in lengths:
           recs.append(blob[off:off + n])
           off += n
-        plan = handoff.import_state(self.engine, list(tokens), ExtraKeys(tenant=tenant), recs)
+        plan = handoff.import_state(self.engine, rid, list(tokens), ExtraKeys(tenant=tenant), recs)
       except (handoff.HandoffError, TransferError) as e:
         self.counters["import_failures"] += 1
         return {"ok": False, "error": str(e)}
@@ -255,6 +261,19 @@ class Replica:
       self._finished(r)
     self.engine.forget([r.rid for r in bad])
 
+  def _capture_state(self, r):
+    """Engine.on_finish of a prefill replica: the state of a request to hand off, read while it holds its blocks."""
+    from dsv4.engine import handoff
+    info = self._pending.get(r.rid)
+    if info is None or info.get("send_to") is None:
+      return
+    t0 = time.time()
+    try:
+      plan, recs = handoff.export_state(self.engine, r, ExtraKeys(tenant=info["tenant"]))
+      self._exports[r.rid] = (plan, recs, time.time() - t0)
+    except handoff.HandoffError as e:
+      self._exports[r.rid] = e
+
   def _finished(self, r):
     from dsv4.engine import handoff
     from dsv4.serving.transfer import TransferError
@@ -266,11 +285,21 @@ class Replica:
     if "expect_hit" in info:
       out["state_point"] = info["expect_hit"]
       out["reprefilled"] = r.hit_tokens < info["expect_hit"]     # must never happen after a good transfer
+      # prompt tokens this replica ran itself (each output token computes exactly one new position; recomputation
+      # after a preemption is counted apart): 0 when the handed state was adopted whole
+      out["prompt_tokens_computed"] = r.computed_tokens - r.recomputed_tokens - len(r.output)
+      self.engine.tiering.handed_tails.pop(r.rid, None)
     send_to = info.get("send_to")
     if send_to is not None and r.error is None:
       t0 = time.time()
       try:
-        plan, recs = handoff.export_state(self.engine, r.all_tokens, ExtraKeys(tenant=info["tenant"]))
+        got = self._exports.pop(r.rid, None)
+        if got is None:
+          raise handoff.HandoffError("the request's state was not read before its blocks were freed")
+        if isinstance(got, Exception):
+          raise got
+        plan, recs, export_s = got
+        t0 -= export_s
         blob = b"".join(recs)
         self.transfer.send(send_to[0], send_to[1], blob)
         self.counters["exports"] += 1
