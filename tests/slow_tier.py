@@ -159,6 +159,11 @@ SLOW = {
         "test_hit_blocks_are_claimed_and_tables_consistent",
     "tests/experiments/test_ablate_cache.py::test_policy_invariants[append_uncached]": "[lru]",
     "tests/experiments/test_ablate_cache.py::test_fifo_no_refresh_on_hit": "test_policy_invariants[lru]",
+    # the state handoff on the other models (their own programs)
+    "tests/dsv4/test_handoff.py::test_decode_resumes_where_prefill_stopped[v41]": "[v4]",
+    "tests/dsv4/test_handoff.py::test_decode_resumes_where_prefill_stopped[v4_mtp]": "[v4]",
+    "tests/dsv4/test_handoff.py::test_a_corrupt_or_missing_record_stores_nothing[v41]": "[v4]",
+    "tests/dsv4/test_handoff.py::test_a_corrupt_or_missing_record_stores_nothing[v4_mtp]": "[v4]",
     # fourth cut (engines whose programs no other fast test shares, covered at another level)
     "tests/dsv4/test_engine.py::test_session_switch_hits_everything_up_to_the_last_boundary":
         "tests/cache/test_manager.py::test_session_switch_a_b_a[False] (the manager), "

@@ -3,7 +3,8 @@ engine runs the prompt and samples the first token, its whole state is exported 
 engine imports it and continues. The decode engine computes no prompt token (its hit is the whole prompt, its
 computed tokens are its output tokens) and its greedy tokens equal one engine's that computed everything. Prompts
 cover a tail past an aligned point (the partial full block, a partial swa block) and a prompt shorter than the
-alignment (the tail is the whole state). A record that fails verification stores nothing."""
+alignment (the tail is the whole state). A record that fails verification stores nothing. V4 (window + CSA) in the
+default tier; V4.1 (Engram ids) and a model with an MTP block drafting in the slow tier."""
 
 import dataclasses
 
@@ -19,42 +20,54 @@ from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.tiering import TieringConfig
 
-EC = EngineConfig(max_num_seqs=2, max_num_batched_tokens=128, chunk_size=128, max_model_len=384, num_full_blocks=8,
-                  num_swa_blocks=40)
+# the engine shapes of the other fast engine tests (tests/dsv4/test_api.py): their step programs are shared
+EC = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, chunk_size=32, max_model_len=1024,
+                  num_full_blocks=16, num_swa_blocks=64)
 DECODE_TOKENS = 4
 TENANT = ExtraKeys(tenant="t")
 
 
-def _tiered(params, cfg, name):
+def _tiered(params, cfg, ec, name):
   tc = TieringConfig(tiers=("host",), policy="load", write_queue=0, engine_id=name, model_digest="tiny")
-  return Engine(params, cfg, dataclasses.replace(EC, tiering=tc))
+  return Engine(params, cfg, dataclasses.replace(ec, tiering=tc))
 
 
-@pytest.fixture(scope="module")
-def world():
-  cfg = C.v4_tiny()
+def _model(name):
+  """(config, engine config). v4: window + CSA; v41: Engram token ids, ratio-2 / ratio-1 sources; v4_mtp: window +
+  CSA + HCA and an MTP block drafting (its window layer is part of the state)."""
+  if name == "v4":
+    return C.v4_tiny(num_layers=2, vocab_size=64), EC
+  if name == "v41":
+    return C.v41_tiny(), EC
+  return dataclasses.replace(C.v4_tiny(num_layers=3), num_mtp_layers=1), dataclasses.replace(EC,
+                                                                                               num_speculative_tokens=2)
+
+
+@pytest.fixture(scope="module", params=["v4", "v41", "v4_mtp"])
+def world(request):
+  cfg, ec = _model(request.param)
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   rng = jax.random.PRNGKey(7)
-  # 213 = 128 + 85: the state past the aligned point is a partial full block and three swa blocks, the last partial;
-  # 77 < 128: no aligned part at all
-  prompts = {f"p{n}": [int(t) for t in jax.random.randint(jax.random.fold_in(rng, n), (n,), 2, cfg.vocab_size)]
-             for n in (213, 77)}
-  ref = Engine(params, cfg, EC)
+  # 181 = 128 + 53: the state past the aligned point is a partial full block and two swa blocks, the last partial;
+  # 45 < 128: no aligned part at all
+  prompts = {f"p{n}": [int(t) for t in jax.random.randint(jax.random.fold_in(rng, n), (n,), 3, cfg.vocab_size)]
+             for n in (181, 45)}
+  ref = Engine(params, cfg, ec)
   for rid, p in prompts.items():
     ref.add_request(rid, p, SamplingParams(max_tokens=1 + DECODE_TOKENS, ignore_eos=True), TENANT)
   want = {o.rid: o.output for o in ref.run()}
-  pre = _tiered(params, cfg, "prefill")
+  pre = _tiered(params, cfg, ec, "prefill")
   exported = {}
   pre.on_finish = lambda r: exported.__setitem__(r.rid, handoff.export_state(pre, r, TENANT))
   for rid, p in prompts.items():
     pre.add_request(rid, p, SamplingParams(max_tokens=1, ignore_eos=True), TENANT)
   first = {o.rid: o.output for o in pre.run()}
-  return cfg, params, prompts, want, first, exported
+  return cfg, params, ec, prompts, want, first, exported
 
 
 def test_decode_resumes_where_prefill_stopped(world):
-  cfg, params, prompts, want, first, exported = world
-  dec = _tiered(params, cfg, "decode")
+  cfg, params, ec, prompts, want, first, exported = world
+  dec = _tiered(params, cfg, ec, "decode")
   for rid, p in prompts.items():
     plan, recs = exported[rid]
     tokens = p + first[rid]
@@ -66,22 +79,24 @@ def test_decode_resumes_where_prefill_stopped(world):
   for rid, p in prompts.items():
     o = outs[rid]
     assert first[rid] + o.output == want[rid], rid
-    assert o.hit_tokens == len(p) and o.computed_tokens == DECODE_TOKENS, (rid, o.hit_tokens, o.computed_tokens)
+    assert o.hit_tokens == len(p), (rid, o.hit_tokens)      # admitted at the prompt's end: no prompt token computed
+    if not ec.num_speculative_tokens:                        # (verified drafts count as computed tokens)
+      assert o.computed_tokens == DECODE_TOKENS, (rid, o.computed_tokens)
   assert dec.tiering.stats["handed_tails_adopted"] == len(prompts)
   assert dec.tiering.handed_tails == {}
 
 
 def test_a_corrupt_or_missing_record_stores_nothing(world):
-  cfg, params, prompts, want, first, exported = world
-  dec = _tiered(params, cfg, "decode2")
-  p = prompts["p213"]
-  tokens = p + first["p213"]
-  plan, recs = exported["p213"]
+  cfg, params, ec, prompts, want, first, exported = world
+  dec = _tiered(params, cfg, ec, "decode2")
+  p = prompts["p181"]
+  tokens = p + first["p181"]
+  plan, recs = exported["p181"]
   host = dec.tiering.store.tiers[0]
   for bad in (recs[:-1], recs[:-1] + [recs[-1][:-1] + bytes([recs[-1][-1] ^ 1])],
               [recs[1]] + [recs[0]] + recs[2:]):
     with pytest.raises(handoff.HandoffError):
-      handoff.import_state(dec, "p213", tokens, TENANT, bad)
+      handoff.import_state(dec, "p181", tokens, TENANT, bad)
     assert dec.tiering.handed_tails == {} and not any(host.contains_many(list(plan.keys)))
   with pytest.raises(handoff.HandoffError):       # another tenant's state
-    handoff.import_state(dec, "p213", tokens, ExtraKeys(tenant="u"), recs)
+    handoff.import_state(dec, "p181", tokens, ExtraKeys(tenant="u"), recs)
