@@ -57,7 +57,7 @@ def engine_config():
 
 COLUMNS = ("config", "group", "requests", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "itl_p99_s", "e2e_p95_s",
            "slo_attained", "hit_tokens", "transfer_bytes_mean", "transfer_s_p50", "transfer_failures", "fallbacks",
-           "recomputed_tokens", "demotions", "promotions", "token_mismatches")
+           "decode_prompt_tokens", "recomputed_tokens", "demotions", "promotions", "token_mismatches")
 
 
 def print_table(rows):

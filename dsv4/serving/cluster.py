@@ -322,6 +322,7 @@ class Cluster:
                    {"transfer_bytes": tr["bytes"], "transfer_payload_bytes": tr["payload_bytes"],
                     "transfer_s": tr["seconds"], "state_point": tr["point"], "prefill_replica": first["replica"],
                     "decode_replica": i, "decode_hit_tokens": res["hit_tokens"],
+                    "decode_prompt_tokens_computed": res["prompt_tokens_computed"],
                     "recomputed_tokens": first["recomputed_tokens"] + res["recomputed_tokens"]})
           else:
             finish(rid, res["output"], res["first_token_time"], res["token_times"], res["hit_tokens"],

@@ -38,6 +38,7 @@ def summarize(run: dict, slo) -> dict:
       "transfer_s_p50": _pct(ts, 50), "transfer_failures": st["transfer_failures"] + st["receive_failures"],
       "fallbacks": st["fallbacks"], "reprefilled": st["reprefilled"], "rerouted": st["rerouted"],
       "recomputed_tokens": int(sum(r.get("recomputed_tokens", 0) for r in reqs)),
+      "decode_prompt_tokens": int(sum(r.get("decode_prompt_tokens_computed", 0) for r in reqs)),
       "tier_chose_recompute": tier("chose_recompute"), "demotions": tier("demoted_blocks"),
       "promotions": tier("loaded_records"), "tier_hit_tokens": tier("tier_hit_tokens"),
       "directory_errors": st["router"].get("directory_errors", 0)})

@@ -75,9 +75,20 @@ class _Replica:
     return len(self.decoding)
 
 
-def simulate(cfg: ClusterConfig, sessions: list[W.Session], block_bytes: int, tail_bytes: int,
+def handed_state_bytes(specs, prompt_len: int) -> int:
+  """Payload of a P/D transfer for a prompt of prompt_len tokens: every full block up to its end (the last one
+  partially filled), the window tail of the aligned point before it and the swa blocks from there on (the count
+  `benchmarks.sizing.handoff_state_bytes` makes, which the slow matrix test checks against real transfers)."""
+  L, sb = prompt_len, specs.swa.block_tokens
+  P = L // specs.align_tokens * specs.align_tokens
+  swa = min(specs.swa.need_blocks, P // sb) + -(-L // sb) - P // sb
+  return -(-L // specs.full.block_tokens) * specs.full.bytes_per_block + swa * specs.swa.bytes_per_block
+
+
+def simulate(cfg: ClusterConfig, sessions: list[W.Session], block_bytes: int, state_bytes,
              nc: NodeConstants = NodeConstants(), block_tokens: int = 128) -> list[dict]:
-  """Per request: ttft, e2e, hit tokens, transfer bytes (all predicted)."""
+  """Per request: ttft, e2e, hit tokens, transfer bytes (all predicted). state_bytes(prompt_len): the bytes a P/D
+  transfer carries."""
   space = D.KeySpace("sim", "sim", block_tokens, block_tokens)
   dirx = LocalDirectory()
   n = nc.replicas
@@ -150,7 +161,7 @@ def simulate(cfg: ClusterConfig, sessions: list[W.Session], block_bytes: int, ta
     if cfg.pd:
       d = min(back, key=lambda i: (reps[i].running(first), i))
       dec = reps[d]
-      xfer = (len(prompt) // block_tokens) * block_bytes + tail_bytes
+      xfer = state_bytes(len(prompt))
       first += nc.rdma_latency_s + xfer / nc.rdma_bytes_per_s      # decode starts once the state arrived
     step = nc.decode_step_s * (1.0 + dec.running(first) / nc.decode_batch) / 2
     end = first + (s.max_tokens - 1) * step
@@ -174,11 +185,11 @@ def predict_matrix(model_preset: str = "v4_flash", groups=W.GROUPS, nc: NodeCons
   cfg = C.get_preset(model_preset)
   specs = caches.group_specs(cfg, caches.CacheLayout(kv_dtype=jnp.bfloat16))
   sizes = sizes or node_sizes()
-  tail = specs.swa.need_blocks * specs.swa.bytes_per_block
   rows = []
   for c in MATRIX:
     for g in groups:
-      reqs = simulate(c, W.build(g, cfg.vocab_size, sizes), specs.full.bytes_per_block, tail, nc)
+      reqs = simulate(c, W.build(g, cfg.vocab_size, sizes), specs.full.bytes_per_block,
+                      lambda L: handed_state_bytes(specs, L), nc)
       ttft = [r["ttft_s"] for r in reqs]
       rows.append({"config": c.name, "group": g, "requests": len(reqs), "predicted": True,
                    "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),

@@ -1,7 +1,7 @@
 """The cluster matrix end to end on a local Ray cluster (4 replica actors of the tiny shipped retrieval model, CPU):
 the five configurations over the four workload groups with greedy tokens equal to one engine's, KV-aware routing
 hitting at least as many prefix tokens as round robin (strictly more on chat and RAG), every P/D transfer carrying
-exactly the state `benchmarks.sizing` computes, and the faults: a replica killed mid-run (re-routed, restarted
+exactly the state `benchmarks.sizing` computes and the decode replica computing no prompt token after it, and the faults: a replica killed mid-run (re-routed, restarted
 empty), a transfer backend down, the directory's Redis down. Nothing lost, tokens unchanged."""
 
 import functools
@@ -46,7 +46,9 @@ def test_cluster_matrix_and_faults():
       for r in run["requests"]:
         assert r["transfer_payload_bytes"] == handoff_state_bytes(cfg, ec.layout, r["prompt_len"] + 1), r["rid"]
         assert r["transfer_bytes"] > r["transfer_payload_bytes"]          # + record headers and checksums
-        assert r["decode_hit_tokens"] >= r["state_point"]                 # decode loaded it, never re-prefilled
+        # the decode replica resumed exactly where the prefill replica stopped: it computed no prompt token
+        assert r["state_point"] == r["decode_hit_tokens"] == r["prompt_len"], r["rid"]
+        assert r["decode_prompt_tokens_computed"] == 0, r["rid"]
 
     def check(run, group):
       want = {rid: t for rid, t in ref.items() if rid.split(".")[0] in {s.sid for s in W.build(group, cfg.vocab_size,
