@@ -44,6 +44,8 @@ MATRIX = (
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
+  """At `at_s` seconds into a phase. A kill waits past at_s until the replica holds a request (or nothing is left to
+  arrive): an idle replica's death re-routes nothing, and whether it is idle at a fixed instant depends on the box."""
   at_s: float
   action: str            # kill | restart | transfer_down | redis_down
   replica: int = 0
@@ -241,6 +243,16 @@ class Cluster:
       if self._progress:
         self._progress(1)
 
+    def holds(info, i):
+      """Whether replica i holds the live request (what its death re-routes)."""
+      st = info["stage"]
+      return (st in ("prefill", "combined") and info.get("replica") == i) or (st == "decode" and info["decode"] == i)
+
+    def _due(f):
+      if f.action != "kill" or not (arrivals or live):
+        return True
+      return any(holds(info, f.replica) for info in live.values())
+
     def lost(i):
       """Replica i is gone: forget its directory entries, re-route everything it held."""
       alive.discard(i)
@@ -251,7 +263,7 @@ class Cluster:
         pass
       for rid, info in list(live.items()):
         st = info["stage"]
-        if (st in ("prefill", "combined") and info.get("replica") == i) or (st == "decode" and info["decode"] == i):
+        if holds(info, i):
           counters["rerouted"] += 1
           info["rerouted"] = True
           if info.get("slot") is not None:
@@ -266,7 +278,7 @@ class Cluster:
 
     while arrivals or live or pending_faults:
       now = time.time() - t0
-      while pending_faults and pending_faults[0].at_s <= now:
+      while pending_faults and pending_faults[0].at_s <= now and _due(pending_faults[0]):
         self._fault(pending_faults.pop(0), alive, counters)
       while arrivals and arrivals[0][0] <= now:
         _, _, sid, k = heapq.heappop(arrivals)
