@@ -285,8 +285,9 @@ class Replica:
     if "expect_hit" in info:
       out["state_point"] = info["expect_hit"]
       out["reprefilled"] = r.hit_tokens < info["expect_hit"]     # must never happen after a good transfer
-      # prompt tokens this replica ran itself (each output token computes exactly one new position; recomputation
-      # after a preemption is counted apart): 0 when the handed state was adopted whole
+      # prompt tokens this replica ran itself: each output token computes exactly one new position (without
+      # speculative decoding, whose verified drafts count as computed too) and recomputation after a preemption is
+      # counted apart, so this is 0 when the handed state was adopted whole
       out["prompt_tokens_computed"] = r.computed_tokens - r.recomputed_tokens - len(r.output)
       self.engine.tiering.handed_tails.pop(r.rid, None)
     send_to = info.get("send_to")
