@@ -164,6 +164,8 @@ SLOW = {
     "tests/dsv4/test_handoff.py::test_decode_resumes_where_prefill_stopped[v4_mtp]": "[v4]",
     "tests/dsv4/test_handoff.py::test_a_corrupt_or_missing_record_stores_nothing[v41]": "[v4]",
     "tests/dsv4/test_handoff.py::test_a_corrupt_or_missing_record_stores_nothing[v4_mtp]": "[v4]",
+    "tests/dsv4/test_handoff.py::test_a_preempted_decode_request_adopts_its_tail_again[v41]": "[v4]",
+    "tests/dsv4/test_handoff.py::test_a_preempted_decode_request_adopts_its_tail_again[v4_mtp]": "[v4]",
     # fourth cut (engines whose programs no other fast test shares, covered at another level)
     "tests/dsv4/test_engine.py::test_session_switch_hits_everything_up_to_the_last_boundary":
         "tests/cache/test_manager.py::test_session_switch_a_b_a[False] (the manager), "

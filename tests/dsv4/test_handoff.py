@@ -86,6 +86,24 @@ def test_decode_resumes_where_prefill_stopped(world):
   assert dec.tiering.handed_tails == {}
 
 
+def test_a_preempted_decode_request_adopts_its_tail_again(world):
+  cfg, params, ec, prompts, want, first, exported = world
+  dec = _tiered(params, cfg, ec, "decode3")
+  p = prompts["p181"]
+  tokens = p + first["p181"]
+  handoff.import_state(dec, "p181", tokens, TENANT, exported["p181"][1])
+  dec.add_request("p181", tokens, SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True), TENANT)
+  dec.step()
+  dec.step()
+  (req,) = dec.running
+  dec._preempt(req)             # as the scheduler does when the pool runs short
+  (o,) = dec.run()
+  assert first["p181"] + o.output == want["p181"]
+  # the re-admission hit the aligned part on the device and adopted the tail again: it recomputed only its own
+  # output positions, no prompt token
+  assert req.readmit_hit_tokens == len(p) and dec.tiering.stats["handed_tails_adopted"] == 2
+
+
 def test_a_corrupt_or_missing_record_stores_nothing(world):
   cfg, params, ec, prompts, want, first, exported = world
   dec = _tiered(params, cfg, ec, "decode2")
