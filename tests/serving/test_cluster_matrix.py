@@ -1,8 +1,9 @@
 """The cluster matrix end to end on a local Ray cluster (4 replica actors of the tiny shipped retrieval model, CPU):
 the five configurations over the four workload groups with greedy tokens equal to one engine's, KV-aware routing
 hitting at least as many prefix tokens as round robin (strictly more on chat and RAG), every P/D transfer carrying
-exactly the state `benchmarks.sizing` computes and the decode replica computing no prompt token after it, and the faults: a replica killed mid-run (re-routed, restarted
-empty), a transfer backend down, the directory's Redis down. Nothing lost, tokens unchanged."""
+exactly the state `benchmarks.sizing` computes and the decode replica computing no prompt token after it, and the
+faults: a replica killed mid-run (re-routed, restarted empty), a transfer backend down, the directory's Redis down.
+Nothing lost, tokens unchanged."""
 
 import functools
 import os
