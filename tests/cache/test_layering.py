@@ -1,5 +1,5 @@
 """Import graph: cache/ imports nothing from dsv4/ (or experiments/, benchmarks/), and the package graph is
-acyclic: experiments -> dsv4.engine -> (cache, dsv4 model) -> pallas_kernels."""
+acyclic: experiments -> dsv4.serving (replicas, router) -> dsv4.engine -> (cache, dsv4 model) -> pallas_kernels."""
 
 import ast
 import pathlib
@@ -20,8 +20,9 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 def _package_of(mod: str) -> str | None:
   top = mod.split(".")[0]
-  if top == "dsv4" and mod.startswith("dsv4.engine"):
-    return "dsv4.engine"
+  for layer in ("dsv4.serving", "dsv4.engine"):
+    if top == "dsv4" and mod.startswith(layer):
+      return layer
   return top if top in PACKAGES else None
 
 
