@@ -57,10 +57,23 @@ class CacheError(ValueError):
   """Bad use of the manager (unknown request, inconsistent counts)."""
 
 
-@dataclasses.dataclass(frozen=True)
 class PrefixHit:
-  num_tokens: int                      # tokens to skip (aligned; 0 = miss)
-  block_ids: dict[str, np.ndarray]     # per group, the table prefix for [0, num_tokens); sliding: -1 before the tail
+  """num_tokens: tokens to skip (aligned; 0 = miss). block_ids: per group, the table prefix for [0, num_tokens);
+  sliding groups -1 before the tail. Built on first access (the engine reads only num_tokens)."""
+
+  __slots__ = ("num_tokens", "_ids", "_make")
+
+  def __init__(self, num_tokens: int, block_ids: dict[str, np.ndarray] | None = None, make=None):
+    self.num_tokens, self._ids, self._make = num_tokens, block_ids, make
+
+  @property
+  def block_ids(self) -> dict[str, np.ndarray]:
+    if self._ids is None:
+      self._ids = self._make()
+    return self._ids
+
+  def __repr__(self):
+    return f"PrefixHit(num_tokens={self.num_tokens})"
 
   @property
   def full(self) -> np.ndarray:
@@ -156,6 +169,73 @@ class _Buf:
       self.buf = b
 
 
+class _Held:
+  """Which entries of one request's block table in one group hold a block (the ids live on the device). Normally a
+  run [lo, n): full-history groups hold every entry from 0, sliding groups release from the front, and hits and
+  allocations leave no gap, so the common operations are integer updates, no array work. A load from a lower tier
+  can leave gaps (`extend_for_load`): the entries then become an explicit HELD / -1 mask (`mask`, a _Buf)."""
+
+  __slots__ = ("lo", "n", "mask")
+
+  def __init__(self, lo: int = 0, n: int = 0):
+    self.lo, self.n, self.mask = min(lo, n), n, None
+
+  def __len__(self):
+    return self.n
+
+  def view(self) -> np.ndarray:
+    """HELD / -1 per entry (a copy in the run form)."""
+    if self.mask is not None:
+      return self.mask.view()
+    out = np.full(self.n, -1, np.int32)
+    out[self.lo:] = HELD
+    return out
+
+  def all_held(self, a: int, b: int) -> bool:
+    """Entries [a, b) (a < b) all held."""
+    if self.mask is None:
+      return self.lo <= a and b <= self.n
+    return b <= self.n and self.mask.buf[a:b].min() >= 0
+
+  def held_runs(self, a: int, b: int) -> list[tuple[int, int]]:
+    """The held entries in [a, b) as maximal runs (lo, hi), ascending."""
+    b = min(b, self.n)
+    if self.mask is None:
+      lo = max(a, self.lo)
+      return [(lo, b)] if lo < b else []
+    if a >= b:
+      return []
+    held = np.concatenate([[False], self.mask.buf[a:b] >= 0, [False]])
+    edges = np.flatnonzero(held[1:] != held[:-1]) + a
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+
+  def grow(self, count: int) -> int:
+    """Append `count` held entries; returns the first one's index."""
+    start = self.n
+    if self.mask is not None:
+      self.mask.extend_fill(HELD, count)
+    self.n += count
+    return start
+
+  def extend(self, vals) -> None:
+    """Append entries HELD / -1 as given (a gap switches to the explicit mask)."""
+    vals = np.asarray(vals, np.int32)
+    if self.mask is None and (vals >= 0).all():
+      self.n += len(vals)
+      return
+    if self.mask is None:
+      self.mask = _Buf(self.view())
+    self.mask.extend(vals)
+    self.n += len(vals)
+
+  def clear_front(self, upto: int) -> None:
+    """Entries before `upto` no longer held (released)."""
+    if self.mask is None:
+      self.lo = max(self.lo, min(upto, self.n))
+    else:
+      self.mask.buf[:min(upto, self.n)] = -1
+
+
 @dataclasses.dataclass
 class _Request:
   rid: str
@@ -164,7 +244,7 @@ class _Request:
   tenant: str
   prompt_len: int
   num_computed: int
-  tables: dict[str, _Buf]            # HELD / -1 (released, not needed) per entry; the ids are on the device
+  tables: dict[str, _Held]             # which table entries it holds; the ids are on the device
   num_registered: dict[str, int]       # full groups: leading blocks already offered to the cache
   released: dict[str, int]             # sliding groups: leading blocks already released
   junctions: tuple[int, ...] = ()      # extra checkpoint boundaries (junction, dense start past the run)
@@ -250,6 +330,9 @@ class KVCacheManager:
       CheckpointPolicy(specs.align_tokens, specs.align_tokens, 0, retention_interval)
     self.junction_checkpoints = junction_checkpoints and not legacy_dense_swa
     self._pol0 = next(iter(self.policies.values()), None)    # the policy that places boundaries (all agree)
+    self._group_bt = tuple(zip(self.groups, self._bt))
+    # groups whose blocks are registered as they are computed (sliding groups only at checkpoints)
+    self._registered_bt = tuple((g, bt) for g, bt in self._group_bt if self._kind[g] == FULL_HISTORY or legacy_dense_swa)
     self._pools = {g.name: P.init_pool(sizes[g.name], g.block_tokens, max_probe) for g in specs.groups}
     self.num_blocks = {g: sizes[g] for g in self.groups}
     self.model_id, self.key_bits = model_id, key_bits
@@ -264,6 +347,7 @@ class KVCacheManager:
     slots = num_slots or 8
     width = {g: max(8, -(-(max_tokens or 2048) // bt)) for g, bt in zip(self.groups, self._bt)}
     self._tab = {g: jnp.full((slots, width[g]), -1, jnp.int32) for g in self.groups}
+    self._width = dict(width)      # the tables' widths, without touching the device arrays
     self._free_slots = list(range(slots - 1, -1, -1))
     # free counts (see the module doc): exact at the last read, minus every allocation since
     self._nfree = dict(sizes)
@@ -315,6 +399,7 @@ class KVCacheManager:
       nw *= 2
     # queued refs are (slot, entry) pairs, resolved against the width when packed: growing is safe
     self._tab[g] = jnp.pad(self._tab[g], ((0, 0), (0, nw - w)), constant_values=-1)
+    self._width[g] = nw
 
   @property
   def device_tables(self) -> dict:
@@ -324,19 +409,21 @@ class KVCacheManager:
 
   # ------------------------------------------------------------------------------------------ queue
   def _reset_queue(self):
-    # chunks (slot, table entries, hasher, first block index, explicit block indices or None (= contiguous),
-    # tokens [m, bt], event infos or None), one per _register call (never empty); turned into arrays for all
-    # chunks at once when the step is packed (numpy per step, not per request)
+    # Every queued operation is a run of table entries of one slot: plain tuples here, turned into arrays for all
+    # runs of a step at once when it is packed (numpy per step, not per request or per block).
+    # registrations: (slot, a, b, hasher, token buffer, event infos or None) = blocks a .. b - 1, all held
     self._q_reg = {g: [] for g in self.groups}
-    self._q_free = {g: [] for g in self.groups}     # [k, 2] (slot, entry) arrays, eviction order
-    self._q_alloc = {g: [] for g in self.groups}    # [k, 2] (slot, entry) arrays to fill
+    self._q_free = {g: [] for g in self.groups}     # (slot, a, b): release entries b - 1 down to a (eviction order)
+    self._q_alloc = {g: [] for g in self.groups}    # (slot, a, b): fill entries a .. b - 1
+    self._q_nreg = {g: 0 for g in self.groups}      # entries queued per kind (the step's widths)
+    self._q_nfree = {g: 0 for g in self.groups}
     self._q_nalloc = {g: 0 for g in self.groups}
     # requests with queued allocations: a commit or free of theirs applies the queue first (the device runs
     # registrations and releases before allocations)
     self._q_rids = set()
 
   def _queued(self) -> bool:
-    return any(self._q_reg[g] or self._q_free[g] or self._q_nalloc[g] for g in self.groups)
+    return any(self._q_nreg[g] or self._q_nfree[g] or self._q_nalloc[g] for g in self.groups)
 
   @property
   def pools(self) -> dict:
@@ -351,37 +438,43 @@ class KVCacheManager:
 
   def _group_dims(self, g: str):
     """(registrations, frees, allocations queued for group g, and their static widths)."""
-    nr = sum(len(c[1]) for c in self._q_reg[g])
-    nf = sum(len(a) for a in self._q_free[g])
-    na = self._q_nalloc[g]
+    nr, nf, na = self._q_nreg[g], self._q_nfree[g], self._q_nalloc[g]
     return nr, nf, na, _bucket(nr), _bucket(nf), _bucket(na)
 
-  def _refs(self, g, pairs):
-    return pairs[:, 0] * self.table_width(g) + pairs[:, 1]
+  def _refs(self, g, runs, reverse=False):
+    """Table refs (slot * width + entry) of queued runs (slot, a, b, ...) in queue order: entries a .. b - 1, or
+    b - 1 down to a (reverse: a request's releases go tail first). One numpy pass over every run."""
+    if len(runs[0]) == 3:
+      s, a, b = np.array(runs, np.int64).reshape(-1, 3).T
+    else:
+      s, a, b = (np.fromiter((c[k] for c in runs), np.int64, len(runs)) for k in range(3))
+    cnt = b - a
+    k = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)   # index inside its run
+    ent = np.repeat(b - 1, cnt) - k if reverse else np.repeat(a, cnt) + k
+    return np.repeat(s * self.table_width(g), cnt) + ent
 
   def _group_plan(self, g: str, take, dims) -> GroupPlan:
     """The queued work of group g as a GroupPlan; `take(shape)` hands out the (uninitialised) arrays, views of the
     step's one input buffer (InputCarver) in leaf order."""
     bt = self._bt_of[g]
-    w = self.table_width(g)
     regs, frees, allocs = self._q_reg[g], self._q_free[g], self._q_alloc[g]
     nr, nf, na, r, f, a = dims
     ref, key, par, tok = take((r,)), take((r, 2)), take((r, 4)), take((r, bt))
     ref[nr:], key[nr:], par[nr:], tok[nr:] = -1, 0, 0, 0
-    if regs:      # whole chunks at once (numpy), not per block
-      np.concatenate([c[0] * w + c[1] for c in regs], out=ref[:nr])
+    if regs:      # every run at once (numpy), not per block
+      ref[:nr] = self._refs(g, regs)
       kw, pw = self._reg_words(g)
       key[:nr] = keys_from_words(kw, self.key_bits)
       par[:nr] = pw
-      np.concatenate([c[5] for c in regs], out=tok[:nr])
+      np.concatenate([c[4][c[1] * bt:c[2] * bt] for c in regs], out=tok[:nr].reshape(-1))
     fr = take((f,))
     fr[nf:] = -1
     if frees:
-      fr[:nf] = self._refs(g, np.concatenate(frees))
+      fr[:nf] = self._refs(g, frees, reverse=True)
     al = take((a,))
     al[na:] = -1
     if allocs:
-      al[:na] = self._refs(g, np.concatenate(allocs))
+      al[:na] = self._refs(g, allocs)
     return GroupPlan(ref, key, par, tok, fr, al)
 
   def _in_treedef(self, with_admit: bool):
@@ -472,10 +565,10 @@ class KVCacheManager:
   def _events_of(self, g, gi, res, sent: _Sent):
     regs = sent.regs[g]
     if regs:
-      n = sum(len(c[1]) for c in regs)
+      n = sum(c[2] - c[1] for c in regs)
       ids, st = res["reg_ids"][gi][:n], res["status"][gi][:n]
       keys = None
-      infos = [i for c in regs for i in c[6]]
+      infos = [i for c in regs for i in c[5]]
       for i in np.flatnonzero(st == P.STORED):
         if keys is None:
           keys = keys_from_words(self._reg_words(g, regs)[0], self.key_bits)
@@ -515,13 +608,13 @@ class KVCacheManager:
       # too much for the fixed widths: registrations and releases go first in a call of their own (allocations
       # stay queued: they follow the releases either way)
       self.stats["step_plan_overflows"] += 1
-      allocs, nalloc = self._q_alloc, self._q_nalloc
+      allocs, nalloc, rids = self._q_alloc, self._q_nalloc, self._q_rids
       self._q_alloc, self._q_nalloc = {g: [] for g in self.groups}, {g: 0 for g in self.groups}
       tot = dict(self._alloc_total)
       for g in self.groups:
         self._alloc_total[g] -= nalloc[g]
       self._apply(None)
-      self._q_alloc, self._q_nalloc, self._alloc_total = allocs, nalloc, tot
+      self._q_alloc, self._q_nalloc, self._q_rids, self._alloc_total = allocs, nalloc, rids, tot
       dims = [self._group_dims(g) for g in self.groups]
     if any(d[2] > w[2] for d, w in zip(dims, self._step_widths)):
       self.stats["step_plan_overflows"] += 1
@@ -620,11 +713,12 @@ class KVCacheManager:
       has = ns > 0
       pw[starts[has]] = np.frombuffer(b"".join(h.root for h, k in zip(hashers, has) if k), "<i4").reshape(-1, 4)
       par[rows, cols] = pw
-    tok[nb:] = 0
-    for i, t in enumerate(toks):
-      nu = min(len(t) // g, u)
-      tok[i, :nu] = t[:nu * g].reshape(nu, g)
-      tok[i, nu:] = 0
+    rows = tok.reshape(b, u * g)
+    rows[nb:] = 0
+    for i, t in enumerate(toks):         # one slice copy per request (the tokens are O(prompt) anyway)
+      k = min(len(t) // g, u) * g
+      rows[i, :k] = t[:k]
+      rows[i, k:] = 0
     max_len[:] = 0
     max_len[:nb] = np.maximum(np.fromiter((len(t) for t in toks), np.int64, nb) - 1, 0)
     target[:] = -1
@@ -655,20 +749,23 @@ class KVCacheManager:
     """Request i's PrefixHit. ids per group: [B, blocks] tables, or (compact, apply_step's form) sliding groups
     as their tail only, [B, need_blocks], placed before the hit here."""
     n = int(hit[i])
-    blocks = {}
-    for name, gid, bt, srch in zip(self.groups, ids, self._bt, self._searches):
-      e = n // bt
-      if compact and srch.kind != FULL_HISTORY:
-        tab = np.full(e, -1, np.int32)
-        k = min(e, gid.shape[1])
-        if k:
-          tab[e - k:] = gid[i, gid.shape[1] - k:]
-        blocks[name] = tab
-      else:
-        blocks[name] = gid[i, :e].copy()
+
+    def blocks():
+      out = {}
+      for name, gid, bt, srch in zip(self.groups, ids, self._bt, self._searches):
+        e = n // bt
+        if compact and srch.kind != FULL_HISTORY:
+          tab = np.full(e, -1, np.int32)
+          k = min(e, gid.shape[1])
+          if k:
+            tab[e - k:] = gid[i, gid.shape[1] - k:]
+          out[name] = tab
+        else:
+          out[name] = gid[i, :e].copy()
+      return out
     self.stats["queried_tokens"] += n_query
     self.stats["hit_tokens"] += n
-    return PrefixHit(n, blocks)
+    return PrefixHit(n, make=blocks)
 
   # ------------------------------------------------------------------------------------------- requests
   def _req(self, rid: str) -> _Request:
@@ -712,40 +809,43 @@ class KVCacheManager:
     widths = tuple(_bucket(sum(-(-int(t) // bt) for t in tgts)) for bt in self._bt)
     res = self._apply(([t for _, t, _ in reqs], hashers, allocate_tokens, slots), widths)
     hit, run, ids = res["hit"], res["run"], res["hit_ids"]
+    hits, runs = hit[:len(reqs)].tolist(), run[:len(reqs)].tolist()
+    # a hit holds every full-history block before it and, in sliding groups, the tail before it (prefix.search)
+    tails = [(g, p.block_tokens, p.need_blocks) for g, p in self.policies.items()]
+    full = [(g, bt) for g, bt in self._group_bt if g not in self.policies]
     out = []
     for i, (rid, toks, extra) in enumerate(reqs):
       h = self._hit(i, len(toks), hit, ids)
-      n = h.num_tokens
+      n, rn = hits[i], runs[i]
       junction = ()
       # A junction inside the dense-start gap (run < 2 * hit, or nothing hit): where the dense schedule could not
       # reach the end of a prefix another request computed. Past 2 * hit the run is most likely this conversation's
       # own earlier turn whose checkpoint was evicted (memory pressure); a checkpoint there is superseded by this
       # turn's own, and taking it anyway made a fixed budget collapse (BUILD_NOTES.md, Cache bookkeeping,
       # "Checkpoint placement").
-      if self.junction_checkpoints and int(run[i]) > n and (n == 0 or int(run[i]) < 2 * n):
-        junction = (int(run[i]),)
+      if self.junction_checkpoints and rn > n and (n == 0 or rn < 2 * n):
+        junction = (rn,)
       if n and self._pol0 is not None:
         # dense start over what nobody computed before it (past its run): a later request sharing part of it hits
         # more than half, so its junction falls inside that rule (a document after a cached system prompt)
-        junction += self._pol0.dense_points(len(toks), after=int(run[i]))
-      tables = {g: _Buf(np.where(h.block_ids[g] >= 0, HELD, -1).astype(np.int32)) for g in self.groups}
-      released = {g: max(0, n // p.block_tokens - p.need_blocks) for g, p in self.policies.items()}
+        junction += self._pol0.dense_points(len(toks), after=rn)
+      tables = {g: _Held(0, n // bt) for g, bt in full}
+      released = {}
+      for g, bt, need in tails:
+        e = n // bt
+        released[g] = max(0, e - need)
+        tables[g] = _Held(released[g], e)
       r = _Request(rid, _Buf(toks), hashers[i], extra.tenant, len(toks), n, tables,
-                   {g: len(tables[g]) for g in self.groups}, released, junction, n == 0, slot=slots[i])
+                   {g: tables[g].n for g in self.groups}, released, junction, n == 0, slot=slots[i])
       self._requests[rid] = r
       out.append(h)
     if allocate_tokens is not None and res["admit_ok"]:
-      for gi, g in enumerate(self.groups):
-        bt = self._bt[gi]
-        k = 0
+      for g, bt in self._group_bt:
         for i, (rid, _, _) in enumerate(reqs):
           t = allocate_tokens[i]
-          if t is None:
-            continue
-          tab = self._requests[rid].tables[g]
-          need = max(0, -(-t // bt) - len(tab))
-          tab.extend_fill(HELD, need)
-          k += need
+          if t is not None:
+            tab = self._requests[rid].tables[g]
+            tab.grow(max(0, -(-t // bt) - tab.n))
     return out
 
   def num_committed(self, request_id: str) -> int:
@@ -768,23 +868,24 @@ class KVCacheManager:
     device fills the table entries in the next call (the engine's step program). The returned tables are read
     from the device on first access (not by the engine)."""
     r = self._req(request_id)
-    need = {}
-    for g, bt in zip(self.groups, self._bt):
-      need[g] = max(0, -(-total_tokens // bt) - len(r.tables[g]))
-    short = next((g for g in self.groups if need[g] > self._nfree[g]), None)
+    tables, nfree = r.tables, self._nfree
+    need = [(g, max(0, -(-total_tokens // bt) - tables[g].n)) for g, bt in self._group_bt]
+    short = next((g for g, k in need if k > nfree[g]), None)
     if short is not None and self._free_seen < self._free_seq:
       self.sync_counts()           # releases not confirmed yet: read the exact counts, then decide
-      short = next((g for g in self.groups if need[g] > self._nfree[g]), None)
+      short = next((g for g, k in need if k > nfree[g]), None)
     if short is not None:
-      return OutOfBlocks(short, need[short], self._nfree[short])
-    for g, bt in zip(self.groups, self._bt):
-      if need[g]:
-        self._ensure_width(g, len(r.tables[g]) + need[g])
-        start = r.tables[g].extend_fill(HELD, need[g])
-        self._q_alloc[g].append(np.stack([np.full(need[g], r.slot), np.arange(start, start + need[g])], 1))
-        self._q_nalloc[g] += need[g]
-        self._nfree[g] -= need[g]
-        self._alloc_total[g] += need[g]
+      return OutOfBlocks(short, dict(need)[short], nfree[short])
+    for g, k in need:
+      if k:
+        tab = tables[g]
+        if tab.n + k > self._width[g]:
+          self._ensure_width(g, tab.n + k)
+        start = tab.grow(k)
+        self._q_alloc[g].append((r.slot, start, start + k))
+        self._q_nalloc[g] += k
+        nfree[g] -= k
+        self._alloc_total[g] += k
         self._q_rids.add(r.rid)
     return BlockTables(self, request_id)
 
@@ -807,76 +908,52 @@ class KVCacheManager:
     return BlockTables(None, None, self._tables_now(request_id))
 
   # ------------------------------------------------------------------------------------------ register
-  def _register(self, r: _Request, g: str, block_idx, all_held: bool = False) -> None:
-    """Queue blocks (by table index) of a group for registration under the request's hashes. Only the entries
-    and a token view are taken here; the digest words of every queued block of every request are gathered at
-    once when the step is packed (`_reg_words`)."""
+  def _register(self, r: _Request, g: str, a: int, b: int, all_held: bool = False) -> None:
+    """Queue blocks a .. b - 1 of a group for registration under the request's hashes (those it still holds).
+    Only a tuple is queued here; the digest words, refs and tokens of every queued block of every request are
+    gathered at once when the step is packed (`_reg_words`, `_group_plan`)."""
+    if a >= b:
+      return
+    runs = [(a, b)] if all_held else r.tables[g].held_runs(a, b)
     bt = self._bt_of[g]
-    tab = r.tables[g]
-    js = None
-    if isinstance(block_idx, range):
-      a, b = block_idx.start, block_idx.stop
-      if a >= b:
-        return
-      ent = np.arange(a, b, dtype=np.int32)
-      if all_held or tab.buf[a:b].min() >= 0:     # the usual case (commit, checkpoint): contiguous, all held
-        tok = r.tokens.buf[a * bt:b * bt].reshape(-1, bt)     # a view (token positions never change)
-        block_idx = None
-    if block_idx is not None:
-      js = np.asarray(block_idx, np.int64)
-      if not len(js):
-        return
-      js = js[tab.buf[js] >= 0]
-      if not len(js):
-        return
-      a = int(js[0])
-      ent = js.astype(np.int32)
-      tok = r.tokens.buf[:(int(js.max()) + 1) * bt].reshape(-1, bt)[js]      # (blocks, bt), one gather
-    infos = None
-    if self.events.enabled:
-      upb = bt // self._G
-      jl = range(a, a + len(ent)) if js is None else js.tolist()
-      infos = [(key_int(device_key(r.hasher.digests[j * upb - 1], self.key_bits)) if j else None, r.tenant, bt)
-               for j in jl]
-    self._q_reg[g].append((r.slot, ent, r.hasher, a, js, tok, infos))
+    for a, b in runs:
+      infos = None
+      if self.events.enabled:
+        upb = bt // self._G
+        infos = [(key_int(device_key(r.hasher.digests[j * upb - 1], self.key_bits)) if j else None, r.tenant, bt)
+                 for j in range(a, b)]
+      self._q_reg[g].append((r.slot, a, b, r.hasher, r.tokens.buf, infos))
+      self._q_nreg[g] += b - a
 
   def _reg_words(self, g: str, regs=None):
     """(key digest words [R, 4] uint32, parent words [R, 4] int32) of every queued registration of group g: one
-    bytes join and two numpy gathers, not per block. Each chunk contributes only the digests its blocks span (from
+    bytes join and two numpy gathers, not per block. Each run contributes only the digests its blocks span (from
     the parent of its first block to the key of its last), so the cost follows the blocks registered, not the
     requests' lengths."""
     regs = self._q_reg[g] if regs is None else regs
     upb = self._bt_of[g] // self._G
-    parts, lo, base, n_words = [], [], [], 0
+    parts, at = [], []
+    n_words = 0
     for c in regs:
-      h, a, js = c[2], c[3], c[4]
-      first, last = (a, a + len(c[1]) - 1) if js is None else (int(js.min()), int(js.max()))
-      u0, u1 = first * upb - 1, (last + 1) * upb      # units u0 .. u1 - 1; unit -1 is the root
+      h, a, b = c[3], c[1], c[2]
+      u0, u1 = a * upb - 1, b * upb      # units u0 .. u1 - 1; unit -1 is the root
       if u0 < 0:
         parts.append(h.root)
       parts.append(h.blob[16 * max(u0, 0):16 * u1])
-      lo.append(u0)
-      base.append(n_words)
+      at.append(n_words - u0)            # unit u of this run sits at word n_words + u - u0 of the join
       n_words += u1 - u0
     w = np.frombuffer(b"".join(parts), dtype="<u4").reshape(-1, 4)
-    counts = np.fromiter((len(c[1]) for c in regs), np.int64, len(regs))
-    tot = int(counts.sum())
-    starts = np.cumsum(counts) - counts
-    j = (np.arange(tot) - np.repeat(starts, counts)
-         + np.repeat(np.fromiter((c[3] for c in regs), np.int64, len(regs)), counts))
-    for k, c in enumerate(regs):      # explicit (non-contiguous) block lists: rare
-      if c[4] is not None:
-        j[starts[k]:starts[k] + counts[k]] = c[4]
-    # in the joined words, unit u of chunk k sits at base_k + u - lo_k (the root is unit -1)
-    at = np.repeat(np.asarray(base, np.int64) - np.asarray(lo, np.int64), counts)
-    return w[at + (j + 1) * upb - 1], w[at + j * upb - 1].view(np.int32)
+    a = np.fromiter((c[1] for c in regs), np.int64, len(regs))
+    counts = np.fromiter((c[2] for c in regs), np.int64, len(regs)) - a
+    j = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - a, counts)     # block index
+    base = np.repeat(np.asarray(at, np.int64), counts)
+    return w[base + (j + 1) * upb - 1], w[base + j * upb - 1].view(np.int32)
 
   def _checkpoint(self, r: _Request, boundary: int) -> None:
     for g, pol in self.policies.items():
       idx = pol.tail_blocks(boundary)
-      tab = r.tables[g]
-      if len(idx) and idx.stop <= len(tab) and tab.buf[idx.start:idx.stop].min() >= 0:
-        self._register(r, g, idx, all_held=True)
+      if idx.start < idx.stop and r.tables[g].all_held(idx.start, idx.stop):
+        self._register(r, g, idx.start, idx.stop, all_held=True)
 
   def commit(self, request_id: str, num_computed_tokens: int) -> None:
     """The model has written KV for positions [0, num_computed_tokens): cache what is reusable, release what the
@@ -889,44 +966,43 @@ class KVCacheManager:
       raise CacheError(f"commit: num_computed_tokens went backwards ({r.num_computed} -> {n})")
     if n > len(r.tokens):
       raise CacheError(f"commit: {n} computed tokens but only {len(r.tokens)} tokens known (append_tokens first)")
-    for g, bt in zip(self.groups, self._bt):
-      if -(-n // bt) > len(r.tables[g]):
+    tables = r.tables
+    for g, bt in self._group_bt:
+      if -(-n // bt) > tables[g].n:
         raise CacheError(f"commit: {n} tokens exceed the blocks allocated in group {g}")
     start = len(r.hasher.digests) * self._G     # hash only the new units: O(new tokens)
     if n > start:
       r.hasher.update(r.tokens.buf[start:n], offset=start)
     prev, r.num_computed = r.num_computed, n
-    for g, bt in zip(self.groups, self._bt):
-      if self._kind[g] == FULL_HISTORY or self.legacy:
-        self._register(r, g, range(r.num_registered[g], n // bt))
-        r.num_registered[g] = max(r.num_registered[g], n // bt)
-    if not self.legacy and self.policies:
-      pol = self._pol0
-      if r.plan is None:
-        r.plan = pol.plan(r.prompt_len, r.junctions, r.dense)
-      for p in pol.select(r.plan, prev, n):
-        self._checkpoint(r, p)
-    for g, pol in self.policies.items():
-      self._release(r, g, pol.releasable_blocks(n))
+    for g, bt in self._registered_bt:           # full-history groups (every group in legacy mode)
+      done, upto = r.num_registered[g], n // bt
+      if upto > done:
+        self._register(r, g, done, upto)
+        r.num_registered[g] = upto
+    if self.policies:
+      if not self.legacy:
+        pol = self._pol0
+        if r.plan is None:
+          r.plan = pol.plan(r.prompt_len, r.junctions, r.dense)
+        if r.plan and (prev < r.plan[-1] or pol.retention_interval):
+          for p in pol.select(r.plan, prev, n):
+            self._checkpoint(r, p)
+      for g, pol in self.policies.items():
+        self._release(r, g, pol.releasable_blocks(n))
 
   def _release(self, r: _Request, g: str, upto: int) -> None:
     lo = r.released[g]
-    ent = None
     if upto > lo:
-      seg = r.tables[g].buf[lo:upto]     # a view: -1 written below lands in the table
-      js = np.flatnonzero(seg[::-1] >= 0)
-      ent = (upto - 1 - js).astype(np.int32)          # held entries, tail first
-      seg[:] = -1
-    r.released[g] = max(lo, upto)
-    self._free_ids(g, r.slot, ent)
-
-  def _free_ids(self, g: str, slot: int, entries) -> None:
-    """Queue releases of table entries (eviction order): the device reads the ids and clears the entries."""
-    if entries is None or not len(entries):
-      return
-    e = np.asarray(entries, np.int32)
-    self._q_free[g].append(np.stack([np.full(len(e), slot, np.int32), e], 1))
-    self._free_seq += 1
+      tab = r.tables[g]
+      runs = tab.held_runs(lo, upto)
+      tab.clear_front(upto)
+      r.released[g] = upto
+      if runs:
+        q = self._q_free[g]
+        for a, b in reversed(runs):           # tail first
+          q.append((r.slot, a, b))
+          self._q_nfree[g] += b - a
+        self._free_seq += 1
 
   def free(self, request_id: str) -> None:
     """End of request: checkpoint the sliding tails where the next turn resumes, then release every block, tail
@@ -936,10 +1012,15 @@ class KVCacheManager:
     if r.rid in self._q_rids:
       self.flush()
     if not self.legacy and self.policies:
-      self._checkpoint(r, next(iter(self.policies.values())).floor_align(r.num_computed))
+      self._checkpoint(r, self._pol0.floor_align(r.num_computed))
     for g in self.groups:
-      v = r.tables[g].view()
-      self._free_ids(g, r.slot, np.flatnonzero(v[::-1] >= 0).astype(np.int32) * -1 + (len(v) - 1))
+      runs = r.tables[g].held_runs(0, r.tables[g].n)
+      if runs:
+        q = self._q_free[g]
+        for a, b in reversed(runs):           # tail first
+          q.append((r.slot, a, b))
+          self._q_nfree[g] += b - a
+        self._free_seq += 1
     self._free_slots.append(r.slot)
     del self._requests[request_id]
 
@@ -981,11 +1062,11 @@ class KVCacheManager:
       self._ensure_width(g, hi)
       want = set(new[g])
       r.tables[g].extend([HELD if j in want else -1 for j in range(lo, hi)])
-      if new[g]:
-        self._q_alloc[g].append(np.stack([np.full(len(new[g]), r.slot), np.asarray(new[g])], 1))
-        self._q_nalloc[g] += len(new[g])
-        self._nfree[g] -= len(new[g])
-        self._alloc_total[g] += len(new[g])
+      for j in new[g]:
+        self._q_alloc[g].append((r.slot, j, j + 1))
+      self._q_nalloc[g] += len(new[g])
+      self._nfree[g] -= len(new[g])
+      self._alloc_total[g] += len(new[g])
     self.flush()
     return self.block_tables(request_id)
 
