@@ -39,6 +39,7 @@ session-switch regression test only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -274,6 +275,17 @@ class StepPlan:
 
   def kwargs(self) -> dict:
     return dict(self.statics)
+
+
+# A request's checkpoint schedule depends only on these few integers: requests of equal lengths share it.
+@functools.lru_cache(maxsize=4096)
+def _plan(policy: CheckpointPolicy, prompt_len: int, extra: tuple[int, ...], dense: bool) -> tuple[int, ...]:
+  return policy.plan(prompt_len, extra, dense)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dense_points(policy: CheckpointPolicy, prompt_len: int, after: int) -> tuple[int, ...]:
+  return policy.dense_points(prompt_len, after=after)
 
 
 def _bucket(n: int, lo: int = 16) -> int:
@@ -828,7 +840,7 @@ class KVCacheManager:
       if n and self._pol0 is not None:
         # dense start over what nobody computed before it (past its run): a later request sharing part of it hits
         # more than half, so its junction falls inside that rule (a document after a cached system prompt)
-        junction += self._pol0.dense_points(len(toks), after=rn)
+        junction += _dense_points(self._pol0, len(toks), rn)
       tables = {g: _Held(0, n // bt) for g, bt in full}
       released = {}
       for g, bt, need in tails:
@@ -854,7 +866,10 @@ class KVCacheManager:
 
   def append_tokens(self, request_id: str, token_ids) -> None:
     r = self._req(request_id)
-    r.tokens.extend(np.atleast_1d(np.asarray(token_ids, np.int64)))
+    if isinstance(token_ids, (list, tuple)) and len(token_ids) == 1:     # a decode step's one token: no array
+      r.tokens.extend_fill(token_ids[0], 1)
+    else:
+      r.tokens.extend(np.atleast_1d(np.asarray(token_ids, np.int64)))
 
   def allocate_for(self, request_id: str, num_new_tokens: int) -> BlockTables | OutOfBlocks:
     """Blocks for positions up to num_computed + num_new_tokens in every group, all or nothing."""
@@ -983,7 +998,7 @@ class KVCacheManager:
       if not self.legacy:
         pol = self._pol0
         if r.plan is None:
-          r.plan = pol.plan(r.prompt_len, r.junctions, r.dense)
+          r.plan = _plan(pol, r.prompt_len, r.junctions, r.dense)
         if r.plan and (prev < r.plan[-1] or pol.retention_interval):
           for p in pol.select(r.plan, prev, n):
             self._checkpoint(r, p)
