@@ -39,7 +39,6 @@ session-switch regression test only.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -277,17 +276,6 @@ class StepPlan:
     return dict(self.statics)
 
 
-# A request's checkpoint schedule depends only on these few integers: requests of equal lengths share it.
-@functools.lru_cache(maxsize=4096)
-def _plan(policy: CheckpointPolicy, prompt_len: int, extra: tuple[int, ...], dense: bool) -> tuple[int, ...]:
-  return policy.plan(prompt_len, extra, dense)
-
-
-@functools.lru_cache(maxsize=4096)
-def _dense_points(policy: CheckpointPolicy, prompt_len: int, after: int) -> tuple[int, ...]:
-  return policy.dense_points(prompt_len, after=after)
-
-
 def _bucket(n: int, lo: int = 16) -> int:
   """Static widths in powers of 4 from `lo`, so each shape compiles a handful of times at most."""
   w = lo
@@ -342,6 +330,8 @@ class KVCacheManager:
       CheckpointPolicy(specs.align_tokens, specs.align_tokens, 0, retention_interval)
     self.junction_checkpoints = junction_checkpoints and not legacy_dense_swa
     self._pol0 = next(iter(self.policies.values()), None)    # the policy that places boundaries (all agree)
+    self._memos = {}
+    self._align = specs.align_tokens
     self._group_bt = tuple(zip(self.groups, self._bt))
     # groups whose blocks are registered as they are computed (sliding groups only at checkpoints)
     self._registered_bt = tuple((g, bt) for g, bt in self._group_bt if self._kind[g] == FULL_HISTORY or legacy_dense_swa)
@@ -376,6 +366,16 @@ class KVCacheManager:
     self._in_treedefs = {}
     self.stats = {"table_full": 0, "duplicate": 0, "queried_tokens": 0, "hit_tokens": 0, "device_calls": 0,
                   "syncs": 0, "step_plans": 0, "step_plan_overflows": 0}
+
+  def _memo(self, key, make):
+    """A request's checkpoint schedule depends only on a few integers (lengths, run): requests of equal lengths
+    share it. Bounded: cleared when it grows large."""
+    out = self._memos.get(key)
+    if out is None:
+      if len(self._memos) > 4096:
+        self._memos.clear()
+      out = self._memos[key] = make()
+    return out
 
   # ------------------------------------------------------------------------------------------ slots, tables
   @property
@@ -496,7 +496,7 @@ class KVCacheManager:
     return self._in_treedefs[with_admit]
 
   def _statics(self, admit_widths=None):
-    return dict(groups=self._searches, block_tokens=self._bt, align=self.specs.align_tokens,
+    return dict(groups=self._searches, block_tokens=self._bt, align=self._align,
                 hash_tokens=self._G, prepend=self.prepend_uncached,
                 admit_widths=admit_widths or tuple(16 for _ in self.groups))
 
@@ -692,7 +692,7 @@ class KVCacheManager:
 
   def _admit_dims(self, toks):
     """(requests, hash units per request) of an admission batch: static widths."""
-    per_align = self.specs.align_tokens // self._G
+    per_align = self._align // self._G
     u = _units_bucket(max(len(t) // self._G for t in toks))
     b = 1 << (len(toks) - 1).bit_length()        # powers of 2: padding rows cost a whole search each
     if self._step_rows is not None and self._step_rows <= _ADMIT_ROWS_FIXED:
@@ -840,7 +840,7 @@ class KVCacheManager:
       if n and self._pol0 is not None:
         # dense start over what nobody computed before it (past its run): a later request sharing part of it hits
         # more than half, so its junction falls inside that rule (a document after a cached system prompt)
-        junction += _dense_points(self._pol0, len(toks), rn)
+        junction += self._memo(("dense", len(toks), rn), lambda: self._pol0.dense_points(len(toks), after=rn))
       tables = {g: _Held(0, n // bt) for g, bt in full}
       released = {}
       for g, bt, need in tails:
@@ -998,7 +998,8 @@ class KVCacheManager:
       if not self.legacy:
         pol = self._pol0
         if r.plan is None:
-          r.plan = _plan(pol, r.prompt_len, r.junctions, r.dense)
+          r.plan = self._memo(("plan", r.prompt_len, r.junctions, r.dense),
+                              lambda: pol.plan(r.prompt_len, r.junctions, r.dense))
         if r.plan and (prev < r.plan[-1] or pol.retention_interval):
           for p in pol.select(r.plan, prev, n):
             self._checkpoint(r, p)
@@ -1027,7 +1028,7 @@ class KVCacheManager:
     if r.rid in self._q_rids:
       self.flush()
     if not self.legacy and self.policies:
-      self._checkpoint(r, self._pol0.floor_align(r.num_computed))
+      self._checkpoint(r, r.num_computed // self._align * self._align)
     for g in self.groups:
       runs = r.tables[g].held_runs(0, r.tables[g].n)
       if runs:
