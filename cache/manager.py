@@ -130,8 +130,8 @@ HELD = 1         # host table entry: the request holds a block there (its id liv
 
 
 class _Buf:
-  """A growable int32 numpy buffer (doubling): which entries of a request's block table it holds (HELD, or -1
-  released / not needed) or its token list. Slices and masks replace per-block Python loops."""
+  """A growable int32 numpy buffer (doubling): a request's token list, or the explicit HELD / -1 mask of a table
+  with gaps (`_Held`). Slices and masks replace per-block Python loops."""
 
   __slots__ = ("buf", "n")
 

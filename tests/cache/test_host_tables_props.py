@@ -13,7 +13,7 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("clear"), st.integers(0, 30))), max_size=12)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(OPS, st.integers(0, 6), st.integers(0, 6))
 def test_held_matches_a_plain_mask(ops, lo, n):
   lo = min(lo, n)
@@ -41,7 +41,7 @@ def test_held_matches_a_plain_mask(ops, lo, n):
           assert held.all_held(a, b) == all(plain[j] >= 0 for j in range(a, b))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6), st.integers(0, 4)), min_size=1, max_size=8),
        st.booleans())
 def test_queued_runs_expand_to_refs_in_order(runs, reverse):
