@@ -2,6 +2,7 @@
 chunks trimmed to fit the smaller bucket. Same answers as without it, fewer padded slots, decode rows untouched."""
 
 import dataclasses
+import types
 
 import jax
 import numpy as np
@@ -56,7 +57,8 @@ def test_bucket_fill_rules(tiny):
   cfg, params = tiny
   eng = Engine(params, cfg, EC)
   assert eng.runner.token_buckets() == [8, 32, 128, 256]
-  a, b, c, d = object(), object(), object(), object()
+  # stand-ins for requests: the rule reads only whether a row verifies drafts (a decode row, never trimmed)
+  a, b, c, d = (types.SimpleNamespace(step_drafts=0) for _ in range(4))
   # 1 + 1 + 64 + 64 = 130 -> 128: the last prefill row gives 2 tokens; decode rows untouched.
   assert eng._fill_bucket([(a, 1), (b, 64), (c, 1), (d, 64)]) == [(a, 1), (b, 64), (c, 1), (d, 62)]
   # Excess spread backwards over prefill rows, each keeps >= 1 token: 40 -> 32 (8 deferred <= 25% of 40).
