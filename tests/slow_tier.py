@@ -9,6 +9,9 @@ quietly move a slow test into the default tier.
 
 # node id -> what still covers the feature in the default tier
 SLOW = {
+    "tests/experiments/test_serve_tiers.py::test_an_unreachable_store_is_one_warning_and_the_run_goes_on":
+        "tests/cache/tiers (a backend whose server is gone: announced, the run goes on), test_serve_tiers.py "
+        "(a second process reloads the first one's disk records)",
     # speculative decoding: forced partly-wrong drafts on a window + CSA + HCA model (every rollback length)
     "tests/dsv4/test_engine_spec.py::test_partly_wrong_drafts_never_change_tokens":
         "test_trained_drafts_give_the_same_greedy_tokens (real drafts, rejections, preemption, hits)",
@@ -56,13 +59,18 @@ SLOW = {
     "tests/cache/test_manager.py::test_events_stream":
         "tests/experiments/test_serve_tiers.py (the tiers consume the stream: records stored as blocks are computed, "
         "reloaded by a second process), test_manager.py::test_hit_blocks_are_claimed_and_tables_consistent",
+    "tests/dsv4/test_mtp.py::test_chunked_and_nnx_equal_the_whole_sequence":
+        "test_engine_spec.py::test_trained_drafts_give_the_same_greedy_tokens (the block over chunked prefills and "
+        "decodes in the engine), test_mtp.py::test_loader_names_and_refusals",
     "tests/dsv4/test_mtp.py::test_mtp_logits_match_nemo":
-        "test_mtp.py::test_chunked_and_nnx_equal_the_whole_sequence, test_loader_names_and_refusals (the block, "
-        "its cache layer and its checkpoint names); the oracle builds NeMo's model in torch",
+        "test_mtp.py::test_loader_names_and_refusals (the block's checkpoint names), test_engine_spec.py (the "
+        "block drafting in the engine); the oracle builds NeMo's model in torch",
     "tests/dsv4/test_model_ragged.py::test_ragged_random_mix_matches_full":
         "test_engine_step.py::test_engine_equals_forward_full[v4] (the engine's ragged steps: chunked prefills mixed "
         "with decodes, resumes and preemption == forward_full), test_mtp.py (chunked == whole)",
-    "tests/dsv4/test_model_ragged.py::test_resume_from_checkpoint_equals_scratch[v41]": "[v4]",
+    "tests/dsv4/test_model_ragged.py::test_resume_from_checkpoint_equals_scratch":
+        "test_engine_step.py::test_engine_equals_forward_full[v4] (later turns resume from SWA checkpoints == "
+        "forward_full), test_composition.py (prefix hits in every row)",
     "tests/dsv4/test_model_ragged.py::test_swa_table_cut_to_the_window_is_bitwise_the_same":
         "a step-width optimisation; the cut tables run in every engine test",
     "tests/dsv4/test_model_ragged.py::test_paged_indexer_equals_reference_path":

@@ -57,7 +57,7 @@ def same_state(a, b):
     RefPool.from_state(a.pools[g]).check_invariants()
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.booleans())
 def test_step_plans_match_the_managers_own_calls(d, late):
   rng = np.random.default_rng(d.draw(st.integers(0, 1 << 20)))
