@@ -9,6 +9,9 @@ quietly move a slow test into the default tier.
 
 # node id -> what still covers the feature in the default tier
 SLOW = {
+    "tests/cache/test_step_plan.py::test_step_plans_match_the_managers_own_calls":
+        "tests/cache/test_step_props.py::test_apply_step_matches_reference (the packed step against the plain "
+        "reference after every op), test_engine_step.py (the engine's own plans, engine == forward_full)",
     "tests/experiments/test_serve_tiers.py::test_an_unreachable_store_is_one_warning_and_the_run_goes_on":
         "tests/cache/tiers (a backend whose server is gone: announced, the run goes on), test_serve_tiers.py "
         "(a second process reloads the first one's disk records)",
