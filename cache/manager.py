@@ -1013,12 +1013,17 @@ class KVCacheManager:
       runs = tab.held_runs(lo, upto)
       tab.clear_front(upto)
       r.released[g] = upto
-      if runs:
-        q = self._q_free[g]
-        for a, b in reversed(runs):           # tail first
-          q.append((r.slot, a, b))
-          self._q_nfree[g] += b - a
-        self._free_seq += 1
+      self._queue_frees(r.slot, g, runs)
+
+  def _queue_frees(self, slot: int, g: str, runs) -> None:
+    """Queue the release of these table runs of one slot, tail first (a chain's last blocks become evictable
+    before its head)."""
+    if runs:
+      q = self._q_free[g]
+      for a, b in reversed(runs):
+        q.append((slot, a, b))
+        self._q_nfree[g] += b - a
+      self._free_seq += 1
 
   def free(self, request_id: str) -> None:
     """End of request: checkpoint the sliding tails where the next turn resumes, then release every block, tail
@@ -1030,13 +1035,7 @@ class KVCacheManager:
     if not self.legacy and self.policies:
       self._checkpoint(r, r.num_computed // self._align * self._align)
     for g in self.groups:
-      runs = r.tables[g].held_runs(0, r.tables[g].n)
-      if runs:
-        q = self._q_free[g]
-        for a, b in reversed(runs):           # tail first
-          q.append((r.slot, a, b))
-          self._q_nfree[g] += b - a
-        self._free_seq += 1
+      self._queue_frees(r.slot, g, r.tables[g].held_runs(0, r.tables[g].n))
     self._free_slots.append(r.slot)
     del self._requests[request_id]
 
