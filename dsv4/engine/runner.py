@@ -105,6 +105,12 @@ class _PackedShape:
     return sum(int(np.prod(s)) for _, s in self.fields())
 
 
+def result_width(spec: int) -> int:
+  """Int32 results per row of a step: 1 (the sampled token), or with k drafts 1 + (k + 1) + k: the number of new
+  tokens, the new tokens (accepted drafts, then the sampled one), the next drafts."""
+  return 2 + 2 * spec if spec else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class RaggedShape(_PackedShape):
   """Static shape of the step program (part of the jit key): N flat tokens (every row's tokens packed, decode rows
@@ -128,9 +134,7 @@ class RaggedShape(_PackedShape):
 
   @property
   def out_width(self) -> int:
-    """Int32 results per row: 1 (the sampled token), or with drafts 1 + (k + 1) + k: the number of new tokens,
-    the new tokens (accepted drafts, then the sampled one), the next drafts."""
-    return 2 + 2 * self.spec if self.spec else 1
+    return result_width(self.spec)
 
 
 def _unpack(buf, shape):
@@ -458,7 +462,7 @@ class ModelRunner:
     # the previous step program's sampled tokens (a token id -(1 + j) in a plan refers to its entry j)
     self.prev_tokens = jnp.zeros((S // self.num_shards,), jnp.int32)
     if self.spec:                    # with drafts: each row's whole result (`RaggedShape.out_width`)
-      self.prev_tokens = jnp.zeros((S, RaggedShape(0, 0, 0, 0, spec=self.spec).out_width), jnp.int32)
+      self.prev_tokens = jnp.zeros((S, result_width(self.spec)), jnp.int32)
     # fused: the cache bookkeeping is sent with the step and runs on the device right before it (one device with
     # managers); on a mesh the managers apply it in their own call before the step and the tables travel with it
     self.fused = managers is not None and mesh is None
@@ -588,10 +592,9 @@ class ModelRunner:
     return _Dispatched(len(rows), sent)
 
   def collect(self, d: "_Dispatched") -> tuple[np.ndarray, np.ndarray | None]:
-    """Waits for a dispatched step: (sampled token per row, logits per row or None). Hands each manager the
-    results of its bookkeeping."""
-    toks = np.zeros((d.num_rows, RaggedShape(0, 0, 0, 0, spec=self.spec).out_width) if self.spec else d.num_rows,
-                    np.int32)
+    """Waits for a dispatched step: (sampled token per row, or with drafts each row's `result_width` results;
+    logits per row or None). Hands each manager the results of its bookkeeping."""
+    toks = np.zeros((d.num_rows, result_width(self.spec)) if self.spec else d.num_rows, np.int32)
     logits = None
     for call, by_shard, out, l, plans in d.calls:
       out, l = jax.device_get((out, l))                        # one device->host transfer per call
