@@ -68,15 +68,16 @@ class PolicyCacheManager(KVCacheManager):
     self.events = _StampingLog(enable_events)
     self.stats["fifo_reorders"] = 0
 
-  def _free_ids(self, name: str, slot: int, entries) -> None:
-    # Callers pass table entries newest-first (tail-first) or None; head_first releases them oldest-first.
-    if entries is None or not len(entries):
+  def _queue_frees(self, slot: int, g: str, runs) -> None:
+    # The base queues each run tail first. head_first releases oldest-first: one-entry runs in table order (the
+    # per-block host cost is this experiment policy's, never the engine's). fifo re-sorts the queue after.
+    if not runs:
       return
     if self.policy_name == "head_first":
-      entries = np.asarray(entries)[::-1]
-    super()._free_ids(name, slot, entries)
+      runs = [(i, i + 1) for a, b in reversed(runs) for i in range(b - 1, a - 1, -1)]
+    super()._queue_frees(slot, g, runs)
     if self.policy_name == "fifo":
-      self._fifo_reorder(name)
+      self._fifo_reorder(g)
 
   def _fifo_reorder(self, name: str) -> None:
     self.flush()     # the release above is queued; apply it, then re-sort (reference and free counts unchanged)
