@@ -605,7 +605,8 @@ class ModelRunner:
       if plans:                                                # the bookkeeping's counters came with the tokens
         out, kv_res = out
         self.managers[0].on_step_result(plans[0], kv_res)
-      t = out.reshape(D, -1, *out.shape[1:])
+      # [D * rows] or, gathered over a mesh's data axis, [D, rows]; with drafts each row has a result vector
+      t = out.reshape(D, -1, result_width(self.spec)) if self.spec else out.reshape(D, -1)
       l = None if l is None else np.asarray(l).reshape(D, -1, np.asarray(l).shape[-1])
       for s, b in enumerate(by_shard):
         for k, j in enumerate(b):
