@@ -21,6 +21,11 @@ state_dict for the tiny oracle config.
 V4.1 has no transformers implementation; its original names (`attn.indexer.{wq_b, weights_proj, wk,
 k_norm}`, no `ape`) are generated the same way and its "HF" names are the same renames applied to them (an
 extrapolation, not checked against any reference).
+
+MTP blocks (`mtp.K.*`, V4 only) are spelled like layer K in every naming. transformers implements no MTP, so
+HF-named directories keep them in the original spelling: `hf_specs` expects `mtp.K.*` as DeepSeek ships it, and
+the HF writers put block K where NeMo's adapter also reads it, as layer N + K (`hf_mtp_export_names`). NeMo's
+names wrap the renamed layer-K names in `mtp.layers.K.*`.
 """
 
 from __future__ import annotations
@@ -219,17 +224,25 @@ class HFSpec:
   integer: bool
   sources: tuple[TensorSpec, ...]   # the original tensors it is made of (1, or E per-expert tensors)
 
+  @property
+  def stacked(self) -> bool:
+    """Routed experts stacked into one tensor (else it is exactly one original tensor)."""
+    return self.sources[0].expert is not None and self.sources[0].name != self.name
+
 
 def hf_specs(config: ModelConfig) -> dict[str, HFSpec]:
   """HF name -> spec, derived from `original_specs` by the renames and the expert stacking."""
   out: dict[str, list] = {}
   for s in original_specs(config):
-    tgt = expert_target(s.name)
-    key = tgt[0] if tgt else original_to_hf_name(s.name)
+    if s.path[0] == "mtp":  # transformers has no MTP: HF directories keep DeepSeek's spelling for it
+      key = s.name
+    else:
+      tgt = expert_target(s.name)
+      key = tgt[0] if tgt else original_to_hf_name(s.name)
     out.setdefault(key, []).append(s)
   specs = {}
   for name, srcs in out.items():
-    if len(srcs) == 1 and srcs[0].expert is None:
+    if srcs[0].expert is None or srcs[0].name == name:
       shape = srcs[0].shape
     else:  # stacked experts: gate_up [E, 2I, D] from w1, w3 [I, D]; down [E, D, I] from w2 [D, I]
       E = 1 + max(s.expert for s in srcs)
@@ -303,21 +316,31 @@ def hf_to_original(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[
   """HF-named tensors -> original-named tensors (unstacks experts)."""
   out = {}
   for name, spec in hf_specs(config).items():
-    x = tensors[name]
-    if spec.sources[0].expert is None:
-      out[spec.sources[0].name] = x
-    else:
-      parts = unstack_experts(name, x)
-      for s in spec.sources:
-        out[s.name] = parts[(s.expert, s.name.split(".")[-2])]
+    out.update(hf_tensor_to_original(name, tensors[name], spec))
+  return out
+
+
+def hf_mtp_export_names(config: ModelConfig) -> dict[str, str]:
+  """`mtp.K.*` -> the name the HF writers give it: layer N + K in the original spelling, the form NeMo's adapter
+  reads next to HF names (intermediate exports): what a backbone layer also has under `model.layers.{N+K}.`, the
+  MTP-only parts (e_proj, h_proj, enorm, hnorm, norm, hc_head_*) under unprefixed `layers.{N+K}.`."""
+  shapes = param_shapes(config)
+  layer_parts = {k for layer in shapes["layers"] for k in layer}
+  out = {}
+  for s in original_specs(config):
+    if s.path[0] == "mtp":
+      pre = "model." if s.path[2] in layer_parts else ""
+      out[s.name] = f"{pre}layers.{config.num_layers + s.path[1]}." + s.name.split(".", 2)[2]
   return out
 
 
 def original_to_hf(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+  """Original-named tensors -> the tensors the HF writers store (experts stacked, MTP as layers N + K)."""
   out = {}
+  mtp = hf_mtp_export_names(config)
   for name, spec in hf_specs(config).items():
-    if spec.sources[0].expert is None:
-      out[name] = tensors[spec.sources[0].name]
+    if not spec.stacked:
+      out[mtp.get(name, name)] = tensors[spec.sources[0].name]
     else:
       per = {(s.expert, s.name.split(".")[-2]): tensors[s.name] for s in spec.sources}
       out[name] = stack_experts(name, per, spec.shape[0])
@@ -325,12 +348,14 @@ def original_to_hf(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[
 
 
 # ----------------------------------------------------------------------------------------------------------
-# NeMo Automodel `deepseek_v41` names (its state_dict_adapter `_native_key`): `model.` prefix, `attn_sink` ->
-# `sinks_param.weight`, `hc_attn_fn` -> `attn_hc.fn`, shared experts w1/w3/w2 -> gate/up/down_proj, gate bias ->
-# `e_score_correction_bias`, routed experts stacked as `gate_and_up_projs` [E, D, 2I] = stack_E(concat(w1, w3).T)
-# and `down_projs` [E, I, D] = stack_E(w2.T) (transposed relative to HF).
+# NeMo Automodel names: the model's own state_dict, the names its state-dict adapter converts the original ones
+# into. Both variants stack the routed experts as `gate_and_up_projs` [E, D, 2I] = stack_E(concat(w1, w3).T) and
+# `down_projs` [E, I, D] = stack_E(w2.T) (transposed relative to HF).
+#
+# `deepseek_v41` (`_native_key`): `model.` prefix, `attn_sink` -> `sinks_param.weight`, `hc_attn_fn` ->
+# `attn_hc.fn`, shared experts w1/w3/w2 -> gate/up/down_proj, gate bias -> `e_score_correction_bias`.
 
-def original_to_nemo_name(name: str) -> str:
+def _nemo_v41_name(name: str) -> str:
   if name.startswith("embed."):
     return "model.embed_tokens." + name.removeprefix("embed.")
   if name.startswith("head."):
@@ -348,15 +373,67 @@ def original_to_nemo_name(name: str) -> str:
   return "model." + name
 
 
+# `deepseek_v4` (its adapter's `_HF_TO_INTERNAL_RENAMES`, first match wins): the layer part after `layers.N.` is
+# renamed, then prefixed `model.layers.N.`; a part no rule names (an MTP block's e_proj, h_proj, enorm, hnorm, norm)
+# keeps its name and its `layers.N.` prefix.
+_NEMO_V4_TOP = (
+    (r"^embed\.", "model.embed_tokens."),
+    (r"^norm\.", "model.norm."),
+    (r"^head\.", "lm_head."),
+    (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
+)
+_NEMO_V4_LAYER = (
+    (r"^attn_norm\.", "input_layernorm."),
+    (r"^ffn_norm\.", "post_attention_layernorm."),
+    (r"^attn\.attn_sink$", "self_attn.sinks_param.weight"),
+    # the indexer (with its own nested compressor on disk) lives under the compressor in NeMo
+    (r"^attn\.indexer\.compressor\.norm\.", "self_attn.compressor.indexer.kv_norm."),
+    (r"^attn\.indexer\.compressor\.ape$", "self_attn.compressor.indexer.ape_param.weight"),
+    (r"^attn\.indexer\.(compressor\.)?", "self_attn.compressor.indexer."),
+    (r"^attn\.compressor\.norm\.", "self_attn.compressor.kv_norm."),
+    (r"^attn\.compressor\.ape$", "self_attn.compressor.ape_param.weight"),
+    (r"^attn\.", "self_attn."),
+    (r"^ffn\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
+    (r"^ffn\.shared_experts\.w1\.", "mlp.shared_experts.gate_proj."),
+    (r"^ffn\.shared_experts\.w3\.", "mlp.shared_experts.up_proj."),
+    (r"^ffn\.shared_experts\.w2\.", "mlp.shared_experts.down_proj."),
+    (r"^ffn\.", "mlp."),
+    (r"^hc_(attn|ffn)_(fn|base|scale)$", r"\1_hc.\2"),
+    (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
+)
+
+
+def _nemo_v4_name(name: str) -> str:
+  m = re.match(r"layers\.(\d+)\.", name)
+  rules, rest, pre = (_NEMO_V4_LAYER, name[m.end():], f"model.layers.{m[1]}.") if m else (_NEMO_V4_TOP, name, "")
+  for pat, rep in rules:
+    new, n = re.subn(pat, rep, rest)
+    if n:
+      return pre + new
+  return name
+
+
+def original_to_nemo_name(name: str, variant: str) -> str:
+  m = re.match(r"mtp\.(\d+)\.", name)
+  if m:  # NeMo renames MTP block K as layer K, then moves it under `mtp.layers.K.`
+    return "mtp." + original_to_nemo_name(f"layers.{m[1]}." + name[m.end():], variant).removeprefix("model.")
+  return _nemo_v4_name(name) if variant == "v4" else _nemo_v41_name(name)
+
+
+_ANY_EXPERT_RE = re.compile(r"^((?:layers|mtp)\.\d+)\.ffn\.experts\.\d+\.(w[123])\.weight$")
+
+
 def nemo_specs(config: ModelConfig) -> dict[str, HFSpec]:
-  """NeMo name -> spec (stored shape, sources), derived from `original_specs`."""
+  """NeMo name -> spec (stored shape, sources), derived from `original_specs` (V4: `deepseek_v4`'s names, V4.1:
+  `deepseek_v41`'s)."""
   out: dict[str, list] = {}
   for s in original_specs(config):
-    m = _EXPERT_RE.match(s.name)
-    if m:
-      key = f"model.layers.{m.group(1)}.ffn.experts." + ("down_projs" if m.group(3) == "w2" else "gate_and_up_projs")
+    m = _ANY_EXPERT_RE.match(s.name)
+    if m:  # the stacked tensor is named like a parameter of the layer's `ffn.experts`
+      stacked = "down_projs" if m[2] == "w2" else "gate_and_up_projs"
+      key = original_to_nemo_name(f"{m[1]}.ffn.experts.{stacked}", config.variant)
     else:
-      key = original_to_nemo_name(s.name)
+      key = original_to_nemo_name(s.name, config.variant)
     out.setdefault(key, []).append(s)
   specs = {}
   for name, srcs in out.items():
@@ -373,22 +450,13 @@ def nemo_specs(config: ModelConfig) -> dict[str, HFSpec]:
 def nemo_to_original(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
   out = {}
   for name, spec in nemo_specs(config).items():
-    x = tensors[name]
-    if spec.sources[0].expert is None:
-      out[spec.sources[0].name] = x
-      continue
-    I = x.shape[2] // 2 if name.endswith("gate_and_up_projs") else None
-    for s in spec.sources:
-      w = s.name.split(".")[-2]
-      e = s.expert
-      out[s.name] = np.ascontiguousarray({"w1": lambda: x[e, :, :I].T, "w3": lambda: x[e, :, I:].T,
-                                          "w2": lambda: x[e].T}[w]())
+    out.update((k, np.ascontiguousarray(v)) for k, v in nemo_tensor_to_original(name, tensors[name], spec))
   return out
 
 
 def nemo_tensor_to_original(name: str, x: np.ndarray, spec: HFSpec) -> list[tuple[str, np.ndarray]]:
   """One NeMo-named tensor -> its original-named tensors (unstacks and transposes routed experts)."""
-  if spec.sources[0].expert is None:
+  if not spec.stacked:
     return [(spec.sources[0].name, x)]
   I = x.shape[2] // 2 if name.endswith("gate_and_up_projs") else None
   out = []
@@ -401,7 +469,7 @@ def nemo_tensor_to_original(name: str, x: np.ndarray, spec: HFSpec) -> list[tupl
 
 def hf_tensor_to_original(name: str, x: np.ndarray, spec: HFSpec) -> list[tuple[str, np.ndarray]]:
   """One HF-named tensor -> its original-named tensors (unstacks routed experts)."""
-  if spec.sources[0].expert is None:
+  if not spec.stacked:
     return [(spec.sources[0].name, x)]
   parts = unstack_experts(name, x)
   return [(s.name, parts[(s.expert, s.name.split(".")[-2])]) for s in spec.sources]
@@ -446,7 +514,7 @@ def original_to_saved_name(name: str) -> str:
 def original_to_nemo(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
   out = {}
   for name, spec in nemo_specs(config).items():
-    if spec.sources[0].expert is None:
+    if not spec.stacked:
       out[name] = tensors[spec.sources[0].name]
       continue
     E = spec.shape[0]

@@ -1,4 +1,5 @@
-"""Read and write DeepSeek-V4 safetensors checkpoints (HF or original naming, plain or FP8/FP4-quantized).
+"""Read and write DeepSeek-V4 safetensors checkpoints (original, HF, save_pretrained or NeMo naming, plain or
+FP8/FP4-quantized).
 
     params = load_checkpoint("ckpt_dir_or_file", config)        # numpy float32 / int32 leaves
     save_hf_safetensors(params, config, "out_dir", shard_bytes=..., quant=Quant(fp8_block=128, fp4_experts=True))
@@ -16,6 +17,12 @@ F8_E4M3 weights are block-dequantized (block edge `fp8_block`, default 128 for V
 a scale are FP4 e2m1 packed (see `quant.py` for the nibble order). Every tensor is then checked against the names
 and shapes generated from the config (`names.py`); anything missing, unexpected, of the wrong shape or of the wrong
 dtype raises `CheckpointError` naming the tensor, with expected vs found.
+
+MTP blocks load in every naming. transformers drops them, so HF-named directories carry them in DeepSeek's own
+spelling, either as `mtp.K.*` (a hub directory) or as layer N + K (`model.layers.{N+K}.attn.*` and
+`layers.{N+K}.e_proj.weight`, ...; what NeMo's adapter also reads and what the HF writers write); such a layer is
+recognised by its `e_proj` and renamed to `mtp.K.*` before anything else. Blocks beyond the config's
+`num_mtp_layers` are ignored (all of them by default).
 """
 
 from __future__ import annotations
@@ -200,6 +207,32 @@ def read_entries(path: str) -> dict[str, _Entry]:
 # Loading
 
 _MTP_RE = re.compile(r"^(model\.)?mtp\.(layers\.)?(\d+)?")
+_LEGACY_MTP_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.e_proj\.weight$")  # only an MTP block has an e_proj
+_LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+
+
+def _native_mtp(entries: dict, num_layers: int | None) -> dict:
+  """Renames the tensors of MTP blocks stored as layer N + K (any layer that has an e_proj) to `mtp.K.*`, the
+  spelling the rest of the loader knows; num_layers None drops them instead. Entries keep their stored names."""
+  mtp_layers = {int(m.group(1)) for n in entries if (m := _LEGACY_MTP_RE.match(n))}
+  if not mtp_layers:
+    return entries
+  out = {}
+  for name, e in entries.items():
+    m = _LAYER_RE.match(name)
+    key = name
+    if m is not None and int(m.group(1)) in mtp_layers:
+      if num_layers is None:
+        continue
+      k = int(m.group(1)) - num_layers
+      if k < 0:
+        raise CheckpointError(f"tensor {name!r}: an MTP block's tensor at layer {m.group(1)}, but the config has "
+                              f"{num_layers} backbone layers (MTP block K is stored as layer {num_layers} + K)")
+      key = f"mtp.{k}.{name[m.end():]}"
+    if key in out:
+      raise CheckpointError(f"tensors {out[key].name!r} and {name!r} are both MTP tensor {key!r}")
+    out[key] = e
+  return out
 
 
 def _ignored(name: str, config: ModelConfig | None) -> bool:
@@ -216,8 +249,9 @@ _SAVED_RE = re.compile(r"^model\.(layers\.\d+\.(attn\.|ffn\.|attn_norm\.|ffn_nor
 
 def detect_naming(tensor_names) -> str:
   """'nemo' | 'saved' (transformers save_pretrained) | 'hf' (transformers-converted) | 'original'."""
+  tensor_names = list(_native_mtp(dict.fromkeys(tensor_names), None))  # MTP stored as layers: original spelling
   if any(n.endswith((".sinks_param.weight", ".experts.gate_and_up_projs")) for n in tensor_names):
-    return "nemo"  # NeMo Automodel deepseek_v41 (model.layers.N.attn.sinks_param.weight, attn_hc.fn, ...)
+    return "nemo"  # NeMo Automodel's model (model.layers.N.{attn,self_attn}.sinks_param.weight, attn_hc.fn, ...)
   if any(_SAVED_RE.match(n) for n in tensor_names):
     # original module names under `model.` (+ `head.weight`): what transformers' save_pretrained writes
     hf_only = [n for n in tensor_names if re.search(r"\.(self_attn|mlp)\.", n)]
@@ -239,7 +273,8 @@ def _scale_pairs(entries: dict[str, _Entry], naming: str) -> dict[str, str]:
   """weight name -> scale name."""
   pairs = {}
   for s in entries:
-    if naming == "original" and s.endswith(".scale"):
+    # MTP tensors keep DeepSeek's spelling in every naming but NeMo's, so their `.scale` companions too
+    if (naming == "original" or s.startswith("mtp.")) and s.endswith(".scale"):
       w = s[: -len(".scale")] + ".weight"
     elif naming == "original" and s.endswith(".weight_scale_inv"):  # save_pretrained of an FP8-quantized model
       w = s[: -len("_scale_inv")]
@@ -439,7 +474,7 @@ def storage_dtype(path_or_entries) -> np.dtype:
   * no plain float tensor at all (everything quantized) -> bfloat16.
   Quantized tensors therefore dequantize into the dtype of the checkpoint's non-quantized float tensors."""
   entries = path_or_entries if isinstance(path_or_entries, dict) else read_entries(path_or_entries)
-  entries = {k: v for k, v in entries.items() if not _ignored(k, None)}
+  entries = {k: v for k, v in _native_mtp(entries, None).items() if not _ignored(k, None)}
   if not entries:
     return np.dtype(ml_dtypes.bfloat16)
   naming = detect_naming(entries)
@@ -457,7 +492,8 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
                     strict: bool = True, dtype=np.float32, device=None, keep_quantized: bool = False):
   """Load a safetensors checkpoint (file, directory, or sharded directory with an index) into a param tree.
 
-  Detects the naming (original, transformers-converted HF, transformers save_pretrained, NeMo), dequantizes FP8
+  Detects the naming (original, transformers-converted HF, transformers save_pretrained, NeMo; MTP blocks in each,
+  see the module docstring; blocks beyond `config.num_mtp_layers` are ignored), dequantizes FP8
   (block `fp8_block`, default 128 for V4 and 32 for V4.1) and FP4 tensors, validates every tensor against the
   config. strict=False tolerates unexpected tensors (still validates the expected ones). Floating leaves are cast
   to `dtype` (float32 default; `ml_dtypes.bfloat16`; "auto" = the checkpoint's own, see `storage_dtype`). Shards
@@ -467,13 +503,11 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
   e8m0 scales ({"fp4", "scale"} leaves, dequantized inside the MoE step: dsv4/layers/expert_quant.py).
   """
   fp8_block = fp8_block or Q.FP8_BLOCK[config.variant]
-  entries = {k: v for k, v in read_entries(path).items() if not _ignored(k, config)}
+  entries = _native_mtp(read_entries(path), config.num_layers)
+  entries = {k: v for k, v in entries.items() if not _ignored(k, config)}
   if isinstance(dtype, str):
     dtype = resolve_dtype(dtype, entries)
   naming = detect_naming(entries)
-  if config.num_mtp_layers and naming not in ("original", "saved"):
-    raise CheckpointError(f"{path}: MTP blocks load from original-named checkpoints (mtp.D.*, as DeepSeek ships "
-                          f"V4-Flash); this one uses {naming} names: load it with num_mtp_layers=0")
   if naming == "saved":  # key by original name; each entry keeps its stored name for messages
     renamed = {}
     for k, e in entries.items():
@@ -489,7 +523,8 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
   if naming == "original":
     specs = None
     expected = {s.name: (s.shape, s.integer) for s in orig_specs}
-    hf_of = {s.name: (N.expert_target(s.name) or (N.original_to_hf_name(s.name),))[0] for s in orig_specs}
+    hf_of = {s.name: (N.expert_target(s.name) or (N.original_to_hf_name(s.name),))[0] for s in orig_specs
+             if s.path[0] != "mtp"}  # MTP blocks have no HF name
   else:
     specs = N.nemo_specs(config) if naming == "nemo" else N.hf_specs(config)
     expected = {n: (s.shape, s.integer) for n, s in specs.items()}
@@ -530,11 +565,12 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
     for name in by_file[fp]:  # param-tree order within a shard
       e = entries[name]
       sc = entries.get(pairs.get(name, ""), None)
-      is_expert = (N._EXPERT_RE.match(name) is not None) if specs is None else \
-          specs[name].sources[0].expert is not None
+      # original-named: the tensor itself (also an HF directory's MTP tensors); else a renamed / stacked one
+      orig = name if specs is None or specs[name].sources[0].name == name else None
+      is_expert = (N._EXPERT_RE.match(name) is not None) if orig else specs[name].stacked
       if keep_quantized and is_expert and sc is not None and e.dtype in ("I8", "U8"):
         packed, scale = _fp4_bytes(e, sc, expected[name][0], stored[name])
-        if specs is None:
+        if orig:
           builder.add_fp4(name, packed, scale)
         else:  # stacked HF tensor: split rows per expert exactly like the dense tensor
           parts_p, parts_s = N.unstack_experts(name, packed), N.unstack_experts(name, scale)
@@ -544,7 +580,7 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
         continue
       x = _dequant(e, sc, fp8_block, native=True)
       _check(stored[name], x, expected[name][0], expected[name][1], e, hf_of.get(name))
-      if specs is None:
+      if orig:
         builder.add(name, x)
       else:
         split = N.nemo_tensor_to_original if naming == "nemo" else N.hf_tensor_to_original
@@ -569,11 +605,12 @@ class Quant:
 
 
 # Dense projections that ship FP8 in the released checkpoints: attention q/kv/o, the indexer query, shared experts.
-# Compressor / indexer-compressor wkv, wgate, weights_proj, the router, norms, mHC, embed and head stay float.
-_FP8_ORIG = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
-                       r"|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight$")
+# Compressor / indexer-compressor wkv, wgate, weights_proj, the router, norms, mHC, embed and head stay float. An
+# MTP block is quantized like a layer, plus its e_proj / h_proj (NeMo's adapter expects scales for them).
+_FP8_ORIG = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
+                       r"|ffn\.shared_experts\.w[123]|engram\.wkv|e_proj|h_proj)\.weight$")
 _FP8_ROWS_ORIG = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")  # V4.1 Engram table: per-row/32-col scales
-_FP4_ORIG = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+_FP4_ORIG = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 
 
 def _quantize_dict(tensors: dict[str, np.ndarray], config: ModelConfig, quant: Quant | None, naming: str):
@@ -584,16 +621,18 @@ def _quantize_dict(tensors: dict[str, np.ndarray], config: ModelConfig, quant: Q
   if naming == "hf":
     for s in N.original_specs(config):
       to_orig[(N.expert_target(s.name) or (N.original_to_hf_name(s.name),))[0]] = s.name
+    to_orig.update({v: k for k, v in N.hf_mtp_export_names(config).items()})
   for name, x in tensors.items():
     orig = to_orig.get(name, name)
+    dot_scale = naming == "original" or orig.startswith("mtp.")  # DeepSeek's spelling, DeepSeek's scale names
     if quant.fp8_block and (_FP8_ORIG.match(orig) or _FP8_ROWS_ORIG.match(orig)):
       q, s = Q.quantize_fp8_block(x, quant.fp8_block if _FP8_ORIG.match(orig) else (1, quant.fp8_block))
       out[name] = q
-      out[name[: -len(".weight")] + (".scale" if naming == "original" else ".weight_scale_inv")] = s
+      out[name[: -len(".weight")] + (".scale" if dot_scale else ".weight_scale_inv")] = s
     elif quant.fp4_experts and (_FP4_ORIG.match(orig) or (naming == "hf" and re.search(r"\.mlp\.experts\.", name))):
       q, s = Q.quantize_fp4(x)
       out[name] = q
-      out[name[: -len(".weight")] + ".scale" if naming == "original" else name + "_scale_inv"] = s
+      out[name[: -len(".weight")] + ".scale" if dot_scale else name + "_scale_inv"] = s
     else:
       out[name] = x
   return out
@@ -657,9 +696,10 @@ NAMINGS = ("original", "hf", "saved", "nemo")
 
 def save_checkpoint(params, config: ModelConfig, path: str, *, naming: str = "original",
                     shard_bytes: int | None = None, quant: Quant | None = None, dtype=np.float32) -> list[str]:
-  """Write params in any naming the loader reads: "original", "hf" (transformers-converted), "saved"
-  (transformers save_pretrained) or "nemo" (NeMo Automodel; quant must be None). Floating tensors are stored as
-  `dtype` (float32, or ml_dtypes.bfloat16 like the released checkpoints)."""
+  """Write params in any naming the loader reads: "original", "hf" (transformers-converted; MTP blocks as layers
+  N + K in DeepSeek's spelling), "saved" (transformers save_pretrained) or "nemo" (NeMo Automodel's model
+  state_dict, `deepseek_v4` / `deepseek_v41`; quant must be None). Floating tensors are stored as `dtype`
+  (float32, or ml_dtypes.bfloat16 like the released checkpoints)."""
   if naming not in NAMINGS:
     raise ValueError(f"naming must be one of {NAMINGS}, got {naming!r}")
   t = N.params_to_original(_np_params(params), config)

@@ -1,6 +1,7 @@
 """dsv4.loading: every checkpoint naming (original, transformers-converted, transformers save_pretrained, NeMo),
 detected from the names; shard-by-shard streaming into bf16; clear errors."""
 
+import dataclasses
 import json
 import os
 
@@ -124,3 +125,60 @@ def test_fp4_experts_kept_quantized(tmp_path, naming):
     a = moe.moe(dense["layers"][i]["ffn"], x, toks, cfg.moe, plan.hash_moe)
     b = jax.jit(moe.moe, static_argnums=(3, 4))(kept["layers"][i]["ffn"], x, toks, cfg.moe, plan.hash_moe)
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+
+
+MTP = dataclasses.replace(C.v4_tiny(num_layers=2), num_mtp_layers=1)
+
+
+@pytest.mark.parametrize("naming", S.NAMINGS)
+def test_mtp_blocks_round_trip_in_every_naming(tmp_path, naming):
+  """An MTP block saves and loads in every naming (FP8 / FP4 like a layer where the naming is quantized; HF writes
+  it as layer N + K in DeepSeek's spelling); a config without MTP ignores it, one that wants it and finds none
+  names the missing tensor."""
+  params = _random_params(MTP, 9)
+  quant = None if naming == "nemo" else Quant(fp8_block=128)
+  ck = str(tmp_path / "ck")
+  S.save_checkpoint(params, MTP, ck, naming=naming, shard_bytes=60_000, quant=quant)
+  hdr = S.read_entries(ck)
+  e_proj = {"original": "mtp.0.e_proj.weight", "hf": "layers.2.e_proj.weight", "saved": "model.mtp.0.e_proj.weight",
+            "nemo": "mtp.layers.0.e_proj.weight"}[naming]
+  assert e_proj in hdr and S.storage_dtype(ck) == np.float32
+  if naming == "hf":
+    assert hdr["model.layers.2.attn.wq_a.weight"].dtype == "F8_E4M3" and "model.layers.2.attn.wq_a.scale" in hdr
+    assert hdr["model.layers.2.ffn.experts.3.w1.weight"].dtype == "I8" and "layers.2.hc_head_fn" in hdr
+  want = params if quant is None else _fake_quant_params(params, MTP, 128)
+  got = load_checkpoint(ck, MTP, as_jax=False)
+  assert _max_diff(want, got) == 0.0
+  if quant is not None:  # FP4 kept for the backbone's experts; the block's load dense, as in the original naming
+    kept = load_checkpoint(ck, MTP, as_jax=False, keep_quantized=True)
+    assert set(kept["layers"][1]["ffn"]["experts"]["w1"]) == {"fp4", "scale"}
+    assert _max_diff(got["mtp"], kept["mtp"]) == 0.0
+  base = dataclasses.replace(MTP, num_mtp_layers=0)
+  plain = load_checkpoint(ck, base, as_jax=False)
+  assert "mtp" not in plain and _max_diff({k: v for k, v in want.items() if k != "mtp"}, plain) == 0.0
+  S.save_checkpoint(_random_params(base, 9), base, str(tmp_path / "no"), naming=naming)
+  with pytest.raises(CheckpointError, match=r"tensor 'mtp\.(layers\.)?0\.[^']*' is missing"):
+    load_checkpoint(str(tmp_path / "no"), MTP)
+
+
+def test_hf_directory_with_deepseek_spelled_mtp(tmp_path):
+  """A hub directory: HF-named backbone next to the block as DeepSeek ships it (`mtp.0.*` with `.scale`
+  companions) loads like the layer N + K form; a block stored both ways at once is refused."""
+  params = _random_params(MTP, 10)
+  quant = Quant(fp8_block=128)
+  S.save_checkpoint(params, MTP, str(tmp_path / "hf"), naming="hf", quant=quant)
+  S.save_checkpoint(params, MTP, str(tmp_path / "orig"), naming="original", quant=quant)
+  hf = {k: S._read(e) for k, e in S.read_entries(str(tmp_path / "hf")).items()}
+  t = {k: v for k, v in hf.items() if ".layers.2." not in "." + k}
+  t.update({k: S._read(e) for k, e in S.read_entries(str(tmp_path / "orig")).items() if k.startswith("mtp.")})
+  assert "mtp.0.attn.wq_a.scale" in t and "mtp.0.ffn.experts.0.w2.scale" in t
+  os.makedirs(tmp_path / "hub")
+  S.write_file(t, str(tmp_path / "hub" / S.SINGLE_FILE))
+  assert S.detect_naming(t) == "hf"
+  got = load_checkpoint(str(tmp_path / "hub"), MTP, as_jax=False)
+  assert _max_diff(_fake_quant_params(params, MTP, 128), got) == 0.0
+  t["model.layers.2.attn.wq_a.weight"] = hf["model.layers.2.attn.wq_a.weight"]
+  t["layers.2.e_proj.weight"] = hf["layers.2.e_proj.weight"]
+  S.write_file(t, str(tmp_path / "hub" / S.SINGLE_FILE))
+  with pytest.raises(CheckpointError, match=r"both MTP tensor 'mtp\.0\.(attn\.wq_a|e_proj)\.weight'"):
+    load_checkpoint(str(tmp_path / "hub"), MTP)

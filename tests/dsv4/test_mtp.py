@@ -1,7 +1,8 @@
 """MTP blocks (V4 `num_nextn_predict_layers`, `mtp.D.*`): the functional block against NeMo Automodel 0.7.0's
 `deepseek_v4` MTP (random weights written in the original checkpoint naming by NeMo's own state-dict adapter and
 read back by the project's loader), the NNX module against the function, chunked against whole-sequence runs (the
-block's own window KV in the cache), and the loader's naming rules."""
+block's own window KV in the cache), and the loader's naming rules (NeMo's names are its model's state_dict; the
+HF writers' layer N + K form reads through NeMo's adapter like the original names)."""
 
 import dataclasses
 import functools
@@ -19,6 +20,7 @@ from dsv4 import model as M
 from dsv4 import nnx_model
 from dsv4.config import ConfigError
 from dsv4.loading import load_checkpoint
+from dsv4.loading import names as N
 from dsv4.loading import safetensors_io as S
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -93,7 +95,7 @@ def nemo(tmp_path_factory):
   assert "mtp.0.e_proj.weight" in original and "mtp.0.hc_head_fn" in original
   path = str(tmp_path_factory.mktemp("nemo_v4_mtp") / "model.safetensors")
   S.write_file({k: v.detach().numpy().copy() for k, v in original.items()}, path)
-  return ref, path
+  return ref, path, DeepSeekV4StateDictAdapter(config, ref.model.moe_config, backend)
 
 
 def test_mtp_logits_match_nemo(nemo):
@@ -101,7 +103,7 @@ def test_mtp_logits_match_nemo(nemo):
   window causal mask); positions whose next token exists are compared. The backbone is compared too."""
   import torch
   from nemo_automodel.components.models.deepseek_v4.model import build_causal_padding_mask
-  ref, path = nemo
+  ref, path, _ = nemo
   params = load_checkpoint(path, CFG)
   B, T = 2, 36
   toks = np.random.default_rng(3).integers(0, CFG.vocab_size, (B, T))
@@ -120,6 +122,49 @@ def test_mtp_logits_match_nemo(nemo):
   err = np.max(np.abs(got[:, :-1] - want[:, :-1])) / np.max(np.abs(want))
   print(f"\nMTP parity with NeMo deepseek_v4: max rel err backbone {err_backbone:.1e}, MTP block {err:.1e}")
   assert err_backbone <= 1e-5 and err <= 1e-5, (err_backbone, err)
+
+
+def test_nemo_naming_is_nemos_state_dict(nemo, tmp_path):
+  """The "nemo" naming of a V4 model with MTP is NeMo's `deepseek_v4` model state_dict: the same names and shapes
+  (backbone and `mtp.layers.0.*`), and NeMo's own tensors saved under them load to what its adapter's original
+  names give."""
+  ref, path, _ = nemo
+  sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+  specs = N.nemo_specs(CFG)
+  assert {k: v.shape for k, v in sd.items()} == {k: s.shape for k, s in specs.items()}
+  assert any(k.startswith("mtp.layers.0.mlp.experts.") for k in specs)
+  assert all(s.integer == np.issubdtype(sd[k].dtype, np.integer) for k, s in specs.items())
+  S.write_file(sd, str(tmp_path / "model.safetensors"))
+  got, want = load_checkpoint(str(tmp_path), CFG, as_jax=False), load_checkpoint(path, CFG, as_jax=False)
+  for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(x, y)
+
+
+def _torch(x):
+  import ml_dtypes
+  import torch
+  for np_dt, t_dt in ((ml_dtypes.float8_e4m3fn, torch.float8_e4m3fn), (ml_dtypes.float8_e8m0fnu, torch.float8_e8m0fnu)):
+    if x.dtype == np_dt:
+      return torch.from_numpy(np.ascontiguousarray(x).view(np.uint8)).view(t_dt)
+  return torch.from_numpy(np.ascontiguousarray(x))
+
+
+@pytest.mark.parametrize("quant", [None, S.Quant(fp8_block=128)], ids=["plain", "fp8_fp4"])
+def test_hf_layer_form_reads_through_nemos_adapter(nemo, tmp_path, quant):
+  """What the HF writers store for the block (layer N + K in DeepSeek's spelling, `.scale` companions) goes through
+  NeMo's `from_hf` to the same `mtp.layers.0.*` tensors as the original names, after NeMo's own dequantization and
+  expert stacking."""
+  _, path, adapter = nemo
+  params = load_checkpoint(path, CFG, as_jax=False)
+  out = {}
+  for naming in ("original", "hf"):
+    S.save_checkpoint(params, CFG, str(tmp_path / naming), naming=naming, quant=quant)
+    t = {k: _torch(S._read(e)) for k, e in S.read_entries(str(tmp_path / naming)).items()}
+    out[naming] = {k: v for k, v in adapter.from_hf(t).items() if k.startswith("mtp.")}
+  assert "model.layers.2.attn.wq_a.weight" in t and "layers.2.e_proj.weight" in t
+  assert sorted(out["hf"]) == sorted(out["original"]) and "mtp.layers.0.mlp.experts.gate_and_up_projs" in out["hf"]
+  for k, v in out["original"].items():
+    np.testing.assert_array_equal(out["hf"][k].numpy(), v.numpy(), err_msg=k)
 
 
 def test_chunked_and_nnx_equal_the_whole_sequence():
