@@ -233,6 +233,18 @@ def check_flags() -> list[str]:
       if mtp == 0:
         raise FlagError(f"--num_speculative_tokens={k}: --model={FLAGS.model} has no MTP block (try "
                         "--model=v4_retrieval_mtp, or train one with experiments/train_mtp.py)")
+    if FLAGS.checkpoint and os.path.isdir(FLAGS.checkpoint) and _is_pretrained_dir(FLAGS.checkpoint):
+      from dsv4.config import ConfigError
+      from dsv4.loading.config_json import read_config
+      from dsv4.loading.safetensors_io import CheckpointError, stored_mtp_blocks
+      try:                             # config.json and the shards' headers only
+        cfg, info = read_config(FLAGS.checkpoint, strict=False)
+        stored = min(info.mtp_layers, stored_mtp_blocks(FLAGS.checkpoint, cfg.num_layers)) if info.mtp_layers else 0
+      except (ConfigError, CheckpointError, OSError):
+        stored = None                  # unreadable: load_model reports it
+      if stored == 0:
+        raise FlagError(f"--num_speculative_tokens={k}: {FLAGS.checkpoint} has no MTP block (config.json declares "
+                        "none, or the directory stores no mtp.* / e_proj tensors, as a transformers export)")
   if not 0 <= FLAGS.process_id < FLAGS.num_processes:
     raise FlagError(f"--process_id={FLAGS.process_id}: must be in [0, --num_processes={FLAGS.num_processes})")
   if FLAGS.mesh:
@@ -324,10 +336,10 @@ def params_dtype(params) -> str:
 
 
 def load_model(model: str, checkpoint: str = "", preset: str = "v4_tiny", seed: int = 0, dtype: str = "auto",
-               quantized_cache: bool | None = None):
+               quantized_cache: bool | None = None, mtp: bool | None = None):
   """(config, params, task spec or None). Any failure is a ModelLoadError naming the file: never random weights
   in place of a model that was asked for. dtype: "auto" (as stored), "fp32" or "bf16"; quantized_cache: None = the
-  checkpoint's default."""
+  checkpoint's default; mtp: a release directory's MTP blocks (`load_pretrained`; None = those it stores)."""
   import dataclasses
 
   import jax
@@ -364,7 +376,7 @@ def load_model(model: str, checkpoint: str = "", preset: str = "v4_tiny", seed: 
       from dsv4.loading.pretrained import load_pretrained
       try:
         pre = load_pretrained(checkpoint, dtype={"auto": "auto", "fp32": np.float32, "bf16": ml_dtypes.bfloat16}[dtype],
-                              quantized_cache=quantized_cache)
+                              quantized_cache=quantized_cache, mtp=mtp)
       except (ConfigError, TokenizerError) as e:
         raise ModelLoadError(str(e)) from e
       return pre.config, pre.params, None
@@ -537,7 +549,9 @@ def main(argv):
   _quiet_closed_loop_callbacks()
   try:
     cfg, params, spec = load_model(FLAGS.model, FLAGS.checkpoint, FLAGS.preset, FLAGS.seed, FLAGS.dtype,
-                                   {"auto": None, "on": True, "off": False}[FLAGS.quantized_cache])
+                                   {"auto": None, "on": True, "off": False}[FLAGS.quantized_cache],
+                                   # the MTP block only when it drafts (its weights and window KV cost memory)
+                                   mtp=None if FLAGS.num_speculative_tokens else False)
   except ModelLoadError as e:
     _die(f"cannot load the model: {e}", 1)
   except FlagError as e:

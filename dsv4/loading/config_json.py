@@ -48,11 +48,11 @@ TEXT_CONFIG_FILE = "text_config.json"  # NeMo Automodel text-only exports
 _NO_EFFECT = {
     "architectures", "transformers_version", "dtype", "torch_dtype", "model_type", "initializer_range", "use_cache",
     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "attention_dropout", "auto_map",
-    "_name_or_path", "keys_to_ignore_at_inference", "pad_token_id", "num_nextn_predict_layers", "aux_loss_alpha",
+    "_name_or_path", "keys_to_ignore_at_inference", "pad_token_id", "aux_loss_alpha",
     "seq_aux", "ep_size", "output_attentions", "output_hidden_states", "return_dict", "chunk_size_feed_forward",
     "id2label", "label2id", "problem_type", "tokenizer_class", "is_encoder_decoder", "generation_config",
     # runtime knobs of the official inference code
-    "max_batch_size", "max_seq_len", "n_mtp_layers", "scale_dtype",
+    "max_batch_size", "max_seq_len", "scale_dtype",
 }
 _DSPARK_PREFIX = "dspark_"  # V4.1 draft layers: not part of the text backbone
 
@@ -66,6 +66,7 @@ class CheckpointInfo:
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
   ignored: tuple[str, ...] = ()           # unknown keys tolerated with strict=False
+  mtp_layers: int = 0                     # MTP blocks the file declares (num_nextn_predict_layers / n_mtp_layers)
 
 
 class _Reader:
@@ -313,8 +314,9 @@ def _v4_transformers(r: _Reader, name: str, strict: bool) -> tuple[ModelConfig, 
       bos_token_id=r.int("bos_token_id", 0, min_value=0), eos_token_id=eos[0], layer_kinds=kinds,
       hash_layer_ids=hash_ids)
   pad = r.raw("pad_token_id", None)
+  mtp = r.int("num_nextn_predict_layers", 0, min_value=0)
   ignored = r.finish(strict)
-  return cfg, CheckpointInfo(fmt, fp8_block, expert, eos, pad, ignored)
+  return cfg, CheckpointInfo(fmt, fp8_block, expert, eos, pad, ignored, mtp)
 
 
 def _v4_inference(r: _Reader, name: str, strict: bool) -> tuple[ModelConfig, CheckpointInfo]:
@@ -351,8 +353,9 @@ def _v4_inference(r: _Reader, name: str, strict: bool) -> tuple[ModelConfig, Che
                     num_hash_layers=min(n, n_hash)),
       mhc=MHCConfig(hc_mult=r.int("hc_mult"), sinkhorn_iters=r.int("hc_sinkhorn_iters"), eps=r.float("hc_eps")),
       rms_norm_eps=r.float("norm_eps"), layer_kinds=kinds, hash_layer_ids=tuple(range(min(n, n_hash))))
+  mtp = r.int("n_mtp_layers", 0, min_value=0)
   ignored = r.finish(strict)
-  return cfg, CheckpointInfo("inference", 128, expert, (cfg.eos_token_id,), None, ignored)
+  return cfg, CheckpointInfo("inference", 128, expert, (cfg.eos_token_id,), None, ignored, mtp)
 
 
 # NeMo Automodel 0.7.0 DeepseekV41TextConfig defaults (the released V4.1-Flash text configuration).
@@ -439,7 +442,9 @@ def _v41_nemo(r: _Reader, top: _Reader | None, name: str, strict: bool) -> tuple
       rms_norm_eps=r.float("rms_norm_eps", 1e-20), max_position_embeddings=r.int("max_position_embeddings", 1048576),
       kv_source_layer_ids=kv_src, index_source_layer_ids=idx_src, candidate_source_layer_id=cand, engram=eng,
       bos_token_id=bos, eos_token_id=eos[0])
+  r.raw("num_nextn_predict_layers")  # V4.1 drafts with DSpark layers, not MTP blocks (not loaded)
   if top is not None:
+    top.raw("num_nextn_predict_layers")
     top.raw("text_config")
     top.raw("vision_config")  # the vision encoder is not part of the text backbone
     top.raw("image_token_id")
@@ -588,4 +593,4 @@ def config_to_dict(cfg: ModelConfig, *, dtype: str = "bfloat16") -> dict:
       rope_parameters={"main": {"rope_type": "default", "rope_theta": a.rope_theta, "partial_rotary_factor": prf},
                        "compress": {**_yarn_dict(a.yarn), "rope_theta": a.compress_rope_theta,
                                     "partial_rotary_factor": prf}},
-      mlp_bias=False, num_nextn_predict_layers=0)
+      mlp_bias=False, num_nextn_predict_layers=cfg.num_mtp_layers)

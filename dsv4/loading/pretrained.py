@@ -22,7 +22,7 @@ import numpy as np
 
 from dsv4.config import ModelConfig
 from dsv4.loading.config_json import CheckpointInfo, read_config
-from dsv4.loading.safetensors_io import CheckpointError, load_checkpoint, resolve_dtype
+from dsv4.loading.safetensors_io import CheckpointError, load_checkpoint, resolve_dtype, stored_mtp_blocks
 from dsv4.loading.tokenizer import TOKENIZER_FILE, Tokenizer
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -55,17 +55,26 @@ def _generation_eos(path: str) -> tuple[int, ...]:
 
 def load_pretrained(path: str, *, dtype="auto", strict: bool = True, device=None, fp8_block: int | None = None,
                     tokenizer: bool = True, keep_quantized: bool = False,
-                    quantized_cache: bool | None = None) -> Pretrained:
+                    quantized_cache: bool | None = None, mtp: bool | None = None) -> Pretrained:
   """Read a checkpoint directory. Errors: ConfigError (config.json), CheckpointError (tensors, shards),
   TokenizerError (tokenizer files); each names the file and the field / tensor.
 
   dtype: "auto" (the checkpoint's own float dtype: bfloat16 or float32; see safetensors_io.storage_dtype),
   np.float32 or ml_dtypes.bfloat16 (also "fp32" / "bf16"). quantized_cache: None = the checkpoint's default (on for
   NeMo-format V4.1, off otherwise), True / False to force it. keep_quantized: FP4 routed experts stay packed on the
-  device and are dequantized inside the MoE step (dsv4/layers/expert_quant.py)."""
+  device and are dequantized inside the MoE step (dsv4/layers/expert_quant.py).
+
+  mtp: the MTP blocks config.json declares (`num_nextn_predict_layers`, `n_mtp_layers`). None = load those the
+  directory stores (a transformers save_pretrained drops them: then the model has none, `pre.config.num_mtp_layers`
+  says so); True = every declared block, a CheckpointError naming the first missing tensor otherwise; False = none."""
   if not os.path.isdir(path):
     raise CheckpointError(f"{path}: not a checkpoint directory")
   config, info = read_config(path, strict=strict, quantized_cache=quantized_cache)
+  if mtp or (mtp is None and info.mtp_layers):
+    if mtp and not info.mtp_layers:
+      raise CheckpointError(f"{path}: mtp=True but config.json declares no MTP block (num_nextn_predict_layers)")
+    n = info.mtp_layers if mtp else min(info.mtp_layers, stored_mtp_blocks(path, config.num_layers))
+    config = dataclasses.replace(config, num_mtp_layers=n)
   dt = resolve_dtype(dtype, path)
   tok = Tokenizer.from_dir(path) if tokenizer and os.path.isfile(os.path.join(path, TOKENIZER_FILE)) else None
   if tok is not None and len(tok) > config.vocab_size:

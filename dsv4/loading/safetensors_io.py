@@ -244,6 +244,17 @@ def _ignored(name: str, config: ModelConfig | None) -> bool:
   return m.group(3) is None or int(m.group(3)) >= n
 
 
+def stored_mtp_blocks(path: str, num_layers: int) -> int:
+  """How many MTP blocks (0, 1, ... with none missing) the checkpoint at `path` stores, in any naming: `mtp.K.*`,
+  NeMo's `mtp.layers.K.*`, or layer num_layers + K. A block counts when its e_proj is there."""
+  names = _native_mtp(read_entries(path), num_layers)
+  have = {int(m.group(1)) for n in names if (m := re.match(r"^(?:model\.)?mtp\.(?:layers\.)?(\d+)\.e_proj\.", n))}
+  k = 0
+  while k in have:
+    k += 1
+  return k
+
+
 _SAVED_RE = re.compile(r"^model\.(layers\.\d+\.(attn\.|ffn\.|attn_norm\.|ffn_norm\.|hc_attn_|hc_ffn_))")  # model.hc_head.* is common to both
 
 

@@ -51,6 +51,7 @@ def _flash_original() -> dict:
 def test_original_flash_config():
   cfg, info = config_from_dict(_flash_original())
   assert info.format == "original" and info.fp8_block == 128 and info.expert_dtype == "fp4"
+  assert info.mtp_layers == 1 and cfg.num_mtp_layers == 0   # declared; load_pretrained decides what loads
   _same_model(cfg, C.v4_flash())
 
 
@@ -63,7 +64,7 @@ def test_inference_model_args():
            beta_slow=1, index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4, hc_sinkhorn_iters=20,
            hc_eps=1e-6, dtype="fp8", scale_fmt="ue8m0", expert_dtype="fp4", max_batch_size=4, max_seq_len=4096)
   cfg, info = config_from_dict(d)
-  assert info.format == "inference"
+  assert info.format == "inference" and info.mtp_layers == 1
   _same_model(cfg, C.v4_flash())
   del d["index_topk"]
   with pytest.raises(ConfigError, match="'index_topk' is required"):
@@ -145,6 +146,8 @@ def test_config_to_dict_reads_back(which):
     hf = DeepseekV4Config(**{k: v for k, v in d.items() if k != "model_type"})
     assert O.config_mismatches(hf, cfg) == []
     _same_model(config_from_dict(json.loads(hf.to_json_string()))[0], cfg)
+    with_mtp = config_to_dict(dataclasses.replace(cfg, num_mtp_layers=1))
+    assert with_mtp["num_nextn_predict_layers"] == 1 and config_from_dict(with_mtp)[1].mtp_layers == 1
     # two HCA rates: transformers' config has one rate per kind, so it is refused rather than written wrong
     with pytest.raises(ConfigError, match="one rate per layer kind"):
       config_to_dict(dataclasses.replace(C.v4_tiny(), compress_ratios=(0, 4, 16, 8)))

@@ -1,6 +1,7 @@
 """load_pretrained + `python -m experiments.serve --checkpoint=DIR` on tiny synthetic checkpoint directories
 (config.json + safetensors shards + tokenizer) in every naming, and the errors a broken directory gives."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -25,14 +26,16 @@ from tests.dsv4.test_tokenizer import make_tokenizer
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def make_checkpoint_dir(path, naming: str, seed: int = 0, *, shard_bytes: int = 80_000):
-  """A tiny checkpoint directory as a user would download it: bf16 shards + index, config.json, tokenizer."""
-  if naming == "nemo":
+def make_checkpoint_dir(path, naming: str, seed: int = 0, *, shard_bytes: int = 80_000, mtp: int = 0,
+                        mtp_declared: bool = False):
+  """A tiny checkpoint directory as a user would download it: bf16 shards + index, config.json, tokenizer. V4:
+  `mtp` MTP blocks stored; config.json declares them (num_nextn_predict_layers), or one when mtp_declared."""
+  if naming == "nemo" and not mtp:
     cfg = _v41_tiny()
     conf = {"model_type": "deepseek_v41_text", **V.nemo_text_kwargs(cfg)}
   else:
-    cfg = C.v4_tiny()
-    conf = {"model_type": "deepseek_v4", **O.HF_TINY_KWARGS}
+    cfg = dataclasses.replace(C.v4_tiny(), num_mtp_layers=mtp)
+    conf = {"model_type": "deepseek_v4", **O.HF_TINY_KWARGS, "num_nextn_predict_layers": max(mtp, int(mtp_declared))}
   params = _random_params(cfg, seed)
   os.makedirs(path, exist_ok=True)
   S.save_checkpoint(params, cfg, str(path), naming=naming, shard_bytes=shard_bytes, dtype=ml_dtypes.bfloat16)
@@ -54,6 +57,27 @@ def test_load_pretrained_every_naming(tmp_path, naming):
   want = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16)
                                 if np.issubdtype(np.asarray(x).dtype, np.floating) else np.asarray(x), params)
   assert _max_diff(want, jax.tree_util.tree_map(np.asarray, pre.params)) == 0.0
+
+
+@pytest.mark.parametrize("naming", ["original", "hf", "nemo"])
+def test_the_mtp_block_config_json_declares(tmp_path, naming):
+  """config.json's num_nextn_predict_layers: the stored block loads by default (mtp=None), mtp=False skips it; a
+  directory that declares a block it does not store (a transformers export) loads without it, unless mtp=True."""
+  cfg, params = make_checkpoint_dir(tmp_path / "with", naming, mtp=1)
+  pre = load_pretrained(str(tmp_path / "with"))
+  assert pre.config.num_mtp_layers == 1 and pre.info.mtp_layers == 1
+  want = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16)
+                                if np.issubdtype(np.asarray(x).dtype, np.floating) else np.asarray(x), params["mtp"])
+  assert _max_diff(want, jax.tree_util.tree_map(np.asarray, pre.params["mtp"])) == 0.0
+  skipped = load_pretrained(str(tmp_path / "with"), mtp=False)
+  assert skipped.config.num_mtp_layers == 0 and "mtp" not in skipped.params
+  if naming != "original":
+    return
+  make_checkpoint_dir(tmp_path / "without", naming, mtp_declared=True)
+  assert S.stored_mtp_blocks(str(tmp_path / "without"), cfg.num_layers) == 0
+  assert load_pretrained(str(tmp_path / "without")).config.num_mtp_layers == 0
+  with pytest.raises(CheckpointError, match="mtp.0"):
+    load_pretrained(str(tmp_path / "without"), mtp=True)
 
 
 @pytest.mark.parametrize("stored,quant,want", [

@@ -33,6 +33,8 @@ def _cases(tmp):
   (tmp / "reqs.jsonl").write_text("{}\n")
   (tmp / "a_file").write_text("x")
   dead = f"redis://127.0.0.1:{_dead_port()}/0"
+  from tests.dsv4.test_loading_pretrained import make_checkpoint_dir
+  make_checkpoint_dir(tmp / "no_mtp", "hf", mtp_declared=True)     # config.json declares a block, no tensors
   return [
       ("requests_missing", [f"--requests={tmp / 'nope.jsonl'}"], f"--requests={tmp / 'nope.jsonl'}: no such file"),
       ("requests_is_dir", [f"--requests={tmp / 'empty'}"], "a directory, expected a JSONL file"),
@@ -62,6 +64,8 @@ def _cases(tmp):
       ("zero_rows", ["--max_num_seqs=0"], "--max_num_seqs=0: must be >= 1"),
       ("bad_preset", ["--model=random", "--preset=v9"], "--preset=v9: unknown"),
       ("drafts_without_mtp", ["--model=v4_retrieval", "--num_speculative_tokens=2"], "has no MTP block"),
+      ("drafts_release_without_mtp", [f"--checkpoint={tmp / 'no_mtp'}", "--num_speculative_tokens=2"],
+       f"{tmp / 'no_mtp'} has no MTP block"),
       ("redis_client_missing", [NO_REDIS, "--kv_tiers=redis", "--kv_store_url=redis://127.0.0.1:6379/0"],
        "needs the redis client library: pip install redis"),
   ]
