@@ -85,6 +85,12 @@ class WorkloadReport:
       return float(np.percentile(a, q)) if a.size else float("nan")
 
     acc = {"graded": len(graded), "accuracy": sum(graded) / len(graded)} if graded else {}
+    spec = {}
+    if self.stats.get("spec_rows"):   # speculative decoding: how much of the drafting paid
+      drafted, accepted = int(self.stats["spec_draft_tokens"]), int(self.stats["spec_accepted_tokens"])
+      spec = {"draft_tokens": drafted, "accepted_draft_tokens": accepted,
+              "draft_acceptance": accepted / max(drafted, 1),
+              "tokens_per_drafting_row": 1 + accepted / int(self.stats["spec_rows"])}
     return {
         "requests": len(self.outputs), "errors": len(self.outputs) - len(outs), **acc,
         "prompt_tokens": prompt, "generated_tokens": gen,
@@ -92,6 +98,7 @@ class WorkloadReport:
         "computed_tokens": int(self.stats.get("computed_tokens", 0)),
         "recomputed_tokens": int(self.stats.get("recomputed_tokens", 0)),
         "preemptions": int(self.stats.get("preemptions", 0)),
+        **spec,
         **{f"peak_blocks_{g}": v for g, v in self.peak_blocks.items()},
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
         "ttft_compiling_requests": len(ttft_all) - int(ttft.size),

@@ -13,6 +13,7 @@ import pytest
 from dsv4 import config as C
 from dsv4 import model
 from dsv4.engine import sampling
+from dsv4.engine.api import WorkloadReport
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
 from experiments import train_lib
@@ -71,6 +72,9 @@ def test_trained_drafts_give_the_same_greedy_tokens(trained):
   assert sum(o.hit_tokens for o in eng.outputs()) > 0
   assert eng.stats["steps"] < base.stats["steps"]
   assert _free(eng) == {"full": EC.num_full_blocks, "swa": EC.num_swa_blocks}
+  s = WorkloadReport(eng.outputs(), 1.0, eng.stats, {}).summary()       # what serve's table and metrics show
+  assert s["accepted_draft_tokens"] == eng.stats["spec_accepted_tokens"] and 1 < s["tokens_per_drafting_row"] <= 4
+  assert "draft_tokens" not in WorkloadReport(base.outputs(), 1.0, base.stats, {}).summary()
 
 
 def test_trained_drafts_synchronous(trained):

@@ -182,6 +182,35 @@ def test_serve_main_job_on_a_checkpoint_dir(tmp_path):
   assert r.returncode != 0 and "config.json: malformed JSON" in r.stderr
 
 
+@pytest.mark.slow
+def test_serve_drafts_with_a_release_directorys_mtp_block(tmp_path):
+  """`serve --checkpoint=DIR --num_speculative_tokens=2` on an HF-named directory whose MTP block is stored as
+  layer N + K: the block loads, drafts, and the answers equal serving without drafts (greedy); metrics.json reports
+  the drafts' acceptance."""
+  ckpt = tmp_path / "ckpt"
+  make_checkpoint_dir(ckpt, "hf", mtp=1)
+  reqs = tmp_path / "reqs.jsonl"
+  reqs.write_text("\n".join(json.dumps({"id": f"r{i}", "prompt": [10 + i, 11, 12, 13 + i] * (i + 1),
+                                         "max_tokens": 12, "ignore_eos": True}) for i in range(3)) + "\n")
+  runs = {}
+  for k in (0, 2):
+    out = tmp_path / f"out{k}"
+    r = subprocess.run([sys.executable, "-m", "experiments.serve", f"--checkpoint={ckpt}", f"--requests={reqs}",
+                        f"--out_dir={out}", f"--num_speculative_tokens={k}", "--max_num_seqs=2",
+                        "--max_num_batched_tokens=64", "--chunk_size=32", "--max_model_len=256",
+                        "--num_full_blocks=8", "--num_swa_blocks=48", "--compilation_cache_dir="],
+                       cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {d["id"]: d for d in map(json.loads, (out / "outputs.jsonl").read_text().splitlines())}
+    runs[k] = ({i: (d["error"], d["output"]) for i, d in rows.items()},
+               json.loads((out / "metrics.json").read_text())["summary"])
+  assert all(e is None and len(o) == 12 for e, o in runs[0][0].values())
+  assert runs[2][0] == runs[0][0]
+  s = runs[2][1]
+  assert s["draft_tokens"] > 0 and 0 <= s["accepted_draft_tokens"] <= s["draft_tokens"]
+  assert "draft_tokens" not in runs[0][1]
+
+
 def test_v41_engram_token_map_comes_from_the_tokenizer(tmp_path):
   """A NeMo V4.1 dir with Engram: the normalised-vocabulary token map is derived from the dir's tokenizer.json
   and equals the map computed from the transformers tokenizer it was saved from."""
