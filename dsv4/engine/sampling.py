@@ -16,6 +16,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+  """One request's sampling. Types and ranges are checked where requests come in (`schema.check_sampling`)."""
   max_tokens: int = 16
   temperature: float = 0.0          # 0 = greedy
   top_k: int = 0                    # 0 = off
@@ -23,15 +24,6 @@ class SamplingParams:
   seed: int = 0
   stop_token_ids: tuple[int, ...] = ()
   ignore_eos: bool = False
-
-  def validate(self) -> str | None:
-    """The error message, or None; the rules (types, ranges, the sampler's limits) are in dsv4.engine.schema."""
-    from dsv4.engine import schema   # schema imports this module
-    try:
-      schema.check_sampling(self)
-    except schema.RequestError as e:
-      return str(e)
-    return None
 
 
 def filtered_scores(logits_BxV, temperature_B, top_k_B, top_p_B):
