@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4 import caches, sharding
+from dsv4 import caches, mesh_context
 from dsv4.config import LayerPlan, ModelConfig
 from dsv4.layers import engram as engram_mod
 from dsv4.layers import mhc, moe
@@ -266,7 +266,7 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
   if len(blocks) != len(plans):
     raise ValueError(f"forward_ragged_aux: {len(blocks)} blocks for {len(plans)} layers")
   # The flat axis rides as T of a batch of one through the per-token layers (mHC, MoE, Engram).
-  h = sharding.constrain_batch(params["embed"][tokens])  # no-op without a mesh (dsv4/sharding.py)
+  h = mesh_context.constrain_batch(params["embed"][tokens])  # no-op without a mesh (dsv4/mesh_context.py)
   X = jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], config.mhc.hc_mult, h.shape[-1]))
   new_layers, auxes = [], []
   if config.single_pass_mhc:

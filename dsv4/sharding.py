@@ -36,8 +36,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dsv4 import caches
+from dsv4 import caches, model
 from dsv4.config import ModelConfig
+# the model's mesh hooks, here too so one module holds the whole mesh API
+from dsv4.mesh_context import active_mesh, axis_size, constrain_batch, manual_axes  # noqa: F401
 
 AXES = ("data", "tensor", "expert")
 
@@ -76,21 +78,6 @@ def make_mesh(spec: str | dict[str, int] | tuple[int, int, int], devices=None) -
     raise ValueError(f"mesh: {dict(zip(AXES, shape))} needs {need} devices, only {len(devices)} available "
                      f"(on the CPU set XLA_FLAGS=--xla_force_host_platform_device_count={need})")
   return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices[:need])
-
-
-def active_mesh():
-  """The mesh of the enclosing `jax.set_mesh` (an AbstractMesh while tracing), or None."""
-  m = jax.sharding.get_abstract_mesh()
-  return None if m.empty else m
-
-
-def manual_axes(mesh) -> tuple[str, ...]:
-  """Mesh axes an enclosing `shard_map` already made manual (inside the per-shard-pool step: `data`)."""
-  return tuple(getattr(mesh, "manual_axes", ())) if mesh is not None else ()
-
-
-def axis_size(mesh, name: str) -> int:
-  return int(dict(mesh.shape).get(name, 1)) if mesh is not None else 1
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -203,7 +190,6 @@ def logical_axes_of(names: list[str]) -> tuple:
 
 
 def param_logical_axes(config: ModelConfig) -> dict:
-  from dsv4 import model  # local: model imports this module's hooks
   shapes = model.param_shapes(config)
 
   def one(path, leaf):
@@ -216,7 +202,6 @@ def param_logical_axes(config: ModelConfig) -> dict:
 
 
 def param_specs(config: ModelConfig, mesh, rules: Rules = Rules(), fallbacks: list | None = None) -> dict:
-  from dsv4 import model
   shapes = model.param_shapes(config)
   units = _units(config)
   return jax.tree_util.tree_map_with_path(
@@ -320,19 +305,6 @@ def put(tree, shardings):
   return jax.tree_util.tree_map(one, tree, shardings)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Hooks used inside the model (no-ops without an active mesh)
-
-def constrain_batch(x):
-  """Pins an activation's leading (batch) axis to `data`, so embedding lookups from a vocab-split table and the
-  shard_map regions see rows where the step's inputs put them."""
-  m = active_mesh()
-  d = axis_size(m, "data")
-  if m is None or d <= 1 or x.shape[0] % d or "data" in manual_axes(m):  # data-manual step: rows already local
-    return x
-  return jax.lax.with_sharding_constraint(x, P("data", *([None] * (x.ndim - 1))))
-
-
 def explain_fallbacks(config: ModelConfig, mesh, rules: Rules = Rules()) -> list[str]:
   out: list[str] = []
   param_specs(config, mesh, rules, out)
@@ -372,7 +344,6 @@ def jit_forward(config: ModelConfig, mesh, rules: Rules = Rules(), *, layout: ca
   over `data` only (tensor / expert stay automatic; the MoE then takes its GSPMD path, see moe.py): data shard
   s sees rows [s*B/D, (s+1)*B/D) and its own n = num_blocks / D blocks, so the index's block ids are SHARD-LOCAL
   (0..n-1) and no pool byte crosses devices."""
-  from dsv4 import model
   from pallas_kernels import dispatch
   kernel_cfg = kernel_cfg or dispatch.KernelConfig()
   local = pools_over_data and axis_size(mesh, "data") > 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv4 import sharding
+from dsv4 import mesh_context
 from dsv4.layers import expert_quant
 from dsv4.config import MoEConfig
 
@@ -86,13 +86,13 @@ def routed_experts_ep(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, mesh):
   N, K = ids_NxK.shape
   D = x_NxD.shape[1]
   E, I = cfg.n_routed_experts, params["w1"].shape[-1]
-  ep = sharding.axis_size(mesh, "expert")
-  tp = sharding.axis_size(mesh, "tensor")
-  tok_axes = tuple(a for a in ("data", "expert") if sharding.axis_size(mesh, a) > 1)
+  ep = mesh_context.axis_size(mesh, "expert")
+  tp = mesh_context.axis_size(mesh, "tensor")
+  tok_axes = tuple(a for a in ("data", "expert") if mesh_context.axis_size(mesh, a) > 1)
   mlp_axis = "tensor" if tp > 1 and I % tp == 0 else None
   n_shards = 1
   for a in tok_axes:
-    n_shards *= sharding.axis_size(mesh, a)
+    n_shards *= mesh_context.axis_size(mesh, a)
   pad = (-N) % n_shards
   valid = jnp.arange(N + pad) < N
   if pad:
@@ -152,13 +152,13 @@ def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool):
   experts = params["experts"]
   if any(expert_quant.is_quantized(v) for v in experts.values()):  # FP4 kept from the checkpoint: dequant here
     experts = expert_quant.dense_experts(experts, params["shared"]["w1"].dtype if "shared" in params else x.dtype)
-  mesh = sharding.active_mesh()
+  mesh = mesh_context.active_mesh()
   # Inside the per-shard-pool step (`data` manual, sharding.jit_forward(pools_over_data=True)) the expert-parallel
   # shard_map is not used: nested there, XLA's SPMD partitioner stops on a CHECK (spmd_partitioner_util.cc:497) as
   # soon as tokens enter a region manual over `expert` on a (2, 2, 2) mesh; the experts then stay split over
   # `expert` / `tensor` by GSPMD (docs/sharding.md).
-  if (mesh is not None and sharding.axis_size(mesh, "expert") > 1 and "data" not in sharding.manual_axes(mesh)
-      and cfg.n_routed_experts % sharding.axis_size(mesh, "expert") == 0):
+  if (mesh is not None and mesh_context.axis_size(mesh, "expert") > 1 and "data" not in mesh_context.manual_axes(mesh)
+      and cfg.n_routed_experts % mesh_context.axis_size(mesh, "expert") == 0):
     routed = routed_experts_ep(experts, x, ids, w, cfg, mesh)
   else:
     routed = routed_experts(experts, x, ids, w, cfg)
