@@ -158,7 +158,7 @@ def part_b(cfg, params, redis_url, mooncake_url, tmp, lengths):
     A.tiering.drop_device_cache()
     if mooncake_url:
       import redis
-      from cache.tiers.mooncake_store import MooncakeBackend
+      from cache.tiers.backends import MooncakeBackend
       src, mc = redis.Redis.from_url(url), MooncakeBackend(mooncake_url)
       for k in src.scan_iter("dsv4kv:*"):
         mc.put(k.decode(), src.get(k))

@@ -9,7 +9,7 @@ tier turns into a miss): a backend never decides what a failure means for a requ
 
 Backends: `HostBackend` (process memory, numpy-free bytes), `DiskBackend` (one file per record, written to a temp
 name then renamed, so a reader never sees half a record), `RedisBackend` (a real Redis server; the L4 store shared
-by engines in other processes), `MooncakeBackend` (mooncake_store.py).
+by engines in other processes), `MooncakeBackend` (Mooncake Store).
 """
 
 from __future__ import annotations
@@ -195,6 +195,66 @@ def parse_redis_url(url: str) -> tuple[str, int, int]:
   return u.hostname, port, int(db or 0)
 
 
+def parse_mooncake_url(url: str) -> tuple[str, str]:
+  u = urllib.parse.urlparse(url)
+  if u.scheme != "mooncake" or not u.hostname or not u.port:
+    raise ValueError(f"mooncake store url must look like mooncake://127.0.0.1:50051?metadata=http://..., got {url!r}")
+  meta = urllib.parse.parse_qs(u.query).get("metadata", [""])[0]
+  if not meta:
+    raise ValueError(f"mooncake store url needs ?metadata=<metadata server>: {url!r}")
+  return f"{u.hostname}:{u.port}", meta
+
+
+class MooncakeBackend:
+  """Mooncake Store as an L4 tier (the store SGLang HiCache and vLLM use). URL:
+  ``mooncake://<master host>:<rpc port>?metadata=<http metadata server url>``. The engine's client mounts no memory
+  of its own (global_segment_size 0): records live in the segments of `mooncake_client` processes (one per node,
+  `cache.tiers.servers` starts them in tests), so they outlive any engine. Presence is asked of the master
+  (`batch_is_exist`): its object metadata is this backend's global directory. Expiry is Mooncake's lease /
+  eviction (watermark), not a per-record TTL."""
+  name = "mooncake"
+  shared = True
+
+  def __init__(self, url: str, timeout_s: float = 1.0, local_buffer_bytes: int = 16 << 20):
+    master, meta = parse_mooncake_url(url)
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    try:
+      from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:      # a setup error, not a store that is down: never a silently missing tier
+      raise ImportError("the mooncake tier needs the Mooncake client: pip install mooncake-transfer-engine "
+                        f"(or mooncake-transfer-engine-non-cuda) ({e})") from e
+    self.store = MooncakeDistributedStore()
+    rc = self.store.setup("127.0.0.1", meta, 0, local_buffer_bytes, "tcp", "", master)
+    if rc != 0:
+      raise TierError(f"mooncake tier: setup against {master} failed (rc={rc})")
+
+  def get_many(self, keys):
+    out = []
+    for k in keys:
+      v = self.store.get(k)
+      out.append(bytes(v) if v else None)
+    return out
+
+  def put(self, key, data, ttl_s=None):
+    rc = self.store.put(key, bytes(data))
+    if rc != 0:
+      raise TierError(f"mooncake put {key} failed (rc={rc})")
+
+  def delete(self, key):
+    self.store.remove(key)
+
+  def exists_many(self, keys):
+    if not keys:
+      return []
+    res = self.store.batch_is_exist(list(keys))
+    if any(r < 0 for r in res):
+      raise TierError(f"mooncake batch_is_exist failed: {res}")
+    return [r == 1 for r in res]
+
+  def close(self):
+    self.store.close()
+
+
 def make_backend(kind: str, *, disk_dir: str = "", store_url: str = "", timeout_s: float = 1.0):
   if kind == "host":
     return HostBackend()
@@ -207,7 +267,6 @@ def make_backend(kind: str, *, disk_dir: str = "", store_url: str = "", timeout_
       raise ValueError("the redis tier needs a store URL (--kv_store_url), e.g. redis://127.0.0.1:6379/0")
     return RedisBackend(store_url, timeout_s)
   if kind == "mooncake":
-    from cache.tiers.mooncake_store import MooncakeBackend
     return MooncakeBackend(store_url, timeout_s)
   raise ValueError(f"unknown KV tier {kind!r} (host, disk, redis, mooncake)")
 
@@ -245,7 +304,6 @@ def check_tier_places(tiers, disk_dir: str, store_url: str, names: dict) -> None
     if kind == "redis":
       parse_redis_url(store_url)
     else:
-      from cache.tiers.mooncake_store import parse_url
-      parse_url(store_url)
+      parse_mooncake_url(store_url)
   except ValueError as e:
     raise ValueError(f"{names['store_url']}: bad {kind} URL {store_url!r}: {e}") from None

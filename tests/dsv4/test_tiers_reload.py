@@ -139,7 +139,7 @@ def test_reload_gate_mooncake(world, request):
     return
   mooncake_server = request.getfixturevalue("mooncake_server")
   import redis
-  from cache.tiers.mooncake_store import MooncakeBackend
+  from cache.tiers.backends import MooncakeBackend
   world.A.tiering.store.drain()
   src = redis.Redis.from_url(world.url)
   mc = MooncakeBackend(mooncake_server.url)

@@ -215,7 +215,7 @@ def test_cost_model_picks_the_cheaper_path():
 def test_mooncake_tier_roundtrip_and_server_gone(request):
   if run_in_child(request):                          # Mooncake's client never loads into a pytest worker
     return
-  from cache.tiers.mooncake_store import MooncakeBackend
+  from cache.tiers.backends import MooncakeBackend
   from cache.tiers.servers import MooncakeServer
   with MooncakeServer(segment="64MB") as s:
     t = Tier(MooncakeBackend(s.url), TierPolicy(retry_after_s=0.2))
