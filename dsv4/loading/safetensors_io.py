@@ -578,7 +578,7 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
       sc = entries.get(pairs.get(name, ""), None)
       # original-named: the tensor itself (also an HF directory's MTP tensors); else a renamed / stacked one
       orig = name if specs is None or specs[name].sources[0].name == name else None
-      is_expert = (N._EXPERT_RE.match(name) is not None) if orig else specs[name].stacked
+      is_expert = (N._ANY_EXPERT_RE.match(name) is not None) if orig else specs[name].stacked   # MTP's too
       if keep_quantized and is_expert and sc is not None and e.dtype in ("I8", "U8"):
         packed, scale = _fp4_bytes(e, sc, expected[name][0], stored[name])
         if orig:

@@ -149,10 +149,16 @@ def test_mtp_blocks_round_trip_in_every_naming(tmp_path, naming):
   want = params if quant is None else _fake_quant_params(params, MTP, 128)
   got = load_checkpoint(ck, MTP, as_jax=False)
   assert _max_diff(want, got) == 0.0
-  if quant is not None:  # FP4 kept for the backbone's experts; the block's load dense, as in the original naming
+  if quant is not None:  # FP4 kept for every routed expert, the block's too; the MoE dequantizes them exactly
+    import jax.numpy as jnp
+    from dsv4.layers import expert_quant
     kept = load_checkpoint(ck, MTP, as_jax=False, keep_quantized=True)
-    assert set(kept["layers"][1]["ffn"]["experts"]["w1"]) == {"fp4", "scale"}
-    assert _max_diff(got["mtp"], kept["mtp"]) == 0.0
+    for ffn_d, ffn_q in ((got["layers"][1]["ffn"], kept["layers"][1]["ffn"]),
+                         (got["mtp"][0]["ffn"], kept["mtp"][0]["ffn"])):
+      for k in ("w1", "w2", "w3"):
+        assert set(ffn_q["experts"][k]) == {"fp4", "scale"}
+        np.testing.assert_array_equal(np.asarray(expert_quant.dequant_fp4_kernel(ffn_q["experts"][k], jnp.float32)),
+                                      ffn_d["experts"][k])
   base = dataclasses.replace(MTP, num_mtp_layers=0)
   plain = load_checkpoint(ck, base, as_jax=False)
   assert "mtp" not in plain and _max_diff({k: v for k, v in want.items() if k != "mtp"}, plain) == 0.0
