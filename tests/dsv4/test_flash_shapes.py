@@ -1,6 +1,8 @@
 """Full V4-Flash size without weights: parameter count and per-layer cache shapes (docs/model.md, Presets;
 docs/kv_cache.md, The cache pytree)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,9 @@ from dsv4 import config as C
 def test_v4_flash_parameter_count():
   n = model.count_params(model.abstract_params(C.v4_flash()))
   assert round(n / 1e9, 2) == 284.33, n
+  # with the MTP block V4-Flash ships (num_nextn_predict_layers = 1): one layer's worth plus e/h_proj and norms
+  mtp = model.abstract_params(dataclasses.replace(C.v4_flash(), num_mtp_layers=1))["mtp"]
+  assert round(model.count_params(mtp) / 1e9, 2) == 6.61
 
 
 def test_v4_flash_layer_plan():
