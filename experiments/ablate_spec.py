@@ -98,6 +98,9 @@ def run(checkpoint: str, ks, requests: int, free_tokens: int, max_num_seqs: int,
                        drafted=s["spec_draft_tokens"], accepted=s["spec_accepted_tokens"],
                        acceptance=round(s["spec_accepted_tokens"] / max(s["spec_draft_tokens"], 1), 4),
                        tokens_per_row=round(1 + s["spec_accepted_tokens"] / max(s["spec_rows"], 1), 3),
+                       # share of the rows drafting d or more whose first d drafts were all accepted, d = 1 .. k
+                       accepted_by_depth="/".join(f"{s[f'spec_accepted_at_{d}'] / max(s[f'spec_drafts_at_{d}'], 1):.3f}"
+                                                  for d in range(1, k + 1)),
                        tokens_per_step=round(gen / max(s["steps"], 1), 3),
                        ms_per_token=round(1e3 * secs / max(gen, 1), 3),
                        same_tokens_as_k0=None if ref is None else outs == ref))

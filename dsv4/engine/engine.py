@@ -724,6 +724,9 @@ class Engine:
     self.stats["spec_rows"] += num_drafts > 0
     self.stats["spec_draft_tokens"] += num_drafts
     self.stats["spec_accepted_tokens"] += accepted
+    for d in range(1, num_drafts + 1):   # by depth: draft d is accepted only with drafts 1 .. d - 1
+      self.stats[f"spec_drafts_at_{d}"] += 1
+      self.stats[f"spec_accepted_at_{d}"] += d <= accepted
     if live:
       req.num_computed += accepted
       req.max_computed = max(req.max_computed, req.num_computed)

@@ -70,6 +70,9 @@ def test_trained_drafts_give_the_same_greedy_tokens(trained):
   assert eng.async_active and got == want
   assert eng.stats["spec_accepted_tokens"] > 0 and eng.stats["preemptions"] > 0
   assert sum(o.hit_tokens for o in eng.outputs()) > 0
+  at = [eng.stats[f"spec_accepted_at_{d}"] for d in (1, 2, 3)]        # by depth: each needs the ones before it
+  assert sum(at) == eng.stats["spec_accepted_tokens"] and at == sorted(at, reverse=True)
+  assert eng.stats["spec_drafts_at_1"] == eng.stats["spec_rows"]
   assert eng.stats["steps"] < base.stats["steps"]
   assert _free(eng) == {"full": EC.num_full_blocks, "swa": EC.num_swa_blocks}
   s = WorkloadReport(eng.outputs(), 1.0, eng.stats, {}).summary()       # what serve's table and metrics show
