@@ -334,7 +334,8 @@ class KVCacheManager:
     self._align = specs.align_tokens
     self._group_bt = tuple(zip(self.groups, self._bt))
     # groups whose blocks are registered as they are computed (sliding groups only at checkpoints)
-    self._registered_bt = tuple((g, bt) for g, bt in self._group_bt if self._kind[g] == FULL_HISTORY or legacy_dense_swa)
+    self._registered_bt = tuple((g, bt) for g, bt in self._group_bt
+                                if self._kind[g] == FULL_HISTORY or legacy_dense_swa)
     self._pools = {g.name: P.init_pool(sizes[g.name], g.block_tokens, max_probe) for g in specs.groups}
     self.num_blocks = {g: sizes[g] for g in self.groups}
     self.model_id, self.key_bits = model_id, key_bits

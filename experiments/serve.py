@@ -236,10 +236,11 @@ def check_flags() -> list[str]:
     if FLAGS.checkpoint and os.path.isdir(FLAGS.checkpoint) and _is_pretrained_dir(FLAGS.checkpoint):
       from dsv4.config import ConfigError
       from dsv4.loading.config_json import read_config
-      from dsv4.loading.safetensors_io import CheckpointError, stored_mtp_blocks
+      from dsv4.loading.pretrained import declared_mtp_blocks_stored
+      from dsv4.loading.safetensors_io import CheckpointError
       try:                             # config.json and the shards' headers only
         cfg, info = read_config(FLAGS.checkpoint, strict=False)
-        stored = min(info.mtp_layers, stored_mtp_blocks(FLAGS.checkpoint, cfg.num_layers)) if info.mtp_layers else 0
+        stored = declared_mtp_blocks_stored(FLAGS.checkpoint, cfg, info)
       except (ConfigError, CheckpointError, OSError):
         stored = None                  # unreadable: load_model reports it
       if stored == 0:

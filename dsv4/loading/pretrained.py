@@ -53,6 +53,11 @@ def _generation_eos(path: str) -> tuple[int, ...]:
   return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
 
 
+def declared_mtp_blocks_stored(path: str, config: ModelConfig, info: CheckpointInfo) -> int:
+  """The MTP blocks config.json declares that the directory also stores (headers only, no tensor is read)."""
+  return min(info.mtp_layers, stored_mtp_blocks(path, config.num_layers)) if info.mtp_layers else 0
+
+
 def load_pretrained(path: str, *, dtype="auto", strict: bool = True, device=None, fp8_block: int | None = None,
                     tokenizer: bool = True, keep_quantized: bool = False,
                     quantized_cache: bool | None = None, mtp: bool | None = None) -> Pretrained:
@@ -73,7 +78,7 @@ def load_pretrained(path: str, *, dtype="auto", strict: bool = True, device=None
   if mtp or (mtp is None and info.mtp_layers):
     if mtp and not info.mtp_layers:
       raise CheckpointError(f"{path}: mtp=True but config.json declares no MTP block (num_nextn_predict_layers)")
-    n = info.mtp_layers if mtp else min(info.mtp_layers, stored_mtp_blocks(path, config.num_layers))
+    n = info.mtp_layers if mtp else declared_mtp_blocks_stored(path, config, info)
     config = dataclasses.replace(config, num_mtp_layers=n)
   dt = resolve_dtype(dtype, path)
   tok = Tokenizer.from_dir(path) if tokenizer and os.path.isfile(os.path.join(path, TOKENIZER_FILE)) else None
