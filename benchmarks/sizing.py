@@ -87,11 +87,11 @@ def param_table(cfg, mesh, rules):
   specs = sharding.param_specs(cfg, mesh, rules)
   total = per_dev = 0.0
   cats: dict[str, float] = {}
-  leaves = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=model._is_leaf)[0]
+  leaves = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=model.is_param_spec)[0]
   spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  for (path, (shape, dtype, _)), spec in zip(leaves, spec_leaves):
-    names = sharding._path_names(path)
-    b = float(np.prod(shape)) * stored_bytes_per_param(names, cfg.variant, dtype)
+  for (path, param), spec in zip(leaves, spec_leaves):
+    names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]  # list positions dropped
+    b = float(np.prod(param.shape)) * stored_bytes_per_param(names, cfg.variant, param.dtype)
     div = 1
     for entry in spec:
       for a in ((entry,) if isinstance(entry, str) else (entry or ())):

@@ -72,13 +72,20 @@ class CacheLayout:
 
 @dataclasses.dataclass(frozen=True)
 class ArraySpec:
-  """One per-layer cache array: its group and the shape of one block (without the block axis)."""
+  """One per-layer cache array: its group, the shape of one block (without the block axis) and the logical name of
+  each of those dimensions (MaxText style, mapped to mesh axes by `dsv4.sharding`; the block axis is
+  "cache_blocks")."""
   layer: int
   name: str
   group: str
   block_shape: tuple[int, ...]
   dtype: Any
   rope_dim: int = 0   # FP8 record only: trailing channels kept in bf16
+  block_axes: tuple[str | None, ...] = dataclasses.field(kw_only=True)
+
+  def __post_init__(self):
+    if len(self.block_axes) != len(self.block_shape):
+      raise ValueError(f"cache array {self.name}: block shape {self.block_shape} but axes {self.block_axes}")
 
   @property
   def fp8_parts(self) -> tuple[tuple[int, ...], ...]:
@@ -106,24 +113,27 @@ def layer_array_specs(config: ModelConfig, layout: CacheLayout, plan: LayerPlan)
   a, ix = config.attention, config.indexer
   sb, fb = layout.swa_block_tokens, layout.full_block_tokens
   rd = a.rope_head_dim
-  out = [ArraySpec(plan.index, "window_kv", SWA, (sb, a.head_dim), layout.kv_dtype, rd)]
+  out = [ArraySpec(plan.index, "window_kv", SWA, (sb, a.head_dim), layout.kv_dtype, rd,
+                   block_axes=("block_rows", "kv_latent"))]
   # Compressor state: ONE fp32 row per swa block (the running pool after the last token written into that block),
   # not one row per token: a step reads the row of position start - 1 only, so a decode step is O(1) rows of work
   # and a checkpoint carries one state row per pooling layer per block.
   if plan.has_compressor and plan.ratio > 1:
     out.append(ArraySpec(plan.index, "comp_state", SWA, (1, compressor_state_width(a.head_dim, plan.overlap)),
-                         jnp.float32))
+                         jnp.float32, block_axes=("block_rows", "comp_proj")))
   if plan.kind == "csa":  # V4 indexer has its own compressor
     out.append(ArraySpec(plan.index, "index_state", SWA, (1, compressor_state_width(ix.head_dim, plan.overlap)),
-                         jnp.float32))
+                         jnp.float32, block_axes=("block_rows", "comp_proj")))
   if config.engram.layer_ids and plan.index == config.engram.layer_ids[0]:
     # V4.1 Engram hashes the previous max_ngram_size - 1 token ids: kept as SWA-group rows (one copy, on the first
     # Engram layer), read back through the block table like the window.
-    out.append(ArraySpec(plan.index, "token_ids", SWA, (sb,), jnp.int32))
+    out.append(ArraySpec(plan.index, "token_ids", SWA, (sb,), jnp.int32, block_axes=("block_rows",)))
   if plan.has_compressor:
-    out.append(ArraySpec(plan.index, "comp_kv", FULL, (fb // plan.ratio, a.head_dim), layout.kv_dtype, rd))
+    out.append(ArraySpec(plan.index, "comp_kv", FULL, (fb // plan.ratio, a.head_dim), layout.kv_dtype, rd,
+                         block_axes=("block_rows", "kv_latent")))
   if plan.has_index_keys:
-    out.append(ArraySpec(plan.index, "index_keys", FULL, (fb // plan.ratio, ix.head_dim), layout.index_dtype))
+    out.append(ArraySpec(plan.index, "index_keys", FULL, (fb // plan.ratio, ix.head_dim), layout.index_dtype,
+                         block_axes=("block_rows", "index_dim")))
   return out
 
 

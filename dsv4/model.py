@@ -14,7 +14,7 @@ spelling (wq_a, wkv, wo_a, ...), see `dsv4.loading` for the HF <-> project mappi
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,94 +33,127 @@ from pallas_kernels import dispatch
 # ----------------------------------------------------------------------------------------------------------
 # Parameters
 
+class ParamSpec(NamedTuple):
+  """One parameter as declared by `param_shapes`: its shape, dtype, init rule (see `init_params`) and the logical
+  name of each dimension (MaxText style; `dsv4.sharding.Rules` maps the names to mesh axes, None = never split)."""
+  shape: tuple[int, ...]
+  dtype: Any
+  init: str
+  axes: tuple[str | None, ...]
+
+
+def _spec(shape: tuple[int, ...], init: str, axes: tuple[str | None, ...], dtype=jnp.float32) -> ParamSpec:
+  if len(axes) != len(shape):
+    raise ValueError(f"param_shapes: shape {shape} has {len(shape)} dims but axes {axes} name {len(axes)}")
+  return ParamSpec(tuple(shape), dtype, init, tuple(axes))
+
+
 def param_shapes(config: ModelConfig) -> dict:
-  """Nested dict of (shape, dtype, init kind) leaves; the single source of truth for the parameter tree."""
+  """Nested dict of `ParamSpec` leaves; the single source of truth for the parameter tree: names (the checkpoint
+  spelling), shapes, dtypes, init rules and the logical axes sharding reads."""
   a, ix, mo, D = config.attention, config.indexer, config.moe, config.hidden_size
   n = config.mhc.hc_mult
-  f32 = jnp.float32
 
   def hc(rows):
-    return {"fn": ((n * D, rows), f32, "normal"), "base": ((rows,), f32, "normal"), "scale": ((3 if rows > n else 1,), f32, "normal")}
+    return {"fn": _spec((n * D, rows), "normal", ("hc_in", "hc_out")),
+            "base": _spec((rows,), "normal", ("hc_out",)),
+            "scale": _spec((3 if rows > n else 1,), "normal", (None,))}
 
   def compressor(width, ratio, overlap, gated, bias):
+    # Compressors feed the compressed pools and the index keys; small (D x 2d), replicated.
     c = 2 if overlap else 1
-    out = {"wkv": ((D, c * width), f32, "dense"), "norm": ((width,), f32, "ones")}
+    out = {"wkv": _spec((D, c * width), "dense", ("embed", "comp_proj")),
+           "norm": _spec((width,), "ones", ("comp_latent",))}
     if gated:
-      out["wgate"] = ((D, c * width), f32, "dense")
+      out["wgate"] = _spec((D, c * width), "dense", ("embed", "comp_proj"))
     if bias:
-      out["ape"] = ((ratio, c * width), f32, "normal")
+      out["ape"] = _spec((ratio, c * width), "normal", (None, "comp_proj"))
     return out
 
   def block(plan):
     attn = {
-        "wq_a": ((D, a.q_lora_rank), f32, "dense"), "q_norm": ((a.q_lora_rank,), f32, "ones"),
-        "wq_b": ((a.q_lora_rank, a.num_heads * a.head_dim), f32, "dense"),
-        "wkv": ((D, a.head_dim), f32, "dense"), "kv_norm": ((a.head_dim,), f32, "ones"),
-        "wo_a": ((a.o_groups, a.num_heads * a.head_dim // a.o_groups, a.o_lora_rank), f32, "dense"),
-        "wo_b": ((a.o_groups * a.o_lora_rank, D), f32, "dense"), "sink": ((a.num_heads,), f32, "normal"),
+        "wq_a": _spec((D, a.q_lora_rank), "dense", ("embed", "q_lora")),
+        "q_norm": _spec((a.q_lora_rank,), "ones", ("q_lora",)),
+        "wq_b": _spec((a.q_lora_rank, a.num_heads * a.head_dim), "dense", ("q_lora", "heads_x_dim")),
+        "wkv": _spec((D, a.head_dim), "dense", ("embed", "kv_latent")),
+        "kv_norm": _spec((a.head_dim,), "ones", ("kv_latent",)),
+        "wo_a": _spec((a.o_groups, a.num_heads * a.head_dim // a.o_groups, a.o_lora_rank), "dense",
+                      ("o_groups", "o_group_in", "o_lora")),
+        "wo_b": _spec((a.o_groups * a.o_lora_rank, D), "dense", ("o_groups_x_lora", "embed")),
+        "sink": _spec((a.num_heads,), "normal", ("heads",)),
     }
     v4 = config.variant == "v4"
     if plan.has_compressor:
       attn["compressor"] = compressor(a.head_dim, plan.ratio, plan.overlap, plan.ratio > 1, v4)
     if plan.has_index_query:
-      attn["indexer"] = {"wq_b": ((a.q_lora_rank, ix.num_heads * ix.head_dim), f32, "dense"),
-                         "weights_proj": ((D, ix.num_heads), f32, "dense")}
+      attn["indexer"] = {
+          "wq_b": _spec((a.q_lora_rank, ix.num_heads * ix.head_dim), "dense", ("q_lora", "index_heads_x_dim")),
+          "weights_proj": _spec((D, ix.num_heads), "dense", ("embed", "index_heads"))}
       if plan.kind == "csa":
         attn["indexer"]["compressor"] = compressor(ix.head_dim, plan.ratio, True, True, True)
       elif plan.has_index_keys:
-        attn["indexer"].update(wk=((a.head_dim, ix.head_dim), f32, "dense"), k_norm=((ix.head_dim,), f32, "ones"))
-    I, E = mo.intermediate_size, mo.n_routed_experts
-    ffn = {"gate": ((D, E), f32, "dense"),
-           "experts": {"w1": ((E, D, I), f32, "dense"), "w3": ((E, D, I), f32, "dense"),
-                       "w2": ((E, I, D), f32, "dense")},
-           "shared": {"w1": ((D, I * mo.n_shared_experts), f32, "dense"),
-                      "w3": ((D, I * mo.n_shared_experts), f32, "dense"),
-                      "w2": ((I * mo.n_shared_experts, D), f32, "dense")}}
+        attn["indexer"].update(wk=_spec((a.head_dim, ix.head_dim), "dense", ("comp_latent", "index_dim")),
+                               k_norm=_spec((ix.head_dim,), "ones", ("index_dim",)))
+    inter, experts = mo.intermediate_size, mo.n_routed_experts
+    shared_inter = inter * mo.n_shared_experts
+    ffn = {"gate": _spec((D, experts), "dense", ("embed", "router")),
+           "experts": {"w1": _spec((experts, D, inter), "dense", ("experts", "embed", "expert_mlp")),
+                       "w3": _spec((experts, D, inter), "dense", ("experts", "embed", "expert_mlp")),
+                       "w2": _spec((experts, inter, D), "dense", ("experts", "expert_mlp", "embed"))},
+           "shared": {"w1": _spec((D, shared_inter), "dense", ("embed", "mlp")),
+                      "w3": _spec((D, shared_inter), "dense", ("embed", "mlp")),
+                      "w2": _spec((shared_inter, D), "dense", ("mlp", "embed"))}}
     if plan.hash_moe:
-      ffn["tid2eid"] = ((config.vocab_size, mo.num_experts_per_tok), jnp.int32, "tid2eid")
+      ffn["tid2eid"] = _spec((config.vocab_size, mo.num_experts_per_tok), "tid2eid", ("vocab_table", None),
+                             jnp.int32)
     else:
-      ffn["bias"] = ((E,), f32, "normal")
+      ffn["bias"] = _spec((experts,), "normal", ("router",))
     if not v4:
-      ffn["bias_vl"] = ((E,), f32, "normal")  # V4.1 routing bias of vision tokens (unused by the text model)
-    layer = {"attn": attn, "ffn": ffn, "attn_norm": ((D,), f32, "ones"), "ffn_norm": ((D,), f32, "ones"),
-             "hc_attn": hc((2 + n) * n), "hc_ffn": hc((2 + n) * n)}
+      # V4.1 routing bias of vision tokens (unused by the text model)
+      ffn["bias_vl"] = _spec((experts,), "normal", ("router",))
+    layer = {"attn": attn, "ffn": ffn, "attn_norm": _spec((D,), "ones", ("embed",)),
+             "ffn_norm": _spec((D,), "ones", ("embed",)), "hc_attn": hc((2 + n) * n), "hc_ffn": hc((2 + n) * n)}
     if plan.engram:
       e = config.engram
       rows = e.num_embeddings[e.layer_ids.index(plan.index)]
-      layer["engram"] = {"embed": ((rows, e.head_dim), f32, "embed"),
-                         "wkv": ((e.hash_heads * e.head_dim, D * (n + 1)), f32, "dense"),
-                         "q_weight": ((n, D), f32, "ones_param"), "k_weight": ((n, D), f32, "ones_param")}
+      layer["engram"] = {"embed": _spec((rows, e.head_dim), "embed", ("engram_rows", "engram_dim")),
+                         "wkv": _spec((e.hash_heads * e.head_dim, D * (n + 1)), "dense", ("engram_in", "engram_out")),
+                         "q_weight": _spec((n, D), "ones_param", ("hc", "embed")),
+                         "k_weight": _spec((n, D), "ones_param", ("hc", "embed"))}
     return layer
 
   layers = [block(plan) for plan in config.layer_plan()]
-  out = {"embed": ((config.vocab_size, D), f32, "embed"), "layers": layers, "norm": ((D,), f32, "ones"),
-         "lm_head": ((D, config.vocab_size), f32, "dense")}
+  out = {"embed": _spec((config.vocab_size, D), "embed", ("vocab", "embed")), "layers": layers,
+         "norm": _spec((D,), "ones", ("embed",)), "lm_head": _spec((D, config.vocab_size), "dense", ("embed", "vocab"))}
   if config.num_mtp_layers:
     # an MTP block: a whole block plus its input fusion (e_proj, h_proj and their norms) and its own final collapse
-    # and norm; the embedding and the LM head are the backbone's
-    out["mtp"] = [{**block(plan), "e_proj": ((D, D), f32, "dense"), "h_proj": ((D, D), f32, "dense"),
-                   "enorm": ((D,), f32, "ones"), "hnorm": ((D,), f32, "ones"), "norm": ((D,), f32, "ones"),
+    # and norm; the embedding and the LM head are the backbone's. The fusion is two D x D matrices: replicated.
+    out["mtp"] = [{**block(plan), "e_proj": _spec((D, D), "dense", ("embed", None)),
+                   "h_proj": _spec((D, D), "dense", ("embed", None)), "enorm": _spec((D,), "ones", ("embed",)),
+                   "hnorm": _spec((D,), "ones", ("embed",)), "norm": _spec((D,), "ones", ("embed",)),
                    "hc_head": hc(n)} for plan in config.mtp_plans()]
   if not config.single_pass_mhc:
     out["hc_head"] = hc(n)
   if config.engram.layer_ids:
     # Normalised-vocabulary map of the tokenizer (not in the checkpoint; identity until set from the tokenizer
     # with dsv4.layers.engram.compressed_token_map).
-    out["engram_token_map"] = ((config.vocab_size,), jnp.int32, "token_map")
+    out["engram_token_map"] = _spec((config.vocab_size,), "token_map", ("vocab_table",), jnp.int32)
   return out
 
 
-def _is_leaf(x):
-  return isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], tuple)
+def is_param_spec(x) -> bool:
+  """`is_leaf` for trees of `param_shapes` (a ParamSpec is a NamedTuple, which JAX would otherwise descend into)."""
+  return isinstance(x, ParamSpec)
+
 
 
 def init_params(config: ModelConfig, key: jax.Array, scale: float = 1.0) -> dict:
   """Random parameters (for tests, training from scratch and benchmarks)."""
-  shapes = param_shapes(config)
-  leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_leaf)
-  keys = jax.random.split(key, len(leaves))
+  specs, treedef = jax.tree_util.tree_flatten(param_shapes(config), is_leaf=is_param_spec)
+  keys = jax.random.split(key, len(specs))
   out = []
-  for k, (shape, dtype, kind) in zip(keys, leaves):
+  for k, spec in zip(keys, specs):
+    shape, dtype, kind = spec.shape, spec.dtype, spec.init
     if kind == "ones":
       out.append(jnp.ones(shape, dtype))
     elif kind == "ones_param":
@@ -133,9 +166,9 @@ def init_params(config: ModelConfig, key: jax.Array, scale: float = 1.0) -> dict
     elif kind == "embed":
       out.append(jax.random.normal(k, shape, dtype))
     elif kind == "tid2eid":
-      E = config.moe.n_routed_experts
+      num_experts = config.moe.n_routed_experts
       # distinct experts per token: a random permutation prefix per row
-      perm = jax.vmap(lambda kk: jax.random.permutation(kk, E)[: shape[1]])(jax.random.split(k, shape[0]))
+      perm = jax.vmap(lambda kk: jax.random.permutation(kk, num_experts)[: shape[1]])(jax.random.split(k, shape[0]))
       out.append(perm.astype(dtype))
     else:
       out.append(jax.random.normal(k, shape, dtype) * 0.1 * scale)
@@ -144,7 +177,17 @@ def init_params(config: ModelConfig, key: jax.Array, scale: float = 1.0) -> dict
 
 def abstract_params(config: ModelConfig) -> dict:
   """ShapeDtypeStructs of the parameters, without allocating (works at full Flash size)."""
-  return jax.tree_util.tree_map(lambda l: jax.ShapeDtypeStruct(l[0], l[1]), param_shapes(config), is_leaf=_is_leaf)
+  return jax.tree_util.tree_map(lambda spec: jax.ShapeDtypeStruct(spec.shape, spec.dtype), param_shapes(config),
+                                is_leaf=is_param_spec)
+
+
+def param_spec_at(config: ModelConfig, path: Sequence) -> ParamSpec | dict:
+  """The `param_shapes` entry at `path` (dict keys; list positions as ints or digit strings, e.g. the NNX module
+  path ("layers", "3", "attn", "wq_a"))."""
+  node = param_shapes(config)
+  for key in path:
+    node = node[int(key)] if isinstance(node, list) else node[key]
+  return node
 
 
 def count_params(tree) -> int:

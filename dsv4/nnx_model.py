@@ -21,9 +21,9 @@ What the modules are, and are not:
   appears as an int-keyed dict there; `params_of` turns it back into a list). RMSNorm weights stay `nnx.Param`s
   on their parent (`attn_norm`, `q_norm`, ...): a norm module would add a level (`attn_norm/weight`) and change
   the checkpoint spelling.
-* Every `nnx.Param` carries its logical axes as Flax's `out_sharding` metadata, looked up with
-  `sharding.logical_axes_of` (the `_PARAM_AXES` table stays the one table). `eager_sharding=False`: placement is
-  done by `sharding.Rules` (with its divisibility fallbacks), see `partition_specs`.
+* Every `nnx.Param` carries its logical axes as Flax's `out_sharding` metadata: the `axes` its `ParamSpec` in
+  `model.param_shapes` declares beside its shape (one declaration). `eager_sharding=False`: placement is done by
+  `sharding.Rules` (with its divisibility fallbacks), see `partition_specs`.
 * Values (shapes, dtypes, init) come from `model.init_params` / a loaded checkpoint: a module is built from a param
   dict, never re-initialised by its own rule, so `Model.init(config, key)` equals `model.init_params(config, key)`.
 * Each module keeps its own `config` and `plan` (static, part of the graphdef): `with_config` gives the same
@@ -78,18 +78,21 @@ def params_of(module_or_state) -> dict:
 class _ParamTree(nnx.Module):
   """Builds attributes from one subtree of the param dict: nested dicts become the sub-module classes named in
   `_children` (a key missing there is a bug: every dict of `param_shapes` has its module), arrays become
-  `nnx.Param`s whose `out_sharding` metadata is the logical axes of their checkpoint path."""
+  `nnx.Param`s whose `out_sharding` metadata is the logical axes their `model.ParamSpec` declares. `specs`: the
+  matching subtree of `model.param_shapes(config)` (looked up by `path` when not given)."""
   _children: dict = {}
 
-  def __init__(self, config: ModelConfig, plan: LayerPlan | None, tree: dict, path: tuple[str, ...]):
+  def __init__(self, config: ModelConfig, plan: LayerPlan | None, tree: dict, path: tuple[str, ...],
+               specs: dict | None = None):
     self.config, self.plan, self.path = config, plan, tuple(path)
+    specs = model.param_spec_at(config, path) if specs is None else specs
     for key, value in tree.items():
       if isinstance(value, dict):
         if key not in self._children:
           raise ValueError(f"nnx_model: {type(self).__name__} has no sub-module for {'/'.join(path + (key,))}")
-        setattr(self, key, self._children[key](config, plan, value, path + (key,)))
+        setattr(self, key, self._children[key](config, plan, value, path + (key,), specs[key]))
       else:
-        axes = sharding.logical_axes_of(list(path + (key,)))
+        axes = specs[key].axes
         if len(axes) != value.ndim:
           raise ValueError(f"nnx_model: {'/'.join(path + (key,))} has shape {value.shape} but axes {axes}")
         setattr(self, key, nnx.Param(value, out_sharding=axes, eager_sharding=False))
@@ -205,12 +208,13 @@ class Model(_ParamTree):
 
   def __init__(self, config: ModelConfig, params: dict):
     _check_tree(config, params)
+    specs = model.param_shapes(config)
     top = {k: v for k, v in params.items() if k not in ("layers", "mtp")}
-    super().__init__(config, None, top, ())
-    self.layers = nnx.List([Block(config, plan, p, ("layers", str(plan.index)))
+    super().__init__(config, None, top, (), specs)
+    self.layers = nnx.List([Block(config, plan, p, ("layers", str(plan.index)), specs["layers"][plan.index])
                             for plan, p in zip(config.layer_plan(), params["layers"])])
     if config.num_mtp_layers:
-      self.mtp = nnx.List([MTPBlock(config, plan, p, ("mtp", str(d)))
+      self.mtp = nnx.List([MTPBlock(config, plan, p, ("mtp", str(d)), specs["mtp"][d])
                            for d, (plan, p) in enumerate(zip(config.mtp_plans(), params["mtp"]))])
 
   @classmethod
@@ -254,20 +258,20 @@ class Model(_ParamTree):
 def _check_tree(config: ModelConfig, params: dict) -> None:
   """A clear error (before any module is built) when `params` is not the dense tree of `param_shapes(config)`."""
   want = model.param_shapes(config)
-  want_def = jax.tree_util.tree_structure(want, is_leaf=model._is_leaf)
+  want_def = jax.tree_util.tree_structure(want, is_leaf=model.is_param_spec)
   got_def = jax.tree_util.tree_structure(params)
   if want_def != got_def:
     raise ValueError("nnx_model: the parameter tree is not the one of model.param_shapes(config) (packed FP4 "
                      f"experts must be dequantized first, expert_quant.dense_experts); expected {want_def}, "
                      f"got {got_def}")
-  for (path, w), x in zip(jax.tree_util.tree_flatten_with_path(want, is_leaf=model._is_leaf)[0],
-                          jax.tree_util.tree_leaves(params)):
+  for (path, spec), x in zip(jax.tree_util.tree_flatten_with_path(want, is_leaf=model.is_param_spec)[0],
+                             jax.tree_util.tree_leaves(params)):
     # Floating leaves may be in another float dtype (`model.cast_params`, the engine's bf16 compute dtype).
-    same_kind = jnp.dtype(x.dtype) == jnp.dtype(w[1]) or (jnp.issubdtype(x.dtype, jnp.floating)
-                                                         and jnp.issubdtype(w[1], jnp.floating))
-    if tuple(x.shape) != tuple(w[0]) or not same_kind:
+    same_kind = jnp.dtype(x.dtype) == jnp.dtype(spec.dtype) or (jnp.issubdtype(x.dtype, jnp.floating)
+                                                              and jnp.issubdtype(spec.dtype, jnp.floating))
+    if tuple(x.shape) != tuple(spec.shape) or not same_kind:
       raise ValueError(f"nnx_model: {jax.tree_util.keystr(path)} is {x.dtype}{list(x.shape)}, expected "
-                       f"{jnp.dtype(w[1])}{list(w[0])}")
+                       f"{jnp.dtype(spec.dtype)}{list(spec.shape)}")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -8,10 +8,10 @@ says which mesh axes, if any, split each kind of dimension).
     with jax.set_mesh(mesh):                           # activates the expert-parallel MoE path (dsv4.layers.moe)
       cache, logits = jitted_forward(params, ...)
 
-Names come from the single sources of truth: `model.param_shapes` (the checkpoint spelling) and
-`caches.cache_array_specs`. A dimension whose size is not divisible by its mesh axes (or whose unit count, e.g.
-heads, is not) stays replicated instead of failing: tiny test configs and odd meshes still run, and
-`explain_fallbacks` lists what was replicated so sizing reports show it.
+Logical axes are declared beside the shapes, in the single sources of truth: `model.param_shapes` (each
+`ParamSpec.axes`) and `caches.cache_array_specs` (each `ArraySpec.block_axes`). A dimension whose size is not
+divisible by its mesh axes (or whose unit count, e.g. heads, is not) stays replicated instead of failing: tiny test
+configs and odd meshes still run, and `explain_fallbacks` lists what was replicated so sizing reports show it.
 
 Decisions (overview in docs/sharding.md, measurements in BUILD_NOTES.md):
 * attention heads, the indexer heads, the grouped output projection, the shared expert's and routed experts'
@@ -143,71 +143,19 @@ def spec_for(logical_axes: tuple, shape: tuple[int, ...], mesh, rules: Rules, un
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Logical axes of the parameters (checkpoint spelling; see model.param_shapes)
-
-_PARAM_AXES = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "norm": ("embed",),
-    "engram_token_map": ("vocab_table",),
-    "attn_norm": ("embed",), "ffn_norm": ("embed",),
-    # MTP input fusion (replicated: two D x D matrices)
-    "e_proj": ("embed", None), "h_proj": ("embed", None), "enorm": ("embed",), "hnorm": ("embed",),
-    "hc/fn": ("hc_in", "hc_out"), "hc/base": ("hc_out",), "hc/scale": (None,),
-    "attn/wq_a": ("embed", "q_lora"), "attn/q_norm": ("q_lora",),
-    "attn/wq_b": ("q_lora", "heads_x_dim"),
-    "attn/wkv": ("embed", "kv_latent"), "attn/kv_norm": ("kv_latent",),
-    "attn/wo_a": ("o_groups", "o_group_in", "o_lora"),
-    "attn/wo_b": ("o_groups_x_lora", "embed"),
-    "attn/sink": ("heads",),
-    # Compressors feed the compressed pools and the index keys; small (D x 2d), replicated.
-    "compressor/wkv": ("embed", "comp_proj"), "compressor/wgate": ("embed", "comp_proj"),
-    "compressor/ape": (None, "comp_proj"), "compressor/norm": ("comp_latent",),
-    "indexer/wq_b": ("q_lora", "index_heads_x_dim"), "indexer/weights_proj": ("embed", "index_heads"),
-    "indexer/wk": ("comp_latent", "index_dim"), "indexer/k_norm": ("index_dim",),
-    "ffn/gate": ("embed", "router"), "ffn/bias": ("router",), "ffn/bias_vl": ("router",),
-    "ffn/tid2eid": ("vocab_table", None),
-    "experts/w1": ("experts", "embed", "expert_mlp"), "experts/w3": ("experts", "embed", "expert_mlp"),
-    "experts/w2": ("experts", "expert_mlp", "embed"),
-    "shared/w1": ("embed", "mlp"), "shared/w3": ("embed", "mlp"), "shared/w2": ("mlp", "embed"),
-    "engram/embed": ("engram_rows", "engram_dim"), "engram/wkv": ("engram_in", "engram_out"),
-    "engram/q_weight": ("hc", "embed"), "engram/k_weight": ("hc", "embed"),
-}
-
-
-def _path_names(path) -> list[str]:
-  return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
-
-
-def logical_axes_of(names: list[str]) -> tuple:
-  """Most specific match first: 'a/b/c' tries 'b/c' (after mapping hc_* to 'hc'), then 'c'."""
-  names = ["hc" if n.startswith("hc_") else n for n in names]
-  for k in (2, 1):
-    key = "/".join(names[-k:])
-    if len(names) >= k and key in _PARAM_AXES:
-      return _PARAM_AXES[key]
-  raise KeyError(f"sharding: no logical axes for parameter {'/'.join(names)}; add it to _PARAM_AXES")
-
+# Logical axes of the parameters: declared beside each shape in model.param_shapes (ParamSpec.axes)
 
 def param_logical_axes(config: ModelConfig) -> dict:
-  shapes = model.param_shapes(config)
-
-  def one(path, leaf):
-    axes = logical_axes_of(_path_names(path))
-    if len(axes) != len(leaf[0]):
-      raise ValueError(f"sharding: {'/'.join(_path_names(path))} has shape {leaf[0]} but axes {axes}")
-    return axes
-
-  return jax.tree_util.tree_map_with_path(one, shapes, is_leaf=model._is_leaf)
+  """The parameter tree with each leaf's logical axes (a tuple of names, None = never split)."""
+  return jax.tree_util.tree_map(lambda spec: spec.axes, model.param_shapes(config), is_leaf=model.is_param_spec)
 
 
 def param_specs(config: ModelConfig, mesh, rules: Rules = Rules(), fallbacks: list | None = None) -> dict:
-  shapes = model.param_shapes(config)
   units = _units(config)
   return jax.tree_util.tree_map_with_path(
-      lambda path, leaf: spec_for(logical_axes_of(_path_names(path)), leaf[0], mesh, rules, units, fallbacks,
+      lambda path, spec: spec_for(spec.axes, spec.shape, mesh, rules, units, fallbacks,
                                   "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)),
-      shapes, is_leaf=model._is_leaf)
+      model.param_shapes(config), is_leaf=model.is_param_spec)
 
 
 def param_shardings(config: ModelConfig, mesh, rules: Rules = Rules(), fallbacks: list | None = None) -> dict:
@@ -218,25 +166,9 @@ def param_shardings(config: ModelConfig, mesh, rules: Rules = Rules(), fallbacks
 # ----------------------------------------------------------------------------------------------------------
 # Cache arrays and step inputs
 
-_CACHE_AXES = {
-    "window_kv": ("cache_blocks", "block_rows", "kv_latent"),
-    "comp_kv": ("cache_blocks", "block_rows", "kv_latent"),
-    "index_keys": ("cache_blocks", "block_rows", "index_dim"),
-    "comp_state_kv": ("cache_blocks", "block_rows", "comp_proj"),
-    "comp_state_score": ("cache_blocks", "block_rows", "comp_proj"),
-    "index_state_kv": ("cache_blocks", "block_rows", "comp_proj"),
-    "index_state_score": ("cache_blocks", "block_rows", "comp_proj"),
-    # running-pool compressor state: one row per swa block (dsv4/layers/compressor.py)
-    "comp_state": ("cache_blocks", "block_rows", "comp_proj"),
-    "index_state": ("cache_blocks", "block_rows", "comp_proj"),
-    "token_ids": ("cache_blocks", "block_rows"),
-}
-
-
 def cache_logical_axes(spec: caches.ArraySpec) -> tuple:
-  if spec.name not in _CACHE_AXES:
-    raise KeyError(f"sharding: no logical axes for cache array {spec.name}; add it to _CACHE_AXES")
-  return _CACHE_AXES[spec.name]
+  """The block axis, then the axes `caches` declares beside the array's block shape."""
+  return ("cache_blocks",) + spec.block_axes
 
 
 def check_pools_over_data(mesh, num_swa_blocks: int, num_full_blocks: int, batch: int | None = None) -> int:
@@ -267,7 +199,7 @@ def cache_shardings(config: ModelConfig, layout: caches.CacheLayout, mesh, rules
   if pools_over_data:
     check_pools_over_data(mesh, num_swa_blocks, num_full_blocks)
     rules = pools_over_data_rules(rules)
-  layers = [dict() for _ in range(config.num_layers)]
+  layers = [dict() for _ in config.cache_plans()]  # the backbone, then the MTP blocks (as caches.init_cache)
   for s in caches.cache_array_specs(config, layout):
     n = num_swa_blocks if s.group == caches.SWA else num_full_blocks
     spec = spec_for(cache_logical_axes(s), (n, *s.block_shape), mesh, rules, None, fallbacks,

@@ -37,7 +37,7 @@ from typing import Callable
 import numpy as np
 
 from dsv4.config import ModelConfig
-from dsv4.model import _is_leaf, param_shapes
+from dsv4.model import is_param_spec, param_shapes
 
 Path = tuple  # e.g. ("layers", 3, "attn", "wq_a")
 
@@ -128,7 +128,7 @@ def _leaf_original(path: Path, shape: tuple, kind: str, dtype) -> list[TensorSpe
 
 
 def _walk(tree, path=()):
-  if _is_leaf(tree):
+  if is_param_spec(tree):
     yield path, tree
   elif isinstance(tree, dict):
     for k, v in tree.items():
@@ -141,10 +141,10 @@ def _walk(tree, path=()):
 def original_specs(config: ModelConfig) -> list[TensorSpec]:
   """Every tensor of an original-format checkpoint for `config`, in param-tree order."""
   out = []
-  for path, (shape, dtype, kind) in _walk(param_shapes(config)):
-    if kind in _DERIVED_KINDS:
+  for path, spec in _walk(param_shapes(config)):
+    if spec.init in _DERIVED_KINDS:
       continue
-    out += _leaf_original(path, tuple(shape), kind, dtype)
+    out += _leaf_original(path, spec.shape, spec.init, spec.dtype)
   return out
 
 
@@ -281,7 +281,7 @@ def _get(tree, path):
 def empty_tree(config: ModelConfig):
   """The param tree structure with None leaves."""
   def build(t):
-    if _is_leaf(t):
+    if is_param_spec(t):
       return None
     if isinstance(t, dict):
       return {k: build(v) for k, v in t.items()}

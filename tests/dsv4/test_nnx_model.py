@@ -42,8 +42,8 @@ def test_module_state_is_the_param_dict(variant):
   _assert_same_arrays(got, want)
   shapes = model.param_shapes(cfg)
   assert [(p, s, d) for p, s, d in _paths(got)] == [
-      (jax.tree_util.keystr(p), tuple(l[0]), jnp.dtype(l[1]))
-      for p, l in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=model._is_leaf)[0]]
+      (jax.tree_util.keystr(p), spec.shape, jnp.dtype(spec.dtype))
+      for p, spec in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=model.is_param_spec)[0]]
 
   graphdef, state = nnx.split(net)
   pure = nnx.to_pure_dict(state)

@@ -2,6 +2,7 @@
 (tests/dsv4/sharding_worker.py) with XLA_FLAGS=--xla_force_host_platform_device_count=8, because the rest of the
 suite runs with one device and JAX fixes the host device count at start-up."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -101,6 +102,40 @@ def test_every_parameter_and_cache_array_has_logical_axes(preset):
     assert len(sharding.cache_logical_axes(spec)) == 1 + len(spec.block_shape)
 
 
+# Names no default rule splits (replicated on purpose); a name outside these and `Rules.table` is a typo that would
+# silently replicate its dimension.
+_UNSPLIT_AXES = {None, "embed", "q_lora", "o_group_in", "o_lora", "hc_in", "hc_out", "hc", "comp_proj",
+                 "comp_latent", "index_dim", "router", "vocab_table", "engram_dim", "engram_in", "cache_blocks",
+                 "block_rows", "kv_latent"}
+
+
+@pytest.mark.parametrize("preset", ["v4_tiny", "v41_tiny", "v4_flash", "v41_flash"])
+def test_declared_axis_names_are_known(preset):
+  cfg = C.get_preset(preset)
+  known = _UNSPLIT_AXES | {name for name, _ in sharding.Rules().table}
+  param_names = {a for spec in jax.tree_util.tree_leaves(model.param_shapes(cfg), is_leaf=model.is_param_spec)
+                 for a in spec.axes}
+  cache_names = {a for spec in caches.cache_array_specs(cfg, caches.CacheLayout())
+                 for a in sharding.cache_logical_axes(spec)}
+  assert (param_names | cache_names) <= known, (param_names | cache_names) - known
+
+
+def test_axes_must_name_every_dimension():
+  with pytest.raises(ValueError, match="has 2 dims but axes"):
+    model._spec((4, 8), "dense", ("embed",))
+  with pytest.raises(ValueError, match="block shape"):
+    caches.ArraySpec(0, "window_kv", caches.SWA, (16, 8), jnp.float32, block_axes=("block_rows",))
+
+
+def test_mtp_cache_layers_get_shardings():
+  """The MTP blocks own cache layers after the backbone's (caches.init_cache): the shardings cover them too."""
+  cfg = dataclasses.replace(C.v4_tiny(), num_mtp_layers=1)
+  mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.AXES)
+  shard = sharding.cache_shardings(cfg, caches.CacheLayout(), mesh, num_swa_blocks=16, num_full_blocks=8)
+  assert len(shard.layers) == len(cfg.cache_plans()) == cfg.num_layers + 1
+  assert "window_kv" in shard.layers[-1]
+
+
 def test_flash_rules_split_what_the_plan_says():
   """On the abstract 8-way meshes of the real models: heads over tensor, experts over expert, nothing replicated
   by accident."""
@@ -179,8 +214,8 @@ def test_scanned_layer_groups_step_matches_the_unrolled_step():
   got_cache, got = jax.jit(lambda p, c: sizing.scanned_step(p, cfg, layout, kc, toks, c, index))(p2, c2)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   head, groups, tail = got_cache.layers
-  np.testing.assert_allclose(np.asarray(groups[1]["comp_kv"][2]), np.asarray(want_cache.layers[s + 2 * 2 + 1]["comp_kv"]),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(groups[1]["comp_kv"][2]),
+                             np.asarray(want_cache.layers[s + 2 * 2 + 1]["comp_kv"]), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(tail[-1]["window_kv"]), np.asarray(want_cache.layers[-1]["window_kv"]),
                              rtol=1e-5, atol=1e-5)
 
