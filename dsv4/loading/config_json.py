@@ -182,7 +182,8 @@ def _quant_info(r: _Reader) -> tuple[int | None, str | None]:
     wb = qr.raw("weight_block_size", None)
     if wb is not None:
       if not (isinstance(wb, list) and len(wb) == 2 and wb[0] == wb[1] and isinstance(wb[0], int) and wb[0] > 0):
-        raise ConfigError(f"{r.where}: field 'quantization_config.weight_block_size' must be a square [b, b], got {wb!r}")
+        raise ConfigError(f"{r.where}: field 'quantization_config.weight_block_size' must be a square [b, b], "
+                          f"got {wb!r}")
       block = wb[0]
     expert = qr.raw("expert_dtype", expert)
     qr.raw("modules_to_not_convert")
@@ -256,7 +257,8 @@ def _v4_transformers(r: _Reader, name: str, strict: bool) -> tuple[ModelConfig, 
   else:
     rope_dim = r.int("qk_rope_head_dim", 64)
   if r.has("qk_nope_head_dim") and r.int("qk_nope_head_dim") != head_dim - rope_dim:
-    raise ConfigError(f"{r.where}: field 'qk_nope_head_dim' must be head_dim - qk_rope_head_dim = {head_dim - rope_dim}")
+    raise ConfigError(f"{r.where}: field 'qk_nope_head_dim' must be head_dim - qk_rope_head_dim = "
+                      f"{head_dim - rope_dim}")
   if r.has("v_head_dim") and r.int("v_head_dim") != head_dim:
     raise ConfigError(f"{r.where}: field 'v_head_dim' must equal head_dim ({head_dim}): K = V in V4")
   rope_theta = r.float("rope_theta", 10000.0)
@@ -412,8 +414,10 @@ def _v41_nemo(r: _Reader, top: _Reader | None, name: str, strict: bool) -> tuple
   vocab = r.int("vocab_size", 129280)
   eng = EngramConfig()
   if keep:
-    eng = EngramConfig(layer_ids=tuple(eng_ids_all[j] for j in keep), num_embeddings=tuple(eng_rows_all[j] for j in keep),
-                       max_ngram_size=r.int("engram_max_ngram_size", 4), vocab_size=r.int("engram_vocab_size", 16000000),
+    eng = EngramConfig(layer_ids=tuple(eng_ids_all[j] for j in keep),
+                       num_embeddings=tuple(eng_rows_all[j] for j in keep),
+                       max_ngram_size=r.int("engram_max_ngram_size", 4),
+                       vocab_size=r.int("engram_vocab_size", 16000000),
                        n_heads=r.int("engram_n_heads", 8), head_dim=r.int("engram_head_dim", 256),
                        pad_token_id=r.int("engram_pad_token_id", 2, min_value=0),
                        compressed_vocab_size=r.int("engram_compressed_vocab_size", 99092))

@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from dsv4 import config as C
+from dsv4 import config
 from dsv4.config import ConfigError
 from dsv4.loading.config_json import config_from_dict, load_config, read_config
-from tests.dsv4 import oracle_util as O
+from tests.dsv4 import oracle_util
 
 
-def _same_model(got: C.ModelConfig, want: C.ModelConfig):
+def _same_model(got: config.ModelConfig, want: config.ModelConfig):
   """Equal up to the name and the explicit (config-read) kind / hash lists, and with the same layer plan."""
   strip = dict(name=want.name, layer_kinds=(), hash_layer_ids=None)
   assert dataclasses.replace(got, **strip) == dataclasses.replace(want, **strip)
@@ -20,17 +20,17 @@ def _same_model(got: C.ModelConfig, want: C.ModelConfig):
 
 
 def test_transformers_config_json_is_v4_tiny(tmp_path):
-  hf = O.hf_config()
+  hf = oracle_util.hf_config()
   (tmp_path / "config.json").write_text(hf.to_json_string())
   cfg, info = read_config(str(tmp_path))
   assert info.format == "transformers" and info.eos_token_ids == (1,)
-  _same_model(cfg, C.v4_tiny())
+  _same_model(cfg, config.v4_tiny())
   assert cfg.layer_kinds == ("swa", "csa", "hca", "csa") and cfg.hash_layer_ids == (0,)
 
 
 def _flash_original() -> dict:
   """The official V4-Flash config.json, written out key for key (legacy keys, MTP ratio entry)."""
-  ratios = list(C.v4_schedule(43)) + [0]
+  ratios = list(config.v4_schedule(43)) + [0]
   return {
       "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
       "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
@@ -52,20 +52,20 @@ def test_original_flash_config():
   cfg, info = config_from_dict(_flash_original())
   assert info.format == "original" and info.fp8_block == 128 and info.expert_dtype == "fp4"
   assert info.mtp_layers == 1 and cfg.num_mtp_layers == 0   # declared; load_pretrained decides what loads
-  _same_model(cfg, C.v4_flash())
+  _same_model(cfg, config.v4_flash())
 
 
 def test_inference_model_args():
   d = dict(vocab_size=129280, dim=4096, moe_inter_dim=2048, n_layers=43, n_hash_layers=3, n_mtp_layers=1, n_heads=64,
            n_routed_experts=256, n_shared_experts=1, n_activated_experts=6, score_func="sqrtsoftplus", route_scale=1.5,
            swiglu_limit=10.0, q_lora_rank=1024, head_dim=512, rope_head_dim=64, norm_eps=1e-6, o_groups=8,
-           o_lora_rank=1024, window_size=128, compress_ratios=list(C.v4_schedule(43)) + [0],
+           o_lora_rank=1024, window_size=128, compress_ratios=list(config.v4_schedule(43)) + [0],
            compress_rope_theta=160000.0, original_seq_len=65536, rope_theta=10000.0, rope_factor=16, beta_fast=32,
            beta_slow=1, index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4, hc_sinkhorn_iters=20,
            hc_eps=1e-6, dtype="fp8", scale_fmt="ue8m0", expert_dtype="fp4", max_batch_size=4, max_seq_len=4096)
   cfg, info = config_from_dict(d)
   assert info.format == "inference" and info.mtp_layers == 1
-  _same_model(cfg, C.v4_flash())
+  _same_model(cfg, config.v4_flash())
   del d["index_topk"]
   with pytest.raises(ConfigError, match="'index_topk' is required"):
     config_from_dict(d)
@@ -73,8 +73,8 @@ def test_inference_model_args():
 
 def test_kinds_and_hash_layers_come_from_the_config():
   """A ratio-4 layer declared HCA stays HCA; hash layers need not be the first ones."""
-  hf = O.HF_TINY_KWARGS
-  d = {**json.loads(O.hf_config().to_json_string()),
+  hf = oracle_util.HF_TINY_KWARGS
+  d = {**json.loads(oracle_util.hf_config().to_json_string()),
        "layer_types": ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention",
                        "heavily_compressed_attention"],
        "compress_rates": {"compressed_sparse_attention": 8, "heavily_compressed_attention": 4},
@@ -89,14 +89,14 @@ def test_kinds_and_hash_layers_come_from_the_config():
 
 
 def test_nemo_v41_configs():
-  from tests.dsv4 import v41_oracle as V
-  root = V.ensure_nemo()
+  from tests.dsv4 import v41_oracle
+  root = v41_oracle.ensure_nemo()
   if root is None:
     pytest.skip("NeMo Automodel 0.7.0 wheel not available")
   sys.path.insert(0, root)
   from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
-  tiny = C.v41_tiny()
-  nested = json.loads(json.dumps(DeepseekV41Config(text_config=V.nemo_text_kwargs(tiny)).to_dict()))
+  tiny = config.v41_tiny()
+  nested = json.loads(json.dumps(DeepseekV41Config(text_config=v41_oracle.nemo_text_kwargs(tiny)).to_dict()))
   cfg, info = config_from_dict(nested)
   assert info.format == "nemo" and info.pad_token_id == 2
   # NeMo always fake-quantizes its cache, so a NeMo config turns the quantized cache on unless told otherwise
@@ -104,23 +104,23 @@ def test_nemo_v41_configs():
   _same_model(cfg, dataclasses.replace(tiny, quantized_cache=True))
   _same_model(config_from_dict(nested, quantized_cache=False)[0], tiny)
   released = json.loads(json.dumps(DeepseekV41Config().to_dict()))
-  _same_model(config_from_dict(released, quantized_cache=False)[0], C.v41_flash())
+  _same_model(config_from_dict(released, quantized_cache=False)[0], config.v41_flash())
   # a text config that omits everything takes NeMo's defaults (the released Flash text configuration)
-  _same_model(config_from_dict({"model_type": "deepseek_v41_text"}, quantized_cache=False)[0], C.v41_flash())
+  _same_model(config_from_dict({"model_type": "deepseek_v41_text"}, quantized_cache=False)[0], config.v41_flash())
 
 
 def test_nemo_text_config_json_only_and_the_quantized_cache_switch(tmp_path):
   """A NeMo Automodel export may hold only text_config.json: read_config takes it (model_type may be left out,
   the file name says what it is); quantized_cache defaults on for NeMo, off for V4, and can be forced."""
-  from tests.dsv4 import v41_oracle as V
-  tiny = C.v41_tiny()
-  (tmp_path / "text_config.json").write_text(json.dumps(V.nemo_text_kwargs(tiny)))
+  from tests.dsv4 import v41_oracle
+  tiny = config.v41_tiny()
+  (tmp_path / "text_config.json").write_text(json.dumps(v41_oracle.nemo_text_kwargs(tiny)))
   cfg, info = read_config(str(tmp_path))
   assert info.format == "nemo" and cfg.quantized_cache
   _same_model(cfg, dataclasses.replace(tiny, quantized_cache=True))
   assert not load_config(str(tmp_path), quantized_cache=False).quantized_cache
   # config.json wins when both are present
-  (tmp_path / "config.json").write_text(O.hf_config().to_json_string())
+  (tmp_path / "config.json").write_text(oracle_util.hf_config().to_json_string())
   cfg, info = read_config(str(tmp_path))
   assert info.format == "transformers" and not cfg.quantized_cache
   with pytest.raises(ConfigError, match="config.json.*quantized_cache.*V4.1-only"):
@@ -136,21 +136,22 @@ def test_config_to_dict_reads_back(which):
   """config_to_dict writes what config_from_dict reads back as the same model (V4: transformers' format, which
   transformers itself parses to the same model; V4.1: NeMo's text config)."""
   from dsv4.loading.config_json import config_to_dict
-  cfg = {"v4_tiny": C.v4_tiny(), "v4_retrieval": C.v4_tiny(num_layers=2, window=16, vocab_size=64, index_topk=8),
-         "v41_tiny": C.v41_tiny(), "v41_no_engram": C.v41_tiny(engram=False)}[which]
+  cfg = {"v4_tiny": config.v4_tiny(),
+         "v4_retrieval": config.v4_tiny(num_layers=2, window=16, vocab_size=64, index_topk=8),
+         "v41_tiny": config.v41_tiny(), "v41_no_engram": config.v41_tiny(engram=False)}[which]
   d = json.loads(json.dumps(config_to_dict(cfg, dtype="float32")))
   got, info = config_from_dict(d, quantized_cache=False)
   _same_model(got, cfg)
   if cfg.variant == "v4":
     from transformers import DeepseekV4Config
     hf = DeepseekV4Config(**{k: v for k, v in d.items() if k != "model_type"})
-    assert O.config_mismatches(hf, cfg) == []
+    assert oracle_util.config_mismatches(hf, cfg) == []
     _same_model(config_from_dict(json.loads(hf.to_json_string()))[0], cfg)
     with_mtp = config_to_dict(dataclasses.replace(cfg, num_mtp_layers=1))
     assert with_mtp["num_nextn_predict_layers"] == 1 and config_from_dict(with_mtp)[1].mtp_layers == 1
     # two HCA rates: transformers' config has one rate per kind, so it is refused rather than written wrong
     with pytest.raises(ConfigError, match="one rate per layer kind"):
-      config_to_dict(dataclasses.replace(C.v4_tiny(), compress_ratios=(0, 4, 16, 8)))
+      config_to_dict(dataclasses.replace(config.v4_tiny(), compress_ratios=(0, 4, 16, 8)))
   else:
     with pytest.raises(ConfigError, match="quantized_cache"):
       config_to_dict(dataclasses.replace(cfg, quantized_cache=True))
@@ -170,17 +171,17 @@ def test_config_to_dict_reads_back(which):
     ({"model_type": "llama"}, "'model_type' = 'llama'"),
 ])
 def test_bad_fields_name_the_field(patch, match):
-  d = {**json.loads(O.hf_config().to_json_string()), **patch}
+  d = {**json.loads(oracle_util.hf_config().to_json_string()), **patch}
   d = {k: v for k, v in d.items() if not (v is None and k in patch)}
   with pytest.raises(ConfigError, match=match):
     config_from_dict(d)
 
 
 def test_unknown_fields_tolerated_when_not_strict():
-  d = {**json.loads(O.hf_config().to_json_string()), "some_new_field": 3}
+  d = {**json.loads(oracle_util.hf_config().to_json_string()), "some_new_field": 3}
   cfg, info = config_from_dict(d, strict=False)
   assert info.ignored == ("some_new_field",)
-  _same_model(cfg, C.v4_tiny())
+  _same_model(cfg, config.v4_tiny())
 
 
 def test_malformed_and_missing_files(tmp_path):

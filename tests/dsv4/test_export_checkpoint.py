@@ -14,8 +14,8 @@ from dsv4.engine.api import generate_text
 from dsv4.engine.engine import EngineConfig
 from dsv4.engine.sampling import SamplingParams
 from dsv4.loading import load_pretrained
-from dsv4.loading import safetensors_io as S
-from experiments import export_checkpoint as X
+from dsv4.loading import safetensors_io
+from experiments import export_checkpoint
 from experiments import tasks, train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,14 +24,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("v4_retrieval_hf"))
-  X.export("v4_retrieval", out, force=True)
+  export_checkpoint.export("v4_retrieval", out, force=True)
   return out, load_pretrained(out)
 
 
 def test_round_trip_is_bit_for_bit(exported):
   out, pre = exported
   assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-  assert S.detect_naming(S.read_entries(out)) == "hf"
+  assert safetensors_io.detect_naming(safetensors_io.read_entries(out)) == "hf"
   assert pre.info.format == "transformers" and pre.dtype == np.float32  # dtype "auto" of an fp32 save
   cfg, params = train_lib.load_trained("v4_retrieval")
   assert pre.config.layer_plan() == cfg.layer_plan() and not pre.config.quantized_cache
@@ -89,9 +89,9 @@ def test_v41_exports_as_nemo_and_loads_with_the_quantized_cache_switch(tmp_path)
   """V4.1 has no transformers model: it is written as NeMo's text config + NeMo-named tensors, so it loads with
   NeMo's quantized cache on; quantized_cache=False gives back exactly the shipped model."""
   import dataclasses
-  X.export("v41_retrieval", str(tmp_path))
+  export_checkpoint.export("v41_retrieval", str(tmp_path))
   cfg, params = train_lib.load_trained("v41_retrieval")
-  assert S.detect_naming(S.read_entries(str(tmp_path))) == "nemo"
+  assert safetensors_io.detect_naming(safetensors_io.read_entries(str(tmp_path))) == "nemo"
   pre = load_pretrained(str(tmp_path))
   assert pre.info.format == "nemo" and pre.config.quantized_cache and pre.dtype == np.float32
   exact = load_pretrained(str(tmp_path), quantized_cache=False)

@@ -9,22 +9,23 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4 import config as C
+from dsv4 import config
 from dsv4 import model
 from dsv4.loading import CheckpointError, Quant, load_checkpoint, restore_params, save_hf_safetensors, save_params
-from dsv4.loading import names as N
-from dsv4.loading import quant as Q
-from dsv4.loading import safetensors_io as S
+from dsv4.loading import names
+from dsv4.loading import quant
+from dsv4.loading import safetensors_io
+from dsv4.loading import safetensors_write
 
 
 def _v41_tiny():
-  return C.ModelConfig(
+  return config.ModelConfig(
       name="v41_tiny", variant="v41", vocab_size=128, hidden_size=64, num_layers=6,
       compress_ratios=(0, 2, 2, 1, 1, 1),
-      attention=C.AttentionConfig(num_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=32, o_groups=2,
+      attention=config.AttentionConfig(num_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=32, o_groups=2,
                                   o_lora_rank=16, window=16),
-      indexer=C.IndexerConfig(num_heads=8, head_dim=32, topk=8),
-      moe=C.MoEConfig(n_routed_experts=8, num_experts_per_tok=2, intermediate_size=32, num_hash_layers=0),
+      indexer=config.IndexerConfig(num_heads=8, head_dim=32, topk=8),
+      moe=config.MoEConfig(n_routed_experts=8, num_experts_per_tok=2, intermediate_size=32, num_hash_layers=0),
       kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 2, 3, 5), candidate_source_layer_id=3)
 
 
@@ -43,7 +44,7 @@ def _random_params(cfg, seed):
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   return cfg, _random_params(cfg, 0)
 
 
@@ -59,14 +60,14 @@ def _max_diff(a, b):
 
 def test_e8m0_decoding():
   b = np.array([127, 130, 120, 0, 254], np.uint8)
-  np.testing.assert_array_equal(Q.e8m0_to_float(b), np.float32([1, 8, 2.0 ** -7, 2.0 ** -127, 2.0 ** 127]))
-  np.testing.assert_array_equal(Q.e8m0_to_float(b.view(ml_dtypes.float8_e8m0fnu)), Q.e8m0_to_float(b))
+  np.testing.assert_array_equal(quant.e8m0_to_float(b), np.float32([1, 8, 2.0 ** -7, 2.0 ** -127, 2.0 ** 127]))
+  np.testing.assert_array_equal(quant.e8m0_to_float(b.view(ml_dtypes.float8_e8m0fnu)), quant.e8m0_to_float(b))
 
 
 def test_fp4_nibble_order_low_first():
   # byte 0x21: low nibble 1 (0.5) is column 0, high nibble 2 (1.0) is column 1; 0xF9: -0.5 then -6.
   packed = np.array([[0x21, 0xF9 - 256]], np.int8)
-  np.testing.assert_array_equal(Q.unpack_fp4(packed), np.float32([[0.5, 1.0, -0.5, -6.0]]))
+  np.testing.assert_array_equal(quant.unpack_fp4(packed), np.float32([[0.5, 1.0, -0.5, -6.0]]))
 
 
 @pytest.mark.parametrize("block", [128, 32])
@@ -74,17 +75,17 @@ def test_fp4_nibble_order_low_first():
 def test_fp8_block_round_trip(block, shape):
   rng = np.random.default_rng(0)
   w = (rng.standard_normal(shape) * np.exp(rng.uniform(-6, 3, shape))).astype(np.float32)
-  q, s = Q.quantize_fp8_block(w, block)
+  q, s = quant.quantize_fp8_block(w, block)
   assert q.dtype == ml_dtypes.float8_e4m3fn and s.dtype == ml_dtypes.float8_e8m0fnu
   assert s.shape == (*shape[:-2], -(-shape[-2] // block), -(-shape[-1] // block))
-  d = Q.dequant_fp8_block(q, s, block)
-  scale = Q._expand_blocks(Q.e8m0_to_float(s), shape[-2], shape[-1], block, block)
+  d = quant.dequant_fp8_block(q, s, block)
+  scale = quant._expand_blocks(quant.e8m0_to_float(s), shape[-2], shape[-1], block, block)
   # e4m3: 3 mantissa bits -> relative error <= 2^-4 for normals, absolute <= 2^-10 * scale for subnormals
   assert np.all(np.abs(d - w) <= np.maximum(np.abs(w) * 2.0 ** -4, scale * 2.0 ** -10) * 1.0001)
   # idempotent: the dequantized grid re-quantizes to the same values (the scale may drop by 2x when rounding
   # brought a block's max down onto the next power of two)
-  np.testing.assert_array_equal(Q.dequant_fp8_block(*Q.quantize_fp8_block(d, block), block), d)
-  np.testing.assert_array_equal(Q.dequant_fp8_block(q.view(np.uint8), s.view(np.uint8), block), d)
+  np.testing.assert_array_equal(quant.dequant_fp8_block(*quant.quantize_fp8_block(d, block), block), d)
+  np.testing.assert_array_equal(quant.dequant_fp8_block(q.view(np.uint8), s.view(np.uint8), block), d)
 
 
 def test_fp4_round_trip_exact_and_bounded():
@@ -94,26 +95,26 @@ def test_fp4_round_trip_exact_and_bounded():
   codes[:, ::32] = 7  # every 32-group holds +6, so requantization picks the same scale
   exps = rng.integers(100, 140, (R, C // 32)).astype(np.uint8)
   packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(np.int8)
-  vals = Q.dequant_fp4(packed, exps)
-  np.testing.assert_array_equal(vals, Q.FP4_E2M1_VALUES[codes] * np.repeat(Q.e8m0_to_float(exps), 32, axis=1))
-  p2, s2 = Q.quantize_fp4(vals)
-  np.testing.assert_array_equal(Q.dequant_fp4(p2, s2), vals)
+  vals = quant.dequant_fp4(packed, exps)
+  np.testing.assert_array_equal(vals, quant.FP4_E2M1_VALUES[codes] * np.repeat(quant.e8m0_to_float(exps), 32, axis=1))
+  p2, s2 = quant.quantize_fp4(vals)
+  np.testing.assert_array_equal(quant.dequant_fp4(p2, s2), vals)
   np.testing.assert_array_equal(s2.view(np.uint8), exps)
   # arbitrary floats: error at most half the widest e2m1 gap (1.0 between 4 and 6) times the group scale
   w = rng.standard_normal((5, 16, 64)).astype(np.float32)
-  p, s = Q.quantize_fp4(w)
+  p, s = quant.quantize_fp4(w)
   assert p.shape == (5, 16, 32) and s.shape == (5, 16, 2)
-  err = np.abs(Q.dequant_fp4(p, s) - w)
-  assert np.all(err <= np.repeat(Q.e8m0_to_float(s), 32, axis=-1) * 1.0 + 1e-7)
+  err = np.abs(quant.dequant_fp4(p, s) - w)
+  assert np.all(err <= np.repeat(quant.e8m0_to_float(s), 32, axis=-1) * 1.0 + 1e-7)
 
 
 def test_quant_errors():
-  q, s = Q.quantize_fp8_block(np.ones((64, 64), np.float32), 32)
-  with pytest.raises(Q.QuantError, match="scale shape"):
-    Q.dequant_fp8_block(q, s, 128)
-  p, s = Q.quantize_fp4(np.ones((4, 64), np.float32))
-  with pytest.raises(Q.QuantError, match="scale shape"):
-    Q.dequant_fp4(p, s[:, :1])
+  q, s = quant.quantize_fp8_block(np.ones((64, 64), np.float32), 32)
+  with pytest.raises(quant.QuantError, match="scale shape"):
+    quant.dequant_fp8_block(q, s, 128)
+  p, s = quant.quantize_fp4(np.ones((4, 64), np.float32))
+  with pytest.raises(quant.QuantError, match="scale shape"):
+    quant.dequant_fp4(p, s[:, :1])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ def test_quant_errors():
 
 def test_original_names_and_renames(tiny):
   cfg, _ = tiny
-  orig = {s.name: s.shape for s in N.original_specs(cfg)}
+  orig = {s.name: s.shape for s in names.original_specs(cfg)}
   for name, shape in {
       "embed.weight": (512, 64), "head.weight": (512, 64), "norm.weight": (64,), "hc_head_fn": (4, 256),
       "hc_head_scale": (1,), "layers.0.hc_attn_fn": (24, 256), "layers.3.hc_ffn_base": (24,),
@@ -134,31 +135,31 @@ def test_original_names_and_renames(tiny):
   }.items():
     assert orig[name] == shape, name
   assert "layers.0.attn.compressor.wkv.weight" not in orig and "layers.2.attn.indexer.wq_b.weight" not in orig
-  ren = N.original_to_hf_name
+  ren = names.original_to_hf_name
   assert ren("layers.1.attn.indexer.compressor.ape") == "model.layers.1.self_attn.compressor.indexer.position_bias"
   assert ren("layers.1.attn.indexer.weights_proj.weight") == \
       "model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight"
   assert ren("layers.1.attn.compressor.norm.weight") == "model.layers.1.self_attn.compressor.kv_norm.weight"
   assert ren("layers.1.attn.kv_norm.weight") == "model.layers.1.self_attn.kv_norm.weight"
   assert ren("hc_head_base") == "model.hc_head.hc_base" and ren("head.weight") == "lm_head.weight"
-  assert N.expert_target("layers.2.ffn.experts.5.w3.weight") == ("model.layers.2.mlp.experts.gate_up_proj", 5, "w3")
-  hf = N.hf_specs(cfg)
+  assert names.expert_target("layers.2.ffn.experts.5.w3.weight") == ("model.layers.2.mlp.experts.gate_up_proj", 5, "w3")
+  hf = names.hf_specs(cfg)
   assert len(hf) == 122  # the state_dict size of the tiny HF oracle (tests/dsv4/oracle_util.py)
   assert hf["model.layers.2.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
   assert hf["model.layers.2.mlp.experts.down_proj"].shape == (8, 64, 32)
   # every param leaf is covered exactly once
-  paths = {s.path for s in N.original_specs(cfg)}
+  paths = {s.path for s in names.original_specs(cfg)}
   leaves = jax.tree_util.tree_leaves_with_path(model.abstract_params(cfg))
   assert len(paths) == len(leaves)
 
 
 def test_v41_names():
   cfg = _v41_tiny()
-  names = {s.name for s in N.original_specs(cfg)}
+  tensor_names = {s.name for s in names.original_specs(cfg)}
   assert {"layers.1.attn.indexer.wk.weight", "layers.1.attn.indexer.k_norm.weight",
-          "layers.2.attn.indexer.wq_b.weight", "layers.1.attn.compressor.wgate.weight"} <= names
-  assert "layers.3.attn.compressor.wgate.weight" not in names  # ratio 1: no gate
-  assert not any(n.endswith(".ape") or "tid2eid" in n for n in names)
+          "layers.2.attn.indexer.wq_b.weight", "layers.1.attn.compressor.wgate.weight"} <= tensor_names
+  assert "layers.3.attn.compressor.wgate.weight" not in tensor_names  # ratio 1: no gate
+  assert not any(n.endswith(".ape") or "tid2eid" in n for n in tensor_names)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -176,9 +177,9 @@ def test_hf_round_trip_single_file(tiny, tmp_path):
 
 def test_original_round_trip_sharded(tiny, tmp_path):
   cfg, params = tiny
-  files = S.save_original_safetensors(params, cfg, str(tmp_path), shard_bytes=60_000)
-  assert len(files) > 3 and os.path.exists(tmp_path / S.INDEX_FILE)
-  wmap = json.load(open(tmp_path / S.INDEX_FILE))["weight_map"]
+  files = safetensors_io.save_original_safetensors(params, cfg, str(tmp_path), shard_bytes=60_000)
+  assert len(files) > 3 and os.path.exists(tmp_path / safetensors_io.INDEX_FILE)
+  wmap = json.load(open(tmp_path / safetensors_io.INDEX_FILE))["weight_map"]
   assert "layers.2.ffn.experts.3.w1.weight" in wmap
   got = load_checkpoint(str(tmp_path), cfg, as_jax=False)
   assert _max_diff(params, got) == 0.0
@@ -187,24 +188,24 @@ def test_original_round_trip_sharded(tiny, tmp_path):
 def _fake_quant_params(params, cfg, block):
   """What a quantized checkpoint must load to: dequant(quant(x)) per stored tensor, computed independently of the
   writer (same formats, per original tensor)."""
-  t = N.params_to_original(params, cfg)
+  t = names.params_to_original(params, cfg)
   for name in list(t):
-    if S._FP8_ORIG.match(name):
-      t[name] = Q.dequant_fp8_block(*Q.quantize_fp8_block(t[name], block), block)
-    elif S._FP4_ORIG.match(name):
-      t[name] = Q.dequant_fp4(*Q.quantize_fp4(t[name]))
-  return N.original_to_params(t, cfg)
+    if safetensors_write._FP8_ORIG.match(name):
+      t[name] = quant.dequant_fp8_block(*quant.quantize_fp8_block(t[name], block), block)
+    elif safetensors_write._FP4_ORIG.match(name):
+      t[name] = quant.dequant_fp4(*quant.quantize_fp4(t[name]))
+  return names.original_to_params(t, cfg)
 
 
 @pytest.mark.parametrize("naming", ["original", "hf"])
 def test_quantized_round_trip(tiny, tmp_path, naming):
   cfg, params = tiny
-  save = S.save_original_safetensors if naming == "original" else save_hf_safetensors
+  save = safetensors_io.save_original_safetensors if naming == "original" else save_hf_safetensors
   save(params, cfg, str(tmp_path), quant=Quant(fp8_block=128, fp4_experts=True), shard_bytes=40_000)
   hdr = {}
   for f in os.listdir(tmp_path):
     if f.endswith(".safetensors"):
-      hdr.update(S.read_header(str(tmp_path / f)))
+      hdr.update(safetensors_io.read_header(str(tmp_path / f)))
   if naming == "original":
     assert hdr["layers.1.attn.wq_a.weight"].dtype == "F8_E4M3"
     assert hdr["layers.1.attn.wq_a.scale"].dtype == "F8_E8M0" and hdr["layers.1.attn.wq_a.scale"].shape == (1, 1)
@@ -224,8 +225,8 @@ def test_quantized_round_trip(tiny, tmp_path, naming):
 def test_v41_quantized_round_trip_32x32_blocks(tmp_path):
   cfg = _v41_tiny()
   params = _random_params(cfg, 3)
-  S.save_original_safetensors(params, cfg, str(tmp_path / "o"), quant=Quant(fp8_block=32))
-  h = S.read_header(str(tmp_path / "o" / S.SINGLE_FILE))
+  safetensors_io.save_original_safetensors(params, cfg, str(tmp_path / "o"), quant=Quant(fp8_block=32))
+  h = safetensors_io.read_header(str(tmp_path / "o" / safetensors_io.SINGLE_FILE))
   assert h["layers.1.attn.wq_b.scale"].shape == (8, 1)  # stored [256, 32] in 32x32 blocks
   got = load_checkpoint(str(tmp_path / "o"), cfg, as_jax=False)  # default block for v41 is 32
   assert _max_diff(_fake_quant_params(params, cfg, 32), got) == 0.0
@@ -240,13 +241,13 @@ def test_v41_quantized_round_trip_32x32_blocks(tmp_path):
 
 def _write(tmp_path, tensors, name="bad.safetensors"):
   p = str(tmp_path / name)
-  S.write_file(tensors, p)
+  safetensors_io.write_file(tensors, p)
   return p
 
 
 def test_missing_unexpected_shape_dtype(tiny, tmp_path):
   cfg, params = tiny
-  sd = S.hf_state_dict(params, cfg)
+  sd = safetensors_io.hf_state_dict(params, cfg)
   t = dict(sd)
   del t["model.layers.2.self_attn.compressor.position_bias"]
   with pytest.raises(CheckpointError, match=r"model\.layers\.2\.self_attn\.compressor\.position_bias.*missing"):
@@ -274,17 +275,17 @@ def test_missing_unexpected_shape_dtype(tiny, tmp_path):
 
 def test_original_naming_errors_name_the_original_tensor(tiny, tmp_path):
   cfg, params = tiny
-  t = N.params_to_original(params, cfg)
+  t = names.params_to_original(params, cfg)
   del t["layers.3.ffn.experts.6.w3.weight"]
   with pytest.raises(CheckpointError, match=r"layers\.3\.ffn\.experts\.6\.w3\.weight.*missing"):
     load_checkpoint(_write(tmp_path, t), cfg)
-  t = N.params_to_original(params, cfg)
+  t = names.params_to_original(params, cfg)
   t["layers.3.ffn.experts.6.w3.weight"] = t["layers.3.ffn.experts.6.w3.weight"][:, :32]
   with pytest.raises(CheckpointError, match=r"layers\.3\.ffn\.experts\.6\.w3\.weight.*gate_up_proj.*shape \[32, 32\]"):
     load_checkpoint(_write(tmp_path, t), cfg)
   # FP8 weight without its scale; scale of the wrong grid
-  t = N.params_to_original(params, cfg)
-  q, s = Q.quantize_fp8_block(t["layers.0.attn.wq_b.weight"], 128)
+  t = names.params_to_original(params, cfg)
+  q, s = quant.quantize_fp8_block(t["layers.0.attn.wq_b.weight"], 128)
   t["layers.0.attn.wq_b.weight"] = q
   with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wq_b\.weight.*F8_E4M3 needs a block-scale"):
     load_checkpoint(_write(tmp_path, t), cfg)
@@ -303,7 +304,7 @@ def test_truncated_and_garbage_files(tiny, tmp_path):
   cfg, params = tiny
   (f,) = save_hf_safetensors(params, cfg, str(tmp_path / "ok"))
   data = open(f, "rb").read()
-  hdr = S.read_header(f)
+  hdr = safetensors_io.read_header(f)
   last = max(hdr.values(), key=lambda e: e.start)
   cut = tmp_path / "cut.safetensors"
   cut.write_bytes(data[: last.start + 10])
@@ -326,7 +327,7 @@ def test_truncated_and_garbage_files(tiny, tmp_path):
 def test_sharded_index_inconsistencies(tiny, tmp_path):
   cfg, params = tiny
   files = save_hf_safetensors(params, cfg, str(tmp_path), shard_bytes=50_000)
-  idx = tmp_path / S.INDEX_FILE
+  idx = tmp_path / safetensors_io.INDEX_FILE
   good = json.load(open(idx))
   bad = json.loads(json.dumps(good))
   name = "model.layers.3.self_attn.compressor.indexer.q_b_proj.weight"
@@ -357,9 +358,10 @@ def test_orbax_round_trip_and_validation(tiny, tmp_path):
   save_params(params, str(tmp_path / "ck"))
   got = restore_params(str(tmp_path / "ck"), cfg)
   assert _max_diff(params, jax.tree_util.tree_map(np.asarray, got)) == 0.0
-  with pytest.raises(CheckpointError, match=r"param 'layers/2/attn/compressor/ape'.*shape \[16, 64\], expected \[32, 64\]"):
-    restore_params(str(tmp_path / "ck"), C.v4_tiny(hca_ratio=32))
+  with pytest.raises(CheckpointError,
+                     match=r"param 'layers/2/attn/compressor/ape'.*shape \[16, 64\], expected \[32, 64\]"):
+    restore_params(str(tmp_path / "ck"), config.v4_tiny(hca_ratio=32))
   with pytest.raises(CheckpointError, match=r"param 'layers/4/.*missing"):
-    restore_params(str(tmp_path / "ck"), C.v4_tiny(num_layers=5))
+    restore_params(str(tmp_path / "ck"), config.v4_tiny(num_layers=5))
   with pytest.raises(CheckpointError, match="no such orbax"):
     restore_params(str(tmp_path / "nothing"), cfg)

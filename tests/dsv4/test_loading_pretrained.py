@@ -12,14 +12,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4 import config as C
+from dsv4 import config
 from dsv4.config import ConfigError
 from dsv4.loading import CheckpointError, Quant
-from dsv4.loading import quant as Q
-from dsv4.loading import safetensors_io as S
+from dsv4.loading import quant
+from dsv4.loading import safetensors_io
 from dsv4.loading.pretrained import load_pretrained
-from tests.dsv4 import oracle_util as O
-from tests.dsv4 import v41_oracle as V
+from tests.dsv4 import oracle_util
+from tests.dsv4 import v41_oracle
 from tests.dsv4.test_loading import _max_diff, _random_params, _v41_tiny
 from tests.dsv4.test_tokenizer import make_tokenizer
 
@@ -32,13 +32,15 @@ def make_checkpoint_dir(path, naming: str, seed: int = 0, *, shard_bytes: int = 
   `mtp` MTP blocks stored; config.json declares them (num_nextn_predict_layers), or one when mtp_declared."""
   if naming == "nemo" and not mtp:
     cfg = _v41_tiny()
-    conf = {"model_type": "deepseek_v41_text", **V.nemo_text_kwargs(cfg)}
+    conf = {"model_type": "deepseek_v41_text", **v41_oracle.nemo_text_kwargs(cfg)}
   else:
-    cfg = dataclasses.replace(C.v4_tiny(), num_mtp_layers=mtp)
-    conf = {"model_type": "deepseek_v4", **O.HF_TINY_KWARGS, "num_nextn_predict_layers": max(mtp, int(mtp_declared))}
+    cfg = dataclasses.replace(config.v4_tiny(), num_mtp_layers=mtp)
+    conf = {"model_type": "deepseek_v4", **oracle_util.HF_TINY_KWARGS,
+            "num_nextn_predict_layers": max(mtp, int(mtp_declared))}
   params = _random_params(cfg, seed)
   os.makedirs(path, exist_ok=True)
-  S.save_checkpoint(params, cfg, str(path), naming=naming, shard_bytes=shard_bytes, dtype=ml_dtypes.bfloat16)
+  safetensors_io.save_checkpoint(params, cfg, str(path), naming=naming, shard_bytes=shard_bytes,
+                                 dtype=ml_dtypes.bfloat16)
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(conf, f)
   make_tokenizer(cfg.vocab_size).save(str(path))
@@ -74,7 +76,7 @@ def test_the_mtp_block_config_json_declares(tmp_path, naming):
   if naming != "original":
     return
   make_checkpoint_dir(tmp_path / "without", naming, mtp_declared=True)
-  assert S.stored_mtp_blocks(str(tmp_path / "without"), cfg.num_layers) == 0
+  assert safetensors_io.stored_mtp_blocks(str(tmp_path / "without"), cfg.num_layers) == 0
   assert load_pretrained(str(tmp_path / "without")).config.num_mtp_layers == 0
   with pytest.raises(CheckpointError, match="mtp.0"):
     load_pretrained(str(tmp_path / "without"), mtp=True)
@@ -86,10 +88,10 @@ def test_the_mtp_block_config_json_declares(tmp_path, naming):
 def test_dtype_auto_is_the_checkpoint_storage_dtype(tmp_path, stored, quant, want):
   """dtype="auto": the dtype of the checkpoint's plain float tensors; FP8 / FP4 tensors (and their F32 / E8M0
   scales) do not count and dequantize into it."""
-  cfg = C.v4_tiny()
-  S.save_checkpoint(_random_params(cfg, 7), cfg, str(tmp_path), naming="hf", dtype=stored, quant=quant)
-  (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", **O.HF_TINY_KWARGS}))
-  assert S.storage_dtype(str(tmp_path)) == want
+  cfg = config.v4_tiny()
+  safetensors_io.save_checkpoint(_random_params(cfg, 7), cfg, str(tmp_path), naming="hf", dtype=stored, quant=quant)
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", **oracle_util.HF_TINY_KWARGS}))
+  assert safetensors_io.storage_dtype(str(tmp_path)) == want
   pre = load_pretrained(str(tmp_path), tokenizer=False)
   assert pre.dtype == want
   assert {np.asarray(x).dtype for x in jax.tree_util.tree_leaves(pre.params)} == {np.dtype(want), np.dtype(np.int32)}
@@ -98,23 +100,24 @@ def test_dtype_auto_is_the_checkpoint_storage_dtype(tmp_path, stored, quant, wan
 
 
 def test_dtype_auto_counts_elements_and_refuses_other_dtypes(tmp_path):
-  cfg = C.v4_tiny()
-  S.save_checkpoint(_random_params(cfg, 8), cfg, str(tmp_path), naming="hf", dtype=ml_dtypes.bfloat16)
-  fp = os.path.join(tmp_path, S.SINGLE_FILE)
-  t = {k: S._read(e) for k, e in S.read_header(fp).items()}
+  cfg = config.v4_tiny()
+  safetensors_io.save_checkpoint(_random_params(cfg, 8), cfg, str(tmp_path), naming="hf", dtype=ml_dtypes.bfloat16)
+  fp = os.path.join(tmp_path, safetensors_io.SINGLE_FILE)
+  t = {k: safetensors_io.read_tensor(e) for k, e in safetensors_io.read_header(fp).items()}
   for k in t:  # released checkpoints keep a few small tensors (norms, router biases) in F32: still bf16
     if k.endswith(("norm.weight", "e_score_correction_bias")):
       t[k] = t[k].astype(np.float32)
-  S.write_file(t, fp)
-  assert {e.dtype for e in S.read_header(fp).values()} >= {"F32", "BF16"}
-  assert S.storage_dtype(str(tmp_path)) == ml_dtypes.bfloat16
+  safetensors_io.write_file(t, fp)
+  assert {e.dtype for e in safetensors_io.read_header(fp).values()} >= {"F32", "BF16"}
+  assert safetensors_io.storage_dtype(str(tmp_path)) == ml_dtypes.bfloat16
   # nothing but quantized tensors and scales: bfloat16
   q = tmp_path / "q"
   q.mkdir()
-  w, sc = Q.quantize_fp8_block(np.ones((128, 128), np.float32), 128)
-  S.write_file({"layers.0.attn.wq_a.weight": w, "layers.0.attn.wq_a.scale": sc}, str(q / S.SINGLE_FILE))
-  assert S.storage_dtype(str(q)) == ml_dtypes.bfloat16
-  (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", **O.HF_TINY_KWARGS}))
+  w, sc = quant.quantize_fp8_block(np.ones((128, 128), np.float32), 128)
+  safetensors_io.write_file({"layers.0.attn.wq_a.weight": w, "layers.0.attn.wq_a.scale": sc},
+                            str(q / safetensors_io.SINGLE_FILE))
+  assert safetensors_io.storage_dtype(str(q)) == ml_dtypes.bfloat16
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", **oracle_util.HF_TINY_KWARGS}))
   for bad in (np.float16, "fp16", np.int32):
     with pytest.raises(ValueError, match="dtype must be 'auto', float32 or bfloat16"):
       load_pretrained(str(tmp_path), dtype=bad)
@@ -215,22 +218,22 @@ def test_v41_engram_token_map_comes_from_the_tokenizer(tmp_path):
   """A NeMo V4.1 dir with Engram: the normalised-vocabulary token map is derived from the dir's tokenizer.json
   and equals the map computed from the transformers tokenizer it was saved from."""
   from dsv4 import model
-  from dsv4.layers import engram as E
-  cfg = C.v41_tiny()
+  from dsv4.layers import engram
+  cfg = config.v41_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
-  S.save_checkpoint(params, cfg, str(tmp_path), naming="nemo", shard_bytes=300_000)
+  safetensors_io.save_checkpoint(params, cfg, str(tmp_path), naming="nemo", shard_bytes=300_000)
   with open(tmp_path / "config.json", "w") as f:
-    json.dump({"model_type": "deepseek_v41_text", **V.nemo_text_kwargs(cfg)}, f)
-  hf_tok = V.tiny_tokenizer(cfg.vocab_size)
+    json.dump({"model_type": "deepseek_v41_text", **v41_oracle.nemo_text_kwargs(cfg)}, f)
+  hf_tok = v41_oracle.tiny_tokenizer(cfg.vocab_size)
   hf_tok.save_pretrained(str(tmp_path))
   pre = load_pretrained(str(tmp_path), dtype=np.float32)
-  want, n = E.compressed_token_map(hf_tok)
+  want, n = engram.compressed_token_map(hf_tok)
   assert n == cfg.engram.compressed_vocab_size
   np.testing.assert_array_equal(np.asarray(pre.params["engram_token_map"]), want)
   assert not np.array_equal(want, np.arange(cfg.vocab_size))  # the map is not the identity
   # a tokenizer whose normalised vocabulary does not match config.json is refused by name
   with open(tmp_path / "config.json", "w") as f:
-    json.dump({"model_type": "deepseek_v41_text", **V.nemo_text_kwargs(cfg),
+    json.dump({"model_type": "deepseek_v41_text", **v41_oracle.nemo_text_kwargs(cfg),
                "engram_compressed_vocab_size": cfg.engram.compressed_vocab_size + 1}, f)
   with pytest.raises(CheckpointError, match="engram_compressed_vocab_size"):
     load_pretrained(str(tmp_path))

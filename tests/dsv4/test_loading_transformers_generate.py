@@ -11,7 +11,7 @@ from dsv4.engine.api import generate_text
 from dsv4.engine.engine import EngineConfig
 from dsv4.engine.sampling import SamplingParams
 from dsv4.loading import load_pretrained
-from tests.dsv4 import oracle_util as O
+from tests.dsv4 import oracle_util
 from tests.dsv4.test_tokenizer import save_hf_bpe_tokenizer
 
 NEW_TOKENS = 6
@@ -25,7 +25,7 @@ CHAT = [{"role": "system", "content": "a tiny model reads the words"},
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
   d = str(tmp_path_factory.mktemp("hf_saved"))
-  hf = O.build_oracle(seed=3)
+  hf = oracle_util.build_oracle(seed=3)
   hf.save_pretrained(d)
   hf_tok = save_hf_bpe_tokenizer(d, vocab_size=hf.config.vocab_size)
   return d, hf, hf_tok

@@ -159,7 +159,7 @@ def test_hf_layer_form_reads_through_nemos_adapter(nemo, tmp_path, quant):
   out = {}
   for naming in ("original", "hf"):
     S.save_checkpoint(params, CFG, str(tmp_path / naming), naming=naming, quant=quant)
-    t = {k: _torch(S._read(e)) for k, e in S.read_entries(str(tmp_path / naming)).items()}
+    t = {k: _torch(S.read_tensor(e)) for k, e in S.read_entries(str(tmp_path / naming)).items()}
     out[naming] = {k: v for k, v in adapter.from_hf(t).items() if k.startswith("mtp.")}
   assert "model.layers.2.attn.wq_a.weight" in t and "layers.2.e_proj.weight" in t
   assert sorted(out["hf"]) == sorted(out["original"]) and "mtp.layers.0.mlp.experts.gate_and_up_projs" in out["hf"]
