@@ -20,6 +20,8 @@ XLA flags: see tests/xla_test_flags.py (LLVM optimisation level 0 for the suite'
 Hypothesis: the "ci" profile (default) derandomizes, so a run is reproducible and a failure reruns the same way;
 DSV4_HYPOTHESIS=fresh draws new examples each run (and prints the blob to reproduce a failure).
 
+Orphans: a run fails if a process it started outlives it (tests/orphans.py, a plugin loaded here).
+
 Tiers: `slow` is the only marker (registered in pyproject.toml, --strict-markers); the default run deselects it.
 Which tests are slow, and what covers each feature in the default tier instead, is listed in tests/slow_tier.py.
 """
@@ -37,6 +39,8 @@ from tests import xla_test_flags
 from tests.slow_tier import SLOW
 
 xla_test_flags.install()  # before any test touches a device: XLA reads XLA_FLAGS when JAX creates its backend
+
+pytest_plugins = ("tests.orphans",)
 
 
 hypothesis.settings.register_profile("ci", derandomize=True, print_blob=True)

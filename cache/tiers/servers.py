@@ -5,11 +5,15 @@ One command starts a local store for the redis / mooncake tier and prints the UR
     python -m cache.tiers.servers redis [--port 6379] [--maxmemory 4gb]
     python -m cache.tiers.servers mooncake [--port 50051] [--segment 4GB]
 
-The first line on stdout is the URL; the server runs until Ctrl-C (or SIGTERM), then stops cleanly."""
+The first line on stdout is the URL; the server runs until Ctrl-C (SIGINT), SIGTERM or SIGHUP, then stops cleanly.
+
+Every server process is started with a parent-death signal (Linux): if the process that started it dies without
+stopping it (SIGKILL, a crash), the kernel sends the server SIGTERM, so no server outlives its owner."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -42,18 +46,21 @@ class RedisServer:
             "--dir", self.dir, "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
     if debug:
       args += ["--enable-debug-command", "local"]
-    self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                 start_new_session=own_session)
+    self.proc = _start(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=own_session)
     self.url = f"redis://127.0.0.1:{self.port}/0"
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 10 and self.proc.poll() is None:
-      try:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-          s.sendall(b"PING\r\n")
-          if s.recv(16).startswith(b"+PONG"):
-            return
-      except OSError:
-        time.sleep(0.02)
+    try:
+      t0 = time.monotonic()
+      while time.monotonic() - t0 < 10 and self.proc.poll() is None:
+        try:
+          with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(16).startswith(b"+PONG"):
+              return
+        except OSError:
+          time.sleep(0.02)
+    except BaseException:      # Ctrl-C while waiting: the caller never gets the object, so stop it here
+      self.stop()
+      raise
     self.stop()
     raise RuntimeError(f"redis-server did not come up on port {self.port} (exit code {self.proc.returncode})")
 
@@ -92,23 +99,23 @@ class MooncakeServer:
     self.rpc, self.http, cport = port or free_port(), free_port(), free_port()
     self.log = tempfile.mkdtemp(prefix="dsv4-mooncake-")
     self.meta = f"http://127.0.0.1:{self.http}/metadata"
-    self.master = subprocess.Popen(
-        ["mooncake_master", f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
-         "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-         f"--http_metadata_server_port={self.http}"], env=env,
-        stdout=open(os.path.join(self.log, "master.log"), "w"), stderr=subprocess.STDOUT,
-        start_new_session=own_session)
+    with open(os.path.join(self.log, "master.log"), "w") as log:   # the child keeps its own copy of the fd
+      self.master = _start(
+          ["mooncake_master", f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
+           "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+           f"--http_metadata_server_port={self.http}"], env=env, stdout=log, stderr=subprocess.STDOUT,
+          start_new_session=own_session)
     self.client = None
     try:
       _wait_port(self.rpc)
       _wait_port(self.http)
-      self.client = subprocess.Popen(
-          ["mooncake_client", "--host=127.0.0.1", f"--port={cport}", f"--master_server_address=127.0.0.1:{self.rpc}",
-           f"--metadata_server={self.meta}", f"--global_segment_size={segment}", "--local_buffer_size=16MB",
-           "--protocol=tcp"], env=env, stdout=open(os.path.join(self.log, "client.log"), "w"),
-          stderr=subprocess.STDOUT, start_new_session=own_session)
+      with open(os.path.join(self.log, "client.log"), "w") as log:
+        self.client = _start(
+            ["mooncake_client", "--host=127.0.0.1", f"--port={cport}", f"--master_server_address=127.0.0.1:{self.rpc}",
+             f"--metadata_server={self.meta}", f"--global_segment_size={segment}", "--local_buffer_size=16MB",
+             "--protocol=tcp"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=own_session)
       _wait_port(cport)
-    except Exception:
+    except BaseException:      # a failed start or Ctrl-C: the caller never gets the object, so stop it here
       self.stop()
       raise
     self.url = f"mooncake://127.0.0.1:{self.rpc}?metadata={self.meta}"
@@ -148,8 +155,36 @@ def _check_free(port: int) -> None:
       raise RuntimeError(f"port {port} is in use on 127.0.0.1 ({e.strerror})") from None
 
 
-def _interrupt(*_):
-  raise KeyboardInterrupt
+_PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
+_prctl = None           # libc's prctl, looked up once in the parent (the child must not load libraries)
+
+
+def _die_with_parent():
+  """A preexec_fn that has the kernel send the child SIGTERM when its parent dies, or None off Linux.
+
+  The kernel sends it when the *thread* that forked the child exits, not when the process does: start servers from
+  a thread that lives as long as they should (the main thread, as the CLI, test fixtures and benchmarks do)."""
+  global _prctl
+  if not sys.platform.startswith("linux"):
+    return None
+  if _prctl is None:
+    try:
+      _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+      return None
+  parent = os.getpid()
+  option, sig, zero = ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM), ctypes.c_ulong(0)
+
+  def preexec():
+    _prctl(option, sig, zero, zero, zero)
+    if os.getppid() != parent:   # the parent died between fork and prctl: no signal will come, so go now
+      os._exit(1)
+  return preexec
+
+
+def _start(args: list, **popen_kw) -> subprocess.Popen:
+  # preexec_fn in a threaded process: safe enough here, it makes two system calls through a function looked up before
+  return subprocess.Popen(args, preexec_fn=_die_with_parent(), **popen_kw)  # noqa: PLW1509
 
 
 def _stop(proc: subprocess.Popen, graceful_s: float) -> None:
@@ -178,8 +213,13 @@ def main(argv=None) -> int:
   a = ap.parse_args(argv)
   if not 0 <= a.port <= 65535:
     ap.error(f"--port: in [0, 65535], got {a.port}")
-  # SIGTERM (a supervisor, a test) stops it the same way as Ctrl-C
-  signal.signal(signal.SIGTERM, _interrupt)
+  # Ctrl-C, SIGTERM (a supervisor, a test) and SIGHUP (the terminal closed) all stop it, whatever dispositions it
+  # inherited: a process started with SIGINT ignored (a background job of a non-interactive shell, some test
+  # runners) keeps it ignored, and Python then installs no KeyboardInterrupt handler. The handler only records the
+  # request, so no exception lands in the middle of starting or stopping a server.
+  stop_requests = []
+  for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, lambda signum, _frame: stop_requests.append(signum))
   try:
     if a.kind == "redis":
       server = RedisServer(port=a.port or None, maxmemory=a.maxmemory, debug=False, own_session=True)
@@ -188,19 +228,18 @@ def main(argv=None) -> int:
   except (RuntimeError, OSError) as e:
     print(f"servers: cannot start {a.kind}: {e}", file=sys.stderr)
     return 1
-  except KeyboardInterrupt:
-    return 130
-  print(server.url, flush=True)
-  print(f"{a.kind} store running; pass --kv_tiers=...,{a.kind} --kv_store_url={server.url} (Ctrl-C to stop)",
-        file=sys.stderr, flush=True)
   code = 0
   try:
-    while server.alive():
-      time.sleep(0.5)
-    print(f"servers: the {a.kind} server exited on its own", file=sys.stderr)
-    code = 1
-  except KeyboardInterrupt:
-    pass
+    if stop_requests:          # asked to stop while it was starting: no URL, the interrupted code
+      return 130
+    print(server.url, flush=True)
+    print(f"{a.kind} store running; pass --kv_tiers=...,{a.kind} --kv_store_url={server.url} (Ctrl-C to stop)",
+          file=sys.stderr, flush=True)
+    while server.alive() and not stop_requests:
+      time.sleep(0.1)
+    if not stop_requests:
+      print(f"servers: the {a.kind} server exited on its own", file=sys.stderr)
+      code = 1
   finally:
     server.stop(graceful_s=5.0)
   return code

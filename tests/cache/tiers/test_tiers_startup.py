@@ -1,12 +1,14 @@
 """Tiers a user can reach: a disk directory shared by engines that run at the same time (records written after a
 tier indexed the directory are found by key), Redis URLs checked at start-up (syntax, one ping, a missing client
-package), and `python -m cache.tiers.servers` starting a store and printing its URL."""
+package), and `python -m cache.tiers.servers` starting a store, printing its URL and stopping it on a signal; no
+server outlives the process that started it."""
 
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -67,6 +69,8 @@ def test_redis_ping_at_start_marks_an_unreachable_store_down():
   assert s["failures"] == 1 and s["last_error"].startswith("connect:") and not s["ok"] and s["down"]
   assert not t.available() and t.contains_many(["k"]) == [False]      # skipped, no timeout paid per lookup
   t.close()
+  if shutil.which("redis-server") is None:
+    pytest.skip("redis-server not installed (apt-get install redis-server): the reachable half is not checked")
   with RedisServer() as srv:
     t = Tier(RedisBackend(srv.url, timeout_s=0.5))
     assert t.check() and t.summary()["failures"] == 0 and t.ok
@@ -79,26 +83,138 @@ def test_missing_redis_client_is_a_clear_error(monkeypatch):
     RedisBackend("redis://127.0.0.1:6379/0")
 
 
-def test_servers_cli_starts_redis_and_prints_its_url():
-  if shutil.which("redis-server") is None:
-    pytest.skip("redis-server not on PATH")
+needs_redis_server = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                        reason="redis-server not installed (apt-get install redis-server)")
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds server processes through /proc (Linux)")
+
+
+def with_sigint(disposition: str) -> list[str]:
+  """A prefix that execs the command with SIGINT set to SIG_DFL or SIG_IGN: whatever the test runner's own, the CLI
+  inherits that one (a non-interactive shell starts its background jobs with SIGINT ignored; exec keeps it)."""
+  return [sys.executable, "-c", (f"import os, signal, sys; signal.signal(signal.SIGINT, signal.{disposition}); "
+                                 "os.execv(sys.argv[1], sys.argv[1:])")]
+
+
+def running(pid: int) -> bool:
+  """Alive and not a zombie (a server killed by its parent-death signal stays one until init reaps it)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+  except (OSError, IndexError):
+    return False
+
+
+def children(pid: int) -> list[int]:
+  found = []
+  for name in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{name}/stat") as f:
+        if name.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:   # ppid follows the state
+          found.append(int(name))
+    except (OSError, IndexError, ValueError):
+      pass
+  return found
+
+
+def gone_within(pids, timeout_s: float = 10.0) -> bool:
+  deadline = time.monotonic() + timeout_s
+  while any(running(p) for p in pids) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return not any(running(p) for p in pids)
+
+
+class ServersCli:
+  """`python -m cache.tiers.servers` in a session of its own; on exit kills it and its servers whatever happened, so a
+  failing test leaves nothing behind either."""
+
+  def __init__(self, *args: str, prefix: tuple = ()):
+    self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "cache.tiers.servers", *args], cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    self.server_pids: list[int] = []
+
+  def __enter__(self):
+    return self
+
+  def read_url(self) -> str:
+    url = self.proc.stdout.readline().strip()
+    self.server_pids = children(self.proc.pid)        # started before the URL is printed
+    return url
+
+  def __exit__(self, *exc):
+    self.server_pids += [c for c in children(self.proc.pid) if c not in self.server_pids]
+    if self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+    self.proc.wait()
+    for pid in self.server_pids:
+      if running(pid):
+        os.kill(pid, signal.SIGKILL)
+    self.proc.stdout.close()
+    self.proc.stderr.close()
+
+
+@needs_redis_server
+@needs_proc
+@pytest.mark.parametrize("sig,inherited", [("SIGINT", "SIG_DFL"), ("SIGTERM", "SIG_DFL"), ("SIGINT", "SIG_IGN")])
+def test_servers_cli_starts_redis_prints_its_url_and_stops_it_on_a_signal(sig, inherited):
   import redis
   port = free_port()
-  p = subprocess.Popen([sys.executable, "-m", "cache.tiers.servers", "redis", "--port", str(port)], cwd=ROOT,
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  try:
-    url = p.stdout.readline().strip()
-    assert url == f"redis://127.0.0.1:{port}/0", p.stderr.read() if p.poll() is not None else url
+  with ServersCli("redis", "--port", str(port), prefix=with_sigint(inherited)) as cli:
+    url = cli.read_url()
+    assert url == f"redis://127.0.0.1:{port}/0", cli.proc.stderr.read() if cli.proc.poll() is not None else url
+    assert len(cli.server_pids) == 1 and running(cli.server_pids[0])
     c = redis.Redis.from_url(url, socket_timeout=2)
     assert c.ping()
     c.close()
-    p.send_signal(signal.SIGINT)                      # Ctrl-C: stops the server, exits 0
-    assert p.wait(timeout=20) == 0
+    cli.proc.send_signal(getattr(signal, sig))        # Ctrl-C or a supervisor: stops the server, exits 0
+    assert cli.proc.wait(timeout=20) == 0
+    assert not running(cli.server_pids[0])            # stopped and reaped by the CLI
     with pytest.raises(redis.ConnectionError):
       redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+
+
+@needs_redis_server
+@needs_proc
+def test_servers_cli_killed_leaves_no_server_behind():
+  with ServersCli("redis") as cli:
+    assert cli.read_url().startswith("redis://127.0.0.1:")
+    assert len(cli.server_pids) == 1 and running(cli.server_pids[0])
+    cli.proc.kill()                                   # no chance to clean up: the server's parent-death signal does
+    cli.proc.wait()
+    assert gone_within(cli.server_pids)
+
+
+OWNER = """
+import sys
+from cache.tiers.servers import MooncakeServer, RedisServer
+s = RedisServer() if sys.argv[1] == "redis" else MooncakeServer(segment="16MB")
+print(s.url, flush=True)
+sys.stdin.read()
+"""
+
+
+@needs_proc
+@pytest.mark.parametrize("kind", ["redis", "mooncake"])
+def test_a_server_dies_with_the_process_that_started_it(kind):
+  exes = ["redis-server"] if kind == "redis" else ["mooncake_master", "mooncake_client"]
+  if any(shutil.which(e) is None for e in exes):
+    pytest.skip(f"{' / '.join(exes)} not installed")
+  owner = subprocess.Popen([sys.executable, "-c", OWNER, kind], cwd=ROOT, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+  servers = []
+  try:
+    url = owner.stdout.readline().strip()
+    servers = children(owner.pid)
+    assert url.startswith(f"{kind}://") and len(servers) == len(exes), owner.stderr.read()
+    owner.kill()                                      # a crashed test worker, say
+    owner.wait()
+    assert gone_within(servers)
   finally:
-    if p.poll() is None:
-      p.kill()
-      p.wait()
-    p.stdout.close()
-    p.stderr.close()
+    servers += [c for c in children(owner.pid) if c not in servers]
+    if owner.poll() is None:
+      os.killpg(owner.pid, signal.SIGKILL)
+      owner.wait()
+    for pid in servers:
+      if running(pid):
+        os.kill(pid, signal.SIGKILL)
+    for f in (owner.stdin, owner.stdout, owner.stderr):
+      f.close()
