@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache import pool as P
+from cache import pool
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog
 from cache.manager import KVCacheManager
 from cache.specs import CacheSpecs
@@ -83,7 +83,7 @@ class PolicyCacheManager(KVCacheManager):
     self.flush()     # the release above is queued; apply it, then re-sort (reference and free counts unchanged)
     st = self._pools[name]
     cached = np.asarray(st.cached_N)
-    queue = P.free_queue(st)
+    queue = pool.free_queue(st)
     tail = [b for b in queue if cached[b]]
     stamp = self.events.stamp
     want = sorted(tail, key=lambda b: stamp[(name, b)])
@@ -91,10 +91,10 @@ class PolicyCacheManager(KVCacheManager):
       return
     self.stats["fifo_reorders"] += 1
     for chunk in _chunks(tail):
-      self._pools[name], ok = P.touch(self._pools[name], chunk)
+      self._pools[name], ok = pool.touch(self._pools[name], chunk)
       assert bool(ok)
     for chunk in _chunks(want):
-      self._pools[name], ok = P.free(self._pools[name], chunk, prepend_uncached=True)
+      self._pools[name], ok = pool.free(self._pools[name], chunk, prepend_uncached=True)
       assert bool(ok)
 
 

@@ -22,8 +22,9 @@ Lifecycle of a request (all token counts are absolute positions in the request):
 **No host round trip of its own per step.** `commit`, `free` and `allocate_for` only queue work. The engine takes
 the queue (`take_step_plan`: one int32 buffer of fixed widths) and runs it on the device state
 (`apply_step_packed`) right before the model program, with no host read between; the host reads back a few
-counters with the sampled tokens (`on_step_result`, possibly one step late). Standalone calls (`flush`, `add_requests`, lookups, reading
-tables) apply the queue in their own jitted call (`apply_step_packed`, one transfer in, one out).
+counters with the sampled tokens (`on_step_result`, possibly one step late). Standalone calls (`flush`,
+`add_requests`, lookups, reading tables) apply the queue in their own jitted call (`apply_step_packed`, one
+transfer in, one out).
 
 Free counts: allocations are decided on the host against a count that is exact after every read of the device's
 counters and lowers by every allocation since; releases only raise it when the device confirms them (siblings
@@ -34,6 +35,11 @@ Errors: unknown / duplicate request ids, commits beyond allocated or known token
 `CacheError`; running out of blocks is a return value (`OutOfBlocks`), never an exception or a silent failure.
 `legacy_dense_swa=True` reproduces vLLM <= 0.22 (every sliding block hashed, every freed block appended) for the
 session-switch regression test only.
+
+Layout: this file is the host planner (the public API). Its device half, the device state, the queue of bookkeeping,
+carving it into one buffer, applying it and reading the results back, is the mixin `cache.device_queue.DeviceQueue`.
+What callers get back is in `cache.api_types`, a request's host state in `cache.request_state`, the step plan and
+its static widths in `cache.step_plan`.
 """
 
 from __future__ import annotations
@@ -44,259 +50,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cache import pool as P
+from cache import pool
+from cache.api_types import BlockTables, CacheError, OutOfBlocks, PrefixHit
 from cache.checkpoints import CheckpointPolicy
-from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent
-from cache.hashing import ExtraKeys, RequestHasher, device_key, digest_words, key_int, keys_from_words
+from cache.device_queue import DeviceQueue
+from cache.events import AllBlocksCleared, EventLog, KVEvent
+from cache.hashing import ExtraKeys, RequestHasher, device_key, digest_words, key_int
 from cache.prefix import find_hits, group_searches
+from cache.request_state import HOST_HELD, HeldEntries, Int32Buffer, RequestState
 from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs
-from cache.step import AdmitPlan, GroupPlan, InputCarver, apply_step_packed, result_layout, unpack
+from cache.step_plan import StepPlan, bucket_width
+
+# what callers import from here (the types live in cache/api_types.py and cache/step_plan.py)
+__all__ = ["BlockTables", "CacheError", "KVCacheManager", "OutOfBlocks", "PrefixHit", "StepPlan"]
 
 
-class CacheError(ValueError):
-  """Bad use of the manager (unknown request, inconsistent counts)."""
-
-
-class PrefixHit:
-  """num_tokens: tokens to skip (aligned; 0 = miss). block_ids: per group, the table prefix for [0, num_tokens);
-  sliding groups -1 before the tail. Built on first access (the engine reads only num_tokens)."""
-
-  __slots__ = ("num_tokens", "_ids", "_make")
-
-  def __init__(self, num_tokens: int, block_ids: dict[str, np.ndarray] | None = None, make=None):
-    self.num_tokens, self._ids, self._make = num_tokens, block_ids, make
-
-  @property
-  def block_ids(self) -> dict[str, np.ndarray]:
-    if self._ids is None:
-      self._ids = self._make()
-    return self._ids
-
-  def __repr__(self):
-    return f"PrefixHit(num_tokens={self.num_tokens})"
-
-  @property
-  def full(self) -> np.ndarray:
-    return self.block_ids["full"]
-
-  @property
-  def swa(self) -> np.ndarray:
-    return self.block_ids["swa"]
-
-
-class BlockTables:
-  """Per-group block tables of one request (dict by group name; `.full` / `.swa` for today's engine). Read from
-  the device tables lazily, on first access (tests, tiers, debugging: the engine's step never reads them)."""
-
-  def __init__(self, mgr: "KVCacheManager | None", rid: str | None, tables: dict[str, np.ndarray] | None = None):
-    self._mgr, self._rid, self._tables = mgr, rid, tables
-
-  @property
-  def tables(self) -> dict[str, np.ndarray]:
-    if self._tables is None:
-      self._tables = self._mgr._tables_now(self._rid)
-    return self._tables
-
-  def __getitem__(self, name: str) -> np.ndarray:
-    return self.tables[name]
-
-  @property
-  def full(self) -> np.ndarray:
-    return self.tables.get("full", np.zeros(0, np.int32))
-
-  @property
-  def swa(self) -> np.ndarray:
-    return self.tables["swa"]
-
-  def __bool__(self):
-    return True
-
-
-@dataclasses.dataclass(frozen=True)
-class OutOfBlocks:
-  group: str
-  needed: int
-  free: int
-
-  def __bool__(self):                  # `if not mgr.allocate_for(...)` reads naturally
-    return False
-
-
-def _empty(shape) -> np.ndarray:
-  return np.empty(shape, np.int32)
-
-
-HELD = 1         # host table entry: the request holds a block there (its id lives in the device table only)
-
-
-class _Buf:
-  """A growable int32 numpy buffer (doubling): a request's token list, or the explicit HELD / -1 mask of a table
-  with gaps (`_Held`). Slices and masks replace per-block Python loops."""
-
-  __slots__ = ("buf", "n")
-
-  def __init__(self, ids: np.ndarray):
-    self.n = len(ids)
-    self.buf = np.empty(max(16, self.n + self.n // 4), np.int32)   # room for a few decode / chunk appends
-    self.buf[:self.n] = ids
-
-  def __len__(self):
-    return self.n
-
-  def view(self) -> np.ndarray:
-    return self.buf[:self.n]
-
-  def extend(self, vals) -> int:
-    """Append the values of `vals`; returns the start index (`extend_fill` appends one value repeated)."""
-    vals = np.asarray(vals, np.int32)
-    start = self.n
-    self._grow(start + len(vals))
-    self.buf[start:start + len(vals)] = vals
-    self.n = start + len(vals)
-    return start
-
-  def extend_fill(self, value: int, count: int) -> int:
-    start = self.n
-    self._grow(start + count)
-    self.buf[start:start + count] = value
-    self.n = start + count
-    return start
-
-  def _grow(self, need: int):
-    if need > len(self.buf):
-      b = np.empty(max(need, 2 * len(self.buf)), np.int32)
-      b[:self.n] = self.buf[:self.n]
-      self.buf = b
-
-
-class _Held:
-  """Which entries of one request's block table in one group hold a block (the ids live on the device). Normally a
-  run [lo, n): full-history groups hold every entry from 0, sliding groups release from the front, and hits and
-  allocations leave no gap, so the common operations are integer updates, no array work. A load from a lower tier
-  can leave gaps (`extend_for_load`): the entries then become an explicit HELD / -1 mask (`mask`, a _Buf)."""
-
-  __slots__ = ("lo", "n", "mask")
-
-  def __init__(self, lo: int = 0, n: int = 0):
-    self.lo, self.n, self.mask = min(lo, n), n, None
-
-  def __len__(self):
-    return self.n
-
-  def view(self) -> np.ndarray:
-    """HELD / -1 per entry (a copy in the run form)."""
-    if self.mask is not None:
-      return self.mask.view()
-    out = np.full(self.n, -1, np.int32)
-    out[self.lo:] = HELD
-    return out
-
-  def all_held(self, a: int, b: int) -> bool:
-    """Entries [a, b) (a < b) all held."""
-    if self.mask is None:
-      return self.lo <= a and b <= self.n
-    return b <= self.n and self.mask.buf[a:b].min() >= 0
-
-  def held_runs(self, a: int, b: int) -> list[tuple[int, int]]:
-    """The held entries in [a, b) as maximal runs (lo, hi), ascending."""
-    b = min(b, self.n)
-    if self.mask is None:
-      lo = max(a, self.lo)
-      return [(lo, b)] if lo < b else []
-    if a >= b:
-      return []
-    held = np.concatenate([[False], self.mask.buf[a:b] >= 0, [False]])
-    edges = np.flatnonzero(held[1:] != held[:-1]) + a
-    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
-
-  def grow(self, count: int) -> int:
-    """Append `count` held entries; returns the first one's index."""
-    start = self.n
-    if self.mask is not None:
-      self.mask.extend_fill(HELD, count)
-    self.n += count
-    return start
-
-  def extend(self, vals) -> None:
-    """Append entries HELD / -1 as given (a gap switches to the explicit mask)."""
-    vals = np.asarray(vals, np.int32)
-    if self.mask is None and (vals >= 0).all():
-      self.n += len(vals)
-      return
-    if self.mask is None:
-      self.mask = _Buf(self.view())
-    self.mask.extend(vals)
-    self.n += len(vals)
-
-  def clear_front(self, upto: int) -> None:
-    """Entries before `upto` no longer held (released)."""
-    if self.mask is None:
-      self.lo = max(self.lo, min(upto, self.n))
-    else:
-      self.mask.buf[:min(upto, self.n)] = -1
-
-
-@dataclasses.dataclass
-class _Request:
-  rid: str
-  tokens: _Buf
-  hasher: RequestHasher
-  tenant: str
-  prompt_len: int
-  num_computed: int
-  tables: dict[str, _Held]             # which table entries it holds; the ids are on the device
-  num_registered: dict[str, int]       # full groups: leading blocks already offered to the cache
-  released: dict[str, int]             # sliding groups: leading blocks already released
-  junctions: tuple[int, ...] = ()      # extra checkpoint boundaries (junction, dense start past the run)
-  dense: bool = True                   # take the dense-start checkpoints (only a request that hit nothing does)
-  plan: tuple[int, ...] | None = None  # its checkpoint boundaries (policy.plan), computed at the first commit
-  slot: int = -1                       # its row of the device block tables
-
-
-@dataclasses.dataclass
-class _Sent:
-  """What the host needs to read one device call's results: its result layout, the blocks allocated by all calls
-  sent so far (to turn the device's free counts back into the current ones), the releases sent so far, and, with
-  events on, the registrations it carried."""
-  layout: tuple
-  alloc_total: dict
-  free_seq: int
-  regs: dict | None
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-  """The queued bookkeeping of one engine step, as the step program takes it: `buf` (one int32 host buffer) plus
-  the static arguments of `cache.step.step_packed` (`statics`, hashable). Results: `KVCacheManager.on_step_result`."""
-  buf: np.ndarray
-  statics: tuple
-  sent: _Sent
-
-  def kwargs(self) -> dict:
-    return dict(self.statics)
-
-
-def _bucket(n: int, lo: int = 16) -> int:
-  """Static widths in powers of 4 from `lo`, so each shape compiles a handful of times at most."""
-  w = lo
-  while w < n:
-    w *= 4
-  return w
-
-
-_ADMIT_ROWS_FIXED = 16   # engines with at most this many table rows admit at one fixed batch width
-
-
-def _units_bucket(n: int) -> int:
-  """Hash units per request in a search: powers of 4 from 64 (2048 tokens at 32-token units)."""
-  return _bucket(n, 64)
-
-
-class KVCacheManager:
+class KVCacheManager(DeviceQueue):
+  """The host planner: admission, lookup, allocation, commits, releases and checkpoints, queued for the device
+  half it inherits (`DeviceQueue`: device state, packing, results)."""
 
   def __init__(self, specs: CacheSpecs, *, num_blocks: dict[str, int] | None = None,
                num_full_blocks: int | None = None, num_swa_blocks: int | None = None, retention_interval: int = 0,
-               model_id: str = "", key_bits: int = 64, max_probe: int = P.DEFAULT_MAX_PROBE,
+               model_id: str = "", key_bits: int = 64, max_probe: int = pool.DEFAULT_MAX_PROBE,
                enable_events: bool = True, legacy_dense_swa: bool = False, dense_start: bool = True,
                rerender_tokens: int = 64, junction_checkpoints: bool = True, num_slots: int | None = None,
                max_tokens: int | None = None):
@@ -336,35 +111,12 @@ class KVCacheManager:
     # groups whose blocks are registered as they are computed (sliding groups only at checkpoints)
     self._registered_bt = tuple((g, bt) for g, bt in self._group_bt
                                 if self._kind[g] == FULL_HISTORY or legacy_dense_swa)
-    self._pools = {g.name: P.init_pool(sizes[g.name], g.block_tokens, max_probe) for g in specs.groups}
-    self.num_blocks = {g: sizes[g] for g in self.groups}
     self.model_id, self.key_bits = model_id, key_bits
     self.legacy = legacy_dense_swa
     self.prepend_uncached = not legacy_dense_swa
     self.events = EventLog(enable_events)
-    self._requests: dict[str, _Request] = {}
-    # (group, block id) -> (key, tenant) of cached blocks, only to label BlockRemoved events.
-    self._identity: dict[tuple[str, int], tuple[int, str]] = {}
-    # device block tables: per group [slots, width], -1 where no block
-    self._fixed = num_slots is not None and max_tokens is not None
-    slots = num_slots or 8
-    width = {g: max(8, -(-(max_tokens or 2048) // bt)) for g, bt in zip(self.groups, self._bt)}
-    self._tab = {g: jnp.full((slots, width[g]), -1, jnp.int32) for g in self.groups}
-    self._width = dict(width)      # the tables' widths, without touching the device arrays
-    self._free_slots = list(range(slots - 1, -1, -1))
-    # free counts (see the module doc): exact at the last read, minus every allocation since
-    self._nfree = dict(sizes)
-    self._alloc_total = {g: 0 for g in self.groups}     # blocks allocated by all calls queued so far
-    self._free_seq = 0          # releases queued so far (any count change upwards is unconfirmed until read)
-    self._free_seen = 0         # releases whose effect the free counts include
-    self._count_seq = -1        # the call whose counts were read last (older reads are ignored)
-    self._calls = 0
-    self.peak_used = {g: 0 for g in self.groups}
-    self._step_widths = None
-    self._step_rows = None
-    self._reset_queue()
-    self._out_layouts = {}      # result buffer layout per (input layout, widths): computed once each
-    self._in_treedefs = {}
+    self._requests: dict[str, RequestState] = {}
+    self._init_device_state(sizes, max_probe, num_slots, max_tokens)
     self.stats = {"table_full": 0, "duplicate": 0, "queried_tokens": 0, "hit_tokens": 0, "device_calls": 0,
                   "syncs": 0, "step_plans": 0, "step_plan_overflows": 0}
 
@@ -378,307 +130,6 @@ class KVCacheManager:
       out = self._memos[key] = make()
     return out
 
-  # ------------------------------------------------------------------------------------------ slots, tables
-  @property
-  def num_slots(self) -> int:
-    return self._tab[self.groups[0]].shape[0]
-
-  def table_width(self, group: str) -> int:
-    return self._tab[group].shape[1]
-
-  def slot_of(self, request_id: str) -> int:
-    """The request's row of the device block tables (the engine's step reads its tables there)."""
-    return self._req(request_id).slot
-
-  def _take_slot(self) -> int:
-    if not self._free_slots:
-      if self._fixed:
-        raise CacheError(f"no free table row: {self.num_slots} requests are held (num_slots)")
-      self.flush()
-      n = self.num_slots
-      self._tab = {g: jnp.pad(t, ((0, n), (0, 0)), constant_values=-1) for g, t in self._tab.items()}
-      self._free_slots = list(range(2 * n - 1, n - 1, -1))
-    return self._free_slots.pop()
-
-  def _ensure_width(self, g: str, blocks: int) -> None:
-    w = self.table_width(g)
-    if blocks <= w:
-      return
-    if self._fixed:
-      raise CacheError(f"group {g}: {blocks} blocks exceed the table width {w} (max_tokens)")
-    self.flush()
-    nw = w
-    while nw < blocks:
-      nw *= 2
-    # queued refs are (slot, entry) pairs, resolved against the width when packed: growing is safe
-    self._tab[g] = jnp.pad(self._tab[g], ((0, 0), (0, nw - w)), constant_values=-1)
-    self._width[g] = nw
-
-  @property
-  def device_tables(self) -> dict:
-    """The device block tables per group, [slots, width] (what the engine's step reads; do not keep them: the
-    next call donates them)."""
-    return self._tab
-
-  # ------------------------------------------------------------------------------------------ queue
-  def _reset_queue(self):
-    # Every queued operation is a run of table entries of one slot: plain tuples here, turned into arrays for all
-    # runs of a step at once when it is packed (numpy per step, not per request or per block).
-    # registrations: (slot, a, b, hasher, token buffer, event infos or None) = blocks a .. b - 1, all held
-    self._q_reg = {g: [] for g in self.groups}
-    self._q_free = {g: [] for g in self.groups}     # (slot, a, b): release entries b - 1 down to a (eviction order)
-    self._q_alloc = {g: [] for g in self.groups}    # (slot, a, b): fill entries a .. b - 1
-    self._q_nreg = {g: 0 for g in self.groups}      # entries queued per kind (the step's widths)
-    self._q_nfree = {g: 0 for g in self.groups}
-    self._q_nalloc = {g: 0 for g in self.groups}
-    # requests with queued allocations: a commit or free of theirs applies the queue first (the device runs
-    # registrations and releases before allocations)
-    self._q_rids = set()
-
-  def _queued(self) -> bool:
-    return any(self._q_nreg[g] or self._q_nfree[g] or self._q_nalloc[g] for g in self.groups)
-
-  @property
-  def pools(self) -> dict:
-    """The pool states, with everything queued applied first (tests, debugging, eviction policies)."""
-    self.flush()
-    return self._pools
-
-  def flush(self) -> None:
-    """Apply every queued operation in one device call (no-op when nothing is queued)."""
-    if self._queued():
-      self._apply(None)
-
-  def _group_dims(self, g: str):
-    """(registrations, frees, allocations queued for group g, and their static widths)."""
-    nr, nf, na = self._q_nreg[g], self._q_nfree[g], self._q_nalloc[g]
-    return nr, nf, na, _bucket(nr), _bucket(nf), _bucket(na)
-
-  def _refs(self, g, runs, reverse=False):
-    """Table refs (slot * width + entry) of queued runs (slot, a, b, ...) in queue order: entries a .. b - 1, or
-    b - 1 down to a (reverse: a request's releases go tail first). One numpy pass over every run."""
-    if len(runs[0]) == 3:
-      s, a, b = np.array(runs, np.int64).reshape(-1, 3).T
-    else:
-      s, a, b = (np.fromiter((c[k] for c in runs), np.int64, len(runs)) for k in range(3))
-    cnt = b - a
-    k = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)   # index inside its run
-    ent = np.repeat(b - 1, cnt) - k if reverse else np.repeat(a, cnt) + k
-    return np.repeat(s * self.table_width(g), cnt) + ent
-
-  def _group_plan(self, g: str, take, dims) -> GroupPlan:
-    """The queued work of group g as a GroupPlan; `take(shape)` hands out the (uninitialised) arrays, views of the
-    step's one input buffer (InputCarver) in leaf order."""
-    bt = self._bt_of[g]
-    regs, frees, allocs = self._q_reg[g], self._q_free[g], self._q_alloc[g]
-    nr, nf, na, r, f, a = dims
-    ref, key, par, tok = take((r,)), take((r, 2)), take((r, 4)), take((r, bt))
-    ref[nr:], key[nr:], par[nr:], tok[nr:] = -1, 0, 0, 0
-    if regs:      # every run at once (numpy), not per block
-      ref[:nr] = self._refs(g, regs)
-      kw, pw = self._reg_words(g)
-      key[:nr] = keys_from_words(kw, self.key_bits)
-      par[:nr] = pw
-      np.concatenate([c[4][c[1] * bt:c[2] * bt] for c in regs], out=tok[:nr].reshape(-1))
-    fr = take((f,))
-    fr[nf:] = -1
-    if frees:
-      fr[:nf] = self._refs(g, frees, reverse=True)
-    al = take((a,))
-    al[na:] = -1
-    if allocs:
-      al[:na] = self._refs(g, allocs)
-    return GroupPlan(ref, key, par, tok, fr, al)
-
-  def _in_treedef(self, with_admit: bool):
-    if with_admit not in self._in_treedefs:
-      plans = tuple(GroupPlan(*range(6)) for _ in self.groups)
-      self._in_treedefs[with_admit] = jax.tree_util.tree_structure((plans, AdmitPlan(*range(6)) if with_admit else None))
-    return self._in_treedefs[with_admit]
-
-  def _statics(self, admit_widths=None):
-    return dict(groups=self._searches, block_tokens=self._bt, align=self._align,
-                hash_tokens=self._G, prepend=self.prepend_uncached,
-                admit_widths=admit_widths or tuple(16 for _ in self.groups))
-
-  def _carve(self, dims, admit=None):
-    """Every queued operation (and the admission batch) carved into one InputCarver; resets the queue. Returns
-    (carver, in_layout, _Sent without layout)."""
-    shapes = []
-    for (_, _, _, r, f, a), bt in zip(dims, self._bt):
-      shapes += [(r,), (r, 2), (r, 4), (r, bt), (f,), (a,)]
-    if admit is not None:
-      b, u = self._admit_dims(admit[0])
-      shapes += [(b, u, 2), (b, u, 4), (b, u, self._G), (b,), (b,), (b,)]
-    carver = InputCarver(shapes)
-    for g, d in zip(self.groups, dims):
-      self._group_plan(g, carver.take, d)
-    if admit is not None:
-      self._pack(*admit, take=carver.take)
-    regs = None
-    if self.events.enabled:
-      regs = {g: self._q_reg[g] for g in self.groups}
-    sent = _Sent(None, dict(self._alloc_total), self._free_seq, regs)
-    self._calls += 1
-    self._reset_queue()
-    return carver, (self._in_treedef(admit is not None), carver.shapes), sent
-
-  def _apply(self, admit=None, admit_widths=None):
-    """One device call: the queued work plus, with admit = (token arrays, hashers, allocate targets or None,
-    slots), the batched admission. Every plan array is a view of one int32 buffer (one transfer in); every result
-    comes back in one int32 buffer (one transfer out), unpacked as numpy views."""
-    dims = [self._group_dims(g) for g in self.groups]
-    carver, in_layout, sent = self._carve(dims, admit)
-    statics = self._statics(admit_widths)
-    pools = tuple(self._pools[g] for g in self.groups)
-    tabs = tuple(self._tab[g] for g in self.groups)
-    lkey = (in_layout, tuple(statics["admit_widths"]), tuple(t.shape for t in tabs))
-    if lkey not in self._out_layouts:
-      self._out_layouts[lkey] = result_layout(pools, tabs, in_layout, **statics)
-    sent.layout = self._out_layouts[lkey]
-    pools, tabs, out = apply_step_packed(pools, tabs, carver.buf, in_layout=in_layout, **statics)
-    self._pools, self._tab = dict(zip(self.groups, pools)), dict(zip(self.groups, tabs))
-    res = unpack(np.asarray(jax.device_get(out)), *sent.layout)   # the one device -> host transfer
-    self.stats["device_calls"] += 1
-    self._on_result(res, sent, self._calls)
-    return res
-
-  def _on_result(self, res, sent: _Sent, seq: int) -> None:
-    """Read one call's results: refusals are bugs (raise), events, and the free counts."""
-    counts = res["counters"] if "counters" in res else [None] * len(self.groups)
-    for gi, g in enumerate(self.groups):
-      c = counts[gi]
-      if c is None:
-        bad_reg = int(np.count_nonzero(res["status"][gi] == P.INVALID))
-        bad_free, bad_alloc = not res["free_ok"][gi], not res["alloc_ok"][gi]
-        dup = int(np.count_nonzero(res["status"][gi] == P.DUPLICATE))
-        full = int(np.count_nonzero(res["status"][gi] == P.TABLE_FULL))
-        nfree = int(res["num_free"][gi])
-      else:
-        nfree, bad_reg, bad_free, bad_alloc, dup, full = (int(x) for x in c)
-      if bad_reg:
-        raise RuntimeError(f"register refused {bad_reg} block(s) of group {g}")
-      if bad_free:
-        raise RuntimeError(f"free refused blocks of group {g}")
-      if bad_alloc:
-        raise RuntimeError(f"allocate failed in group {g} after the free check")
-      self.stats["duplicate"] += dup
-      self.stats["table_full"] += full
-      if c is None and self.events.enabled:
-        self._events_of(g, gi, res, sent)
-      if seq > self._count_seq:
-        # the device count after this call, less what calls sent after it allocate (releases sent after it are
-        # not counted until a later read confirms them)
-        self._nfree[g] = nfree - (self._alloc_total[g] - sent.alloc_total[g])
-        self.peak_used[g] = max(self.peak_used[g], self.num_blocks[g] - nfree)
-    if seq > self._count_seq:
-      self._count_seq = seq
-      self._free_seen = sent.free_seq
-
-  def _events_of(self, g, gi, res, sent: _Sent):
-    regs = sent.regs[g]
-    if regs:
-      n = sum(c[2] - c[1] for c in regs)
-      ids, st = res["reg_ids"][gi][:n], res["status"][gi][:n]
-      keys = None
-      infos = [i for c in regs for i in c[5]]
-      for i in np.flatnonzero(st == P.STORED):
-        if keys is None:
-          keys = keys_from_words(self._reg_words(g, regs)[0], self.key_bits)
-        kk = key_int(keys[i])
-        parent, tenant, bt = infos[i]
-        b = int(ids[i])
-        self._identity[(g, b)] = (kk, tenant)
-        self.events.emit(BlockStored(kk, parent, g, tenant, b, bt))
-    for ids, ev in ((res["alloc_ids"][gi], res["alloc_ev"][gi]),
-                    (res["admit_ids"][gi], res["admit_ev"][gi]) if "admit_ids" in res else ((), ())):
-      for b, e in zip(ids, ev):
-        if e:
-          k, tenant = self._identity.pop((g, int(b)))
-          self.events.emit(BlockRemoved(k, g, tenant, int(b)))
-
-  # ------------------------------------------------------------------------------------------ the step program
-  def set_step_capacity(self, tokens: int, rows: int) -> None:
-    """Fix the widths of the bookkeeping the engine's step program carries (one compiled shape): at most
-    `tokens` new tokens over `rows` requests per step. A step whose queue does not fit (a long request's end
-    releases many blocks at once) applies it in a call of its own first (`take_step_plan`)."""
-    w = []
-    for g, bt in zip(self.groups, self._bt):
-      need = self.policies[g].need_blocks if g in self.policies else 0
-      a = -(-tokens // bt) + rows
-      w.append((-(-(a + 2 * rows * need) // 8) * 8, -(-(2 * a + rows * need) // 8) * 8, -(-a // 8) * 8))
-    self._step_widths = tuple(w)
-    self._step_rows = rows
-
-  def take_step_plan(self) -> StepPlan:
-    """Everything queued, as the step program's bookkeeping (fixed widths, see set_step_capacity). The caller
-    runs `cache.step.step_packed(pools, tables, plan.buf, **plan.kwargs())` on `device_state()` and hands the new
-    state back (`set_device_state`) and, when it reads them, the results (`on_step_result`)."""
-    if self._step_widths is None:
-      raise CacheError("take_step_plan: call set_step_capacity first")
-    dims = [self._group_dims(g) for g in self.groups]
-    if any(d[0] > w[0] or d[1] > w[1] for d, w in zip(dims, self._step_widths)):
-      # too much for the fixed widths: registrations and releases go first in a call of their own (allocations
-      # stay queued: they follow the releases either way)
-      self.stats["step_plan_overflows"] += 1
-      allocs, nalloc, rids = self._q_alloc, self._q_nalloc, self._q_rids
-      self._q_alloc, self._q_nalloc = {g: [] for g in self.groups}, {g: 0 for g in self.groups}
-      tot = dict(self._alloc_total)
-      for g in self.groups:
-        self._alloc_total[g] -= nalloc[g]
-      self._apply(None)
-      self._q_alloc, self._q_nalloc, self._q_rids, self._alloc_total = allocs, nalloc, rids, tot
-      dims = [self._group_dims(g) for g in self.groups]
-    if any(d[2] > w[2] for d, w in zip(dims, self._step_widths)):
-      self.stats["step_plan_overflows"] += 1
-      self._apply(None)
-      dims = [self._group_dims(g) for g in self.groups]
-    dims = [(nr, nf, na, r, f, a) for (nr, nf, na, _, _, _), (r, f, a) in zip(dims, self._step_widths)]
-    carver, in_layout, sent = self._carve(dims)
-    results = "all" if self.events.enabled else "counts"
-    statics = self._statics()
-    key = (in_layout, results, tuple(t.shape for t in self._tab.values()))
-    if key not in self._out_layouts:
-      self._out_layouts[key] = result_layout(tuple(self._pools.values()), tuple(self._tab.values()), in_layout,
-                                             results=results, **statics)
-    sent.layout = self._out_layouts[key]
-    self.stats["step_plans"] += 1
-    return StepPlan(carver.buf, tuple(sorted({**statics, "in_layout": in_layout, "results": results}.items())),
-                    dataclasses.replace(sent, layout=(sent.layout, self._calls)))
-
-  def device_state(self):
-    """(pools, tables) as tuples in group order, for the step program (which donates them)."""
-    return tuple(self._pools[g] for g in self.groups), tuple(self._tab[g] for g in self.groups)
-
-  def set_device_state(self, pools, tables) -> None:
-    self._pools, self._tab = dict(zip(self.groups, pools)), dict(zip(self.groups, tables))
-
-  def on_step_result(self, plan: StepPlan, buf) -> None:
-    """The results of a step program's bookkeeping (its packed int32 result buffer, on the host), in any order
-    after the step; the free counts only move forward."""
-    layout, seq = plan.sent.layout
-    self._on_result(unpack(np.asarray(buf), *layout), plan.sent, seq)
-
-  def sync_counts(self) -> None:
-    """Apply what is queued and read the device's free counts (waits for every call sent): exact counts."""
-    self.stats["syncs"] += 1
-    if self._queued():
-      if self._step_widths is not None:
-        # the engine's own bookkeeping program (same widths and statics: no compile of another shape)
-        plan = self.take_step_plan()
-        pools, tables, out = apply_step_packed(*self.device_state(), plan.buf, **dict(plan.statics))
-        self.set_device_state(pools, tables)
-        self.stats["device_calls"] += 1
-        self.on_step_result(plan, jax.device_get(out))
-      else:
-        self._apply(None)
-    if self._free_seen < self._free_seq:
-      nf = jax.device_get([self._pools[g].num_free for g in self.groups])
-      for g, n in zip(self.groups, nf):
-        self._nfree[g] = int(n)
-      self._free_seen = self._free_seq
-      self._count_seq = self._calls
-
   @property
   def policy(self) -> CheckpointPolicy:
     """The policy of the sliding group named "swa" (or the first sliding group): today's engine / tiers."""
@@ -690,57 +141,6 @@ class KVCacheManager:
                                           layout=self.specs.fingerprint), self.specs.hash_tokens, self.key_bits)
     h.update(tokens)
     return h
-
-  def _admit_dims(self, toks):
-    """(requests, hash units per request) of an admission batch: static widths."""
-    per_align = self._align // self._G
-    u = _units_bucket(max(len(t) // self._G for t in toks))
-    b = 1 << (len(toks) - 1).bit_length()        # powers of 2: padding rows cost a whole search each
-    if self._step_rows is not None and self._step_rows <= _ADMIT_ROWS_FIXED:
-      # an engine admitting into few rows: one admission shape (each new shape is a compile of the whole
-      # bookkeeping program, seconds; a few padded rows' searches cost far less)
-      b = max(b, self._step_rows)
-    return b, -(-u // per_align) * per_align
-
-  def _pack(self, toks, hashers, targets=None, slots=None, take=_empty) -> AdmitPlan:
-    """The admission batch as an AdmitPlan (arrays from `take`, see _group_plan). Keys and parents of all requests
-    in one numpy pass (one bytes join), not per request."""
-    g = self._G
-    b, u = self._admit_dims(toks)
-    key, par, tok, max_len, target, slot = (take((b, u, 2)), take((b, u, 4)), take((b, u, g)), take((b,)),
-                                            take((b,)), take((b,)))
-    nb = len(toks)
-    ns = np.array([min(u, len(h.digests)) for h in hashers], np.int64)
-    tot = int(ns.sum())
-    key[...] = 0
-    par[...] = 0
-    if tot:
-      w = np.frombuffer(b"".join(h.blob[:16 * n] for h, n in zip(hashers, ns.tolist())),
-                        dtype="<u4").reshape(tot, 4)
-      starts = np.cumsum(ns) - ns
-      rows = np.repeat(np.arange(nb), ns)
-      cols = np.arange(tot) - np.repeat(starts, ns)
-      key[rows, cols] = keys_from_words(w, self.key_bits)
-      pw = np.empty((tot, 4), np.int32)            # parent of unit c = digest of unit c - 1, the root for c = 0
-      pw[1:] = w[:-1].view(np.int32)
-      has = ns > 0
-      pw[starts[has]] = np.frombuffer(b"".join(h.root for h, k in zip(hashers, has) if k), "<i4").reshape(-1, 4)
-      par[rows, cols] = pw
-    rows = tok.reshape(b, u * g)
-    rows[nb:] = 0
-    for i, t in enumerate(toks):         # one slice copy per request (the tokens are O(prompt) anyway)
-      k = min(len(t) // g, u) * g
-      rows[i, :k] = t[:k]
-      rows[i, k:] = 0
-    max_len[:] = 0
-    max_len[:nb] = np.maximum(np.fromiter((len(t) for t in toks), np.int64, nb) - 1, 0)
-    target[:] = -1
-    if targets is not None:
-      target[:nb] = [-1 if t is None else t for t in targets]
-    slot[:] = -1
-    if slots is not None:
-      slot[:nb] = slots
-    return AdmitPlan(key, par, tok, max_len, target, slot)
 
   def lookup(self, token_ids, extra_keys: ExtraKeys = ExtraKeys()) -> PrefixHit:
     return self.lookup_batch([(token_ids, extra_keys)])[0]
@@ -781,10 +181,14 @@ class KVCacheManager:
     return PrefixHit(n, make=blocks)
 
   # ------------------------------------------------------------------------------------------- requests
-  def _req(self, rid: str) -> _Request:
+  def _req(self, rid: str) -> RequestState:
     if rid not in self._requests:
       raise CacheError(f"unknown request {rid!r}")
     return self._requests[rid]
+
+  def slot_of(self, request_id: str) -> int:
+    """The request's row of the device block tables (the engine's step reads its tables there)."""
+    return self._req(request_id).slot
 
   def add_request(self, request_id: str, prompt_token_ids, extra_keys: ExtraKeys = ExtraKeys()) -> PrefixHit:
     """Look up the prompt and claim the hit blocks (every group before any allocation)."""
@@ -819,7 +223,7 @@ class KVCacheManager:
     slots = [self._take_slot() for _ in reqs]
     hashers = [self._hasher(t, e) for _, t, e in reqs]
     tgts = [t for t in allocate_tokens if t is not None] if allocate_tokens is not None else []
-    widths = tuple(_bucket(sum(-(-int(t) // bt) for t in tgts)) for bt in self._bt)
+    widths = tuple(bucket_width(sum(-(-int(t) // bt) for t in tgts)) for bt in self._bt)
     res = self._apply(([t for _, t, _ in reqs], hashers, allocate_tokens, slots), widths)
     hit, run, ids = res["hit"], res["run"], res["hit_ids"]
     hits, runs = hit[:len(reqs)].tolist(), run[:len(reqs)].tolist()
@@ -842,14 +246,14 @@ class KVCacheManager:
         # dense start over what nobody computed before it (past its run): a later request sharing part of it hits
         # more than half, so its junction falls inside that rule (a document after a cached system prompt)
         junction += self._memo(("dense", len(toks), rn), lambda: self._pol0.dense_points(len(toks), after=rn))
-      tables = {g: _Held(0, n // bt) for g, bt in full}
+      tables = {g: HeldEntries(0, n // bt) for g, bt in full}
       released = {}
       for g, bt, need in tails:
         e = n // bt
         released[g] = max(0, e - need)
-        tables[g] = _Held(released[g], e)
-      r = _Request(rid, _Buf(toks), hashers[i], extra.tenant, len(toks), n, tables,
-                   {g: tables[g].n for g in self.groups}, released, junction, n == 0, slot=slots[i])
+        tables[g] = HeldEntries(released[g], e)
+      r = RequestState(rid, Int32Buffer(toks), hashers[i], extra.tenant, len(toks), n, tables,
+                       {g: tables[g].n for g in self.groups}, released, junction, n == 0, slot=slots[i])
       self._requests[rid] = r
       out.append(h)
     if allocate_tokens is not None and res["admit_ok"]:
@@ -924,7 +328,7 @@ class KVCacheManager:
     return BlockTables(None, None, self._tables_now(request_id))
 
   # ------------------------------------------------------------------------------------------ register
-  def _register(self, r: _Request, g: str, a: int, b: int, all_held: bool = False) -> None:
+  def _register(self, r: RequestState, g: str, a: int, b: int, all_held: bool = False) -> None:
     """Queue blocks a .. b - 1 of a group for registration under the request's hashes (those it still holds).
     Only a tuple is queued here; the digest words, refs and tokens of every queued block of every request are
     gathered at once when the step is packed (`_reg_words`, `_group_plan`)."""
@@ -941,31 +345,7 @@ class KVCacheManager:
       self._q_reg[g].append((r.slot, a, b, r.hasher, r.tokens.buf, infos))
       self._q_nreg[g] += b - a
 
-  def _reg_words(self, g: str, regs=None):
-    """(key digest words [R, 4] uint32, parent words [R, 4] int32) of every queued registration of group g: one
-    bytes join and two numpy gathers, not per block. Each run contributes only the digests its blocks span (from
-    the parent of its first block to the key of its last), so the cost follows the blocks registered, not the
-    requests' lengths."""
-    regs = self._q_reg[g] if regs is None else regs
-    upb = self._bt_of[g] // self._G
-    parts, at = [], []
-    n_words = 0
-    for c in regs:
-      h, a, b = c[3], c[1], c[2]
-      u0, u1 = a * upb - 1, b * upb      # units u0 .. u1 - 1; unit -1 is the root
-      if u0 < 0:
-        parts.append(h.root)
-      parts.append(h.blob[16 * max(u0, 0):16 * u1])
-      at.append(n_words - u0)            # unit u of this run sits at word n_words + u - u0 of the join
-      n_words += u1 - u0
-    w = np.frombuffer(b"".join(parts), dtype="<u4").reshape(-1, 4)
-    a = np.fromiter((c[1] for c in regs), np.int64, len(regs))
-    counts = np.fromiter((c[2] for c in regs), np.int64, len(regs)) - a
-    j = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - a, counts)     # block index
-    base = np.repeat(np.asarray(at, np.int64), counts)
-    return w[base + (j + 1) * upb - 1], w[base + j * upb - 1].view(np.int32)
-
-  def _checkpoint(self, r: _Request, boundary: int) -> None:
+  def _checkpoint(self, r: RequestState, boundary: int) -> None:
     for g, pol in self.policies.items():
       idx = pol.tail_blocks(boundary)
       if idx.start < idx.stop and r.tables[g].all_held(idx.start, idx.stop):
@@ -1007,7 +387,7 @@ class KVCacheManager:
       for g, pol in self.policies.items():
         self._release(r, g, pol.releasable_blocks(n))
 
-  def _release(self, r: _Request, g: str, upto: int) -> None:
+  def _release(self, r: RequestState, g: str, upto: int) -> None:
     lo = r.released[g]
     if upto > lo:
       tab = r.tables[g]
@@ -1015,16 +395,6 @@ class KVCacheManager:
       tab.clear_front(upto)
       r.released[g] = upto
       self._queue_frees(r.slot, g, runs)
-
-  def _queue_frees(self, slot: int, g: str, runs) -> None:
-    """Queue the release of these table runs of one slot, tail first (a chain's last blocks become evictable
-    before its head)."""
-    if runs:
-      q = self._q_free[g]
-      for a, b in reversed(runs):
-        q.append((slot, a, b))
-        self._q_nfree[g] += b - a
-      self._free_seq += 1
 
   def free(self, request_id: str) -> None:
     """End of request: checkpoint the sliding tails where the next turn resumes, then release every block, tail
@@ -1077,7 +447,7 @@ class KVCacheManager:
       lo, hi = len(r.tables[g]), num_tokens // bt
       self._ensure_width(g, hi)
       want = set(new[g])
-      r.tables[g].extend([HELD if j in want else -1 for j in range(lo, hi)])
+      r.tables[g].extend([HOST_HELD if j in want else -1 for j in range(lo, hi)])
       for j in new[g]:
         self._q_alloc[g].append((r.slot, j, j + 1))
       self._q_nalloc[g] += len(new[g])
@@ -1112,7 +482,7 @@ class KVCacheManager:
       return False
     self.flush()
     for g in self.groups:
-      self._pools[g], ok = P.reset(self._pools[g])
+      self._pools[g], ok = pool.reset(self._pools[g])
       assert bool(ok)
     self._identity.clear()
     self.events.emit(AllBlocksCleared())
@@ -1143,4 +513,4 @@ class KVCacheManager:
     key = device_key(h.digests[(block + 1) * upb - 1], self.key_bits)[None]
     par = digest_words(h.parent(block * upb))[None]
     tok = toks[block * bt:(block + 1) * bt][None]
-    return int(P.lookup(self.pools[group], jnp.asarray(key), jnp.asarray(par), jnp.asarray(tok))[0]) >= 0
+    return int(pool.lookup(self.pools[group], jnp.asarray(key), jnp.asarray(par), jnp.asarray(tok))[0]) >= 0

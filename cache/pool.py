@@ -9,14 +9,14 @@ Free blocks form one logical queue, head (reused first) to tail, made of two par
 * a **ring** of blocks appended at the tail (cached blocks, in release order = LRU): `ring_R`, absolute positions
   [ring_head, ring_tail); position order is release order, so the oldest release is evicted first.
 Both use lazy deletion: block b's live entry is the one at `pos_N[b]` while `loc_N[b]` says where it is; a hit that
-claims a free block just sets `loc_N[b] = HELD`, leaving a stale entry behind. Allocation skips stale ring entries
+claims a free block just sets `loc_N[b] = LOC_HELD`, leaving a stale entry behind. Allocation skips stale ring entries
 as it walks from the head (each is skipped once); stale stack entries (only from claiming a stack block, which the
 manager never does: stack blocks have no identity) and a full ring trigger an O(N) compaction, rare and amortised.
 So allocate / free / touch / register / lookup / evict cost O(ids in the call x probe length), independent of N
 (the one exception is the amortised compaction).
 
 Other state (N blocks, S = table slots, a power of two >= 2N):
-* ``ref_N``: holders per block. Invariant: a block is free (loc != HELD)  <=>  ref == 0.
+* ``ref_N``: holders per block. Invariant: a block is free (loc != LOC_HELD)  <=>  ref == 0.
 * ``cached_N``, ``key_Nx2``, ``parent_Nx4``, ``tokens_NxT``, ``slot_N``: a block's cached identity (truncated key,
   128-bit parent digest, its tokens, its table slot). A hit compares key, parent and tokens, so key collisions
   never alias prefixes.
@@ -49,7 +49,7 @@ TOMB = -2
 DEFAULT_MAX_PROBE = 16
 BIG = np.iinfo(np.int32).max
 
-HELD, STACK, RING = 0, 1, 2
+LOC_HELD, LOC_STACK, LOC_RING = 0, 1, 2
 _RING_REBASE = 1 << 30     # rebase ring positions (a compaction) before int32 overflows
 
 # register() status per entry
@@ -107,7 +107,7 @@ def init_pool(num_blocks: int, block_tokens: int, max_probe: int = DEFAULT_MAX_P
   ids = np.arange(n, dtype=np.int32)
   s = table_slots(n)
   return PoolState(
-      ref_N=jnp.zeros(n, jnp.int32), loc_N=jnp.full(n, STACK, jnp.int32),
+      ref_N=jnp.zeros(n, jnp.int32), loc_N=jnp.full(n, LOC_STACK, jnp.int32),
       pos_N=jnp.asarray(n - 1 - ids),              # block 0 on top of the stack: handed out first
       stack_N=jnp.asarray(ids[::-1].copy()), stack_top=jnp.asarray(n, jnp.int32),
       stack_stale=jnp.asarray(0, jnp.int32),
@@ -178,7 +178,7 @@ def _compact_ring(st: PoolState) -> PoolState:
   r = st.ring_R.shape[0]
   p = st.ring_head + jnp.arange(r, dtype=jnp.int32)
   b = st.ring_R[p % r]
-  live = (p < st.ring_tail) & (st.loc_N[b] == RING) & (st.pos_N[b] == p)
+  live = (p < st.ring_tail) & (st.loc_N[b] == LOC_RING) & (st.pos_N[b] == p)
   rank = jnp.cumsum(live, dtype=jnp.int32) - 1
   # written in place (entries past the new tail are never live), so both branches of `_maybe` alias the input
   ring = st.ring_R.at[_drop(rank, live, r)].set(b, mode="drop")
@@ -191,7 +191,7 @@ def _compact_stack(st: PoolState) -> PoolState:
   n = st.num_blocks
   i = jnp.arange(n, dtype=jnp.int32)
   b = st.stack_N
-  live = (i < st.stack_top) & (st.loc_N[b] == STACK) & (st.pos_N[b] == i)
+  live = (i < st.stack_top) & (st.loc_N[b] == LOC_STACK) & (st.pos_N[b] == i)
   rank = jnp.cumsum(live, dtype=jnp.int32) - 1
   # gather the live entries into a temporary first, then write them back into stack_N in place (a scatter whose
   # updates were the array itself would make XLA copy it, in the skip branch too)
@@ -314,7 +314,7 @@ def _allocate_core(st: PoolState, n, max_n: int):
     head, got, ids = c
     p = head + i
     b = st.ring_R[p % r]
-    live = (p < st.ring_tail) & (st.loc_N[b] == RING) & (st.pos_N[b] == p)
+    live = (p < st.ring_tail) & (st.loc_N[b] == LOC_RING) & (st.pos_N[b] == p)
     rank = jnp.cumsum(live, dtype=jnp.int32) - 1
     take = live & (rank < r_need - got)
     ids = ids.at[_drop(s + got + rank, take, max_n)].set(b, mode="drop")
@@ -337,7 +337,7 @@ def _allocate_core(st: PoolState, n, max_n: int):
             slot_N=st.slot_N.at[_after(_drop(ids, ev, nb), nb, slot)].set(-1, mode="drop"),
             key_Nx2=st.key_Nx2.at[_drop(ids, ev, nb)].set(0, mode="drop"),
             ref_N=st.ref_N.at[_drop(ids, take, nb)].set(1, mode="drop"),
-            loc_N=st.loc_N.at[_drop(ids, take, nb)].set(HELD, mode="drop"),
+            loc_N=st.loc_N.at[_drop(ids, take, nb)].set(LOC_HELD, mode="drop"),
             stack_top=st.stack_top - s, ring_head=head, num_free=st.num_free - n)
   return st, ids, ev, ok
 
@@ -355,8 +355,8 @@ def _touch_core(st: PoolState, ids_M):
   was_free = first & (ref_M == 0)
   nb = st.num_blocks
   st = _rep(st,
-            stack_stale=st.stack_stale + jnp.sum(was_free & (loc_M == STACK), dtype=jnp.int32),
-            loc_N=st.loc_N.at[_after(_drop(ids_M, was_free, nb), nb, loc_M)].set(HELD, mode="drop"),
+            stack_stale=st.stack_stale + jnp.sum(was_free & (loc_M == LOC_STACK), dtype=jnp.int32),
+            loc_N=st.loc_N.at[_after(_drop(ids_M, was_free, nb), nb, loc_M)].set(LOC_HELD, mode="drop"),
             num_free=st.num_free - jnp.sum(was_free, dtype=jnp.int32),
             ref_N=st.ref_N.at[_after(_drop(ids_M, act, nb), nb, ref_M)].add(1, mode="drop"))
   return st, ok
@@ -389,8 +389,8 @@ def _free_core(st: PoolState, ids_M, prepend_uncached: bool):
   q = st.stack_top + n_head - jnp.cumsum(to_head, dtype=jnp.int32)
   pos = st.pos_N.at[_drop(ids_M, to_tail, nb)].set(p, mode="drop").at[_drop(ids_M, to_head, nb)].set(q, mode="drop")
   # the compactions above read loc_N: its writes must come after them
-  loc = st.loc_N.at[_after(_drop(ids_M, to_tail, nb), nb, p, q)].set(RING, mode="drop").at[
-      _drop(ids_M, to_head, nb)].set(STACK, mode="drop")
+  loc = st.loc_N.at[_after(_drop(ids_M, to_tail, nb), nb, p, q)].set(LOC_RING, mode="drop").at[
+      _drop(ids_M, to_head, nb)].set(LOC_STACK, mode="drop")
   st = _rep(st, pos_N=pos, loc_N=loc,
             ring_R=st.ring_R.at[_drop(p % r, to_tail, r)].set(ids_M, mode="drop"),
             stack_N=st.stack_N.at[_drop(q, to_head, nb)].set(ids_M, mode="drop"),
@@ -543,10 +543,10 @@ def free_queue(st: PoolState) -> list[int]:
   """The free queue head (reused first) to tail: live stack entries top-down, then live ring entries."""
   loc, pos = np.asarray(st.loc_N), np.asarray(st.pos_N)
   stack, top = np.asarray(st.stack_N), int(st.stack_top)
-  out = [int(stack[i]) for i in range(top - 1, -1, -1) if loc[stack[i]] == STACK and pos[stack[i]] == i]
+  out = [int(stack[i]) for i in range(top - 1, -1, -1) if loc[stack[i]] == LOC_STACK and pos[stack[i]] == i]
   ring, r = np.asarray(st.ring_R), st.ring_R.shape[0]
   for p in range(int(st.ring_head), int(st.ring_tail)):
     b = int(ring[p % r])
-    if loc[b] == RING and pos[b] == p:
+    if loc[b] == LOC_RING and pos[b] == p:
       out.append(b)
   return out

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cache import pool as P
+from cache import pool
 from cache.specs import FULL_HISTORY, CacheSpecs
 
 
@@ -54,8 +54,8 @@ def _block_idents(key_BxUx2, parent_BxUx4, tokens_BxUxG, upb, j_BxK):
   return key.reshape(b * k, 2), par.reshape(b * k, -1), tok.reshape(b * k, -1)
 
 
-def _lookup(pool, key_BxUx2, parent_BxUx4, tokens_BxUxG, upb, j_BxK):
-  ids = P.lookup_blocks(pool, *_block_idents(key_BxUx2, parent_BxUx4, tokens_BxUxG, upb, j_BxK))
+def _lookup(pool_state, key_BxUx2, parent_BxUx4, tokens_BxUxG, upb, j_BxK):
+  ids = pool.lookup_blocks(pool_state, *_block_idents(key_BxUx2, parent_BxUx4, tokens_BxUxG, upb, j_BxK))
   return ids.reshape(j_BxK.shape)
 
 
@@ -67,26 +67,27 @@ def search(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, groups, alig
   limit = jnp.minimum(max_len_B, num_units * hash_tokens) // align * align
   run_tokens = limit
   full_ids = {}
-  for gi, (grp, pool) in enumerate(zip(groups, pools)):
+  for gi, (grp, pool_state) in enumerate(zip(groups, pools)):
     if grp.kind != FULL_HISTORY:
       continue
     bt = grp.units_per_block * hash_tokens
     nb = num_units // grp.units_per_block
     js = jnp.broadcast_to(jnp.arange(nb), (b, nb))
-    ids = _lookup(pool, key_BxUx2, parent_BxUx4, tokens_BxUxG, grp.units_per_block, js)
+    ids = _lookup(pool_state, key_BxUx2, parent_BxUx4, tokens_BxUxG, grp.units_per_block, js)
     run = jnp.sum(jnp.cumprod(ids >= 0, axis=1), axis=1)
     run_tokens = jnp.minimum(run_tokens, run * bt // align * align)
     full_ids[gi] = ids
-  sliding = [(gi, grp, pool) for gi, (grp, pool) in enumerate(zip(groups, pools)) if grp.kind != FULL_HISTORY]
+  sliding = [(gi, grp, pool_state) for gi, (grp, pool_state) in enumerate(zip(groups, pools))
+             if grp.kind != FULL_HISTORY]
 
   def tails(L_B):
     """Per sliding group the tail ids at L (-1 = missing or not needed) and whether every tail is present."""
     ok = jnp.ones(b, bool)
     out = []
-    for gi, grp, pool in sliding:
+    for gi, grp, pool_state in sliding:
       e = L_B // (grp.units_per_block * hash_tokens)
       js = e[:, None] - grp.need_blocks + jnp.arange(grp.need_blocks)[None]
-      ids = _lookup(pool, key_BxUx2, parent_BxUx4, tokens_BxUxG, grp.units_per_block, js)
+      ids = _lookup(pool_state, key_BxUx2, parent_BxUx4, tokens_BxUxG, grp.units_per_block, js)
       ids = jnp.where(js >= 0, ids, -1)
       ok &= jnp.all((js < 0) | (ids >= 0), axis=1)
       out.append(ids)

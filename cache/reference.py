@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache import pool as P
+from cache import pool
 from cache.hashing import DIGEST_WORDS
 
 
 class RefPool:
-  def __init__(self, num_blocks: int, block_tokens: int, max_probe: int = P.DEFAULT_MAX_PROBE):
+  def __init__(self, num_blocks: int, block_tokens: int, max_probe: int = pool.DEFAULT_MAX_PROBE):
     self.n, self.t, self.max_probe = num_blocks, block_tokens, max_probe
     self.reset_all()
 
@@ -24,14 +24,14 @@ class RefPool:
     self.parent = [(0,) * DIGEST_WORDS] * n
     self.tokens = [(0,) * self.t] * n
     self.slot = [-1] * n
-    self.table = [P.EMPTY] * P.table_slots(n)
+    self.table = [pool.EMPTY] * pool.table_slots(n)
 
   @classmethod
-  def from_state(cls, st: P.PoolState) -> "RefPool":
+  def from_state(cls, st: pool.PoolState) -> "RefPool":
     """A reference pool holding exactly the state of a jitted pool (to run reference searches on it)."""
     r = cls(st.num_blocks, st.block_tokens, st.max_probe)
     r.ref = [int(x) for x in np.asarray(st.ref_N)]
-    r.queue = P.free_queue(st)
+    r.queue = pool.free_queue(st)
     r.cached = [bool(x) for x in np.asarray(st.cached_N)]
     r.key = [tuple(int(y) for y in x) for x in np.asarray(st.key_Nx2)]
     r.parent = [tuple(int(y) for y in x) for x in np.asarray(st.parent_Nx4)]
@@ -60,14 +60,14 @@ class RefPool:
   def _find(self, ident):
     for s in self._probe(ident[0]):
       e = self.table[s]
-      if e == P.EMPTY:
+      if e == pool.EMPTY:
         return -1
       if e >= 0 and self._matches(e, ident):
         return e
     return -1
 
   def _drop_identity(self, b):
-    self.table[self.slot[b]] = P.TOMB
+    self.table[self.slot[b]] = pool.TOMB
     self.cached[b], self.slot[b], self.key[b] = False, -1, (0, 0)
 
   # operations ---------------------------------------------------------------------------------------------
@@ -122,14 +122,14 @@ class RefPool:
     for b, k, p, t in zip(ids, keys, parents, tokens):
       b = int(b)
       if b == -1:
-        status.append(P.SKIPPED)
+        status.append(pool.SKIPPED)
         continue
       if not (0 <= b < self.n) or self.ref[b] == 0:
-        status.append(P.INVALID)
+        status.append(pool.INVALID)
         continue
       ident = self._ident(k, p, t)
       if self.cached[b]:
-        status.append(P.ALREADY if self._matches(b, ident) else P.INVALID)
+        status.append(pool.ALREADY if self._matches(b, ident) else pool.INVALID)
         continue
       dup, free = -1, -1
       for s in self._probe(ident[0]):
@@ -139,17 +139,17 @@ class RefPool:
         if e >= 0 and self._matches(e, ident):
           dup = e
           break
-        if e == P.EMPTY:
+        if e == pool.EMPTY:
           break
       if dup >= 0:
-        status.append(P.DUPLICATE)
+        status.append(pool.DUPLICATE)
       elif free < 0:
-        status.append(P.TABLE_FULL)
+        status.append(pool.TABLE_FULL)
       else:
         self.table[free] = b
         self.cached[b], self.slot[b] = True, free
         self.key[b], self.parent[b], self.tokens[b] = ident
-        status.append(P.STORED)
+        status.append(pool.STORED)
     return status
 
   def lookup(self, keys, parents, tokens):
@@ -180,17 +180,17 @@ class RefPool:
         assert self.table[self.slot[b]] == b
     assert sum(e >= 0 for e in self.table) == sum(self.cached)
 
-  def assert_matches(self, st: P.PoolState):
+  def assert_matches(self, st: pool.PoolState):
     """Compare every observable field of a jitted PoolState with this reference."""
     np.testing.assert_array_equal(np.asarray(st.ref_N), self.ref, err_msg="ref counts")
-    assert P.free_queue(st) == self.queue, (P.free_queue(st), self.queue)
+    assert pool.free_queue(st) == self.queue, (pool.free_queue(st), self.queue)
     assert int(st.num_free) == len(self.queue)
     np.testing.assert_array_equal(np.asarray(st.cached_N), self.cached, err_msg="cached")
     np.testing.assert_array_equal(np.asarray(st.slot_N), self.slot, err_msg="slots")
     np.testing.assert_array_equal(np.asarray(st.table_S), self.table, err_msg="table")
     # scratch arrays are back at their sentinel after every operation (they carry nothing between calls)
-    assert (np.asarray(st.claim_S) == P.BIG).all(), "claim_S scratch not reset"
-    assert (np.asarray(st.mark_N) == P.BIG).all(), "mark_N scratch not reset"
+    assert (np.asarray(st.claim_S) == pool.BIG).all(), "claim_S scratch not reset"
+    assert (np.asarray(st.mark_N) == pool.BIG).all(), "mark_N scratch not reset"
     c = np.asarray(self.cached)
     if c.any():
       np.testing.assert_array_equal(np.asarray(st.key_Nx2)[c], np.asarray(self.key)[c], err_msg="keys")
@@ -211,35 +211,35 @@ def ref_hybrid_hit(groups, pools, key_Ux2, parent_Ux4, tokens_UxG, max_len, alig
     u0, u1 = j * upb, (j + 1) * upb
     return key_Ux2[u1 - 1], parent_Ux4[u0], np.asarray(tokens_UxG[u0:u1]).reshape(-1)
 
-  def find(pool, k, upb, j):
-    return pool.lookup(*[[x] for x in block_ident(k, upb, j)])[0]
+  def find(ref_pool, k, upb, j):
+    return ref_pool.lookup(*[[x] for x in block_ident(k, upb, j)])[0]
 
   hit = limit
-  for (kind, upb, need), pool in zip(groups, pools):
+  for (kind, upb, need), ref_pool in zip(groups, pools):
     if kind == "full_history":
       bt = upb * hash_tokens
       j = 0
-      while (j + 1) * bt <= limit and find(pool, kind, upb, j) >= 0:
+      while (j + 1) * bt <= limit and find(ref_pool, kind, upb, j) >= 0:
         j += 1
       hit = min(hit, j * bt // align_tokens * align_tokens)
 
   def swa_ok(L):
-    for (kind, upb, need), pool in zip(groups, pools):
+    for (kind, upb, need), ref_pool in zip(groups, pools):
       if kind != "full_history":
         e = L // (upb * hash_tokens)
-        if any(find(pool, kind, upb, j) < 0 for j in range(max(0, e - need), e)):
+        if any(find(ref_pool, kind, upb, j) < 0 for j in range(max(0, e - need), e)):
           return False
     return True
 
   while hit > 0 and not swa_ok(hit):
     hit -= align_tokens
   out = []
-  for (kind, upb, need), pool in zip(groups, pools):
+  for (kind, upb, need), ref_pool in zip(groups, pools):
     nb = num_units // upb
     ids = [-1] * nb
     e = hit // (upb * hash_tokens)
     lo = 0 if kind == "full_history" else max(0, e - need)
     for j in range(lo, e):
-      ids[j] = find(pool, kind, upb, j)
+      ids[j] = find(ref_pool, kind, upb, j)
     out.append(ids)
   return hit, out

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cache import pool as P
+from cache import pool
 from cache.prefix import search
 from cache.specs import FULL_HISTORY
 
@@ -85,14 +85,14 @@ def step_core(pools, tables, plans, admit, *, groups, block_tokens, align, hash_
   for i, plan in enumerate(plans):
     st, tab = pools[i], tables[i]
     reg_ids = resolve(tab, plan.reg_ref_R)
-    st, status = P._register_core(st, reg_ids, plan.reg_key_Rx2, plan.reg_par_Rx4, plan.reg_tok_RxT)
+    st, status = pool._register_core(st, reg_ids, plan.reg_key_Rx2, plan.reg_par_Rx4, plan.reg_tok_RxT)
     free_ids = resolve(tab, plan.free_ref_F)
     # register read ref_N (held blocks) and free writes it: make the write depend on that read so that XLA keeps
     # ref_N in place (pool.py, `_after`)
-    st, fok = P._free_core(st, P._after(free_ids, -1, status), prepend)
-    tab = _write(tab, P._after(plan.free_ref_F, -1, free_ids, reg_ids), jnp.full_like(free_ids, -1))
+    st, fok = pool._free_core(st, pool._after(free_ids, -1, status), prepend)
+    tab = _write(tab, pool._after(plan.free_ref_F, -1, free_ids, reg_ids), jnp.full_like(free_ids, -1))
     n = jnp.sum(plan.alloc_ref_A >= 0, dtype=jnp.int32)
-    st, ids, ev, aok = P._allocate_core(st, n, plan.alloc_ref_A.shape[0])
+    st, ids, ev, aok = pool._allocate_core(st, n, plan.alloc_ref_A.shape[0])
     tab = _write(tab, plan.alloc_ref_A, ids)
     pools[i], tables[i] = st, tab
     res["status"].append(status)
@@ -107,7 +107,7 @@ def step_core(pools, tables, plans, admit, *, groups, block_tokens, align, hash_
     res["hit"], res["run"], res["hit_ids"] = hit, run, ids
     b = admit.slot_B.shape[0]
     for i, grp in enumerate(groups):     # sliding groups: only the tail ids (not the scattered [B, U // k] table)
-      pools[i], _ = P._touch_core(pools[i], ids[i].reshape(-1))
+      pools[i], _ = pool._touch_core(pools[i], ids[i].reshape(-1))
       w = tables[i].shape[1]
       k = ids[i].shape[1]
       if grp.kind == FULL_HISTORY:
@@ -127,7 +127,7 @@ def step_core(pools, tables, plans, admit, *, groups, block_tokens, align, hash_
     for i in range(len(pools)):
       need = jnp.where(ok, needs[i], 0)
       n = jnp.sum(need)
-      pools[i], aids, aev, _ = P._allocate_core(pools[i], n, admit_widths[i])
+      pools[i], aids, aev, _ = pool._allocate_core(pools[i], n, admit_widths[i])
       # allocated entry k goes to request r (cumulative needs) at table index have_r + (k - first_r)
       w = tables[i].shape[1]
       kk = jnp.arange(admit_widths[i], dtype=jnp.int32)
@@ -204,9 +204,9 @@ def counters(res):
   out = []
   for i in range(len(res["num_free"])):
     st = res["status"][i]
-    out.append(jnp.stack([res["num_free"][i], jnp.sum(st == P.INVALID), (~res["free_ok"][i]).astype(jnp.int32),
-                          (~res["alloc_ok"][i]).astype(jnp.int32), jnp.sum(st == P.DUPLICATE),
-                          jnp.sum(st == P.TABLE_FULL)]).astype(jnp.int32))
+    out.append(jnp.stack([res["num_free"][i], jnp.sum(st == pool.INVALID), (~res["free_ok"][i]).astype(jnp.int32),
+                          (~res["alloc_ok"][i]).astype(jnp.int32), jnp.sum(st == pool.DUPLICATE),
+                          jnp.sum(st == pool.TABLE_FULL)]).astype(jnp.int32))
   return {"counters": out}
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from dsv4.caches import group_specs
 from dsv4.config import v4_flash
-from cache import pool as P
+from cache import pool
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
 from cache.reference import RefPool, ref_hybrid_hit
@@ -75,7 +75,7 @@ def check_cover(hit, n, prev=None):
 
 def free_queue_split(m, group):
   """(free queue head..tail, cached flags): for the churn invariant."""
-  q = P.free_queue(m.pools[group])
+  q = pool.free_queue(m.pools[group])
   cached = np.asarray(m.pools[group].cached_N)
   return q, [bool(cached[b]) for b in q]
 
@@ -190,10 +190,10 @@ def _pad(ids, m=16):
 
 def test_churn_never_pushes_cached_blocks_toward_eviction():
   rng = np.random.default_rng(5)
-  st = P.init_pool(NS, SWA_BT)
+  st = pool.init_pool(NS, SWA_BT)
   ref = RefPool(NS, SWA_BT)
   # A request holds 16 blocks, 4 of them become cached (a checkpoint), then it finishes (tail first).
-  st, ids, _, ok = P.allocate(st, 16, max_n=16)
+  st, ids, _, ok = pool.allocate(st, 16, max_n=16)
   ids = [int(x) for x in np.asarray(ids)]
   ref.allocate(16)
   cached = ids[8:12]
@@ -201,12 +201,12 @@ def test_churn_never_pushes_cached_blocks_toward_eviction():
   par = rng.integers(-2**31, 2**31 - 1, (16, 4)).astype(np.int32)
   tok = rng.integers(0, 1000, (16, SWA_BT)).astype(np.int32)
   reg = [-1] * 8 + cached + [-1] * 4
-  st, status = P.register(st, jnp.asarray(reg, jnp.int32), jnp.asarray(key), jnp.asarray(par), jnp.asarray(tok))
-  assert list(np.asarray(status)[8:12]) == [P.STORED] * 4
+  st, status = pool.register(st, jnp.asarray(reg, jnp.int32), jnp.asarray(key), jnp.asarray(par), jnp.asarray(tok))
+  assert list(np.asarray(status)[8:12]) == [pool.STORED] * 4
   ref.register(reg, key, par, tok)
-  st, ok = P.free(st, _pad(ids[::-1]))
+  st, ok = pool.free(st, _pad(ids[::-1]))
   ref.free(ids[::-1])
-  q0 = P.free_queue(st)
+  q0 = pool.free_queue(st)
   pos0 = {c: q0.index(c) for c in cached}
   assert sorted(pos0.values()) == list(range(NS - 4, NS))     # cached blocks are the last 4 to go
 
@@ -215,7 +215,7 @@ def test_churn_never_pushes_cached_blocks_toward_eviction():
   for _ in range(60):
     k = int(rng.integers(1, 17))
     if len(held) + k <= 48:
-      st, new, ev, ok = P.allocate(st, k, max_n=16)
+      st, new, ev, ok = pool.allocate(st, k, max_n=16)
       new = [int(x) for x in np.asarray(new)[:k]]
       assert bool(ok) and not np.asarray(ev).any()          # never evicts while uncached blocks remain
       assert ref.allocate(k, 16)[0] == new
@@ -223,34 +223,34 @@ def test_churn_never_pushes_cached_blocks_toward_eviction():
       total += k
     r = int(rng.integers(0, len(held) + 1))
     rel = [held.pop(int(rng.integers(0, len(held)))) for _ in range(min(r, 16))]
-    st, ok = P.free(st, _pad(rel))
+    st, ok = pool.free(st, _pad(rel))
     ref.free(rel)
-    q = P.free_queue(st)
+    q = pool.free_queue(st)
     for c in cached:   # only the blocks held right now can stand between c and the head
       assert q.index(c) >= pos0[c] - len(held)
     assert bool(np.asarray(st.cached_N)[cached].all())
   for lo in range(0, len(held), 16):
-    st, ok = P.free(st, _pad(held[lo:lo + 16]))
+    st, ok = pool.free(st, _pad(held[lo:lo + 16]))
     ref.free(held[lo:lo + 16])
   assert total > 2 * NS
-  q = P.free_queue(st)
+  q = pool.free_queue(st)
   assert {c: q.index(c) for c in cached} == pos0               # churn left the eviction order untouched
   ref.assert_matches(st)
 
   # Allocations that consume only uncached blocks leave every cached block findable ...
-  look = lambda: [int(x) for x in np.asarray(P.lookup(st, jnp.asarray(key[8:12]), jnp.asarray(par[8:12]),
-                                                             jnp.asarray(tok[8:12])))]
+  look = lambda: [int(x) for x in np.asarray(pool.lookup(st, jnp.asarray(key[8:12]), jnp.asarray(par[8:12]),
+                                                                jnp.asarray(tok[8:12])))]
   assert look() == cached
   taken, left = [], NS - 4
   while left:
     k = min(16, left)
-    st, new, ev, ok = P.allocate(st, k, max_n=16)
+    st, new, ev, ok = pool.allocate(st, k, max_n=16)
     assert not np.asarray(ev).any()
     taken += [int(x) for x in np.asarray(new)[:k]]
     left -= k
   assert not set(taken) & set(cached) and look() == cached
   # ... and the next allocation evicts the least recently freed cached block, and only it.
-  st, new, ev, ok = P.allocate(st, 1, max_n=16)
+  st, new, ev, ok = pool.allocate(st, 1, max_n=16)
   first = min(cached, key=pos0.get)
   assert int(np.asarray(new)[0]) == first and bool(np.asarray(ev)[0])
   assert look() == [-1 if c == first else c for c in cached]
@@ -272,7 +272,7 @@ def _base(retention, seed=21):
 
 
 def _evict(m, group, ids):
-  m.pools[group], ev = P.evict(m.pools[group], _pad(ids))
+  m.pools[group], ev = pool.evict(m.pools[group], _pad(ids))
   assert np.asarray(ev)[:len(ids)].all()
 
 

@@ -8,14 +8,14 @@ import sys
 import jax
 import numpy as np
 
-from benchmarks import cache_bench as cb
+from benchmarks import cache_bench
 
 B, L, POOL = 2, 512, 128
 
 
 def test_cache_bench_tiny(monkeypatch, capsys):
-  prompts = cb.make_prompts(B, L, 2)
-  o = cb.Ours(B, L, POOL, prompts)
+  prompts = cache_bench.make_prompts(B, L, 2)
+  o = cache_bench.Ours(B, L, POOL, prompts)
   for s in range(len(prompts)):
     o.warm(s)
     m = o.m
@@ -26,16 +26,16 @@ def test_cache_bench_tiny(monkeypatch, capsys):
     for g, t in jax.device_get(m.device_tables).items():
       np.testing.assert_array_equal(np.asarray(t), tabs[g])
     r = o.step(s)
-    assert r["min_hit"] == L - cb.CHUNK and r["hit"] == B * (L - cb.CHUNK)
+    assert r["min_hit"] == L - cache_bench.CHUNK and r["hit"] == B * (L - cache_bench.CHUNK)
     assert r["program"] > 0 and r["admit"] > 0
   o.check()                     # device tables == host counts for the requests still held
   assert m.stats["step_plan_overflows"] == 0
   # the command line, same sizes (same compiled programs)
   monkeypatch.setattr(sys, "argv", ["cache_bench", "--shapes", f"{B}x{L}", "--pools", f"{POOL}", "--steps", "1"])
-  cb.main()
+  cache_bench.main()
   out = capsys.readouterr().out
   assert "vLLM skipped (no --vllm_src)" in out
   row = next(line for line in out.splitlines() if line.startswith(f"| {B} | {L} | {POOL} |"))
   cells = [c.strip() for c in row.strip("|").split("|")]
   assert float(cells[3]) == float(cells[3])          # a number (the marginal ms; its sign is noise at this size)
-  assert int(cells[8]) == B * (L - cb.CHUNK)         # ours hit tokens per step
+  assert int(cells[8]) == B * (L - cache_bench.CHUNK)         # ours hit tokens per step

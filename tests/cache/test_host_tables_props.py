@@ -1,15 +1,16 @@
 """The manager's host-side table bookkeeping (no device): a request's held entries kept as a run [lo, n) that
 switches to an explicit mask on a gap, and queued runs expanded to table refs with numpy, both against a plain
-list of HELD / -1 entries. Pure numpy: cheap."""
+list of HOST_HELD / -1 entries. Pure numpy: cheap."""
 
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from cache.manager import HELD, KVCacheManager, _Held
+from cache.manager import KVCacheManager
+from cache.request_state import HOST_HELD, HeldEntries
 
 OPS = st.lists(st.one_of(
     st.tuples(st.just("grow"), st.integers(0, 5)),
-    st.tuples(st.just("extend"), st.lists(st.sampled_from([HELD, -1]), max_size=5)),
+    st.tuples(st.just("extend"), st.lists(st.sampled_from([HOST_HELD, -1]), max_size=5)),
     st.tuples(st.just("clear"), st.integers(0, 30))), max_size=12)
 
 
@@ -17,12 +18,12 @@ OPS = st.lists(st.one_of(
 @given(OPS, st.integers(0, 6), st.integers(0, 6))
 def test_held_matches_a_plain_mask(ops, lo, n):
   lo = min(lo, n)
-  held = _Held(lo, n)
-  plain = [-1] * lo + [HELD] * (n - lo)
+  held = HeldEntries(lo, n)
+  plain = [-1] * lo + [HOST_HELD] * (n - lo)
   for op, arg in ops:
     if op == "grow":
       assert held.grow(arg) == len(plain)
-      plain += [HELD] * arg
+      plain += [HOST_HELD] * arg
     elif op == "extend":
       held.extend(arg)
       plain += list(arg)

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import cache.manager as manager_mod
-from cache import pool as P
+from cache import device_queue, pool
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
 from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs, GroupSpec
@@ -46,26 +45,26 @@ def test_pool_sized_copy_detector_can_fail():
 
 
 def test_single_ops_update_in_place():
-  st = P.init_pool(N, 32)
+  st = pool.init_pool(N, 32)
   ids = jnp.full(M, -1, jnp.int32)
   k2, p4, t = jnp.zeros((M, 2), jnp.int32), jnp.zeros((M, 4), jnp.int32), jnp.zeros((M, 32), jnp.int32)
-  for name, lowered in [("allocate", P.allocate.lower(st, 4, max_n=M)), ("free", P.free.lower(st, ids)),
-                        ("free legacy", P.free.lower(st, ids, prepend_uncached=False)),
-                        ("touch", P.touch.lower(st, ids)), ("register", P.register.lower(st, ids, k2, p4, t)),
-                        ("evict", P.evict.lower(st, ids))]:
+  for name, lowered in [("allocate", pool.allocate.lower(st, 4, max_n=M)), ("free", pool.free.lower(st, ids)),
+                        ("free legacy", pool.free.lower(st, ids, prepend_uncached=False)),
+                        ("touch", pool.touch.lower(st, ids)), ("register", pool.register.lower(st, ids, k2, p4, t)),
+                        ("evict", pool.evict.lower(st, ids))]:
     assert pool_sized_copies(lowered.compile().as_text(), N) == [], name
 
 
 def test_apply_step_updates_in_place(monkeypatch):
   specs = CacheSpecs((GroupSpec("full", FULL_HISTORY, 128, 1, 0), GroupSpec("swa", SLIDING_WINDOW, 32, 1, 127)))
   seen = []
-  real = manager_mod.apply_step_packed     # what the manager calls: one buffer in, one out
+  real = device_queue.apply_step_packed     # what the manager calls: one buffer in, one out
 
   def spy(pools, tables, buf, **kw):
     seen.append(real.lower(pools, tables, buf, **kw).compile().as_text())
     return real(pools, tables, buf, **kw)
 
-  monkeypatch.setattr(manager_mod, "apply_step_packed", spy)
+  monkeypatch.setattr(device_queue, "apply_step_packed", spy)
   # block tables larger than the pool (64 rows x 128 / 512 entries), so a copy of them would be caught too
   m = KVCacheManager(specs, num_blocks={"full": N, "swa": N}, enable_events=False, num_slots=64,
                      max_tokens=128 * 128)
@@ -76,7 +75,8 @@ def test_apply_step_updates_in_place(monkeypatch):
     m.commit(f"a{i}", 700)
     m.free(f"a{i}")
   m.flush()                                                                                   # register + free
-  m.add_requests([(f"b{i}", p, ExtraKeys()) for i, p in enumerate(prompts)], allocate_tokens=[700] * 3)   # hits + claims
+  # hits + claims
+  m.add_requests([(f"b{i}", p, ExtraKeys()) for i, p in enumerate(prompts)], allocate_tokens=[700] * 3)
   assert len(seen) == 3
   for hlo in seen:
     assert pool_sized_copies(hlo, N) == []
@@ -85,7 +85,7 @@ def test_apply_step_updates_in_place(monkeypatch):
 @pytest.mark.parametrize("n", [64, 4096])
 def test_detector_threshold_matches_pool(n):
   """Pools of other sizes compile without pool-sized copies too (the check is not tuned to one size)."""
-  st = P.init_pool(n, 8)
+  st = pool.init_pool(n, 8)
   ids = jnp.full(M, -1, jnp.int32)
-  assert pool_sized_copies(P.allocate.lower(st, 4, max_n=M).compile().as_text(), n) == []
-  assert pool_sized_copies(P.free.lower(st, ids).compile().as_text(), n) == []
+  assert pool_sized_copies(pool.allocate.lower(st, 4, max_n=M).compile().as_text(), n) == []
+  assert pool_sized_copies(pool.free.lower(st, ids).compile().as_text(), n) == []

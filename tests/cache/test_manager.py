@@ -6,13 +6,14 @@ import pytest
 
 from dsv4.caches import group_specs
 from dsv4.config import v4_flash, v41_flash
-from cache import pool as P
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from cache.hashing import ExtraKeys
 from cache.manager import CacheError, KVCacheManager, OutOfBlocks
 
 CFG = v4_flash()
-NF, NS = 128, 128   # one pool shape for every test: each jitted op compiles once per group     # swa 32-token blocks, full 128, tail 127 rows -> 4 swa blocks per checkpoint, align 128
+# one pool shape for every test: each jitted op compiles once per group. swa 32-token blocks, full 128, tail 127
+# rows -> 4 swa blocks per checkpoint, align 128
+NF, NS = 128, 128
 
 
 def serve(m, rid, toks, prompt_len, n_out, chunk, extra=ExtraKeys()):

@@ -7,7 +7,7 @@ import numpy as np
 import jax.numpy as jnp
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cache import pool as P
+from cache import pool
 from cache.reference import RefPool
 
 N, T, M = 12, 4, 6          # blocks, tokens per block, fixed id-array width (one compile per op)
@@ -40,7 +40,7 @@ def _check(ref, s, holders):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_pool_matches_reference(d):
-  s = P.init_pool(N, T, MAX_PROBE)
+  s = pool.init_pool(N, T, MAX_PROBE)
   ref = RefPool(N, T, MAX_PROBE)
   holders = collections.Counter()
   for _ in range(d.draw(st.integers(5, 30))):
@@ -50,7 +50,7 @@ def test_pool_matches_reference(d):
     if op == "alloc":
       n = d.draw(st.integers(0, M + 2))
       before = (np.asarray(s.cached_N).copy(), np.asarray(s.key_Nx2).copy())
-      s, ids, ev, ok = P.allocate(s, n, max_n=M)
+      s, ids, ev, ok = pool.allocate(s, n, max_n=M)
       rids, rev, rok = ref.allocate(n, max_n=M)
       assert bool(ok) == rok
       got = [int(x) for x in ids if x >= 0]
@@ -64,7 +64,7 @@ def test_pool_matches_reference(d):
       ids = d.draw(st.lists(st.integers(-1, N - 1), max_size=M))
       if d.draw(st.booleans()) and ids:
         ids[0] = N + 3  # bad id: refused, nothing changes
-      s, ok = P.touch(s, _pad(ids))
+      s, ok = pool.touch(s, _pad(ids))
       assert bool(ok) == ref.touch(ids)
       if ok:
         holders.update(b for b in ids if b >= 0)
@@ -76,7 +76,7 @@ def test_pool_matches_reference(d):
       if ids and d.draw(st.integers(0, 4)) == 0:
         ids[d.draw(st.integers(0, len(ids) - 1))] = d.draw(st.sampled_from([N, N + 5, -3]))   # refused
       prepend = d.draw(st.booleans())
-      s, ok = P.free(s, _pad(ids), prepend_uncached=prepend)
+      s, ok = pool.free(s, _pad(ids), prepend_uncached=prepend)
       assert bool(ok) == ref.free(ids, prepend_uncached=prepend)
       if ok:
         holders.subtract(b for b in ids if b >= 0)
@@ -85,12 +85,12 @@ def test_pool_matches_reference(d):
       # repeated ids, -1 padding and out-of-range ids (INVALID) exercise the duplicate detection
       ids = d.draw(st.lists(st.sampled_from(pool_ids + [-1, -1, N, N + 7, -4]), max_size=M))
       keys, par, tok = _ident(d, len(ids))
-      s, status = P.register(s, _pad(ids), jnp.asarray(keys), jnp.asarray(par), jnp.asarray(tok))
+      s, status = pool.register(s, _pad(ids), jnp.asarray(keys), jnp.asarray(par), jnp.asarray(tok))
       rstatus = ref.register(list(ids) + [-1] * (M - len(ids)), keys, par, tok)
       assert list(np.asarray(status)) == rstatus
     elif op == "lookup":
       keys, par, tok = _ident(d, M)
-      got = P.lookup(s, jnp.asarray(keys), jnp.asarray(par), jnp.asarray(tok))
+      got = pool.lookup(s, jnp.asarray(keys), jnp.asarray(par), jnp.asarray(tok))
       want = ref.lookup(keys, par, tok)
       assert list(np.asarray(got)) == want
       for b, k, p, t in zip(want, keys, par, tok):  # exactness: a hit is the very identity asked for
@@ -98,46 +98,47 @@ def test_pool_matches_reference(d):
           assert ref._matches(b, ref._ident(k, p, t))
     elif op == "evict":
       ids = d.draw(st.lists(st.integers(-3, N + 2), max_size=M))
-      s, ev = P.evict(s, _pad(ids))
+      s, ev = pool.evict(s, _pad(ids))
       assert list(np.asarray(ev)[:len(ids)]) == ref.evict(ids)
     else:
-      s, ok = P.reset(s)
+      s, ok = pool.reset(s)
       assert bool(ok) == ref.reset() == (not held)
     holders += collections.Counter()  # drop zero counts
     _check(ref, s, holders)
   # Nothing leaks: once every holder lets go, every block is free.
-  s, ok = P.free(s, _pad([]))
+  s, ok = pool.free(s, _pad([]))
   for b in sorted(holders.elements()):
-    s, ok = P.free(s, _pad([b]))
+    s, ok = pool.free(s, _pad([b]))
     assert ok and ref.free([b])
   holders.clear()
   _check(ref, s, holders)
-  assert int(s.num_free) == N and P.free_queue(s) == ref.queue
+  assert int(s.num_free) == N and pool.free_queue(s) == ref.queue
 
 
 def test_out_of_blocks_reported_not_crashing():
-  s = P.init_pool(4, 2)
-  s, ids, ev, ok = P.allocate(s, 3, max_n=8)
+  s = pool.init_pool(4, 2)
+  s, ids, ev, ok = pool.allocate(s, 3, max_n=8)
   assert ok
-  s, ids2, ev2, ok2 = P.allocate(s, 2, max_n=8)
+  s, ids2, ev2, ok2 = pool.allocate(s, 2, max_n=8)
   assert not bool(ok2) and np.all(np.asarray(ids2) == -1) and int(s.num_free) == 1
-  s, ids3, _, ok3 = P.allocate(s, 9, max_n=8)   # over the static width: refused too
+  s, ids3, _, ok3 = pool.allocate(s, 9, max_n=8)   # over the static width: refused too
   assert not bool(ok3)
 
 
 def test_free_order_tail_first_and_transient_first():
   """Cached blocks appended in the given order; uncached ones put at the head in the given order."""
-  s = P.init_pool(6, 2)
-  s, ids, _, _ = P.allocate(s, 4, max_n=4)          # 0 1 2 3 held, queue [4 5]
+  s = pool.init_pool(6, 2)
+  s, ids, _, _ = pool.allocate(s, 4, max_n=4)          # 0 1 2 3 held, queue [4 5]
   k = jnp.asarray([[0, 1], [0, 2], [0, 0], [0, 0]], jnp.int32)
-  s, status = P.register(s, jnp.asarray([0, 1, -1, -1]), k, jnp.zeros((4, 4), jnp.int32), jnp.ones((4, 2), jnp.int32))
-  assert list(np.asarray(status)) == [P.STORED, P.STORED, P.SKIPPED, P.SKIPPED]
-  s, ok = P.free(s, jnp.asarray([3, 2, 1, 0]))      # request freed tail-first
-  assert P.free_queue(s) == [3, 2, 4, 5, 1, 0]
+  s, status = pool.register(s, jnp.asarray([0, 1, -1, -1]), k, jnp.zeros((4, 4), jnp.int32),
+                            jnp.ones((4, 2), jnp.int32))
+  assert list(np.asarray(status)) == [pool.STORED, pool.STORED, pool.SKIPPED, pool.SKIPPED]
+  s, ok = pool.free(s, jnp.asarray([3, 2, 1, 0]))      # request freed tail-first
+  assert pool.free_queue(s) == [3, 2, 4, 5, 1, 0]
 
 
-_first_last = jax.jit(P._first_last, static_argnames="last")
-_prev_same = jax.jit(P._prev_same)
+_first_last = jax.jit(pool._first_last, static_argnames="last")
+_prev_same = jax.jit(pool._prev_same)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -145,7 +146,7 @@ _prev_same = jax.jit(P._prev_same)
 def test_duplicate_detection_without_sort(ids):
   """The scatter-based duplicate detection (first / last occurrence, previous same id) equals a plain scan on lists
   with repeated ids, -1 padding and out-of-range ids, and leaves the scratch at its sentinel."""
-  s = P.init_pool(N, T)
+  s = pool.init_pool(N, T)
   a = jnp.asarray(ids, jnp.int32)
   valid = (a >= 0) & (a < N)
   ok = [0 <= b < N for b in ids]
@@ -159,4 +160,4 @@ def test_duplicate_detection_without_sort(ids):
                    (lambda s: _prev_same(s, a, valid), want_prev)]:
     s2, got = fn(s)
     assert np.asarray(got).tolist() == [int(x) if not isinstance(x, bool) else x for x in want]
-    assert (np.asarray(s2.mark_N) == P.BIG).all()
+    assert (np.asarray(s2.mark_N) == pool.BIG).all()

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dsv4.caches import group_specs
 from dsv4.config import v4_flash
-from cache import pool as P
+from cache import pool
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
 from cache.reference import RefPool, ref_hybrid_hit
@@ -79,7 +79,7 @@ def test_hybrid_search_matches_reference(d):
       cached = np.flatnonzero(np.asarray(m.pools[name].cached_N))
       if len(cached):
         drop = d.draw(st.lists(st.sampled_from(list(cached)), max_size=3))
-        m.pools[name], _ = P.evict(m.pools[name], jnp.asarray(drop + [-1] * (16 - len(drop)), jnp.int32))
+        m.pools[name], _ = pool.evict(m.pools[name], jnp.asarray(drop + [-1] * (16 - len(drop)), jnp.int32))
     check_against_reference(m, full, extra)
     check_against_reference(m, toks, d.draw(st.sampled_from(tenants)))
   for name in m.groups:
@@ -96,7 +96,8 @@ def test_batched_lookup_equals_single():
   qs = [(toks, ExtraKeys()), (toks[:700], ExtraKeys()), (toks, ExtraKeys(tenant="x")), (toks[:50], ExtraKeys())]
   batch = m.lookup_batch(qs)
   single = [m.lookup(t, e) for t, e in qs]
-  assert [h.num_tokens for h in batch] == [h.num_tokens for h in single] == [1024, 512, 0, 0]   # 700 tokens: dense-start checkpoint at 512
+  # 700 tokens: dense-start checkpoint at 512
+  assert [h.num_tokens for h in batch] == [h.num_tokens for h in single] == [1024, 512, 0, 0]
 
 
 def test_collision_never_aliases():

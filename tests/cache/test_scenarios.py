@@ -186,12 +186,12 @@ def test_pressure_does_not_multiply_checkpoints():
   m.free("t1")
   hist = conv[:705]
   assert _swa_checkpoints(m, hist, 705) == [128, 256, 384, 640]
-  from cache import pool as P
+  from cache import pool
   import jax.numpy as jnp
   at384, at640 = m.lookup(hist[:400]), m.lookup(hist)
   assert at384.num_tokens == 384 and at640.num_tokens == 640
   drop = [int(at384.swa[j]) for j in range(8, 12)] + [int(at640.swa[j]) for j in range(16, 20)]   # their tails
-  m.pools["swa"], ev = P.evict(m.pools["swa"], jnp.asarray(drop + [-1] * 8, jnp.int32))
+  m.pools["swa"], ev = pool.evict(m.pools["swa"], jnp.asarray(drop + [-1] * 8, jnp.int32))
   assert np.asarray(ev)[:8].all()
   t2 = conv[:1005]
   assert serve(m, "t2", t2) == 256

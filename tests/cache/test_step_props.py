@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cache import pool as P
+from cache import pool
 from cache.reference import RefPool
 from cache.specs import SLIDING_WINDOW, CacheSpecs, GroupSpec
 from cache.prefix import group_searches
@@ -40,7 +40,7 @@ def packed(pools, tables, plans, admit, **kw):
 def test_apply_step_matches_reference(d, path):
   """Plans name table positions (slot * TW + entry); the reference resolves them on the host against its own copy
   of the tables, runs the plain pool, and writes the same entries; pools and tables are compared after each step."""
-  pools = tuple(P.init_pool(N[g], T, MAX_PROBE) for g in SPECS.names)
+  pools = tuple(pool.init_pool(N[g], T, MAX_PROBE) for g in SPECS.names)
   tables = tuple(jnp.full((S, TW), -1, jnp.int32) for _ in SPECS.names)
   refs = [RefPool(N[g], T, MAX_PROBE) for g in SPECS.names]
   host = [np.full(S * TW, -1, np.int64) for _ in SPECS.names]

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from cache.tiers import record as R
+from cache.tiers import record
 from cache.tiers.backends import DiskBackend, HostBackend, RedisBackend, TierError
 from cache.tiers.cost import CostModel
 from cache.tiers.servers import RedisServer, free_port
@@ -20,30 +20,30 @@ from cache.tiers.tier import Tier, TierPolicy
 from cache.tiers.writeback import WriteBehind
 from tests.isolation import run_in_child
 
-FP = R.Fingerprint("model-a", "tok-1", "layout-1", "tenant-x", "")
-MAN = (R.ArrayEntry("L0/window_kv", "<f4", (4, 3)), R.ArrayEntry("L0/token_ids", "<i4", (4,)))
+FP = record.Fingerprint("model-a", "tok-1", "layout-1", "tenant-x", "")
+MAN = (record.ArrayEntry("L0/window_kv", "<f4", (4, 3)), record.ArrayEntry("L0/token_ids", "<i4", (4,)))
 
 
 def _record(fp=FP, digest=b"d" * 16, seed=0):
   rng = np.random.default_rng(seed)
   arrs = [rng.standard_normal((4, 3)).astype(np.float32), np.arange(4, dtype=np.int32) + seed]
-  hdr = R.RecordHeader(fp, "swa", digest, b"p" * 16, 32, (5, 6, 7, 8), MAN)
-  return R.encode(hdr, arrs), arrs, R.Expect(fp, "swa", digest, b"p" * 16, 32, (5, 6, 7, 8), MAN)
+  hdr = record.RecordHeader(fp, "swa", digest, b"p" * 16, 32, (5, 6, 7, 8), MAN)
+  return record.encode(hdr, arrs), arrs, record.Expect(fp, "swa", digest, b"p" * 16, 32, (5, 6, 7, 8), MAN)
 
 
 def test_record_roundtrip_and_every_corruption_is_rejected():
   data, arrs, exp = _record()
-  out = R.decode(data, exp)
+  out = record.decode(data, exp)
   assert all(np.array_equal(a, b) for a, b in zip(arrs, out))
   for cut in (0, 5, len(data) // 2, len(data) - 1):
-    with pytest.raises(R.RecordError):
-      R.decode(data[:cut], exp)
+    with pytest.raises(record.RecordError):
+      record.decode(data[:cut], exp)
   rng = np.random.default_rng(1)
   for pos in rng.choice(len(data), 40, replace=False).tolist() + [len(data) - 1, 0, 20]:
     flipped = bytearray(data)
     flipped[pos] ^= 1 << int(rng.integers(8))
-    with pytest.raises(R.RecordError):
-      R.decode(bytes(flipped), exp)
+    with pytest.raises(record.RecordError):
+      record.decode(bytes(flipped), exp)
 
 
 @pytest.mark.parametrize("field", ["model", "tokenizer", "layout", "tenant", "adapter"])
@@ -51,11 +51,11 @@ def test_other_fingerprint_is_rejected_and_keyed_apart(field):
   import dataclasses
   data, _, exp = _record()
   other = dataclasses.replace(FP, **{field: getattr(FP, field) + "-other"})
-  with pytest.raises(R.RecordError, match=field):
-    R.decode(data, dataclasses.replace(exp, fingerprint=other))
-  assert R.record_key(FP, "swa", b"d" * 16) != R.record_key(other, "swa", b"d" * 16)
+  with pytest.raises(record.RecordError, match=field):
+    record.decode(data, dataclasses.replace(exp, fingerprint=other))
+  assert record.record_key(FP, "swa", b"d" * 16) != record.record_key(other, "swa", b"d" * 16)
   # forced collision: same (truncated) key, still rejected by the header check
-  assert R.record_key(FP, "swa", b"d" * 16, key_bits=0) == R.record_key(other, "swa", b"d" * 16, key_bits=0)
+  assert record.record_key(FP, "swa", b"d" * 16, key_bits=0) == record.record_key(other, "swa", b"d" * 16, key_bits=0)
 
 
 def test_other_prefix_under_colliding_key_is_rejected():
@@ -63,8 +63,8 @@ def test_other_prefix_under_colliding_key_is_rejected():
   data, _, exp = _record()
   for f, v in [("digest", b"e" * 16), ("parent", b"q" * 16), ("start", 64), ("tokens", (5, 6, 7, 9)),
                ("kind", "full"), ("arrays", MAN[:1])]:
-    with pytest.raises(R.RecordError):
-      R.decode(data, dataclasses.replace(exp, **{f: v}))
+    with pytest.raises(record.RecordError):
+      record.decode(data, dataclasses.replace(exp, **{f: v}))
 
 
 def test_tier_capacity_lru_ttl_and_tenant_quota():
@@ -226,7 +226,7 @@ def test_mooncake_tier_roundtrip_and_server_gone(request):
     assert t.metrics["stored"] == 1 and store.locate(["dsv4kv:m1", "dsv4kv:none"]) == [[0], []]
     got = store.fetch({0: ["dsv4kv:m1", "dsv4kv:none"]}, time.monotonic() + 5)
     assert list(got) == ["dsv4kv:m1"] and got["dsv4kv:m1"][1] == 0
-    assert all(np.array_equal(a, b) for a, b in zip(R.decode(got["dsv4kv:m1"][0], exp), arrs))
+    assert all(np.array_equal(a, b) for a, b in zip(record.decode(got["dsv4kv:m1"][0], exp), arrs))
     t2 = Tier(MooncakeBackend(s.url))                 # a second client (another engine) sees the record
     assert t2.get_many(["dsv4kv:m1"]) == [data]
     t2.close()
