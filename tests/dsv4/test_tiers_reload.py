@@ -226,7 +226,7 @@ def _copy_redis(src_url, dst_url):
     b.restore(k, 0, a.dump(k), replace=True)
 
 
-def test_store_down_at_start_killed_mid_run_and_slow(world):
+def test_store_down_at_start_killed_mid_run_and_slow(world, request):
   if world.name != "v4":
     pytest.skip("fault paths are model-independent; run once")
   world.A.tiering.store.drain()
@@ -239,6 +239,7 @@ def test_store_down_at_start_killed_mid_run_and_slow(world):
   # killed mid-run: hits, then the server dies, the device cache is dropped (demotions to a dead store are
   # dropped), and the next turn recomputes
   s2 = RedisServer()
+  request.addfinalizer(s2.stop)                      # a failing assertion must not leave it running
   _copy_redis(world.url, s2.url.replace("/0", "/1" if world.name == "v4" else "/2"))
   eng = world.engine(("redis",), store_url=s2.url.replace("/0", "/1"), tier_timeout_s=0.2)
   r = world.turn2(eng)
