@@ -4,6 +4,7 @@ unwritable directory, file size limit), write-behind backpressure, the cost mode
 
 import os
 import resource
+import shutil
 import signal
 import threading
 import time
@@ -122,6 +123,8 @@ def test_disk_full_is_a_dropped_write_not_a_crash(tmp_path):
 
 @pytest.fixture
 def redis_server():
+  if shutil.which("redis-server") is None:
+    pytest.skip("redis-server not installed (apt-get install redis-server)")
   s = RedisServer()
   yield s
   s.stop()
@@ -142,13 +145,16 @@ def test_redis_tier_roundtrip_directory_and_ttl(redis_server):
   store.close()
 
 
-def test_redis_down_at_start_and_killed_mid_run():
+def test_redis_down_at_start_and_killed_mid_run(request):
   t = Tier(RedisBackend(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2), TierPolicy(retry_after_s=0.2))
   store = TieredStore([t], write_behind=None)
   data, _, _ = _record()
   store.put("dsv4kv:a", data)                        # nothing listening: dropped, counted
   assert store.locate(["dsv4kv:a"]) == [[]] and t.metrics["failures"] >= 1
+  if shutil.which("redis-server") is None:
+    pytest.skip("redis-server not installed (apt-get install redis-server): the server-down half passed")
   s = RedisServer()
+  request.addfinalizer(s.stop)                       # a failing assertion must not leave it running
   t2 = Tier(RedisBackend(s.url, timeout_s=0.2), TierPolicy(retry_after_s=0.2))
   store2 = TieredStore([t2], write_behind=WriteBehind(8))
   store2.put("dsv4kv:a", data)
@@ -213,6 +219,8 @@ def test_cost_model_picks_the_cheaper_path():
 
 
 def test_mooncake_tier_roundtrip_and_server_gone(request):
+  if shutil.which("mooncake_master") is None or shutil.which("mooncake_client") is None:
+    pytest.skip("mooncake_master / mooncake_client not installed (pip install mooncake-transfer-engine-non-cuda)")
   if run_in_child(request):                          # Mooncake's client never loads into a pytest worker
     return
   from cache.tiers.backends import MooncakeBackend
