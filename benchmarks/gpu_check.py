@@ -23,8 +23,9 @@ time, i.e. how close the case is to its own bound. A timing row checks its answe
 Order: every correctness case (Triton kernels), then the timing cases, then with --mosaic the Mosaic GPU kernel
 (a small correctness case with a short timeout first: a deadlock costs that timeout only). Each case runs in its own
 process (`python -m benchmarks.gpu_check --child NAME`) under min(its timeout, budget left); a failure, crash or
-hang is recorded and the next case runs. This file imports no JAX in the parent, so the parent cannot be the thing
-that fails. Exit status: 0 when every case that ran is ok, 1 otherwise.
+hang is recorded and the next case runs. This file (the plan, the parent, the report) imports no JAX, so the parent
+cannot be the thing that fails; the case side, which does, is benchmarks/gpu_check_cases.py. Exit status: 0 when
+every case that ran is ok, 1 otherwise.
 
 --dry-run: the same plan and plumbing on a CPU with tiny shapes: correctness cases run the kernels in Pallas
 interpret mode, timing cases time the XLA reference in their place (labelled so), Mosaic cases only lower for CUDA.
@@ -182,7 +183,8 @@ def _shape_text(p) -> str:
     s = f"{p['mode']} {p['layer']} N={p['N']} H={p['H']} D={p['D']} W={p['W']} K={p['K']} ctx={p['ctx']}"
     return s + (" +lens" if p.get("lens") else "")
   s = f"{p['mode']} B={p['B']} T={p['T']} H={p['HI']} C={p['C']} M={p['ctx'] // 4} ctx={p['ctx']}"
-  return s + (f" k={p['k']}" if p.get("topk") else "") + (f" cand={p['cand']}x{p['block_size']}" if p.get("cand") else "")
+  s += f" k={p['k']}" if p.get("topk") else ""
+  return s + (f" cand={p['cand']}x{p['block_size']}" if p.get("cand") else "")
 
 
 def planned_row(case: Case, dry: bool) -> dict:
@@ -225,7 +227,7 @@ def parse_args(argv):
   return ap.parse_args(argv)
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
   lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
   return lines[-1][:400] if lines else ""
 
@@ -281,7 +283,7 @@ def _read(path) -> str:
     return ""
 
 
-def _write_atomic(path, text):
+def write_atomic(path, text):
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
     f.write(text)
@@ -320,7 +322,8 @@ def render_markdown(rows: list[dict], env: dict, meta: dict) -> str:
       bound = f" ({r['bound']})" if r.get("bound") else ""
       lines.append(
           f"| {r['case']} | {r['kernel']} | {r['shape_text']} | {r['dtype']} | {r['layout']} | {r['status']} | "
-          f"{_fmt(r.get('err_over_tol'), '.3g')} | {_fmt(r.get('kernel_ms'), '.4f')} | {_fmt(r.get('hot_ms'), '.4f')} | "
+          f"{_fmt(r.get('err_over_tol'), '.3g')} | {_fmt(r.get('kernel_ms'), '.4f')} | "
+          f"{_fmt(r.get('hot_ms'), '.4f')} | "
           f"{_fmt(r.get('tflops'), '.1f')} | {_fmt(r.get('gbps'), '.0f')} | {_fmt(r.get('pct_hbm'), '.1f')} | "
           f"{_fmt(r.get('pct_tc'), '.1f')} | {_fmt(r.get('roofline_pct'), '.1f')}{bound} | "
           f"{r.get('num_splits') or ''} | {r.get('error', '')} |")
@@ -343,14 +346,15 @@ def _env(args, out) -> dict:
   try:
     env.update(json.loads(_read(path)))
   except ValueError:
-    env["error"] = f"jax environment probe failed (rc {rc}): {_last_line(_read(os.path.join(out, 'logs', 'env.log')))}"
+    env["error"] = f"jax environment probe failed (rc {rc}): {last_line(_read(os.path.join(out, 'logs', 'env.log')))}"
   return env
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  if args.child:
-    return child_main(args)
+  if args.child:  # one case in this process (benchmarks/gpu_check_cases.py imports JAX; the parent never does)
+    from benchmarks import gpu_check_cases
+    return gpu_check_cases.child_main(args)
   cases = plan(args.mosaic)
   if args.only:
     keys = [k for k in args.only.split(",") if k]
@@ -378,7 +382,7 @@ def main(argv=None) -> int:
               hbm_gbps=args.hbm_gbps, peak_tflops=args.peak_tflops)
   env = _env(args, out) if args.budget > 0 and not args.no_env else {"error": "environment not probed"}
   env["dry_run"] = args.dry_run
-  _write_atomic(os.path.join(out, "env.json"), json.dumps(env, indent=1) + "\n")
+  write_atomic(os.path.join(out, "env.json"), json.dumps(env, indent=1) + "\n")
   print(f"# gpu_check: {len(cases)} cases, budget {args.budget:.0f} s, out {out}", flush=True)
   print(f"# env {json.dumps(env)}", flush=True)
   rows: list[dict] = []
@@ -408,23 +412,23 @@ def main(argv=None) -> int:
       if rc is None:
         row.update(status="timeout", error=f"killed after {timeout:.0f} s (per-case limit "
                    f"{args.case_timeout or case.timeout:.0f} s, budget left {left:.0f} s); last output: "
-                   f"{_last_line(_read(log))}")
+                   f"{last_line(_read(log))}")
         if got:  # a timing case writes its checked row before timing
           row.update({k: v for k, v in got.items() if k not in ("status", "error")})
           row["error"] += f" (answer checked first: err/tol {_fmt(got.get('err_over_tol'), '.3g')})"
       elif got is None:
-        row.update(status="error", error=f"exit {rc} without a result: {_last_line(_read(log))}")
+        row.update(status="error", error=f"exit {rc} without a result: {last_line(_read(log))}")
       else:
         row.update(got)
         if rc != 0 and row["status"] == "ok":  # crashed after writing its checked row (during timing)
-          row.update(status="error", error=f"exit {rc} after the check passed: {_last_line(_read(log))}")
+          row.update(status="error", error=f"exit {rc} after the check passed: {last_line(_read(log))}")
       row["seconds"] = round(secs, 1)
       row["log"] = os.path.relpath(log, out)
     rows.append(row)
     with open(results, "a") as f:
       f.write(json.dumps(row) + "\n")
     meta.update(done=i + 1, elapsed=time.monotonic() - t_start)
-    _write_atomic(md_path, render_markdown(rows, env, meta))
+    write_atomic(md_path, render_markdown(rows, env, meta))
     extra = ""
     if row.get("kernel_ms") is not None:
       extra = f"  {row['kernel_ms']:.4f} ms  roofline {_fmt(row.get('roofline_pct'), '.1f')}%"
@@ -433,263 +437,6 @@ def main(argv=None) -> int:
   print()
   print(_read(md_path))
   return 0 if all(r["status"] == "ok" for r in rows if r["status"] != "skipped") else 1
-
-
-# ------------------------------------------------------------------------------------------------ child
-
-
-def child_main(args) -> int:
-  """Run one case; write its result row (JSON) to --result. Never raises: failures become rows."""
-  if args.child_inject == "raise":  # before any import: the parent must report it from the log alone
-    raise RuntimeError("injected failure (--inject raise)")
-  if args.child_inject == "hang":
-    print("injected hang (--inject hang)", flush=True)
-    while True:
-      time.sleep(3600)
-  if args.child_inject == "crash":
-    print("injected crash (--inject crash)", flush=True)
-    os.abort()
-  if args.env_only:
-    _child_write(args.result, _jax_env())
-    return 0
-  cases = {c.name: c for c in plan(mosaic=True)}
-  case = cases[args.child]
-  try:
-    row = run_case(case, args)
-  except Exception as e:  # noqa: BLE001 - a lowering / compile / launch failure is a row, not a crash
-    import traceback
-    traceback.print_exc()
-    row = dict(status="error", error=_last_line(f"{type(e).__name__}: {e}"))
-  _child_write(args.result, row)
-  return 0
-
-
-def _child_write(path, row):
-  _write_atomic(path, json.dumps(row, default=_json_default))
-
-
-def _json_default(x):
-  try:
-    return float(x)
-  except (TypeError, ValueError):
-    return str(x)
-
-
-def _jax_env() -> dict:
-  import jax
-  env = dict(jax=jax.__version__, backend=jax.default_backend(), devices=[d.device_kind for d in jax.devices()])
-  try:
-    import jaxlib
-    env["jaxlib"] = jaxlib.__version__
-  except Exception:  # noqa: BLE001
-    pass
-  return env
-
-
-def _arrays(names, args):
-  import jax
-  out = {}
-  for name, a in zip(names, args):
-    if a is None:
-      continue
-    leaves = jax.tree_util.tree_leaves_with_path(a)
-    for path, leaf in leaves:
-      key = name + jax.tree_util.keystr(path)
-      out[key] = [list(leaf.shape), str(leaf.dtype)]
-  return out
-
-
-def run_case(case: Case, args) -> dict:
-  import jax
-  if args.jax_cache and not args.dry_run:
-    try:
-      jax.config.update("jax_compilation_cache_dir", args.jax_cache)
-      jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    except Exception:  # noqa: BLE001 - an optional speed-up
-      pass
-  on_gpu = jax.default_backend() == "gpu"
-  if not on_gpu and not args.dry_run:
-    raise RuntimeError(f"no GPU (backend {jax.default_backend()}): use --dry-run on a CPU")
-  p = shapes_of(case, args.dry_run)
-  # A timing case writes its checked row before timing: a timeout then still records the check.
-  partial = lambda row: _child_write(args.result, dict(row, error="timing not finished"))
-  ctx = dict(args=args, p=p, case=case, dry=args.dry_run, inject=args.child_inject, partial=partial)
-  if case.op == "sparse_attention":
-    return _run_sparse(**ctx)
-  return _run_indexer(**ctx)
-
-
-def _timing(args, dry):
-  if dry:
-    return dict(iters=1, repeats=1, flush_elems=1024)
-  return dict(iters=args.iters, repeats=args.repeats, flush_elems=int(args.flush_mb * 2 ** 20 / 4))
-
-
-def _roofline(row, flops, nbytes, ms, args):
-  row.update(flops=flops, bytes=nbytes, kernel_ms=ms)
-  s = ms * 1e-3 if ms is not None else float("nan")
-  if not s > 0:
-    return row
-  t_hbm = nbytes / (args.hbm_gbps * 1e9)
-  t_tc = flops / (args.peak_tflops * 1e12)
-  row.update(tflops=flops / s / 1e12, gbps=nbytes / s / 1e9, pct_hbm=100 * t_hbm / s, pct_tc=100 * t_tc / s,
-             roofline_pct=100 * max(t_hbm, t_tc) / s, bound="HBM" if t_hbm >= t_tc else "TC")
-  return row
-
-
-def _judged(row, err, case, partial, what) -> bool:
-  """Record the correctness verdict; True when the case goes on to its timing (a timing case that matched; the
-  row so far is written first, so a timeout in the timing keeps it)."""
-  row["err_over_tol"] = err
-  if not err <= 1.0:
-    row.update(status="mismatch", error=f"{what} = {err:.3g} (> 1)")
-    return False
-  row["status"] = "ok"
-  if case.kind != "timing":
-    return False
-  partial(row)
-  return True
-
-
-def _sparse_inputs(p, key):
-  import jax
-  import jax.numpy as jnp
-  from benchmarks import kernels_bench as kb
-  from pallas_kernels import sparse_attention as sa
-  N, H, D, W, K, ctx = p["N"], p["H"], p["D"], p["W"], p["K"], p["ctx"]
-  hca, prefill = p["layer"] == "hca", p["mode"] == "prefill"
-  E = ctx // (128 if hca else 4)  # compressed entries per sequence
-  seqs = 1 if prefill else N
-  k1, k2, k3, k4, k5, k6 = jax.random.split(key, 6)
-  q = (jax.random.normal(k1, (N, H, D), jnp.float32) * 0.05)
-  win_pool, win_idx, comp_pool, comp_idx = kb.synthetic_rows(k2, k3, k4, N=N, D=D, W=W, K=K, E=E, seqs=seqs,
-                                                             hca=hca, prefill=prefill, ctx=ctx, dtype=jnp.float32,
-                                                             ratio=128 if hca else 4)
-  sink = jax.random.normal(k5, (H,), jnp.float32)
-  fmt = p["fmt"]
-  dt = jnp.float32 if fmt == "f32" else jnp.bfloat16
-  q = q.astype(dt)
-  win_pool, comp_pool = win_pool.astype(dt), comp_pool.astype(dt)
-  if fmt in ("fp8_paged", "fp8_record"):
-    win_pool, comp_pool = sa.quantize_kv_fp8(win_pool), sa.quantize_kv_fp8(comp_pool)
-    if fmt == "fp8_paged":
-      win_pool = sa.record_to_paged(win_pool, p["page_size"])
-      comp_pool = sa.record_to_paged(comp_pool, p["page_size"])
-  wl = cl = None
-  if p.get("lens"):  # the model passes per-query live lengths: ragged, some rows empty
-    kw, kc = jax.random.split(k6)
-    wl = jax.random.randint(kw, (N,), 0, W + 1).astype(jnp.int32)
-    cl = jax.random.randint(kc, (N,), 0, K + 1).astype(jnp.int32)
-  return (q, win_pool, win_idx.astype(jnp.int32), comp_pool, comp_idx.astype(jnp.int32), sink, wl, cl)
-
-
-def _run_sparse(args, p, case, dry, inject, partial):
-  import jax
-  from benchmarks import kernels_bench as kb
-  from pallas_kernels import sparse_attention as sa
-  row = {}
-  inputs = jax.jit(lambda key: _sparse_inputs(p, key))(jax.random.PRNGKey(0))  # one compile, not one per op
-  names = ("q", "window_pool", "window_idx", "comp_pool", "comp_idx", "sink", "window_len", "comp_len")
-  row["arrays"] = _arrays(names, inputs)
-  D = p["D"]
-  scale = D ** -0.5
-  q, wp, wi, cp, ci, sink, wl, cl = inputs
-  ref = jax.jit(lambda *a: sa.sparse_attention_reference(*a[:6], scale=scale, window_len_N=a[6], comp_len_N=a[7]))
-  if case.impl == "mosaic":
-    from pallas_kernels import sparse_attention_mgpu as mg
-    row["tuning"] = dict(block_k=mg.BLOCK_K, warpgroups=3)
-    if dry:  # no Mosaic GPU on a CPU: lower it for CUDA at these shapes instead
-      from pallas_kernels import lowering
-      S = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
-      lowering.export_for_cuda(mg.sparse_attention_mgpu, *[S(x) for x in inputs], scale=scale)
-      row.update(status="ok", err_over_tol=None, note="dry run: lowered for CUDA only")
-      return row
-    kern = jax.jit(lambda *a: mg.sparse_attention_mgpu(*a, scale=scale))
-    row["num_splits"] = 1
-  elif dry and case.kind == "timing":
-    kern = ref  # the plumbing only: interpret-mode kernels in timing loops take minutes on a CPU
-    row["kernel"] = case.kernel + " [dry run: XLA reference timed in its place]"
-  else:
-    tuning = sa.SparseAttentionTuning(block_h=16, block_k=16) if dry else sa.SparseAttentionTuning()
-    row["tuning"] = dataclasses.asdict(tuning)
-    row["num_splits"] = sa.chosen_num_splits(q.shape[0], q.shape[1], [wi.shape[1], ci.shape[1]], tuning)
-    kern = jax.jit(lambda *a: sa.sparse_attention_pallas(*a, scale=scale, interpret=dry, tuning=tuning))
-  got = kern(*inputs)
-  want = ref(*inputs)
-  if inject == "mismatch":
-    got = (got[0] * 1.5, got[1])
-  tol = (1e-4, 1e-4) if p["fmt"] == "f32" else (1.5e-2, 2e-2)
-  err = max(kb.tol_ratio(got[0], want[0], *tol), kb.tol_ratio(got[1], want[1], 1e-3, 1e-3))
-  del got, want
-  if not _judged(row, err, case, partial, "max |kernel - reference| / tol"):
-    return row
-  H = p["H"]
-  wi_l, ci_l = sa.apply_len(wi, wl), sa.apply_len(ci, cl)
-  uw, aw = kb.unique_valid(wi_l, sa.pool_rows(wp))
-  uc, ac = kb.unique_valid(ci_l, sa.pool_rows(cp))
-  flops = 2.0 * H * (aw + ac) * (D + D)
-  nbytes = (q.size * q.dtype.itemsize * 2 + uw * sa.pool_row_bytes(wp) + uc * sa.pool_row_bytes(cp))
-  ms, hot, flush = kb.device_time_ms(kern, inputs, 5, **_timing(args, dry))
-  row.update(hot_ms=hot, flush_ms=flush)
-  return _roofline(row, flops, nbytes, ms, args)
-
-
-def _run_indexer(args, p, case, dry, inject, partial):
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from benchmarks import kernels_bench as kb
-  from pallas_kernels import dispatch
-  from pallas_kernels import indexer as ix
-  from pallas_kernels import indexer_topk as itk
-  row = {}
-  B, T, H, C, ctx = p["B"], p["T"], p["HI"], p["C"], p["ctx"]
-  M = ctx // 4
-  q, w, pool, rows, nv = jax.jit(lambda key: kb.indexer_case(key, B=B, T=T, H=H, C=C, M=M, prefill=p["mode"] == "prefill",
-                                                               ctx=ctx, fp8=p["keys"] == "fp8"))(jax.random.PRNGKey(0))
-  nk = jnp.full((B,), M, jnp.int32)
-  cand = None
-  if p.get("cand"):
-    nb = -(-M // p["block_size"])
-    cand = jax.random.randint(jax.random.PRNGKey(1), (B, T, p["cand"]), -1, nb).astype(jnp.int32)
-  inputs = (q, w, pool, rows, nv, None, nk, cand)
-  row["arrays"] = _arrays(("q", "w", "key_pool", "key_rows", "num_visible", "allowed", "num_keys", "candidates"),
-                          inputs)
-  k = p["k"]
-  check_scores = jax.jit(lambda *a: dispatch._topk_check_scores(a, dict(k=k, block_size=p["block_size"])))
-  if case.op == "indexer_topk":
-    tuning = itk.IndexerTopkTuning(block_m=32, select_chunk=64) if dry else itk.IndexerTopkTuning()
-    ref = jax.jit(lambda *a: itk.indexer_topk_reference(*a[:5], k, a[5], a[6], a[7], p["block_size"]))
-    kern = jax.jit(lambda *a: itk.indexer_topk_pallas(*a[:6], num_keys_B=a[6], candidate_blocks_BxTxC=a[7], k=k,
-                                                      block_size=p["block_size"], interpret=dry, tuning=tuning))
-  else:
-    tuning = ix.IndexerTuning(block_m=32) if dry else ix.IndexerTuning()
-    ref = jax.jit(lambda *a: ix.indexer_scores_reference(*a[:7]))
-    kern = jax.jit(lambda *a: ix.indexer_scores_pallas(*a[:6], num_keys_B=a[6], interpret=dry, tuning=tuning))
-  row["tuning"] = dataclasses.asdict(tuning)
-  if dry and case.kind == "timing":
-    kern = ref
-    row["kernel"] = case.kernel + " [dry run: XLA reference timed in its place]"
-  got = np.asarray(kern(*inputs))
-  scores = np.asarray(check_scores(*inputs))
-  if inject == "mismatch":
-    got = np.where(got >= 0, (got + 1) % M, got) if case.op == "indexer_topk" else got * 1.5
-  if case.op == "indexer_topk":
-    err = float(dispatch._topk_err(got, scores, None, dict(k=k)))
-  else:
-    err = float(dispatch._scores_err(got, scores, None, {}))
-  del got, scores
-  if not _judged(row, err, case, partial, "max error / tol"):
-    return row
-  pairs = float(np.minimum(np.asarray(nv), M).sum())
-  flops = 2.0 * H * C * pairs
-  uk, _ = kb.unique_valid(rows, pool.shape[0])
-  row_bytes = pool.bytes_per_row if isinstance(pool, itk.Fp8IndexKeys) else C * 2
-  out_bytes = B * T * min(k, M) * 4 if case.op == "indexer_topk" else B * T * M * 4
-  nbytes = q.size * 2 + w.size * 4 + uk * row_bytes + out_bytes
-  ms, hot, flush = kb.device_time_ms(kern, inputs, 1, **_timing(args, dry))
-  row.update(hot_ms=hot, flush_ms=flush)
-  return _roofline(row, flops, nbytes, ms, args)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import concurrent.futures
 import dataclasses
 import time
 import warnings
-from typing import Callable, Literal
+from typing import Any, Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,8 +73,42 @@ for _mod in (_sparse, _indexer, _indexer_topk):
 # reference). Filled the first time `auto` meets a key on a GPU; `clear_validations` empties it.
 _VERDICTS: dict[tuple, bool] = {}
 _WARNED: set[tuple] = set()
-# op -> (make random inputs, run the reference, err / tol of the kernel's output against the reference's)
-_CHECKS: dict[str, tuple[Callable, Callable, Callable]] = {}
+
+
+class SparseArgs(NamedTuple):
+  """The array arguments of one `sparse_attention` call, by name (a pytree; pools may be FP8 pools). Its static
+  argument (`scale`) travels beside it in a dict."""
+  q_NxHxD: Any
+  window_pool_PxD: Any
+  window_idx_NxW: Any
+  comp_pool_QxD: Any
+  comp_idx_NxK: Any
+  sink_H: Any
+  window_len_N: Any = None
+  comp_len_N: Any = None
+
+
+class IndexerArgs(NamedTuple):
+  """The array arguments of one `indexer_scores` / `indexer_topk` call, by name (candidate blocks: top-k only).
+  Static arguments (`k`, `block_size`) travel beside it in a dict."""
+  q_BxTxHxC: Any
+  w_BxTxH: Any
+  key_pool_PxC: Any
+  key_rows_BxM: Any
+  num_visible_BxT: Any
+  allowed_BxTxM: Any = None
+  num_keys_B: Any = None
+  candidate_blocks_BxTxC: Any = None
+
+
+class _OpCheck(NamedTuple):
+  """How `auto` validates one op's kernel (see `_validate`)."""
+  random_inputs: Callable   # (abstract args, static, key) -> random args of that structure, shapes and dtypes
+  reference: Callable       # (args, static) -> what the kernel's output is compared against
+  err_over_tol: Callable    # (kernel output, reference output, args, static) -> max error / tolerance
+
+
+_CHECKS: dict[str, _OpCheck] = {}   # op -> its check; filled below the ops
 
 
 def _on_gpu() -> bool:
@@ -113,15 +147,15 @@ def _validate(cfg: KernelConfig, op: str, args: tuple, static: dict) -> bool:
   key = _key(cfg, op, args, static)
   if key in _VERDICTS:
     return _VERDICTS[key]
-  make, reference, err_over_tol = _CHECKS[op]
+  op_check = _CHECKS[op]
   abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
 
   def check():
     with jax.transfer_guard("allow"):
-      inputs = make(abstract, static, jax.random.PRNGKey(0))
+      inputs = op_check.random_inputs(abstract, static, jax.random.PRNGKey(0))
       got = _call_kernel(cfg, op, inputs, static, interpret=False)
-      want = reference(inputs, static)
-      return float(err_over_tol(jax.device_get(got), jax.device_get(want), inputs, static))
+      want = op_check.reference(inputs, static)
+      return float(op_check.err_over_tol(jax.device_get(got), jax.device_get(want), inputs, static))
 
   why = ""
   t0 = time.perf_counter()
@@ -180,8 +214,8 @@ def _call_kernel(cfg, op, inputs, static, interpret):
 
 def _sparse_args(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, *, scale: float,
                  window_len_N=None, comp_len_N=None):
-  return ((q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, window_len_N, comp_len_N),
-          dict(scale=float(scale)))
+  return (SparseArgs(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H,
+                     window_len_N=window_len_N, comp_len_N=comp_len_N), dict(scale=float(scale)))
 
 
 def sparse_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, *,
@@ -206,7 +240,8 @@ def sparse_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, co
 
 def _scores_args(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None, *,
                  num_keys_B=None):
-  return (q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM, num_keys_B), {}
+  return IndexerArgs(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM,
+                     num_keys_B=num_keys_B), {}
 
 
 def indexer_scores(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None, *,
@@ -230,8 +265,9 @@ def indexer_scores(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_B
 
 def _topk_args(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k: int, allowed_BxTxM=None, *,
                num_keys_B=None, candidate_blocks_BxTxC=None, block_size: int = 8):
-  return ((q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM, num_keys_B,
-           candidate_blocks_BxTxC), dict(k=int(k), block_size=int(block_size)))
+  return (IndexerArgs(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM,
+                      num_keys_B=num_keys_B, candidate_blocks_BxTxC=candidate_blocks_BxTxC),
+          dict(k=int(k), block_size=int(block_size)))
 
 
 def indexer_topk(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k: int, allowed_BxTxM=None, *,
@@ -257,39 +293,57 @@ def indexer_topk(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT
   return _RUN["indexer_topk"](_KERNELS["indexer_topk"], args, static, kw)
 
 
-def _sparse_reference(a, s):
-  q, wp, wi, cp, ci, sink, wl, cl = a
-  return _sparse.sparse_attention_reference(q, wp, wi, cp, ci, sink, scale=s["scale"], window_len_N=wl,
-                                            comp_len_N=cl)
+def _sparse_reference(a: SparseArgs, static: dict):
+  return _sparse.sparse_attention_reference(a.q_NxHxD, a.window_pool_PxD, a.window_idx_NxW, a.comp_pool_QxD,
+                                            a.comp_idx_NxK, a.sink_H, scale=static["scale"],
+                                            window_len_N=a.window_len_N, comp_len_N=a.comp_len_N)
 
 
-def _scores_reference(a, s):
-  return _indexer.indexer_scores_reference(*a)
+def _scores_reference(a: IndexerArgs, static: dict):
+  return _indexer.indexer_scores_reference(a.q_BxTxHxC, a.w_BxTxH, a.key_pool_PxC, a.key_rows_BxM, a.num_visible_BxT,
+                                           a.allowed_BxTxM, a.num_keys_B)
 
 
-def _topk_reference(a, s):
-  q, w, pool, rows, nv, allowed, nk, cand = a
-  return _indexer_topk.indexer_topk_reference(q, w, pool, rows, nv, s["k"], allowed, nk, cand, s["block_size"])
+def _topk_reference(a: IndexerArgs, static: dict):
+  return _indexer_topk.indexer_topk_reference(a.q_BxTxHxC, a.w_BxTxH, a.key_pool_PxC, a.key_rows_BxM,
+                                              a.num_visible_BxT, static["k"], a.allowed_BxTxM, a.num_keys_B,
+                                              a.candidate_blocks_BxTxC, static["block_size"])
 
 
-def _topk_check_scores(a, s):
+def _topk_check_scores(a: IndexerArgs, static: dict):
   """The reference scores the top-k is checked against (FP8 keys dequantized, candidates as a mask)."""
-  q, w, pool, rows, nv, allowed, nk, cand = a
+  pool, allowed = a.key_pool_PxC, a.allowed_BxTxM
   if isinstance(pool, Fp8IndexKeys):
     pool = _indexer_topk.dequantize_index_keys(pool)
-  if cand is not None:
-    mask = _indexer.candidate_blocks_to_allowed(cand, rows.shape[1], s["block_size"])
+  if a.candidate_blocks_BxTxC is not None:
+    mask = _indexer.candidate_blocks_to_allowed(a.candidate_blocks_BxTxC, a.key_rows_BxM.shape[1],
+                                                static["block_size"])
     allowed = mask if allowed is None else allowed & mask
-  return _indexer.indexer_scores_reference(q, w, pool, rows, nv, allowed, nk)
+  return _indexer.indexer_scores_reference(a.q_BxTxHxC, a.w_BxTxH, pool, a.key_rows_BxM, a.num_visible_BxT, allowed,
+                                           a.num_keys_B)
+
+
+# How each op calls its registered kernel (the entry points' signatures: the op's own, without cfg).
+
+def _run_sparse_kernel(kernel: Callable, a: SparseArgs, static: dict, kw: dict):
+  return kernel(a.q_NxHxD, a.window_pool_PxD, a.window_idx_NxW, a.comp_pool_QxD, a.comp_idx_NxK, a.sink_H,
+                scale=static["scale"], window_len_N=a.window_len_N, comp_len_N=a.comp_len_N, **kw)
+
+
+def _run_scores_kernel(kernel: Callable, a: IndexerArgs, static: dict, kw: dict):
+  return kernel(a.q_BxTxHxC, a.w_BxTxH, a.key_pool_PxC, a.key_rows_BxM, a.num_visible_BxT, a.allowed_BxTxM,
+                num_keys_B=a.num_keys_B, **kw)
+
+
+def _run_topk_kernel(kernel: Callable, a: IndexerArgs, static: dict, kw: dict):
+  return kernel(a.q_BxTxHxC, a.w_BxTxH, a.key_pool_PxC, a.key_rows_BxM, a.num_visible_BxT, static["k"],
+                a.allowed_BxTxM, num_keys_B=a.num_keys_B, candidate_blocks_BxTxC=a.candidate_blocks_BxTxC,
+                block_size=static["block_size"], **kw)
 
 
 _OP_ARGS = {"sparse_attention": _sparse_args, "indexer_scores": _scores_args, "indexer_topk": _topk_args}
-_RUN = {
-    "sparse_attention": lambda fn, a, s, kw: fn(*a[:6], scale=s["scale"], window_len_N=a[6], comp_len_N=a[7], **kw),
-    "indexer_scores": lambda fn, a, s, kw: fn(*a[:6], num_keys_B=a[6], **kw),
-    "indexer_topk": lambda fn, a, s, kw: fn(*a[:5], s["k"], a[5], num_keys_B=a[6], candidate_blocks_BxTxC=a[7],
-                                           block_size=s["block_size"], **kw),
-}
+_RUN = {"sparse_attention": _run_sparse_kernel, "indexer_scores": _run_scores_kernel,
+        "indexer_topk": _run_topk_kernel}
 
 
 # Random inputs with the structure, shapes and dtypes of the call (values inside each argument's contract).
@@ -321,36 +375,36 @@ def _random_pool(key, pool):
   return out
 
 
-def _sparse_inputs(a, s, key):
-  q, wp, wi, cp, ci, sink, wl, cl = a
-  k = jax.random.split(key, 8)
-  P, Q = wp.shape[0], None if cp is None else cp.shape[0]
-  return (_normal(k[0], q), _random_pool(k[1], wp), _ints(k[2], wi, -1, P),
-          None if cp is None else _random_pool(k[3], cp), None if ci is None else _ints(k[4], ci, -1, Q or 1),
-          _normal(k[5], sink), None if wl is None else _ints(k[6], wl, 0, wi.shape[1] + 1),
-          None if cl is None else _ints(k[7], cl, 0, ci.shape[1] + 1))
+def _sparse_inputs(a: SparseArgs, static: dict, key) -> SparseArgs:
+  keys = jax.random.split(key, 8)
+  window_rows = a.window_pool_PxD.shape[0]
+  comp_rows = None if a.comp_pool_QxD is None else a.comp_pool_QxD.shape[0]
+  return SparseArgs(
+      q_NxHxD=_normal(keys[0], a.q_NxHxD),
+      window_pool_PxD=_random_pool(keys[1], a.window_pool_PxD),
+      window_idx_NxW=_ints(keys[2], a.window_idx_NxW, -1, window_rows),
+      comp_pool_QxD=None if a.comp_pool_QxD is None else _random_pool(keys[3], a.comp_pool_QxD),
+      comp_idx_NxK=None if a.comp_idx_NxK is None else _ints(keys[4], a.comp_idx_NxK, -1, comp_rows or 1),
+      sink_H=_normal(keys[5], a.sink_H),
+      window_len_N=None if a.window_len_N is None else _ints(keys[6], a.window_len_N, 0,
+                                                             a.window_idx_NxW.shape[1] + 1),
+      comp_len_N=None if a.comp_len_N is None else _ints(keys[7], a.comp_len_N, 0, a.comp_idx_NxK.shape[1] + 1))
 
 
-def _indexer_inputs(a, key):
-  q, w, pool, rows, nv, allowed, nk = a[:7]
-  k = jax.random.split(key, 8)
-  M, P = rows.shape[1], pool.shape[0]
-  out = [_normal(k[0], q), (jax.random.uniform(k[1], w.shape, jnp.float32) + 0.1).astype(w.dtype),
-         _random_pool(k[2], pool), _ints(k[3], rows, -1, P), _ints(k[4], nv, 0, M + 1),
-         None if allowed is None else jax.random.bernoulli(k[5], 0.7, allowed.shape).astype(allowed.dtype),
-         None if nk is None else _ints(k[6], nk, 0, M + 1)]
-  return out, k[7]
-
-
-def _scores_inputs(a, s, key):
-  return tuple(_indexer_inputs(a, key)[0])
-
-
-def _topk_inputs(a, s, key):
-  out, k = _indexer_inputs(a, key)
-  cand = a[7]
-  nb = -(-a[3].shape[1] // s["block_size"])
-  return (*out, None if cand is None else _ints(k, cand, -1, nb))
+def _indexer_inputs(a: IndexerArgs, static: dict, key) -> IndexerArgs:
+  keys = jax.random.split(key, 8)
+  entries, pool_rows = a.key_rows_BxM.shape[1], a.key_pool_PxC.shape[0]
+  cand = a.candidate_blocks_BxTxC  # top-k only, with static block_size
+  return IndexerArgs(
+      q_BxTxHxC=_normal(keys[0], a.q_BxTxHxC),
+      w_BxTxH=(jax.random.uniform(keys[1], a.w_BxTxH.shape, jnp.float32) + 0.1).astype(a.w_BxTxH.dtype),
+      key_pool_PxC=_random_pool(keys[2], a.key_pool_PxC),
+      key_rows_BxM=_ints(keys[3], a.key_rows_BxM, -1, pool_rows),
+      num_visible_BxT=_ints(keys[4], a.num_visible_BxT, 0, entries + 1),
+      allowed_BxTxM=None if a.allowed_BxTxM is None else (
+          jax.random.bernoulli(keys[5], 0.7, a.allowed_BxTxM.shape).astype(a.allowed_BxTxM.dtype)),
+      num_keys_B=None if a.num_keys_B is None else _ints(keys[6], a.num_keys_B, 0, entries + 1),
+      candidate_blocks_BxTxC=None if cand is None else _ints(keys[7], cand, -1, -(-entries // static["block_size"])))
 
 
 def _tols(dtype):
@@ -369,23 +423,23 @@ def _close(got, want, atol, rtol):
   return float(np.max(np.abs(got[f] - want[f]) / (atol + rtol * np.abs(want[f]))))
 
 
-def _sparse_err(got, want, a, s):
-  atol, rtol = _tols(a[0].dtype)
+def _sparse_err(got, want, a: SparseArgs, static: dict):
+  atol, rtol = _tols(a.q_NxHxD.dtype)
   return max(_close(got[0], want[0], atol, rtol), _close(got[1], want[1], 1e-3, 1e-3))
 
 
-def _scores_err(got, want, a, s):
+def _scores_err(got, want, args: IndexerArgs, static: dict):
   scale = max(1.0, float(np.max(np.abs(np.where(np.isfinite(want), want, 0.0)), initial=0.0)))
   return _close(got, want, 1e-3 * scale, 1e-3)
 
 
-def _topk_err(got, scores, a, s):
+def _topk_err(got, scores, args: IndexerArgs, static: dict):
   """The picks are a top-k of the reference scores: as many as min(k, visible), distinct, visible, none scored
   below the k-th largest score (ties within 1e-4 relative may be broken either way)."""
   M = scores.shape[-1]
   ids = np.asarray(got).reshape(-1, np.shape(got)[-1])
   sc = np.asarray(scores, np.float64).reshape(-1, M)
-  kk = min(s["k"], M)
+  kk = min(static["k"], M)
   if ids.shape[1] != kk or ((ids < -1) | (ids >= M)).any():
     return np.inf
   valid = ids >= 0
@@ -402,9 +456,9 @@ def _topk_err(got, scores, a, s):
 
 
 _CHECKS.update({
-    "sparse_attention": (_sparse_inputs, _sparse_reference, _sparse_err),
-    "indexer_scores": (_scores_inputs, _scores_reference, _scores_err),
-    "indexer_topk": (_topk_inputs, _topk_check_scores, _topk_err),
+    "sparse_attention": _OpCheck(_sparse_inputs, _sparse_reference, _sparse_err),
+    "indexer_scores": _OpCheck(_indexer_inputs, _scores_reference, _scores_err),
+    "indexer_topk": _OpCheck(_indexer_inputs, _topk_check_scores, _topk_err),
 })
 
 

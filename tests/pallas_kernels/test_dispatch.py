@@ -200,7 +200,8 @@ def test_auto_validates_the_fused_topk_with_fp8_keys_and_candidates(monkeypatch,
   cand = jnp.asarray(rng.integers(-1, 5, (B, T, 2)), jnp.int32)
   got = dispatch.indexer_topk(q, w, keys, rows, nv, 6, candidate_blocks_BxTxC=cand)
   assert calls["indexer_topk"] == 2 and list(dispatch.validation_verdicts().values()) == [True]
-  scores = dispatch._topk_check_scores((q, w, keys, rows, nv, None, None, cand), dict(k=6, block_size=8))
+  args = dispatch.IndexerArgs(q, w, keys, rows, nv, candidate_blocks_BxTxC=cand)
+  scores = dispatch._topk_check_scores(args, dict(k=6, block_size=8))
   assert dispatch._topk_err(np.asarray(got), np.asarray(scores), None, dict(k=6)) <= 1.0
   assert not [w for w in recwarn if "dispatch" in str(w.message)]
 
