@@ -1,7 +1,9 @@
 """EngineConfig: everything one engine is configured with, frozen and validated in one place.
 
 The runner, the scheduler and the main job (`experiments/serve.py`, whose flags are built from these fields) all take
-this one object whole."""
+this one object whole. Each field carries its help text (and, for a closed set of values, its choices) as field
+metadata: the flags of a script are built from it (experiments/dataclass_flags.py), so they cannot drift from it.
+"""
 
 from __future__ import annotations
 
@@ -13,60 +15,78 @@ from dsv4 import caches
 from pallas_kernels import dispatch
 
 
+def _field(default, help_text: str, choices: tuple | None = None):
+  meta = {"help": help_text} if choices is None else {"help": help_text, "choices": choices}
+  return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  max_num_seqs: int = 8                 # rows per step
-  max_num_batched_tokens: int = 512     # token budget per step
-  chunk_size: int = 64                  # longest prefill chunk of one request per step
-  max_model_len: int = 2048
-  num_full_blocks: int = 256
-  num_swa_blocks: int = 512
-  enable_prefix_caching: bool = True
-  retention_interval: int = 0
-  model_id: str = "dsv4"
-  record_logits: bool = False           # keep each sampled position's logits (tests, analysis)
-  layout: caches.CacheLayout = caches.CacheLayout()
-  kernel: dispatch.KernelConfig = dispatch.KernelConfig()
+  max_num_seqs: int = _field(8, "Rows per step.")
+  max_num_batched_tokens: int = _field(512, "Token budget per step.")
+  chunk_size: int = _field(64, "Longest prefill chunk per request per step.")
+  max_model_len: int = _field(2048, "Longest request (prompt + output).")
+  num_full_blocks: int = _field(256, "Full-history blocks (128 tokens each).")
+  num_swa_blocks: int = _field(512, "SWA blocks (32 tokens each).")
+  enable_prefix_caching: bool = _field(True, "Reuse cached prefixes.")
+  retention_interval: int = _field(0, "Keep an SWA checkpoint every N tokens inside a request (0 = only at prompt "
+                                   "boundaries and request ends); must be a multiple of 128 (the full-attention "
+                                   "block).")
+  model_id: str = _field("dsv4", "The model's name in the KV cache keys (a tier never loads another model's KV).")
+  record_logits: bool = _field(False, "Keep each sampled position's logits (tests, analysis).")
+  layout: caches.CacheLayout = _field(caches.CacheLayout(), "KV pool layout and storage dtype (caches.CacheLayout).")
+  kernel: dispatch.KernelConfig = _field(dispatch.KernelConfig(), "Attention kernel dispatch.")
   # A request's logits are bitwise the same whatever shares its step and however its prompt is chunked (every
   # token runs one fixed-shape program; slower, see runner.py).
-  batch_invariant: bool = False
+  batch_invariant: bool = _field(False, "Bitwise-reproducible logits whatever shares a step and however a prompt is "
+                                 "chunked (every token runs one fixed-shape program; slower).")
   # Smallest block-table width (tokens) of a step; tables grow in powers of two with the live context up to
   # max_model_len, so a step's attention cost follows its context, not the configured limit.
-  min_table_tokens: int = 4096
+  min_table_tokens: int = _field(4096, "Smallest block-table width (tokens) of a step; tables grow in powers of two "
+                                 "with the live context.")
   # Token buckets of the flat step axis grow 8, 8g, 8g^2, ... (g = 2 or 4): 4 compiles half as many step programs
   # (a compile of the whole model each; they dominate short jobs on CPU) for up to 4x padding of a step's tokens.
-  token_bucket_growth: int = 4
+  token_bucket_growth: int = _field(4, "Token buckets of the ragged step grow by this factor: 4 = half as many "
+                                    "compiled step programs, 2 = less padding.", (2, 4))
   # Buckets per growth interval (1..8): 4 with growth 2 pads a step to within 1.25x of its tokens (256, 320, 384,
   # ...) so a chunk plus many decodes costs about its real tokens, for more compiled programs. 1 = powers only.
-  token_bucket_steps: int = 1
+  token_bucket_steps: int = _field(1, "Buckets per growth interval, 1..8: more = less padding of mixed steps, more "
+                                   "compiled programs.")
   # Compute dtype of params / activations: "fp32" (bit for bit today's) or "bf16" (fp32 norms, softmaxes, logits;
   # model.cast_params). The KV pools' dtype is layout.kv_dtype (fp32, bf16 or caches.FP8).
-  dtype: str = "fp32"
-  tiering: object = None                # dsv4.engine.tiering.TieringConfig: KV tiers below the device (None = off)
+  dtype: str = _field("fp32", "Compute dtype of params / activations (bf16 keeps fp32 norms, softmaxes and logits).",
+                      ("fp32", "bf16"))
+  tiering: object = _field(None, "KV tiers below the device (dsv4.engine.tiering.TieringConfig; None = off).")
   # "functional" (dsv4.model, the default) or "nnx" (the Flax modules of dsv4.nnx_model, on one device)
-  model_api: str = "functional"
+  model_api: str = _field("functional", "Run the model step through dsv4.model's functions (default) or through the "
+                          "Flax NNX modules of dsv4.nnx_model (one device, same math).", ("functional", "nnx"))
   # Bucket fill: a ragged step runs padded to its token bucket (8 * g^k), so a step that spills a few tokens past a
   # bucket pays for the next one (up to g x the work). When deferring at most this fraction of the step's prefill
   # tokens to the next step keeps it in the smaller bucket, the last prefill chunks are trimmed. 0 = off.
-  bucket_fill: float = 0.25
+  bucket_fill: float = _field(0.25, "Trim the last prefill chunks of a step by up to this fraction of its prefill "
+                              "tokens when that keeps it in a smaller token bucket (0 = off).")
   # In-batch shared-prefix deferral: a waiting request that shares at least one resume boundary of prefix with a
   # running request that has not yet computed that part waits until the leader commits past the boundary, then hits
   # it instead of computing the same KV alongside it (a cold wave of siblings sharing a system prompt). False =
   # admit in arrival order regardless (the behaviour before).
-  defer_shared_prefix: bool = True
+  defer_shared_prefix: bool = _field(True, "A waiting request whose prefix a running one is still computing waits "
+                                     "for it and hits it, instead of computing the same KV alongside it.")
   # Async scheduling: step N+1 is planned and sent before step N's tokens are read; N's sampled tokens feed N+1 on
   # the device, stop conditions are seen one step late (a request that stopped may run one more step, whose
   # token is dropped). Same tokens as the synchronous engine. It applies on one device without tiers or batch
   # invariance; there (a mesh: the managers' own calls; tiers: they read block ids; batch invariance: several
   # calls per step) each step is read before the next is planned (`Engine.async_active` says which).
-  async_scheduling: bool = True
+  async_scheduling: bool = _field(True, "Plan and send step N+1 before reading step N's tokens (same tokens; "
+                                  "applies on one device without tiers or batch invariance).")
   # Speculative decoding with the model's MTP block (ModelConfig.num_mtp_layers >= 1): each decode row carries the
   # k drafts the block proposed last step; one step verifies them (greedy: the tokens without drafts; sampled:
   # rejection sampling, the same distribution), keeps the accepted prefix plus one decided token, and drafts k
   # more. 0 = off. With async scheduling the next step is planned before this one is read: its row is filled on
   # the device from this step's results and shifted by the number of drafts accepted. One device, the functional
   # model, no batch invariance or recorded logits (refused at construction).
-  num_speculative_tokens: int = 0
+  num_speculative_tokens: int = _field(0, "Speculative decoding: drafts per step from the model's MTP block (0 = "
+                                       "off, up to 8; e.g. the v4_retrieval_mtp model). Greedy answers are "
+                                       "unchanged; sampled ones keep their distribution.")
 
   def validate(self):
     for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_model_len", "num_full_blocks",
@@ -76,12 +96,10 @@ class EngineConfig:
         raise ValueError(f"EngineConfig.{name}: an integer >= 1, got {v!r}")
     if not isinstance(self.retention_interval, (int, np.integer)) or self.retention_interval < 0:
       raise ValueError(f"EngineConfig.retention_interval: an integer >= 0 (0 = off), got {self.retention_interval!r}")
-    if self.dtype not in ("fp32", "bf16"):
-      raise ValueError(f"EngineConfig.dtype: 'fp32' or 'bf16', got {self.dtype!r}")
-    if self.model_api not in ("functional", "nnx"):
-      raise ValueError(f"EngineConfig.model_api: 'functional' or 'nnx', got {self.model_api!r}")
-    if self.token_bucket_growth not in (2, 4):
-      raise ValueError(f"EngineConfig.token_bucket_growth: 2 or 4, got {self.token_bucket_growth}")
+    for f in dataclasses.fields(self):      # dtype, model_api, token_bucket_growth: a closed set each
+      choices = f.metadata.get("choices")
+      if choices is not None and getattr(self, f.name) not in choices:
+        raise ValueError(f"EngineConfig.{f.name}: {' or '.join(map(repr, choices))}, got {getattr(self, f.name)!r}")
     if not 1 <= self.token_bucket_steps <= 8:
       raise ValueError(f"EngineConfig.token_bucket_steps: 1..8, got {self.token_bucket_steps}")
     if not isinstance(self.async_scheduling, bool):

@@ -1,7 +1,8 @@
 """Mistakes a user makes on the `python -m experiments.serve` command line: each is one line on stderr, no traceback,
 exit code 2, found before the model loads (fast, no JAX / orbax output). And the pieces of serve that need no model
-run: strict JSON metrics, one warning line per failing KV tier, stop strings through the per-step hook, --dtype and
---quantized_cache at load time."""
+run (experiments/serve_io.py, serve_lib.py, serve_model.py): strict JSON metrics, one warning line per failing KV
+tier, stop strings through the per-step hook, --dtype and --quantized_cache at load time. The flags themselves
+(built from ServeOptions' and EngineConfig's fields): tests/experiments/test_serve_options.py."""
 
 import json
 import os
@@ -62,6 +63,7 @@ def _cases(tmp):
       ("retention", ["--retention_interval=100"], "multiple of 128"),
       ("nnx_mesh", ["--model_api=nnx", "--mesh=tensor:2"], "--model_api=nnx runs on one device"),
       ("zero_rows", ["--max_num_seqs=0"], "--max_num_seqs=0: must be >= 1"),
+      ("engine_validate", ["--bucket_fill=1.5"], "--bucket_fill: a fraction in [0, 1), got 1.5"),
       ("bad_preset", ["--model=random", "--preset=v9"], "--preset=v9: unknown"),
       ("drafts_without_mtp", ["--model=v4_retrieval", "--num_speculative_tokens=2"], "has no MTP block"),
       ("drafts_release_without_mtp", [f"--checkpoint={tmp / 'no_mtp'}", "--num_speculative_tokens=2"],
@@ -71,9 +73,17 @@ def _cases(tmp):
   ]
 
 
+# Each way a mistake is found goes through the command line once (absl's parser, the checks, the --requests file, a
+# config.json read, the tiers' probe, a missing client library); every case goes through the checks in process.
+CLI = ("bad_enum", "unknown_flag", "zero_rows", "requests_missing", "drafts_release_without_mtp", "redis_down_strict",
+       "redis_client_missing")
+
+
 def test_every_flag_mistake_is_one_line_exit_2_before_the_model_loads(tmp_path):
   failures = []
   for name, args, want in _cases(tmp_path):
+    if name not in CLI:
+      continue
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "experiments.serve"]
     if NO_REDIS in args:
@@ -92,6 +102,33 @@ def test_every_flag_mistake_is_one_line_exit_2_before_the_model_loads(tmp_path):
   assert not os.path.exists(tmp_path / "out")       # nothing written: it stopped before the model loaded
 
 
+def test_every_flag_mistake_is_a_one_line_flag_error_from_the_checks(tmp_path, monkeypatch):
+  """What the command line runs before the model loads (serve_lib.run's first step), on the parsed flags."""
+  from absl import flags
+
+  from experiments import serve_checks, serve_options
+  failures = []
+  for name, args, want in _cases(tmp_path):
+    if name in ("bad_enum", "unknown_flag"):          # absl's parser refuses them: the command line case above
+      continue
+    with monkeypatch.context() as m:
+      if NO_REDIS in args:
+        m.setitem(sys.modules, "redis", None)
+        args = [a for a in args if a != NO_REDIS]
+      fv = flags.FlagValues()
+      serve_options.define_flags(fv)
+      fv(["serve", f"--out_dir={tmp_path / 'out'}", *args])
+      options = serve_options.options_from_flags(fv)
+      try:
+        serve_checks.probe_tiers(options, serve_checks.check_options(options))
+        failures.append((name, "no error"))
+      except serve_checks.FlagError as e:
+        if want not in str(e) or "\n" in str(e):
+          failures.append((name, str(e)))
+  assert not failures, failures
+  assert not os.path.exists(tmp_path / "out")
+
+
 def test_release_checkpoint_missing_its_config_is_a_load_error_naming_the_file(tmp_path):
   (tmp_path / "model-00001-of-00001.safetensors").write_bytes(b"")
   p = subprocess.run([sys.executable, "-m", "experiments.serve", f"--checkpoint={tmp_path}",
@@ -102,19 +139,14 @@ def test_release_checkpoint_missing_its_config_is_a_load_error_naming_the_file(t
 
 
 # ---------------------------------------------------------------------------------------------------- in process
-@pytest.fixture(scope="module")
-def serve_mod():
-  from experiments import serve
-  return serve
-
-
-def test_metrics_are_strict_json(serve_mod):
+def test_metrics_are_strict_json():
   import numpy as np
-  d = serve_mod.finite({"a": float("nan"), "b": [1.0, float("inf"), np.float32(2.5), np.float64("nan")],
-                        "c": {"d": -float("inf"), "e": "x", "f": 3, "g": None}, "h": np.int64(7)})
+  from experiments.serve_io import finite, format_table
+  d = finite({"a": float("nan"), "b": [1.0, float("inf"), np.float32(2.5), np.float64("nan")],
+              "c": {"d": -float("inf"), "e": "x", "f": 3, "g": None}, "h": np.int64(7)})
   assert d == {"a": None, "b": [1.0, None, 2.5, None], "c": {"d": None, "e": "x", "f": 3, "g": None}, "h": 7}
   json.dumps(d, allow_nan=False)
-  assert "| a" in serve_mod.format_table({"a": None, "b": 0.5}) and "-" in serve_mod.format_table({"a": None})
+  assert "| a" in format_table({"a": None, "b": 0.5}) and "-" in format_table({"a": None})
 
 
 class _Tier:
@@ -127,9 +159,10 @@ class _Tiering:
     self.store = type("S", (), {"tiers": [_Tier(n) for n in names]})()
 
 
-def test_a_failing_tier_is_one_warning_line_or_fatal_when_strict(serve_mod, capsys):
+def test_a_failing_tier_is_one_warning_line_or_fatal_when_strict(capsys):
+  from experiments import serve_lib
   tiering = _Tiering("host", "redis")
-  watch = serve_mod.TierWatch(strict=False)
+  watch = serve_lib.TierWatch(strict=False)
   watch(tiering)
   assert capsys.readouterr().err == ""
   redis = tiering.store.tiers[1]
@@ -139,8 +172,8 @@ def test_a_failing_tier_is_one_warning_line_or_fatal_when_strict(serve_mod, caps
     watch(tiering)
   err = capsys.readouterr().err.splitlines()
   assert err == ["serve: warning: KV tier redis unavailable (put: ConnectionError: refused); continuing without it"]
-  strict = serve_mod.TierWatch(strict=True)
-  with pytest.raises(serve_mod._TierFatal, match="KV tier redis unavailable .* --kv_tiers_strict"):
+  strict = serve_lib.TierWatch(strict=True)
+  with pytest.raises(serve_lib.TierFatal, match="KV tier redis unavailable .* --kv_tiers_strict"):
     strict(tiering)
 
 
@@ -185,21 +218,22 @@ def test_stop_strings_stop_generation_at_the_token_that_completes_them():
   assert StopStrings(_Tok(), {"x": ["w9"]}).text("x", [7, 9, 8]) == ("w7 ", "w9")
 
 
-def test_dtype_and_quantized_cache_at_load(serve_mod, tmp_path):
+def test_dtype_and_quantized_cache_at_load(tmp_path):
+  from experiments import serve_lib, serve_model
   from tests.dsv4.test_loading_pretrained import make_checkpoint_dir
-  cfg, params, _ = serve_mod.load_model("v4_retrieval")
-  assert serve_mod.params_dtype(params) == "fp32"              # auto: the trained models store fp32
-  _, params, _ = serve_mod.load_model("v4_retrieval", dtype="bf16")
-  assert serve_mod.params_dtype(params) == "bf16"
-  with pytest.raises(serve_mod.FlagError, match="--quantized_cache=on: .*V4.1-only"):
-    serve_mod.load_model("v4_retrieval", quantized_cache=True)
+  cfg, params, _ = serve_model.load_model("v4_retrieval")
+  assert serve_model.params_dtype(params) == "fp32"              # auto: the trained models store fp32
+  _, params, _ = serve_model.load_model("v4_retrieval", dtype="bf16")
+  assert serve_model.params_dtype(params) == "bf16"
+  with pytest.raises(serve_lib.FlagError, match="--quantized_cache=on: .*V4.1-only"):
+    serve_model.load_model("v4_retrieval", quantized_cache=True)
   make_checkpoint_dir(tmp_path / "v4", "saved")                 # bf16 shards
-  _, params, _ = serve_mod.load_model("v4_retrieval", checkpoint=str(tmp_path / "v4"))
-  assert serve_mod.params_dtype(params) == "bf16"
-  _, params, _ = serve_mod.load_model("v4_retrieval", checkpoint=str(tmp_path / "v4"), dtype="fp32")
-  assert serve_mod.params_dtype(params) == "fp32"
+  _, params, _ = serve_model.load_model("v4_retrieval", checkpoint=str(tmp_path / "v4"))
+  assert serve_model.params_dtype(params) == "bf16"
+  _, params, _ = serve_model.load_model("v4_retrieval", checkpoint=str(tmp_path / "v4"), dtype="fp32")
+  assert serve_model.params_dtype(params) == "fp32"
   make_checkpoint_dir(tmp_path / "nemo", "nemo")                # NeMo V4.1: quantized cache on by default
-  cfg, _, _ = serve_mod.load_model("v4_retrieval", checkpoint=str(tmp_path / "nemo"))
+  cfg, _, _ = serve_model.load_model("v4_retrieval", checkpoint=str(tmp_path / "nemo"))
   assert cfg.quantized_cache
-  cfg, _, _ = serve_mod.load_model("v4_retrieval", checkpoint=str(tmp_path / "nemo"), quantized_cache=False)
+  cfg, _, _ = serve_model.load_model("v4_retrieval", checkpoint=str(tmp_path / "nemo"), quantized_cache=False)
   assert not cfg.quantized_cache
