@@ -350,13 +350,13 @@ class DeviceProfile:
     print(f"sum of thunks (excluding Execute rows): {sum(v for k, v in per.items() if 'Execute' not in k[1]):.3f} ms")
 
 
-def call_floor(pool: int, calls: int = 200) -> dict:
+def call_floor(num_blocks: int, calls: int = 200) -> dict:
   """What one jitted call costs on this machine before it does any bookkeeping: both V4-Flash pools donated and
   passed through, (a) nothing else, (b) one 16-id scatter per pool; one int32 buffer in, one out (`device_get`), as
-  `apply_step_packed` does. Median us per call."""
-  from cache import pool as P
+  `apply_step_packed` does. Median us per call (num_blocks per pool)."""
+  from cache import pool
   specs = group_specs(v4_flash())
-  pools = tuple(P.init_pool(pool, g.block_tokens) for g in specs.groups)
+  pools = tuple(pool.init_pool(num_blocks, g.block_tokens) for g in specs.groups)
 
   @functools.partial(jax.jit, donate_argnums=0)
   def nothing(pools, buf):
@@ -364,7 +364,7 @@ def call_floor(pool: int, calls: int = 200) -> dict:
 
   @functools.partial(jax.jit, donate_argnums=0)
   def scatter16(pools, buf):
-    return tuple(P._rep(p, ref_N=p.ref_N.at[buf[:16]].add(1)) for p in pools), buf + 1
+    return tuple(pool._rep(p, ref_N=p.ref_N.at[buf[:16]].add(1)) for p in pools), buf + 1
 
   out = {}
   buf = np.arange(64, dtype=np.int32)

@@ -34,7 +34,7 @@ from benchmarks.support.table import print_table
 from benchmarks.support.timing import best_time, median_time, xla_cost
 from dsv4 import caches, model
 from dsv4.layers import moe
-from dsv4 import config as C
+from dsv4 import config
 from dsv4.loading import load_checkpoint
 from tests.dsv4 import oracle_util
 
@@ -50,7 +50,7 @@ flags.DEFINE_bool("roofline", True, "Measure read bandwidth and matmul rates (JA
                   "same run and report each model's distance from its floor.")
 FLAGS = flags.FLAGS
 
-def run_one(name: str, cfg: C.ModelConfig, overrides: dict | None, T: int, steps: int, repeats: int) -> dict:
+def run_one(name: str, cfg: config.ModelConfig, overrides: dict | None, T: int, steps: int, repeats: int) -> dict:
   import torch
   from transformers import DynamicCache
   hf = oracle_util.build_oracle(seed=0, overrides=overrides)
@@ -215,7 +215,7 @@ def main(argv):
   results = []
   for name in FLAGS.configs:
     if name == "tiny":
-      results.append(run_one("tiny", C.v4_tiny(), None, FLAGS.prefill, FLAGS.decode_steps, FLAGS.repeats))
+      results.append(run_one("tiny", config.v4_tiny(), None, FLAGS.prefill, FLAGS.decode_steps, FLAGS.repeats))
     elif name == "wide":
       results.append(run_one("wide", wide_config(), WIDE_HF, FLAGS.wide_prefill, FLAGS.decode_steps,
                              FLAGS.repeats))

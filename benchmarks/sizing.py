@@ -293,7 +293,7 @@ def aot_scanned(cfg, mesh, rules, layout, batch: int, T: int, context: int):
   """AOT compile of `scanned_step` at full depth on abstract inputs: (compile seconds, memory analysis, groups)."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding, PartitionSpec
 
   from dsv4 import caches, model, sharding
   s, g, n = layer_groups(cfg)
@@ -308,7 +308,7 @@ def aot_scanned(cfg, mesh, rules, layout, batch: int, T: int, context: int):
   def stacked(xs):   # ShapeDtypeStructs of one leaf over the n groups: leading axis n, replicated
     x = xs[0]
     return jax.ShapeDtypeStruct((len(xs), *x.shape), x.dtype,
-                                sharding=NamedSharding(mesh, P(None, *x.sharding.spec)))
+                                sharding=NamedSharding(mesh, PartitionSpec(None, *x.sharding.spec)))
 
   params = jax.tree_util.tree_map(lambda x, sh: sds(x, sh, bf), model.abstract_params(cfg), psh)
   params = dict(params, layers=stack_groups(list(params["layers"]), s, g, n, stacked))
@@ -360,7 +360,7 @@ def main():
   import jax.numpy as jnp
 
   from dsv4 import caches, sharding
-  from dsv4 import config as C
+  from dsv4.config import get_preset
   rules = sharding.Rules(kv_latent=args.kv_latent)
   layout = caches.CacheLayout(kv_dtype=jnp.dtype(args.kv_dtype))
   budget = args.device_gb - args.reserve_gb
@@ -368,7 +368,7 @@ def main():
         f"{args.context}; KV {args.kv_dtype}; kv_latent {args.kv_latent}; per device {args.device_gb} GB "
         f"({args.reserve_gb} GB reserved)")
   for name in args.models.split(","):
-    cfg = C.get_preset(name)
+    cfg = get_preset(name)
     n_swa, n_full = pool_blocks(cfg, layout, args.batch, args.context, args.chunk)
     print(f"\n== {name}: {cfg.num_layers} layers; pools {n_swa} swa + {n_full} full blocks")
     print(f"{'mesh (data,tensor,expert)':<26} {'params GB':>10} {'experts':>8} {'engram':>8} {'KV GB':>8} "

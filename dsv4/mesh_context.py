@@ -6,7 +6,7 @@ a no-op without a mesh. The mesh, the sharding rules and the placement of params
 from __future__ import annotations
 
 import jax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec
 
 
 def active_mesh():
@@ -31,4 +31,4 @@ def constrain_batch(x):
   d = axis_size(m, "data")
   if m is None or d <= 1 or x.shape[0] % d or "data" in manual_axes(m):  # data-manual step: rows already local
     return x
-  return jax.lax.with_sharding_constraint(x, P("data", *([None] * (x.ndim - 1))))
+  return jax.lax.with_sharding_constraint(x, PartitionSpec("data", *([None] * (x.ndim - 1))))

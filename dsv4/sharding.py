@@ -34,7 +34,7 @@ from typing import Iterable
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dsv4 import caches, model
 from dsv4.config import ModelConfig
@@ -124,7 +124,7 @@ def _units(config: ModelConfig) -> dict[str, int]:
 
 
 def spec_for(logical_axes: tuple, shape: tuple[int, ...], mesh, rules: Rules, units: dict | None = None,
-             fallbacks: list | None = None, what: str = "") -> P:
+             fallbacks: list | None = None, what: str = "") -> PartitionSpec:
   """PartitionSpec for one array; dims that do not divide stay replicated (and are recorded in `fallbacks`)."""
   assert len(logical_axes) == len(shape), (what, logical_axes, shape)
   used: set[str] = set()
@@ -139,7 +139,7 @@ def spec_for(logical_axes: tuple, shape: tuple[int, ...], mesh, rules: Rules, un
       axes = ()
     used.update(axes)
     out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
-  return P(*out)
+  return PartitionSpec(*out)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def param_specs(config: ModelConfig, mesh, rules: Rules = Rules(), fallbacks: li
 
 def param_shardings(config: ModelConfig, mesh, rules: Rules = Rules(), fallbacks: list | None = None) -> dict:
   return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), param_specs(config, mesh, rules, fallbacks),
-                                is_leaf=lambda x: isinstance(x, P))
+                                is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def index_shardings(mesh, batch: int, rules: Rules = Rules()) -> caches.BatchInd
 
 
 def replicated(mesh) -> NamedSharding:
-  return NamedSharding(mesh, P())
+  return NamedSharding(mesh, PartitionSpec())
 
 
 def put(tree, shardings):
@@ -247,7 +247,7 @@ def per_device_bytes(tree_shapes, tree_specs, mesh, itemsize_of=None) -> int:
   """Bytes one device holds of a tree of ShapeDtypeStructs under PartitionSpecs."""
   total = 0
   for x, s in zip(jax.tree_util.tree_leaves(tree_shapes), jax.tree_util.tree_leaves(
-      tree_specs, is_leaf=lambda v: isinstance(v, P))):
+      tree_specs, is_leaf=lambda v: isinstance(v, PartitionSpec))):
     n = int(np.prod(x.shape))
     for entry in s:
       for a in ((entry,) if isinstance(entry, str) else (entry or ())):
@@ -294,9 +294,11 @@ def jit_forward(config: ModelConfig, mesh, rules: Rules = Rules(), *, layout: ca
 
   if local:
     whole = step
-    # Params: replicated over `data` (prefix P()); rows, pools (block axis first) and the index: split over it.
-    step = jax.shard_map(whole, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
-                         out_specs=(P("data"), P("data")), axis_names={"data"}, check_vma=False)
+    # Params: replicated over `data` (prefix PartitionSpec()); rows, pools (block axis first) and the index: split
+    # over it.
+    over_data = PartitionSpec("data")
+    step = jax.shard_map(whole, mesh=mesh, in_specs=(PartitionSpec(), over_data, over_data, over_data),
+                         out_specs=(over_data, over_data), axis_names={"data"}, check_vma=False)
 
   jitted = jax.jit(step, in_shardings=(sh["params"], sh["tokens"], sh["cache"], sh["index"]),
                    out_shardings=(sh["cache"], logits_sh), donate_argnums=(2,))

@@ -34,8 +34,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from cache.eviction import POLICIES, make_manager
-from dsv4 import config as C
 from dsv4.caches import group_specs
+from dsv4.config import PRESETS
 from experiments import plotting
 from experiments.ablate_retention import Spec, cached_blocks, run_trace, synthetic_answer
 
@@ -83,7 +83,7 @@ def multi_tenant(vocab: int, *, tenants=4, sessions=4, requests=240, system_len=
 
 def run(config_name: str, policies, full_blocks, swa_ratio: int, requests: int, small: bool, out_dir: str,
         seed: int = 0, stem: str = "eviction") -> dict:
-  config = C.PRESETS[config_name]()
+  config = PRESETS[config_name]()
   answer = synthetic_answer(config.vocab_size, seed)
   kw = dict(tenants=2, sessions=3, requests=requests, system_len=512, max_len=2048) if small else \
       dict(requests=requests)

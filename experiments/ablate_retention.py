@@ -44,8 +44,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from cache.hashing import ExtraKeys
-from dsv4 import config as C
 from dsv4.caches import group_specs
+from dsv4.config import PRESETS, v4_tiny
 from experiments import plotting
 
 FLAGS = flags.FLAGS
@@ -230,7 +230,7 @@ def load_model(note=print):
     note(f"note: trained model unavailable ({type(e).__name__}: {e}); using random v4_tiny weights")
     import jax
     from dsv4.model import init_params
-    config = C.v4_tiny()
+    config = v4_tiny()
     return config, init_params(config, jax.random.PRNGKey(0)), "random v4_tiny"
 
 
@@ -284,7 +284,7 @@ def verify_engine(intervals=(0, 128), seed: int = 0) -> list[dict]:
 def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, check_engine: bool = False,
         stem: str = "retention") -> dict:
   from cache.manager import KVCacheManager
-  config = C.PRESETS[config_name]()
+  config = PRESETS[config_name]()
   answer = synthetic_answer(config.vocab_size, seed)
   wl = workloads(config.vocab_size, small, seed)
   rows = []

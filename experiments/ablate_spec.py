@@ -32,7 +32,7 @@ from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
 from experiments import plotting
 from experiments import tasks
-from experiments import train_lib as L
+from experiments import train_lib
 
 FLAGS = flags.FLAGS
 SCRIPT = "ablate_spec"
@@ -40,7 +40,8 @@ _HELD_OUT = 1_000_000          # data seeds no training step used (as experiment
 
 
 def define_flags():
-  flags.DEFINE_string("checkpoint", "v4_retrieval_mtp", "Checkpoint (with an MTP block) under experiments/checkpoints/.")
+  flags.DEFINE_string("checkpoint", "v4_retrieval_mtp",
+                      "Checkpoint (with an MTP block) under experiments/checkpoints/.")
   flags.DEFINE_list("ks", ["0", "1", "2", "3", "4"], "Drafts per step (0 = no speculation).")
   flags.DEFINE_integer("requests", 32, "Requests per workload.")
   flags.DEFINE_integer("free_tokens", 48, "Generated tokens per request on the free workload.")
@@ -70,11 +71,11 @@ def _serve(params, config, ec: EngineConfig, prompts, max_tokens: int):
 
 def run(checkpoint: str, ks, requests: int, free_tokens: int, max_num_seqs: int, out_dir: str,
         repeats: int = 5) -> dict:
-  config, params, info = L.load_checkpoint_dir(
-      checkpoint if os.path.isdir(checkpoint) else os.path.join(L.CHECKPOINT_ROOT, checkpoint))
+  config, params, info = train_lib.load_checkpoint_dir(
+      checkpoint if os.path.isdir(checkpoint) else os.path.join(train_lib.CHECKPOINT_ROOT, checkpoint))
   if config.num_mtp_layers < 1:
     raise ValueError(f"{checkpoint}: no MTP block (train one with experiments/train_mtp.py)")
-  spec = L.task_spec_from_info(info)
+  spec = train_lib.task_spec_from_info(info)
   # Fine token buckets (growth 2, 4 steps per interval): a decode step of R rows runs R (1 + k) tokens, and with
   # the default 4x buckets its padding alone (8 -> 32 slots at k = 1..3) would decide the comparison on a CPU,
   # where a step's time follows its padded tokens.

@@ -31,7 +31,7 @@ import time
 from absl import app, flags, logging
 
 from experiments import plotting
-from experiments import train_lib as L
+from experiments import train_lib
 
 FLAGS = flags.FLAGS
 SCRIPT = "ablate_topk"
@@ -52,21 +52,21 @@ def define_flags():
 
 def run(checkpoint: str, ks, lens, eval_batches: int, batch: int, out_dir: str, stem: str = "topk",
         num_pairs: int = 0) -> dict:
-  config, params, info = L.load_checkpoint_dir(
-      checkpoint if os.path.isdir(checkpoint) else os.path.join(L.CHECKPOINT_ROOT, checkpoint))
-  base = L.task_spec_from_info(info, **({"num_pairs": num_pairs} if num_pairs else {}))
+  config, params, info = train_lib.load_checkpoint_dir(
+      checkpoint if os.path.isdir(checkpoint) else os.path.join(train_lib.CHECKPOINT_ROOT, checkpoint))
+  base = train_lib.task_spec_from_info(info, **({"num_pairs": num_pairs} if num_pairs else {}))
   rows = []
   for T in lens:
     spec = dataclasses.replace(base, seq_len=T)
     for k in ks:
       t0 = time.time()
-      cfg = L.with_topk(config, k)
-      e = L.evaluate(params, cfg, spec, num_batches=eval_batches, batch=batch)
-      c = L.attention_cost(cfg, T)
+      cfg = train_lib.with_topk(config, k)
+      e = train_lib.evaluate(params, cfg, spec, num_batches=eval_batches, batch=batch)
+      c = train_lib.attention_cost(cfg, T)
       rows.append(dict(seq_len=T, window=config.attention.window, path="topk", k=k, **e, **c))
       logging.info("T=%d k=%d acc=%.3f hit=%.3f (%.1fs)", T, k, e["accuracy"], e["index_hit"], time.time() - t0)
-    e = L.evaluate(params, config, spec, num_batches=eval_batches, batch=batch, ablate="no_compressed")
-    c = L.attention_cost(L.with_topk(config, 1), T)
+    e = train_lib.evaluate(params, config, spec, num_batches=eval_batches, batch=batch, ablate="no_compressed")
+    c = train_lib.attention_cost(train_lib.with_topk(config, 1), T)
     c.update(compressed_rows=0.0, compressed_rows_last=0, attn_flops=4 * config.attention.num_heads *
              config.attention.head_dim * c["window_rows"], indexer_flops=0.0)
     c["total_flops"] = c["attn_flops"]

@@ -33,7 +33,7 @@ import time
 from absl import app, flags, logging
 
 from experiments import plotting
-from experiments import train_lib as L
+from experiments import train_lib
 
 FLAGS = flags.FLAGS
 SCRIPT = "ablate_window"
@@ -52,9 +52,9 @@ def define_flags():
 
 
 def run(checkpoint: str, windows, lens, eval_batches: int, batch: int, out_dir: str, stem: str = "window") -> dict:
-  config, params, info = L.load_checkpoint_dir(
-      checkpoint if os.path.isdir(checkpoint) else os.path.join(L.CHECKPOINT_ROOT, checkpoint))
-  base = L.task_spec_from_info(info)
+  config, params, info = train_lib.load_checkpoint_dir(
+      checkpoint if os.path.isdir(checkpoint) else os.path.join(train_lib.CHECKPOINT_ROOT, checkpoint))
+  base = train_lib.task_spec_from_info(info)
   rows = []
   for T in lens:
     spec = dataclasses.replace(base, seq_len=T)
@@ -62,10 +62,10 @@ def run(checkpoint: str, windows, lens, eval_batches: int, batch: int, out_dir: 
     dist = (T - spec.query_len + 1) - spec.store_end
     for W in windows:
       t0 = time.time()
-      cfg = L.with_window(config, W)
-      e = L.evaluate(params, cfg, spec, num_batches=eval_batches, batch=batch)
-      e0 = L.evaluate(params, cfg, spec, num_batches=eval_batches, batch=batch, ablate="no_compressed")
-      c = L.attention_cost(cfg, T)
+      cfg = train_lib.with_window(config, W)
+      e = train_lib.evaluate(params, cfg, spec, num_batches=eval_batches, batch=batch)
+      e0 = train_lib.evaluate(params, cfg, spec, num_batches=eval_batches, batch=batch, ablate="no_compressed")
+      c = train_lib.attention_cost(cfg, T)
       rows.append(dict(seq_len=T, window=W, trained_window=config.attention.window, k=config.indexer.topk,
                        min_query_to_store_distance=dist, accuracy=e["accuracy"], index_hit=e["index_hit"],
                        accuracy_no_compressed=e0["accuracy"], chance=e["chance"], n=e["n"], **c))

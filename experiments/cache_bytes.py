@@ -24,7 +24,7 @@ from absl import app, flags
 import jax.numpy as jnp
 
 from dsv4 import caches
-from dsv4 import config as C
+from dsv4.config import ModelConfig, v4_flash, v41_flash
 
 _CONTEXT = flags.DEFINE_integer("context", 1 << 20, "context length in tokens")
 
@@ -47,13 +47,11 @@ FORMATS = (
 )
 
 
-def cache_bytes(config: C.ModelConfig, fmt: Format, context: int,
+def cache_bytes(config: ModelConfig, fmt: Format, context: int,
                 layout: caches.CacheLayout = caches.CacheLayout()) -> dict[str, float]:
   """Bytes of one sequence's decode state at `context` tokens, by component."""
-  plans = {p.index: p for p in config.layer_plan()}
   out = {"compressed_kv": 0.0, "index_keys": 0.0, "window": 0.0, "compressor_state": 0.0, "token_ids": 0.0}
   for s in caches.cache_array_specs(config, layout):
-    p = plans[s.layer]
     if s.group == caches.FULL:
       rows = context * s.block_shape[0] // layout.full_block_tokens
       out["compressed_kv" if s.name == "comp_kv" else "index_keys"] += rows * (
@@ -68,13 +66,13 @@ def cache_bytes(config: C.ModelConfig, fmt: Format, context: int,
   return out
 
 
-def per_token_bytes(config: C.ModelConfig, fmt: Format, layout: caches.CacheLayout = caches.CacheLayout()) -> float:
+def per_token_bytes(config: ModelConfig, fmt: Format, layout: caches.CacheLayout = caches.CacheLayout()) -> float:
   """Asymptotic bytes per additional token (full-group rows only; the SWA group is a fixed-size ring)."""
   big = 1 << 30
   return (cache_bytes(config, fmt, 2 * big, layout)["total"] - cache_bytes(config, fmt, big, layout)["total"]) / big
 
 
-def checkpoint_bytes(config: C.ModelConfig, layout: caches.CacheLayout) -> dict[str, float]:
+def checkpoint_bytes(config: ModelConfig, layout: caches.CacheLayout) -> dict[str, float]:
   """One SWA checkpoint = the `need_blocks` swa blocks before an aligned resume point, every swa array of every
   layer; `reads` = what the next step actually reads there (W - 1 window rows, the state row of the block before
   the resume point, Engram's previous ids)."""
@@ -94,7 +92,7 @@ def checkpoint_bytes(config: C.ModelConfig, layout: caches.CacheLayout) -> dict[
   return {"blocks": need, "checkpoint": ckpt, "reads": reads}
 
 
-def legacy_checkpoint_bytes(config: C.ModelConfig, block_tokens: int = 32) -> float:
+def legacy_checkpoint_bytes(config: ModelConfig, block_tokens: int = 32) -> float:
   """The layout before the running-pool state: fp32 window + raw fp32 projections (a, z) of every token."""
   per_token = 0
   for p in config.layer_plan():
@@ -111,14 +109,14 @@ def legacy_checkpoint_bytes(config: C.ModelConfig, block_tokens: int = 32) -> fl
 
 def main(_):
   mib = 1 << 20
-  for cfg in (C.v4_flash(), C.v41_flash()):
+  for cfg in (v4_flash(), v41_flash()):
     print(f"== {cfg.name}: bytes per SWA checkpoint (legacy layout {legacy_checkpoint_bytes(cfg) / mib:.2f} MiB)")
     for dt in (jnp.float32, jnp.bfloat16):
       c = checkpoint_bytes(cfg, caches.CacheLayout(kv_dtype=dt))
       print(f"  kv {jnp.dtype(dt).name:9s} {c['blocks']} blocks = {c['checkpoint'] / mib:6.2f} MiB; a resume reads "
             f"{c['reads'] / mib:6.2f} MiB (+{100 * (c['checkpoint'] / c['reads'] - 1):.1f}%)")
   L = _CONTEXT.value
-  for cfg in (C.v4_flash(), C.v41_flash()):
+  for cfg in (v4_flash(), v41_flash()):
     print(f"== {cfg.name}  (context {L:,} tokens)")
     for fmt in FORMATS:
       b = cache_bytes(cfg, fmt, L)

@@ -90,9 +90,9 @@ def main(argv):
   from tqdm import tqdm
   logging.set_verbosity(logging.WARNING)      # orbax's per-restore lines would bury the progress bar
 
-  from dsv4.serving import cluster as C
+  from dsv4.serving import cluster
   from dsv4.serving import matrix
-  from dsv4.serving import workloads as W
+  from dsv4.serving import workloads
   out_dir = plotting.output_dir("cluster")
   if FLAGS.predict:
     from dsv4.serving import simulation
@@ -105,26 +105,26 @@ def main(argv):
       print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
     plotting.write_table(rows, out_dir, "cluster_prediction", meta={"predicted": True})
     return 0
-  configs = [c for c in C.MATRIX if not FLAGS.configs or c.name in FLAGS.configs]
-  unknown = set(FLAGS.configs) - {c.name for c in C.MATRIX}
+  configs = [c for c in cluster.MATRIX if not FLAGS.configs or c.name in FLAGS.configs]
+  unknown = set(FLAGS.configs) - {c.name for c in cluster.MATRIX}
   if unknown:
-    raise app.UsageError(f"--configs: unknown {sorted(unknown)}; choose from {[c.name for c in C.MATRIX]}")
+    raise app.UsageError(f"--configs: unknown {sorted(unknown)}; choose from {[c.name for c in cluster.MATRIX]}")
   for g in FLAGS.groups:
-    if g not in W.GROUPS:
-      raise app.UsageError(f"--groups: unknown {g!r}; choose from {list(W.GROUPS)}")
+    if g not in workloads.GROUPS:
+      raise app.UsageError(f"--groups: unknown {g!r}; choose from {list(workloads.GROUPS)}")
   load = functools.partial(loader, FLAGS.model)
   ec = engine_config()
   cache_dir = os.path.join(tempfile.gettempdir(), "dsv4-cluster-jax-cache")
-  sizes = W.WorkloadSizes()
+  sizes = workloads.WorkloadSizes()
   cfg, params = load()
-  sessions = [s for g in FLAGS.groups for s in W.build(g, cfg.vocab_size, sizes)]
+  sessions = [s for g in FLAGS.groups for s in workloads.build(g, cfg.vocab_size, sizes)]
   ref = matrix.reference_outputs(cfg, params, ec, sessions)
   total = len(configs) * sum(len(s.turns) for s in sessions)
   with tqdm(total=total, desc="cluster matrix") as bar:
-    cl = C.Cluster(load, ec, num_replicas=FLAGS.replicas, ray_address=FLAGS.ray_address, num_cpus=FLAGS.num_cpus,
-                   compile_cache_dir=cache_dir, progress=bar.update)
+    cl = cluster.Cluster(load, ec, num_replicas=FLAGS.replicas, ray_address=FLAGS.ray_address, num_cpus=FLAGS.num_cpus,
+                         compile_cache_dir=cache_dir, progress=bar.update)
     try:
-      res = matrix.run_matrix(cl, FLAGS.groups, configs, sizes, C.SLO(FLAGS.slo_ttft_s, FLAGS.slo_tpot_s), ref)
+      res = matrix.run_matrix(cl, FLAGS.groups, configs, sizes, cluster.SLO(FLAGS.slo_ttft_s, FLAGS.slo_tpot_s), ref)
     finally:
       cl.shutdown()
   print_table(res.rows)

@@ -21,14 +21,14 @@ import numpy as np
 import optax
 
 from dsv4 import caches
-from dsv4 import model as M
+from dsv4 import model
 from dsv4.config import ModelConfig
 
 
 def add_mtp(config: ModelConfig, params: dict, seed: int = 0) -> tuple[ModelConfig, dict]:
   """(config with one MTP block, params = the backbone's + a freshly initialised block)."""
   cfg = dataclasses.replace(config, num_mtp_layers=1)
-  fresh = M.init_params(cfg, jax.random.PRNGKey(seed))
+  fresh = model.init_params(cfg, jax.random.PRNGKey(seed))
   return cfg, {**params, "mtp": fresh["mtp"]}
 
 
@@ -40,10 +40,10 @@ def forward_with_mtp(params, config: ModelConfig, tokens_BxT):
   idx = caches.BatchIndex(jnp.zeros(B, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.asarray(swa),
                           jnp.asarray(full))
   step = caches.step_index_from_batch(idx, T)
-  cache, h, _, X = M.forward_ragged_aux(params, config, tokens_BxT.reshape(-1), cache, step, return_stream=True)
+  cache, h, _, X = model.forward_ragged_aux(params, config, tokens_BxT.reshape(-1), cache, step, return_stream=True)
   nxt = jnp.concatenate([tokens_BxT[:, 1:], jnp.zeros((B, 1), tokens_BxT.dtype)], axis=1)
-  _, _, hm = M.mtp_forward(params, config, 0, X, nxt.reshape(-1), cache, step)
-  return M.lm_logits(params, h).reshape(B, T, -1), M.lm_logits(params, hm).reshape(B, T, -1)
+  _, _, hm = model.mtp_forward(params, config, 0, X, nxt.reshape(-1), cache, step)
+  return model.lm_logits(params, h).reshape(B, T, -1), model.lm_logits(params, hm).reshape(B, T, -1)
 
 
 def distill_loss(mtp_params, params, config: ModelConfig, tokens_BxT):
@@ -94,7 +94,7 @@ def greedy_continuations(params, config: ModelConfig, prompts_BxP, new_tokens: i
   cfg = dataclasses.replace(config, num_mtp_layers=0)
   for i in range(new_tokens - 1):
     T = P + i
-    _, logits = M.forward_full(backbone, cfg, out)
+    _, logits = model.forward_full(backbone, cfg, out)
     out[:, T] = np.argmax(np.asarray(logits[:, T - 1]), -1)
   weight = np.zeros(out.shape, np.float32)
   # drafts made at t = P - 1 .. (checked against the backbone at t + 1, which reads only continuation tokens)

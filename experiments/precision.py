@@ -20,7 +20,7 @@ from absl import app, flags
 
 from dsv4 import caches, model
 from experiments import tasks
-from experiments import train_lib as L
+from experiments import train_lib
 
 _BATCHES = flags.DEFINE_integer("batches", 4, "held-out batches per checkpoint")
 _BATCH = flags.DEFINE_integer("batch", 16, "sequences per batch")
@@ -41,8 +41,8 @@ def logits_for(params, config, tokens, kv_dtype):
 
 
 def run(name: str, batches: int, batch: int) -> list[dict]:
-  config, params, info = L.load_checkpoint_dir(os.path.join(L.CHECKPOINT_ROOT, name))
-  spec = L.task_spec_from_info(info)
+  config, params, info = train_lib.load_checkpoint_dir(os.path.join(train_lib.CHECKPOINT_ROOT, name))
+  spec = train_lib.task_spec_from_info(info)
   data = list(tasks.eval_batches(spec, batches, batch))
   ref = [logits_for(params, config, jnp.asarray(b["tokens"]), jnp.float32) for b in data]
   rows = []

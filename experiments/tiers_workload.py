@@ -212,9 +212,9 @@ def main(argv):
   import jax
 
   from cache.tiers.servers import MooncakeServer, RedisServer
-  from dsv4 import config as C
+  from dsv4 import config
   from dsv4 import model
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   tmp = tempfile.mkdtemp(prefix="dsv4-tiers-bench-")
   redis = RedisServer()

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import tasks
-from experiments import train_lib as L
+from experiments import train_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("variant", "v4", ["v4", "v41"], "Model variant (v41: layer 0 window, layer 1 ratio-2 "
@@ -93,8 +93,8 @@ def train(argv_cmd: str) -> dict:
   if small:
     seq_len, batch, steps, dense, window, num_pairs, num_queries = 64, 2, 2, 2, 8, 2, 2
     eval_lens, eval_batches, max_count = [64], 1, 3
-  config = L.retrieval_config(FLAGS.variant, num_layers=FLAGS.num_layers, window=window, vocab_size=64,
-                              index_topk=FLAGS.topk, hidden_size=FLAGS.hidden_size)
+  config = train_lib.retrieval_config(FLAGS.variant, num_layers=FLAGS.num_layers, window=window, vocab_size=64,
+                                      index_topk=FLAGS.topk, hidden_size=FLAGS.hidden_size)
   if FLAGS.task == "count":
     spec = tasks.CountSpec(seq_len=seq_len, max_count=max_count, min_gap=max(2 * window, 8),
                            distractors=FLAGS.distractors, fixed_key=FLAGS.fixed_key,
@@ -109,11 +109,11 @@ def train(argv_cmd: str) -> dict:
                               os.path.join("out", "train", default_name))
   logging.info("config %s\ntask %s\nout_dir %s", config, spec, out_dir)
 
-  params = L.init(config, FLAGS.seed)
-  fparams, iparams = L.split_params(params)
-  opt, sched = L.make_optimizer(FLAGS.lr, FLAGS.warmup, steps, FLAGS.weight_decay)
+  params = train_lib.init(config, FLAGS.seed)
+  fparams, iparams = train_lib.split_params(params)
+  opt, sched = train_lib.make_optimizer(FLAGS.lr, FLAGS.warmup, steps, FLAGS.weight_decay)
   opt_state = opt.init(fparams)
-  dense_cfg = L.with_topk(config, L.dense_topk(config, seq_len))
+  dense_cfg = train_lib.with_topk(config, train_lib.dense_topk(config, seq_len))
   phases = [(dense_cfg, min(dense, steps), "dense"), (config, steps - min(dense, steps), "sparse")]
   history, evals = [], []
   t_start = time.time()
@@ -123,8 +123,8 @@ def train(argv_cmd: str) -> dict:
   for cfg, n, phase in phases:
     if n <= 0:
       continue
-    train_step = L.make_train_step(cfg, opt, FLAGS.kl_weight, FLAGS.kl_on_all,
-                                   FLAGS.attn_sup_weight if phase == "dense" else 0.0)
+    train_step = train_lib.make_train_step(cfg, opt, FLAGS.kl_weight, FLAGS.kl_on_all,
+                                           FLAGS.attn_sup_weight if phase == "dense" else 0.0)
     for _ in range(n):
       fparams, opt_state, m = train_step(fparams, iparams, opt_state, _batch(spec, step, batch))
       step += 1
@@ -139,8 +139,8 @@ def train(argv_cmd: str) -> dict:
                      phase, m["loss"], m["ce"], m["kl"], m["attn_sup"], m["acc"], m["gnorm"], rec["step_s"],
                      rec["wall_s"])
       if FLAGS.eval_every and step % FLAGS.eval_every == 0 and step < steps:
-        params = L.merge_params(fparams, iparams)
-        e = L.evaluate(params, config, spec, num_batches=2, batch=batch)
+        params = train_lib.merge_params(fparams, iparams)
+        e = train_lib.evaluate(params, config, spec, num_batches=2, batch=batch)
         evals.append(dict(step=step, seq_len=seq_len, **e))
         logging.info("eval step %d: %s", step, e)
       if (time.time() - t_start) / 60 > FLAGS.max_minutes or (FLAGS.stop_after and step >= FLAGS.stop_after):
@@ -151,21 +151,22 @@ def train(argv_cmd: str) -> dict:
       break
   train_s = time.time() - t_start
 
-  params = L.merge_params(fparams, iparams)
+  params = train_lib.merge_params(fparams, iparams)
   final = {}
   for T in eval_lens:
     s = dataclasses.replace(spec, seq_len=T)
-    final[str(T)] = dict(full_topk=L.evaluate(params, config, s, num_batches=eval_batches, batch=batch),
-                         no_compressed=L.evaluate(params, config, s, num_batches=eval_batches, batch=batch,
-                                                  ablate="no_compressed"))
+    final[str(T)] = dict(full_topk=train_lib.evaluate(params, config, s, num_batches=eval_batches, batch=batch),
+                         no_compressed=train_lib.evaluate(params, config, s, num_batches=eval_batches, batch=batch,
+                                                          ablate="no_compressed"))
     logging.info("final eval T=%d: %s", T, final[str(T)])
   meta = dict(task=dataclasses.asdict(spec), command=argv_cmd, steps_done=step, train_seconds=round(train_s, 1),
               final_eval=final, small=small,
-              flags={k: FLAGS[k].value for k in ("task", "max_count", "distractors", "fixed_key", "sup_all_slots", "count_mode", "variant", "num_layers", "hidden_size", "window", "topk",
+              flags={k: FLAGS[k].value for k in ("task", "max_count", "distractors", "fixed_key", "sup_all_slots",
+                                                  "count_mode", "variant", "num_layers", "hidden_size", "window", "topk",
                                                   "seq_len", "num_pairs", "num_queries", "batch", "steps",
                                                   "dense_warmup_steps", "lr", "warmup", "weight_decay",
                                                   "kl_weight", "attn_sup_weight", "kl_on_all", "seed")})
-  L.save_checkpoint(params, config, out_dir, meta)
+  train_lib.save_checkpoint(params, config, out_dir, meta)
   with open(os.path.join(out_dir, "train_log.json"), "w") as f:
     json.dump(dict(history=history, evals=evals, final_eval=final), f, indent=1)
   logging.info("saved %s (%.0fs training)", out_dir, train_s)

@@ -26,7 +26,7 @@ import numpy as np
 
 from experiments import mtp_lib
 from experiments import tasks
-from experiments import train_lib as L
+from experiments import train_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "v4_retrieval", "Shipped checkpoint name (experiments/checkpoints/) or directory.")
@@ -59,20 +59,20 @@ def main(argv):
   steps, batch, eval_batches, gen_tokens = FLAGS.steps, FLAGS.batch, FLAGS.eval_batches, FLAGS.gen_tokens
   if FLAGS.small:
     steps, batch, eval_batches, gen_tokens = 2, 2, 1, 4
-  directory = FLAGS.model if os.path.isdir(FLAGS.model) else os.path.join(L.CHECKPOINT_ROOT, FLAGS.model)
+  directory = FLAGS.model if os.path.isdir(FLAGS.model) else os.path.join(train_lib.CHECKPOINT_ROOT, FLAGS.model)
   if not os.path.isdir(directory):
     raise app.UsageError(f"--model: no checkpoint directory {directory!r}")
-  config, params, info = L.load_checkpoint_dir(directory)
+  config, params, info = train_lib.load_checkpoint_dir(directory)
   if config.variant != "v4":
     raise app.UsageError(f"--model: MTP blocks are V4-only; {FLAGS.model!r} is {config.variant}")
-  spec = L.task_spec_from_info(info)
+  spec = train_lib.task_spec_from_info(info)
   out_dir = FLAGS.out_dir or (tempfile.mkdtemp(prefix="dsv4_train_mtp_") if FLAGS.small else
                               os.path.join("out", "train_mtp", os.path.basename(directory.rstrip("/")) + "_mtp"))
   config, params = mtp_lib.add_mtp(config, params, FLAGS.seed)
   before = _eval(params, config, spec, eval_batches, batch, gen_tokens)
   logging.info("acceptance before training: %s", before)
 
-  opt, _ = L.make_optimizer(FLAGS.lr, max(1, steps // 10), steps)
+  opt, _ = train_lib.make_optimizer(FLAGS.lr, max(1, steps // 10), steps)
   mtp_params = params["mtp"]
   backbone = {k: v for k, v in params.items() if k != "mtp"}
   opt_state = opt.init(mtp_params)
@@ -91,7 +91,7 @@ def main(argv):
   meta = dict(task=info["task"], command=cmd, base_model=FLAGS.model, steps_done=steps,
               train_seconds=round(time.time() - t0, 1), acceptance_before=before, acceptance_after=after,
               small=FLAGS.small)
-  L.save_checkpoint(params, config, out_dir, meta)
+  train_lib.save_checkpoint(params, config, out_dir, meta)
   with open(os.path.join(out_dir, "train_log.json"), "w") as f:
     json.dump(dict(history=history, acceptance_before=before, acceptance_after=after), f, indent=1)
   print(json.dumps(dict(out_dir=out_dir, steps=steps, acceptance_before=before, acceptance_after=after), indent=1))

@@ -75,47 +75,47 @@ def near_ties(values: np.ndarray, fmt: str, block: int, near: float) -> np.ndarr
 def main(argv):
   del argv
   from dsv4 import caches
-  from dsv4 import config as C
+  from dsv4 import config
   from dsv4 import model
-  from dsv4.layers import engram as E
+  from dsv4.layers import engram
   from dsv4.loading import load_checkpoint
-  from dsv4.loading import safetensors_io as S
-  from tests.dsv4 import v41_oracle as O
-  root = O.ensure_nemo()
+  from dsv4.loading import safetensors_io
+  from tests.dsv4 import v41_oracle
+  root = v41_oracle.ensure_nemo()
   sys.path.insert(0, root)
-  from nemo_automodel.components.models.deepseek_v41 import attention as A
-  from nemo_automodel.components.models.deepseek_v41 import quantization as NQ
+  from nemo_automodel.components.models.deepseek_v41 import attention
+  from nemo_automodel.components.models.deepseek_v41 import quantization
 
   records = []
 
   def recording(values, *, format, block_size):
     records.append((format, block_size, values.detach().double().numpy().copy()))
-    return NQ.quantize_cache(values, format=format, block_size=block_size)
+    return quantization.quantize_cache(values, format=format, block_size=block_size)
 
-  A.quantize_cache = recording  # NeMo's real quantizer, with its inputs recorded
-  cfg = C.v41_tiny()
+  attention.quantize_cache = recording  # NeMo's real quantizer, with its inputs recorded
+  cfg = config.v41_tiny()
   cfg_q = dataclasses.replace(cfg, quantized_cache=True)
-  ref, tokenizer = O.build(cfg, seed=0, fake_quant=True)
+  ref, tokenizer = v41_oracle.build(cfg, seed=0, fake_quant=True)
   fd, path = tempfile.mkstemp(suffix=".safetensors")   # own file: concurrent runs never share one
   os.close(fd)
   try:
-    S.write_file(O.state_dict_np(ref), path)
+    safetensors_io.write_file(v41_oracle.state_dict_np(ref), path)
     params = load_checkpoint(path, cfg)
   finally:
     os.remove(path)
-  params["engram_token_map"] = jnp.asarray(E.compressed_token_map(tokenizer)[0])
+  params["engram_token_map"] = jnp.asarray(engram.compressed_token_map(tokenizer)[0])
 
   B, T = FLAGS.B, FLAGS.T
   tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, (B, T))
   records.clear()
-  want = O.logits(ref, tokens)
+  want = v41_oracle.logits(ref, tokens)
   rec_full = list(records)
   stable = np.ones((B, T), bool)
   for w in (T - 19, T - 1):
-    part = O.logits(ref, tokens[:, :w])
+    part = v41_oracle.logits(ref, tokens[:, :w])
     stable[:, :w] &= np.max(np.abs(part - want[:, :w]), -1) <= 1e-5 * np.max(np.abs(want))
-  A.quantize_cache = lambda values, **kw: values
-  want_off = O.logits(ref, tokens)
+  attention.quantize_cache = lambda values, **kw: values
+  want_off = v41_oracle.logits(ref, tokens)
 
   def ours(c):
     cache, swa, full = caches.init_contiguous(c, B, T)
@@ -129,7 +129,7 @@ def main(argv):
   aux_box = []
 
   # record our own quantizer inputs too (trace-time ids give program order, the same order as NeMo's calls)
-  from dsv4.layers import cache_quant as CQ
+  from dsv4.layers import cache_quant
   ours_in, counter = {}, [0]
 
   def wrap(fmt, fn):
@@ -140,11 +140,11 @@ def main(argv):
       return fn(x)
     return f
 
-  saved = (CQ.fp8_window_kv, CQ.nvfp4_compressed_kv, CQ.mxfp4_index)
-  CQ.fp8_window_kv, CQ.nvfp4_compressed_kv, CQ.mxfp4_index = (wrap("fp8", saved[0]), wrap("nvfp4", saved[1]),
-                                                              wrap("mxfp4", saved[2]))
+  saved = (cache_quant.fp8_window_kv, cache_quant.nvfp4_compressed_kv, cache_quant.mxfp4_index)
+  cache_quant.fp8_window_kv, cache_quant.nvfp4_compressed_kv, cache_quant.mxfp4_index = (wrap("fp8", saved[0]), wrap("nvfp4", saved[1]),
+                                                                                         wrap("mxfp4", saved[2]))
   got = ours(cfg_q)
-  CQ.fp8_window_kv, CQ.nvfp4_compressed_kv, CQ.mxfp4_index = saved
+  cache_quant.fp8_window_kv, cache_quant.nvfp4_compressed_kv, cache_quant.mxfp4_index = saved
   got_off = ours(cfg)
   scale = np.max(np.abs(want))
   err = np.max(np.abs(got - want), -1) / scale
@@ -196,8 +196,8 @@ def main(argv):
       vo = vo.reshape(B, -1, *vo.shape[1:])
     L = min(vn.shape[1], vo.shape[1])
     vn32, vo = vn[:, :L].astype(np.float32), vo[:, :L]
-    qn = CQ.quantize_cache_reference(vn32, fmt, block)
-    qo = CQ.quantize_cache_reference(vo, fmt, block)
+    qn = cache_quant.quantize_cache_reference(vn32, fmt, block)
+    qo = cache_quant.quantize_cache_reference(vo, fmt, block)
     C_ = vn32.shape[-1]
     pad = -C_ % block
     dif = np.pad(qn != qo, [(0, 0)] * (qn.ndim - 1) + [(0, pad)]).reshape(*qn.shape[:-1], -1, block).any(-1)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from dsv4 import config as C
+from dsv4 import config
 from dsv4 import model
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
@@ -49,11 +49,12 @@ def serve(params, cfg, ec, reqs):
 
 def main(argv):
   del argv
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   base = EngineConfig(max_num_seqs=8, max_num_batched_tokens=512, chunk_size=64, max_model_len=2048,
                       num_full_blocks=256, num_swa_blocks=512, token_bucket_growth=FLAGS.growth)
-  settings = {"off": dataclasses.replace(base, bucket_fill=0.0), "on": dataclasses.replace(base, bucket_fill=FLAGS.fill)}
+  settings = {"off": dataclasses.replace(base, bucket_fill=0.0),
+              "on": dataclasses.replace(base, bucket_fill=FLAGS.fill)}
   reqs = workload(cfg.vocab_size)
   outs, res = {}, {"config": cfg.name, "buckets": None}
   for name, ec in settings.items():            # warm-up: compiles every program either setting uses

@@ -27,10 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from dsv4 import caches
-from dsv4 import config as C
-from dsv4 import model
-from dsv4.layers import attention as A
+from dsv4 import caches, model
+from dsv4.config import ModelConfig, v4_tiny
+from dsv4.layers import attention
 from pallas_kernels import dispatch
 
 flags.DEFINE_integer("repeats", 3, "Timed repeats per point (median).")
@@ -42,8 +41,8 @@ FLAGS = flags.FLAGS
 B = 8
 
 
-def flash_quarter() -> C.ModelConfig:
-  t = C.v4_tiny()
+def flash_quarter() -> ModelConfig:
+  t = v4_tiny()
   return dataclasses.replace(
       t, name="flash_quarter", hidden_size=1024, compress_ratios=(0, 4, 128, 4),
       attention=dataclasses.replace(t.attention, num_heads=16, head_dim=128, rope_head_dim=16, q_lora_rank=256,
@@ -52,16 +51,16 @@ def flash_quarter() -> C.ModelConfig:
       moe=dataclasses.replace(t.moe, n_routed_experts=8, num_experts_per_tok=6, intermediate_size=512))
 
 
-CONFIGS = {"v4_tiny": C.v4_tiny, "flash_quarter": flash_quarter,
+CONFIGS = {"v4_tiny": v4_tiny, "flash_quarter": flash_quarter,
            # v4_tiny with Flash's HCA ratio (128 instead of 16): HCA then reads ctx/128 entries, as in V4-Flash.
-           "v4_tiny_hca128": lambda: dataclasses.replace(C.v4_tiny(hca_ratio=128), name="v4_tiny_hca128")}
+           "v4_tiny_hca128": lambda: dataclasses.replace(v4_tiny(hca_ratio=128), name="v4_tiny_hca128")}
 
 
 def _no_score(p, config, plan, x_NxD, cq_NxR, ctx, key_pool, inv_freq, candidate_blocks_NxCb=None,
               block_max_size=0):
   """Stand-in for the indexer: the first k visible entries (no score pass); keeps the rest of the step."""
   k = config.indexer.topk
-  nv = A.num_visible(ctx, plan.ratio)
+  nv = attention.num_visible(ctx, plan.ratio)
   ids = jnp.arange(k, dtype=jnp.int32)[None, :] + jnp.zeros_like(nv)[:, None]
   return jnp.where(ids < nv[:, None], ids, -1), None
 
@@ -99,7 +98,7 @@ def main(argv):
   layout = caches.CacheLayout()
   ctxs = [int(c) for c in FLAGS.contexts]
   res = {}
-  orig_uses, orig_paged = dispatch.uses_kernel, A.indexer_select_paged
+  orig_uses, orig_paged = dispatch.uses_kernel, attention.indexer_select_paged
   for name in FLAGS.configs:
     cfg = CONFIGS[name]()
     params = model.init_params(cfg, jax.random.PRNGKey(0))
@@ -108,7 +107,7 @@ def main(argv):
     cache = caches.init_cache(cfg, layout, ns, nf)
     for mode in ("paged", "reference", "no_score"):
       dispatch.uses_kernel = (lambda c, op, *a, **k: True) if mode == "reference" else orig_uses
-      A.indexer_select_paged = _no_score if mode == "no_score" else orig_paged
+      attention.indexer_select_paged = _no_score if mode == "no_score" else orig_paged
       jax.clear_caches()
       for ctx in ctxs:
         toks, st = step_inputs(cfg, layout, ctx, nf, ns)
@@ -122,7 +121,7 @@ def main(argv):
         print(name, mode, ctx, f"{ms:.2f} ms", flush=True)
       res[f"{name}_{mode}_{ctxs[-1] // 1024}k_over_{ctxs[0] // 1024}k"] = (
           res[f"{name}_{mode}_ctx{ctxs[-1] // 1024}k_ms"] / res[f"{name}_{mode}_ctx{ctxs[0] // 1024}k_ms"])
-    dispatch.uses_kernel, A.indexer_select_paged = orig_uses, orig_paged
+    dispatch.uses_kernel, attention.indexer_select_paged = orig_uses, orig_paged
     jax.clear_caches()
     del cache, params
   print(json.dumps({k: round(v, 3) for k, v in res.items()}, indent=1))

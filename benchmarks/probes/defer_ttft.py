@@ -13,7 +13,7 @@ import dataclasses
 
 import jax
 
-from dsv4 import config as C
+from dsv4 import config
 from dsv4 import model
 from dsv4.engine import workloads
 from dsv4.engine.engine import Engine, EngineConfig
@@ -41,7 +41,7 @@ def main(argv=None):
   ap.add_argument("--budget", type=int, default=192)
   ap.add_argument("--seed", type=int, default=4)
   a = ap.parse_args(argv)
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   wl = workloads.chat(cfg.vocab_size, sessions=a.sessions, turns=1, system_len=a.system_len,
                       user_len=(a.user_len, a.user_len + 41), answer_len=(4, 6), seed=a.seed)

@@ -33,11 +33,11 @@ def main():
 
   from benchmarks import sizing
   from dsv4 import caches, model, sharding
-  from dsv4 import config as C
+  from dsv4 import config
   from tests.dsv4.sharding_worker import wide
 
   mesh = sharding.make_mesh({"tensor": args.tensor})
-  flash = C.v4_flash()
+  flash = config.v4_flash()
   lay_bf16 = caches.CacheLayout(kv_dtype=jnp.bfloat16)
   n_swa, n_full = sizing.pool_blocks(flash, lay_bf16, args.batch, args.context, 512)
   print(f"V4-Flash pools (bf16) for {args.batch} x {args.context} tokens on tensor={args.tensor}:")
@@ -45,7 +45,7 @@ def main():
     total, dev = sizing.pool_bytes(flash, lay_bf16, mesh, sharding.Rules(kv_latent=kv), n_swa, n_full)
     print(f"  kv_latent={kv:<10}  per device {dev / 1e9:7.2f} GB of {total / 1e9:.2f} GB")
 
-  cfg = wide(C.v4_tiny())
+  cfg = wide(config.v4_tiny())
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   B, T, L = 8, 32, 96
   layout = caches.CacheLayout()

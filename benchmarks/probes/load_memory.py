@@ -35,15 +35,15 @@ flags.DEFINE_string("child", "", "internal: run one measurement on this dir ('di
 
 
 def bench_config():
-  from dsv4 import config as C
-  return C.ModelConfig(
+  from dsv4 import config
+  return config.ModelConfig(
       name="load_bench", variant="v4", vocab_size=8192, hidden_size=1024, num_layers=4,
-      compress_ratios=C.v4_schedule(4, num_window_layers=1, hca_ratio=16),
-      attention=C.AttentionConfig(num_heads=8, head_dim=128, rope_head_dim=32, q_lora_rank=256, o_groups=2,
-                                  o_lora_rank=128, window=16),
-      indexer=C.IndexerConfig(num_heads=8, head_dim=64, topk=8),
-      moe=C.MoEConfig(n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=2, intermediate_size=512,
-                      num_hash_layers=1))
+      compress_ratios=config.v4_schedule(4, num_window_layers=1, hca_ratio=16),
+      attention=config.AttentionConfig(num_heads=8, head_dim=128, rope_head_dim=32, q_lora_rank=256, o_groups=2,
+                                       o_lora_rank=128, window=16),
+      indexer=config.IndexerConfig(num_heads=8, head_dim=64, topk=8),
+      moe=config.MoEConfig(n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=2, intermediate_size=512,
+                           num_hash_layers=1))
 
 
 def write_checkpoint(path: str, shards: int, quant: str, naming: str) -> list[str]:
@@ -53,21 +53,22 @@ def write_checkpoint(path: str, shards: int, quant: str, naming: str) -> list[st
 
   from dsv4 import model
   from dsv4.loading import Quant
-  from dsv4.loading import safetensors_io as S
+  from dsv4.loading import safetensors_io
   cfg = bench_config()
   rng = np.random.default_rng(0)
 
   def leaf(a):
     if np.issubdtype(a.dtype, np.integer):
-      return np.stack([rng.permutation(cfg.moe.n_routed_experts)[: a.shape[1]] for _ in range(a.shape[0])]).astype(a.dtype)
+      rows = [rng.permutation(cfg.moe.n_routed_experts)[: a.shape[1]] for _ in range(a.shape[0])]
+      return np.stack(rows).astype(a.dtype)
     return (rng.standard_normal(a.shape, np.float32) * 0.02).astype(np.float32)
 
   params = jax.tree_util.tree_map(leaf, model.abstract_params(cfg))
   total = sum(np.asarray(x).size for x in jax.tree_util.tree_leaves(params))
   bytes_per = {"none": 2, "fp8": 1.6, "fp8_fp4": 0.8}[quant]
   q = None if quant == "none" else Quant(fp8_block=128, fp4_experts=quant == "fp8_fp4")
-  return S.save_checkpoint(params, cfg, path, naming=naming, quant=q, dtype=ml_dtypes.bfloat16,
-                           shard_bytes=int(1.1 * total * bytes_per / shards))
+  return safetensors_io.save_checkpoint(params, cfg, path, naming=naming, quant=q, dtype=ml_dtypes.bfloat16,
+                                        shard_bytes=int(1.1 * total * bytes_per / shards))
 
 
 def _rss() -> int:

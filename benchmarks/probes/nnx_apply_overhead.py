@@ -28,9 +28,9 @@ def main():
   import jax.numpy as jnp
 
   from dsv4 import caches, model, nnx_model
-  from dsv4 import config as C
+  from dsv4 import config
 
-  cfg = C.v4_tiny() if args.variant == "v4" else C.v41_tiny()
+  cfg = config.v4_tiny() if args.variant == "v4" else config.v41_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   B, T = 2, args.tokens
   cache, swa, full = caches.init_contiguous(cfg, B, T, caches.CacheLayout())

@@ -7,7 +7,7 @@ transformers oracle config (tests/dsv4/oracle_util.py), `wide_config()` as this 
 
 from __future__ import annotations
 
-from dsv4 import config as C
+from dsv4 import config
 
 WIDE_HF = dict(
     vocab_size=1024, hidden_size=4096, moe_intermediate_size=512, num_hidden_layers=4, num_attention_heads=64,
@@ -20,8 +20,8 @@ WIDE_HF = dict(
     index_topk=32)
 
 
-def wide_config() -> C.ModelConfig:
-  return C.ModelConfig(
+def wide_config() -> config.ModelConfig:
+  return config.ModelConfig(
       name="wide4", variant="v4", vocab_size=1024, hidden_size=4096, num_layers=4, compress_ratios=(0, 0, 4, 128),
-      attention=C.AttentionConfig(), indexer=C.IndexerConfig(topk=32),
-      moe=C.MoEConfig(n_routed_experts=4, num_experts_per_tok=2, intermediate_size=512, num_hash_layers=1))
+      attention=config.AttentionConfig(), indexer=config.IndexerConfig(topk=32),
+      moe=config.MoEConfig(n_routed_experts=4, num_experts_per_tok=2, intermediate_size=512, num_hash_layers=1))

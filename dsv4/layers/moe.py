@@ -82,7 +82,7 @@ def routed_experts_ep(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, mesh):
   """Expert-parallel `routed_experts` (same result up to fp32 summation order). Exact: the all-to-all buffers hold
   every pair a device could send to one shard (capacity n*K per destination, no token is ever dropped), which costs
   ep x the minimal buffer; a capacity factor would trade exactness for memory."""
-  from jax.sharding import PartitionSpec as P
+  from jax.sharding import PartitionSpec
   N, K = ids_NxK.shape
   D = x_NxD.shape[1]
   E, I = cfg.n_routed_experts, params["w1"].shape[-1]
@@ -131,9 +131,10 @@ def routed_experts_ep(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, mesh):
     res = jnp.where(pair_ok[order][:, None], res, 0) * w.reshape(-1)[order][:, None].astype(h.dtype)
     return jnp.zeros_like(x).at[order // K].add(res.astype(x.dtype))
 
-  tok = P(tok_axes or None, None)
-  out = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, P(tok_axes or None), P("expert", None, mlp_axis),
-                                                  P("expert", None, mlp_axis), P("expert", mlp_axis, None)),
+  tok = PartitionSpec(tok_axes or None, None)
+  up = PartitionSpec("expert", None, mlp_axis)      # w1, w3 [E, D, I]
+  down = PartitionSpec("expert", mlp_axis, None)    # w2 [E, I, D]
+  out = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, PartitionSpec(tok_axes or None), up, up, down),
                       out_specs=tok, check_vma=False)(x_NxD, ids_NxK, w_NxK, valid, params["w1"], params["w3"],
                                                       params["w2"])
   return out[:N]

@@ -17,8 +17,8 @@ import time
 import numpy as np
 
 from cache.tiers.cost import CostModel
-from dsv4.serving import directory as D
-from dsv4.serving import workloads as W
+from dsv4.serving import directory
+from dsv4.serving import workloads
 from dsv4.serving.cost import RouteCostModel, RouteCosts
 from dsv4.serving.replica import Replica, ReplicaSpec
 from dsv4.serving.router import KVAware, Load, RoundRobin
@@ -160,10 +160,10 @@ class Cluster:
     self.cfg = cfg
     self.rspecs = self._specs(cfg)
     infos = self.ray.get([h.configure.remote(s) for h, s in zip(self.handles, self.rspecs)])
-    self.space = D.KeySpace(**infos[0]["space"])
+    self.space = directory.KeySpace(**infos[0]["space"])
     from cache.tiers.directory import RedisDirectory
     client = redis.Redis.from_url(self.directory_url, socket_timeout=0.5, socket_connect_timeout=0.5)
-    self.prefixes = D.PrefixDirectory(RedisDirectory(client), self.space)
+    self.prefixes = directory.PrefixDirectory(RedisDirectory(client), self.space)
     speeds = CostModel(prefill_tokens_per_s=infos[0]["prefill_tokens_per_s"])
     speeds.calibrate("host", 1e-4, 2e9)
     speeds.calibrate("redis", 1e-3, 2e8)
@@ -179,7 +179,7 @@ class Cluster:
     self.slots = {d: _Slots(self.transfer_slots) for d in self.decode_pool}
 
   # ------------------------------------------------------------------------------------------ one phase
-  def run(self, sessions: list[W.Session], faults: tuple[Fault, ...] = ()) -> dict:
+  def run(self, sessions: list[workloads.Session], faults: tuple[Fault, ...] = ()) -> dict:
     """Play the sessions; returns {"requests": [...], "stats": {...}}."""
     ray = self.ray
     t0 = time.time()
@@ -258,7 +258,7 @@ class Cluster:
       alive.discard(i)
       counters["killed"] += 1
       try:
-        D.drop_replica(self.prefixes.dir, i)
+        directory.drop_replica(self.prefixes.dir, i)
       except Exception:  # noqa: BLE001
         pass
       for rid, info in list(live.items()):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from dsv4.serving import cluster as C
-from dsv4.serving import metrics
-from dsv4.serving import workloads as W
+from dsv4.serving import metrics, workloads
+# names, not the module: run_matrix's `cluster` argument is a Cluster
+from dsv4.serving.cluster import MATRIX, SLO, Cluster
 
 
-def reference_outputs(config, params, engine_config, sessions: list[W.Session]) -> dict[str, list[int]]:
+def reference_outputs(config, params, engine_config, sessions: list[workloads.Session]) -> dict[str, list[int]]:
   """Each turn on one engine, in session order (a turn's prompt is built from the reference's own answers)."""
   from cache.hashing import ExtraKeys
   from dsv4.engine.engine import Engine
@@ -39,11 +39,11 @@ class MatrixResult:
   runs: dict                            # (config, group) -> the raw run
 
 
-def run_matrix(cluster: C.Cluster, groups, configs=C.MATRIX, sizes=W.WorkloadSizes(), slo=C.SLO(),
+def run_matrix(cluster: Cluster, groups, configs=MATRIX, sizes=workloads.WorkloadSizes(), slo=SLO(),
                reference: dict | None = None, faults=None) -> MatrixResult:
   """faults: optional (config name, group) -> tuple of cluster.Fault."""
   rows, bad, runs = [], [], {}
-  traces = {g: W.build(g, cluster.config.vocab_size, sizes) for g in groups}
+  traces = {g: workloads.build(g, cluster.config.vocab_size, sizes) for g in groups}
   for cfg in configs:
     cluster.configure(cfg)
     for g in groups:

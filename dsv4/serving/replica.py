@@ -101,7 +101,7 @@ class Replica:
 
     from dsv4.engine.engine import Engine
     from dsv4.engine.tiering import TieringConfig
-    from dsv4.serving import directory as D
+    from dsv4.serving import directory
     spec.validate()
     with self._lock:
       self._close_engine()
@@ -120,8 +120,8 @@ class Replica:
         self._tees.append(m.events)
       self.spec = spec
       mgr = self.engine.managers[0]
-      self.space = D.KeySpace(mgr.model_id, mgr.specs.fingerprint, mgr.specs.hash_tokens,
-                              mgr.specs.full.block_tokens, mgr.key_bits)
+      self.space = directory.KeySpace(mgr.model_id, mgr.specs.fingerprint, mgr.specs.hash_tokens,
+                                      mgr.specs.full.block_tokens, mgr.key_bits)
       self.feed = None
       if spec.directory_url:
         import redis
@@ -129,9 +129,10 @@ class Replica:
         from cache.tiers.directory import RedisDirectory
         client = redis.Redis.from_url(spec.directory_url, socket_timeout=0.5, socket_connect_timeout=0.5)
         shared = next((t for t in spec.tiers if t in ("redis", "mooncake")), "")
-        self.feed = D.DirectoryFeed(RedisDirectory(client), spec.index, self.space, mgr.specs.full.bytes_per_block,
-                                    host_tier="host" in spec.tiers and spec.demote == "evict",
-                                    shared_store=shared if spec.demote == "store" else "")
+        self.feed = directory.DirectoryFeed(RedisDirectory(client), spec.index, self.space,
+                                            mgr.specs.full.bytes_per_block,
+                                            host_tier="host" in spec.tiers and spec.demote == "evict",
+                                            shared_store=shared if spec.demote == "store" else "")
         self.feed.restarted()                 # an empty engine: whatever the directory says we held is stale
       self._pending: dict[str, dict] = {}     # rid -> what to do when it finishes (prefill: where to send)
       self._exports: dict[str, tuple] = {}    # rid -> (plan, records, seconds) or the HandoffError, until sent

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dsv4.serving import directory as D
+from dsv4.serving import directory
 from dsv4.serving.cost import DEVICE, Candidate, Estimate, RouteCostModel, Source
 
 
@@ -40,7 +40,7 @@ class RoundRobin:
 class KVAware:
   name = "kv_aware"
 
-  def __init__(self, pool: list[int], prefixes: D.PrefixDirectory, model: RouteCostModel,
+  def __init__(self, pool: list[int], prefixes: directory.PrefixDirectory, model: RouteCostModel,
                shared_store: str = "", host_tiers: bool = False):
     """shared_store: the store every replica of the pool mounts ("" = none); host_tiers: replicas have a host tier."""
     if not pool:
@@ -54,9 +54,9 @@ class KVAware:
     out = []
     shared = matched.get(self.shared_store, 0) if self.shared_store else 0
     for r in pool:
-      src = [Source(DEVICE, matched.get(D.l1(r), 0))]
+      src = [Source(DEVICE, matched.get(directory.l1(r), 0))]
       if self.host_tiers:
-        src.append(Source("host", matched.get(D.host(r), 0)))
+        src.append(Source("host", matched.get(directory.host(r), 0)))
       if shared:
         src.append(Source(self.shared_store, shared))
       ld = loads.get(r, Load())

@@ -21,8 +21,8 @@ import numpy as np
 from cache.events import BlockRemoved, BlockStored
 from cache.tiers.cost import CostModel
 from cache.tiers.directory import LocalDirectory
-from dsv4.serving import directory as D
-from dsv4.serving import workloads as W
+from dsv4.serving import directory
+from dsv4.serving import workloads
 from dsv4.serving.cluster import MATRIX, ClusterConfig
 from dsv4.serving.cost import DEVICE, RouteCostModel, RouteCosts
 from dsv4.serving.router import KVAware, Load, RoundRobin
@@ -54,12 +54,12 @@ class NodeConstants:
     return self.decode_batch / (self.node_decode_tokens_per_s / self.replicas)
 
 
-def node_sizes() -> W.WorkloadSizes:
+def node_sizes() -> workloads.WorkloadSizes:
   """The CPU matrix's workload, at the lengths a served model sees (system prompts, documents of thousands)."""
-  return W.WorkloadSizes(chat_sessions=64, chat_tenants=4, chat_system=4096, chat_turns=4, chat_user=256,
-                         agent_sessions=32, agent_base=8192, agent_turns=4, agent_tool=1024, rag_docs=16,
-                         rag_doc=8192, rag_requests=128, rag_question=128, control_requests=64,
-                         control_prompt=4096, spacing_s=0.05, max_tokens=256)
+  return workloads.WorkloadSizes(chat_sessions=64, chat_tenants=4, chat_system=4096, chat_turns=4, chat_user=256,
+                                 agent_sessions=32, agent_base=8192, agent_turns=4, agent_tool=1024, rag_docs=16,
+                                 rag_doc=8192, rag_requests=128, rag_question=128, control_requests=64,
+                                 control_prompt=4096, spacing_s=0.05, max_tokens=256)
 
 
 class _Replica:
@@ -85,11 +85,11 @@ def handed_state_bytes(specs, prompt_len: int) -> int:
   return -(-L // specs.full.block_tokens) * specs.full.bytes_per_block + swa * specs.swa.bytes_per_block
 
 
-def simulate(cfg: ClusterConfig, sessions: list[W.Session], block_bytes: int, state_bytes,
+def simulate(cfg: ClusterConfig, sessions: list[workloads.Session], block_bytes: int, state_bytes,
              nc: NodeConstants = NodeConstants(), block_tokens: int = 128) -> list[dict]:
   """Per request: ttft, e2e, hit tokens, transfer bytes (all predicted). state_bytes(prompt_len): the bytes a P/D
   transfer carries."""
-  space = D.KeySpace("sim", "sim", block_tokens, block_tokens)
+  space = directory.KeySpace("sim", "sim", block_tokens, block_tokens)
   dirx = LocalDirectory()
   n = nc.replicas
   reps = [_Replica(int(nc.kv_hbm_bytes // block_bytes), int(nc.host_bytes // block_bytes)) for _ in range(n)]
@@ -97,15 +97,15 @@ def simulate(cfg: ClusterConfig, sessions: list[W.Session], block_bytes: int, st
   back = list(range(n // 2, n)) if cfg.pd else []
   l2 = "host" in cfg.prefill_tiers and cfg.demote == "evict"
   l3 = "redis" in cfg.prefill_tiers
-  feeds = [D.DirectoryFeed(dirx, i, space, block_bytes, ttl_s=None, host_tier=l2,
-                           shared_store="redis" if l3 else "") for i in range(n)]
+  feeds = [directory.DirectoryFeed(dirx, i, space, block_bytes, ttl_s=None, host_tier=l2,
+                                   shared_store="redis" if l3 else "") for i in range(n)]
   speeds = CostModel(prefill_tokens_per_s=nc.prefill_tokens_per_s)
   speeds.calibrate("host", 1e-5, nc.pcie_bytes_per_s)
   speeds.calibrate("redis", nc.rdma_latency_s, nc.rdma_bytes_per_s)
   model = RouteCostModel(speeds, RouteCosts(lookup_s=nc.directory_lookup_s, bytes_per_token=block_bytes / block_tokens,
                                             decode_s_per_running=nc.decode_step_s / nc.decode_batch))
   router = (RoundRobin(front) if cfg.router == "round_robin" else
-            KVAware(front, D.PrefixDirectory(dirx, space), model, shared_store="redis" if l3 else "", host_tiers=l2))
+            KVAware(front, directory.PrefixDirectory(dirx, space), model, shared_store="redis" if l3 else "", host_tiers=l2))
   l3_blocks: set[int] = set()
   by_sid = {s.sid: s for s in sessions}
   answers = {s.sid: [] for s in sessions}
@@ -175,20 +175,20 @@ def simulate(cfg: ClusterConfig, sessions: list[W.Session], block_bytes: int, st
   return out
 
 
-def predict_matrix(model_preset: str = "v4_flash", groups=W.GROUPS, nc: NodeConstants = NodeConstants(),
-                   sizes: W.WorkloadSizes | None = None) -> list[dict]:
+def predict_matrix(model_preset: str = "v4_flash", groups=workloads.GROUPS, nc: NodeConstants = NodeConstants(),
+                   sizes: workloads.WorkloadSizes | None = None) -> list[dict]:
   """The five configurations x the groups at node scale (bf16 KV records of the named preset)."""
   import jax.numpy as jnp
 
   from dsv4 import caches
-  from dsv4 import config as C
-  cfg = C.get_preset(model_preset)
+  from dsv4 import config
+  cfg = config.get_preset(model_preset)
   specs = caches.group_specs(cfg, caches.CacheLayout(kv_dtype=jnp.bfloat16))
   sizes = sizes or node_sizes()
   rows = []
   for c in MATRIX:
     for g in groups:
-      reqs = simulate(c, W.build(g, cfg.vocab_size, sizes), specs.full.bytes_per_block,
+      reqs = simulate(c, workloads.build(g, cfg.vocab_size, sizes), specs.full.bytes_per_block,
                       lambda L: handed_state_bytes(specs, L), nc)
       ttft = [r["ttft_s"] for r in reqs]
       rows.append({"config": c.name, "group": g, "requests": len(reqs), "predicted": True,

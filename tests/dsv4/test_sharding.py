@@ -11,12 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec
 
-from dsv4 import caches, model, sharding
-from tests import xla_test_flags
-from dsv4 import config as C
+from dsv4 import caches, config, model, sharding
 from dsv4.layers import moe
+from tests import xla_test_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,7 +60,7 @@ def test_engine_with_one_kv_pool_per_data_shard(variant):
 
 def test_pools_over_data_need_divisible_block_counts():
   mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.AXES)
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   with pytest.raises(ValueError, match="num_swa_blocks=15 is not divisible by the data axis size 2"):
     sharding.cache_shardings(cfg, caches.CacheLayout(), mesh, num_swa_blocks=15, num_full_blocks=8,
                              pools_over_data=True)
@@ -81,7 +80,7 @@ def test_engine_table_rows_are_per_data_shard():
   """Each data shard's cache manager owns max_num_seqs / D table rows (shard-local slots); on one device the one
   manager owns them all, and the runner reads the tables from it."""
   from dsv4.engine.engine import Engine, EngineConfig
-  cfg = C.v4_tiny(num_layers=2)
+  cfg = config.v4_tiny(num_layers=2)
   eng = Engine(model.init_params(cfg, jax.random.PRNGKey(0)), cfg,
                EngineConfig(max_num_seqs=4, max_model_len=256, num_full_blocks=4, num_swa_blocks=8))
   assert eng.num_shards == 1 and eng.managers[0].num_slots == 4 and eng.runner.managers is eng.managers
@@ -90,7 +89,7 @@ def test_engine_table_rows_are_per_data_shard():
 
 @pytest.mark.parametrize("preset", ["v4_tiny", "v41_tiny", "v4_flash", "v41_flash"])
 def test_every_parameter_and_cache_array_has_logical_axes(preset):
-  cfg = C.get_preset(preset)
+  cfg = config.get_preset(preset)
   axes = sharding.param_logical_axes(cfg)
   shapes = model.abstract_params(cfg)
   flat_axes = jax.tree_util.tree_leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
@@ -111,7 +110,7 @@ _UNSPLIT_AXES = {None, "embed", "q_lora", "o_group_in", "o_lora", "hc_in", "hc_o
 
 @pytest.mark.parametrize("preset", ["v4_tiny", "v41_tiny", "v4_flash", "v41_flash"])
 def test_declared_axis_names_are_known(preset):
-  cfg = C.get_preset(preset)
+  cfg = config.get_preset(preset)
   known = _UNSPLIT_AXES | {name for name, _ in sharding.Rules().table}
   param_names = {a for spec in jax.tree_util.tree_leaves(model.param_shapes(cfg), is_leaf=model.is_param_spec)
                  for a in spec.axes}
@@ -129,7 +128,7 @@ def test_axes_must_name_every_dimension():
 
 def test_mtp_cache_layers_get_shardings():
   """The MTP blocks own cache layers after the backbone's (caches.init_cache): the shardings cover them too."""
-  cfg = dataclasses.replace(C.v4_tiny(), num_mtp_layers=1)
+  cfg = dataclasses.replace(config.v4_tiny(), num_mtp_layers=1)
   mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.AXES)
   shard = sharding.cache_shardings(cfg, caches.CacheLayout(), mesh, num_swa_blocks=16, num_full_blocks=8)
   assert len(shard.layers) == len(cfg.cache_plans()) == cfg.num_layers + 1
@@ -139,26 +138,26 @@ def test_mtp_cache_layers_get_shardings():
 def test_flash_rules_split_what_the_plan_says():
   """On the abstract 8-way meshes of the real models: heads over tensor, experts over expert, nothing replicated
   by accident."""
-  cfg = C.v4_flash()
+  cfg = config.v4_flash()
   mesh = jax.sharding.AbstractMesh((1, 2, 4), sharding.AXES)
   specs = sharding.param_specs(cfg, mesh)
   layer = specs["layers"][3]
-  assert layer["attn"]["wq_b"] == P(None, "tensor")
-  assert layer["attn"]["wkv"] == P(None, None)                      # K=V latent replicated (default rule)
-  assert layer["ffn"]["experts"]["w1"] == P("expert", None, "tensor")
-  assert layer["ffn"]["experts"]["w2"] == P("expert", "tensor", None)
-  assert specs["embed"] == P("tensor", None)
+  assert layer["attn"]["wq_b"] == PartitionSpec(None, "tensor")
+  assert layer["attn"]["wkv"] == PartitionSpec(None, None)  # K=V latent replicated (default rule)
+  assert layer["ffn"]["experts"]["w1"] == PartitionSpec("expert", None, "tensor")
+  assert layer["ffn"]["experts"]["w2"] == PartitionSpec("expert", "tensor", None)
+  assert specs["embed"] == PartitionSpec("tensor", None)
   assert sharding.explain_fallbacks(cfg, mesh) == []
   feat = sharding.param_specs(cfg, mesh, sharding.Rules(kv_latent="feature"))
-  assert feat["layers"][3]["attn"]["wkv"] == P(None, "tensor")
+  assert feat["layers"][3]["attn"]["wkv"] == PartitionSpec(None, "tensor")
 
 
 def test_indivisible_dims_stay_replicated_and_are_reported():
   mesh = jax.sharding.AbstractMesh((1, 8, 1), sharding.AXES)
-  cfg = C.v4_tiny()           # 4 heads, 2 output groups: cannot split 8 ways
+  cfg = config.v4_tiny()           # 4 heads, 2 output groups: cannot split 8 ways
   fallbacks = sharding.explain_fallbacks(cfg, mesh)
   assert any("attn/wq_b" in f for f in fallbacks)
-  assert sharding.param_specs(cfg, mesh)["layers"][0]["attn"]["wq_b"] == P(None, None)
+  assert sharding.param_specs(cfg, mesh)["layers"][0]["attn"]["wq_b"] == PartitionSpec(None, None)
 
 
 def test_mesh_spec_errors_are_clear():
@@ -176,7 +175,7 @@ def test_mesh_spec_errors_are_clear():
 
 def test_moe_without_mesh_is_the_unsharded_path():
   """No active mesh: `moe` is exactly routed_experts + shared_expert (bit for bit)."""
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))["layers"][1]["ffn"]
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 5, cfg.hidden_size))
   toks = jnp.arange(10).reshape(2, 5)
@@ -196,7 +195,7 @@ def test_scanned_layer_groups_step_matches_the_unrolled_step():
   and cache as the engine's unrolled step."""
   from benchmarks import sizing
   from pallas_kernels import dispatch
-  cfg = C.v4_tiny(num_layers=8)
+  cfg = config.v4_tiny(num_layers=8)
   s, g, n = sizing.layer_groups(cfg)
   assert (g, n) == (2, 3) and s + g * n <= cfg.num_layers
   params = model.init_params(cfg, jax.random.PRNGKey(0))
@@ -222,7 +221,7 @@ def test_scanned_layer_groups_step_matches_the_unrolled_step():
 
 def test_put_rejects_a_tree_the_rules_do_not_describe():
   mesh = sharding.make_mesh("data:1")
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   sh = sharding.param_shardings(cfg, mesh)
   params["layers"][0]["ffn"]["experts"]["w1"] = {"packed": np.zeros(3), "scale": np.zeros(1)}

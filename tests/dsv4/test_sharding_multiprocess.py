@@ -47,9 +47,9 @@ def serve_cmd(reqs, out_dir, *extra):
 
 
 def test_two_processes_same_tokens_as_one(tmp_path):
-  from dsv4 import config as C
+  from dsv4 import config
   reqs = str(tmp_path / "reqs.jsonl")
-  write_requests(reqs, C.v4_tiny().vocab_size)
+  write_requests(reqs, config.v4_tiny().vocab_size)
   env = dict(xla_test_flags.child_env(), PYTHONPATH=ROOT)  # no device-count flag: serve sets its own
   port = free_port()
   mp = ["--mesh=data:2,tensor:2,expert:2", "--num_cpu_devices=4", f"--coordinator=127.0.0.1:{port}",

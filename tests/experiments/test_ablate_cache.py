@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from cache import pool as P
+from cache import pool
 from cache.eviction import POLICIES, PolicyCacheManager, make_manager
 from cache.manager import KVCacheManager
 from dsv4.caches import group_specs
@@ -33,7 +33,7 @@ def _check_queue(m, policy):
   for g in m.groups:
     st = m.pools[g]
     ref, cached = np.asarray(st.ref_N), np.asarray(st.cached_N)
-    q = P.free_queue(st)
+    q = pool.free_queue(st)
     assert len(q) == int(st.num_free) == st.num_blocks      # nothing held between requests (no leak)
     assert sorted(q) == list(range(st.num_blocks)) and (ref == 0).all()
     if policy == "fifo":
@@ -61,7 +61,7 @@ def test_lru_and_legacy_plumbing_equal_plain_manager():
     b = KVCacheManager(SPECS, num_full_blocks=NF, num_swa_blocks=NS, legacy_dense_swa=legacy)
     assert run_trace(a, _trace(), ans) == run_trace(b, _trace(), ans)
     for g in a.groups:
-      assert P.free_queue(a.pools[g]) == P.free_queue(b.pools[g])
+      assert pool.free_queue(a.pools[g]) == pool.free_queue(b.pools[g])
 
 
 def test_release_order_head_first_vs_lru():
@@ -76,7 +76,7 @@ def test_release_order_head_first_vs_lru():
     table = [int(x) for x in m.block_tables("r").full]
     m.free("r")
     cached = np.asarray(m.pools["full"].cached_N)
-    q = [b for b in P.free_queue(m.pools["full"]) if cached[b]]
+    q = [b for b in pool.free_queue(m.pools["full"]) if cached[b]]
     assert q == (table[:5][::-1] if policy == "lru" else table[:5])
 
 
@@ -94,7 +94,7 @@ def test_fifo_no_refresh_on_hit():
         m.commit(rid, len(t))
       m.free(rid)
     cached = np.asarray(m.pools["full"].cached_N)
-    q = [bb for bb in P.free_queue(m.pools["full"]) if cached[bb]]
+    q = [bb for bb in pool.free_queue(m.pools["full"]) if cached[bb]]
     a_blocks = [int(x) for x in m.lookup(a).block_ids["full"]]
     out[policy] = q.index(a_blocks[0]) < len(q) // 2       # a's head in the first (evicted-first) half?
   assert out == {"lru": False, "fifo": True}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from experiments import tasks
-from experiments import train_lib as L
+from experiments import train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CKPT = os.path.join(REPO, "experiments", "checkpoints", "v4_retrieval")
@@ -62,27 +62,27 @@ def test_multi_source_hit_and_supervision():
   import jax.numpy as jnp
   src = jnp.array([[[5, 21, -1]]])                   # tokens 5 and 21: entries {1,2} and {5,6}
   ids = jnp.array([[[1, 9, -1]]])
-  np.testing.assert_allclose(L.value_entry_hit(ids, src), [[0.5]])
+  np.testing.assert_allclose(train_lib.value_entry_hit(ids, src), [[0.5]])
   p = jnp.zeros((1, 1, 10)).at[0, 0, jnp.array([1, 2, 5, 6])].set(0.25)
-  np.testing.assert_allclose(L.attention_supervision({"comp_attn_target": p}, src, jnp.ones((1, 1))), 0.0,
+  np.testing.assert_allclose(train_lib.attention_supervision({"comp_attn_target": p}, src, jnp.ones((1, 1))), 0.0,
                              atol=1e-6)
 
 
 def test_config_roundtrip():
-  c = L.retrieval_config()
-  assert L.config_from_dict(json.loads(json.dumps(L.config_to_dict(c)))) == c
+  c = train_lib.retrieval_config()
+  assert train_lib.config_from_dict(json.loads(json.dumps(train_lib.config_to_dict(c)))) == c
 
 
 def test_attention_cost_monotone_in_k():
-  c = L.retrieval_config()
-  costs = [L.attention_cost(L.with_topk(c, k), 256)["total_flops"] for k in (1, 4, 16, 64)]
+  c = train_lib.retrieval_config()
+  costs = [train_lib.attention_cost(train_lib.with_topk(c, k), 256)["total_flops"] for k in (1, 4, 16, 64)]
   assert costs == sorted(costs) and costs[0] < costs[-1]
 
 
 def test_train_small(tmp_path):
   out = tmp_path / "ck"
   _run(["experiments.train", "--small", f"--out_dir={out}"])
-  config, params = L.load_trained(str(out))
+  config, params = train_lib.load_trained(str(out))
   assert config.attention.window == 8
   info = json.load(open(out / "config.json"))
   assert info["small"] and "64" in info["final_eval"]
@@ -100,9 +100,9 @@ def test_train_small_count(tmp_path):
                                                                 ("no_compressed", 0, 128)]
   # the script's numbers are the library's evaluation of that checkpoint at that k (plumbing: checkpoint, task,
   # k and length all reach the model), with every answer graded and counted by its true count
-  config, params, info = L.load_checkpoint_dir(str(out))
-  spec = dataclasses.replace(L.task_spec_from_info(info), seq_len=128)
-  want = L.evaluate(params, L.with_topk(config, 8), spec, num_batches=1, batch=4)
+  config, params, info = train_lib.load_checkpoint_dir(str(out))
+  spec = dataclasses.replace(train_lib.task_spec_from_info(info), seq_len=128)
+  want = train_lib.evaluate(params, train_lib.with_topk(config, 8), spec, num_batches=1, batch=4)
   got = rows[1]
   assert got["n"] == want["n"] > 0 and got["accuracy"] == want["accuracy"], (got, want)
   assert got["index_hit"] == pytest.approx(want["index_hit"]) and got["acc_by_count"] == want["acc_by_count"]
@@ -110,14 +110,14 @@ def test_train_small_count(tmp_path):
 
 def test_training_steps_reduce_the_loss():
   """The train step really trains: on one fixed batch, 12 AdamW steps cut the loss (indexer KL included)."""
-  config = L.retrieval_config("v4", num_layers=2, window=8, vocab_size=64, index_topk=4, hidden_size=32)
+  config = train_lib.retrieval_config("v4", num_layers=2, window=8, vocab_size=64, index_topk=4, hidden_size=32)
   spec = tasks.KVRecallSpec(seq_len=64, num_pairs=2, num_queries=2, min_gap=16)
   b = tasks.make_batch(spec, 0, 4)
   batch = {k: jax.numpy.asarray(b[k]) for k in ("tokens", "targets", "mask", "src_pos")}
-  fparams, iparams = L.split_params(L.init(config, 0))
-  opt, _ = L.make_optimizer(1e-2, 1, 12)
+  fparams, iparams = train_lib.split_params(train_lib.init(config, 0))
+  opt, _ = train_lib.make_optimizer(1e-2, 1, 12)
   opt_state = opt.init(fparams)
-  step = L.make_train_step(config, opt, 1.0, False)
+  step = train_lib.make_train_step(config, opt, 1.0, False)
   losses = []
   for _ in range(12):
     fparams, opt_state, m = step(fparams, iparams, opt_state, batch)
@@ -159,11 +159,11 @@ def test_shipped_headline_accuracy(name):
   """The accuracies recorded in each shipped checkpoint's config.json (final_eval at 128 tokens, trained top-k, and
   with the compressed path zeroed) are reproduced on the first held-out eval batches (deterministic seeds)."""
   directory = os.path.join(REPO, "experiments", "checkpoints", name)
-  config, params, info = L.load_checkpoint_dir(directory)
-  spec = L.task_spec_from_info(info, seq_len=128)
+  config, params, info = train_lib.load_checkpoint_dir(directory)
+  spec = train_lib.task_spec_from_info(info, seq_len=128)
   rec = info["final_eval"]["128"]
-  full = L.evaluate(params, config, spec, num_batches=2, batch=16)
-  blind = L.evaluate(params, config, spec, num_batches=2, batch=16, ablate="no_compressed")
+  full = train_lib.evaluate(params, config, spec, num_batches=2, batch=16)
+  blind = train_lib.evaluate(params, config, spec, num_batches=2, batch=16, ablate="no_compressed")
   # 128 answers (32 for counting): a margin of 0.07 below the recorded 512 / 256-answer figure (0.98-1.0) is
   # ~2 standard errors at p = 0.98 with 128 answers; without the compressed path the model must stay near chance.
   assert full["accuracy"] >= rec["full_topk"]["accuracy"] - 0.07, (full, rec["full_topk"])
@@ -171,16 +171,16 @@ def test_shipped_headline_accuracy(name):
 
 
 def test_shipped_checkpoint_loads_and_is_small():
-  config, params = L.load_trained("v4_retrieval")
-  assert config.variant == "v4" and L.count_params(params) > 100_000
+  config, params = train_lib.load_trained("v4_retrieval")
+  assert config.variant == "v4" and train_lib.count_params(params) > 100_000
   size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(CKPT) for f in fs)
   assert size <= 20 * 2**20
 
 
 def test_shipped_count_checkpoint_loads_and_is_small():
-  config, params = L.load_trained("v4_count")
-  _, _, info = L.load_checkpoint_dir(CKPT_COUNT)
-  assert isinstance(L.task_spec_from_info(info), tasks.CountSpec)
+  config, params = train_lib.load_trained("v4_count")
+  _, _, info = train_lib.load_checkpoint_dir(CKPT_COUNT)
+  assert isinstance(train_lib.task_spec_from_info(info), tasks.CountSpec)
   assert config.indexer.topk >= info["task"]["max_count"]
   size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(CKPT_COUNT) for f in fs)
   assert size <= 20 * 2**20
@@ -188,13 +188,14 @@ def test_shipped_count_checkpoint_loads_and_is_small():
 
 def test_v41_config_and_ratio2_entry_mapping():
   import jax.numpy as jnp
-  c = L.retrieval_config("v41")
+  c = train_lib.retrieval_config("v41")
   assert [p.kind for p in c.layer_plan()] == ["swa", "full"] and c.compress_ratios == (0, 2)
-  assert L.dense_topk(c, 128) == 64 and L.config_from_dict(json.loads(json.dumps(L.config_to_dict(c)))) == c
+  assert train_lib.dense_topk(c, 128) == 64
+  assert train_lib.config_from_dict(json.loads(json.dumps(train_lib.config_to_dict(c)))) == c
   src = jnp.array([[[5, 21, -1]]])                   # ratio 2, no overlap: tokens 5 and 21 -> entries 2 and 10
-  np.testing.assert_allclose(L.value_entry_hit(jnp.array([[[2, 9, -1]]]), src, 2, False), [[0.5]])
+  np.testing.assert_allclose(train_lib.value_entry_hit(jnp.array([[[2, 9, -1]]]), src, 2, False), [[0.5]])
   p = jnp.zeros((1, 1, 12)).at[0, 0, jnp.array([2, 10])].set(0.5)
-  np.testing.assert_allclose(L.attention_supervision({"comp_attn_target": p}, src, jnp.ones((1, 1)), 2, False),
+  np.testing.assert_allclose(train_lib.attention_supervision({"comp_attn_target": p}, src, jnp.ones((1, 1)), 2, False),
                              0.0, atol=1e-6)
 
 
@@ -202,9 +203,9 @@ CKPT_V41 = os.path.join(REPO, "experiments", "checkpoints", "v41_retrieval")
 
 
 def test_shipped_v41_checkpoint_loads_and_is_small():
-  config, params = L.load_trained("v41_retrieval")
+  config, params = train_lib.load_trained("v41_retrieval")
   assert config.variant == "v41" and any(p.has_index_query for p in config.layer_plan())
-  _, _, info = L.load_checkpoint_dir(CKPT_V41)
+  _, _, info = train_lib.load_checkpoint_dir(CKPT_V41)
   assert "command" in info and "final_eval" in info
   size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(CKPT_V41) for f in fs)
   assert size <= 20 * 2**20

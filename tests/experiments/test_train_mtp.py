@@ -13,19 +13,19 @@ import numpy as np
 import optax
 import pytest
 
-from dsv4 import config as C
-from dsv4 import model as M
+from dsv4 import config
+from dsv4 import model
 from experiments import mtp_lib
-from experiments import train_lib as L
+from experiments import train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_distillation_trains_the_block_and_leaves_the_backbone():
-  base = C.v4_tiny(num_layers=1, vocab_size=64, window=8)   # window-only backbone: a short compile
-  params = M.init_params(base, jax.random.PRNGKey(0))
+  base = config.v4_tiny(num_layers=1, vocab_size=64, window=8)   # window-only backbone: a short compile
+  params = model.init_params(base, jax.random.PRNGKey(0))
   cfg, params = mtp_lib.add_mtp(base, params)
-  assert cfg.num_mtp_layers == 1 and set(params) == set(M.param_shapes(cfg))
+  assert cfg.num_mtp_layers == 1 and set(params) == set(model.param_shapes(cfg))
   toks = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 32)), jnp.int32)
   backbone = {k: v for k, v in params.items() if k != "mtp"}
   before = jax.tree_util.tree_map(np.asarray, backbone)
@@ -57,8 +57,8 @@ def test_train_mtp_small_cli(tmp_path):
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   info = json.load(open(out / "config.json"))
   assert info["small"] and set(info["acceptance_after"]) == {"task", "free_generation"}
-  config, params = L.load_trained(str(out))
-  shipped_config, shipped = L.load_trained("v4_retrieval")
+  config, params = train_lib.load_trained(str(out))
+  shipped_config, shipped = train_lib.load_trained("v4_retrieval")
   assert config.num_mtp_layers == 1 and "mtp" in params
   for x, y in zip(jax.tree_util.tree_leaves(shipped), jax.tree_util.tree_leaves({k: v for k, v in params.items()
                                                                                  if k != "mtp"})):

@@ -14,9 +14,9 @@ import pytest
 pytest.importorskip("ray")
 
 from benchmarks.sizing import handoff_state_bytes  # noqa: E402
-from dsv4.serving import cluster as C  # noqa: E402
+from dsv4.serving import cluster  # noqa: E402
 from dsv4.serving import matrix  # noqa: E402
-from dsv4.serving import workloads as W  # noqa: E402
+from dsv4.serving import workloads  # noqa: E402
 from experiments import cluster as experiment  # noqa: E402
 
 
@@ -25,13 +25,13 @@ def test_cluster_matrix_and_faults():
   load = functools.partial(experiment.loader, "v4_retrieval")
   ec = experiment.engine_config()
   cfg, params = load()
-  sizes = W.WorkloadSizes()
-  sessions = [s for g in W.GROUPS for s in W.build(g, cfg.vocab_size, sizes)]
+  sizes = workloads.WorkloadSizes()
+  sessions = [s for g in workloads.GROUPS for s in workloads.build(g, cfg.vocab_size, sizes)]
   ref = matrix.reference_outputs(cfg, params, ec, sessions)
-  cl = C.Cluster(load, ec, num_replicas=4, compile_cache_dir=os.path.join(tempfile.gettempdir(),
-                                                                          "dsv4-cluster-jax-cache"))
+  cl = cluster.Cluster(load, ec, num_replicas=4, compile_cache_dir=os.path.join(tempfile.gettempdir(),
+                                                                                "dsv4-cluster-jax-cache"))
   try:
-    res = matrix.run_matrix(cl, W.GROUPS, C.MATRIX, sizes, reference=ref)
+    res = matrix.run_matrix(cl, workloads.GROUPS, cluster.MATRIX, sizes, reference=ref)
     assert res.mismatches == []
     row = {(r["config"], r["group"]): r for r in res.rows}
     for g in ("chat", "agent", "rag"):
@@ -40,7 +40,7 @@ def test_cluster_matrix_and_faults():
       assert row[("combined+kv", g)]["hit_tokens"] > row[("combined+rr", g)]["hit_tokens"], g
     for (name, g), run in res.runs.items():
       st = run["stats"]
-      assert len(run["requests"]) == sum(len(s.turns) for s in W.build(g, cfg.vocab_size, sizes))
+      assert len(run["requests"]) == sum(len(s.turns) for s in workloads.build(g, cfg.vocab_size, sizes))
       if not name.startswith("pd"):
         continue
       assert st["fallbacks"] == 0 and st["transfer_failures"] == 0 and st["reprefilled"] == 0, (name, g, st)
@@ -52,25 +52,25 @@ def test_cluster_matrix_and_faults():
         assert r["decode_prompt_tokens_computed"] == 0, r["rid"]
 
     def check(run, group):
-      want = {rid: t for rid, t in ref.items() if rid.split(".")[0] in {s.sid for s in W.build(group, cfg.vocab_size,
-                                                                                                sizes)}}
+      sessions = {s.sid for s in workloads.build(group, cfg.vocab_size, sizes)}
+      want = {rid: t for rid, t in ref.items() if rid.split(".")[0] in sessions}
       assert {r["rid"]: r["output"] for r in run["requests"]} == want
 
-    chat = W.build("chat", cfg.vocab_size, sizes)
+    chat = workloads.build("chat", cfg.vocab_size, sizes)
     # a combined replica killed while it serves, restarted empty later: its requests are re-routed and completed
-    cl.configure(C.MATRIX[1])
-    run = cl.run(chat, (C.Fault(0.6, "kill", 1), C.Fault(2.0, "restart", 1)))
+    cl.configure(cluster.MATRIX[1])
+    run = cl.run(chat, (cluster.Fault(0.6, "kill", 1), cluster.Fault(2.0, "restart", 1)))
     check(run, "chat")
     assert run["stats"]["killed"] == 1 and run["stats"]["restarted"] == 1 and run["stats"]["rerouted"] >= 1
     # the transfer backend of a prefill replica down: its requests fall back to Combined, counted
-    cl.configure(C.MATRIX[2])
-    run = cl.run(chat, (C.Fault(0.0, "transfer_down", 0),))
+    cl.configure(cluster.MATRIX[2])
+    run = cl.run(chat, (cluster.Fault(0.0, "transfer_down", 0),))
     check(run, "chat")
     assert run["stats"]["fallbacks"] >= 1 and run["stats"]["transfer_failures"] >= 1
     assert run["stats"]["reprefilled"] == 0
     # the directory's Redis (also the L3 store) down mid-run: load-only routing, tiers degrade to recompute
-    cl.configure(C.MATRIX[4])
-    run = cl.run(chat, (C.Fault(0.5, "redis_down"),))
+    cl.configure(cluster.MATRIX[4])
+    run = cl.run(chat, (cluster.Fault(0.5, "redis_down"),))
     check(run, "chat")
     assert run["stats"]["router"]["directory_errors"] >= 1
   finally:

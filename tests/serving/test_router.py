@@ -10,11 +10,11 @@ from cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from cache.tiers.cost import CostModel
 from cache.tiers.directory import LocalDirectory, RedisDirectory
 from cache.tiers.servers import RedisServer
-from dsv4.serving import directory as D
+from dsv4.serving import directory
 from dsv4.serving.cost import DEVICE, Candidate, RouteCostModel, RouteCosts, Source
 from dsv4.serving.router import KVAware, Load, RoundRobin
 
-SPACE = D.KeySpace(model_id="m", layout="lay", hash_tokens=32, block_tokens=128)
+SPACE = directory.KeySpace(model_id="m", layout="lay", hash_tokens=32, block_tokens=128)
 PROMPT = list(range(2, 2 + 600))          # 4 complete blocks
 
 
@@ -56,12 +56,12 @@ def test_cost_model_weighs_queueing_and_decode_pressure():
 
 
 def _kv_router(dirx, pool=(0, 1, 2, 3), **kw):
-  return KVAware(list(pool), D.PrefixDirectory(dirx, SPACE), RouteCostModel(_speeds()), **kw)
+  return KVAware(list(pool), directory.PrefixDirectory(dirx, SPACE), RouteCostModel(_speeds()), **kw)
 
 
 def test_kv_aware_routes_to_the_prefix_holder_and_round_robin_cycles():
   dirx = LocalDirectory()
-  _stored(D.DirectoryFeed(dirx, 2, SPACE, 1000), PROMPT, "t1")
+  _stored(directory.DirectoryFeed(dirx, 2, SPACE, 1000), PROMPT, "t1")
   r = _kv_router(dirx)
   e = r.route(PROMPT + [5], "t1", {})
   assert e.replica == 2 and e.reuse_tokens == 512 and e.place == DEVICE
@@ -80,19 +80,20 @@ def test_directory_consistent_after_replica_restart():
   srv, dirs = _directories()
   try:
     for dirx in dirs:
-      feed0 = D.DirectoryFeed(dirx, 0, SPACE, 1000, host_tier=True)
-      feed1 = D.DirectoryFeed(dirx, 1, SPACE, 1000)
+      feed0 = directory.DirectoryFeed(dirx, 0, SPACE, 1000, host_tier=True)
+      feed1 = directory.DirectoryFeed(dirx, 1, SPACE, 1000)
       evs = _stored(feed0, PROMPT, "t1")
       _stored(feed1, PROMPT[:300], "t1")
-      pd = D.PrefixDirectory(dirx, SPACE)
-      assert pd.matched(PROMPT, "t1") == {D.l1(0): 512, D.l1(1): 256}
+      pd = directory.PrefixDirectory(dirx, SPACE)
+      assert pd.matched(PROMPT, "t1") == {directory.l1(0): 512, directory.l1(1): 256}
       # the device evicts the last block: demoted to the host tier, the L1 run shortens
       feed0.consume([BlockRemoved(evs[-1].block_hash, "full", "t1", 3)])
       m = pd.matched(PROMPT, "t1")
-      assert m[D.l1(0)] == 384 and m[D.l1(1)] == 256 and D.host(0) not in m   # host holds only block 3: no run
+      # host holds only block 3: no run
+      assert m[directory.l1(0)] == 384 and m[directory.l1(1)] == 256 and directory.host(0) not in m
       # replica 0 restarts empty: everything it held is dropped; replica 1's entries stay
       assert feed0.restarted() > 0
-      assert pd.matched(PROMPT, "t1") == {D.l1(1): 256}
+      assert pd.matched(PROMPT, "t1") == {directory.l1(1): 256}
       # a full device reset (AllBlocksCleared) drops that replica's L1 locations too
       feed1.consume([AllBlocksCleared()])
       assert pd.matched(PROMPT, "t1") == {}
@@ -105,30 +106,30 @@ def test_directory_consistent_after_replica_restart():
 
 def test_directory_entries_expire():
   dirx = LocalDirectory()
-  _stored(D.DirectoryFeed(dirx, 0, SPACE, 1000, ttl_s=0.05), PROMPT, "t1")
-  pd = D.PrefixDirectory(dirx, SPACE)
-  assert pd.matched(PROMPT, "t1") == {D.l1(0): 512}
+  _stored(directory.DirectoryFeed(dirx, 0, SPACE, 1000, ttl_s=0.05), PROMPT, "t1")
+  pd = directory.PrefixDirectory(dirx, SPACE)
+  assert pd.matched(PROMPT, "t1") == {directory.l1(0): 512}
   time.sleep(0.1)
   assert pd.matched(PROMPT, "t1") == {}
 
 
 def test_tenants_never_share_across_replicas_unless_public():
   dirx = LocalDirectory()
-  _stored(D.DirectoryFeed(dirx, 0, SPACE, 1000), PROMPT, "alice")
-  _stored(D.DirectoryFeed(dirx, 1, SPACE, 1000), PROMPT, "")         # a public prefix ("" = public domain)
-  pd = D.PrefixDirectory(dirx, SPACE)
-  assert pd.matched(PROMPT, "alice") == {D.l1(0): 512}
+  _stored(directory.DirectoryFeed(dirx, 0, SPACE, 1000), PROMPT, "alice")
+  _stored(directory.DirectoryFeed(dirx, 1, SPACE, 1000), PROMPT, "")         # a public prefix ("" = public domain)
+  pd = directory.PrefixDirectory(dirx, SPACE)
+  assert pd.matched(PROMPT, "alice") == {directory.l1(0): 512}
   assert pd.matched(PROMPT, "bob") == {}                              # same tokens, another tenant: nothing
-  assert pd.matched(PROMPT, "") == {D.l1(1): 512}
+  assert pd.matched(PROMPT, "") == {directory.l1(1): 512}
   # the keys differ per tenant, and a forged entry under bob's key labelled alice is ignored too
   assert set(SPACE.block_keys(PROMPT, "alice")).isdisjoint(SPACE.block_keys(PROMPT, "bob"))
   for k in SPACE.block_keys(PROMPT, "bob"):
-    dirx.publish(k, D.l1(2), "alice", 1000, None, SPACE.fingerprint)
+    dirx.publish(k, directory.l1(2), "alice", 1000, None, SPACE.fingerprint)
   assert pd.matched(PROMPT, "bob") == {}
   # another model's entries are ignored
-  other = D.KeySpace("other", "lay", 32, 128)
+  other = directory.KeySpace("other", "lay", 32, 128)
   for k in SPACE.block_keys(PROMPT, "carol"):
-    dirx.publish(k, D.l1(3), "carol", 1000, None, other.fingerprint)
+    dirx.publish(k, directory.l1(3), "carol", 1000, None, other.fingerprint)
   assert pd.matched(PROMPT, "carol") == {}
   r = _kv_router(dirx)
   assert r.route(PROMPT, "bob", {}).reuse_tokens == 0
@@ -141,7 +142,7 @@ class _DeadDirectory:
 
 
 def test_directory_down_routes_on_load_only():
-  r = KVAware([0, 1, 2], D.PrefixDirectory(_DeadDirectory(), SPACE), RouteCostModel(_speeds()))
+  r = KVAware([0, 1, 2], directory.PrefixDirectory(_DeadDirectory(), SPACE), RouteCostModel(_speeds()))
   loads = {0: Load(4000, 2), 1: Load(0, 0), 2: Load(100, 1)}
   assert r.route(PROMPT, "t1", loads).replica == 1
   assert r.stats["directory_errors"] == 1 and r.stats["load_only_routes"] == 1
@@ -149,6 +150,6 @@ def test_directory_down_routes_on_load_only():
   with pytest.raises(RuntimeError, match="no live replica"):
     r.route(PROMPT, "t1", loads, alive=set())
   # the feed side: a dead directory is counted, never raised
-  feed = D.DirectoryFeed(_DeadDirectory(), 0, SPACE, 1000)
+  feed = directory.DirectoryFeed(_DeadDirectory(), 0, SPACE, 1000)
   feed.consume([AllBlocksCleared()])
   assert feed.stats["errors"] == 1
