@@ -32,10 +32,13 @@ from absl import app, flags
 
 from benchmarks.support.table import print_table
 from dsv4 import caches
-from dsv4 import config as C
+from dsv4 import config as model_configs
 from dsv4 import model
-from dsv4.engine import runner as R
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.runner import ModelRunner, Row
 from dsv4.engine.sampling import SamplingParams
+from dsv4.engine.step_plan import RaggedShape, token_bucket
+from dsv4.engine.step_program import ragged_step
 
 flags.DEFINE_integer("repeats", 5, "Timed repeats per point (median reported).")
 flags.DEFINE_list("parts", ["decode", "mixed", "memory", "invariant"], "Which measurements to run.")
@@ -52,17 +55,19 @@ CONTEXTS = (2048, 8192, 32768, 65536)
 
 
 def make_runner(cfg, params, *, max_model_len, max_num_seqs, chunk_size=64, min_table_tokens=4096, **kw):
+  """A runner without an engine (its own block tables, `rows_at` sets them); kw: further EngineConfig fields."""
   layout = caches.CacheLayout()
   nf = 8 * 64 * 1024 // layout.full_block_tokens + 8
-  return R.ModelRunner(params, cfg, layout, num_swa_blocks=4 * max_num_seqs + 64, num_full_blocks=nf,
-                       max_num_seqs=max_num_seqs, chunk_size=chunk_size, max_model_len=max_model_len,
-                       min_table_tokens=min_table_tokens, max_num_batched_tokens=4096, **kw)
+  ec = EngineConfig(num_swa_blocks=4 * max_num_seqs + 64, num_full_blocks=nf, max_num_seqs=max_num_seqs,
+                    chunk_size=chunk_size, max_model_len=max_model_len, min_table_tokens=min_table_tokens,
+                    max_num_batched_tokens=4096, layout=layout, **kw)
+  return ModelRunner(params, cfg, ec)
 
 
-def rows_at(run: R.ModelRunner, contexts, ntoks, rng):
+def rows_at(run: ModelRunner, contexts, ntoks, rng):
   """One row per context: tables cover [0, ctx + n) (full blocks distinct per row, swa blocks only for the tail
   the window reads, released (-1) before it, as in serving)."""
-  lay = run.layout
+  lay = run.engine_config.layout
   out = []
   for i, (ctx, n) in enumerate(zip(contexts, ntoks)):
     slot = i
@@ -74,7 +79,7 @@ def rows_at(run: R.ModelRunner, contexts, ntoks, rng):
     live = max(0, (ctx - 64) // lay.swa_block_tokens)
     swa[live:] = (np.arange(nsb - live) + 4 * i) % run.cache.layers[0]["window_kv"].shape[0]
     run.set_tables(slot, swa, full.astype(np.int32))
-    out.append(R.Row(slot, [int(t) for t in rng.integers(2, 500, n)], ctx, SamplingParams(), 0))
+    out.append(Row(slot, [int(t) for t in rng.integers(2, 500, n)], ctx, SamplingParams(), 0))
   return out
 
 
@@ -136,8 +141,8 @@ def mixed(cfg, params, rng, res):
       sets = [chunk, mixed]
       if mode == "ragged":
         sets.append([mixed[0], rows_at(run, [1024, 1024], [C, 63], rng)[1]])
-        res[f"buckets_chunk_mixed_{label}{sfx}"] = [R.token_bucket(n, 2, run.max_num_batched_tokens, steps)
-                                                     for n in (C, C + 63)]
+        res[f"buckets_chunk_mixed_{label}{sfx}"] = [token_bucket(n, 2, run.engine_config.max_num_batched_tokens,
+                                                                  steps) for n in (C, C + 63)]
       ts = timed_alternating(run, sets, FLAGS.repeats)
       t_chunk, t_mixed = ts[:2]
       res[f"chunk_alone_ms_{label}{sfx}"], res[f"mixed_1chunk_63dec_ms_{label}{sfx}"] = 1e3 * t_chunk, 1e3 * t_mixed
@@ -159,11 +164,11 @@ def memory(cfg, params, rng, res):
   for mml in (65536, M1):
     run = make_runner(cfg, params, max_model_len=mml, max_num_seqs=8)
     rows = rows_at(run, [2048] * 8, [1] * 8, rng)
-    shape = R.RaggedShape(8, run._rows_bucket(len(rows)), run._swa_width(rows), run._full_width(2049))
+    shape = RaggedShape(8, run._rows_bucket(len(rows)), run._swa_width(rows), run._full_width(2049))
     buf = run._pack_rows(rows, shape)
-    comp = R.ragged_step.lower(run.params, run.cache, run._tables(), run.prev_tokens, jax.numpy.asarray(buf),
-                               config=cfg, layout=run.layout,
-                              kernel_cfg=run.kernel_cfg, shape=shape, record_logits=False).compile()
+    comp = ragged_step.lower(run.params, run.cache, run._tables(), run.prev_tokens, jax.numpy.asarray(buf),
+                             config=cfg, layout=run.engine_config.layout, kernel_cfg=run.engine_config.kernel,
+                             shape=shape, record_logits=False).compile()
     res[f"decode_temp_bytes_max_len_{mml // 1024}k"] = int(comp.memory_analysis().temp_size_in_bytes)
     del run
 
@@ -183,7 +188,7 @@ def invariant(cfg, params, rng, res):
 
 def main(argv):
   del argv
-  cfg = C.v4_tiny()
+  cfg = model_configs.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   rng = np.random.default_rng(0)
   res = {"config": cfg.name}

@@ -15,6 +15,9 @@ and places each admitted request on one shard: the one whose manager gives the l
 to the most free blocks, then the fewest running rows. A request stays there while it runs (its blocks, its row
 slots [s*R/D, (s+1)*R/D)); preemption frees and picks victims within its shard; re-admission may choose again.
 `cache/` knows nothing of meshes: it just sees D independent managers.
+
+Scheduling policies with state or logic of their own live beside this facade: shard placement (`placement.py`),
+in-batch shared-prefix deferral (`prefix_deferral.py`) and bucket fill (`bucket_fill.py`).
 """
 
 from __future__ import annotations
@@ -23,15 +26,13 @@ import collections
 import functools
 import time
 
-import numpy as np
-
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
 from dsv4 import caches
 from dsv4.config import ModelConfig
-from dsv4.engine import compile_stats
+from dsv4.engine import bucket_fill, compile_stats, placement, schema
 from dsv4.engine.config import EngineConfig  # noqa: F401  (re-exported: dsv4.engine.engine.EngineConfig)
-from dsv4.engine import schema
+from dsv4.engine.prefix_deferral import SharedPrefixDeferral
 from dsv4.engine.request import Request, RequestOutput, Status
 from dsv4.engine.runner import ModelRunner, Row
 from dsv4.engine.sampling import SamplingParams
@@ -103,16 +104,8 @@ class Engine:
 
       from dsv4 import model
       params = model.cast_params(params, jnp.bfloat16)
-    self.runner = ModelRunner(params, config, ec.layout, num_swa_blocks=ec.num_swa_blocks,
-                              num_full_blocks=ec.num_full_blocks, max_num_seqs=ec.max_num_seqs,
-                              chunk_size=ec.chunk_size, max_model_len=ec.max_model_len, kernel_cfg=ec.kernel,
-                              batch_invariant=ec.batch_invariant, record_logits=ec.record_logits,
-                              min_table_tokens=ec.min_table_tokens,
-                              max_num_batched_tokens=ec.max_num_batched_tokens,
-                              token_bucket_growth=ec.token_bucket_growth,
-                              token_bucket_steps=ec.token_bucket_steps, model_api=ec.model_api,
-                              mesh=mesh, pools_over_data=D > 1, managers=self.managers,
-                              num_speculative_tokens=self.spec, **({} if rules is None else {"rules": rules}))
+    self.runner = ModelRunner(params, config, ec, mesh=mesh, pools_over_data=D > 1, managers=self.managers,
+                              **({} if rules is None else {"rules": rules}))
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     # every request not yet taken by the caller (`take_outputs` forgets finished ones: a long job's host memory
@@ -122,9 +115,7 @@ class Engine:
     self._inflight = None                          # the step sent but not read yet (async scheduling)
     self.async_active = (ec.async_scheduling and mesh is None and not ec.batch_invariant and ec.tiering is None)
     self.stats = collections.Counter()
-    self._lead_keys: dict[str, object] = {}        # rid -> (extra keys, first aligned chunk) for deferral
-    self._shared: dict[str, dict[str, int]] = {}   # follower -> leader -> shared prefix tokens, once stable
-    self._deferred: set[str] = set()               # requests held back at least once
+    self.deferral = SharedPrefixDeferral(self.managers[0].specs.align_tokens, self.stats)
     self.peak_blocks = {g: 0 for g in self.managers[0].groups}
     self.clock = time.perf_counter
     # Called with a finishing request before its blocks are freed (a prefill replica reads its state for the
@@ -141,15 +132,8 @@ class Engine:
   # ------------------------------------------------------------------------------------------ intake
   def _reject(self, req: Request, why: str) -> Request:
     req.status, req.error, req.finish_reason = Status.REJECTED, why, "error"
-    self._forget_aux(req.rid)
+    self.deferral.forget(req.rid)
     return req
-
-  def _forget_aux(self, rid: str) -> None:
-    self._lead_keys.pop(rid, None)
-    self._shared.pop(rid, None)
-    self._deferred.discard(rid)
-    for known in self._shared.values():
-      known.pop(rid, None)
 
   @_counted
   def add_request(self, rid: str, prompt, params: SamplingParams = SamplingParams(),
@@ -194,28 +178,9 @@ class Engine:
     return len(self._running_on(shard)) < self.ec.max_num_seqs // self.num_shards
 
   def _place_batch(self, reqs: list[Request]) -> list[int | None]:
-    """Data shards for a step's admissions: longest prefix hit (one batched lookup per shard for all of them),
-    then most free blocks, then fewest running rows, among shards with a free row."""
-    if self.num_shards == 1:
-      return [0] * len(reqs)
-    salts = [r.cache_salt(self.ec.enable_prefix_caching) for r in reqs]
-    hits = [[h.num_tokens for h in m.lookup_batch([(r.tokens, x) for r, x in zip(reqs, salts)])]
-            for m in self.managers]
     rows = [len(self._running_on(s)) for s in range(self.num_shards)]
-    cap = self.ec.max_num_seqs // self.num_shards
-    out = []
-    for i in range(len(reqs)):
-      best, key = None, None
-      for s, m in enumerate(self.managers):
-        if rows[s] >= cap:
-          continue
-        k = (hits[s][i], sum(m.free_blocks_estimate(g) for g in m.groups), -rows[s], -s)
-        if key is None or k > key:
-          best, key = s, k
-      if best is not None:
-        rows[best] += 1
-      out.append(best)
-    return out
+    return placement.place_batch(reqs, self.managers, rows, self.ec.max_num_seqs // self.num_shards,
+                                 self.ec.enable_prefix_caching)
 
   def _preempt(self, victim: Request):
     """Preemption by recompute: give back every block, keep the generated tokens, requeue at the front."""
@@ -239,59 +204,11 @@ class Engine:
       req.readmit_hit_tokens += n
     return n
 
-  def _lead_key(self, req: Request):
-    """Cheap candidate filter for deferral: requests whose first aligned chunk (and cache salt) differ can share
-    no resume boundary; only candidates' token lists are compared."""
-    k = self._lead_keys.get(req.rid)
-    if k is None:
-      a = self.managers[0].specs.align_tokens
-      k = (req.extra_keys, tuple(req.prompt[:a])) if len(req.prompt) > a else ()
-      self._lead_keys[req.rid] = k
-    return k
-
-  def _shared_len(self, req: Request, lead: Request, cap: int) -> int:
-    known = self._shared.setdefault(req.rid, {})
-    got = known.get(lead.rid)
-    if got is not None:
-      return min(got, cap)
-    m = min(cap, len(lead.tokens))
-    diff = np.flatnonzero(np.asarray(req.tokens[:m]) != np.asarray(lead.tokens[:m]))
-    n = int(diff[0]) if len(diff) else m
-    if len(diff) or m == cap:          # a mismatch (or the follower's cap) found: later steps give the same answer
-      known[lead.rid] = n
-    return n
-
   def _defer(self, req: Request) -> bool:
-    """Hold `req` back this step (in-batch shared-prefix deferral, EngineConfig.defer_shared_prefix)?
-
-    Yes when a running request (the leader: admitted earlier in this step, or still prefilling) shares at least
-    one aligned resume boundary of prefix with it and will take a checkpoint at a boundary B it has not computed
-    yet, with B <= the shared part (`KVCacheManager.checkpoint_boundaries`). Once the leader has committed past
-    every such B, `req` is admitted and hits B. The wait is bounded by the leader's prefill of the shared part; a
-    leader that is preempted or finishes leaves `running`, which releases its followers. Estimate, not a lookup:
-    a follower could already hit beyond the leader's progress through another request's blocks; then it waits
-    for nothing (costs steps, never the answer)."""
-    if not (self.ec.defer_shared_prefix and self.ec.enable_prefix_caching and self.running):
+    """Hold `req` back this step (in-batch shared-prefix deferral, EngineConfig.defer_shared_prefix)?"""
+    if not (self.ec.defer_shared_prefix and self.ec.enable_prefix_caching):
       return False
-    key = self._lead_key(req)
-    if not key:
-      return False
-    a = self.managers[0].specs.align_tokens
-    cap = (len(req.tokens) - 1) // a * a        # the longest hit any resume can give this request
-    for lead in self.running:
-      # its progress as the cache knows it (commits follow the step that computed them; one step later with async
-      # scheduling): a follower released earlier would search before the blocks are registered
-      done = self._mgr(lead).num_committed(lead.rid)
-      if done >= cap or self._lead_key(lead) != key:
-        continue
-      shared = self._shared_len(req, lead, cap) // a * a
-      if shared > done and self._mgr(lead).checkpoint_boundaries(lead.rid, done, shared):
-        self.stats["deferred_steps"] += 1
-        if req.rid not in self._deferred:
-          self._deferred.add(req.rid)
-          self.stats["deferred_requests"] += 1
-        return True
-    return False
+    return self.deferral.should_wait(req, self.running, self._mgr)
 
   def _track_usage(self):
     for g in self.peak_blocks:
@@ -379,7 +296,7 @@ class Engine:
           self._mgr(req).free(req.rid)
         back.append(req)
         continue
-      self._shared.pop(req.rid, None)
+      self.deferral.admitted(req.rid)
       if budget <= 0 or self._defer(req):
         self._mgr(req).free(req.rid)
         (held if budget > 0 else back).append(req)
@@ -436,33 +353,12 @@ class Engine:
     return min(end, self.ec.max_model_len)
 
   def _fill_bucket(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
-    """Trims the step's last prefill chunks so its tokens fit the next smaller token bucket, when that defers at
-    most `bucket_fill` of its prefill tokens (see EngineConfig). Decode rows are never trimmed and a trimmed chunk
-    keeps >= 1 token. Safe after allocation: a request's blocks cover positions up to what was allocated, the
-    next step continues from num_computed, and commit releases window blocks by computed tokens only."""
-    buckets = self.runner.token_buckets()
-    if self.ec.bucket_fill <= 0 or not scheduled or buckets is None:
-      return scheduled
-    total = sum(n for _, n in scheduled)
-    smaller = [b for b in buckets if b < total]
-    if not smaller:
-      return scheduled
-    excess = total - smaller[-1]
-    prefill = sum(n for r, n in scheduled if n > 1 and not r.step_drafts)
-    trimmable = sum(n - 1 for r, n in scheduled if n > 1 and not r.step_drafts)
-    if excess > min(trimmable, int(self.ec.bucket_fill * prefill)):
-      return scheduled
-    out = list(scheduled)
-    for i in range(len(out) - 1, -1, -1):
-      req, n = out[i]
-      if excess == 0:
-        break
-      if n > 1 and not req.step_drafts:        # a row verifying drafts is a decode row: never trimmed
-        cut = min(excess, n - 1)
-        out[i] = (req, n - cut)
-        excess -= cut
-    self.stats["bucket_fill_trimmed_tokens"] += total - sum(n for _, n in out)
-    self.stats["bucket_fill_steps"] += 1
+    """The step with its last prefill chunks trimmed to fit a smaller token bucket (`bucket_fill`)."""
+    out = bucket_fill.trim_to_bucket(scheduled, self.runner.token_buckets(), self.ec.bucket_fill)
+    trimmed = sum(n for _, n in scheduled) - sum(n for _, n in out)
+    if trimmed:
+      self.stats["bucket_fill_trimmed_tokens"] += trimmed
+      self.stats["bucket_fill_steps"] += 1
     return out
 
   # ------------------------------------------------------------------------------------------ step
@@ -473,7 +369,7 @@ class Engine:
 
   def _finish(self, req: Request, reason: str):
     req.status, req.finish_reason = Status.FINISHED, reason
-    self._forget_aux(req.rid)
+    self.deferral.forget(req.rid)
     if self.on_finish is not None:
       self.on_finish(req)
     self._mgr(req).free(req.rid)
@@ -495,7 +391,7 @@ class Engine:
       # Waiting: never admitted, or preempted (its blocks were freed then): nothing held in the manager.
       self.waiting.remove(req)
       req.status, req.finish_reason = Status.FINISHED, reason
-      self._forget_aux(rid)
+      self.deferral.forget(rid)
     if self.tiering is not None:
       self.tiering.after_finish()       # its final registrations reach the tiers now, not at some later step
     return True
@@ -617,7 +513,7 @@ class Engine:
     else:                             # preempted while its token was in flight: it ends in the queue
       self.waiting.remove(req)
       req.status, req.finish_reason = Status.FINISHED, reason
-      self._forget_aux(req.rid)
+      self.deferral.forget(req.rid)
     return True
 
   def _take_verified(self, req: Request, res, live: bool, num_drafts: int) -> bool:
@@ -694,7 +590,7 @@ class Engine:
       if req.status in (Status.WAITING, Status.RUNNING):
         raise ValueError(f"forget: request {rid!r} has not ended")
       del self.requests[rid]
-      self._forget_aux(rid)
+      self.deferral.forget(rid)
 
   def next_request_index(self) -> int:
     """A number no request id made by `generate` has used on this engine."""

@@ -31,7 +31,7 @@ import hashlib
 import numpy as np
 
 from cache.hashing import DIGEST_BYTES
-from cache.tiers import record as R
+from cache.tiers import record
 from dsv4 import caches
 from dsv4.engine.tiering import HandedTail, _Ident
 
@@ -70,7 +70,7 @@ def _partial_digest(h, tokens, end: int) -> bytes:
 def _partial_ident(t, h, fp, tokens, group: str, j: int, end: int) -> _Ident:
   bt = t.groups[group].block_tokens
   d = _partial_digest(h, tokens, end)
-  return _Ident(group, R.record_key(fp, group, d, t.tc.key_bits), fp, d, h.parent(j * bt // h.hash_tokens), j * bt,
+  return _Ident(group, record.record_key(fp, group, d, t.tc.key_bits), fp, d, h.parent(j * bt // h.hash_tokens), j * bt,
                 tuple(int(x) for x in tokens[j * bt:end]))
 
 
@@ -129,8 +129,8 @@ def export_state(engine, req, extra) -> tuple[StatePlan, list[bytes]]:
     rows = t._read(g, [(req.shard, b) for b in blocks])
     for k, n in enumerate(which):
       i = ids[n]
-      hdr = R.RecordHeader(i.fp, g, i.digest, i.parent, i.start, i.tokens, t.manifest[g])
-      out[n] = R.encode(hdr, [r[k] for r in rows])
+      hdr = record.RecordHeader(i.fp, g, i.digest, i.parent, i.start, i.tokens, t.manifest[g])
+      out[n] = record.encode(hdr, [r[k] for r in rows])
   return _plan(t, L, P, aligned, tail), out
 
 
@@ -148,9 +148,9 @@ def import_state(engine, request_id: str, tokens, extra, records: list[bytes]) -
   arrays = []
   for i, data in zip(ids, records):
     try:
-      arrays.append(R.decode(data, R.Expect(i.fp, i.group, i.digest, i.parent, i.start, i.tokens,
-                                            t.manifest[i.group])))
-    except R.RecordError as e:
+      arrays.append(record.decode(data, record.Expect(i.fp, i.group, i.digest, i.parent, i.start, i.tokens,
+                                                      t.manifest[i.group])))
+    except record.RecordError as e:
       raise HandoffError(f"state record {i.group}@{i.start} rejected: {e}") from None
   if aligned:
     first = t.store.tiers[0]

@@ -17,12 +17,14 @@ when blocks are demoted, and what an admission loads.
   manifest), write the rows into the device pools, and commit P' (the largest point whose records all arrived and
   verified). Anything else (tier down, timeout, corrupt or foreign record) just lowers P' down to h1: the request
   recomputes, it never fails.
+
+Its configuration is `tiering_config.TieringConfig` (re-exported here); the device copies of whole blocks (one
+device or a mesh) are `block_copies`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -31,83 +33,26 @@ import numpy as np
 
 from cache.hashing import ExtraKeys, RequestHasher, device_key, key_int
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from cache.tiers import record as R
-from cache.tiers.backends import (SHARED_KINDS, TIER_KINDS, TierError, check_tier_places, make_backend,
-                                  parse_redis_url)
+from cache.tiers import record
+from cache.tiers.backends import TierError, make_backend
 from cache.tiers.cost import CostModel
 from cache.tiers.store import TieredStore
 from cache.tiers.tier import Tier, TierPolicy
 from cache.tiers.writeback import WriteBehind
 from dsv4 import caches
+from dsv4.engine.block_copies import (ID_BUCKETS, UINT_OF_SIZE, MeshBlockCopies, component, id_bucket, read_blocks,
+                                      write_blocks)
+# re-exported: `from dsv4.engine.tiering import TieringConfig` (serve, tests) predates its module
+from dsv4.engine.tiering_config import DEMOTES, POLICIES, TieringConfig  # noqa: F401
 from dsv4.loading.weights_digest import params_digest
 from pallas_kernels import dispatch
-
-POLICIES = ("auto", "load", "recompute")
-DEMOTES = ("evict", "store")
-_FIELDS = {"tiers": "TieringConfig.tiers", "disk_dir": "TieringConfig.disk_dir", "store_url": "TieringConfig.store_url"}
-_FLAGS = {"tiers": "--kv_tiers", "disk_dir": "--kv_disk_dir", "store_url": "--kv_store_url"}
-
-
-@dataclasses.dataclass(frozen=True)
-class TieringConfig:
-  tiers: tuple[str, ...] = ("host",)       # order = L2, L3, L4
-  disk_dir: str = ""
-  store_url: str = ""                      # redis://127.0.0.1:6379/0 or mooncake://master_host:port
-  capacity_bytes: tuple[int, ...] = ()     # per tier (default 1 GiB each)
-  ttl_s: float | None = None
-  tenant_quota_bytes: int | None = None
-  write_queue: int = 256                   # write-behind bound (records); 0 = synchronous writes
-  policy: str = "auto"                     # auto (cost model) | load (always, for gates) | recompute (never)
-  load_timeout_s: float = 5.0              # hard cap of a load's time budget
-  tier_timeout_s: float = 1.0              # socket timeout of remote tiers
-  retry_after_s: float = 2.0
-  demote: str = "evict"                    # evict | store
-  tokenizer_id: str = ""
-  model_digest: str = ""                   # "" = computed from the params
-  engine_id: str = "e0"
-  key_bits: int = 128                      # < 128 only to force key collisions in tests
-  prefill_tokens_per_s: float = 2000.0     # prior until steps are measured
-
-  def validate(self):
-    if isinstance(self.tiers, str):
-      raise ValueError(f"TieringConfig.tiers: a tuple of tier names, got the string {self.tiers!r}")
-    check_tier_places(self.tiers, self.disk_dir, self.store_url, _FIELDS)
-    if self.policy not in POLICIES:
-      raise ValueError(f"TieringConfig.policy: one of {', '.join(POLICIES)}, got {self.policy!r}")
-    if self.demote not in DEMOTES:
-      raise ValueError(f"TieringConfig.demote: one of {', '.join(DEMOTES)}, got {self.demote!r}")
-    if len(self.capacity_bytes) > len(self.tiers) or any(c <= 0 for c in self.capacity_bytes):
-      raise ValueError(f"TieringConfig.capacity_bytes: at most one positive size per tier ({len(self.tiers)}), got "
-                       f"{self.capacity_bytes}")
-    for name in ("ttl_s", "tenant_quota_bytes"):
-      v = getattr(self, name)
-      if v is not None and not v > 0:
-        raise ValueError(f"TieringConfig.{name}: > 0 or None (off), got {v!r}")
-    for name in ("load_timeout_s", "tier_timeout_s", "prefill_tokens_per_s"):
-      if not getattr(self, name) > 0:
-        raise ValueError(f"TieringConfig.{name}: > 0, got {getattr(self, name)!r}")
-    if self.retry_after_s < 0 or self.write_queue < 0:
-      name = "retry_after_s" if self.retry_after_s < 0 else "write_queue"
-      raise ValueError(f"TieringConfig.{name}: >= 0, got {getattr(self, name)!r}")
-    if not 0 <= self.key_bits <= 128:
-      raise ValueError(f"TieringConfig.key_bits: in [0, 128], got {self.key_bits!r}")
-
-  @staticmethod
-  def from_flags(kv_tiers: str, disk_dir: str = "", store_url: str = "", **kw) -> "TieringConfig | None":
-    """From the serve flags (--kv_tiers, --kv_disk_dir, --kv_store_url); None when no tier is asked for. A tier
-    without its place (disk without a directory, redis / mooncake without a URL) is a ValueError naming the flag."""
-    tiers = tuple(t.strip() for t in kv_tiers.split(",") if t.strip())
-    if not tiers:
-      return None
-    check_tier_places(tiers, disk_dir, store_url, _FLAGS)
-    return TieringConfig(tiers=tiers, disk_dir=disk_dir, store_url=store_url, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Ident:
   group: str
   key: str                 # record key
-  fp: R.Fingerprint
+  fp: record.Fingerprint
   digest: bytes
   parent: bytes
   start: int
@@ -125,126 +70,6 @@ class HandedTail:
   adopted: int = 0                                 # admissions that used it (a re-admission may use it again)
 
 
-# A record component is (layer, array name, part): part -1 = a plain pool array, 0..2 = the nope / scale / rope array
-# of an FP8 pool (`Fp8KVPool`). Components move between pools and records as their raw stored arrays (e4m3, UE8M0
-# bytes, bf16, fp32), never dequantized; the copy programs move float arrays as same-width unsigned integers, so no
-# backend float handling (an fp8 op upcast, a NaN made canonical) can touch a bit: a reload is exactly the rows the
-# step wrote.
-
-def _leaf(cache, l, n, p):
-  x = cache.layers[l][n]
-  return x if p < 0 else x[p]
-
-
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def _bits(a):
-  """A float array as same-width unsigned integers (a bitcast); other arrays as they are."""
-  if jnp.issubdtype(a.dtype, jnp.floating):
-    return jax.lax.bitcast_convert_type(a, _UINT[a.dtype.itemsize])
-  return a
-
-
-def _unbits(b, dtype):
-  return b if b.dtype == dtype else jax.lax.bitcast_convert_type(b, dtype)
-
-
-def _gather(cache, names, ids_N):
-  """Rows of the named components at block ids (clamped), as bits (`_bits`)."""
-  return tuple(_bits(_leaf(cache, l, n, p))[ids_N] for l, n, p in names)
-
-
-def _set_blocks(cache, names, ids_N, rows):
-  """Scatter block rows into the named components (ids out of range are dropped)."""
-  layers = [dict(d) for d in cache.layers]
-  for (l, n, p), r in zip(names, rows):
-    x = layers[l][n]
-    a = x if p < 0 else x[p]
-    r = r if r.dtype == _bits(a).dtype else _bits(r.astype(a.dtype))
-    a = _unbits(_bits(a).at[ids_N].set(r, mode="drop"), a.dtype)
-    if p < 0:
-      layers[l][n] = a
-    else:
-      parts = list(x)
-      parts[p] = a
-      layers[l][n] = type(x)(*parts)
-  return caches.ModelCache(tuple(layers))
-
-
-@functools.partial(jax.jit, static_argnames=("names",), donate_argnums=(0,))
-def _write_blocks(cache, names, ids_N, rows):
-  return _set_blocks(cache, names, ids_N, rows)
-
-
-@functools.partial(jax.jit, static_argnames=("names",))
-def _read_blocks(cache, names, ids_N):
-  return _gather(cache, names, ids_N)
-
-
-class _MeshCopies:
-  """Block copies on a mesh. Pools over `data` (D > 1): each data shard owns num_blocks / D blocks with shard-local
-  ids, so a copy runs inside a `shard_map` manual over `data` (the other axes automatic, as the step runs): every
-  shard reads / writes only the ids tagged with its own shard index, so no pool byte crosses devices and nothing
-  but the rows copied reaches the host. Pools replicated over `data` (D = 1): a plain jit that keeps the runner's
-  cache shardings."""
-
-  def __init__(self, runner, D: int):
-    self.mesh, self.D = runner.mesh, D
-    self.cache_sh = runner.shardings["cache"]
-    self._fns: dict = {}
-
-  def _fn(self, kind, names):
-    f = self._fns.get((kind, names))
-    if f is not None:
-      return f
-    from jax.sharding import PartitionSpec as P
-    if self.D == 1:
-      if kind == "read":
-        f = jax.jit(lambda c, s, i: _gather(c, names, i))
-      else:
-        f = jax.jit(lambda c, s, i, r: _set_blocks(c, names, i, r), donate_argnums=(0,), out_shardings=self.cache_sh)
-    elif kind == "read":
-      def local_read(c, s_N, i_N):
-        mine = s_N == jax.lax.axis_index("data")
-        return _gather(c, names, jnp.where(mine, i_N, 0))
-      f = jax.jit(jax.shard_map(local_read, mesh=self.mesh, in_specs=(P("data"), P(), P()), out_specs=P("data"),
-                                axis_names={"data"}, check_vma=False))
-    else:
-      def local_write(c, s_N, i_N, rows):
-        nb = _leaf(c, *names[0]).shape[0]            # this shard's blocks (every component of a group has nb)
-        return _set_blocks(c, names, jnp.where(s_N == jax.lax.axis_index("data"), i_N, nb), rows)
-      f = jax.jit(jax.shard_map(local_write, mesh=self.mesh, in_specs=(P("data"), P(), P(), P()),
-                                out_specs=P("data"), axis_names={"data"}, check_vma=False),
-                  donate_argnums=(0,), out_shardings=self.cache_sh)
-    self._fns[(kind, names)] = f
-    return f
-
-  def read(self, cache, names, shard_N, ids_N):
-    n = len(ids_N)
-    with jax.set_mesh(self.mesh):
-      out = self._fn("read", names)(cache, jnp.asarray(shard_N), jnp.asarray(ids_N))
-    out = [np.asarray(x) for x in out]
-    if self.D == 1:
-      return out
-    # shard s's gather sits at rows [s*n, (s+1)*n): keep each id's row from its own shard
-    return [x.reshape(self.D, n, *x.shape[1:])[shard_N, np.arange(n)] for x in out]
-
-  def write(self, cache, names, shard_N, ids_N, rows):
-    with jax.set_mesh(self.mesh):
-      return self._fn("write", names)(cache, jnp.asarray(shard_N), jnp.asarray(ids_N), rows)
-
-
-_BUCKETS = (8, 64, 512)   # id-array widths of the copy programs: at most three compiles per group and direction
-
-
-def _bucket(n: int) -> int:
-  for b in _BUCKETS:
-    if n <= b:
-      return b
-  return -(-n // _BUCKETS[-1]) * _BUCKETS[-1]
-
-
 class Tiering:
 
   def __init__(self, engine, tc: TieringConfig, params=None):
@@ -255,7 +80,8 @@ class Tiering:
     self.mgrs, self.runner = list(engine.managers), engine.runner
     self.mgr = self.mgrs[0]
     self.num_shards = len(self.mgrs)
-    self._mesh = _MeshCopies(self.runner, self.num_shards) if getattr(self.runner, "mesh", None) is not None else None
+    on_mesh = getattr(self.runner, "mesh", None) is not None
+    self._mesh = MeshBlockCopies(self.runner, self.num_shards) if on_mesh else None
     self.specs = self.mgr.specs
     self.groups = {g.name: g for g in self.specs.groups}
     # cache.specs are plain (no arrays): the model's arrays per group come from dsv4.caches; the record components
@@ -271,16 +97,17 @@ class Tiering:
         if isinstance(x, dispatch.Fp8KVPool):
           for p, (field, arr) in enumerate(zip(x._fields, x)):
             names.append((a.layer, a.name, p))
-            entries.append(R.ArrayEntry(f"L{a.layer}/{a.name}.{field}", R.dtype_str(arr.dtype), tuple(arr.shape[1:])))
+            entries.append(record.ArrayEntry(f"L{a.layer}/{a.name}.{field}", record.dtype_str(arr.dtype),
+                                             tuple(arr.shape[1:])))
         else:
           names.append((a.layer, a.name, -1))
-          entries.append(R.ArrayEntry(f"L{a.layer}/{a.name}", R.dtype_str(x.dtype), tuple(x.shape[1:])))
+          entries.append(record.ArrayEntry(f"L{a.layer}/{a.name}", record.dtype_str(x.dtype), tuple(x.shape[1:])))
       self.names[g], self.manifest[g] = tuple(names), tuple(entries)
     # blocks per shard of each group's pool (the out-of-range id that drops a write)
-    self.shard_blocks = {g: _leaf(self.runner.cache, *self.names[g][0]).shape[0] // self.num_shards
+    self.shard_blocks = {g: component(self.runner.cache, *self.names[g][0]).shape[0] // self.num_shards
                          for g in self.groups}
     self.model_digest = tc.model_digest or (params_digest(params) if params is not None else "")
-    self.layout_fp = f"{self.specs.fingerprint}/rec{R.FORMAT_VERSION}"
+    self.layout_fp = f"{self.specs.fingerprint}/rec{record.FORMAT_VERSION}"
     caps = list(tc.capacity_bytes) + [1 << 30] * (len(tc.tiers) - len(tc.capacity_bytes))
     tiers = []
     self.startup_errors = []
@@ -314,9 +141,9 @@ class Tiering:
     self.decisions: list[dict] = []
 
   # ---------------------------------------------------------------------------------------------- identity
-  def _fingerprint(self, extra: ExtraKeys) -> R.Fingerprint:
-    return R.Fingerprint(f"{self.model_digest}|{extra.model or self.mgr.model_id}", self.tc.tokenizer_id,
-                         self.layout_fp, extra.tenant, extra.adapter)
+  def _fingerprint(self, extra: ExtraKeys) -> record.Fingerprint:
+    return record.Fingerprint(f"{self.model_digest}|{extra.model or self.mgr.model_id}", self.tc.tokenizer_id,
+                              self.layout_fp, extra.tenant, extra.adapter)
 
   def _hasher(self, extra: ExtraKeys, tokens) -> RequestHasher:
     h = RequestHasher(dataclasses.replace(extra, model=extra.model or self.mgr.model_id,
@@ -324,11 +151,11 @@ class Tiering:
     h.update(np.asarray(tokens, np.int32))
     return h
 
-  def _ident_of(self, h: RequestHasher, fp: R.Fingerprint, tokens, group: str, j: int) -> _Ident:
+  def _ident_of(self, h: RequestHasher, fp: record.Fingerprint, tokens, group: str, j: int) -> _Ident:
     bt = self.groups[group].block_tokens
     upb = bt // self.specs.hash_tokens
     d = h.digests[(j + 1) * upb - 1]
-    return _Ident(group, R.record_key(fp, group, d, self.tc.key_bits), fp, d, h.parent(j * upb), j * bt,
+    return _Ident(group, record.record_key(fp, group, d, self.tc.key_bits), fp, d, h.parent(j * upb), j * bt,
                   tuple(int(t) for t in tokens[j * bt:(j + 1) * bt]))
 
   def _learn(self, req) -> None:
@@ -404,34 +231,34 @@ class Tiering:
     for g, items in by_group.items():
       rows = self._read(g, [loc for loc, _ in items])
       for i, (_, ident) in enumerate(items):
-        hdr = R.RecordHeader(ident.fp, g, ident.digest, ident.parent, ident.start, ident.tokens, self.manifest[g])
-        data = R.encode(hdr, [r[i] for r in rows])
+        hdr = record.RecordHeader(ident.fp, g, ident.digest, ident.parent, ident.start, ident.tokens, self.manifest[g])
+        data = record.encode(hdr, [r[i] for r in rows])
         self.store.put(ident.key, data, ident.fp.tenant)
         self.stats["demoted_blocks"] += 1
 
   # ---------------------------------------------------------------------------------------------- device copies
   def _dev_read(self, g, shard_N, ids_N) -> list[np.ndarray]:
     if self._mesh is None:
-      out = [np.asarray(x) for x in _read_blocks(self.runner.cache, self.names[g], jnp.asarray(ids_N))]
+      out = [np.asarray(x) for x in read_blocks(self.runner.cache, self.names[g], jnp.asarray(ids_N))]
     else:
       out = self._mesh.read(self.runner.cache, self.names[g], shard_N, ids_N)
-    return [x.view(R.np_dtype(e.dtype)) for x, e in zip(out, self.manifest[g])]     # bits -> the stored dtype
+    return [x.view(record.np_dtype(e.dtype)) for x, e in zip(out, self.manifest[g])]     # bits -> the stored dtype
 
   def _dev_write(self, g, shard_N, ids_N, rows) -> None:
     """rows: host arrays of the stored dtypes, sent to the device as their bits."""
-    rows = tuple(jnp.asarray(r.view(_UINT[r.dtype.itemsize]) if jnp.issubdtype(r.dtype, jnp.floating) else r)
+    rows = tuple(jnp.asarray(r.view(UINT_OF_SIZE[r.dtype.itemsize]) if jnp.issubdtype(r.dtype, jnp.floating) else r)
                  for r in rows)
     if self._mesh is None:
-      self.runner.cache = _write_blocks(self.runner.cache, self.names[g], jnp.asarray(ids_N), rows)
+      self.runner.cache = write_blocks(self.runner.cache, self.names[g], jnp.asarray(ids_N), rows)
     else:
       self.runner.cache = self._mesh.write(self.runner.cache, self.names[g], shard_N, ids_N, rows)
 
   def _read(self, g, locs) -> list[np.ndarray]:
     """Rows of blocks (shard, shard-local id) of group g, per record component: raw stored arrays on the host."""
     out = []
-    for lo in range(0, len(locs), _BUCKETS[-1]):
-      part = locs[lo:lo + _BUCKETS[-1]]
-      n = _bucket(len(part))
+    for lo in range(0, len(locs), ID_BUCKETS[-1]):
+      part = locs[lo:lo + ID_BUCKETS[-1]]
+      n = id_bucket(len(part))
       sh, ids = np.zeros(n, np.int32), np.zeros(n, np.int32)
       sh[:len(part)] = [s for s, _ in part]
       ids[:len(part)] = [b for _, b in part]
@@ -442,8 +269,8 @@ class Tiering:
   def warmup(self) -> None:
     """Compile the device copy programs for every bucket now (benchmarks: keeps compiles out of TTFT)."""
     for g in self.groups:
-      nb = _leaf(self.runner.cache, *self.names[g][0]).shape[0]
-      for n in _BUCKETS:
+      nb = component(self.runner.cache, *self.names[g][0]).shape[0]
+      for n in ID_BUCKETS:
         # out of range (and, on a mesh, no shard's): reads clamp, writes are dropped
         sh, ids = np.full(n, -1, np.int32), np.full(n, nb, np.int32)
         rows = self._dev_read(g, sh, ids)
@@ -663,11 +490,11 @@ class Tiering:
           self.cost.observe_load(self.store.tiers[ti].name, b, dt)
       for k, (data, ti) in got.items():
         ident = by_key[k]
-        exp = R.Expect(ident.fp, ident.group, ident.digest, ident.parent, ident.start, ident.tokens,
-                       self.manifest[ident.group])
+        exp = record.Expect(ident.fp, ident.group, ident.digest, ident.parent, ident.start, ident.tokens,
+                            self.manifest[ident.group])
         try:
-          arrays[k] = R.decode(data, exp)
-        except R.RecordError as e:
+          arrays[k] = record.decode(data, exp)
+        except record.RecordError as e:
           self.store.tiers[ti].reject(k, str(e))
           self.stats["rejected_records"] += 1
           continue
@@ -687,14 +514,14 @@ class Tiering:
       local = np.array([b for _, b, _ in items])
       if (local < 0).any() or (local >= self.shard_blocks[g]).any():   # -1 would wrap to the last block
         raise RuntimeError(f"tier load into an unallocated {g} block: {local}")
-      n = _bucket(len(items))
+      n = id_bucket(len(items))
       sh = np.full(n, -1, np.int32)                 # padding: no shard's (mesh), out of range (one pool): dropped
       sh[:len(items)] = [s for s, _, _ in items]
       ids = np.full(n, self.shard_blocks[g], np.int32)
       ids[:len(items)] = local
       rows = []
       for a_i, e in enumerate(self.manifest[g]):
-        r = np.zeros((n, *e.shape), R.np_dtype(e.dtype))
+        r = np.zeros((n, *e.shape), record.np_dtype(e.dtype))
         for i, (_, _, arrs) in enumerate(items):
           r[i] = arrs[a_i]
         rows.append(r)

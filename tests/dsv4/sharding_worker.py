@@ -182,10 +182,11 @@ def collectives(hlo: str, data_of=None) -> list[tuple[str, str, int, bool]]:
 def step_collectives(engine, tokens: int):
   """Collectives of the engine's compiled step program for `tokens` flat tokens per data shard, one row bucket and
   the narrowest tables (compiled from abstract plan values; no pool needed on the host)."""
-  from dsv4.engine import runner as R
+  from dsv4.engine.step_plan import RaggedShape, token_bucket
   r = engine.runner
-  shape = R.RaggedShape(R.token_bucket(tokens, r.token_bucket_growth, r.max_num_batched_tokens), r._rows_bucket(1),
-                        8, r.min_full_width)
+  ec = r.engine_config
+  shape = RaggedShape(token_bucket(tokens, ec.token_bucket_growth, ec.max_num_batched_tokens), r._rows_bucket(1), 8,
+                      r.min_full_width)
   tables, plan = r.mesh_inputs([np.zeros(shape.size, np.int32) for _ in range(r.num_shards)])
   with jax.set_mesh(r.mesh):
     hlo = r._mesh_step(shape).lower(r.params, r.cache, tables, r.prev_tokens, plan).compile().as_text()
@@ -224,9 +225,9 @@ def check_pools(variant: str, shape=(2, 2, 2)) -> None:
   if e2.num_shards != D or [m.num_blocks for m in e2.managers] != [{"full": 48 // D, "swa": 160 // D}] * D:
     sys.exit(f"FAIL pools {variant}: managers {[m.num_blocks for m in e2.managers]}")
   # The mesh runs the engine's one step program: every step shape went through the shard_map-wrapped ragged step.
-  from dsv4.engine import runner as R
+  from dsv4.engine.step_plan import RaggedShape
   shapes = e2.runner.shapes_run
-  if not shapes or set(e2.runner._mesh_steps) != shapes or not all(isinstance(s, R.RaggedShape) for s in shapes):
+  if not shapes or set(e2.runner._mesh_steps) != shapes or not all(isinstance(s, RaggedShape) for s in shapes):
     sys.exit(f"FAIL pools {variant}: step shapes {shapes} vs mesh programs {set(e2.runner._mesh_steps)}")
 
   # Per-device pool bytes = total / D: each pool's block axis is split over data (and nothing else splits it).

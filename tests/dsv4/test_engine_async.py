@@ -63,7 +63,7 @@ def test_a_long_job_leaves_no_host_state_behind(tiny):
     assert all(len(o.output) == 3 for o in outs)
     assert len({o.rid for o in outs}) == 6
     assert eng.requests == {} and not eng.waiting and not eng.running and eng._inflight is None
-    assert eng._lead_keys == {} and eng._shared == {} and eng._deferred == set()
+    assert eng.deferral.is_empty()
     mgr = eng.cache_manager
     assert mgr._requests == {} and len(mgr._free_slots) == mgr.num_slots
 

@@ -1,0 +1,95 @@
+"""The speculative part of the step program (EngineConfig.num_speculative_tokens = k > 0): each decode row carries
+the k drafts MTP block 0 proposed last step; one backbone pass verifies them, the block catches up on the positions
+that became final and drafts k more (`verify_and_draft`). With async scheduling a row may continue a step the host
+has not read yet: the device fills it from that step's results and shifts it by the drafts accepted there
+(`continue_rows`). Both run inside `step_program.step_body` (one device, the functional model)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from dsv4 import caches, model
+from dsv4.engine.sampling import verify_drafts
+from dsv4.engine.step_plan import RaggedShape
+
+
+def continue_rows(p, prev_RxW, shape: RaggedShape):
+  """Async scheduling with drafts: a row with prev_row = j >= 0 continues row j of the previous step, whose results
+  (`prev_RxW`, [rows, out_width]) are still on the device: its first token is j's decided token and the rest are
+  j's drafts, and everything the host planned assuming no draft of j was accepted (positions, start, the sampler's
+  output index) moves by the number j accepted."""
+  K = shape.spec
+  j = jnp.maximum(p["prev_row"], 0)
+  cont = p["prev_row"] >= 0
+  acc = jnp.where(cont, prev_RxW[j, 0] - 1, 0)
+  decided = jnp.take_along_axis(prev_RxW[j], (1 + jnp.maximum(acc, 0))[:, None], axis=1)[:, 0]
+  row_N = jnp.maximum(p["row"], 0)
+  off_N = jnp.arange(p["tokens"].shape[0]) - (p["last"] - p["num"] + 1)[row_N]
+  draft_N = prev_RxW[j[row_N], 2 + K + jnp.clip(off_N - 1, 0, K - 1)]
+  tok_N = jnp.where(off_N == 0, decided[row_N], draft_N)
+  real_cont = cont[row_N] & (p["row"] >= 0)
+  p = dict(p)
+  p["tokens"] = jnp.where(real_cont, tok_N, p["tokens"])
+  p["pos"] = p["pos"] + jnp.where(real_cont, acc[row_N], 0)
+  p["start"], p["step"] = p["start"] + acc, p["step"] + acc
+  return p
+
+
+def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, rows, cache):
+  """The step with MTP drafts (shape.spec = k). A row's tokens end with its drafts (p["ndraft"] of them: a decode
+  row is [last decided token, drafts...]). One backbone pass scores every draft; `verify_drafts` accepts a prefix
+  and decides one more token (exactly greedy; distribution-preserving when sampled). Then:
+  * the compressors' state rows are rewritten at each row's last accepted position (the forward left the state
+    after the row's last token there, which may be a rejected draft);
+  * MTP block 0 catches up on the positions that just became final (its input at position t is the token at
+    t + 1: the next token in the row, the decided one at the frontier, or p["next_tok"] for a row that stops
+    mid-prompt), writing its window KV there; its output at the frontier is the first next draft;
+  * k - 1 more one-position runs of the block on its own output stream give the remaining drafts.
+  KV written past the frontier (rejected drafts, the recursion's positions) is overwritten before anything reads
+  it: every step writes its positions before attending, and reads stop at each query's position.
+  Returns (cache, results [R, out_width], the logits the decided token was drawn from [R, V])."""
+  K, R, N = shape.spec, shape.rows, shape.tokens
+  step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
+  cache, h_NxD, auxes, X = model.forward_ragged_aux(params, config, p["tokens"], cache, step, layout=layout,
+                                                     kernel_cfg=kernel_cfg, return_stream=True, tap_states=True)
+  last = jnp.maximum(p["last"], 0)
+  ndraft = jnp.where(p["num"] > 0, jnp.minimum(p["ndraft"], K), 0)
+  base = last - ndraft                                  # flat index of the input whose logits score draft 1
+  j = jnp.arange(K + 1)[None, :]
+  scored = jnp.minimum(base[:, None] + j, last[:, None])
+  logits_RxJxV = model.lm_logits(params, h_NxD[scored])
+  drafts_RxK = p["tokens"][jnp.minimum(base[:, None] + 1 + j[:, :K], N - 1)]
+  accepted, new_RxJ = verify_drafts(logits_RxJxV, drafts_RxK, ndraft, p["temperature"], p["top_k"], p["top_p"],
+                                    p["seed"], p["step"])
+  decided = jnp.take_along_axis(new_RxJ, accepted[:, None], axis=1)[:, 0]
+  frontier = base + accepted                            # flat index of each row's last final position
+  n = jnp.arange(N)
+  row_N = jnp.maximum(p["row"], 0)
+  real = p["row"] >= 0
+  at_frontier = real & (n == frontier[row_N])
+  cache = model.store_states(cache, auxes, step, at_frontier & (ndraft[row_N] > 0), layout=layout)
+
+  # MTP block 0 over the same positions: the token after each position, the decided / next prompt token at the
+  # frontier (a mid-prompt row: the host's next_tok).
+  samples = p["next_tok"] < 0
+  after_frontier = jnp.where(samples, decided, p["next_tok"])
+  shifted = jnp.concatenate([p["tokens"][1:], jnp.zeros((1,), p["tokens"].dtype)])
+  nxt_N = jnp.where(at_frontier, after_frontier[row_N], shifted)
+  cache, Xm, hm = model.mtp_forward(params, config, 0, X, nxt_N, cache, step, layout=layout, kernel_cfg=kernel_cfg)
+  draft = jnp.argmax(model.lm_logits(params, hm[frontier]), axis=-1).astype(jnp.int32)
+  drafts = [draft]
+  # The recursion: position frontier + i, the block's own stream, the previous draft. Only rows that sampled draft.
+  drafting = samples & (p["num"] > 0) & (p["slot"] >= 0)
+  pos = p["pos"][frontier] + 1
+  Xr = Xm[:, frontier]
+  for _ in range(K - 1):
+    rstep = caches.StepIndex(jnp.where(drafting, jnp.arange(R), -1), pos, pos, drafting.astype(jnp.int32), rows,
+                             swa_base_R=p["swa_base"])
+    cache, Xr, hr = model.mtp_forward(params, config, 0, Xr, drafts[-1], cache, rstep, layout=layout,
+                                      kernel_cfg=kernel_cfg)
+    drafts.append(jnp.argmax(model.lm_logits(params, hr), axis=-1).astype(jnp.int32))
+    pos = pos + 1
+  drafts_RxK = jnp.where(drafting[:, None], jnp.stack(drafts, axis=1), 0)
+  res = jnp.concatenate([(accepted + 1)[:, None], new_RxJ, drafts_RxK], axis=1)
+  chosen = jnp.take_along_axis(logits_RxJxV, accepted[:, None, None], axis=1)[:, 0]
+  return cache, res.astype(jnp.int32), chosen

@@ -1,0 +1,158 @@
+"""The engine's one step program (`step_body`, jitted as `ragged_step`): all rows of a step on ONE flat token axis
+through `model.forward_ragged` (a decode row contributes 1 token, a prefill row its chunk), each row's block tables
+gathered on the device at its manager slot, then logits at each row's last token and sampling, in one program. The
+plan arrives as one packed int32 buffer (`step_plan`); the outputs come back as a `StepOutput`.
+
+Every mode is this program (the mode is part of its static shape or its static arguments):
+* Batch-invariant (`RaggedShape.invariant`): every token runs the same one-token forward in order (a loop with a
+  dynamic trip count), logits and sampling per row at a fixed shape; the runner sizes each token's full table by
+  its own position (`ModelRunner._invariant_calls`), so nothing in a token's math depends on what else shares the
+  step or on how its prompt was chunked. Cost: per-token work over the live context, never max_model_len.
+* Speculative decoding (`RaggedShape.spec` = k): verification and the MTP block's drafts (`speculative_step`).
+* A mesh: the same body, run by `ModelRunner` under `jax.shard_map` (pools over `data`) or a plain mesh jit.
+* KV precision, kernels (`kernel_cfg`) and the model API (functional or NNX modules) are static arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dsv4 import caches, model
+from dsv4.engine.sampling import sample_rows_impl
+from dsv4.engine.speculative_step import continue_rows, verify_and_draft
+from dsv4.engine.step_plan import RaggedShape, unpack
+
+
+class StepOutput(NamedTuple):
+  """What one step program returns (a pytree: a None field is an empty subtree, e.g. logits when not recorded).
+
+  cache: the paged cache after the step's KV writes (donated in, returned).
+  tables: per group the device block tables [slots, W] (donated in, returned unchanged: they stay with the cache
+    manager); None from a mesh step, whose tables were inputs of that call only.
+  results: per row, padded to the slots S: the sampled token [S] int32, or with k drafts each row's
+    `step_plan.result_width(k)` ints [S, 1 + (k + 1) + k] (new-token count, the new tokens, the next drafts). On a
+    mesh with pools over `data`: gathered over `data`, [D, S / D] (or [D, S / D, W]).
+  prev_tokens: the same results kept on the device as the next step's `prev_tokens` (a token id -(1 + j) in the
+    next plan is row j's entry); None from a mesh step (no async scheduling there).
+  logits: [rows, V] float, the logits each row's token was drawn from, when the step records them; else None.
+  """
+  cache: Any
+  tables: dict | None
+  results: jax.Array
+  prev_tokens: jax.Array | None
+  logits: jax.Array | None
+
+
+def _sample(p, logits_RxV):
+  return sample_rows_impl(logits_RxV, p["temperature"], p["top_k"], p["top_p"], p["seed"], p["step"])
+
+
+def _row_tables(tables, p, shape: RaggedShape):
+  """Each row's block tables [R, width], gathered from the device tables [slots, W] at its slot: the full table
+  from entry 0 (width follows the live context), the swa table from its base block (the window + chunk)."""
+  out = {}
+  slot = jnp.maximum(p["slot"], 0)
+  for g, t in tables.items():
+    w = t.shape[1]
+    if g == caches.SWA:
+      cols = p["swa_base"][:, None] + jnp.arange(shape.swa_width, dtype=jnp.int32)[None]
+      out[g] = jnp.where(cols < w, t[slot[:, None], jnp.minimum(cols, w - 1)], -1)
+    else:
+      out[g] = t[slot, :min(shape.full_width, w)]
+      if shape.full_width > w:
+        out[g] = jnp.pad(out[g], ((0, 0), (0, shape.full_width - w)), constant_values=-1)
+  return out
+
+
+def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel_cfg, shape: RaggedShape,
+              record_logits: bool, model_api: str = "functional", graphdef=None):
+  """The engine's one step program (unjitted; `ragged_step` is its one-device jit, `ModelRunner` wraps it for a
+  mesh): all rows on one flat token axis (`model.forward_ragged`): a decode row costs one token, a prefill row its
+  chunk, padding only up to the token bucket. Logits at each row's last token, then sampling.
+
+  tables: per group the device block tables [slots, W], as the cache's bookkeeping program left them (it runs
+  right before this one on the device, `cache.step.apply_step_packed`; no host read between). prev_tokens [S]: the
+  previous step's sampled tokens, which a token id -(1 + j) refers to.
+
+  Returns a `StepOutput`: the cache, the tables, each row's sampled token (or speculative results) padded to S,
+  the same again as the next step's prev_tokens, and the rows' logits when record_logits.
+
+  model_api="nnx": params is the `nnx.State` and graphdef (static) the `nnx.GraphDef` of an `nnx_model.Model`
+  (`nnx.split`); the step runs that module (`Model.ragged`, its blocks calling their own sub-modules), so a changed
+  module is a changed graphdef and compiles its own program.
+
+  shape.invariant: every real token runs the same one-token forward, in order (a loop with a dynamic trip count,
+  so padding costs nothing), then each row's logits and sample at a fixed [1, D] / [1, V] shape: nothing in a
+  token's math depends on what else shares the step or on how its prompt was chunked. The tables are the live
+  ones (the runner sizes them by each token's own position, see `ModelRunner._invariant_calls`)."""
+  p = unpack(buf, shape)
+  if shape.spec:
+    p = continue_rows(p, prev_tokens, shape)
+  else:
+    toks_in = p["tokens"]
+    p["tokens"] = jnp.where(toks_in < 0, prev_tokens[jnp.clip(-toks_in - 1, 0, prev_tokens.shape[0] - 1)], toks_in)
+  rows = _row_tables(tables, p, shape)
+  S = prev_tokens.shape[0]
+  if model_api == "nnx":
+    from flax import nnx  # local: the default path does not import Flax
+    net = nnx.merge(graphdef, params)
+    fwd = functools.partial(net.ragged, layout=layout, kernel_cfg=kernel_cfg)
+    to_logits, h_dtype = net.logits, net.lm_head.value.dtype
+  else:
+    fwd = functools.partial(model.forward_ragged, params, config, layout=layout, kernel_cfg=kernel_cfg)
+    to_logits, h_dtype = functools.partial(model.lm_logits, params), params["lm_head"].dtype
+
+  def output(cache, results_R, logits_RxV) -> StepOutput:
+    """Each row's results padded to the S slots, kept on the device as the next step's prev_tokens too."""
+    padded = jnp.zeros((S, *results_R.shape[1:]), jnp.int32).at[:results_R.shape[0]].set(
+        results_R.astype(jnp.int32), mode="drop")
+    return StepOutput(cache, tables, padded, padded, logits_RxV if record_logits else None)
+
+  if shape.spec:
+    if model_api != "functional":
+      raise ValueError("speculative decoding runs the functional model (model_api='functional')")
+    cache, results_RxW, logits = verify_and_draft(params, config, layout, kernel_cfg, shape, p, rows, cache)
+    return output(cache, results_RxW, logits)
+
+  if not shape.invariant:
+    step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
+    cache, h_NxD = fwd(p["tokens"], cache, step)
+    logits = to_logits(h_NxD[jnp.maximum(p["last"], 0)])
+    return output(cache, _sample(p, logits), logits)
+
+  def body(i, carry):
+    cache, h_NxD = carry
+    real = p["row"][i] >= 0          # padding: on a mesh every data shard loops to the longest shard's count
+    r = jnp.maximum(p["row"][i], 0)
+    pos = p["pos"][i][None]
+    step = caches.StepIndex(jnp.where(real, 0, -1)[None], pos, pos, real.astype(jnp.int32)[None],
+                            {g: t[r][None] for g, t in rows.items()}, swa_base_R=p["swa_base"][r][None])
+    cache, h = fwd(p["tokens"][i][None], cache, step)
+    return cache, h_NxD.at[i].set(h[0].astype(h_NxD.dtype))
+
+  h0 = jnp.zeros((shape.tokens, config.hidden_size), h_dtype)
+  cache, h_NxD = jax.lax.fori_loop(0, p["n_real"][0], body, (cache, h0))
+
+  def per_row(r):
+    logits = to_logits(h_NxD[jnp.maximum(p["last"][r], 0)][None])
+    q = {k: p[k][r][None] for k in ("temperature", "top_k", "top_p", "seed", "step")}
+    return _sample(q, logits)[0], logits[0]
+
+  toks, logits = jax.lax.map(per_row, jnp.arange(shape.rows))
+  return output(cache, toks, logits)
+
+
+_STEP_STATICS = ("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api", "graphdef")
+
+
+@functools.partial(jax.jit, static_argnames=_STEP_STATICS, donate_argnames=("cache", "tables"))
+def ragged_step(params, cache, tables, prev_tokens, buf, *, config, layout, kernel_cfg, shape: RaggedShape,
+                record_logits: bool, model_api: str = "functional", graphdef=None):
+  """`step_body` jitted for one device (compile logs name it `jit(ragged_step)`, on a mesh too). The cache and the
+  tables are donated: the `StepOutput` returns them."""
+  return step_body(params, cache, tables, prev_tokens, buf, config=config, layout=layout, kernel_cfg=kernel_cfg,
+                   shape=shape, record_logits=record_logits, model_api=model_api, graphdef=graphdef)
