@@ -568,8 +568,9 @@ def main():
   for B, L in shapes:
     row = [(p, res[(B, L, p)]) for p in pools if (B, L, p) in res]
     if len(row) > 1:
-      f = row[-1][1] / row[0][1]
-      print(f"flatness {B}x{L}: ours at {row[-1][0]} / {row[0][0]} blocks = {f:.2f}x "
+      (fewest_blocks, at_fewest), (most_blocks, at_most) = row[0], row[-1]
+      f = at_most / at_fewest
+      print(f"flatness {B}x{L}: ours at {most_blocks} / {fewest_blocks} blocks = {f:.2f}x "
             f"({'within' if f <= 1.5 else 'NOT within'} 1.5x)")
   print(f"load average at end: {_load()}")
 

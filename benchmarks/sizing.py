@@ -407,7 +407,8 @@ def main():
             (l0, t0), (l1, t1) = pts[0], pts[-1]
             full.append(t0 + (t1 - t0) / max(l1 - l0, 1) * (cfg.num_layers - l0))
           else:
-            full.append(pts[0][1])
+            (_, temp_bytes), = pts
+            full.append(temp_bytes)
         if full:
           act = max(full) / GB
       if args.scan and mi == 0 and cfg.variant == "v4":

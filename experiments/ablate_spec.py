@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from typing import NamedTuple
 
 from absl import app, flags, logging
 
@@ -60,13 +61,19 @@ def workloads(spec: tasks.KVRecallSpec, requests: int, free_tokens: int) -> dict
           "free": ([[int(t) for t in r[:spec.seq_len // 2]] for r in rows], free_tokens)}
 
 
-def _serve(params, config, ec: EngineConfig, prompts, max_tokens: int):
+class ServeRun(NamedTuple):
+  engine: Engine
+  outputs: list          # each request's generated token ids, in request order
+  seconds: float         # wall time of the run (compiles excluded when warmed before)
+
+
+def _serve(params, config, ec: EngineConfig, prompts, max_tokens: int) -> ServeRun:
   eng = Engine(params, config, ec)
   for i, p in enumerate(prompts):
     eng.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
   t0 = time.perf_counter()
   outs = eng.run()
-  return eng, [o.output for o in outs], time.perf_counter() - t0
+  return ServeRun(eng, [o.output for o in outs], time.perf_counter() - t0)
 
 
 def run(checkpoint: str, ks, requests: int, free_tokens: int, max_num_seqs: int, out_dir: str,
@@ -89,9 +96,9 @@ def run(checkpoint: str, ks, requests: int, free_tokens: int, max_num_seqs: int,
       ec = dataclasses.replace(base, num_speculative_tokens=k)
       _serve(params, config, ec, prompts, max_tokens)                  # compiles this configuration's programs
       runs = [_serve(params, config, ec, prompts, max_tokens) for _ in range(repeats)]
-      eng, outs, _ = runs[0]
-      assert all(r[1] == outs for r in runs), "greedy runs of one configuration differ"
-      secs = sorted(r[2] for r in runs)[len(runs) // 2]               # the median run: a shared box is noisy
+      eng, outs = runs[0].engine, runs[0].outputs
+      assert all(r.outputs == outs for r in runs), "greedy runs of one configuration differ"
+      secs = sorted(r.seconds for r in runs)[len(runs) // 2]          # the median run: a shared box is noisy
       ref = outs if k == 0 else ref
       s = eng.stats
       gen = sum(len(o) for o in outs)

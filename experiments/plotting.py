@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from typing import NamedTuple
 
 from absl import app, flags
 import matplotlib
@@ -139,6 +140,12 @@ def _geometric(vals: list[float]) -> bool:
   return pos[-1] / pos[0] >= 4 or all(float(v).is_integer() and int(v) & (int(v) - 1) == 0 for v in pos)
 
 
+class _KnobAxis(NamedTuple):
+  """What `knob_axis` put on an axes (kept on it for `knob_values` / `plot_problems`)."""
+  axis: str            # "x" or "y"
+  values: list[float]  # the swept values, sorted
+
+
 def knob_axis(ax, values, label: str, axis: str = "x") -> None:
   """A numeric axis for a swept knob. Geometric sweeps (powers of two, or a span >= 4x) get a log2 scale; a sweep
   that also holds 0 (retention interval 0) gets symlog, its linear part [0, smallest positive value] one log2
@@ -154,7 +161,7 @@ def knob_axis(ax, values, label: str, axis: str = "x") -> None:
   a.set_major_locator(ticker.FixedLocator(vals))
   a.set_major_formatter(ticker.FixedFormatter([_fmt(v) for v in vals]))
   a.set_minor_locator(ticker.NullLocator())
-  ax._knob_values = (axis, vals)                    # for `knob_values` / `plot_problems`
+  ax._knob_values = _KnobAxis(axis, vals)
   if axis == "x" and (len(vals) > 8 or max(len(_fmt(v)) for v in vals) * len(vals) > 40):
     ax.tick_params(axis="x", labelrotation=45)    # many or long labels: rotated so neighbours cannot touch
   getattr(ax, f"set_{axis}label")(label)
@@ -261,7 +268,7 @@ def legend_over_data(fig) -> list[str]:
 
 def knob_values(fig) -> list[list[float] | None]:
   """Per axes: the swept values `knob_axis` put on it (None for an axes without a knob axis)."""
-  return [getattr(ax, "_knob_values", (None, None))[1] for ax in fig.axes]
+  return [knob.values if (knob := getattr(ax, "_knob_values", None)) else None for ax in fig.axes]
 
 
 def plot_problems(fig) -> list[str]:
@@ -272,9 +279,10 @@ def plot_problems(fig) -> list[str]:
   for i, ax in enumerate(fig.axes):
     if ax.texts:
       out.append(f"axes {i}: text at data points {[t.get_text() for t in ax.texts]}")
-    axis, vals = getattr(ax, "_knob_values", (None, None))
-    if vals is None:
+    knob = getattr(ax, "_knob_values", None)
+    if knob is None:
       continue
+    axis, vals = knob.axis, knob.values
     a = ax.xaxis if axis == "x" else ax.yaxis
     if _geometric(vals) and a.get_scale() not in ("log", "symlog"):
       out.append(f"axes {i}: a geometric sweep {vals} on a {a.get_scale()} axis")

@@ -12,6 +12,7 @@ the answer positions; accuracy = answer positions predicted right (the task's me
 from __future__ import annotations
 
 import os
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +27,14 @@ _BATCHES = flags.DEFINE_integer("batches", 4, "held-out batches per checkpoint")
 _BATCH = flags.DEFINE_integer("batch", 16, "sequences per batch")
 _CKPTS = flags.DEFINE_list("checkpoints", ["v4_retrieval", "v41_retrieval", "v4_count"], "shipped checkpoints")
 
-MODES = (("fp32", jnp.float32, jnp.float32), ("bf16", jnp.bfloat16, jnp.float32),
-         ("bf16+kv_bf16", jnp.bfloat16, jnp.bfloat16), ("fp32+kv_fp8", jnp.float32, caches.FP8))
+class Mode(NamedTuple):
+  name: str
+  compute_dtype: Any   # the params' float dtype (model.cast_params)
+  kv_dtype: Any        # the KV cache records' dtype (caches.CacheLayout.kv_dtype)
+
+
+MODES = (Mode("fp32", jnp.float32, jnp.float32), Mode("bf16", jnp.bfloat16, jnp.float32),
+         Mode("bf16+kv_bf16", jnp.bfloat16, jnp.bfloat16), Mode("fp32+kv_fp8", jnp.float32, caches.FP8))
 
 
 def logits_for(params, config, tokens, kv_dtype):
@@ -46,16 +53,16 @@ def run(name: str, batches: int, batch: int) -> list[dict]:
   data = list(tasks.eval_batches(spec, batches, batch))
   ref = [logits_for(params, config, jnp.asarray(b["tokens"]), jnp.float32) for b in data]
   rows = []
-  for mode, cdt, kvdt in MODES:
+  for mode in MODES:
     try:
-      caches.CacheLayout(kv_dtype=kvdt).validate(config)
+      caches.CacheLayout(kv_dtype=mode.kv_dtype).validate(config)
     except ValueError as e:
-      rows.append(dict(checkpoint=name, mode=mode, skipped=str(e)))
+      rows.append(dict(checkpoint=name, mode=mode.name, skipped=str(e)))
       continue
-    p = model.cast_params(params, cdt)
+    p = model.cast_params(params, mode.compute_dtype)
     err = agree = agree_ans = correct = n_all = n_ans = 0.0
     for b, r in zip(data, ref):
-      got = logits_for(p, config, jnp.asarray(b["tokens"]), kvdt)
+      got = logits_for(p, config, jnp.asarray(b["tokens"]), mode.kv_dtype)
       mask = np.asarray(b["mask"], bool)
       err = max(err, float(np.max(np.abs(got - r)) / max(1.0, np.max(np.abs(r)))))
       same = np.argmax(got, -1) == np.argmax(r, -1)
@@ -64,7 +71,7 @@ def run(name: str, batches: int, batch: int) -> list[dict]:
       agree_ans += (same & mask).sum()
       correct += ((np.argmax(got, -1) == np.asarray(b["targets"])) & mask).sum()
       n_ans += mask.sum()
-    rows.append(dict(checkpoint=name, mode=mode, max_rel_logit_err=err, greedy_agree_all=agree / n_all,
+    rows.append(dict(checkpoint=name, mode=mode.name, max_rel_logit_err=err, greedy_agree_all=agree / n_all,
                      greedy_agree_answers=agree_ans / n_ans, accuracy=correct / n_ans))
   return rows
 

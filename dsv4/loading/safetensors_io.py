@@ -23,6 +23,7 @@ dtype raises `CheckpointError` naming the tensor, with expected vs found. MTP bl
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -44,6 +45,12 @@ __all__ = ["CheckpointError", "Entry", "INDEX_FILE", "NAMINGS", "Quant", "SINGLE
            "stored_mtp_blocks", "write_file"]
 
 _SCALE_DTYPES = {"F8_E8M0", "U8", "F32", "BF16", "F16"}
+
+
+class _Expected(NamedTuple):
+  """What the config says one stored tensor must be (after dequantization)."""
+  shape: tuple[int, ...]
+  integer: bool
 
 
 def _dequant(e: Entry, scale: Entry | None, fp8_block: int, native: bool = False) -> np.ndarray:
@@ -279,12 +286,12 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
   orig_specs = names.original_specs(config)
   if naming == "original":
     specs = None
-    expected = {s.name: (s.shape, s.integer) for s in orig_specs}
+    expected = {s.name: _Expected(s.shape, s.integer) for s in orig_specs}
     hf_of = {s.name: (names.expert_target(s.name) or (names.original_to_hf_name(s.name),))[0] for s in orig_specs
              if s.path[0] != "mtp"}  # MTP blocks have no HF name
   else:
     specs = names.nemo_specs(config) if naming == "nemo" else names.hf_specs(config)
-    expected = {n: (s.shape, s.integer) for n, s in specs.items()}
+    expected = {n: _Expected(s.shape, s.integer) for n, s in specs.items()}
     hf_of = {n: n for n in specs} if naming == "hf" else {}
   stored = {k: e.name for k, e in entries.items()}
 
@@ -326,7 +333,7 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
       orig = name if specs is None or specs[name].sources[0].name == name else None
       is_expert = (names._ANY_EXPERT_RE.match(name) is not None) if orig else specs[name].stacked   # MTP's too
       if keep_quantized and is_expert and sc is not None and e.dtype in ("I8", "U8"):
-        packed, scale = _fp4_bytes(e, sc, expected[name][0], stored[name])
+        packed, scale = _fp4_bytes(e, sc, expected[name].shape, stored[name])
         if orig:
           builder.add_fp4(name, packed, scale)
         else:  # stacked HF tensor: split rows per expert exactly like the dense tensor
@@ -336,7 +343,7 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
             builder.add_fp4(s_.name, parts_p[key], parts_s[key])
         continue
       x = _dequant(e, sc, fp8_block, native=True)
-      _check(stored[name], x, expected[name][0], expected[name][1], e, hf_of.get(name))
+      _check(stored[name], x, expected[name].shape, expected[name].integer, e, hf_of.get(name))
       if orig:
         builder.add(name, x)
       else:

@@ -17,13 +17,19 @@ from __future__ import annotations
 import hashlib
 import threading
 import weakref
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 _DIGEST_BYTES = 16
 _lock = threading.Lock()
-_known: dict[int, tuple[weakref.ref, str]] = {}   # id(leaf) -> (weak ref to the leaf, its digest)
+class _Known(NamedTuple):
+  ref: weakref.ref   # to the leaf (an id can be reused once the leaf is gone)
+  digest: str
+
+
+_known: dict[int, _Known] = {}   # id(leaf) -> what is known about it
 
 
 def _header(dtype, shape) -> bytes:
@@ -75,21 +81,21 @@ def remember(leaf, digest: str) -> None:
   ref = weakref.ref(leaf)
   key = id(leaf)
   with _lock:
-    _known[key] = (ref, digest)
+    _known[key] = _Known(ref, digest)
   weakref.finalize(leaf, _forget, key, ref)
 
 
 def _forget(key: int, ref) -> None:
   with _lock:
-    if key in _known and _known[key][0] is ref:
+    if key in _known and _known[key].ref is ref:
       del _known[key]
 
 
 def known_digest(leaf) -> str | None:
   with _lock:
     entry = _known.get(id(leaf))
-  if entry is not None and entry[0]() is leaf:
-    return entry[1]
+  if entry is not None and entry.ref() is leaf:
+    return entry.digest
   return None
 
 

@@ -20,7 +20,7 @@ from cache.tiers.cost import CostModel
 from dsv4.serving import directory
 from dsv4.serving import workloads
 from dsv4.serving.cost import RouteCostModel, RouteCosts
-from dsv4.serving.replica import Replica, ReplicaSpec
+from dsv4.serving.replica import Replica, ReplicaSpec, TransferTarget
 from dsv4.serving.router import KVAware, Load, RoundRobin
 
 
@@ -220,7 +220,7 @@ class Cluster:
           counters["fallbacks"] += 1
           return submit(rid)
         info.update(decode=d, slot=slot, stage="prefill")
-        send_to = (self.endpoints[d], self.slot_addr[d][slot])
+        send_to = TransferTarget(self.endpoints[d], self.slot_addr[d][slot])
       else:
         info["stage"] = "combined"
       self.handles[r].submit.remote(rid, prompt, s.max_tokens, s.tenant, info["arrival"], send_to)

@@ -21,11 +21,19 @@ import dataclasses
 import threading
 import time
 import traceback
+from typing import NamedTuple
 
 from cache.events import EventLog
 from cache.hashing import ExtraKeys
 
 ROLES = ("combined", "prefill", "decode")
+
+
+class TransferTarget(NamedTuple):
+  """Where a prefill replica sends a request's state: the decode replica's transfer endpoint and the address of
+  the slot reserved there."""
+  endpoint: str
+  address: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +160,7 @@ class Replica:
 
   # ------------------------------------------------------------------------------------------ requests
   def submit(self, rid: str, prompt, max_tokens: int, tenant: str, arrival: float, send_to=None) -> None:
-    """send_to (prefill role): (endpoint, remote address) of the decode replica's reserved slot."""
+    """send_to (prefill role): the `TransferTarget` of the decode replica's reserved slot."""
     from dsv4.engine.sampling import SamplingParams
     with self._lock:
       if self.spec.role == "prefill":
@@ -303,7 +311,7 @@ class Replica:
         plan, recs, export_s = got
         t0 -= export_s
         blob = b"".join(recs)
-        self.transfer.send(send_to[0], send_to[1], blob)
+        self.transfer.send(send_to.endpoint, send_to.address, blob)
         self.counters["exports"] += 1
         self.counters["transfer_bytes"] += len(blob)
         self.counters["transfer_payload_bytes"] += plan.payload_bytes
