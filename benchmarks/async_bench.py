@@ -43,10 +43,10 @@ def run_once(params, cfg, ec, prompts, max_tokens):
 
 def main(argv):
   del argv
-  from dsv4 import config as model_configs
+  from dsv4 import config
   from dsv4 import model
   from dsv4.engine.engine import EngineConfig
-  cfg = model_configs.get_preset(FLAGS.preset)
+  cfg = config.get_preset(FLAGS.preset)
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   n, L, T = FLAGS.requests, FLAGS.prompt_len, FLAGS.max_tokens
   rng = np.random.default_rng(0)

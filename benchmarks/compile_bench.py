@@ -28,9 +28,9 @@ def main(_):
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_pass_re=^$"
   import jax
   import numpy as np
-  from dsv4 import config as model_configs
+  from dsv4 import config
   from dsv4 import model
-  cfg = model_configs.v4_tiny(num_layers=FLAGS.layers, vocab_size=64)
+  cfg = config.v4_tiny(num_layers=FLAGS.layers, vocab_size=64)
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   tokens = np.ones((2, FLAGS.tokens), np.int32)
   t0 = _cpu_s()

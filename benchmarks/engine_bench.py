@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.support.table import print_table
-from dsv4 import config as model_configs
+from dsv4 import config
 from dsv4 import model
 from dsv4.engine.api import generate
 from dsv4.engine.engine import Engine, EngineConfig
@@ -35,7 +35,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
-  cfg = model_configs.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   rng = np.random.default_rng(0)
   ec = EngineConfig(max_num_seqs=8, max_num_batched_tokens=512, chunk_size=128, max_model_len=4096,

@@ -32,7 +32,7 @@ from absl import app, flags
 
 from benchmarks.support.table import print_table
 from dsv4 import caches
-from dsv4 import config as model_configs
+from dsv4 import config
 from dsv4 import model
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.runner import ModelRunner, Row
@@ -188,7 +188,7 @@ def invariant(cfg, params, rng, res):
 
 def main(argv):
   del argv
-  cfg = model_configs.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   rng = np.random.default_rng(0)
   res = {"config": cfg.name}
