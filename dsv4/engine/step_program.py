@@ -101,7 +101,7 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
     from flax import nnx  # local: the default path does not import Flax
     net = nnx.merge(graphdef, params)
     fwd = functools.partial(net.ragged, layout=layout, kernel_cfg=kernel_cfg)
-    to_logits, h_dtype = net.logits, net.lm_head.value.dtype
+    to_logits, h_dtype = net.logits, net.lm_head[...].dtype
   else:
     fwd = functools.partial(model.forward_ragged, params, config, layout=layout, kernel_cfg=kernel_cfg)
     to_logits, h_dtype = functools.partial(model.lm_logits, params), params["lm_head"].dtype
