@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dsv4 import caches
-from dsv4 import config as C
+from dsv4 import config
 from dsv4 import model
 from pallas_kernels import dispatch
 
@@ -27,12 +27,12 @@ def _compare_backends(cfg, B, L, valid_len):
 def test_small_model_logits_match_between_backends():
   """Runs by default (~25 s CPU): one layer of each kind (window, CSA with the indexer top-k, HCA), 40 tokens, so
   the CSA layer's 10 visible entries exceed top-k 8 and the sparse kernels really select."""
-  _compare_backends(C.v4_tiny(num_layers=3), 2, 40, 29)
+  _compare_backends(config.v4_tiny(num_layers=3), 2, 40, 29)
 
 
 @pytest.mark.slow   # ~45 s CPU: every layer's kernels compiled in interpret mode
 def test_tiny_model_logits_match_between_backends():
-  _compare_backends(C.v4_tiny(), 2, 40, 29)
+  _compare_backends(config.v4_tiny(), 2, 40, 29)
 
 
 @pytest.mark.parametrize("variant", ["v4", "v41"])
@@ -46,7 +46,7 @@ def test_indexer_uses_the_fused_topk_kernel_when_kernels_are_on(monkeypatch, var
       calls[_op] = calls.get(_op, 0) + 1
       return _fn(*a, **k)
     monkeypatch.setitem(dispatch._KERNELS, op, spy)
-  cfg = C.v4_tiny() if variant == "v4" else C.v41_tiny()
+  cfg = config.v4_tiny() if variant == "v4" else config.v41_tiny()
   params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.PRNGKey(0)))
   B, T = 2, 40
   cache, swa, full = caches.init_contiguous(cfg, B, T, caches.CacheLayout())
