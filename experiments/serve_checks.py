@@ -179,9 +179,9 @@ def check_options(o: ServeOptions) -> list[str]:
   if o.checkpoint:
     _check_checkpoint(o.checkpoint)
   if o.model == "random" or (o.checkpoint and not config_file(o.checkpoint)):
-    from dsv4 import config as C
-    if o.preset not in C.PRESETS:
-      raise FlagError(f"--preset={o.preset}: unknown; known: {', '.join(sorted(C.PRESETS))}")
+    from dsv4.config import PRESETS
+    if o.preset not in PRESETS:
+      raise FlagError(f"--preset={o.preset}: unknown; known: {', '.join(sorted(PRESETS))}")
   kinds = o.tier_kinds
   _check_tiers(o, kinds)
   return kinds

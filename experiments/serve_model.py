@@ -60,11 +60,10 @@ def load_model(model: str, checkpoint: str = "", preset: str = "v4_tiny", seed: 
   import ml_dtypes
   import numpy as np
 
-  from dsv4 import config as C
-  from dsv4 import model as M
-  from dsv4.config import ConfigError
+  from dsv4.config import ConfigError, get_preset
   from dsv4.loading.safetensors_io import CheckpointError
   from dsv4.loading.tokenizer import TokenizerError
+  from dsv4.model import cast_params, init_params
   from experiments import train_lib
   if dtype not in _LOAD_DTYPES:
     raise ValueError(f"load_model: dtype {dtype!r}, expected one of {_LOAD_DTYPES}")
@@ -76,12 +75,12 @@ def load_model(model: str, checkpoint: str = "", preset: str = "v4_tiny", seed: 
       except ConfigError as e:
         raise FlagError(f"--quantized_cache={'on' if quantized_cache else 'off'}: {e} (model {cfg.name})") from None
     if dtype != "auto":       # the trained and random models store fp32
-      params = M.cast_params(params, jnp.float32 if dtype == "fp32" else jnp.bfloat16)
+      params = cast_params(params, jnp.float32 if dtype == "fp32" else jnp.bfloat16)
     return cfg, params, spec
 
   if not checkpoint and model == "random":
-    cfg = C.get_preset(preset)
-    return finish(cfg, M.init_params(cfg, jax.random.PRNGKey(seed)), None)
+    cfg = get_preset(preset)
+    return finish(cfg, init_params(cfg, jax.random.PRNGKey(seed)), None)
   directory = checkpoint or os.path.join(train_lib.CHECKPOINT_ROOT, model)
   info_path = os.path.join(directory, "config.json")
   try:
@@ -99,7 +98,7 @@ def load_model(model: str, checkpoint: str = "", preset: str = "v4_tiny", seed: 
                            "beside its *.safetensors shards)")
     if checkpoint and not os.path.isdir(os.path.join(checkpoint, "params")):   # a bare orbax params directory
       from dsv4.loading import orbax_io
-      return finish(C.get_preset(preset), orbax_io.restore_params(checkpoint, C.get_preset(preset)), None)
+      return finish(get_preset(preset), orbax_io.restore_params(checkpoint, get_preset(preset)), None)
     if not os.path.isdir(directory):
       raise ModelLoadError(f"{directory}: no such checkpoint directory")
     try:

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from dsv4 import caches, model, sharding
-from dsv4 import config as C
+from dsv4.config import ModelConfig, v4_tiny, v41_tiny
 from dsv4.engine.api import generate
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
@@ -81,11 +81,11 @@ FULL = [Combo(*v) for v in itertools.product(*FACTORS.values())]
 REFUSED: dict[str, str] = {}      # matrix rows excluded: none
 
 
-def config(variant: str, mesh: bool) -> C.ModelConfig:
+def config(variant: str, mesh: bool) -> ModelConfig:
   """The smallest tiny config with window, CSA and HCA layers (V4: 3 layers, one of each; V4.1: the whole tiny
   model), with the FP8-capable, mesh-splittable widths of `tiers_precision_worker.widen`."""
   from tests.dsv4.tiers_precision_worker import widen
-  return widen(C.v4_tiny(num_layers=3) if variant == "v4" else C.v41_tiny(), mesh)
+  return widen(v4_tiny(num_layers=3) if variant == "v4" else v41_tiny(), mesh)
 
 
 def engine_config(combo: Combo, D: int, tmp: str, tag: str = "") -> EngineConfig:

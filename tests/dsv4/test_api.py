@@ -6,8 +6,7 @@ import dataclasses
 import jax
 import pytest
 
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine.api import generate, run_workload
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
@@ -20,7 +19,7 @@ SP = SamplingParams(max_tokens=2, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = C.v4_tiny(num_layers=2, vocab_size=64)
+  cfg = config.v4_tiny(num_layers=2, vocab_size=64)
   return cfg, model.init_params(cfg, jax.random.PRNGKey(0))
 
 

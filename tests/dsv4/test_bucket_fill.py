@@ -8,8 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
 
@@ -20,7 +19,7 @@ EC = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, chunk_size=64, max
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   return cfg, model.init_params(cfg, jax.random.PRNGKey(0))
 
 
@@ -82,15 +81,15 @@ def test_bucket_fill_rules(tiny):
 
 @pytest.mark.parametrize("growth,steps", [(2, 1), (2, 4), (4, 4), (4, 3), (2, 8)])
 def test_token_bucket_steps_bound_the_padding(growth, steps):
-  from dsv4.engine import runner as R
+  from dsv4.engine import runner
   budget = 2048
-  fine = R.token_buckets(growth, budget, steps)
-  coarse = R.token_buckets(growth, budget)
+  fine = runner.token_buckets(growth, budget, steps)
+  coarse = runner.token_buckets(growth, budget)
   assert fine == sorted(set(fine)) and set(coarse) <= set(fine) and all(b % 8 == 0 for b in fine)
   assert fine[-1] == coarse[-1] == budget
   # Every step of t tokens pads to at most (1 + (growth - 1) / steps) t, up to the multiple-of-8 rounding.
   for t in range(1, budget + 1):
-    b = R.token_bucket(t, growth, budget, steps)
+    b = runner.token_bucket(t, growth, budget, steps)
     assert b >= t and b in fine
     assert b <= max(8, (1 + (growth - 1) / steps) * t + 8), (t, b)
   if steps == 1:

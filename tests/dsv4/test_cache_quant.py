@@ -10,13 +10,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4.layers import cache_quant as CQ
-from tests.dsv4 import v41_oracle as V
+from dsv4.layers import cache_quant
+from tests.dsv4 import v41_oracle
 
 
 @pytest.fixture(scope="module")
 def nemo_quantize():
-  root = V.ensure_nemo()
+  root = v41_oracle.ensure_nemo()
   if root is None:
     pytest.skip("NeMo Automodel 0.7.0 wheel not available")
   if root not in sys.path:
@@ -48,7 +48,7 @@ def _midpoints(rng, fmt, block, rows=64):
     out[r, 0] = np.float32(6.0 * 2.0 ** e) if fmt != "fp8" else np.float32(448.0 * 2.0 ** e)
     amax = np.abs(out[r:r + 1, :]).max(axis=-1, keepdims=True)
     if fmt == "fp8":
-      scale = CQ._pow2_ceil_np(np.maximum(amax, np.float32(1e-4)) * CQ._INV448)[0, 0]
+      scale = cache_quant._pow2_ceil_np(np.maximum(amax, np.float32(1e-4)) * cache_quant._INV448)[0, 0]
       grid = np.unique(np.abs(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)))
       grid = grid[np.isfinite(grid) & (grid <= 448)]
       k = rng.integers(0, len(grid) - 1, block - 1)
@@ -57,8 +57,8 @@ def _midpoints(rng, fmt, block, rows=64):
       if fmt == "nvfp4":
         scale = np.float32(np.float32(amax[0, 0] / np.float32(6)).astype(ml_dtypes.float8_e4m3fn))
       else:
-        scale = CQ._pow2_ceil_np(np.maximum(amax, np.float32(6 * 2.0 ** -126)) * CQ._INV6)[0, 0]
-      pool = np.asarray(CQ.E2M1_MIDPOINTS + CQ.E2M1_LEVELS, np.float32)
+        scale = cache_quant._pow2_ceil_np(np.maximum(amax, np.float32(6 * 2.0 ** -126)) * cache_quant._INV6)[0, 0]
+      pool = np.asarray(cache_quant.E2M1_MIDPOINTS + cache_quant.E2M1_LEVELS, np.float32)
       vals = pool[rng.integers(0, len(pool), block - 1)]
     signs = np.where(rng.random(block - 1) < 0.5, -1.0, 1.0).astype(np.float32)
     out[r, 1:] = (vals * signs * scale).astype(np.float32)
@@ -68,12 +68,12 @@ def _midpoints(rng, fmt, block, rows=64):
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
 def test_bit_exact_with_nemo_random(nemo_quantize, fmt):
   rng = np.random.default_rng({"fp8": 0, "mxfp4": 1, "nvfp4": 2}[fmt])
-  block = CQ.FORMATS[fmt]
+  block = cache_quant.FORMATS[fmt]
   for shape in [(3, 5, 4 * block), (7, 3 * block + 5)]:   # complete groups and a zero-padded partial one
     x = _random(rng, shape)
     want = nemo_quantize(x, fmt, block)
-    got = np.asarray(jax.jit(CQ.quantize_cache, static_argnums=(1, 2))(jnp.asarray(x), fmt, block))
-    ref = CQ.quantize_cache_reference(x, fmt, block)
+    got = np.asarray(jax.jit(cache_quant.quantize_cache, static_argnums=(1, 2))(jnp.asarray(x), fmt, block))
+    ref = cache_quant.quantize_cache_reference(x, fmt, block)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))   # bits, so -0 == -0 only
     np.testing.assert_array_equal(ref.view(np.uint32), want.view(np.uint32))
 
@@ -81,30 +81,31 @@ def test_bit_exact_with_nemo_random(nemo_quantize, fmt):
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
 def test_bit_exact_with_nemo_on_rounding_midpoints(nemo_quantize, fmt):
   rng = np.random.default_rng(10)
-  block = CQ.FORMATS[fmt]
+  block = cache_quant.FORMATS[fmt]
   x = _midpoints(rng, fmt, block)
   want = nemo_quantize(x, fmt, block)
-  got = np.asarray(CQ.quantize_cache(jnp.asarray(x), fmt, block))
+  got = np.asarray(cache_quant.quantize_cache(jnp.asarray(x), fmt, block))
   np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-  np.testing.assert_array_equal(CQ.quantize_cache_reference(x, fmt, block).view(np.uint32), want.view(np.uint32))
+  np.testing.assert_array_equal(cache_quant.quantize_cache_reference(x, fmt, block).view(np.uint32),
+                                want.view(np.uint32))
   # the construction really produced ties (not just values near them)
   amax = np.abs(x).max(-1, keepdims=True)
   assert np.all(np.isfinite(x)) and np.all(amax > 0)
   if fmt != "fp8":  # element 0 dequantizes to 6 * scale
     n = np.abs(x[:, 1:] / (want[:, :1] / 6))
-    assert np.isin(n, np.asarray(CQ.E2M1_MIDPOINTS, np.float32)).sum() > 100
+    assert np.isin(n, np.asarray(cache_quant.E2M1_MIDPOINTS, np.float32)).sum() > 100
 
 
 def test_e2m1_tie_rule_and_bf16_dtype():
   g = np.asarray([[6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 0.1, -0.1] + [0.0] * 20], np.float32)
-  got = np.asarray(CQ.quantize_cache(jnp.asarray(g), "mxfp4"))[0, :12]
+  got = np.asarray(cache_quant.quantize_cache(jnp.asarray(g), "mxfp4"))[0, :12]
   np.testing.assert_array_equal(got, [6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -4.0, 0.0, -0.0])
   assert np.signbit(got[8]) and np.signbit(got[11])
   xb = jnp.asarray(_random(np.random.default_rng(3), (4, 64))).astype(jnp.bfloat16)
-  out = CQ.quantize_cache(xb, "fp8")
+  out = cache_quant.quantize_cache(xb, "fp8")
   assert out.dtype == jnp.bfloat16 and out.shape == xb.shape
   with pytest.raises(ValueError, match="format must be one of"):
-    CQ.quantize_cache(xb, "int4")
+    cache_quant.quantize_cache(xb, "int4")
 
 
 def test_model_switch_quantizes_the_cache_where_nemo_does():
@@ -112,10 +113,8 @@ def test_model_switch_quantizes_the_cache_where_nemo_does():
   MXFP4 / 32-channel grid (re-quantizing them changes nothing: both scales are powers of two), and the logits
   move; without it neither holds. (Logits vs NeMo with quantization on: experiments/v41_quant_cache_parity.py.)"""
   import dataclasses
-  from dsv4 import caches
-  from dsv4 import config as C
-  from dsv4 import model
-  cfg = C.v41_tiny(engram=False)
+  from dsv4 import caches, config, model
+  cfg = config.v41_tiny(engram=False)
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   B, T = 1, 24
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)), jnp.int32)
@@ -140,7 +139,7 @@ def test_model_switch_quantizes_the_cache_where_nemo_does():
       a_off = a_off.reshape(-1, a_off.shape[-1])
       rows = np.abs(a_off).sum(-1) > 0   # written rows
       assert rows.sum() >= 8, (plan.index, name)
-      np.testing.assert_array_equal(CQ.quantize_cache_reference(a_on[rows], fmt), a_on[rows])
-      assert not np.array_equal(CQ.quantize_cache_reference(a_off[rows], fmt), a_off[rows])
+      np.testing.assert_array_equal(cache_quant.quantize_cache_reference(a_on[rows], fmt), a_on[rows])
+      assert not np.array_equal(cache_quant.quantize_cache_reference(a_off[rows], fmt), a_off[rows])
       checked += 1
   assert checked == cfg.num_layers + 2  # every layer's window KV + the two full layers' index keys

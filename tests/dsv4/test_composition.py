@@ -15,7 +15,7 @@ import itertools
 
 import pytest
 
-from tests.dsv4 import composition_worker as W
+from tests.dsv4 import composition_worker
 from tests.dsv4.test_sharding import run_worker
 
 
@@ -26,38 +26,38 @@ def run_mesh_worker(variant, combos, tmp, timeout=3000):
 
 @pytest.fixture(scope="module")
 def cold_v4():
-  return W.Cold("v4", mesh=False)
+  return composition_worker.Cold("v4", mesh=False)
 
 
 @pytest.fixture(scope="module")
 def cold_v41():
-  return W.Cold("v41", mesh=False)
+  return composition_worker.Cold("v41", mesh=False)
 
 
 def test_all_pairs_rows_cover_every_pair_of_factor_values():
-  names = list(W.FACTORS)
-  assert names == [f.name for f in dataclasses.fields(W.Combo)]
-  rows = [dataclasses.astuple(c) for c in W.ALL_PAIRS]     # fields in FACTORS order
+  names = list(composition_worker.FACTORS)
+  assert names == [f.name for f in dataclasses.fields(composition_worker.Combo)]
+  rows = [dataclasses.astuple(c) for c in composition_worker.ALL_PAIRS]     # fields in FACTORS order
   for (i, a), (j, b) in itertools.combinations(enumerate(names), 2):
-    for va, vb in itertools.product(W.FACTORS[a], W.FACTORS[b]):
+    for va, vb in itertools.product(composition_worker.FACTORS[a], composition_worker.FACTORS[b]):
       assert any(r[i] == va and r[j] == vb for r in rows), (a, va, b, vb)
-  assert len(W.FULL) == 48 and len(set(W.FULL)) == 48
-  assert all(c in W.FULL for c in W.ALL_PAIRS)
-  assert all(W.Combo.parse(c.name) == c for c in W.FULL)
+  assert len(composition_worker.FULL) == 48 and len(set(composition_worker.FULL)) == 48
+  assert all(c in composition_worker.FULL for c in composition_worker.ALL_PAIRS)
+  assert all(composition_worker.Combo.parse(c.name) == c for c in composition_worker.FULL)
 
 
-ONE_PAIRS = [c for c in W.ALL_PAIRS if not c.mesh and c.name not in W.REFUSED]
-MESH_PAIRS = [c for c in W.ALL_PAIRS if c.mesh and c.name not in W.REFUSED]
+ONE_PAIRS = [c for c in composition_worker.ALL_PAIRS if not c.mesh and c.name not in composition_worker.REFUSED]
+MESH_PAIRS = [c for c in composition_worker.ALL_PAIRS if c.mesh and c.name not in composition_worker.REFUSED]
 
 
 @pytest.mark.parametrize("combo", ONE_PAIRS, ids=lambda c: c.name)
 def test_all_pairs_one_device_v4(combo, cold_v4, tmp_path):
-  print(W.check(combo, cold_v4, str(tmp_path)))
+  print(composition_worker.check(combo, cold_v4, str(tmp_path)))
 
 
 @pytest.mark.parametrize("combo", ONE_PAIRS, ids=lambda c: c.name)
 def test_all_pairs_one_device_v41(combo, cold_v41, tmp_path):
-  print(W.check(combo, cold_v41, str(tmp_path)))
+  print(composition_worker.check(combo, cold_v41, str(tmp_path)))
 
 
 @pytest.mark.parametrize("variant", ["v4", "v41"])
@@ -67,8 +67,8 @@ def test_all_pairs_mesh(variant, tmp_path):
   assert out.count("tokens == cold") == len(MESH_PAIRS)
 
 
-FULL_ONE = [c for c in W.FULL if not c.mesh and c.name not in W.REFUSED]
-FULL_MESH = [c for c in W.FULL if c.mesh and c.name not in W.REFUSED]
+FULL_ONE = [c for c in composition_worker.FULL if not c.mesh and c.name not in composition_worker.REFUSED]
+FULL_MESH = [c for c in composition_worker.FULL if c.mesh and c.name not in composition_worker.REFUSED]
 
 
 @pytest.mark.matrix
@@ -76,7 +76,7 @@ FULL_MESH = [c for c in W.FULL if c.mesh and c.name not in W.REFUSED]
 @pytest.mark.parametrize("variant", ["v4", "v41"])
 def test_full_product_one_device(variant, combo, tmp_path, request):
   cold = request.getfixturevalue(f"cold_{variant}")
-  print(W.check(combo, cold, str(tmp_path)))
+  print(composition_worker.check(combo, cold, str(tmp_path)))
 
 
 @pytest.mark.matrix

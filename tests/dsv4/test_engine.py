@@ -7,8 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine import workloads
 from dsv4.engine.api import generate, run_workload
 from dsv4.engine.engine import Engine, EngineConfig
@@ -22,7 +21,7 @@ TINY_POOL = dataclasses.replace(BASE, num_full_blocks=4, num_swa_blocks=14)
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   return cfg, model.init_params(cfg, jax.random.PRNGKey(0))
 
 
@@ -143,7 +142,7 @@ def test_pool_too_small_for_one_request_is_rejected_not_hung(tiny):
 def test_v41_cache_never_changes_the_answer():
   """V4.1 (CSA2 roles, ratio-2 pending rows, Engram token ids) through the same engine and cache manager: prefix
   hits and preemption (tiny pool) give the same tokens as caching off."""
-  cfg = C.v41_tiny()
+  cfg = config.v41_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   wl = workloads.chat(cfg.vocab_size, sessions=3, turns=3, system_len=140, seed=0)
   eng_on, on = _run((cfg, params), BASE, wl)

@@ -8,8 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine.api import generate
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.request import RequestOutput, Status
@@ -22,7 +21,7 @@ ALIGN = 128
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = C.v4_tiny(num_layers=2, vocab_size=64)
+  cfg = config.v4_tiny(num_layers=2, vocab_size=64)
   return cfg, model.init_params(cfg, jax.random.PRNGKey(0))
 
 

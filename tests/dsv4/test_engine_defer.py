@@ -14,8 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine import workloads
 from dsv4.engine.api import run_workload
 from dsv4.engine.engine import Engine, EngineConfig
@@ -26,7 +25,7 @@ EC = EngineConfig(max_num_seqs=4, max_num_batched_tokens=192, chunk_size=64, max
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   return cfg, model.init_params(cfg, jax.random.PRNGKey(0))
 
 

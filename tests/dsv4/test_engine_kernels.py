@@ -9,8 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine.api import generate
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
@@ -60,7 +59,7 @@ def test_engine_interpret_kernels_give_the_xla_tokens(monkeypatch):
   prompt gives the CSA layer 9 visible entries for top-k 8, so the kernels really select; 8-token steps put a
   prefill chunk and decode rows in one step."""
   ec = dataclasses.replace(EC, max_num_batched_tokens=8, chunk_size=8)
-  calls = _compare(C.v4_tiny(num_layers=3), monkeypatch, (36, 21, 5), 3, ec)
+  calls = _compare(config.v4_tiny(num_layers=3), monkeypatch, (36, 21, 5), 3, ec)
   assert calls["sparse_attention"] > 0 and calls["indexer_topk"] > 0
   assert calls["indexer_scores"] == 0  # V4 has no candidate source: every indexer goes through the fused top-k
 
@@ -68,7 +67,7 @@ def test_engine_interpret_kernels_give_the_xla_tokens(monkeypatch):
 @pytest.mark.matrix   # on demand, ~2 min on 2 cores: 4 layers, two step programs, interpret-mode compiles
 def test_engine_interpret_kernels_give_the_xla_tokens_v4(monkeypatch):
   """The whole tiny V4 (two CSA layers) with 16-token chunks next to decodes in 32-token steps."""
-  calls = _compare(C.v4_tiny(), monkeypatch, (45, 38, 9), 3, EC)
+  calls = _compare(config.v4_tiny(), monkeypatch, (45, 38, 9), 3, EC)
   assert calls["sparse_attention"] > 0 and calls["indexer_topk"] > 0 and calls["indexer_scores"] == 0
 
 
@@ -76,5 +75,5 @@ def test_engine_interpret_kernels_give_the_xla_tokens_v4(monkeypatch):
 def test_engine_interpret_kernels_give_the_xla_tokens_v41(monkeypatch):
   """V4.1 (CSA2 full / reuse / reindex layers, ratio 2 and 1, a candidate source and a reindex layer restricted to
   its candidate blocks): past 32 tokens the ratio-1 layers have more than 4 candidate blocks of 8 entries."""
-  calls = _compare(C.v41_tiny(), monkeypatch, (50, 41, 7), 3, EC)
+  calls = _compare(config.v41_tiny(), monkeypatch, (50, 41, 7), 3, EC)
   assert calls["sparse_attention"] > 0 and calls["indexer_topk"] > 0 and calls["indexer_scores"] > 0

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine import sampling
 from dsv4.engine.api import WorkloadReport
 from dsv4.engine.engine import Engine, EngineConfig
@@ -31,7 +30,7 @@ def trained():
 @pytest.fixture(scope="module")
 def hca():
   """Random weights, window + CSA + HCA layers (every compressor state the verifier must roll back)."""
-  cfg = dataclasses.replace(C.v4_tiny(num_layers=3), num_mtp_layers=1)
+  cfg = dataclasses.replace(config.v4_tiny(num_layers=3), num_mtp_layers=1)
   return cfg, model.init_params(cfg, jax.random.PRNGKey(3))
 
 
@@ -205,16 +204,17 @@ def test_refusals(trained):
 def test_drafts_compose_with_tiers_and_kv_precision(kv, dtype, tmp_path):
   """The composition trace (tests/dsv4/composition_worker.py) with host + disk tiers under a pool that demotes and
   reloads, at fp32 and at FP8 KV with bf16 compute: drafts change no token, the reload happened, no block leaked."""
-  from tests.dsv4 import composition_worker as W
-  cfg = dataclasses.replace(W.config("v4", False), num_mtp_layers=1)
+  from tests.dsv4 import composition_worker
+  cfg = dataclasses.replace(composition_worker.config("v4", False), num_mtp_layers=1)
   params = model.init_params(cfg, jax.random.PRNGKey(4))
-  tr = W.Trace.make(cfg, 2)
+  tr = composition_worker.Trace.make(cfg, 2)
   outs = {}
+  combo = composition_worker.Combo(False, kv, True, False, "xla")
   for k in (0, 2):
-    ec = dataclasses.replace(W.engine_config(W.Combo(False, kv, True, False, "xla"), 1, str(tmp_path), f"k{k}"),
+    ec = dataclasses.replace(composition_worker.engine_config(combo, 1, str(tmp_path), f"k{k}"),
                              record_logits=False, dtype=dtype, num_speculative_tokens=k)
     eng = Engine(params, cfg, ec)
-    outs[k] = W.run_trace(eng, cfg, tr)
+    outs[k] = composition_worker.run_trace(eng, cfg, tr)
     assert _free(eng) == {"full": ec.num_full_blocks, "swa": ec.num_swa_blocks}
   assert [o.output for o in outs[2]] == [o.output for o in outs[0]]
   assert outs[2][-1].tier_hit_tokens > 0

@@ -9,8 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine import runner, workloads
 from dsv4.engine.api import generate, run_workload
 from dsv4.engine.engine import Engine, EngineConfig
@@ -27,7 +26,7 @@ TINY_POOL = dataclasses.replace(BASE, num_full_blocks=4, num_swa_blocks=10)
 
 @pytest.fixture(scope="module", params=["v4", "v41"])
 def tiny(request):
-  cfg = C.v4_tiny() if request.param == "v4" else C.v41_tiny()
+  cfg = config.v4_tiny() if request.param == "v4" else config.v41_tiny()
   return cfg, model.init_params(cfg, jax.random.PRNGKey(0))
 
 
@@ -74,7 +73,7 @@ def test_one_transfer_each_way_per_step(monkeypatch):
   """Inside the runner nothing moves between host and device implicitly (transfer guard): sending a step makes
   exactly one device_put call (the packed plan and the cache bookkeeping) and reading it one device_get call (the
   sampled tokens and the cache's counters)."""
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   eng = Engine(params, cfg, BASE)
   calls = {"put": 0, "get": 0}
@@ -119,7 +118,7 @@ def test_one_transfer_each_way_per_step(monkeypatch):
 def test_host_bytes_per_step_do_not_grow_with_context():
   """A decode step moves the same bytes between host and device at 64k context as at 2k: block tables never
   leave the device (blocks are allocated by count; the KV content does not matter for what moves)."""
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   ec = dataclasses.replace(BASE, max_model_len=70_000, num_full_blocks=1200, num_swa_blocks=64, max_num_seqs=4)
   eng = Engine(params, cfg, ec)
@@ -145,7 +144,7 @@ def test_host_bytes_per_step_do_not_grow_with_context():
 def test_compilation_is_bounded_and_counted():
   """A workload compiles at most the bucket count of step programs; a second engine with the same shapes
   compiles no step program at all and runs the same programs; the report counts what really compiled."""
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   wl = workloads.random_prompts(cfg.vocab_size, requests=6, prompt_len=(20, 150), seed=4)
   first = Engine(params, cfg, BASE)
@@ -168,7 +167,7 @@ def test_compilation_is_bounded_and_counted():
 def test_compile_counts_belong_to_their_engine():
   """An engine's report holds what its own work compiled, not what the caller or another engine compiled in the
   same process meanwhile."""
-  cfg = dataclasses.replace(C.v4_tiny(), name="v4_tiny_compile_owner")   # programs no other test has built here
+  cfg = dataclasses.replace(config.v4_tiny(), name="v4_tiny_compile_owner")   # programs no other test has built here
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   a, b = Engine(params, cfg, BASE), Engine(params, cfg, dataclasses.replace(BASE, max_num_batched_tokens=40))
   a.add_request("a0", list(range(2, 40)), SamplingParams(max_tokens=2, ignore_eos=True))
@@ -214,7 +213,7 @@ def test_batch_invariant_alone_equals_batched():
   """The default tier's batch-invariance check (the full one, every variant and a preempting pool at XLA's default
   level, is in the slow tier): V4, greedy, two short prompts, each alone vs both in one engine: bitwise-equal token
   logits. In the suite's process (its fast-compile level): the mechanism, not the code generator, is under test."""
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   ec = dataclasses.replace(BASE, batch_invariant=True, max_model_len=128, num_full_blocks=8, num_swa_blocks=24,
                            max_num_batched_tokens=48)

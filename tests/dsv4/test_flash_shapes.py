@@ -8,20 +8,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4 import caches, model
-from dsv4 import config as C
+from dsv4 import caches, config, model
 
 
 def test_v4_flash_parameter_count():
-  n = model.count_params(model.abstract_params(C.v4_flash()))
+  n = model.count_params(model.abstract_params(config.v4_flash()))
   assert round(n / 1e9, 2) == 284.33, n
   # with the MTP block V4-Flash ships (num_nextn_predict_layers = 1): one layer's worth plus e/h_proj and norms
-  mtp = model.abstract_params(dataclasses.replace(C.v4_flash(), num_mtp_layers=1))["mtp"]
+  mtp = model.abstract_params(dataclasses.replace(config.v4_flash(), num_mtp_layers=1))["mtp"]
   assert round(model.count_params(mtp) / 1e9, 2) == 6.61
 
 
 def test_v4_flash_layer_plan():
-  plan = C.v4_flash().layer_plan()
+  plan = config.v4_flash().layer_plan()
   kinds = [p.kind for p in plan]
   assert kinds[:2] == ["swa", "swa"] and kinds.count("csa") == 21 and kinds.count("hca") == 20
   assert [p.index for p in plan if p.hash_moe] == [0, 1, 2]
@@ -30,7 +29,7 @@ def test_v4_flash_layer_plan():
 
 def test_v4_flash_cache_shapes_after_a_prefill():
   """eval_shape of a real forward at Flash size: per-layer pools hold L/m compressed entries and index keys."""
-  cfg, layout = C.v4_flash(), caches.CacheLayout()
+  cfg, layout = config.v4_flash(), caches.CacheLayout()
   L = 512
   swa, full = caches.contiguous_tables(1, L, layout)
   cache = jax.eval_shape(lambda: caches.init_cache(cfg, layout, swa.size, full.size))
@@ -56,15 +55,15 @@ def test_v4_flash_cache_shapes_after_a_prefill():
 
 @pytest.mark.parametrize("field,kwargs,msg", [
     ("compress_ratios", dict(compress_ratios=(0, 4)), "one entry per layer"),
-    ("o_groups", dict(attention=C.AttentionConfig(num_heads=6, o_groups=4)), "divisible"),
-    ("indexer.head_dim", dict(indexer=C.IndexerConfig(head_dim=8)), "RoPE part"),
-    ("num_experts_per_tok", dict(moe=C.MoEConfig(n_routed_experts=4, num_experts_per_tok=6)), "n_routed_experts"),
+    ("o_groups", dict(attention=config.AttentionConfig(num_heads=6, o_groups=4)), "divisible"),
+    ("indexer.head_dim", dict(indexer=config.IndexerConfig(head_dim=8)), "RoPE part"),
+    ("num_experts_per_tok", dict(moe=config.MoEConfig(n_routed_experts=4, num_experts_per_tok=6)), "n_routed_experts"),
 ])
 def test_invalid_config_names_the_field(field, kwargs, msg):
   base = dict(name="bad", variant="v4", vocab_size=64, hidden_size=32, num_layers=3, compress_ratios=(0, 4, 16))
   base.update(kwargs)
-  with pytest.raises(C.ConfigError, match=msg) as e:
-    C.ModelConfig(**base)
+  with pytest.raises(config.ConfigError, match=msg) as e:
+    config.ModelConfig(**base)
   assert field.split(".")[-1] in str(e.value)
 
 
@@ -75,6 +74,6 @@ def test_invalid_config_names_the_field(field, kwargs, msg):
     (np.array([[-1, 2]]), "out of range"),
 ])
 def test_forward_full_rejects_bad_tokens_before_jax(tokens, msg):
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   with pytest.raises(ValueError, match=msg):
     model.forward_full({}, cfg, tokens)

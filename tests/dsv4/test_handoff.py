@@ -13,8 +13,7 @@ import pytest
 
 from benchmarks.sizing import handoff_state_bytes
 from cache.hashing import ExtraKeys
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine import handoff
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
@@ -36,11 +35,11 @@ def _model(name):
   """(config, engine config). v4: window + CSA; v41: Engram token ids, ratio-2 / ratio-1 sources; v4_mtp: window +
   CSA + HCA and an MTP block drafting (its window layer is part of the state)."""
   if name == "v4":
-    return C.v4_tiny(num_layers=2, vocab_size=64), EC
+    return config.v4_tiny(num_layers=2, vocab_size=64), EC
   if name == "v41":
-    return C.v41_tiny(), EC
-  return dataclasses.replace(C.v4_tiny(num_layers=3), num_mtp_layers=1), dataclasses.replace(EC,
-                                                                                               num_speculative_tokens=2)
+    return config.v41_tiny(), EC
+  return (dataclasses.replace(config.v4_tiny(num_layers=3), num_mtp_layers=1),
+          dataclasses.replace(EC, num_speculative_tokens=2))
 
 
 @pytest.fixture(scope="module", params=["v4", "v41", "v4_mtp"])

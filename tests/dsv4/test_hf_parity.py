@@ -13,12 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4 import caches, model
-from dsv4 import config as C
-from dsv4.loading import load_checkpoint
-from dsv4.loading import names as N
-from dsv4.loading import quant as Q
-from tests.dsv4 import oracle_util as O
+from dsv4 import caches, config, model
+from dsv4.loading import load_checkpoint, names, quant
+from tests.dsv4 import oracle_util
 
 T = 300
 REL_TOL = 1e-4
@@ -30,10 +27,10 @@ CHUNKS = (150, 101)  # then 49 one-token decode steps
 def oracle(tmp_path_factory):
   t0 = time.time()
   import torch
-  hf = O.build_oracle(seed=0)
+  hf = oracle_util.build_oracle(seed=0)
   d = str(tmp_path_factory.mktemp("hf_tiny"))
-  O.save_oracle_weights(hf, d)
-  cfg = C.v4_tiny()
+  oracle_util.save_oracle_weights(hf, d)
+  cfg = config.v4_tiny()
   params = load_checkpoint(d, cfg)
   tokens = np.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, T)), np.int32)
 
@@ -45,7 +42,7 @@ def oracle(tmp_path_factory):
     if comp is not None and hasattr(comp, "indexer"):
       hooks.append(comp.indexer.register_forward_hook(
           lambda mod, args, out, i=i: picks.__setitem__(i, out.detach().numpy().copy())))
-  ref = O.hf_logits(hf, tokens)
+  ref = oracle_util.hf_logits(hf, tokens)
   for h in hooks:
     h.remove()
   print(f"\n[oracle] build + save + load + HF forward: {time.time() - t0:.1f}s")
@@ -57,12 +54,12 @@ def _rel_err(got, ref):
 
 
 def test_config_matches_v4_tiny(oracle):
-  assert O.config_mismatches(oracle["hf"].config, oracle["cfg"]) == []
+  assert oracle_util.config_mismatches(oracle["hf"].config, oracle["cfg"]) == []
 
 
 def test_generated_names_equal_hf_state_dict(oracle):
   sd = oracle["hf"].state_dict()
-  specs = N.hf_specs(oracle["cfg"])
+  specs = names.hf_specs(oracle["cfg"])
   assert set(specs) == set(sd)
   for name, s in specs.items():
     assert tuple(sd[name].shape) == s.shape, name
@@ -75,15 +72,15 @@ def test_fp4_and_fp8_dequant_match_transformers(oracle):
   deq = Fp8Dequantize(hf_quantizer=None)
   rng = np.random.default_rng(5)
   w = rng.standard_normal((2, 64, 128)).astype(np.float32)
-  packed, scale = Q.quantize_fp4(w)
+  packed, scale = quant.quantize_fp4(w)
   theirs = deq._dequantize_one(torch.from_numpy(packed), torch.from_numpy(scale.view(np.uint8)),
                                output_dtype=torch.float32).numpy()
-  np.testing.assert_array_equal(Q.dequant_fp4(packed, scale), theirs)
+  np.testing.assert_array_equal(quant.dequant_fp4(packed, scale), theirs)
   w = rng.standard_normal((256, 384)).astype(np.float32)
-  q, s = Q.quantize_fp8_block(w, 128)
+  q, s = quant.quantize_fp8_block(w, 128)
   theirs = deq._dequantize_one(torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn),
                                torch.from_numpy(s.view(np.uint8)), output_dtype=torch.float32).numpy()
-  np.testing.assert_array_equal(Q.dequant_fp8_block(q, s, 128), theirs)
+  np.testing.assert_array_equal(quant.dequant_fp8_block(q, s, 128), theirs)
 
 
 def _full(oracle):

@@ -6,15 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4 import caches, model
-from dsv4 import config as C
+from dsv4 import caches, config, model
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def setup():
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   return cfg, params
 

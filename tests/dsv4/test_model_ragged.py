@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4 import caches, model
-from dsv4 import config as C
+from dsv4 import caches, config, model
 from dsv4.layers import compressor as comp
 from dsv4.layers.rope import inv_freq_for
 
@@ -22,9 +21,9 @@ TOL = 1e-5
 @pytest.fixture(scope="module", params=["v4", "v41"])
 def setup(request):
   if request.param == "v4":
-    cfg = C.v4_tiny()
+    cfg = config.v4_tiny()
   else:
-    cfg = C.v41_tiny()
+    cfg = config.v41_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   if cfg.engram.layer_ids:
     params["engram_token_map"] = jnp.asarray(np.arange(cfg.vocab_size) // 2, jnp.int32)
@@ -158,7 +157,7 @@ def test_swa_table_cut_to_the_window_is_bitwise_the_same(setup):
 
 def test_hca_running_pool_equals_repool():
   """Token-by-token running pool (decode) == softmax pooling of each window's raw projections, within 1e-6."""
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   plan = next(p for p in cfg.layer_plan() if p.dense_compressed)
   params = model.init_params(cfg, jax.random.PRNGKey(3))["layers"][plan.index]["attn"]["compressor"]
   from dsv4.layers.attention import kv_compressor_spec
@@ -224,7 +223,7 @@ def test_resume_from_checkpoint_equals_scratch(setup):
 def test_step_shapes_follow_live_tables_not_max_len():
   """Same live context, different 'max_model_len' (pool size): the step's entry lists are sized by the live
   table width; the indexer's scores are [N, live entries]."""
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   layout = caches.CacheLayout()
   toks = np.asarray(jax.random.randint(jax.random.PRNGKey(1), (40,), 0, cfg.vocab_size))
@@ -241,7 +240,7 @@ def test_step_shapes_follow_live_tables_not_max_len():
 
 
 def _fp8_capable_tiny():
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, head_dim=128, rope_head_dim=64),
                              indexer=dataclasses.replace(cfg.indexer, head_dim=64))
 
@@ -320,7 +319,7 @@ def test_precision_modes_with_discrete_choices():
 
 def test_fp8_rejects_unsupported_width():
   with pytest.raises(ValueError, match="multiple of 64"):
-    caches.cache_array_specs(C.v4_tiny(), caches.CacheLayout(kv_dtype=caches.FP8))
+    caches.cache_array_specs(config.v4_tiny(), caches.CacheLayout(kv_dtype=caches.FP8))
 
 
 def test_paged_indexer_equals_reference_path(setup, monkeypatch):

@@ -14,19 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4 import caches
-from dsv4 import config as C
-from dsv4 import model as M
-from dsv4 import nnx_model
-from dsv4.config import ConfigError
-from dsv4.loading import load_checkpoint
-from dsv4.loading import names as N
-from dsv4.loading import safetensors_io as S
+from dsv4 import caches, model, nnx_model
+from dsv4.config import ConfigError, v4_tiny, v41_tiny
+from dsv4.loading import load_checkpoint, safetensors_io
+from dsv4.loading.names import nemo_specs
 
 sys.path.insert(0, os.path.dirname(__file__))
-import v41_oracle as O  # noqa: E402
+import v41_oracle  # noqa: E402
 
-CFG = dataclasses.replace(C.v4_tiny(num_layers=2), num_mtp_layers=1)   # window + CSA backbone: short compiles
+CFG = dataclasses.replace(v4_tiny(num_layers=2), num_mtp_layers=1)     # window + CSA backbone: short compiles
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -36,9 +32,9 @@ def _step(params, cfg, toks_BxT, nxt_BxT, cache, start):
   idx = caches.BatchIndex(jnp.full(B, start, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.asarray(swa),
                           jnp.asarray(full))
   step = caches.step_index_from_batch(idx, T)
-  cache, h, _, X = M.forward_ragged_aux(params, cfg, toks_BxT.reshape(-1), cache, step, return_stream=True)
-  cache, _, hm = M.mtp_forward(params, cfg, 0, X, nxt_BxT.reshape(-1), cache, step)
-  return cache, X, M.lm_logits(params, h).reshape(B, T, -1), M.lm_logits(params, hm).reshape(B, T, -1)
+  cache, h, _, X = model.forward_ragged_aux(params, cfg, toks_BxT.reshape(-1), cache, step, return_stream=True)
+  cache, _, hm = model.mtp_forward(params, cfg, 0, X, nxt_BxT.reshape(-1), cache, step)
+  return cache, X, model.lm_logits(params, h).reshape(B, T, -1), model.lm_logits(params, hm).reshape(B, T, -1)
 
 
 def _run(params, cfg, toks_BxT, nxt_BxT, cache, start):
@@ -53,7 +49,7 @@ def _next(toks):
 
 @pytest.fixture(scope="module")
 def nemo(tmp_path_factory):
-  where = O.ensure_nemo()
+  where = v41_oracle.ensure_nemo()
   if where is None:
     pytest.skip("nemo-automodel 0.7.0 wheel could not be downloaded (pip download --no-deps nemo-automodel==0.7.0)")
   if where not in sys.path:
@@ -94,7 +90,7 @@ def nemo(tmp_path_factory):
   original = DeepSeekV4StateDictAdapter(config, ref.model.moe_config, backend).to_hf(ref.state_dict())
   assert "mtp.0.e_proj.weight" in original and "mtp.0.hc_head_fn" in original
   path = str(tmp_path_factory.mktemp("nemo_v4_mtp") / "model.safetensors")
-  S.write_file({k: v.detach().numpy().copy() for k, v in original.items()}, path)
+  safetensors_io.write_file({k: v.detach().numpy().copy() for k, v in original.items()}, path)
   return ref, path, DeepSeekV4StateDictAdapter(config, ref.model.moe_config, backend)
 
 
@@ -130,11 +126,11 @@ def test_nemo_naming_is_nemos_state_dict(nemo, tmp_path):
   names give."""
   ref, path, _ = nemo
   sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
-  specs = N.nemo_specs(CFG)
+  specs = nemo_specs(CFG)
   assert {k: v.shape for k, v in sd.items()} == {k: s.shape for k, s in specs.items()}
   assert any(k.startswith("mtp.layers.0.mlp.experts.") for k in specs)
   assert all(s.integer == np.issubdtype(sd[k].dtype, np.integer) for k, s in specs.items())
-  S.write_file(sd, str(tmp_path / "model.safetensors"))
+  safetensors_io.write_file(sd, str(tmp_path / "model.safetensors"))
   got, want = load_checkpoint(str(tmp_path), CFG, as_jax=False), load_checkpoint(path, CFG, as_jax=False)
   for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_array_equal(x, y)
@@ -149,7 +145,7 @@ def _torch(x):
   return torch.from_numpy(np.ascontiguousarray(x))
 
 
-@pytest.mark.parametrize("quant", [None, S.Quant(fp8_block=128)], ids=["plain", "fp8_fp4"])
+@pytest.mark.parametrize("quant", [None, safetensors_io.Quant(fp8_block=128)], ids=["plain", "fp8_fp4"])
 def test_hf_layer_form_reads_through_nemos_adapter(nemo, tmp_path, quant):
   """What the HF writers store for the block (layer N + K in DeepSeek's spelling, `.scale` companions) goes through
   NeMo's `from_hf` to the same `mtp.layers.0.*` tensors as the original names, after NeMo's own dequantization and
@@ -158,8 +154,9 @@ def test_hf_layer_form_reads_through_nemos_adapter(nemo, tmp_path, quant):
   params = load_checkpoint(path, CFG, as_jax=False)
   out = {}
   for naming in ("original", "hf"):
-    S.save_checkpoint(params, CFG, str(tmp_path / naming), naming=naming, quant=quant)
-    t = {k: _torch(S.read_tensor(e)) for k, e in S.read_entries(str(tmp_path / naming)).items()}
+    safetensors_io.save_checkpoint(params, CFG, str(tmp_path / naming), naming=naming, quant=quant)
+    entries = safetensors_io.read_entries(str(tmp_path / naming))
+    t = {k: _torch(safetensors_io.read_tensor(e)) for k, e in entries.items()}
     out[naming] = {k: v for k, v in adapter.from_hf(t).items() if k.startswith("mtp.")}
   assert "model.layers.2.attn.wq_a.weight" in t and "layers.2.e_proj.weight" in t
   assert sorted(out["hf"]) == sorted(out["original"]) and "mtp.layers.0.mlp.experts.gate_and_up_projs" in out["hf"]
@@ -170,7 +167,7 @@ def test_hf_layer_form_reads_through_nemos_adapter(nemo, tmp_path, quant):
 def test_chunked_and_nnx_equal_the_whole_sequence():
   """Prefill in two chunks (the MTP block reads its own window KV of the first chunk back from the cache) gives
   the whole run's MTP logits; the NNX module gives the function's, bit for bit."""
-  params = M.init_params(CFG, jax.random.PRNGKey(0))
+  params = model.init_params(CFG, jax.random.PRNGKey(0))
   B, T, cut = 2, 36, 18
   toks = np.random.default_rng(5).integers(0, CFG.vocab_size, (B, T + 1))
   nxt, toks = toks[:, 1:], toks[:, :T]
@@ -192,7 +189,7 @@ def test_chunked_and_nnx_equal_the_whole_sequence():
   step = caches.step_index_from_batch(idx, T)
   X = jax.random.normal(jax.random.PRNGKey(1), (1, B * T, CFG.mhc.hc_mult, CFG.hidden_size))
   cache = caches.init_contiguous(CFG, B, 64)[0]
-  c1, x1, h1 = M.mtp_forward(params, CFG, 0, X, jnp.asarray(nxt.reshape(-1)), cache, step)
+  c1, x1, h1 = model.mtp_forward(params, CFG, 0, X, jnp.asarray(nxt.reshape(-1)), cache, step)
   c2, x2, h2 = net.mtp[0](net.embed[...], X, jnp.asarray(nxt.reshape(-1)), cache, step)
   np.testing.assert_array_equal(np.asarray(h1), np.asarray(h2))
   np.testing.assert_array_equal(np.asarray(x1), np.asarray(x2))
@@ -200,9 +197,9 @@ def test_chunked_and_nnx_equal_the_whole_sequence():
 
 
 def test_loader_names_and_refusals(tmp_path):
-  params = M.init_params(CFG, jax.random.PRNGKey(2))
-  S.save_original_safetensors(params, CFG, str(tmp_path / "ck"))
-  names = S.read_entries(str(tmp_path / "ck"))
+  params = model.init_params(CFG, jax.random.PRNGKey(2))
+  safetensors_io.save_original_safetensors(params, CFG, str(tmp_path / "ck"))
+  names = safetensors_io.read_entries(str(tmp_path / "ck"))
   assert {"mtp.0.e_proj.weight", "mtp.0.hnorm.weight", "mtp.0.hc_head_fn", "mtp.0.attn.wq_a.weight",
           "mtp.0.ffn.experts.7.w2.weight", "mtp.0.hc_attn_fn"} <= set(names)
   back = load_checkpoint(str(tmp_path / "ck"), CFG, as_jax=False)
@@ -212,11 +209,11 @@ def test_loader_names_and_refusals(tmp_path):
   base = dataclasses.replace(CFG, num_mtp_layers=0)
   plain = load_checkpoint(str(tmp_path / "ck"), base, as_jax=False)
   assert "mtp" not in plain
-  S.save_original_safetensors(M.init_params(base, jax.random.PRNGKey(2)), base, str(tmp_path / "no"))
-  with pytest.raises(S.CheckpointError, match="mtp.0"):
+  safetensors_io.save_original_safetensors(model.init_params(base, jax.random.PRNGKey(2)), base, str(tmp_path / "no"))
+  with pytest.raises(safetensors_io.CheckpointError, match="mtp.0"):
     load_checkpoint(str(tmp_path / "no"), CFG)
   with pytest.raises(ConfigError, match="num_mtp_layers"):
-    dataclasses.replace(C.v41_tiny(), num_mtp_layers=1)
+    dataclasses.replace(v41_tiny(), num_mtp_layers=1)
   # the block's window KV is one more layer of the sliding-window group
   specs = [s for s in caches.cache_array_specs(CFG, caches.CacheLayout()) if s.layer == CFG.num_layers]
   assert [s.name for s in specs] == ["window_kv"]

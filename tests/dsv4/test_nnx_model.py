@@ -6,16 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec
 
-from dsv4 import caches, model, nnx_model, sharding
-from dsv4 import config as C
+from dsv4 import caches, config, model, nnx_model, sharding
 from dsv4.layers import engram as engram_mod
 from dsv4.layers import mhc, moe
 from pallas_kernels import dispatch
 
-CONFIGS = {"v4": C.v4_tiny, "v41": C.v41_tiny}
-_is_p = lambda x: isinstance(x, P)
+CONFIGS = {"v4": config.v4_tiny, "v41": config.v41_tiny}
+_is_p = lambda x: isinstance(x, PartitionSpec)
 
 
 def _paths(tree):
@@ -103,7 +102,7 @@ def test_apply_equals_forward_bit_for_bit(variant):
 def test_layer_module_calls_are_the_layer_functions():
   """MoE, mHC and Engram modules run the functions of dsv4.layers on their own params (V4.1 tiny has all three;
   V4 tiny has the hc_head)."""
-  cfg = C.v41_tiny()
+  cfg = config.v41_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(1))
   net = nnx_model.merge(cfg, params)
   e = cfg.engram.layer_ids[0]
@@ -115,7 +114,7 @@ def test_layer_module_calls_are_the_layer_functions():
   np.testing.assert_array_equal(blk.ffn(x, tok), moe.moe(p["ffn"], x, tok, cfg.moe, blk.plan.hash_moe))
   for a, b in zip(blk.hc_attn(X), mhc.hc_coefficients(p["hc_attn"], X, cfg.mhc, cfg.rms_norm_eps)):
     np.testing.assert_array_equal(a, b)
-  v4 = C.v4_tiny()
+  v4 = config.v4_tiny()
   p4 = model.init_params(v4, jax.random.PRNGKey(1))
   X4 = jax.random.normal(k1, (1, 5, v4.mhc.hc_mult, v4.hidden_size), jnp.float32)
   np.testing.assert_array_equal(nnx_model.merge(v4, p4).hc_head(X4),
@@ -124,11 +123,11 @@ def test_layer_module_calls_are_the_layer_functions():
   np.testing.assert_array_equal(blk.engram(X, h), engram_mod.engram(p["engram"], X, h, cfg.rms_norm_eps))
 
 
-@pytest.mark.parametrize("preset", sorted(C.PRESETS))
+@pytest.mark.parametrize("preset", sorted(config.PRESETS))
 def test_partition_specs_from_module_metadata_match_sharding(preset):
   """nnx.get_partition_spec on the abstract state (no weights) + the same Rules == sharding.param_specs, for
   every parameter, on meshes where heads / experts / vocab split and where some dims must fall back."""
-  cfg = C.get_preset(preset)
+  cfg = config.get_preset(preset)
   _, state = nnx_model.abstract_model(cfg)
   assert all(isinstance(v.get_value(), jax.ShapeDtypeStruct) for v in jax.tree_util.tree_leaves(
       state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
@@ -146,7 +145,7 @@ def test_partition_specs_from_module_metadata_match_sharding(preset):
 
 
 def test_a_tree_that_is_not_param_shapes_is_refused_clearly():
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   bad = dict(params, lm_head=params["lm_head"][:, :-1])
   with pytest.raises(ValueError, match=r"lm_head.*expected float32\[\d+, \d+\]"):
@@ -165,7 +164,7 @@ def test_engine_through_the_modules_gives_the_same_tokens():
   from dsv4.engine import workloads
   from dsv4.engine.api import run_workload
   from dsv4.engine.engine import Engine, EngineConfig
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   # 8-token chunks and budget: every step is one token bucket, so each path compiles one step program.
   ec = EngineConfig(max_num_seqs=4, max_num_batched_tokens=8, chunk_size=8, max_model_len=512,
@@ -254,7 +253,7 @@ def test_block_and_attention_modules_are_the_block_functions(variant):
 
 def test_bf16_params_merge_and_keep_their_dtype():
   """The engine's bf16 compute dtype (model.cast_params): floats may change dtype, integer tables may not."""
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.cast_params(model.init_params(cfg, jax.random.PRNGKey(0)), jnp.bfloat16)
   _assert_same_arrays(nnx_model.params_of(nnx_model.merge(cfg, params)), params)
   bad = jax.tree_util.tree_map(lambda x: x, params)
@@ -289,7 +288,7 @@ def test_engine_runs_the_modules_so_edits_change_its_output():
   from dsv4.engine.api import generate
   from dsv4.engine.engine import Engine, EngineConfig
   from dsv4.engine.sampling import SamplingParams
-  cfg = C.v4_tiny(num_layers=2)                 # a window layer and a CSA layer: half the compile of v4_tiny
+  cfg = config.v4_tiny(num_layers=2)            # a window layer and a CSA layer: half the compile of v4_tiny
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   ec = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, chunk_size=32, max_model_len=128,
                     num_full_blocks=8, num_swa_blocks=32, record_logits=True)

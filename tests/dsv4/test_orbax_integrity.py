@@ -9,15 +9,14 @@ import jax
 import numpy as np
 import pytest
 
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.loading import CheckpointError, restore_params, save_params
 from dsv4.loading import orbax_io
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-  cfg = C.v4_tiny(num_layers=2, vocab_size=64)
+  cfg = config.v4_tiny(num_layers=2, vocab_size=64)
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   d = str(tmp_path_factory.mktemp("ck") / "params")
   save_params(params, d)

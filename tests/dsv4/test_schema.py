@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from cache.hashing import ExtraKeys
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine import schema
 from dsv4.engine.api import generate
 from dsv4.engine.engine import Engine, EngineConfig
@@ -50,7 +49,7 @@ def test_parse_request_accepts_every_field():
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = dataclasses.replace(C.v4_tiny(), vocab_size=V)
+  cfg = dataclasses.replace(config.v4_tiny(), vocab_size=V)
   return cfg, model.init_params(cfg, jax.random.PRNGKey(0))
 
 

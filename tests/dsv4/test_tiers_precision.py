@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from cache.hashing import ExtraKeys
-from cache.tiers import record as R
+from cache.tiers import record
 from dsv4 import caches, model
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.tiering import TieringConfig
-from tests.dsv4 import tiers_precision_worker as W
+from tests.dsv4 import tiers_precision_worker
 from tests.dsv4.test_sharding import run_worker
 
 
@@ -30,29 +30,29 @@ def run_mesh_worker(*args, timeout=1500):
 
 
 def test_record_manifest_names_ml_dtypes_and_round_trips_raw_bits():
-  assert [R.dtype_str(d) for d in (np.float32, np.int32, np.uint8, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn)] \
+  assert [record.dtype_str(d) for d in (np.float32, np.int32, np.uint8, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn)] \
       == ["<f4", "<i4", "|u1", "bfloat16", "float8_e4m3fn"]
-  assert R.np_dtype("bfloat16") == np.dtype(ml_dtypes.bfloat16) and R.np_dtype("<f4") == np.dtype(np.float32)
+  assert record.np_dtype("bfloat16") == np.dtype(ml_dtypes.bfloat16) and record.np_dtype("<f4") == np.dtype(np.float32)
   with pytest.raises(ValueError, match="raw bytes"):
-    R.np_dtype("<V2")                 # what np.dtype(bfloat16).str reads back as
+    record.np_dtype("<V2")            # what np.dtype(bfloat16).str reads back as
   rng = np.random.default_rng(0)
   arrs = [rng.integers(0, 256, (4, 64), np.uint8).view(ml_dtypes.float8_e4m3fn),
           rng.integers(0, 256, (4, 1), np.uint8),
           rng.integers(0, 1 << 16, (4, 64), np.uint16).view(ml_dtypes.bfloat16)]
-  man = tuple(R.ArrayEntry(f"L0/window_kv.{n}", R.dtype_str(a.dtype), a.shape)
+  man = tuple(record.ArrayEntry(f"L0/window_kv.{n}", record.dtype_str(a.dtype), a.shape)
               for n, a in zip(("nope", "scale", "rope"), arrs))
-  fp = R.Fingerprint("m", "t", "layout")
-  hdr = R.RecordHeader(fp, "swa", b"d" * 16, b"p" * 16, 0, (1, 2, 3, 4), man)
-  out = R.decode(R.encode(hdr, arrs), R.Expect(fp, "swa", b"d" * 16, b"p" * 16, 0, (1, 2, 3, 4), man))
+  fp = record.Fingerprint("m", "t", "layout")
+  hdr = record.RecordHeader(fp, "swa", b"d" * 16, b"p" * 16, 0, (1, 2, 3, 4), man)
+  out = record.decode(record.encode(hdr, arrs), record.Expect(fp, "swa", b"d" * 16, b"p" * 16, 0, (1, 2, 3, 4), man))
   for a, b in zip(arrs, out):
     assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
   with pytest.raises(ValueError, match="manifest says"):     # never a silent conversion into the record
-    R.encode(hdr, [arrs[0].astype(np.float32)] + arrs[1:])
+    record.encode(hdr, [arrs[0].astype(np.float32)] + arrs[1:])
 
 
 @pytest.mark.parametrize("kv", ["fp8", "bf16"])
 def test_blocks_through_host_and_disk_bit_for_bit(kv, tmp_path):
-  print(W.check_raw(kv, str(tmp_path)))
+  print(tiers_precision_worker.check_raw(kv, str(tmp_path)))
 
 
 def test_blocks_on_a_mesh_bit_for_bit(tmp_path):
@@ -65,14 +65,14 @@ def test_blocks_on_a_mesh_bit_for_bit(tmp_path):
 
 
 def test_records_of_one_precision_never_load_at_another(tmp_path):
-  cfg = W.config(False)
+  cfg = tiers_precision_worker.config(False)
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   toks = list(range(2, 2 + 128))
   ts = {}
   for kv in ("fp32", "bf16", "fp8"):
     tc = TieringConfig(tiers=("host",), policy="load", model_digest="m")
     ec = EngineConfig(max_num_seqs=2, max_model_len=256, num_full_blocks=4, num_swa_blocks=8,
-                      layout=caches.CacheLayout(kv_dtype=W.KV[kv]), tiering=tc)
+                      layout=caches.CacheLayout(kv_dtype=tiers_precision_worker.KV[kv]), tiering=tc)
     ts[kv] = Engine(params, cfg, ec).tiering
   specs = {kv: t.specs.fingerprint for kv, t in ts.items()}
   assert len(set(specs.values())) == 3, specs
@@ -83,18 +83,22 @@ def test_records_of_one_precision_never_load_at_another(tmp_path):
   idents = {kv: ident(t) for kv, t in ts.items()}
   assert len({i.key for i in idents.values()}) == 3            # another precision never even looks the key up
   w, t8 = idents["fp8"], ts["fp8"]
-  data = R.encode(R.RecordHeader(w.fp, caches.FULL, w.digest, w.parent, w.start, w.tokens, t8.manifest[caches.FULL]),
-                  [np.zeros(e.shape, R.np_dtype(e.dtype)) for e in t8.manifest[caches.FULL]])
+  data = record.encode(
+      record.RecordHeader(w.fp, caches.FULL, w.digest, w.parent, w.start, w.tokens, t8.manifest[caches.FULL]),
+      [np.zeros(e.shape, record.np_dtype(e.dtype)) for e in t8.manifest[caches.FULL]])
   for kv in ("fp32", "bf16"):                                  # and a record handed over anyway is refused
     i, t = idents[kv], ts[kv]
-    with pytest.raises(R.RecordError, match="fingerprint"):
-      R.decode(data, R.Expect(i.fp, caches.FULL, i.digest, i.parent, i.start, i.tokens, t.manifest[caches.FULL]))
+    with pytest.raises(record.RecordError, match="fingerprint"):
+      record.decode(data, record.Expect(i.fp, caches.FULL, i.digest, i.parent, i.start, i.tokens,
+                                        t.manifest[caches.FULL]))
   # same key and fingerprint but another manifest (FP8 components vs bf16 arrays): refused too
   i, t = idents["bf16"], ts["bf16"]
-  fake = R.encode(R.RecordHeader(i.fp, caches.FULL, i.digest, i.parent, i.start, i.tokens, t8.manifest[caches.FULL]),
-                  [np.zeros(e.shape, R.np_dtype(e.dtype)) for e in t8.manifest[caches.FULL]])
-  with pytest.raises(R.RecordError, match="arrays"):
-    R.decode(fake, R.Expect(i.fp, caches.FULL, i.digest, i.parent, i.start, i.tokens, t.manifest[caches.FULL]))
+  fake = record.encode(
+      record.RecordHeader(i.fp, caches.FULL, i.digest, i.parent, i.start, i.tokens, t8.manifest[caches.FULL]),
+      [np.zeros(e.shape, record.np_dtype(e.dtype)) for e in t8.manifest[caches.FULL]])
+  with pytest.raises(record.RecordError, match="arrays"):
+    record.decode(fake, record.Expect(i.fp, caches.FULL, i.digest, i.parent, i.start, i.tokens,
+                                      t.manifest[caches.FULL]))
   for t in ts.values():
     t.close()
 
@@ -102,7 +106,7 @@ def test_records_of_one_precision_never_load_at_another(tmp_path):
 @pytest.mark.matrix   # on demand: the composition matrix's tier rows cover it in CI
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8"])
 def test_engine_reload_same_tokens_as_cold(kv, tmp_path):
-  print(W.check_engine(kv, str(tmp_path)))
+  print(tiers_precision_worker.check_engine(kv, str(tmp_path)))
 
 
 @pytest.mark.matrix   # on demand (~10 min): the composition matrix's mesh tier rows cover it in CI

@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 
 from cache.tiers.servers import MooncakeServer, RedisServer, free_port
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine.api import generate
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
@@ -55,7 +54,7 @@ class World:
 
   def __init__(self, name, redis_server, tmp):
     self.name = name
-    self.cfg = C.v4_tiny() if name == "v4" else C.v41_tiny()
+    self.cfg = config.v4_tiny() if name == "v4" else config.v41_tiny()
     self.params = model.init_params(self.cfg, jax.random.PRNGKey(0))
     self.disk = os.path.join(tmp, f"disk_{name}")
     self.url = redis_server.url.replace("/0", "/1" if name == "v4" else "/2")

@@ -19,8 +19,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine.api import generate
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
@@ -31,7 +30,7 @@ EC = EngineConfig(max_num_seqs=2, max_num_batched_tokens=128, chunk_size=64, max
 
 
 def test_reload_needs_only_the_resume_points_tail():
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   rng = np.random.default_rng(21)
   V = cfg.vocab_size

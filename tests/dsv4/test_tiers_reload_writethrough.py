@@ -17,9 +17,7 @@ import pytest
 
 from cache.hashing import ExtraKeys
 from cache.tiers.servers import RedisServer, free_port
-from dsv4 import caches
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import caches, config, model
 from dsv4.engine.api import generate
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.request import Status
@@ -35,7 +33,7 @@ RESUME = 256
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   return cfg, model.init_params(cfg, jax.random.PRNGKey(0))
 
 

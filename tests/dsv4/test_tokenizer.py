@@ -6,8 +6,7 @@ import json
 import jax
 import pytest
 
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine.api import chat, generate_text
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
@@ -147,7 +146,7 @@ def test_tokenizer_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def engine():
-  cfg = C.v4_tiny()
+  cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   ec = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, chunk_size=32, max_model_len=256,
                     num_full_blocks=8, num_swa_blocks=32)

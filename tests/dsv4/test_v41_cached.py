@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4 import caches, model
-from dsv4 import config as C
+from dsv4 import caches, config, model
 from tests.dsv4.test_model_cached import check_cached_matches_full
 
 TOL = 1e-5
@@ -17,7 +16,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def setup():
-  cfg = C.v41_tiny()
+  cfg = config.v41_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   # a non-identity Engram token map (case folding), as a tokenizer would give
   params["engram_token_map"] = jnp.asarray(np.arange(cfg.vocab_size) // 2, jnp.int32)

@@ -16,14 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4 import config as C
-from dsv4 import model
-from dsv4.layers import engram as E
-from dsv4.loading import load_checkpoint
-from dsv4.loading import safetensors_io as S
+from dsv4 import config, model
+from dsv4.layers import engram
+from dsv4.loading import load_checkpoint, safetensors_io
 
 sys.path.insert(0, os.path.dirname(__file__))
-import v41_oracle as O  # noqa: E402
+import v41_oracle  # noqa: E402
 
 T = 160            # ratio-1 entries 160 -> 20 candidate blocks of 8, 4 kept: 16 dropped; ratio-2 entries 80
 WIDTHS = (141, 159)
@@ -32,14 +30,14 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
-  if O.ensure_nemo() is None:
+  if v41_oracle.ensure_nemo() is None:
     pytest.skip("nemo-automodel 0.7.0 wheel could not be downloaded (pip download --no-deps nemo-automodel==0.7.0)")
-  cfg = C.v41_tiny()
-  ref, tokenizer = O.build(cfg, seed=0)
+  cfg = config.v41_tiny()
+  ref, tokenizer = v41_oracle.build(cfg, seed=0)
   path = str(tmp_path_factory.mktemp("nemo_ckpt") / "model.safetensors")
-  S.write_file(O.state_dict_np(ref), path)
+  safetensors_io.write_file(v41_oracle.state_dict_np(ref), path)
   params = load_checkpoint(path, cfg)
-  token_map, n = E.compressed_token_map(tokenizer)
+  token_map, n = engram.compressed_token_map(tokenizer)
   assert n == cfg.engram.compressed_vocab_size
   np.testing.assert_array_equal(token_map, ref.model.engram_hash.token_map.numpy())
   params["engram_token_map"] = jnp.asarray(token_map)
@@ -51,20 +49,21 @@ def test_engram_hash_matches_reference(oracle):
   import torch
   toks = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 40))
   want = ref.model.engram_hash(torch.as_tensor(toks)).numpy()
-  got = np.asarray(E.hash_ids(params["engram_token_map"],
-                              jnp.concatenate([jnp.full((2, 3), -1), jnp.asarray(toks)], 1), cfg.engram, 40))
+  got = np.asarray(engram.hash_ids(params["engram_token_map"],
+                                   jnp.concatenate([jnp.full((2, 3), -1), jnp.asarray(toks)], 1), cfg.engram, 40))
   np.testing.assert_array_equal(got, want)
-  np.testing.assert_array_equal(E.hash_ids_reference(np.asarray(params["engram_token_map"]), toks, cfg.engram), want)
+  np.testing.assert_array_equal(
+      engram.hash_ids_reference(np.asarray(params["engram_token_map"]), toks, cfg.engram), want)
 
 
 def test_engram_hash_flash_constants():
   """Exact uint32-limb emulation of the int64 hash at Flash size (primes ~1.6e7, multipliers ~2^46)."""
-  e = C.v41_flash().engram
+  e = config.v41_flash().engram
   tm = np.arange(129280, dtype=np.int32) % e.compressed_vocab_size
   toks = np.random.default_rng(0).integers(0, 129280, (2, 64))
   prev = np.random.default_rng(1).integers(-1, 129280, (2, 3))
-  want = E.hash_ids_reference(tm, toks, e, prev)
-  got = np.asarray(E.hash_ids(jnp.asarray(tm), jnp.asarray(np.concatenate([prev, toks], 1)), e, 64))
+  want = engram.hash_ids_reference(tm, toks, e, prev)
+  got = np.asarray(engram.hash_ids(jnp.asarray(tm), jnp.asarray(np.concatenate([prev, toks], 1)), e, 64))
   np.testing.assert_array_equal(got, want)
   assert want.min() >= 0 and all(want[..., i, :].max() < e.num_embeddings[i] for i in range(2))
 
@@ -73,10 +72,10 @@ def test_logits_match_nemo(oracle):
   cfg, ref, params = oracle
   B = 2
   tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, (B, T))
-  want = O.logits(ref, tokens)
+  want = v41_oracle.logits(ref, tokens)
   stable = np.ones((B, T), bool)
   for w in WIDTHS:
-    part = O.logits(ref, tokens[:, :w])
+    part = v41_oracle.logits(ref, tokens[:, :w])
     d = np.max(np.abs(part - want[:, :w]), axis=-1) <= 1e-5 * np.max(np.abs(want))
     stable[:, :w] &= d
   _, got, auxes = jax.jit(lambda p, t: model.forward_aux(

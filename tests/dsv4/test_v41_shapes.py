@@ -6,12 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from dsv4 import caches, model
-from dsv4 import config as C
-from experiments import cache_bytes as CB
+from dsv4 import caches, config, model
+from experiments.cache_bytes import FORMATS, cache_bytes, per_token_bytes
 
 
-def _expected_params(cfg: C.ModelConfig) -> int:
+def _expected_params(cfg: config.ModelConfig) -> int:
   """Independent count (widths of docs/model.md, Presets): per-layer attention / compressor / indexer / MoE / mHC /
   Engram."""
   a, ix, mo, e, D, n = cfg.attention, cfg.indexer, cfg.moe, cfg.engram, cfg.hidden_size, cfg.mhc.hc_mult
@@ -33,7 +32,7 @@ def _expected_params(cfg: C.ModelConfig) -> int:
 
 @pytest.mark.parametrize("engram", [False, True])
 def test_flash_param_count(engram):
-  cfg = C.v41_flash(engram=engram)
+  cfg = config.v41_flash(engram=engram)
   shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.PRNGKey(0)))
   n = model.count_params({k: v for k, v in shapes.items() if k != "engram_token_map"})
   assert n == _expected_params(cfg)
@@ -49,7 +48,7 @@ def test_flash_param_count(engram):
 
 
 def test_flash_roles_and_cache_shapes():
-  cfg = C.v41_flash()
+  cfg = config.v41_flash()
   roles = {p.index: p.kind for p in cfg.layer_plan()}
   assert [i for i, k in roles.items() if k == "full"] == [2, 8, 14, 20]
   assert [i for i, k in roles.items() if k == "reindex"] == [24, 28, 32, 36]
@@ -73,13 +72,13 @@ def test_flash_roles_and_cache_shapes():
 
 
 def test_v41_schedule_errors_are_clear():
-  base = C.v41_tiny()
+  base = config.v41_tiny()
   import dataclasses
-  with pytest.raises(C.ConfigError, match="latest KV source .layer 1. has ratio 2"):
+  with pytest.raises(config.ConfigError, match="latest KV source .layer 1. has ratio 2"):
     dataclasses.replace(base, kv_source_layer_ids=(1,), index_source_layer_ids=(1, 3), candidate_source_layer_id=-1)
-  with pytest.raises(C.ConfigError, match="candidate_source_layer_id"):
+  with pytest.raises(config.ConfigError, match="candidate_source_layer_id"):
     dataclasses.replace(base, candidate_source_layer_id=6)
-  with pytest.raises(C.ConfigError, match="V4.1 ratios"):
+  with pytest.raises(config.ConfigError, match="V4.1 ratios"):
     dataclasses.replace(base, compress_ratios=(0, 2, 2, 2, 4, 4, 4, 4))
 
 
@@ -92,21 +91,21 @@ SPEC_V41 = {  # GB at 1M (2^20) tokens: 2.5 compressed entries per token x recor
 
 def test_cache_bytes_match_spec():
   L = 1 << 20
-  fm = {f.name: f for f in CB.FORMATS}
-  v41, v4 = C.v41_flash(), C.v4_flash()
+  fm = {f.name: f for f in FORMATS}
+  v41, v4 = config.v41_flash(), config.v4_flash()
   for name, want in SPEC_V41.items():
-    got = CB.cache_bytes(v41, fm[name], L)
+    got = cache_bytes(v41, fm[name], L)
     for k, v in want.items():
       assert abs(got[k] / 1e9 - v) <= 0.006, (name, k, got[k])
-  rec = CB.cache_bytes(v41, fm["v4_fp8_record_584B+idx_fp8"], L)
+  rec = cache_bytes(v41, fm["v4_fp8_record_584B+idx_fp8"], L)
   assert abs(rec["window"] / 1e6 - 3.0) < 0.05                     # "rings 3 MB"
-  assert abs(CB.cache_bytes(v41, fm["bf16"], L)["total"] / 1e9 - 3.4) < 0.05   # "about 3.4 GB"
+  assert abs(cache_bytes(v41, fm["bf16"], L)["total"] / 1e9 - 3.4) < 0.05   # "about 3.4 GB"
   # V4-Flash: CSA 3.21 + HCA 0.096 GB, index 0.73 (0.37 MXFP4), rings 3.2 MB, 4.04 GB; compressor states: one
   # running-pool row per layer (21 CSA x (4*512 + 4*128) + 20 HCA x 2*512 fp32 = 0.30 MB; raw rows were 12 MB)
-  g = CB.cache_bytes(v4, fm["v4_fp8_record_584B+idx_fp8"], L)
+  g = cache_bytes(v4, fm["v4_fp8_record_584B+idx_fp8"], L)
   assert abs(g["compressed_kv"] / 1e9 - (3.21 + 0.096)) < 0.01 and abs(g["index_keys"] / 1e9 - 0.73) < 0.005
   assert abs(g["window"] / 1e6 - 3.2) < 0.05 and abs(g["compressor_state"] / 1e6 - 0.30) < 0.01
   assert abs(g["total"] / 1e9 - 4.04) < 0.01
-  assert abs(CB.cache_bytes(v4, fm["v4_fp8_record_584B+idx_mxfp4"], L)["index_keys"] / 1e9 - 0.37) < 0.01
-  assert abs(CB.cache_bytes(v4, fm["bf16"], L)["total"] / 1e9 - 7.2) < 0.05
-  assert CB.per_token_bytes(v41, fm["v41_record_528B+idx_fp8"]) == 2.5 * 528 + 2.5 * 132
+  assert abs(cache_bytes(v4, fm["v4_fp8_record_584B+idx_mxfp4"], L)["index_keys"] / 1e9 - 0.37) < 0.01
+  assert abs(cache_bytes(v4, fm["bf16"], L)["total"] / 1e9 - 7.2) < 0.05
+  assert per_token_bytes(v41, fm["v41_record_528B+idx_fp8"]) == 2.5 * 528 + 2.5 * 132

@@ -7,8 +7,7 @@ import sys
 
 import jax
 
-from dsv4 import config as C
-from dsv4 import model
+from dsv4 import config, model
 from dsv4.engine.api import generate
 from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
@@ -18,7 +17,7 @@ from tests.dsv4.test_tiers_reload import EC
 
 def main():
   name, url, path = sys.argv[1:4]
-  cfg = C.v4_tiny() if name == "v4" else C.v41_tiny()
+  cfg = config.v4_tiny() if name == "v4" else config.v41_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   job = json.load(open(path))
   eng = Engine(params, cfg, dataclasses.replace(EC, tiering=TieringConfig(tiers=("redis",), store_url=url,

@@ -20,7 +20,7 @@ import numpy as np
 
 from cache.hashing import ExtraKeys
 from dsv4 import caches, model, sharding
-from dsv4 import config as C
+from dsv4.config import ModelConfig, v4_tiny
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.tiering import TieringConfig
 
@@ -28,7 +28,7 @@ MESH = (2, 2, 2)
 KV = {"fp32": caches.KV_DTYPES["fp32"], "bf16": caches.KV_DTYPES["bf16"], "fp8": caches.FP8}
 
 
-def widen(cfg: C.ModelConfig, mesh: bool) -> C.ModelConfig:
+def widen(cfg: ModelConfig, mesh: bool) -> ModelConfig:
   """FP8-capable widths (the FP8 record quantizes the non-RoPE channels in blocks of 64); on a mesh also enough
   heads / groups / experts to split (as tests/dsv4/sharding_worker.py)."""
   cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, head_dim=128, rope_head_dim=64),
@@ -39,9 +39,9 @@ def widen(cfg: C.ModelConfig, mesh: bool) -> C.ModelConfig:
   return cfg
 
 
-def config(mesh: bool) -> C.ModelConfig:
+def config(mesh: bool) -> ModelConfig:
   """v4_tiny, `widen`ed."""
-  return widen(C.v4_tiny(), mesh)
+  return widen(v4_tiny(), mesh)
 
 
 def _bytes(x: np.ndarray) -> np.ndarray:

@@ -102,11 +102,11 @@ def build(cfg, seed: int = 0, *, fake_quant: bool = False):
     sys.path.insert(0, path)
   import torch
   from nemo_automodel.components.models.common import BackendConfig
-  from nemo_automodel.components.models.deepseek_v41 import attention as A
+  from nemo_automodel.components.models.deepseek_v41 import attention
   from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
   from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
   if not fake_quant:
-    A.quantize_cache = lambda values, **kw: values
+    attention.quantize_cache = lambda values, **kw: values
   torch.manual_seed(seed)
   text = nemo_text_kwargs(cfg)
   tokenizer = tiny_tokenizer(cfg.vocab_size) if cfg.engram.layer_ids else None

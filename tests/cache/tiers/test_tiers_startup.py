@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from cache.tiers import record as R
+from cache.tiers import record
 from cache.tiers.backends import DiskBackend, HostBackend, RedisBackend, parse_redis_url
 from cache.tiers.servers import RedisServer, free_port
 from cache.tiers.tier import Tier, TierPolicy
@@ -22,10 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 def _record(seed=0):
   import numpy as np
-  fp = R.Fingerprint("model-a", "tok-1", "layout-1", "", "")
-  man = (R.ArrayEntry("L0/window_kv", "<f4", (4, 3)),)
-  hdr = R.RecordHeader(fp, "swa", bytes([seed]) * 16, b"p" * 16, 32, (5, 6, 7, 8), man)
-  return R.encode(hdr, [np.full((4, 3), seed, np.float32)])
+  fp = record.Fingerprint("model-a", "tok-1", "layout-1", "", "")
+  man = (record.ArrayEntry("L0/window_kv", "<f4", (4, 3)),)
+  hdr = record.RecordHeader(fp, "swa", bytes([seed]) * 16, b"p" * 16, 32, (5, 6, 7, 8), man)
+  return record.encode(hdr, [np.full((4, 3), seed, np.float32)])
 
 
 def test_disk_tier_finds_records_another_engine_wrote_after_it_started(tmp_path):
