@@ -215,12 +215,12 @@ def check_pools(variant: str, shape=(2, 2, 2)) -> None:
   shard = {rid: e2.requests[rid].shard for rid in hits2}
   print(f"pools {variant} mesh={shape} same tokens (worst logit rel {worst:.2e}); hits one device {hits1}, "
         f"mesh {hits2}; shards {shard}", flush=True)
-  # By hand: A.t0 and config.t0 miss; B.t0 hits the shared system prompt (affinity put B on A's shard); every later
+  # By hand: A.t0 and C.t0 miss; B.t0 hits the shared system prompt (affinity put B on A's shard); every later
   # turn hits its own history; C (no common prefix) went to the other shard; the hits are the one-device hits.
-  want_zero, want_hit = ("A.t0", "config.t1"), ("B.t1", "A.t2", "B.t2", "config.t2")
+  want_zero, want_hit = ("A.t0", "C.t1"), ("B.t1", "A.t2", "B.t2", "C.t2")
   if any(hits2[r] for r in want_zero) or not all(hits2[r] > 0 for r in want_hit) or hits2 != hits1:
     sys.exit(f"FAIL pools {variant}: hits {hits2} (one device {hits1})")
-  if not (shard["A.t0"] == shard["B.t1"] == shard["A.t2"] == shard["B.t2"] != shard["config.t1"] == shard["config.t2"]):
+  if not (shard["A.t0"] == shard["B.t1"] == shard["A.t2"] == shard["B.t2"] != shard["C.t1"] == shard["C.t2"]):
     sys.exit(f"FAIL pools {variant}: placement {shard}")
   if e2.num_shards != D or [m.num_blocks for m in e2.managers] != [{"full": 48 // D, "swa": 160 // D}] * D:
     sys.exit(f"FAIL pools {variant}: managers {[m.num_blocks for m in e2.managers]}")
