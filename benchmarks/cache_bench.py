@@ -95,7 +95,7 @@ def _pow2(n: int, lo: int = 8) -> int:
 
 @functools.partial(jax.jit, static_argnames=("names", "rows", "full_w", "swa_w"))
 def model_body(tables, model_buf, params, *, names, rows, full_w, swa_w):
-  """A minimal model program: each row's tables gathered at its slot as `dsv4.engine.runner._row_tables` does
+  """A minimal model program: each row's tables gathered at its slot as `dsv4.engine.step_program._row_tables` does
   (full from entry 0, swa from its base block), feeding a small body so XLA cannot drop the table work.
   model_buf: slot [R], swa base block [R], chunk tokens [R x CHUNK]. Returns a token per row."""
   R = rows
