@@ -20,6 +20,7 @@ import pytest
 
 ENV = "DSV4_TEST_RUN"
 _GRACE_S = 3.0                 # how long processes found at the end get to exit by themselves
+_EXEC_SETTLE_S = 0.3
 _run_id_key = pytest.StashKey[str]()
 
 
@@ -36,6 +37,9 @@ def pytest_sessionfinish(session, exitstatus):
   run_id = session.config.stash.get(_run_id_key, None)
   if run_id is None or not os.path.isdir("/proc"):
     return
+  # A process caught between exec and its first instruction shows an empty environment (the kernel sets it after
+  # the exec is already visible to its parent): wait that out before the first look.
+  time.sleep(_EXEC_SETTLE_S)
   orphans = marked_processes(run_id)
   deadline = time.monotonic() + _GRACE_S
   while orphans and time.monotonic() < deadline:

@@ -141,7 +141,8 @@ class ServersCli:
     return url
 
   def __exit__(self, *exc):
-    self.server_pids += [c for c in children(self.proc.pid) if c not in self.server_pids]
+    if self.proc.returncode is None:                # once reaped, its pid may belong to another process
+      self.server_pids += [c for c in children(self.proc.pid) if c not in self.server_pids]
     if self.proc.poll() is None:
       os.killpg(self.proc.pid, signal.SIGKILL)
     self.proc.wait()
@@ -209,7 +210,8 @@ def test_a_server_dies_with_the_process_that_started_it(kind):
     owner.wait()
     assert gone_within(servers)
   finally:
-    servers += [c for c in children(owner.pid) if c not in servers]
+    if owner.returncode is None:                      # once reaped, its pid may belong to another process
+      servers += [c for c in children(owner.pid) if c not in servers]
     if owner.poll() is None:
       os.killpg(owner.pid, signal.SIGKILL)
       owner.wait()
