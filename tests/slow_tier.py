@@ -234,4 +234,14 @@ SLOW = {
     "tests/cache/test_scenarios.py::test_fanout_over_one_document_hits_the_document":
         "tests/cache/test_acceptance.py (hits over a shared document per group), test_manager.py::"
         "test_hit_blocks_are_claimed_and_tables_consistent",
+    "tests/dsv4/test_tokenizer.py::test_generate_text_chat_and_stop_strings":
+        "test_generate_text_bad_input_is_a_per_request_error (generate_text through the engine), "
+        "test_save_load_encode_decode_template (the chat template), tests/dsv4/test_engine_api_stop.py (stops)",
+    "tests/dsv4/test_engine_async.py::test_a_long_job_leaves_no_host_state_behind":
+        "test_async_equals_sync[0-preempting] (every block back), tests/cache/test_host_tables_props.py",
+    "tests/dsv4/test_hf_parity.py::test_no_topk_ties_and_same_selection_as_hf":
+        "test_full_forward_matches_hf (the same selection, through the logits)",
+    "tests/dsv4/test_v41_parity.py::test_engram_hash_matches_reference":
+        "test_engram_hash_flash_constants, test_logits_match_nemo (Engram inside the model against NeMo's)",
+    "tests/pallas_kernels/test_dispatch.py::test_auto_validates_each_kernel_once_at_its_shapes[False]": "[True]",
 }
