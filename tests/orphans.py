@@ -96,3 +96,12 @@ def _self_and_ancestors() -> set[int]:
     except (OSError, IndexError, ValueError):
       break
   return pids
+
+
+def running(pid: int) -> bool:
+  """Alive and not a zombie (a killed process whose new parent has not reaped it yet is gone for our purposes)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+  except (OSError, IndexError):
+    return False

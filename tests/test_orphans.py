@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests.orphans import running
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 INNER_TEST = '''
@@ -22,15 +24,6 @@ def test_starts_a_process():
     p.kill()
     p.wait()
 '''
-
-
-def running(pid: int) -> bool:
-  """Alive and not a zombie (a killed process whose new parent has not reaped it yet is gone for our purposes)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-  except (OSError, IndexError):
-    return False
 
 
 def _inner_run(tmp_path, stop: bool):

@@ -16,6 +16,7 @@ from cache.tiers import record
 from cache.tiers.backends import DiskBackend, HostBackend, RedisBackend, parse_redis_url
 from cache.tiers.servers import RedisServer, free_port
 from cache.tiers.tier import Tier, TierPolicy
+from tests.orphans import running
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -93,15 +94,6 @@ def with_sigint(disposition: str) -> list[str]:
   inherits that one (a non-interactive shell starts its background jobs with SIGINT ignored; exec keeps it)."""
   return [sys.executable, "-c", (f"import os, signal, sys; signal.signal(signal.SIGINT, signal.{disposition}); "
                                  "os.execv(sys.argv[1], sys.argv[1:])")]
-
-
-def running(pid: int) -> bool:
-  """Alive and not a zombie (a server killed by its parent-death signal stays one until init reaps it)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-  except (OSError, IndexError):
-    return False
 
 
 def children(pid: int) -> list[int]:
