@@ -28,6 +28,18 @@ Counting ("count", `CountSpec`): one answer needs *several* far-away compressed 
 * `src_pos[b, t, :]` lists the positions of all c occurrences (-1 padded): what the attention supervision and the
   indexer hit rate use. With top-k < c the CSA layer can read at most k of the c occurrences.
 
+Multi-key aggregation ("multikey", `MultiKeySpec`): the number of far-away entries one answer needs is a knob m:
+
+    [BOS] filler .. s1 .. filler .. s2 .. ... .. sm .. filler (>= min_gap tokens) [SEP] K a
+
+* the store region is cut into m equal slots; each slot holds one key token, either the asked key K (token key_lo,
+  fixed) or a distinct distractor key; c of the m slots hold K (c uniform in 0..m);
+* the answer is the *fraction* c / m on a fixed grid: token `count_lo + round(levels * c / m)` (levels = 16, so the
+  same read-out serves every m and m = 16 needs every slot to be read exactly);
+* m is drawn per sequence from `ms`, so one trained model is evaluated at m = 1, 4, 16 by fixing `ms=(m,)`;
+  a slot's key lies in two overlapping CSA entries (one V4.1 ratio-2 entry), so the answer needs ~2m (m) entries
+  and a top-k below that must lose information. Chance = 1 / (m + 1) (uniform c).
+
 Every batch is a pure function of (task spec, seed): `make_batch(spec, seed, batch)`; evaluation uses seeds from a
 range disjoint from the training seeds (`EVAL_SEED_BASE`).
 """
@@ -175,11 +187,87 @@ def make_count_batch(spec: CountSpec, seed: int, batch: int):
   return dict(tokens=tokens, targets=targets, mask=mask, src_pos=src_pos, count=count)
 
 
+@dataclasses.dataclass(frozen=True)
+class MultiKeySpec:
+  kind: str = "multikey"
+  seq_len: int = 192
+  ms: tuple = (1, 2, 4, 8, 16)   # slots per sequence (= entries an answer needs, x2 for overlapping CSA)
+  min_gap: int = 32
+  levels: int = 16               # answer grid: count_lo + round(levels * c / m)
+  filler_lo: int = 3
+  filler_hi: int = 8
+  key_lo: int = 8                # the asked key (always this token)
+  key_hi: int = 40
+  count_lo: int = 40
+
+  @property
+  def vocab_size(self) -> int:
+    return 64
+
+  @property
+  def num_values(self) -> int:
+    # chance of a uniform guess among the answers possible for the largest m (c uniform in 0..m)
+    return max(self.ms) + 1
+
+  @property
+  def query_len(self) -> int:
+    return 3
+
+  @property
+  def store_end(self) -> int:
+    return 1 + (self.seq_len - self.query_len - self.min_gap - 1)
+
+  def validate(self):
+    seg = (self.store_end - 1) // max(self.ms)
+    if seg < 8:
+      raise ValueError(f"MultiKeySpec: store region too short for {max(self.ms)} slots 8 tokens apart "
+                       f"(slot {seg}); raise seq_len or lower ms/min_gap")
+    if self.key_hi - self.key_lo <= max(self.ms) or self.count_lo + self.levels >= self.vocab_size:
+      raise ValueError("MultiKeySpec: token ranges too small")
+    if any(self.levels % m for m in self.ms):
+      raise ValueError("MultiKeySpec: every m must divide levels (exact answer grid)")
+
+
+def make_multikey_batch(spec: MultiKeySpec, seed: int, batch: int):
+  """Returns dict(tokens, targets, mask [B,T], src_pos [B,T,M] (all m slot positions at the answer position,
+  -1 padded; M = max(ms)), count [B] (c), m [B])."""
+  spec.validate()
+  rng = np.random.default_rng(np.uint64(seed) + np.uint64(0x2545F491))
+  T, M = spec.seq_len, max(spec.ms)
+  tokens = rng.integers(spec.filler_lo, spec.filler_hi, size=(batch, T)).astype(np.int32)
+  tokens[:, 0] = BOS
+  targets = np.zeros((batch, T), np.int32)
+  mask = np.zeros((batch, T), np.float32)
+  src_pos = np.full((batch, T, M), -1, np.int32)
+  count = np.zeros((batch,), np.int32)
+  ms = np.zeros((batch,), np.int32)
+  t = T - 2
+  for b in range(batch):
+    m = int(rng.choice(spec.ms))
+    seg = (spec.store_end - 1) // m
+    c = int(rng.integers(0, m + 1))
+    distract = rng.choice(np.arange(spec.key_lo + 1, spec.key_hi), size=m, replace=False)
+    is_key = rng.permutation(np.arange(m) < c)
+    pos = [1 + j * seg + int(rng.integers(0, seg - 7)) for j in range(m)]
+    for j in range(m):
+      tokens[b, pos[j]] = spec.key_lo if is_key[j] else distract[j]
+    src_pos[b, t, :m] = pos
+    answer = spec.count_lo + (spec.levels * c) // m
+    tokens[b, T - 3], tokens[b, t], tokens[b, T - 1] = SEP, spec.key_lo, answer
+    targets[b, t] = answer
+    mask[b, t] = 1.0
+    count[b], ms[b] = c, m
+  return dict(tokens=tokens, targets=targets, mask=mask, src_pos=src_pos, count=count, m=ms)
+
+
 def spec_from_dict(d: dict):
   """Task spec from its `dataclasses.asdict` (checkpoint config.json "task"); no "kind" = key-value recall."""
   d = dict(d)
   if d.get("kind") == "count":
     return CountSpec(**d)
+  if d.get("kind") == "multikey":
+    d["ms"] = tuple(d["ms"])
+    return MultiKeySpec(**d)
   d.pop("kind", None)
   return KVRecallSpec(**d)
 
@@ -187,6 +275,8 @@ def spec_from_dict(d: dict):
 def make_batch(spec, seed: int, batch: int):
   if isinstance(spec, CountSpec):
     return make_count_batch(spec, seed, batch)
+  if isinstance(spec, MultiKeySpec):
+    return make_multikey_batch(spec, seed, batch)
   return make_kv_batch(spec, seed, batch)
 
 

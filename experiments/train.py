@@ -44,8 +44,10 @@ flags.DEFINE_integer("num_layers", 2, "Layers (V4: layer 0 window-only, then CSA
 flags.DEFINE_integer("hidden_size", 64, "Hidden size.")
 flags.DEFINE_integer("window", 16, "Sliding window.")
 flags.DEFINE_integer("topk", 8, "Indexer top-k in the sparse phase.")
-flags.DEFINE_enum("task", "kv", ["kv", "count"], "kv: key-value recall (tasks.KVRecallSpec); count: how often a "
-                  "key occurs, 1..--max_count times beyond the window (tasks.CountSpec).")
+flags.DEFINE_enum("task", "kv", ["kv", "count", "multikey"], "kv: key-value recall (tasks.KVRecallSpec); count: how "
+                  "often a key occurs, 1..--max_count times beyond the window (tasks.CountSpec); multikey: the "
+                  "fraction of m slots that hold the key, m drawn from --ms (tasks.MultiKeySpec).")
+flags.DEFINE_list("ms", ["1", "2", "4", "8", "16"], "multikey task: slot counts m drawn per sequence.")
 flags.DEFINE_integer("max_count", 8, "count task: maximum count C (counts uniform in 1..C).")
 flags.DEFINE_bool("distractors", True, "count task: fill the unused slots with other key tokens.")
 flags.DEFINE_bool("fixed_key", False, "count task: always count the same key token.")
@@ -100,11 +102,17 @@ def train(argv_cmd: str) -> dict:
                            distractors=FLAGS.distractors, fixed_key=FLAGS.fixed_key,
                            sup_all_slots=FLAGS.sup_all_slots, mode=FLAGS.count_mode)
     config = dataclasses.replace(config, name=config.name.replace("retrieval", "count"))
+  elif FLAGS.task == "multikey":
+    ms = tuple(int(m) for m in FLAGS.ms)
+    if small:
+      ms = (1, 2)
+    spec = tasks.MultiKeySpec(seq_len=seq_len, ms=ms, min_gap=max(2 * window, 8))
+    config = dataclasses.replace(config, name=config.name.replace("retrieval", "multikey"))
   else:
     spec = tasks.KVRecallSpec(seq_len=seq_len, num_pairs=num_pairs, num_queries=num_queries,
                               min_gap=max(2 * window, 8))
   spec.validate()
-  default_name = f"{FLAGS.variant}_{'retrieval' if FLAGS.task == 'kv' else 'count'}"
+  default_name = f"{FLAGS.variant}_{dict(kv='retrieval').get(FLAGS.task, FLAGS.task)}"
   out_dir = FLAGS.out_dir or (tempfile.mkdtemp(prefix="dsv4_train_small_") if small else
                               os.path.join("out", "train", default_name))
   logging.info("config %s\ntask %s\nout_dir %s", config, spec, out_dir)
@@ -161,7 +169,7 @@ def train(argv_cmd: str) -> dict:
     logging.info("final eval T=%d: %s", T, final[str(T)])
   meta = dict(task=dataclasses.asdict(spec), command=argv_cmd, steps_done=step, train_seconds=round(train_s, 1),
               final_eval=final, small=small,
-              flags={k: FLAGS[k].value for k in ("task", "max_count", "distractors", "fixed_key", "sup_all_slots",
+              flags={k: FLAGS[k].value for k in ("task", "ms", "max_count", "distractors", "fixed_key", "sup_all_slots",
                                                   "count_mode", "variant", "num_layers", "hidden_size", "window", "topk",
                                                   "seq_len", "num_pairs", "num_queries", "batch", "steps",
                                                   "dense_warmup_steps", "lr", "warmup", "weight_decay",
