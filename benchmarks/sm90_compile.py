@@ -7,8 +7,8 @@
 Needs pip `triton` (the `sm90` extra: 3.8.0, the release nearest the Triton that jaxlib 0.11's XLA bundles; see
 docs/kernels.md) and CUDA's `ptxas` on PATH (or --ptxas). No GPU: the kernels are lowered by JAX for CUDA under an
 abstract H200 (`pallas_kernels/lowering.py`), the Triton IR module that JAX's Pallas-Triton lowering builds is taken
-as it is handed to the custom call, compiled by Triton's own pipeline (TTIR -> TTGIR -> LLVM -> PTX) for target
-cuda:90, and the PTX is assembled by `ptxas -v --gpu-name sm_90a`, whose report gives registers, spill bytes and
+as it is handed to the custom call, compiled by Triton's own pipeline (TTIR passes -> TTGIR -> LLVM -> PTX, the
+passes XLA's Triton pipeline runs on it on a GPU) for target cuda:90, and the PTX is assembled by `ptxas -v --gpu-name sm_90a`, whose report gives registers, spill bytes and
 stack. Shared memory is Triton's dynamic allocation (`metadata.shared`) plus any static shared memory ptxas reports.
 
 CTAs per SM come from those numbers against the H200's limits (`Sm90Limits`): 65536 registers (allocated per warp
@@ -193,22 +193,42 @@ class Compiled:
   ctas_per_sm: int
   limiter: str
   ptx_target: str
+  mma: str  # tensor-core instruction in the PTX: "wgmma" (Hopper), "mma.sync" (Ampere-style) or "none"
 
 
 def compile_sm90(module: TritonModule, workdir: str, ptxas: str, lim: Sm90Limits = H200) -> Compiled:
-  """TTIR -> PTX with pip triton for cuda:90, then `ptxas -v --gpu-name sm_90a` on that PTX."""
+  """TTIR -> PTX with pip triton for cuda:90, then `ptxas -v --gpu-name sm_90a` on that PTX.
+
+  Triton skips the TTIR passes for a source given as a .ttir file (they are the step that makes TTIR from Python),
+  but XLA's Triton pipeline, which compiles JAX's module on a GPU, starts with them (inliner, canonicalize, combine,
+  reorder-broadcast, CSE, loop unroll). They matter: the combine pass folds `acc * alpha + dot(p, v)` into a dot
+  that accumulates in place; without it the PV product lands in a second [64, 512] fp32 tile (128 more registers a
+  thread at 8 warps). So they run here first (`make_ttir`), and the compile continues from their output."""
   os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(workdir, "triton_cache"))
   import triton
+  from triton._C.libtriton import ir
   from triton.backends.compiler import GPUTarget
+  from triton.compiler.compiler import make_backend
 
-  src = os.path.join(workdir, f"{module.name}_{module.digest}.ttir")
-  with open(src, "w") as f:
+  target_gpu = GPUTarget("cuda", 90, 32)
+  options = {"num_warps": module.num_warps, "num_stages": module.num_stages, "num_ctas": 1}
+  raw = os.path.join(workdir, f"{module.name}_{module.digest}.jax.ttir")
+  with open(raw, "w") as f:
     f.write(module.ttir)
-  kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": module.num_warps, "num_stages": module.num_stages, "num_ctas": 1})
+  backend = make_backend(target_gpu)
+  ctx = ir.context()
+  ir.load_dialects(ctx)
+  backend.load_dialects(ctx)
+  mod = ir.parse_mlir_module(raw, ctx)
+  mod.context = ctx
+  backend.make_ttir(mod, {}, backend.parse_options(dict(options)), target_gpu.arch)
+  src = raw[:-len(".jax.ttir")] + ".ttir"
+  with open(src, "w") as f:
+    f.write(str(mod))
+  kernel = triton.compile(src, target=target_gpu, options=options)
   ptx = kernel.asm["ptx"]
   target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
-  ptx_path = src[:-5] + ".ptx"
+  ptx_path = src[:-len(".ttir")] + ".ptx"
   with open(ptx_path, "w") as f:
     f.write(ptx)
   run = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx_path, "-o", ptx_path[:-4] + ".cubin"],
@@ -219,8 +239,9 @@ def compile_sm90(module: TritonModule, workdir: str, ptxas: str, lim: Sm90Limits
   smem = int(kernel.metadata.shared) + rep.static_smem_bytes
   threads = module.num_warps * 32
   ctas, limiter = ctas_per_sm(rep.registers, smem, threads, lim)
+  mma = "wgmma" if "wgmma.mma_async" in ptx else ("mma.sync" if "mma.sync" in ptx else "none")
   return Compiled(rep.registers, rep.spill_store_bytes, rep.spill_load_bytes, rep.stack_bytes, smem, threads, ctas,
-                  limiter, target.group(1) if target else "?")
+                  limiter, target.group(1) if target else "?", mma)
 
 
 # ------------------------------------------------------------------------------------------------ the cases
@@ -397,17 +418,17 @@ def run(cases: list[Case], ptxas: str | None = None, workdir: str | None = None,
   return rows
 
 
-HEADER = ("| case | warps / stages | programs | regs | spill st / ld (B) | smem (KB) | CTAs/SM (limit) | waves |\n"
-          "|---|---|---|---|---|---|---|---|")
+HEADER = ("| case | warps / stages | programs | regs | spill st / ld (B) | smem (KB) | CTAs/SM (limit) | waves | MMA |\n"
+          "|---|---|---|---|---|---|---|---|---|")
 
 
 def format_row(r: Row) -> str:
   c = r.compiled
   if c is None:
-    return f"| {r.case} | {r.num_warps} / {r.num_stages} | {r.programs} | error: {r.error} | | | | |"
+    return f"| {r.case} | {r.num_warps} / {r.num_stages} | {r.programs} | error: {r.error} | | | | | |"
   return (f"| {r.case} | {r.num_warps} / {r.num_stages} | {r.programs} | {c.registers} | "
           f"{c.spill_store_bytes} / {c.spill_load_bytes} | {c.smem_bytes / 1024:.1f} | {c.ctas_per_sm} ({c.limiter}) | "
-          f"{r.waves:g} |")
+          f"{r.waves:g} | {c.mma} |")
 
 
 def main(argv=None) -> int:
