@@ -59,6 +59,11 @@ def define_flags():
   flags.DEFINE_string("config", "v4_flash", "Model config preset whose cache geometry is used.")
   flags.DEFINE_integer("seed", 0, "Workload seed.")
   flags.DEFINE_list("intervals", ["0", "128", "256", "512", "1024", "2048"], "Retention intervals (multiples of 128).")
+  flags.DEFINE_list("workloads", ["doc_branch", "chat_fork"], "Traces to sweep: doc_branch, chat_fork (the "
+                    "committed retention.*), edit_last, alternate, agent_loop (retention_multiturn.*).")
+  flags.DEFINE_string("stem", "retention", "Output file stem.")
+  flags.DEFINE_float("swa_pool_frac", 0.0, "0: pools never evict; f > 0: the swa pool holds f x what a never-evicting "
+                     "one would (the checkpoints R adds then compete for it).")
   flags.DEFINE_bool("verify_engine", None, "Check a small trace through the real Engine (default: on unless --small).")
   flags.DEFINE_bool("replot", False, "Re-draw the plot from the table already in the output directory (no sweep).")
   plotting.define_output_flags(SCRIPT, "retention.csv/json/png")
@@ -143,6 +148,85 @@ def chat_fork(vocab, *, sessions=4, turns=5, forks=8, fork_turns=2, system_len=5
   return out
 
 
+def edit_last(vocab, *, sessions=4, turns=4, edits=2, system_len=512, u_len=(64, 384), a_len=(32, 256), seed=0):
+  """Chat sessions; after them each session's last user message is edited `edits` times: the prompt keeps the
+  history up to a random point inside that message (the user rewrote its tail) and appends a new tail."""
+  rng = np.random.default_rng([seed, 3])
+  system = _toks(rng, system_len, vocab)
+  out = []
+  for s in range(sessions):
+    n = 0
+    for t in range(turns):
+      new = (system if t == 0 else ()) + _toks(rng, rng.integers(*u_len), vocab)
+      a = int(rng.integers(*a_len))
+      out.append(Spec(f"chat{s}.t{t}", f"chat{s}", new, a, kind="first" if t == 0 else "turn"))
+      last_start, last_len = n + (len(system) if t == 0 else 0), len(new) - (len(system) if t == 0 else 0)
+      n += len(new) + a
+    for e in range(edits):
+      cut = last_start + int(rng.integers(0, last_len))
+      out.append(Spec(f"chat{s}.edit{e}", f"chat{s}.e{e}", _toks(rng, rng.integers(16, 128), vocab),
+                      int(rng.integers(*a_len)), src=f"chat{s}", cut=cut, kind="branch"))
+  return out
+
+
+def alternate(vocab, *, pairs=3, turns=6, system_len=1024, u_len=(32, 256), a_len=(32, 256), seed=0):
+  """Sessions served in alternation (A B A B ..., `pairs` pairs of sessions, each pair its own system prompt):
+  every turn resumes at the end of its own session's previous request, after the other session ran."""
+  rng = np.random.default_rng([seed, 4])
+  out = []
+  for p in range(pairs):
+    system = _toks(rng, system_len, vocab)
+    for t in range(turns):
+      for x in "ab":
+        new = (system if t == 0 else ()) + _toks(rng, rng.integers(*u_len), vocab)
+        out.append(Spec(f"p{p}{x}.t{t}", f"p{p}{x}", new, int(rng.integers(*a_len)),
+                        kind="first" if t == 0 else "turn"))
+  return out
+
+
+def agent_loop(vocab, *, agents=3, steps=8, task_len=1024, tool_len=(128, 1024), a_len=(16, 96), short=2,
+               short_len=(32, 256), retry_p=0.3, seed=0):
+  """Agent sessions (long task, tool outputs appended step by step, short actions), with `short` unrelated short
+  requests between consecutive agent steps, and retries: with probability retry_p a step is redone from a random
+  point inside the previous tool output (the tool result was cut or replaced), a resume inside history."""
+  rng = np.random.default_rng([seed, 5])
+  out, lens = [], {}
+  q = 0
+  for st in range(steps):
+    for g in range(agents):
+      s = f"agent{g}"
+      if st == 0:
+        new = _toks(rng, task_len, vocab)
+        out.append(Spec(f"{s}.s0", s, new, int(rng.integers(*a_len)), kind="first"))
+        lens[s] = (len(new) + out[-1].n_out, 0, len(new))
+      else:
+        n, prev_n, prev_len = lens[s]
+        new = _toks(rng, rng.integers(*tool_len), vocab)
+        a = int(rng.integers(*a_len))
+        if rng.random() < retry_p and st > 1:
+          cut = prev_n + int(rng.integers(0, prev_len))
+          out.append(Spec(f"{s}.s{st}.retry", s, new, a, src=s, cut=cut, kind="branch"))
+          lens[s] = (cut + len(new) + a, cut, len(new))
+        else:
+          out.append(Spec(f"{s}.s{st}", s, new, a))
+          lens[s] = (n + len(new) + a, n, len(new))
+      for _ in range(short):
+        out.append(Spec(f"short{q}", f"short{q}", _toks(rng, rng.integers(*short_len), vocab),
+                        int(rng.integers(8, 32)), kind="first"))
+        q += 1
+  return out
+
+
+TRACES = {"doc_branch": doc_branch, "chat_fork": chat_fork, "edit_last": edit_last, "alternate": alternate,
+          "agent_loop": agent_loop}
+SMALL_TRACE_ARGS = {"doc_branch": dict(docs=1, doc_len=1024, branches=3, turns=2),
+                    "chat_fork": dict(sessions=2, turns=3, forks=3, fork_turns=2, system_len=256, u_len=(64, 192),
+                                      a_len=(32, 96)),
+                    "edit_last": dict(sessions=2, turns=2, edits=2, system_len=256),
+                    "alternate": dict(pairs=1, turns=3, system_len=256),
+                    "agent_loop": dict(agents=2, steps=3, task_len=256, tool_len=(64, 256), short=1)}
+
+
 # ------------------------------------------------------------------------------------------ drivers
 def serve_one(m, spec: Spec, prompt: list[int], answer: list[int], chunk: int = 512) -> int:
   """Drives the manager through one request the way the engine does; returns the admission hit."""
@@ -211,7 +295,9 @@ def trace_sizes(trace, answer):
       return total
 
 
-def workloads(vocab: int, small: bool, seed: int) -> dict:
+def workloads(vocab: int, small: bool, seed: int, names=("doc_branch", "chat_fork")) -> dict:
+  if tuple(names) != ("doc_branch", "chat_fork"):
+    return {n: TRACES[n](vocab, seed=seed, **(SMALL_TRACE_ARGS[n] if small else {})) for n in names}
   if small:
     return {"doc_branch": doc_branch(vocab, docs=1, doc_len=1024, branches=3, turns=2, seed=seed),
             "chat_fork": chat_fork(vocab, sessions=2, turns=3, forks=3, fork_turns=2, system_len=256,
@@ -282,15 +368,17 @@ def verify_engine(intervals=(0, 128), seed: int = 0) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------ main
 def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, check_engine: bool = False,
-        stem: str = "retention") -> dict:
+        stem: str = "retention", names=("doc_branch", "chat_fork"), swa_pool_frac: float = 0.0) -> dict:
   from cache.manager import KVCacheManager
   config = PRESETS[config_name]()
   answer = synthetic_answer(config.vocab_size, seed)
-  wl = workloads(config.vocab_size, small, seed)
+  wl = workloads(config.vocab_size, small, seed, names)
   rows = []
   for name, trace in wl.items():
     need = trace_sizes(trace, answer)
     nf, ns = need // 128 + 64, need // 32 + 64            # never evicts: held = what the policy keeps
+    if swa_pool_frac:
+      ns = max(int(ns * swa_pool_frac), 64)
     for R in intervals:
       t0 = time.time()
       m = KVCacheManager(group_specs(config), num_full_blocks=nf, num_swa_blocks=ns, retention_interval=R,
@@ -299,7 +387,9 @@ def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, c
       rows.append(dict(workload=name, retention_interval=R, **summarize(res, m), wall_s=round(time.time() - t0, 2)))
       logging.info("%s R=%d: %s", name, R, rows[-1])
   engine_rows = verify_engine(seed=seed) if check_engine else []
-  meta = dict(config=config_name, small=small, seed=seed, pools="sized so nothing is evicted",
+  meta = dict(config=config_name, small=small, seed=seed, swa_pool_frac=swa_pool_frac,
+              pools=(f"swa pool {swa_pool_frac} x the never-evicting size" if swa_pool_frac else
+                     "sized so nothing is evicted"),
               engine_check=engine_rows,
               note="cache-only: KVCacheManager driven directly with synthetic answers (hits do not depend on "
                    "model outputs); recomputed = prompt tokens not covered by the admission hit")
@@ -308,7 +398,7 @@ def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, c
   meta["full_bytes_per_block"] = sp.group("full").bytes_per_block
   csv_path, json_path = plotting.write_table(rows, out_dir, stem, meta)
 
-  png = plotting.save_figure(plot(rows, meta), out_dir, stem)
+  png = plotting.save_figure((plot if stem == "retention" else plot_hits)(rows, meta), out_dir, stem)
   print(f"wrote {csv_path} {json_path} {png}")
   return dict(rows=rows, engine=engine_rows, csv=csv_path, json=json_path, png=png)
 
@@ -358,6 +448,42 @@ def plot(rows: list[dict], meta: dict):
   return fig
 
 
+def plot_hits(rows: list[dict], meta: dict):
+  """Multi-turn traces: (1) hit tokens against checkpoint bytes held (one line per workload, points in order of R,
+  marker = R); (2) hit % and (3) swa checkpoint MB against R (symlog / log2)."""
+  names = list(dict.fromkeys(x["workload"] for x in rows))
+  intervals = sorted({x["retention_interval"] for x in rows})
+  fig, (trade, hit, held) = plotting.new_figure(3, width=4.8)
+  n = len(names)
+  r_marker = {R: plotting.series_style(j, len(intervals))["marker"] for j, R in enumerate(intervals)}
+  handles = []
+  for i, name in enumerate(names):
+    r = sorted((x for x in rows if x["workload"] == name), key=lambda x: x["retention_interval"])
+    R = [x["retention_interval"] for x in r]
+    st = plotting.series_style(i, n)
+    trade.plot([x["swa_mb_cached"] for x in r], [x["hit_pct"] for x in r], **dict(st, marker="None"))
+    for x in r:
+      trade.plot([x["swa_mb_cached"]], [x["hit_pct"]], linestyle="None", marker=r_marker[x["retention_interval"]],
+                 markersize=7, markerfacecolor="none", markeredgecolor=st["color"], markeredgewidth=1.3,
+                 zorder=st["zorder"] + 10, label="_nolegend_")
+    handles.append(plotting.proxy(name, color=st["color"], linestyle=st["linestyle"], linewidth=st["linewidth"]))
+    hit.plot(R, [x["hit_pct"] for x in r], label=name, **st)
+    held.plot(R, [x["swa_mb_cached"] for x in r], label=name, **st)
+  handles += [plotting.proxy(f"R = {R}", color="0.3", linestyle="None", marker=r_marker[R], markerfacecolor="none",
+                             markersize=7) for R in intervals]
+  pools = "pools never evict" if not meta.get("swa_pool_frac") else f"swa pool x{meta['swa_pool_frac']}"
+  trade.set(xlabel="swa checkpoint MB held (end of trace)", ylabel="prefix hit (% of prompt tokens)",
+            title=f"{meta.get('config', '')}: hits vs checkpoint bytes ({pools})")
+  plotting.legend_below(trade, *zip(*handles), ncol=2)
+  for ax in (hit, held):
+    plotting.knob_axis(ax, intervals, "retention interval R (tokens; 0 = boundaries only)")
+  hit.set(ylabel="prefix hit (% of prompt tokens)", title="hit vs retention interval")
+  held.set(ylabel="swa checkpoint MB held", title="checkpoint bytes vs retention interval")
+  plotting.legend_below(hit, ncol=1)
+  plotting.legend_below(held, ncol=1)
+  return fig
+
+
 def main(argv):
   del argv
   intervals = [int(x) for x in FLAGS.intervals]
@@ -366,9 +492,12 @@ def main(argv):
   check = (not FLAGS.small) if FLAGS.verify_engine is None else FLAGS.verify_engine
   out_dir = plotting.output_dir()
   if FLAGS.replot:
-    print("wrote", plotting.save_figure(plot(*plotting.read_table(out_dir, "retention")), out_dir, "retention"))
+    stem = FLAGS.stem
+    print("wrote", plotting.save_figure((plot if stem == "retention" else plot_hits)(
+        *plotting.read_table(out_dir, stem)), out_dir, stem))
     return
-  run(FLAGS.config, intervals, FLAGS.small, out_dir, FLAGS.seed, check)
+  run(FLAGS.config, intervals, FLAGS.small, out_dir, FLAGS.seed, check, stem=FLAGS.stem, names=FLAGS.workloads,
+      swa_pool_frac=FLAGS.swa_pool_frac)
 
 
 if __name__ == "__main__":
