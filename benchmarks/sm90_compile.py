@@ -276,7 +276,9 @@ def _sparse(N, K, fmt, ctx=131072, lens=True, tuning=None):
                           S((rows, ROPE), jnp.bfloat16))
     return S((rows, D), jnp.bfloat16)
 
-  window_rows, comp_rows = max(N, 256) * W, max(N, 64) * ctx // 4
+  # A serving pool: 256 sequences' windows and 64 sequences' compressed rows at `ctx` (2M rows at 128k), whatever
+  # the batch; pool sizes change the code only through 32- vs 64-bit offsets.
+  window_rows, comp_rows = 256 * W, 64 * ctx // 4
   comp = (pool(comp_rows), S((N, K), jnp.int32)) if K else (None, None)
   ln = S((N,), jnp.int32) if lens else None
   specs = (S((N, H, D), jnp.bfloat16), pool(window_rows), S((N, W), jnp.int32), comp[0], comp[1],

@@ -19,9 +19,10 @@ The Pallas kernel (`sparse_attention_pallas`) is written for the Pallas-Triton G
 says why): grid (query token, head block, key split); each program keeps block_h heads of one query token in
 registers, loads the token's id rows once, walks its window ids and then its compressed ids block_k at a time,
 gathers those rows straight from the pool by indexing the pool ref with the id vector, and runs an online softmax
-(base 2). With one split it applies the sink and writes the final out/lse; with more (decode with fewer programs
-than one wave of SMs: up to 16 at batch 1-8) it writes per-split partials in the output dtype that one fused XLA
-pass merges (flash-decoding). Rows behind invalid ids are never read (masked loads, zero fill), so non-finite data
+(base 2). With one split it applies the sink and writes the final out/lse; with more (decode batches whose programs
+leave the last wave of SMs part-empty; `auto_num_splits`) it writes per-split partials in the output dtype that
+one fused XLA pass merges (flash-decoding). Default tilings per pool format (`default_tuning`) are the ones that
+compile without register spills for sm_90a (benchmarks/sm90_compile.py). Rows behind invalid ids are never read (masked loads, zero fill), so non-finite data
 there cannot leak; fp32 inputs use HIGHEST (IEEE) dots.
 """
 
@@ -54,7 +55,7 @@ quantize_kv_fp8 = _fp8.quantize_kv_fp8
 dequantize_kv_fp8 = _fp8.dequantize_kv_fp8
 record_to_paged = _fp8.record_to_paged
 paged_to_record = _fp8.paged_to_record
-MAX_SPLITS = 16  # key splits per program row (flash decoding); see auto_num_splits
+MAX_SPLITS = 32  # key splits per (token, head block) (flash decoding); see auto_num_splits
 
 
 def _next_pow2(x: int) -> int:
@@ -156,32 +157,37 @@ def sparse_attention_reference(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_po
 
 @dataclasses.dataclass(frozen=True)
 class SparseAttentionTuning:
-  """Static tiling of the sparse attention kernel.
+  """Static tiling of the sparse attention kernel. `None` in the kernel's call means `default_tuning(pools)`:
+  `BF16_TUNING` for float pools, `FP8_TUNING` when a pool is FP8 (docs/kernels.md has the ptxas numbers behind both).
 
-  block_h: heads per program (power of two, >= 16 for the Triton dot; smaller H is padded).
+  block_h: heads per program (power of two, >= 16 for the Triton dot; smaller H is padded). 64 (all heads of a
+    token) gives Hopper wgmma (M = 64 per warpgroup); below 64 Triton falls back to mma.sync.
   block_k: keys (gathered rows) per inner step (power of two).
-  num_splits: key splits per (token, head block), 0 = auto (`auto_num_splits`: 1 from one wave of programs,
-    target_programs / 2 = 132 H200 SMs, up; below it about one wave's worth, 2 .. MAX_SPLITS = 16).
+  num_splits: key splits per (token, head block), 0 = auto (`auto_num_splits`: fill whole waves of `num_sms` x
+    `ctas_per_sm` programs, at most MAX_SPLITS, at least 2 key blocks a split, and never more partial bytes than
+    key bytes).
   chunk_d: column chunk width when every pool is a plain array (power of two; 0 = whole row). With an FP8 pool
     the plan is fixed: each 64-channel FP8 block is two 32-wide chunks (even / odd channels: the two bytes of a
     uint16 word), then the RoPE channels.
   fp8_u16_min_elems: a record pool's e4m3 array with at least this many elements is read through a uint16 view
     (the paged layout's path), because 32-bit element offsets overflow at 2^31 one-byte elements while JAX's
     Triton lowering only switches to 64-bit offsets above 2^32 bytes. Tests lower it to force that path.
-  num_stages: Triton software-pipelining depth of the key loop (3: the gathers of step j + 2 are issued while
-    step j computes; an estimate of the right depth, set without a GPU run; SMEM use at block_k 32, d 512 bf16 is
-    3 x 32 KB).
+  num_stages: Triton software-pipelining depth of the key loop (3: two steps' gathers in flight, cp.async into
+    shared memory, while one computes).
   id_row_max: an id row of at most this many (padded) ids is loaded once per program and each step picks its
     block from registers; a wider row is read one block per step (2048 ids = 8 registers a thread at 8 warps).
+  num_sms / ctas_per_sm: the wave the split rule fills (H200: 132 SMs; one resident program per SM at the
+    shipped tilings, by register count).
   debug: print the kernel jaxpr and Triton module when lowering (pallas_call(debug=True)).
   """
   block_h: int = 64
-  block_k: int = 32
+  block_k: int = 16
   num_splits: int = 0
   chunk_d: int = 0
   num_warps: int = 8
   num_stages: int = 3
-  target_programs: int = 264
+  num_sms: int = 132
+  ctas_per_sm: int = 1
   fp8_u16_min_elems: int = 2 ** 31
   id_row_max: int = 2048
   debug: bool = False
@@ -195,6 +201,20 @@ class SparseAttentionTuning:
       raise ValueError(f"chunk_d must be a power of two, got {self.chunk_d}")
     if not 0 <= self.num_splits <= MAX_SPLITS:
       raise ValueError(f"num_splits must be 0 (auto) .. {MAX_SPLITS}, got {self.num_splits}")
+
+
+# bf16 pools: all 64 heads in one program (wgmma, the PV accumulator split by columns over the two warpgroups, 128
+# registers a thread), 16 keys a step: 255 registers and no spill at sm_90a; 32 keys a step spills, and so does an
+# id row of more than 512 ids held in registers (top-2048, HCA), which therefore read their ids a block per step.
+BF16_TUNING = SparseAttentionTuning(id_row_max=512)
+# FP8 pools: the dequantized row is 15 column chunks, each with its own [heads, 32] PV dot; at 64 heads Triton
+# gives those narrow dots a layout that repeats the accumulator in both warpgroups (spills), so the heads are split
+# in two programs per token (mma.sync, 251 registers, no spill). The second program's rows come from L2.
+FP8_TUNING = SparseAttentionTuning(block_h=32)
+
+
+def default_tuning(pools) -> SparseAttentionTuning:
+  return FP8_TUNING if any(is_fp8_pool(p) for p in pools if p is not None) else BF16_TUNING
 
 
 def _chunk_plan(D: int, pools, chunk_d: int):
@@ -477,27 +497,40 @@ def _pad_idx(idx_NxK, block_k):
   return idx_NxK.astype(jnp.int32).reshape(N, nblk, block_k)
 
 
-def auto_num_splits(N: int, head_blocks: int, nblocks: int, target_programs: int) -> int:
-  """Key splits for N queries: 1 once the (token, head block) programs fill one wave (target_programs / 2 = one
-  program per SM); below that, enough splits for about one wave (at least 2, at most MAX_SPLITS and one block per
-  split). Batch 1-8 at 64 heads (one head block) gets 16 splits instead of 1-2 programs on 132 SMs; batch 64 keeps
-  2 (128 programs). Each extra split writes one [block_h, D] partial in the output dtype, merged by one fused XLA
-  pass (`_merge_splits`); at batch <= 8 those partials are <= 8 MB, small next to the latency of a 1-program wave
-  (an estimate: nothing has been timed on a GPU)."""
-  progs = N * head_blocks
-  wave = max(1, target_programs // 2)
-  if progs >= wave or nblocks < 2:
-    return 1
-  return max(2, min(MAX_SPLITS, nblocks, wave // progs))
+def auto_num_splits(programs: int, nblocks: int, max_splits: int, wave: int) -> int:
+  """Key splits for `programs` (token, head block) programs over `nblocks` key blocks, one wave = `wave` resident
+  programs (SMs x CTAs per SM). The grid's last wave is what decode loses to: 128 programs on 132 SMs is 97% busy,
+  96 programs 73%. So: the fewest splits whose total fills its waves to >= 90%, else the best-filled; at most
+  `max_splits` (the caller's byte cap) and at least two key blocks a split (each split rereads q and writes a
+  partial)."""
+  top = max(1, min(MAX_SPLITS, max_splits, nblocks // 2))
+
+  def fill(s):
+    n = programs * s
+    return n / (-(-n // wave) * wave)
+
+  for s in range(1, top + 1):
+    if fill(s) >= 0.9:
+      return s
+  return max(range(1, top + 1), key=lambda s: (fill(s), -s))
 
 
-def chosen_num_splits(N: int, H: int, id_widths, tuning: SparseAttentionTuning | None = None) -> int:
-  """The split count the kernel uses for N queries, H heads and id rows of these widths (benchmarks report it)."""
-  t = tuning or SparseAttentionTuning()
+def chosen_num_splits(N: int, H: int, id_widths, tuning: SparseAttentionTuning | None = None, *,
+                      row_bytes: int = 1024, out_bytes: int = 2, D: int = 512) -> int:
+  """The split count the kernel uses for N queries, H heads and id rows of these widths (benchmarks report it).
+
+  The byte cap: a split writes a [block_h, D] partial (out_bytes each) and reads its share of the rows
+  (row_bytes each); splitting past the point where partials outweigh the rows (batch 1: 640 rows of 1 KB against
+  64 KB partials -> 10 splits) adds traffic instead of hiding latency."""
+  t = tuning or BF16_TUNING
   bh = min(t.block_h, max(16, _next_pow2(H)))
   nhb = -(-H // bh)
   total = sum(max(1, -(-w // t.block_k)) for w in id_widths)
-  S = max(1, min(t.num_splits or auto_num_splits(N, nhb, total, t.target_programs), total))
+  if t.num_splits:
+    S = min(t.num_splits, total)
+  else:
+    cap = max(1, (sum(id_widths) * row_bytes) // (bh * D * out_bytes))
+    S = auto_num_splits(N * nhb, total, cap, t.num_sms * t.ctas_per_sm)
   return -(-total // -(-total // S))  # every split gets a block: 20 blocks in 16 splits is 10 splits of 2
 
 
@@ -506,7 +539,7 @@ def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_
                             window_len_N=None, comp_len_N=None, *,
                             scale: float, interpret: bool = False, tuning: SparseAttentionTuning | None = None):
   """Pallas (Triton-GPU) kernel with the contract of `sparse_attention_reference` (same optional lengths)."""
-  t = tuning or SparseAttentionTuning()
+  t = tuning or default_tuning([window_pool_PxD, comp_pool_QxD])
   N, H, D = q_NxHxD.shape
   check_len("window_len_N", window_len_N, window_idx_NxW, N)
   check_len("comp_len_N", comp_len_N, comp_idx_NxK, N)
@@ -534,7 +567,9 @@ def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_
   lens = [jnp.full((N,), idx.shape[1], jnp.int32) if ln is None else jnp.clip(ln.astype(jnp.int32), 0, idx.shape[1])
           for (_, idx, ln) in pools]  # the unpadded widths
   lens_Nx2 = jnp.stack(lens + [jnp.zeros((N,), jnp.int32)] * (2 - len(lens)), axis=1)
-  S = chosen_num_splits(N, H, [idx.shape[1] for _, idx, _ in pools], t)
+  row_bytes = max(pool_row_bytes(p) for p, _, _ in pools)
+  S = chosen_num_splits(N, H, [idx.shape[1] for _, idx, _ in pools], t, row_bytes=row_bytes,
+                        out_bytes=jnp.dtype(q_NxHxD.dtype).itemsize, D=D)
 
   args = [q, sink, lens_Nx2]
   in_specs = [pl.BlockSpec((None, bh, D), lambda n, h, s: (n, h, 0)),

@@ -201,27 +201,28 @@ def _triton_module(capsys, *specs, **kw):
 
 @pytest.mark.parametrize("id_row", ["registers", "per_step"])
 def test_fp8_paged_decode_loads_each_word_once(id_row, capsys):
-  """The Triton module of the FP8 paged decode (window 128 + top-512, block_k 32): per pool and step one load of the
-  row's scale words [32 x 4], seven loads of e4m3 word pairs [32 x 32] (one per 64-channel block, feeding both of
-  its byte chunks) and one RoPE load [32 x 64]; e4m3 is decoded by the type conversion (`tt.fp_to_fp`, 2 pools x
-  14 chunks), not integer arithmetic. The id rows are loaded once per program ([4 x 32], [16 x 32]) unless
-  `id_row_max` sends them through one [1 x 32] load per step."""
+  """The Triton module of the FP8 paged decode (window 128 + top-512, the FP8 tuning's block_k 16): per pool and
+  step one load of the row's scale words [16 x 4], seven loads of e4m3 word pairs [16 x 32] (one per 64-channel
+  block, feeding both of its byte chunks) and one RoPE load [16 x 64]; e4m3 is decoded by the type conversion
+  (`tt.fp_to_fp`, 2 pools x 14 chunks), not integer arithmetic. The id rows are loaded once per program
+  ([8 x 16], [32 x 16]) unless `id_row_max` sends them through one [1 x 16] load per step."""
+  import dataclasses
   N = 4
-  tun = sa.SparseAttentionTuning(debug=True, id_row_max=2048 if id_row == "registers" else 0)
+  tun = dataclasses.replace(sa.FP8_TUNING, debug=True, id_row_max=2048 if id_row == "registers" else 0)
   ir = _triton_module(capsys, S((N, H, D), jnp.bfloat16), paged_spec(4096), S((N, W), jnp.int32),
                       paged_spec(8192), S((N, TOPK), jnp.int32), S((H,), jnp.float32), tuning=tun)
   loads = [ln for ln in ir if "tt.load" in ln]
   i16 = lambda shape: sum(f"tensor<{shape}x!tt.ptr<i16>>" in ln for ln in loads)
-  assert (i16("32x4"), i16("32x32"), i16("32x64")) == (2, 14, 2)
+  assert (i16("16x4"), i16("16x32"), i16("16x64")) == (2, 14, 2)
   assert sum("tt.fp_to_fp" in ln and "f8E4M3FN" in ln for ln in ir) == 28
-  once = [sum(f"tensor<{s}x!tt.ptr<i32>>" in ln for ln in loads) for s in ("4x32", "16x32", "1x32")]
+  once = [sum(f"tensor<{s}x!tt.ptr<i32>>" in ln for ln in loads) for s in ("8x16", "32x16", "1x16")]
   assert once == ([1, 1, 0] if id_row == "registers" else [0, 0, 2])
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_paged"])
 def test_batch1_decode_many_splits_lowers(fmt):
-  """Batch 1 at 64 heads splits the keys 10 ways (window 128 + top-512 = 20 blocks of 32); the split partials
-  [1, 10, 64, 512] come out of the Triton call and are merged by XLA."""
+  """Batch 1 at 64 heads splits the keys 10 ways (window 128 + top-512 = 40 blocks of 16; the byte cap: 640 rows
+  against 64 KB partials); the split partials [1, 10, 64, 512] come out of the Triton call and are merged by XLA."""
   assert sa.chosen_num_splits(1, H, [W, TOPK]) == 10
   pool = paged_spec(256 * W) if fmt == "fp8_paged" else pool_spec(256 * W, fmt == "fp8")
   cpool = paged_spec(64 * 32768) if fmt == "fp8_paged" else pool_spec(64 * 32768, fmt == "fp8")

@@ -186,23 +186,34 @@ def test_tuning_validation():
   sa.SparseAttentionTuning(num_splits=sa.MAX_SPLITS)
 
 
-def test_auto_splits_fill_one_wave():
-  """Split count by batch at 64 heads (one head block), 20 key blocks (window 128 + top-512 at block_k 32)."""
-  assert sa.MAX_SPLITS == 16
-  assert sa.auto_num_splits(1, 1, 20, 264) == 16  # batch 1-8: as many splits as the cap allows
-  assert sa.auto_num_splits(8, 1, 20, 264) == 16
-  assert sa.auto_num_splits(16, 1, 20, 264) == 8  # 128 programs
-  assert sa.auto_num_splits(64, 1, 20, 264) == 2
-  assert sa.auto_num_splits(100, 1, 20, 264) == 2  # below one wave: at least 2
-  assert sa.auto_num_splits(132, 1, 20, 264) == 1  # one full wave already
-  assert sa.auto_num_splits(256, 1, 20, 264) == 1
-  assert sa.auto_num_splits(1, 1, 1, 264) == 1  # a single key block cannot split
-  assert sa.auto_num_splits(1, 1, 5, 264) == 5  # at most one split per key block
-  # chosen_num_splits drops splits that would get no block: 20 blocks in 16 splits are 10 splits of 2.
-  assert sa.chosen_num_splits(1, 64, [128, 512]) == 10
-  assert sa.chosen_num_splits(8, 64, [128, 1024]) == 12  # 36 blocks: 16 splits of 3 would leave 4 empty
-  assert sa.chosen_num_splits(64, 64, [128, 512]) == 2
-  assert sa.chosen_num_splits(512, 64, [128, 512]) == 1
+def test_auto_splits_fill_whole_waves():
+  """The split rule: the fewest splits whose programs fill their last wave of 132 SMs to >= 90%, else the best
+  filled; capped by the byte rule and two key blocks a split."""
+  assert sa.MAX_SPLITS == 32
+  assert sa.auto_num_splits(128, 40, 32, 132) == 1  # 128 / 132: already 97%
+  assert sa.auto_num_splits(64, 40, 32, 132) == 2  # 128 programs
+  assert sa.auto_num_splits(96, 40, 32, 132) == 4  # 1, 2 or 3 splits leave the last wave 73% busy; 4: 384 / 396
+  assert sa.auto_num_splits(16, 40, 32, 132) == 8
+  assert sa.auto_num_splits(1, 40, 10, 132) == 10  # batch 1 cannot fill the GPU: the cap decides
+  assert sa.auto_num_splits(1, 40, 32, 132) == 20  # and at most one split per two key blocks
+  assert sa.auto_num_splits(1, 1, 32, 132) == 1  # a single key block cannot split
+  assert sa.auto_num_splits(1, 7, 32, 264) == 3
+  # Window 128 + top-512 at block_k 16 (40 blocks); the byte cap at batch 1: 640 rows x 1 KB / 64 KB partials = 10.
+  assert [sa.chosen_num_splits(b, 64, [128, 512]) for b in (1, 8, 16, 32, 64, 96, 128, 256)] == [10, 10, 8, 4, 2, 4, 1, 1]
+  # FP8 pools: two head blocks of 32 per token (FP8_TUNING), 584-byte rows.
+  fp8 = [sa.chosen_num_splits(b, 64, [128, 512], sa.FP8_TUNING, row_bytes=584) for b in (1, 16, 64, 128)]
+  assert fp8 == [10, 4, 1, 1]
+  # chosen_num_splits drops splits that would get no block: 40 blocks in 14 splits are 14 splits of 3 (no empty).
+  assert sa.chosen_num_splits(8, 64, [128, 2048]) == 14
+  assert sa.chosen_num_splits(3, 64, [128, 512], sa.SparseAttentionTuning(num_splits=16)) == 14  # 40 / 3-block splits
+
+
+def test_default_tuning_by_pool_format():
+  bf16 = jnp.zeros((8, 64), jnp.bfloat16)
+  fp8 = sa.quantize_kv_fp8(jnp.zeros((8, 128), jnp.float32), 64)
+  assert sa.default_tuning([bf16, None]) == sa.BF16_TUNING
+  assert sa.default_tuning([bf16, fp8]) == sa.FP8_TUNING
+  assert (sa.BF16_TUNING.block_h, sa.BF16_TUNING.block_k, sa.FP8_TUNING.block_h) == (64, 16, 32)
 
 
 @pytest.mark.parametrize("id_row", ["registers", "per_step"])

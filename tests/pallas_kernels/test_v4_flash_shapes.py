@@ -5,12 +5,14 @@
   a row differ in magnitude by up to 2^18, and the test first shows that moving any block's scale to its neighbour
   moves the reference answer far outside the tolerance, which is set per output block (each block's own magnitude):
   a kernel that applied a wrong block's scale would fail.
-* The tuning the kernels ship with (block_h 64, block_k 32: `SparseAttentionTuning()`) at 64 heads x d 512, bf16 and
-  FP8, with one split, auto splits at batch 3 and a batch-1 decode over window 128 + top-512 ids (10 splits); the
+* The tunings the kernels ship with (`default_tuning`: block_h 64, block_k 16 for bf16; block_h 32 for FP8) at 64
+  heads x d 512, with one split, auto splits at batch 3 and a batch-1 decode over window 128 + top-512 ids; the
   fused top-k's default tuning at 64 heads x 128 with FP8 keys.
 Small batches and contexts keep each case to seconds; the default tier runs the paged FP8 path at d 512, the
 shipped tuning in bf16 and the fused top-k; the other FP8 paths and the FP8 x shipped-tuning cases (3-5 s each) are in
 the slow tier."""
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -106,12 +108,14 @@ def flash_case(seed, fmt, N=3):
                                         pytest.param("fp8_paged", 0, marks=pytest.mark.slow),
                                         pytest.param("fp8_paged", 1, marks=pytest.mark.slow)])
 def test_v4_flash_tuning(fmt, splits):
-  """The shipped tuning (block_h 64 = all 64 heads in one program, block_k 32) at d 512; 0 = auto (3 splits at this
-  batch: one per key block), 1 = one split (the prefill / large-batch path)."""
-  tun = sa.SparseAttentionTuning(num_splits=splits)
-  assert (tun.block_h, tun.block_k) == (64, 32)
+  """The shipped tuning for the format (bf16: all 64 heads in one program, block_k 16; FP8: two head blocks of 32) at
+  d 512; 0 = auto (one split here: 56 ids of partials would outweigh their rows; the batch-1 test below splits),
+  1 = one split (the prefill / large-batch path)."""
+  base = sa.BF16_TUNING if fmt == "bf16" else sa.FP8_TUNING
+  tun = dataclasses.replace(base, num_splits=splits)
+  assert (tun.block_h, tun.block_k) == ((64, 16) if fmt == "bf16" else (32, 16))
   args = flash_case(2, fmt)
-  assert sa.chosen_num_splits(3, 64, [16, 40], tun) == (3 if splits == 0 else 1)
+  assert sa.chosen_num_splits(3, 64, [16, 40], tun) == 1
   got = sa.sparse_attention_pallas(*args, scale=D ** -0.5, interpret=True, tuning=tun)
   want = sa.sparse_attention_reference(*args[:6], scale=D ** -0.5, window_len_N=args[6], comp_len_N=args[7])
   assert_close_blockwise(got[0], want[0], "out")
@@ -120,8 +124,8 @@ def test_v4_flash_tuning(fmt, splits):
 
 @pytest.mark.parametrize("fmt", ["fp8_paged", pytest.param("fp8_record", marks=pytest.mark.slow)])
 def test_v4_flash_batch1_decode_many_splits(fmt):
-  """Batch-1 decode at the shipped tuning: window 128 + top-512 ids (20 blocks of 32), auto splits (10 splits of 2
-  blocks), ragged lengths (window 77, compressed 300: splits past the live blocks are empty), FP8 at d 512 with
+  """Batch-1 decode at the shipped FP8 tuning: window 128 + top-512 ids (40 blocks of 16), auto splits (10 splits
+  of 4 blocks, the byte cap), ragged lengths (window 77, compressed 300: splits past the live blocks are empty), FP8 at d 512 with
   seven block scales per row."""
   rng = np.random.default_rng(9)
   q, _, _, _, _, sink = make_case(9, 1, 64, D, 8, 8, 8, 8, jnp.bfloat16)
@@ -130,8 +134,8 @@ def test_v4_flash_batch1_decode_many_splits(fmt):
   ci = jnp.asarray(rng.permutation(640)[None, :512], jnp.int32)
   wl, cl = jnp.asarray([77], jnp.int32), jnp.asarray([300], jnp.int32)
   pw, pc = (sa.record_to_paged(rec_w, 16), sa.record_to_paged(rec_c, 64)) if fmt == "fp8_paged" else (rec_w, rec_c)
-  tun = sa.SparseAttentionTuning()
-  assert sa.chosen_num_splits(1, 64, [128, 512], tun) == 10
+  tun = sa.FP8_TUNING
+  assert sa.chosen_num_splits(1, 64, [128, 512], tun, row_bytes=584) == 10
   got = sa.sparse_attention_pallas(q, pw, wi, pc, ci, sink, wl, cl, scale=D ** -0.5, interpret=True, tuning=tun)
   want = sa.sparse_attention_reference(q, rec_w, wi, rec_c, ci, sink, scale=D ** -0.5, window_len_N=wl,
                                        comp_len_N=cl)
