@@ -9,14 +9,15 @@
    on one flat token axis: the step with power-of-two token buckets ("after") and with `token_bucket_steps`
    buckets per doubling ("after_steps4": buckets 1.25x apart).
 3. Compiled temp memory of a decode step (`memory_analysis().temp_size_in_bytes`) at max_model_len 64k vs 1M.
-4. Batch-invariant mode: the same mixed 8-row step, normal vs invariant, at contexts 1k and 8k (its cost follows
-   the live context).
+4. The batch-invariant (tiled) step vs the bucketed step in bf16 (compute and KV): decode batch 8 / 64 at contexts
+   1k / 8k / 32k, prefill chunks of 512 / 2048 tokens, each point timed alternately (`--tiles` sets tile_tokens).
 
 The runner is driven directly with synthetic block tables (block contents do not change the work). Prints one
 markdown table per part (`--json`: also every number as JSON). For the model-side breakdown of part 1 (indexer
 paths, no-score floor) see the probe `python -m benchmarks.probes.decode_bench`.
 
     python -m benchmarks.step_bench [--repeats=5] [--parts=decode,mixed,memory,invariant] [--json]
+    python -m benchmarks.step_bench --parts=invariant --tiles=16,64 --repeats=5
     python -m benchmarks.step_bench --parts=decode --repeats=3
     python -m benchmarks.step_bench --parts=mixed --mixed_chunks=64,256,512 --repeats=5
 """
@@ -48,6 +49,7 @@ flags.DEFINE_list("mixed_bucket_steps", ["1", "4"], "token_bucket_steps for part
                   "power-of-two buckets (a chunk + 63 decodes spills into the next power), 4 = buckets 1.25x apart.")
 flags.DEFINE_bool("decode_only", False, "Run part 1 (decode vs context) only (= --parts=decode; the model-side "
                   "breakdown of this part: python -m benchmarks.probes.decode_bench).")
+flags.DEFINE_list("tiles", ["16"], "tile_tokens of the invariant step in part 4 (each timed at every point).")
 flags.DEFINE_bool("json", False, "Also print every number as JSON.")
 FLAGS = flags.FLAGS
 M1 = 1 << 20
@@ -173,17 +175,33 @@ def memory(cfg, params, rng, res):
     del run
 
 
+# Part 4's points: (label, rows, tokens per row, context). Decode batch 8 / 64 at contexts 1k / 8k / 32k, prefill
+# chunks of 512 / 2048 tokens at context 1k.
+INVARIANT_POINTS = ([(f"decode b{b} ctx {c // 1024}k", b, 1, c) for b in (8, 64) for c in (1024, 8192, 32768)]
+                    + [(f"prefill {n} ctx 1k", 1, n, 1024) for n in (512, 2048)])
+
+
 def invariant(cfg, params, rng, res):
-  # 4. batch-invariant cost: 8 rows (1 chunk of 32 + 7 decodes), max_model_len 64k, contexts 1k and 8k
-  for label, inv in (("normal", False), ("invariant", True)):
-    run = make_runner(cfg, params, max_model_len=65536, max_num_seqs=8, chunk_size=32, batch_invariant=inv)
-    for ctx in (1024, 8192):
-      res[f"mixed8_ctx{ctx // 1024}k_ms_{label}"] = 1e3 * timed(run, rows_at(run, [ctx] * 8, [32] + [1] * 7, rng),
-                                                                FLAGS.repeats)
-    del run
-  for ctx in ("1k", "8k"):
-    res[f"invariant_cost_x_ctx{ctx}"] = res[f"mixed8_ctx{ctx}_ms_invariant"] / res[f"mixed8_ctx{ctx}_ms_normal"]
-  res["invariant_8k_over_1k"] = res["mixed8_ctx8k_ms_invariant"] / res["mixed8_ctx1k_ms_invariant"]
+  """4. The batch-invariant (tiled) step vs the bucketed step, bf16 compute and KV, max_model_len 64k, timed
+  alternately point by point (both runners live at once, so load from elsewhere hits them alike)."""
+  bf16 = model.cast_params(params, jax.numpy.bfloat16)
+  layout = caches.CacheLayout(kv_dtype=jax.numpy.bfloat16)
+  for tile in (int(t) for t in FLAGS.tiles):
+    for label, b, n, ctx in INVARIANT_POINTS:
+      runs = [make_runner(cfg, bf16, max_model_len=65536, max_num_seqs=max(b, 8), chunk_size=max(n, 64),
+                          batch_invariant=inv, tile_tokens=tile, layout=layout) for inv in (False, True)]
+      sets = [rows_at(run, [ctx] * b, [n] * b, rng) for run in runs]
+      for run, rows in zip(runs, sets):
+        run.run(rows)                                          # compile + warm
+      ts = [[], []]
+      for _ in range(FLAGS.repeats):
+        for run, rows, t_list in zip(runs, sets, ts):
+          t = time.perf_counter()
+          run.run(rows)
+          t_list.append(time.perf_counter() - t)
+      normal, inv = (1e3 * float(np.median(t)) for t in ts)
+      res[f"inv_t{tile}_{label}"] = [normal, inv, inv / normal]
+      del runs
 
 
 def main(argv):
@@ -239,11 +257,11 @@ def print_tables(res: dict, parts) -> None:
                 [[f"{mml // 1024}k", res[f"decode_temp_bytes_max_len_{mml // 1024}k"]] for mml in (65536, M1)],
                 title="3. Compiled temp memory of a decode step (batch 8, context 2k)")
   if "invariant" in parts:
-    print_table(["context", "normal ms", "batch-invariant ms", "invariant / normal"],
-                [[c, res[f"mixed8_ctx{c}_ms_normal"], res[f"mixed8_ctx{c}_ms_invariant"],
-                  res[f"invariant_cost_x_ctx{c}"]] for c in ("1k", "8k")]
-                + [["8k / 1k", None, res["invariant_8k_over_1k"], None]],
-                title="4. Batch-invariant mode, 8 rows (1 chunk of 32 + 7 decodes), max_model_len 64k")
+    rows = [[label, tile, *res[f"inv_t{tile}_{label}"]] for tile in (int(t) for t in FLAGS.tiles)
+            for label, *_ in INVARIANT_POINTS]
+    print_table(["point", "tile", "bucketed ms", "invariant ms", "invariant / bucketed"], rows,
+                title=f"4. Batch-invariant (tiled) step vs the bucketed step, bf16 compute and KV, {cfg}, "
+                      f"max_model_len 64k (median of {FLAGS.repeats}, timed alternately)")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ class DeviceQueue:
     self._fixed = num_slots is not None and max_tokens is not None
     slots = num_slots or 8
     width = {g: max(8, -(-(max_tokens or 2048) // bt)) for g, bt in zip(self.groups, self._bt)}
-    self._tab = {g: jnp.full((slots, width[g]), -1, jnp.int32) for g in self.groups}
+    self._tab = jax.device_put({g: np.full((slots, width[g]), -1, np.int32) for g in self.groups})
     self._width = dict(width)      # the tables' widths, without touching the device arrays
     self._free_slots = list(range(slots - 1, -1, -1))
     # free counts (see cache/manager.py's module doc): exact at the last read, minus every allocation since

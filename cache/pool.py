@@ -106,17 +106,18 @@ def init_pool(num_blocks: int, block_tokens: int, max_probe: int = DEFAULT_MAX_P
   n = num_blocks
   ids = np.arange(n, dtype=np.int32)
   s = table_slots(n)
-  return PoolState(
-      ref_N=jnp.zeros(n, jnp.int32), loc_N=jnp.full(n, LOC_STACK, jnp.int32),
-      pos_N=jnp.asarray(n - 1 - ids),              # block 0 on top of the stack: handed out first
-      stack_N=jnp.asarray(ids[::-1].copy()), stack_top=jnp.asarray(n, jnp.int32),
-      stack_stale=jnp.asarray(0, jnp.int32),
-      ring_R=jnp.zeros(2 * n, jnp.int32), ring_head=jnp.asarray(0, jnp.int32),
-      ring_tail=jnp.asarray(0, jnp.int32), num_free=jnp.asarray(n, jnp.int32),
-      cached_N=jnp.zeros(n, bool), key_Nx2=jnp.zeros((n, 2), jnp.int32),
-      parent_Nx4=jnp.zeros((n, DIGEST_WORDS), jnp.int32), tokens_NxT=jnp.zeros((n, block_tokens), jnp.int32),
-      slot_N=jnp.full(n, -1, jnp.int32), table_S=jnp.full(s, EMPTY, jnp.int32),
-      claim_S=jnp.full(s, BIG, jnp.int32), mark_N=jnp.full(n, BIG, jnp.int32), max_probe=max_probe)
+  # Built on the host and put in one transfer: a jnp.zeros / jnp.full per field would compile one tiny program per
+  # distinct shape (a dozen for a two-group manager) before the first step.
+  host = dict(
+      ref_N=np.zeros(n, np.int32), loc_N=np.full(n, LOC_STACK, np.int32),
+      pos_N=n - 1 - ids,                           # block 0 on top of the stack: handed out first
+      stack_N=ids[::-1].copy(), stack_top=np.int32(n), stack_stale=np.int32(0),
+      ring_R=np.zeros(2 * n, np.int32), ring_head=np.int32(0), ring_tail=np.int32(0), num_free=np.int32(n),
+      cached_N=np.zeros(n, bool), key_Nx2=np.zeros((n, 2), np.int32),
+      parent_Nx4=np.zeros((n, DIGEST_WORDS), np.int32), tokens_NxT=np.zeros((n, block_tokens), np.int32),
+      slot_N=np.full(n, -1, np.int32), table_S=np.full(s, EMPTY, np.int32),
+      claim_S=np.full(s, BIG, np.int32), mark_N=np.full(n, BIG, np.int32))
+  return PoolState(**jax.device_put(host), max_probe=max_probe)
 
 
 def _rep(st, **kw) -> PoolState:

@@ -202,6 +202,10 @@ class StepIndex:
   row_num_tokens_R: jax.Array
   tables: dict[str, jax.Array]
   swa_base_R: jax.Array | None = None
+  # The engine's tiled invariant step: compressor pools fold in position order (`compressor.sequential_pool_scan`)
+  # and dense compressed attention runs over fixed entry blocks, so neither a chunk or tile boundary nor the
+  # table width changes a token's bits.
+  invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -275,6 +279,15 @@ def init_cache(config: ModelConfig, layout: CacheLayout, num_swa_blocks: int, nu
     else:
       layers[s.layer][s.name] = jnp.zeros((n, *s.block_shape), s.dtype)
   return ModelCache(tuple(layers))
+
+
+def init_cache_on_device(config: ModelConfig, layout: CacheLayout, num_swa_blocks: int,
+                         num_full_blocks: int) -> ModelCache:
+  """`init_cache` without compiling anything: each array's zeros built on the host (numpy's zeros are lazily mapped
+  pages) and put in one transfer. Eager `jnp.zeros` compiles one small program per distinct array shape, a dozen
+  before an engine's first step."""
+  shapes = jax.eval_shape(lambda: init_cache(config, layout, num_swa_blocks, num_full_blocks))
+  return jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), shapes))
 
 
 def blocks_for(tokens: int, block_tokens: int) -> int:

@@ -300,7 +300,7 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
   final mHC collapse, X -> h. None (the default) = `block_forward` of each layer's params, `mhc.hc_head` of
   params["hc_head"]. The NNX model (`dsv4.nnx_model.Model`) passes its own modules here; params then needs only
   the top-level arrays (embed, norm, engram_token_map)."""
-  ctx = StepContext.from_step(step, layout, tap_state=tap_states)
+  ctx = StepContext.from_step(step, layout, tap_state=tap_states, invariant=step.invariant)
   tokens = jnp.clip(tokens_N.astype(jnp.int32), 0, config.vocab_size - 1)[None]  # range is checked by the callers
   plans = config.layer_plan()
   if blocks is None:

@@ -6,8 +6,9 @@ kernel is selected:
 
 * keys are read block by block through the block table (`jnp.take` of whole [E, C] blocks: one contiguous copy
   per block, not one small row copy per entry);
-* entries are scored in chunks of `chunk_entries` (a `lax.scan` when there are several) and a running top-k is
-  merged chunk by chunk, so the [N, H, chunk] product is the largest temporary, whatever M is;
+* entries are scored in chunks of `chunk_entries` (a loop over the chunks some query can see, when there are
+  several) and a running top-k is merged chunk by chunk, so the [N, H, chunk] product is the largest temporary,
+  whatever M is, and the cost follows the live context;
 * the score is one matmul per query (q [H, C] x keys [C, chunk]), ReLU, and the head-weighted sum;
 * V4.1 candidate restriction by block ids (`candidate_blocks_NxCb`, entries [c*bs, (c+1)*bs)): only the
   candidates' entries are gathered and scored (O(Cb * bs) per query, independent of M), instead of a dense
@@ -85,23 +86,27 @@ def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_
     bmax = _block_max(s, block_max_size) if block_max_size else None
     return (*_finish(vals, ids), bmax)
   tab = jnp.pad(table_NxF, ((0, 0), (0, nc * fc - F)), constant_values=-1)
-  tab_c = tab.reshape(N, nc, fc).transpose(1, 0, 2)  # [nc, N, fc]
+  # Only the chunks some query of the call can see are scored (a dynamic trip count: the cost follows the live
+  # context, not the table width). A chunk a query cannot see leaves its running top-k as it was (its scores are
+  # -inf and sort after every kept value), so the trip count, which its neighbours set, never changes its picks.
+  live = (jnp.max(nv, initial=0) + fc * E - 1) // (fc * E)
+  nbm = fc * E // block_max_size if block_max_size else 0
 
-  def body(carry, xs):
-    vals, ids = carry
-    c, tab_Nxfc = xs
+  def body(c, carry):
+    vals, ids, bmax = carry
+    tab_Nxfc = jax.lax.dynamic_slice_in_dim(tab, c * fc, fc, axis=1)
     s, ent = _chunk_scores(q, w, key_blocks_BxExC, tab_Nxfc, c * (fc * E), nv)
     # Earlier chunks first: among equal scores the lower entry id wins, as in one top_k over all entries.
     v2, pick = jax.lax.top_k(jnp.concatenate([vals, s], axis=1), kk)
     all_ids = jnp.concatenate([ids, jnp.broadcast_to(ent[None, :], (N, fc * E))], axis=1)
-    out = _block_max(s, block_max_size) if block_max_size else jnp.zeros((N, 0), jnp.float32)
-    return (v2, jnp.take_along_axis(all_ids, pick, axis=1)), out
+    if block_max_size:
+      bmax = jax.lax.dynamic_update_slice_in_dim(bmax, _block_max(s, block_max_size), c * nbm, axis=1)
+    return v2, jnp.take_along_axis(all_ids, pick, axis=1), bmax
 
-  init = (jnp.full((N, kk), -jnp.inf, jnp.float32), jnp.full((N, kk), -1, jnp.int32))
-  (vals, ids), bm = jax.lax.scan(body, init, (jnp.arange(nc, dtype=jnp.int32), tab_c))
-  bmax = None
-  if block_max_size:
-    bmax = bm.transpose(1, 0, 2).reshape(N, -1)[:, :M // block_max_size]
+  init = (jnp.full((N, kk), -jnp.inf, jnp.float32), jnp.full((N, kk), -1, jnp.int32),
+          jnp.full((N, nc * nbm), -jnp.inf, jnp.float32))
+  vals, ids, bm = jax.lax.fori_loop(0, live, body, init)
+  bmax = bm[:, :M // block_max_size] if block_max_size else None
   return (*_finish(vals, ids), bmax)
 
 

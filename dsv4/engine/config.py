@@ -36,10 +36,16 @@ class EngineConfig:
   record_logits: bool = _field(False, "Keep each sampled position's logits (tests, analysis).")
   layout: caches.CacheLayout = _field(caches.CacheLayout(), "KV pool layout and storage dtype (caches.CacheLayout).")
   kernel: dispatch.KernelConfig = _field(dispatch.KernelConfig(), "Attention kernel dispatch.")
-  # A request's logits are bitwise the same whatever shares its step and however its prompt is chunked (every
-  # token runs one fixed-shape program; slower, see runner.py).
-  batch_invariant: bool = _field(False, "Bitwise-reproducible logits whatever shares a step and however a prompt is "
-                                 "chunked (every token runs one fixed-shape program; slower).")
+  # On by default: a request's logits are bitwise the same whatever shares its step, however its prompt is chunked,
+  # whether it hit the prefix cache or was preempted. The step runs its tokens in fixed tiles of `tile_tokens`
+  # through one fixed-shape program (docs/engine.md). False = the bucketed step (one program per token bucket and
+  # table width; needed for speculative decoding).
+  batch_invariant: bool = _field(True, "Bitwise-reproducible logits whatever shares a step and however a prompt is "
+                                 "chunked (fixed-shape tiles of tile_tokens in a device loop, one step program); "
+                                 "false = the bucketed step (drafts need it).")
+  # Tokens per tile of the invariant step: every token's matmuls have this many rows whatever the step holds.
+  # Smaller = less padding for small steps, more loop trips (weights re-read) for large ones.
+  tile_tokens: int = _field(16, "Tokens per fixed-shape tile of the batch-invariant step (a power of two).")
   # Smallest block-table width (tokens) of a step; tables grow in powers of two with the live context up to
   # max_model_len, so a step's attention cost follows its context, not the configured limit.
   min_table_tokens: int = _field(4096, "Smallest block-table width (tokens) of a step; tables grow in powers of two "
@@ -100,6 +106,9 @@ class EngineConfig:
       choices = f.metadata.get("choices")
       if choices is not None and getattr(self, f.name) not in choices:
         raise ValueError(f"EngineConfig.{f.name}: {' or '.join(map(repr, choices))}, got {getattr(self, f.name)!r}")
+    t = self.tile_tokens
+    if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or t < 1 or t & (t - 1):
+      raise ValueError(f"EngineConfig.tile_tokens: a power of two >= 1, got {t!r}")
     if not 1 <= self.token_bucket_steps <= 8:
       raise ValueError(f"EngineConfig.token_bucket_steps: 1..8, got {self.token_bucket_steps}")
     if not isinstance(self.async_scheduling, bool):
@@ -115,7 +124,8 @@ class EngineConfig:
                         ("model_api='nnx'", self.model_api != "functional")):
         if bad:
           raise ValueError(f"EngineConfig: num_speculative_tokens > 0 with {name} is not supported (the speculative "
-                           f"step is the functional model's, one verified row per request)")
+                           f"step is the bucketed functional model's, one verified row per request"
+                           f"{'; set batch_invariant=False' if name == 'batch_invariant' else ''})")
     if not 0.0 <= self.bucket_fill < 1.0:
       raise ValueError(f"EngineConfig.bucket_fill: a fraction in [0, 1), got {self.bucket_fill}")
     if self.tiering is not None:

@@ -113,7 +113,7 @@ class Engine:
     self.requests: dict[str, Request] = {}
     self._next_index = 0
     self._inflight = None                          # the step sent but not read yet (async scheduling)
-    self.async_active = (ec.async_scheduling and mesh is None and not ec.batch_invariant and ec.tiering is None)
+    self.async_active = ec.async_scheduling and mesh is None and ec.tiering is None
     self.stats = collections.Counter()
     self.deferral = SharedPrefixDeferral(self.managers[0].specs.align_tokens, self.stats)
     self.peak_blocks = {g: 0 for g in self.managers[0].groups}

@@ -13,7 +13,7 @@ not inside every step shape's program), with no host read between, and the host 
 The runner packs a step's rows into the program's plan (`step_plan`) and picks its static shape: tokens to the
 token buckets, rows to max_num_seqs (4x buckets from 64 beyond 64), the full table to a power-of-two width that
 covers the live context of the step, the swa table to the window + chunk (`swa_base`); the bookkeeping has fixed
-widths per engine. Batch-invariant mode splits a step into one call per table width (`_invariant_calls`).
+widths per engine. Batch-invariant mode has one shape per engine (`_invariant_shape`): tiles of `tile_tokens`.
 
 Async scheduling: `dispatch` sends a step and returns at once; `collect` waits for it. The sampled tokens also
 stay on the device (`prev_tokens`), and a token id -(1 + j) in the next plan means "row j's sample of the
@@ -80,7 +80,7 @@ class _SentCall(NamedTuple):
 
 @dataclasses.dataclass
 class _Dispatched:
-  """A step sent to the device: its number of rows and its program calls (one; batch-invariant: one per width)."""
+  """A step sent to the device: its number of rows and its program calls (one)."""
   num_rows: int
   calls: list[_SentCall]
 
@@ -131,9 +131,11 @@ class ModelRunner:
     self.mesh = mesh
     # Data shards that own a slice of the pools and rows (1 = one pool: one device, or replicated over `data`).
     self.num_shards = sharding.axis_size(mesh, "data") if (mesh is not None and pools_over_data) else 1
+    if ec.batch_invariant:
+      self.invariant_shape = self._invariant_shape()
     num_swa_blocks, num_full_blocks = ec.num_swa_blocks, ec.num_full_blocks
     if mesh is None:
-      self.cache = caches.init_cache(config, layout, num_swa_blocks, num_full_blocks)
+      self.cache = caches.init_cache_on_device(config, layout, num_swa_blocks, num_full_blocks)
     else:
       local = self.num_shards > 1
       if local:
@@ -154,9 +156,9 @@ class ModelRunner:
       self._own_tables = {caches.SWA: jnp.full((S, self.max_swa_width), -1, jnp.int32),
                           caches.FULL: jnp.full((S, self.max_full_width), -1, jnp.int32)}
     # the previous step program's sampled tokens (a token id -(1 + j) in a plan refers to its entry j)
-    self.prev_tokens = jnp.zeros((S // self.num_shards,), jnp.int32)
+    self.prev_tokens = jax.device_put(np.zeros((S // self.num_shards,), np.int32))
     if self.spec:                    # with drafts: each row's whole result (`RaggedShape.out_width`)
-      self.prev_tokens = jnp.zeros((S, result_width(self.spec)), jnp.int32)
+      self.prev_tokens = jax.device_put(np.zeros((S, result_width(self.spec)), np.int32))
     # fused: the cache bookkeeping is sent with the step and runs on the device right before it (one device with
     # managers); on a mesh the managers apply it in their own call before the step and the tables travel with it
     self.fused = managers is not None and mesh is None
@@ -219,6 +221,19 @@ class ModelRunner:
     need = max(-(-(r.start + len(r.tokens) + extra) // sb) - self._swa_base(r) for r in rows)
     return min(self.max_swa_width, pow2_at_least(need, 8))
 
+  def _invariant_shape(self) -> RaggedShape:
+    """The batch-invariant step's one shape: the whole token budget in tiles of `tile_tokens` (the device loop runs
+    only the live tiles), every row slot, the full table at max_model_len (the tables are gathered, and the
+    attention and indexer reductions are over fixed key blocks, so the width never enters a token's math) and the
+    swa table at the widest window + chunk a row can touch."""
+    ec = self.engine_config
+    T = ec.tile_tokens
+    N = -(-ec.max_num_batched_tokens // T) * T
+    sb = ec.layout.swa_block_tokens
+    longest = min(max(ec.chunk_size, 1 + self.spec), ec.max_num_batched_tokens) + max(2 * self.spec - 1, 0)
+    swa = min(self.max_swa_width, pow2_at_least(-(-(longest + self._swa_tail) // sb) + 2, 8))
+    return RaggedShape(N, ec.max_num_seqs // self.num_shards, swa, self.max_full_width, True, self.spec, T)
+
   def _rows_bucket(self, n: int) -> int:
     # All of a shard's slots up to 64 (tables are [R, width] int32, cheap; one row bucket = fewer compiles), beyond
     # that 4x buckets from 64.
@@ -247,23 +262,6 @@ class ModelRunner:
       o += n
     return pack(a, shape)
 
-  def _invariant_calls(self, rows: list[Row]) -> list[list[tuple[int, Row]]]:
-    """Batch-invariant mode: each token's full-table width must follow its own position only (not the step's
-    longest row, not its chunk's end), so a row's tokens are split at width-bucket boundaries and the step runs
-    one call per width, narrowest first (a row's earlier tokens before its later ones). Returns the calls, each a
-    list of (index of the row in `rows`, the part of the row it computes)."""
-    by_width: dict[int, list[tuple[int, Row]]] = {}
-    for i, r in enumerate(rows):
-      o, n = 0, len(r.tokens)
-      while o < n:
-        w = self._full_width(r.start + o + 1)
-        k = o + 1
-        while k < n and self._full_width(r.start + k + 1) == w:
-          k += 1
-        by_width.setdefault(w, []).append((i, dataclasses.replace(r, tokens=r.tokens[o:k], start=r.start + o)))
-        o = k
-    return [by_width[w] for w in sorted(by_width)]
-
   # ------------------------------------------------------------------------------------------ run
   def run(self, rows: list[Row]) -> tuple[np.ndarray, np.ndarray | None]:
     """Computes the rows' tokens, samples one token per row at its last computed token, and waits for them.
@@ -276,8 +274,7 @@ class ModelRunner:
     token stays on the device as `prev_tokens[j]` for the next dispatch (a token id -(1 + j) refers to it);
     `collect` reads it."""
     assert 0 < len(rows) <= self.engine_config.max_num_seqs
-    calls = self._invariant_calls(rows) if self.engine_config.batch_invariant else [list(enumerate(rows))]
-    sent = [self._call(call) for call in calls]
+    sent = [self._call(list(enumerate(rows)))]
     self.stats["steps"] += 1
     return _Dispatched(len(rows), sent)
 
@@ -304,7 +301,6 @@ class ModelRunner:
       for s, rows_of_shard in enumerate(sent.by_shard):
         for k, j in enumerate(rows_of_shard):
           i = sent.rows[j][0]
-          # a row split over calls (batch-invariant) samples in its last one: earlier samples are overwritten
           toks[i] = per_shard[s, k]
           if call_logits is not None:
             if logits is None:
@@ -323,19 +319,19 @@ class ModelRunner:
       by_shard[r.shard].append(i)
     totals = [sum(len(rows[i].tokens) for i in b) for b in by_shard]
     if ec.batch_invariant:
-      N = pow2_at_least(max(totals), 8)
+      shape = self.invariant_shape
     else:
       N = token_bucket(max(totals), ec.token_bucket_growth, ec.max_num_batched_tokens, ec.token_bucket_steps)
-    wf = self._full_width(max(r.start + len(r.tokens) for r in rows) + (2 * self.spec if self.spec else 0))
-    shape = RaggedShape(N, self._rows_bucket(max(len(b) for b in by_shard)), self._swa_width(rows), wf,
-                        ec.batch_invariant, self.spec)
+      wf = self._full_width(max(r.start + len(r.tokens) for r in rows) + (2 * self.spec if self.spec else 0))
+      shape = RaggedShape(N, self._rows_bucket(max(len(b) for b in by_shard)), self._swa_width(rows), wf,
+                          False, self.spec)
     self.shapes_run.add(shape)
     self.stats["step_tokens"] += sum(totals)
-    self.stats["step_slots"] += N * D
+    self.stats["step_slots"] += shape.tokens * D
     bufs = [self._pack_rows([rows[i] for i in b], shape) for b in by_shard]
     if ec.batch_invariant:
-      # The one-token loop's trip count: the same on every data shard (shorter shards run padding tokens, which
-      # write nothing), so the tensor / expert collectives inside it meet on every shard.
+      # The tile loop's trip count: the same on every data shard (shorter shards run padding tiles, which write
+      # nothing), so the tensor / expert collectives inside it meet on every shard.
       for b in bufs:
         b[0] = max(totals)
     self.stats["calls"] += 1

@@ -68,8 +68,8 @@ def result_width(spec: int) -> int:
 class RaggedShape(_PackedShape):
   """Static shape of the step program (part of the jit key): N flat tokens (every row's tokens packed, decode rows
   1 each, prefill rows their chunk), R rows, block tables [R, width] (gathered in the program from the rows'
-  slots of the device tables). `invariant`: the batch-invariant body (each token through the same one-token
-  program, in order). A token id < 0 is -(1 + j): the token sampled by row j of the previous step program, still
+  slots of the device tables). `invariant`: the tiled body (the flat axis cut into fixed tiles of `tile` tokens,
+  each through the same fixed-shape forward, in order). A token id < 0 is -(1 + j): the token sampled by row j of the previous step program, still
   on the device (async scheduling)."""
   tokens: int
   rows: int
@@ -77,6 +77,7 @@ class RaggedShape(_PackedShape):
   full_width: int
   invariant: bool = False
   spec: int = 0      # speculative decoding: drafts per row (k); the MTP block drafts, rows carry their drafts
+  tile: int = 0      # invariant: tokens per fixed-shape tile of the device loop (tokens is a multiple of it)
 
   def fields(self):
     N, R = self.tokens, self.rows

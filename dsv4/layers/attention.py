@@ -94,6 +94,11 @@ def indexer_select_fused(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR,
   return dispatch.indexer_topk(*args, cfg=kernel_cfg, **kw)[:, 0]
 
 
+# Entries per scored chunk of the paged indexer in the invariant step (fixed, so the running top-k merges in the
+# same order whatever the table width).
+INVARIANT_INDEX_CHUNK = 1024
+
+
 def indexer_select_paged(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool,
                          inv_freq, candidate_blocks_NxCb=None, block_max_size: int = 0):
   """Lightning indexer read block-wise from the paged pool, chunked running top-k (pallas_kernels/indexer_paged.py):
@@ -107,7 +112,11 @@ def indexer_select_paged(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR,
     ids, _ = dispatch.indexer_topk_candidates(q, w, key_pool, table_NxF, nv, k, candidate_blocks_NxCb,
                                               config.indexer.candidate_block_size)
     return ids, None
-  ids, _, bmax = dispatch.indexer_topk_paged(q, w, key_pool, table_NxF, nv, k, block_max_size=block_max_size)
+  # The invariant step's tables span max_model_len: smaller chunks keep a short context from scoring a whole
+  # default chunk of invisible entries (the loop runs only the chunks some query can see).
+  chunk = {"chunk_entries": INVARIANT_INDEX_CHUNK} if ctx.invariant else {}
+  ids, _, bmax = dispatch.indexer_topk_paged(q, w, key_pool, table_NxF, nv, k, block_max_size=block_max_size,
+                                             **chunk)
   return ids, bmax
 
 
@@ -156,6 +165,61 @@ def candidate_mask(scores_BxTxM, num_visible_BxT, visible_BxTxM, block_size: int
   kth = jax.lax.top_k(blk, k)[0][..., k - 1:k]
   keep = (blk >= kth) & (blk > -jnp.inf)
   return jnp.repeat(keep, block_size, axis=-1)[..., :M] & visible_BxTxM
+
+
+# Compressed entries per block of `blocked_dense_attention`: a fixed shape, so a token's reduction never depends on
+# the table width or on its neighbours; small enough that a short context reads little past its live entries.
+DENSE_BLOCK_ENTRIES = 64
+
+
+def _masked_scores(q_NxHxD, pool, rows_NxK, ok_NxK, scale: float):
+  kv = jnp.where(ok_NxK[..., None], caches.gather_flat(pool, rows_NxK).astype(jnp.float32), 0.0)
+  s = jnp.einsum("nhd,nkd->nhk", q_NxHxD, kv, precision=_HI) * scale
+  return jnp.where(ok_NxK[:, None, :], s, -jnp.inf), kv
+
+
+def blocked_dense_attention(q_NxHxD, window_pool, win_idx_NxW, win_len_N, comp_pool, ctx: StepContext, ratio: int,
+                            sink_H, scale: float, block: int = DENSE_BLOCK_ENTRIES):
+  """Window + every visible compressed entry (HCA) for the invariant step: an online softmax over the window, then
+  over fixed blocks of `block` entries in position order, in a loop over the blocks some query of the call can see
+  (the cost follows the live context, never the table width). A block a query cannot see leaves its running
+  (max, sum, accumulator) untouched, so the trip count its neighbours set does not change its bits. Same math as
+  `dispatch.sparse_attention` over the window and entries 0..nv-1 (sink in the denominator, 0 for a padding token),
+  up to fp32 summation order. Returns out [N, H, D] in q's dtype."""
+  q = q_NxHxD.astype(jnp.float32)
+  W = win_idx_NxW.shape[1]
+  s, kv = _masked_scores(q, window_pool, win_idx_NxW,
+                         (jnp.arange(W)[None, :] < win_len_N[:, None]) & (win_idx_NxW >= 0), scale)
+  m = jnp.max(s, axis=-1)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)         # padding tokens (no window row): any finite anchor
+  p = jnp.exp(s - m[..., None])
+  l = jnp.sum(p, axis=-1)
+  acc = jnp.einsum("nhk,nkd->nhd", p, kv, precision=_HI)
+  nv = num_visible(ctx, ratio)
+  rpb = ctx.full_block_tokens // ratio
+
+  def body(b, carry):
+    m, l, acc = carry
+    ids = b * block + jnp.arange(block, dtype=jnp.int32)[None, :]
+    ok = ids < nv[:, None]
+    rows = caches.row_slots(ctx.full_table_RxF, ctx.row_N[:, None], ids, rpb, ctx.valid_N[:, None] & ok)
+    ok = ok & (rows >= 0)
+    s, kv = _masked_scores(q, comp_pool, rows, ok, scale)
+    m2 = jnp.maximum(m, jnp.max(s, axis=-1))
+    corr = jnp.exp(m - m2)
+    p = jnp.exp(s - m2[..., None])
+    l2 = l * corr + jnp.sum(p, axis=-1)
+    acc2 = acc * corr[..., None] + jnp.einsum("nhk,nkd->nhd", p, kv, precision=_HI)
+    seen = jnp.any(ok, axis=-1)
+    return (jnp.where(seen[:, None], m2, m), jnp.where(seen[:, None], l2, l),
+            jnp.where(seen[:, None, None], acc2, acc))
+
+  live = (jnp.max(nv, initial=0) + block - 1) // block
+  m, l, acc = jax.lax.fori_loop(0, live, body, (m, l, acc))
+  denom = l + jnp.exp(sink_H.astype(jnp.float32)[None, :] - m)
+  ok = (denom > 0) & jnp.isfinite(denom)
+  out = jnp.where(ok[..., None], acc / jnp.where(ok, denom, 1.0)[..., None], 0.0)
+  return out.astype(q_NxHxD.dtype)
 
 
 def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: StepContext, cache_layer: dict,
@@ -306,16 +370,20 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
                      None, False, q, comp_pool, collect_aux, aux)
     comp_idx = _entry_ids_to_pool_rows(ctx, plan.ratio, ids)
     comp_len = live_length(comp_idx)
-  elif plan.dense_compressed:
+  elif plan.dense_compressed and not ctx.invariant:
     rows = entry_rows(ctx, plan.ratio)
     nv = num_visible(ctx, plan.ratio)
     comp_idx = jnp.where(jnp.arange(rows.shape[1])[None, :] < nv[:, None], rows, -1)
     comp_len = jnp.minimum(nv, rows.shape[1]).astype(jnp.int32)
 
-  # Per-query valid lengths: the kernels stop their loops there (O(live ids), not O(W + K)).
-  out, _ = dispatch.sparse_attention(
-      q, caches.flat_pool(cache_layer["window_kv"]), win_idx, comp_pool, comp_idx, p["sink"],
-      scale=d ** -0.5, cfg=kernel_cfg, window_len_N=win_len, comp_len_N=comp_len)
+  window_pool = caches.flat_pool(cache_layer["window_kv"])
+  if plan.dense_compressed and ctx.invariant:
+    out = blocked_dense_attention(q, window_pool, win_idx, win_len, comp_pool, ctx, plan.ratio, p["sink"],
+                                  d ** -0.5)
+  else:
+    # Per-query valid lengths: the kernels stop their loops there (O(live ids), not O(W + K)).
+    out, _ = dispatch.sparse_attention(q, window_pool, win_idx, comp_pool, comp_idx, p["sink"], scale=d ** -0.5,
+                                       cfg=kernel_cfg, window_len_N=win_len, comp_len_N=comp_len)
   out = apply_rope(out.reshape(N, H, d), pos[:, None], inv_freq, inverse=True)
 
   # Grouped low-rank output projection: group g of heads -> its own o_lora block, then one mixing matrix.

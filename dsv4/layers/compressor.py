@@ -57,9 +57,14 @@ class StepContext:
   # row once verification has decided it (the row written here is the state after the row's last, maybe
   # rejected, token).
   tap_state: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  # The engine's tiled invariant step (caches.StepIndex.invariant): running pools fold token by token in position
+  # order (`sequential_pool_scan`), so an entry's bits do not depend on where a chunk or a tile boundary fell, and
+  # dense compressed attention reads fixed entry blocks (attention.blocked_dense_attention).
+  invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @staticmethod
-  def from_step(step: "caches.StepIndex", layout: "caches.CacheLayout", tap_state: bool = False) -> "StepContext":
+  def from_step(step: "caches.StepIndex", layout: "caches.CacheLayout", tap_state: bool = False,
+                invariant: bool = False) -> "StepContext":
     row = step.token_row_N.astype(jnp.int32)
     valid = row >= 0
     r = jnp.maximum(row, 0)
@@ -74,7 +79,7 @@ class StepContext:
     return StepContext(row_N=r, valid_N=valid, pos_N=pos, first_N=valid & (pos == start),
                        last_N=valid & (pos == end - 1), swa_table_RxS=swa, full_table_RxF=full, swa_base_R=base,
                        swa_block_tokens=layout.swa_block_tokens, full_block_tokens=layout.full_block_tokens,
-                       tap_state=tap_state)
+                       tap_state=tap_state, invariant=invariant)
 
   def swa_slots(self, row_N_, pos_N_, valid_N_):
     """SWA-group pool row of each (row, position); -1 where invalid or outside the step's swa table."""
@@ -130,6 +135,22 @@ def segmented_pool_scan(reset_N, lse_NxW, mean_NxW, max_segment: int):
   return lse, mean
 
 
+def sequential_pool_scan(reset_N, lse_NxW, mean_NxW):
+  """`segmented_pool_scan` as a left fold in flat-axis order: pool_t = merge(pool_{t-1}, token t), restarting
+  where reset is set. The fold is what a chunk boundary does too (a row's first token merges the stored fp32 state
+  of position start - 1 into its own pair, in the same argument order), so every token's pool has the same bits
+  however its row was split into chunks or tiles; the doubling scan's merge tree depends on the token's offset from
+  its segment start, which a split moves. Cost: N dependent steps of O(width) work (N = a tile of the step)."""
+  def fold(carry, x):
+    reset, l, m = x
+    ml, mm = merge(carry[0], carry[1], l, m)
+    out = (jnp.where(reset, l, ml), jnp.where(reset, m, mm))
+    return out, out
+
+  _, (lse, mean) = jax.lax.scan(fold, (lse_NxW[0], mean_NxW[0]), (reset_N, lse_NxW, mean_NxW))
+  return lse, mean
+
+
 def _emit(ctx: StepContext, entry_N, emitted_N, ratio: int):
   return caches.row_slots(ctx.full_table_RxF, ctx.row_N, entry_N, ctx.full_block_tokens // ratio, emitted_N)
 
@@ -161,6 +182,11 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   prev_rows, _ = caches.read_rows(state_pool, ctx.state_slots(pos - 1, prev_ok))
   prev_rows = jnp.where(prev_ok[:, None], prev_rows, 0.0)
   reset = ctx.first_N | win_start | ~ctx.valid_N
+  if ctx.invariant:
+    def scan(reset_N, l, mean, _):
+      return sequential_pool_scan(reset_N, l, mean)
+  else:
+    scan = segmented_pool_scan
 
   if spec.overlap:
     aA, aB, zA, zB = a[:, :w], a[:, w:], z[:, :w], z[:, w:]
@@ -168,7 +194,7 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
     # Next-entry pool: A halves of the open window.
     mid = (ctx.first_N & ~win_start)[:, None]
     l0, m0 = merge(p_nl, p_nm, zA, aA)
-    nl, nm = segmented_pool_scan(reset, jnp.where(mid, l0, zA), jnp.where(mid, m0, aA), m)
+    nl, nm = scan(reset, jnp.where(mid, l0, zA), jnp.where(mid, m0, aA), m)
     # Current-entry pool: at a window start it begins from the previous window's A halves (the previous token's
     # next-entry pool, or the cached one for a row's first token); entry 0 has no previous window.
     base_l = jnp.where(ctx.first_N[:, None], p_nl, jnp.roll(nl, 1, axis=0))
@@ -178,13 +204,13 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
     cl0, cm0 = merge(p_cl, p_cm, zB, aB)
     el = jnp.where(has_base, sl, jnp.where(mid, cl0, zB))
     em = jnp.where(has_base, sm, jnp.where(mid, cm0, aB))
-    cl, cm = segmented_pool_scan(reset, el, em, m)
+    cl, cm = scan(reset, el, em, m)
     state_rows = jnp.concatenate([cl, cm, nl, nm], axis=-1)
   else:
     p_cl, p_cm = prev_rows[:, :w], prev_rows[:, w:]
     mid = (ctx.first_N & ~win_start)[:, None]
     cl0, cm0 = merge(p_cl, p_cm, z, a)
-    cl, cm = segmented_pool_scan(reset, jnp.where(mid, cl0, z), jnp.where(mid, cm0, a), m)
+    cl, cm = scan(reset, jnp.where(mid, cl0, z), jnp.where(mid, cm0, a), m)
     state_rows = jnp.concatenate([cl, cm], axis=-1)
   if ctx.tap_state and taps is not None:
     taps[tap_key] = state_rows

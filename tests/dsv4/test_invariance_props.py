@@ -1,0 +1,134 @@
+"""Batch invariance by construction, as a property: on random traces (batch mixes, arrival waves, chunk sizes,
+prefix caching on / off, async on / off, greedy and seeded sampling, a pool small enough to preempt), in bf16
+compute with bf16 or FP8 KV, every request's tokens and recorded logits are bitwise those of the same request run
+alone on a fresh engine. The claim depends on the code XLA generates, so each test runs in a child process at XLA's
+default optimisation level (tests/isolation.py), as users run.
+
+Every engine here shares one `EngineConfig` shape (rows, token budget, tile, pools), so one compiled step program
+serves every example of a test: the traces vary only what the scheduler decides."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from dsv4 import caches, config, model
+from dsv4.engine.api import generate
+from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.sampling import SamplingParams
+from tests.dsv4.tiers_precision_worker import widen
+from tests.isolation import run_in_child
+
+# The one step shape of these tests: 4 rows, 64 tokens in tiles of 16, tables at max_model_len 256.
+ROOMY = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, max_model_len=256,
+                     num_full_blocks=12, num_swa_blocks=40, record_logits=True, batch_invariant=True, dtype="bf16")
+# Same step program, a pool that preempts when four requests run (cache shapes differ: a second compile).
+TIGHT = dataclasses.replace(ROOMY, num_full_blocks=3, num_swa_blocks=9)
+PREFIXES = 3          # shared document prefixes the prompts draw from (prefix hits)
+
+
+def _model(variant: str, kv: str):
+  cfg = config.v4_tiny(num_layers=3) if variant == "v4" else config.v41_tiny()
+  if kv == "fp8":
+    cfg = widen(cfg, mesh=False)        # the FP8 record needs 64-channel blocks
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  layout = caches.CacheLayout(kv_dtype=caches.FP8 if kv == "fp8" else jnp.bfloat16)
+  return cfg, params, layout
+
+
+@st.composite
+def traces(draw, vocab: int):
+  """Requests (prompt, sampling), plus the scheduler's choices for the batched run."""
+  rng = np.random.default_rng(draw(st.integers(0, 2 ** 16)))
+  prefixes = [[int(t) for t in rng.integers(2, vocab, int(rng.integers(40, 140)))] for _ in range(PREFIXES)]
+  reqs = []
+  for i in range(draw(st.integers(2, 5))):
+    head = prefixes[draw(st.integers(0, PREFIXES - 1))][:draw(st.integers(0, 140))]
+    tail = [int(t) for t in rng.integers(2, vocab, draw(st.integers(1, 40)))]
+    temperature = draw(st.sampled_from([0.0, 0.8]))
+    sp = SamplingParams(max_tokens=draw(st.integers(1, 4)), temperature=temperature, top_k=16, seed=i,
+                        ignore_eos=True)
+    reqs.append((head + tail, sp))
+  run = dict(chunk_size=draw(st.sampled_from([4, 8, 16, 32, 64])),
+             enable_prefix_caching=draw(st.booleans()), async_scheduling=draw(st.booleans()),
+             tight=draw(st.booleans()), waves=draw(st.integers(1, 3)))
+  return reqs, run
+
+
+class _Alone:
+  """Each request's tokens and logits alone on a fresh roomy engine (memoised across examples)."""
+
+  def __init__(self, cfg, params, ec):
+    self.cfg, self.params, self.ec, self.memo = cfg, params, ec, {}
+
+  def __call__(self, prompt, sp):
+    key = (tuple(prompt), sp)
+    if key not in self.memo:
+      eng = Engine(self.params, self.cfg, self.ec)
+      (o,) = generate(self.params, self.cfg, [prompt], sp, engine=eng)
+      assert o.error is None, o.error
+      self.memo[key] = (o.output, np.stack(o.token_logits))
+    return self.memo[key]
+
+
+def _batched(cfg, params, ec, reqs, waves: int):
+  """All requests through one engine, submitted in `waves` groups (each after the previous group's first steps)."""
+  eng = Engine(params, cfg, ec)
+  groups = np.array_split(np.arange(len(reqs)), waves)
+  for g in groups:
+    for i in g:
+      eng.add_request(f"r{i}", reqs[i][0], reqs[i][1])
+    for _ in range(2):
+      if eng.has_work():
+        eng.step()
+  while eng.has_work():
+    eng.step()
+  return eng, [eng.requests[f"r{i}"] for i in range(len(reqs))]
+
+
+def _check(variant: str, kv: str, examples: int):
+  cfg, params, layout = _model(variant, kv)
+  roomy = dataclasses.replace(ROOMY, layout=layout)
+  alone = _Alone(cfg, params, roomy)
+  seen = {"preemptions": 0, "hits": 0}
+
+  @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
+  @given(traces(cfg.vocab_size))
+  def prop(trace):
+    reqs, run = trace
+    ec = dataclasses.replace(TIGHT if run["tight"] else ROOMY, layout=layout, chunk_size=run["chunk_size"],
+                             enable_prefix_caching=run["enable_prefix_caching"],
+                             async_scheduling=run["async_scheduling"])
+    eng, outs = _batched(cfg, params, ec, reqs, run["waves"])
+    seen["preemptions"] += eng.stats["preemptions"]
+    seen["hits"] += sum(r.hit_tokens + r.readmit_hit_tokens for r in outs)
+    for (prompt, sp), r in zip(reqs, outs):
+      assert r.error is None, r.error
+      want_tokens, want_logits = alone(prompt, sp)
+      assert r.output == want_tokens, (run, len(prompt))
+      got = np.stack(r.token_logits)
+      assert np.array_equal(got.view(np.uint32), want_logits.view(np.uint32)), (run, len(prompt))
+
+  prop()
+  return seen
+
+
+@pytest.mark.parametrize("variant,kv", [("v4", "bf16")])
+def test_invariant_logits_on_random_traces(variant, kv, request):
+  """The default tier's draw: V4, bf16 compute and KV, a few traces (derandomized in CI)."""
+  if run_in_child(request, default_xla_opt=True):
+    return
+  _check(variant, kv, examples=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,kv", [("v4", "fp8"), ("v41", "bf16"), ("v41", "fp8")])
+def test_invariant_logits_on_random_traces_every_variant(variant, kv, request):
+  """V4 and V4.1, bf16 and FP8 KV, more traces; the traces must have preempted and hit the prefix cache."""
+  if run_in_child(request, default_xla_opt=True):
+    return
+  seen = _check(variant, kv, examples=10)
+  assert seen["preemptions"] > 0 and seen["hits"] > 0, seen
