@@ -1,23 +1,31 @@
 """The one entry point the model uses for attention and indexer math.
 
 backend: "auto" (the default), "xla", "pallas", "interpret" (the Pallas kernel in interpret mode, for CPU tests).
-"auto" is the XLA reference off a GPU. On a GPU it validates a kernel the first time an op is dispatched with a given
-input structure (shapes, dtypes, pool layout), tuning and static arguments: the kernel and its XLA reference run
-eagerly (outside the trace that asked) on random inputs of exactly those shapes and are compared within the op's
-tolerance; the verdict is cached per process (`validation_verdicts`, `clear_validations`). A kernel that fails (wrong
-answer, or an error while lowering or running) is reported once per key with a `RuntimeWarning` and that call site
-uses the XLA reference. Kernels register themselves in `_KERNELS`: each kernel module exports a `KERNELS` dict that
-this module registers at import; an op without a kernel falls back to the XLA reference on every backend.
+"auto" is the XLA reference off a GPU. On a GPU it validates a kernel the first time an op is dispatched with a new
+kernel configuration (`validation_key`: op, kernel, tuning, input structure and dtypes, the dimensions that set the
+compiled tiling, static arguments; not the batch or pool sizes): a child process (`validate_child.py`, its own CUDA
+context, memory grown on demand, so neither a GPU fault nor the serving pools' memory is shared) runs the kernel and
+its XLA reference on random inputs of a small case with the same compiled tiling (`small_case`) under a timeout
+(`KernelConfig.validation_timeout_s`), and compares them within the op's tolerance; the verdict is cached per
+process (`validation_verdicts`, `clear_validations`). A kernel that fails (wrong answer, raises, crashes the child or
+hangs past the timeout) is reported in one `RuntimeWarning` line per configuration and that call site uses the XLA
+reference. Kernels register themselves in `_KERNELS`: each kernel module exports a `KERNELS` dict that this module
+registers at import; an op without a kernel falls back to the XLA reference on every backend. A kernel is handed to
+the child by its importable name (module and qualified name).
 
-The kernels target the Pallas-Triton GPU backend (explicit `triton.CompilerParams`); see BUILD_NOTES.md, Kernels for
-why and for the Mosaic GPU plan. Pools may be plain arrays or FP8 pools (`Fp8KVPool`, `Fp8PagedPool`; FP8 index keys
-`Fp8IndexKeys`) on every backend.
+The kernels target the Pallas-Triton GPU backend (explicit `triton.CompilerParams`); see docs/kernels.md. Pools may
+be plain arrays or FP8 pools (`Fp8KVPool`, `Fp8PagedPool`; FP8 index keys `Fp8IndexKeys`) on every backend.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
 import time
 import warnings
 from typing import Any, Callable, Literal, NamedTuple
@@ -50,6 +58,9 @@ class KernelConfig:
   sparse_tuning: SparseAttentionTuning | None = None  # None = kernel defaults
   indexer_tuning: IndexerTuning | None = None
   topk_tuning: IndexerTopkTuning | None = None  # the fused indexer top-k kernel
+  # auto: seconds a kernel's validation (a child process: JAX start, two compiles, one run) may take before the
+  # kernel counts as hung and the XLA reference is used
+  validation_timeout_s: float = 180.0
 
 
 # op name -> callable(*args, interpret: bool, tuning=..., **kw). Filled by kernel modules.
@@ -66,13 +77,15 @@ for _mod in (_sparse, _indexer, _indexer_topk):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# "auto": validate each kernel once per process at the shapes it is called with
+# "auto": validate each kernel configuration once per process, in a child process, on a small case
 # ----------------------------------------------------------------------------------------------------------------
 
-# (op, tuning, input structure and shapes / dtypes, static arguments) -> verdict (True: the kernel matched its
-# reference). Filled the first time `auto` meets a key on a GPU; `clear_validations` empties it.
+# validation_key(...) -> verdict (True: the kernel matched its reference). Filled the first time `auto` meets a key
+# on a GPU; `clear_validations` empties it.
 _VERDICTS: dict[tuple, bool] = {}
 _WARNED: set[tuple] = set()
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_RESULT_MARK = "dsv4-validation-result:"
 
 
 class SparseArgs(NamedTuple):
@@ -102,10 +115,20 @@ class IndexerArgs(NamedTuple):
 
 
 class _OpCheck(NamedTuple):
-  """How `auto` validates one op's kernel (see `_validate`)."""
+  """How `auto` validates one op's kernel (see `validate`)."""
   random_inputs: Callable   # (abstract args, static, key) -> random args of that structure, shapes and dtypes
   reference: Callable       # (args, static) -> what the kernel's output is compared against
   err_over_tol: Callable    # (kernel output, reference output, args, static) -> max error / tolerance
+  small_case: Callable      # (abstract args, static, tuning) -> SmallCase
+
+
+class SmallCase(NamedTuple):
+  """A validation case that compiles to the same kernel code as a real call: `args` (abstract, small), `tuning`
+  (the real call's, with the shape-derived choices pinned so the small shapes take the same path) and `tiling`
+  (what of the real shapes the compiled code depends on; part of the validation key)."""
+  args: Any
+  tuning: Any
+  tiling: tuple
 
 
 _CHECKS: dict[str, _OpCheck] = {}   # op -> its check; filled below the ops
@@ -122,7 +145,7 @@ def clear_validations() -> None:
 
 
 def validation_verdicts() -> dict[tuple, bool]:
-  """A copy of this process's verdicts: key (op, tuning, input structure, static arguments) -> kernel used."""
+  """A copy of this process's verdicts: `validation_key` -> kernel used."""
   return dict(_VERDICTS)
 
 
@@ -130,51 +153,106 @@ def _abstract(x):
   return (tuple(x.shape), jnp.dtype(x.dtype).name)
 
 
-def _key(cfg: KernelConfig, op: str, args: tuple, static: dict) -> tuple:
-  leaves, tree = jax.tree_util.tree_flatten(args)
-  return (op, _tuning(cfg, op), tree, tuple(_abstract(x) for x in leaves), tuple(sorted(static.items())))
-
-
 def _tuning(cfg: KernelConfig, op: str):
   return {"sparse_attention": cfg.sparse_tuning, "indexer_scores": cfg.indexer_tuning,
           "indexer_topk": cfg.topk_tuning}.get(op)
 
 
-def _validate(cfg: KernelConfig, op: str, args: tuple, static: dict) -> bool:
-  """Run `op`'s kernel and its XLA reference on random inputs with exactly the structure, shapes and dtypes of
-  `args` (tracers are fine: only their shapes are read), eagerly, outside any trace; cache the verdict per process.
-  A failure (wrong answer, or an error while lowering / running) is reported once per key and means XLA."""
-  key = _key(cfg, op, args, static)
+def _kernel_name(fn: Callable) -> str:
+  return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def validation_key(cfg: KernelConfig, op: str, args: tuple, static: dict) -> tuple:
+  """(op, kernel, tuning, input structure, leaf dtypes and ranks, tiling, static arguments): one validation per
+  compiled kernel configuration, whatever the batch or pool sizes."""
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  tiling = _CHECKS[op].small_case(args, static, _tuning(cfg, op)).tiling
+  return (op, _kernel_name(_KERNELS[op]), _tuning(cfg, op), tree,
+          tuple((len(x.shape), jnp.dtype(x.dtype).name) for x in leaves), tiling, tuple(sorted(static.items())))
+
+
+def _spec_tree(args):
+  """Abstract args as a picklable tree: each array leaf becomes ("__array__", shape, dtype name)."""
+  return jax.tree_util.tree_map(lambda x: ("__array__", tuple(x.shape), jnp.dtype(x.dtype).name), args)
+
+
+def _from_spec_tree(tree):
+  is_spec = lambda x: isinstance(x, tuple) and len(x) == 3 and x[0] == "__array__"
+  return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x[1], jnp.dtype(x[2])) if is_spec(x) else x, tree,
+                                is_leaf=is_spec)
+
+
+def child_check(payload: dict) -> float:
+  """The child's side: random inputs of the small case, kernel and reference, max error / tolerance."""
+  op, static = payload["op"], payload["static"]
+  op_check = _CHECKS[op]
+  abstract = _from_spec_tree(payload["args"])
+  # One compiled program each for the inputs and the reference (eager, every op would compile on its own).
+  inputs = jax.jit(lambda key: op_check.random_inputs(abstract, static, key))(jax.random.PRNGKey(payload["seed"]))
+  kw = dict(interpret=False)
+  if payload["tuning"] is not None:
+    kw["tuning"] = payload["tuning"]
+  got = _RUN[op](payload["kernel"], inputs, static, kw)
+  want = jax.jit(lambda x: op_check.reference(x, static))(inputs)
+  return float(op_check.err_over_tol(jax.device_get(got), jax.device_get(want), inputs, static))
+
+
+def _run_child(payload: bytes, timeout_s: float) -> tuple[float | None, str]:
+  """(max error / tolerance, "") or (None, why). The child is its own process group, killed whole on timeout."""
+  env = dict(os.environ)
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # a few MB, grown on demand: never a share of the pools' memory
+  cache_dir = jax.config.jax_compilation_cache_dir  # the parent's persistent cache, if it has one
+  if cache_dir and "JAX_COMPILATION_CACHE_DIR" not in env:
+    env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+  env["PYTHONPATH"] = os.pathsep.join([_ROOT] + [p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+  proc = subprocess.Popen([sys.executable, "-m", "pallas_kernels.validate_child"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=_ROOT, env=env, start_new_session=True)
+  try:
+    out, err = proc.communicate(payload, timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+    proc.communicate()
+    return None, f"timed out after {timeout_s:g} s"
+  for line in reversed(out.decode(errors="replace").splitlines()):
+    if line.startswith(_RESULT_MARK):
+      res = json.loads(line[len(_RESULT_MARK):])
+      return (res["err"], "") if "err" in res else (None, res["error"])
+  tail = [ln for ln in err.decode(errors="replace").splitlines() if ln.strip()]
+  return None, f"child exited with status {proc.returncode}" + (f": {tail[-1][:200]}" if tail else "")
+
+
+def validate(cfg: KernelConfig, op: str, args: tuple, static: dict) -> bool:
+  """Whether `op`'s kernel may serve calls like this one (shapes are read, values never: tracers are fine). The
+  first call per `validation_key` runs the kernel and its XLA reference in a child process on `small_case`, under
+  `cfg.validation_timeout_s`; the verdict is cached per process. A failure is one RuntimeWarning line and means XLA."""
+  key = validation_key(cfg, op, args, static)
   if key in _VERDICTS:
     return _VERDICTS[key]
-  op_check = _CHECKS[op]
-  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-
-  def check():
-    with jax.transfer_guard("allow"):
-      inputs = op_check.random_inputs(abstract, static, jax.random.PRNGKey(0))
-      got = _call_kernel(cfg, op, inputs, static, interpret=False)
-      want = op_check.reference(inputs, static)
-      return float(op_check.err_over_tol(jax.device_get(got), jax.device_get(want), inputs, static))
-
-  why = ""
   t0 = time.perf_counter()
+  small = _CHECKS[op].small_case(args, static, _tuning(cfg, op))
   try:
-    # A fresh thread has no enclosing trace (JAX's trace state is per thread): everything there runs eagerly.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-      err = pool.submit(check).result()
-    ok = err <= 1.0  # NaN is not <= 1
-    if not ok:
-      why = f"max error / tolerance {err:.3g}"
-  except Exception as e:  # noqa: BLE001 - a kernel that cannot lower or run at these shapes falls back too
-    ok, why = False, f"{type(e).__name__}: {str(e)[:300]}"
+    payload = pickle.dumps(dict(op=op, kernel=_KERNELS[op], tuning=small.tuning, args=_spec_tree(small.args),
+                                static=dict(static), seed=0))
+  except (pickle.PicklingError, AttributeError, TypeError) as e:
+    err, why = None, f"the kernel cannot be handed to a child process by name ({type(e).__name__}: {e})"
+  else:
+    err, why = _run_child(payload, cfg.validation_timeout_s)
+  ok = err is not None and err <= 1.0  # NaN is not <= 1
+  if err is not None and not ok:
+    why = f"max error / tolerance {err:.3g}"
   _VERDICTS[key] = ok
   if not ok and key not in _WARNED:
     _WARNED.add(key)
-    shapes = ", ".join("x".join(map(str, s)) + f" {d}" for s, d in key[3])
-    warnings.warn(f"dispatch: the {op!r} Pallas kernel did not match its XLA reference at ({shapes}) "
-                  f"{dict(static)} on {jax.devices()[0].device_kind} ({why}); using the XLA reference for it "
-                  f"(validated in {time.perf_counter() - t0:.1f} s)", RuntimeWarning, stacklevel=3)
+    shapes = ", ".join("x".join(map(str, s)) + f" {d}" for s, d in
+                       (_abstract(x) for x in jax.tree_util.tree_leaves(small.args)))
+    why = " ".join(why.split())
+    warnings.warn(f"dispatch: the {op!r} Pallas kernel ({_kernel_name(_KERNELS[op])}) failed validation on "
+                  f"{jax.devices()[0].device_kind} ({why}; small case {shapes}, tiling {small.tiling}, "
+                  f"{time.perf_counter() - t0:.1f} s); serving this configuration on the XLA reference",
+                  RuntimeWarning, stacklevel=3)
   return ok
 
 
@@ -187,7 +265,7 @@ def _resolve(cfg: KernelConfig, op: str, args: tuple | None = None, static: dict
   if op not in _KERNELS or backend == "xla":
     return None
   if backend == "auto":
-    if not _on_gpu() or args is None or not _validate(cfg, op, args, static or {}):
+    if not _on_gpu() or args is None or not validate(cfg, op, args, static or {}):
       return None
     backend = "pallas"
   kw = dict(interpret=(backend == "interpret"))
@@ -407,6 +485,91 @@ def _indexer_inputs(a: IndexerArgs, static: dict, key) -> IndexerArgs:
       candidate_blocks_BxTxC=None if cand is None else _ints(keys[7], cand, -1, -(-entries // static["block_size"])))
 
 
+# Small cases with the real call's compiled tiling (`SmallCase`).
+
+_SMALL_ROWS = 64  # pool rows of a validation case (pages: enough to hold them)
+
+
+def _shrink_rows(x, rows):
+  return jax.ShapeDtypeStruct((min(x.shape[0], rows),) + tuple(x.shape[1:]), x.dtype)
+
+
+def _small_pool(pool):
+  if pool is None:
+    return None
+  if isinstance(pool, Fp8PagedPool):
+    return dataclasses.replace(pool, pages=_shrink_rows(pool.pages, max(1, -(-_SMALL_ROWS // pool.page_size))))
+  if isinstance(pool, (Fp8KVPool, Fp8IndexKeys)):
+    return type(pool)(*(_shrink_rows(x, _SMALL_ROWS) for x in pool))
+  return _shrink_rows(pool, _SMALL_ROWS)
+
+
+def _cols(x, n):
+  return None if x is None else jax.ShapeDtypeStruct(tuple(x.shape[:-1]) + (n,), x.dtype)
+
+
+def _lead(x, n):
+  return None if x is None else jax.ShapeDtypeStruct((min(x.shape[0], n),) + tuple(x.shape[1:]), x.dtype)
+
+
+def _sparse_small(a: SparseArgs, static: dict, tuning) -> SmallCase:
+  """Sparse MLA: the compiled code depends on H, D, the dtypes and pool formats, the tuning, each id row's path
+  (held in registers or read a block per step, by its padded width against id_row_max), whether keys are split,
+  and the FP8 record's uint16 view (pools of >= fp8_u16_min_elems e4m3 elements), not on N, the pool rows or the
+  id widths otherwise. The small case: 2 queries, 64 pool rows, id rows of 2 blocks (4 when read per step), with
+  id_row_max, num_splits and fp8_u16_min_elems pinned so it takes the real call's paths."""
+  has_comp = a.comp_pool_QxD is not None and a.comp_idx_NxK is not None and a.comp_idx_NxK.shape[-1] > 0
+  pools = [a.window_pool_PxD] + ([a.comp_pool_QxD] if has_comp else [])
+  t = tuning or _sparse.default_tuning(pools)
+  N, H, D = a.q_NxHxD.shape
+  bk = t.block_k
+  widths = [a.window_idx_NxW.shape[1]] + ([a.comp_idx_NxK.shape[1]] if has_comp else [])
+  padded = lambda w: _sparse._next_pow2(max(1, -(-w // bk))) * bk
+  in_regs = [padded(w) <= t.id_row_max for w in widths]
+  small_w = [min(w, 2 * bk) if r else min(w, 4 * bk) for w, r in zip(widths, in_regs)]
+  id_max = max([padded(w) for w, r in zip(small_w, in_regs) if r], default=0)
+  small_w = [sw if r or padded(sw) > id_max else w for sw, w, r in zip(small_w, widths, in_regs)]
+  S = _sparse.chosen_num_splits(N, H, widths, t, row_bytes=max(_sparse.pool_row_bytes(p) for p in pools),
+                                out_bytes=jnp.dtype(a.q_NxHxD.dtype).itemsize, D=D)
+  u16 = any(isinstance(p, Fp8KVPool) and p.nope.size >= t.fp8_u16_min_elems for p in pools)
+  small_total = sum(max(1, -(-w // bk)) for w in small_w)
+  tun = dataclasses.replace(t, id_row_max=id_max, num_splits=1 if S == 1 else max(2, min(S, small_total)),
+                            fp8_u16_min_elems=0 if u16 else t.fp8_u16_min_elems)
+  n = min(N, 2)
+  args = SparseArgs(
+      q_NxHxD=_lead(a.q_NxHxD, n), window_pool_PxD=_small_pool(a.window_pool_PxD),
+      window_idx_NxW=_lead(_cols(a.window_idx_NxW, small_w[0]), n),
+      comp_pool_QxD=_small_pool(a.comp_pool_QxD),
+      comp_idx_NxK=_lead(_cols(a.comp_idx_NxK, small_w[1]), n) if has_comp else _lead(a.comp_idx_NxK, n),
+      sink_H=a.sink_H, window_len_N=_lead(a.window_len_N, n), comp_len_N=_lead(a.comp_len_N, n))
+  tiling = (H, D, tuple(in_regs), S > 1, u16)
+  return SmallCase(args, tun, tiling)
+
+
+def _indexer_small(a: IndexerArgs, static: dict, tuning, *, topk: bool) -> SmallCase:
+  """Indexer scores / fused top-k: the compiled code depends on H, C, the dtypes and key format, the tuning, k, the
+  candidate count and (top-k) whether the entries span more than one on-chip chunk, not on B, T, the pool rows or
+  M otherwise. The small case: 2 sequences x 2 queries, 64 pool rows, M kept up to 2 chunks (top-k: one chunk's
+  entries when they fit in one, else two chunks; scores: 4 entry blocks)."""
+  B, T, H, C = a.q_BxTxHxC.shape
+  M = a.key_rows_BxM.shape[1]
+  if topk:
+    chunk = (tuning or IndexerTopkTuning()).select_chunk
+    m = M if M <= chunk else 2 * chunk
+    tiling = (H, C, M > chunk)
+  else:
+    m = min(M, 4 * (tuning or IndexerTuning()).block_m)
+    tiling = (H, C)
+  b, tt = min(B, 2), min(T, 2)
+  bt = lambda x: None if x is None else jax.ShapeDtypeStruct((b, tt) + tuple(x.shape[2:]), x.dtype)
+  args = IndexerArgs(
+      q_BxTxHxC=bt(a.q_BxTxHxC), w_BxTxH=bt(a.w_BxTxH), key_pool_PxC=_small_pool(a.key_pool_PxC),
+      key_rows_BxM=jax.ShapeDtypeStruct((b, m), a.key_rows_BxM.dtype), num_visible_BxT=bt(a.num_visible_BxT),
+      allowed_BxTxM=None if a.allowed_BxTxM is None else jax.ShapeDtypeStruct((b, tt, m), a.allowed_BxTxM.dtype),
+      num_keys_B=_lead(a.num_keys_B, b), candidate_blocks_BxTxC=bt(a.candidate_blocks_BxTxC))
+  return SmallCase(args, tuning, tiling)
+
+
 def _tols(dtype):
   return (1e-4, 1e-4) if jnp.dtype(dtype) == jnp.float32 else (2e-2, 2e-2)
 
@@ -456,9 +619,11 @@ def _topk_err(got, scores, args: IndexerArgs, static: dict):
 
 
 _CHECKS.update({
-    "sparse_attention": _OpCheck(_sparse_inputs, _sparse_reference, _sparse_err),
-    "indexer_scores": _OpCheck(_indexer_inputs, _scores_reference, _scores_err),
-    "indexer_topk": _OpCheck(_indexer_inputs, _topk_check_scores, _topk_err),
+    "sparse_attention": _OpCheck(_sparse_inputs, _sparse_reference, _sparse_err, _sparse_small),
+    "indexer_scores": _OpCheck(_indexer_inputs, _scores_reference, _scores_err,
+                               lambda a, s, t: _indexer_small(a, s, t, topk=False)),
+    "indexer_topk": _OpCheck(_indexer_inputs, _topk_check_scores, _topk_err,
+                             lambda a, s, t: _indexer_small(a, s, t, topk=True)),
 })
 
 

@@ -1,6 +1,9 @@
 """Dispatcher: the interpret-mode kernels, called through dispatch, agree with the plain-JAX references (called
 directly, never through dispatch's own XLA path); kernels are registered; auto picks XLA on CPU and validates on a
-GPU (simulated with the interpret kernels)."""
+GPU (simulated with the interpret kernels, run by the validation's child process)."""
+
+import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +13,7 @@ import pytest
 from pallas_kernels import dispatch
 from pallas_kernels import indexer as ix
 from pallas_kernels import sparse_attention as sa
+from tests.pallas_kernels import validation_kernels as vk
 
 
 @pytest.fixture(autouse=True)
@@ -139,26 +143,21 @@ def test_indexer_num_keys():
 
 
 def _interpret_as_pallas(monkeypatch, broken=None):
-  """A CPU stand-in for a GPU: `auto` sees a GPU, and each registered kernel runs in interpret mode when dispatch
-  asks for the compiled one. `broken`: op -> a kernel replacing the real one (its answer is wrong, or it raises).
-  Returns the kernel calls per op."""
+  """A CPU stand-in for a GPU: `auto` sees a GPU, and each op's kernel is its interpret-mode twin in
+  validation_kernels (importable by name, so the validation child runs it too). `broken`: op -> the name of a
+  kernel there replacing it (wrong, raising, hanging, crashing). Returns the per-op call counts of this process."""
   monkeypatch.setattr(dispatch, "_on_gpu", lambda: True)
   dispatch.clear_validations()
-  calls = {}
-  for op, fn in list(dispatch._KERNELS.items()):
-    fn = (broken or {}).get(op, fn)
-
-    def as_pallas(*a, _fn=fn, _op=op, interpret=False, **k):
-      calls[_op] = calls.get(_op, 0) + 1
-      return _fn(*a, interpret=True, **k)
-
-    monkeypatch.setitem(dispatch._KERNELS, op, as_pallas)
-  return calls
+  vk.CALLS.clear()
+  names = {"sparse_attention": "sparse", "indexer_scores": "scores", "indexer_topk": "topk", **(broken or {})}
+  for op, name in names.items():
+    monkeypatch.setitem(dispatch._KERNELS, op, getattr(vk, name))
+  return vk.CALLS
 
 
-def _sparse_case(fp8=False):
+def _sparse_case(fp8=False, N=3, D=128):
   rng = np.random.default_rng(5)
-  N, H, D, P, Q = 3, 16, 128, 24, 40
+  H, P, Q = 16, 24, 40
   cp = jnp.asarray(rng.standard_normal((Q, D)), jnp.bfloat16)
   return (jnp.asarray(rng.standard_normal((N, H, D)), jnp.bfloat16), jnp.asarray(rng.standard_normal((P, D)),
                                                                                   jnp.bfloat16),
@@ -168,23 +167,26 @@ def _sparse_case(fp8=False):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_auto_validates_each_kernel_once_at_its_shapes(monkeypatch, recwarn, fp8):
-  """'auto' on a GPU: the first dispatch at given shapes runs the kernel against its reference on random inputs of
-  those shapes (inside a jit trace: the check runs eagerly in its own thread), then uses the kernel; the verdict is
-  cached per process (no second check at the same shapes, a new check at new shapes)."""
+  """'auto' on a GPU: the first dispatch of a kernel configuration validates it in a child process on a small case
+  with the same tiling (inside a jit trace: only shapes are read), then the kernel serves the call; the verdict is
+  cached per configuration: a new batch size or pool size is not validated again, a new head dim is."""
   calls = _interpret_as_pallas(monkeypatch)
   args = _sparse_case(fp8)
   lens = jnp.asarray([8, 3, 0], jnp.int32), jnp.asarray([16, 0, 5], jnp.int32)
   f = jax.jit(lambda *a: dispatch.sparse_attention(*a[:6], scale=128 ** -0.5, window_len_N=a[6], comp_len_N=a[7]))
   got = f(*args, *lens)
-  assert calls["sparse_attention"] == 2  # the validation's run, then the traced call
+  assert calls["sparse_attention"] == 1  # the traced call here; the validation ran in the child
   assert list(dispatch.validation_verdicts().values()) == [True]
   want = sa.sparse_attention_reference(*args, scale=128 ** -0.5, window_len_N=lens[0], comp_len_N=lens[1])
   np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=2e-2, rtol=2e-2)
-  f2 = jax.jit(lambda *a: dispatch.sparse_attention(*a, scale=128 ** -0.5, window_len_N=lens[0], comp_len_N=lens[1]))
-  f2(*args)  # same key (a new trace): no new check
-  assert calls["sparse_attention"] == 3 and len(dispatch.validation_verdicts()) == 1
-  dispatch.sparse_attention(*args[:3], None, None, args[5], scale=0.1)  # other shapes: checked again
-  assert calls["sparse_attention"] == 5 and len(dispatch.validation_verdicts()) == 2
+  bigger = _sparse_case(fp8, N=5)  # another batch: the same configuration, no new validation
+  g = jax.jit(lambda *a: dispatch.sparse_attention(*a[:6], scale=128 ** -0.5, window_len_N=a[6], comp_len_N=a[7]))
+  g(*bigger, jnp.full((5,), 8, jnp.int32), jnp.full((5,), 16, jnp.int32))
+  assert calls["sparse_attention"] == 2 and len(dispatch.validation_verdicts()) == 1
+  if not fp8:  # (the slow-tier variant: one more child run)
+    dispatch.sparse_attention(*_sparse_case(False, D=64), scale=0.1)  # another head dim, no lengths: validated
+    assert calls["sparse_attention"] == 3 and len(dispatch.validation_verdicts()) == 2
+  assert all(dispatch.validation_verdicts().values())
   assert not [w for w in recwarn if "dispatch" in str(w.message)]
 
 
@@ -199,29 +201,26 @@ def test_auto_validates_the_fused_topk_with_fp8_keys_and_candidates(monkeypatch,
   nv = jnp.asarray(rng.integers(0, M + 1, (B, T)), jnp.int32)
   cand = jnp.asarray(rng.integers(-1, 5, (B, T, 2)), jnp.int32)
   got = dispatch.indexer_topk(q, w, keys, rows, nv, 6, candidate_blocks_BxTxC=cand)
-  assert calls["indexer_topk"] == 2 and list(dispatch.validation_verdicts().values()) == [True]
+  assert calls["indexer_topk"] == 1 and list(dispatch.validation_verdicts().values()) == [True]
   args = dispatch.IndexerArgs(q, w, keys, rows, nv, candidate_blocks_BxTxC=cand)
   scores = dispatch._topk_check_scores(args, dict(k=6, block_size=8))
   assert dispatch._topk_err(np.asarray(got), np.asarray(scores), None, dict(k=6)) <= 1.0
   assert not [w for w in recwarn if "dispatch" in str(w.message)]
 
 
-def _wrong_sparse(*a, interpret=False, **k):
-  out, lse = sa.sparse_attention_kernel(*a, interpret=interpret, **k)
-  return out * 1.5, lse
-
-
-def _raising_topk(*a, **k):
-  raise RuntimeError("lowering failed")
-
-
-@pytest.mark.parametrize("op", ["sparse_attention", "indexer_topk"])
-def test_auto_falls_back_to_xla_once_with_one_warning(monkeypatch, op):
-  """A kernel that gives a wrong answer (sparse MLA scaled by 1.5) or cannot run (the top-k raises) fails its
-  validation: that call site gets the plain reference's answer, bit for bit, and one warning however often it is
-  dispatched."""
-  broken = {"sparse_attention": _wrong_sparse, "indexer_topk": _raising_topk}
-  calls = _interpret_as_pallas(monkeypatch, broken={op: broken[op]})
+@pytest.mark.parametrize("op,broken,why,timeout_s", [
+    ("sparse_attention", "wrong_sparse", "max error / tolerance", None),
+    ("indexer_topk", "raising_topk", "RuntimeError: lowering failed", None),
+    ("sparse_attention", "hanging_sparse", "timed out after 5 s", 5),
+    ("sparse_attention", "crashing_sparse", "child exited with status", None),
+])
+def test_auto_falls_back_to_xla_once_with_one_warning(monkeypatch, op, broken, why, timeout_s):
+  """A kernel that gives a wrong answer (sparse MLA scaled by 1.5), cannot run (the top-k raises), hangs (killed at
+  the timeout) or kills its process (a GPU fault's stand-in) fails its validation in the child: the caller survives,
+  that call site gets the plain reference's answer, bit for bit, and one one-line warning however often it is
+  dispatched; the kernel never runs in this process."""
+  calls = _interpret_as_pallas(monkeypatch, broken={op: broken})
+  cfg = dispatch.KernelConfig() if timeout_s is None else dispatch.KernelConfig(validation_timeout_s=timeout_s)
   if op == "sparse_attention":
     args = _sparse_case()
     run = lambda cfg: dispatch.sparse_attention(*args, scale=0.1, cfg=cfg)
@@ -234,11 +233,15 @@ def test_auto_falls_back_to_xla_once_with_one_warning(monkeypatch, op):
             jnp.asarray(rng.integers(0, 21, (2, 3)), jnp.int32))
     run = lambda cfg: dispatch.indexer_topk(*args, 5, cfg=cfg)
     reference = lambda: dispatch._indexer_topk.indexer_topk_reference(*args, 5)
-  with pytest.warns(RuntimeWarning, match=f"the '{op}' Pallas kernel did not match") as rec:
-    first = jax.jit(lambda: run(dispatch.KernelConfig()))()
-    again = run(dispatch.KernelConfig())
-  assert len([w for w in rec if "dispatch" in str(w.message)]) == 1
-  assert calls.get(op, 0) <= 1  # the validation only (the raising kernel counts its one try)
+  t0 = time.perf_counter()
+  with pytest.warns(RuntimeWarning, match=f"the '{op}' Pallas kernel .* failed validation") as rec:
+    first = jax.jit(lambda: run(cfg))()
+    again = run(cfg)
+  if broken == "hanging_sparse":
+    assert time.perf_counter() - t0 < 30  # killed at the timeout, not waited out
+  msgs = [str(w.message) for w in rec if "dispatch" in str(w.message)]
+  assert len(msgs) == 1 and why in msgs[0] and "\n" not in msgs[0], msgs
+  assert calls.get(op, 0) == 0
   assert list(dispatch.validation_verdicts().values()) == [False]
   # the plain reference, called directly: jitted and eager, each like for like
   for g, want in ((first, jax.jit(reference)()), (again, reference())):
@@ -246,9 +249,38 @@ def test_auto_falls_back_to_xla_once_with_one_warning(monkeypatch, op):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_small_case_keeps_the_compiled_tiling():
+  """The validation case of a V4-Flash decode: 2 queries and 64 pool rows, but the same heads, head dim, tuning,
+  id-row paths (window in registers; a top-2048 row read a block per step) and split mode; batch sizes that compile
+  the same code share one key, a batch that turns splitting off does not."""
+  S = jax.ShapeDtypeStruct
+
+  def args(N, K):
+    return dispatch.SparseArgs(S((N, 64, 512), jnp.bfloat16), S((32768, 512), jnp.bfloat16), S((N, 128), jnp.int32),
+                               S((2 ** 21, 512), jnp.bfloat16), S((N, K), jnp.int32), S((64,), jnp.float32),
+                               S((N,), jnp.int32), S((N,), jnp.int32))
+
+  small = dispatch._sparse_small(args(64, 2048), {"scale": 0.1}, None)
+  shapes = [tuple(x.shape) for x in jax.tree_util.tree_leaves(small.args)]
+  assert shapes == [(2, 64, 512), (64, 512), (2, 32), (64, 512), (2, 64), (64,), (2,), (2,)]
+  assert small.tuning == dataclasses.replace(sa.BF16_TUNING, id_row_max=32, num_splits=2)
+  assert small.tiling == (64, 512, (True, False), True, False)
+  cfg, st = dispatch.KernelConfig(), {"scale": 0.1}
+  key = lambda N, K=512: dispatch.validation_key(cfg, "sparse_attention", args(N, K), st)
+  assert key(1) == key(64) != key(128)  # 128 programs fill a wave unsplit: the unsplit kernel is another build
+  assert key(64) != key(64, 2048)
+  # a record pool past 2^31 e4m3 elements is read as uint16 words: the small case is forced onto that path
+  big = dispatch.Fp8KVPool(S((2 ** 31 // 448 + 1, 448), jnp.float8_e4m3fn), S((2 ** 31 // 448 + 1, 8), jnp.uint8),
+                           S((2 ** 31 // 448 + 1, 64), jnp.bfloat16))
+  a = args(64, 512)._replace(comp_pool_QxD=big)
+  small = dispatch._sparse_small(a, st, None)
+  assert small.tuning.fp8_u16_min_elems == 0 and small.tiling[-1] is True
+  assert small.args.comp_pool_QxD.nope.shape == (64, 448)
+
+
 def test_auto_never_validates_off_a_gpu(monkeypatch):
   dispatch.clear_validations()
-  monkeypatch.setattr(dispatch, "_validate", lambda *a: pytest.fail("validated on a CPU"))
+  monkeypatch.setattr(dispatch, "validate", lambda *a: pytest.fail("validated on a CPU"))
   args = _sparse_case()
   dispatch.sparse_attention(*args, scale=0.1)
   assert not dispatch.uses_kernel(dispatch.KernelConfig(), "sparse_attention", *args, scale=0.1)
