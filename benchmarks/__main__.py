@@ -34,15 +34,20 @@ MAINTAINED = [
          "python -m benchmarks.cache_bench --budget --budgets_gib 0.375,0.5,0.75,1")]),
     ("kernels_bench", [
         ("Pallas kernels vs XLA references, all cases in one process: correct?, then ms, TFLOP/s, GB/s (GPU)",
-         "python -m benchmarks.kernels_bench [--mosaic]"),
-        ("  CPU interpret-mode smoke run (numbers meaningless)", "python -m benchmarks.kernels_bench --small")]),
+         "python -m benchmarks.kernels_bench"),
+        ("  CPU interpret-mode smoke run (numbers meaningless)", "python -m benchmarks.kernels_bench --small"),
+        ("  the sparse decode's predicted roofline per batch and pool format (docs/kernels.md)",
+         "python -m benchmarks.kernels_bench --roofline")]),
     ("gpu_check.sh", [
         ("the one GPU check: correctness at V4-Flash shapes, then decode / prefill timing with the roofline "
          "fraction; one process per case, 400 s budget, rows in $OUT after every case",
-         "bash benchmarks/gpu_check.sh [--out DIR] [--mosaic]"),
+         "bash benchmarks/gpu_check.sh [--out DIR]"),
         ("  CPU dry run of the same plan and plumbing (tests/pallas_kernels/test_gpu_check.py, ~1.5 min)",
          "bash benchmarks/gpu_check.sh --dry-run --out OUT_DIR"),
         ("  the plan, in priority order", "bash benchmarks/gpu_check.sh --list")]),
+    ("sm90_compile", [
+        ("every Pallas-Triton kernel compiled for sm_90a on the CPU (pip triton + ptxas): registers, spills, shared "
+         "memory, CTAs per SM", "python -m benchmarks.sm90_compile [--only SUBSTR,...]")]),
     ("sizing", [
         ("V4-Flash / V4.1-Flash bytes per device on a mesh: params, KV pools, fits?",
          "python -m benchmarks.sizing --aot_layers=-1 --batch=32 --context=131072"),

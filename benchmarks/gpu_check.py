@@ -1,6 +1,6 @@
 """The GPU check: kernel correctness at V4-Flash shapes, then the decode / prefill timing tables, one process per case.
 
-  benchmarks/gpu_check.sh [--out DIR] [--budget 400] [--mosaic] [--only SUBSTR,...] [--case-timeout S]
+  benchmarks/gpu_check.sh [--out DIR] [--budget 400] [--only SUBSTR,...] [--case-timeout S]
   benchmarks/gpu_check.sh --dry-run --out DIR      # CPU: the same plumbing, tiny shapes (interpret mode / XLA)
   benchmarks/gpu_check.sh --list                   # the plan, in priority order
 
@@ -18,17 +18,19 @@ outside tolerance: err_over_tol > 1); error (raised or crashed); timeout (killed
 (the global budget ran out first). Timing rows add the device time per call with L2 flushed (`kernel_ms`, see
 benchmarks/kernels_bench.py for the method), `hot_ms`, FLOPs and bytes, and the roofline: `pct_hbm` (bytes / time
 against --hbm-gbps), `pct_tc` (FLOPs / time against --peak-tflops), `roofline_pct` = max(bytes / HBM, FLOPs / peak) /
-time, i.e. how close the case is to its own bound. A timing row checks its answer first and is not timed if wrong.
+time, i.e. how close the case is to its own bound; `predicted_pct` is the design's estimate for that case
+(docs/kernels.md, Roofline per configuration), the number the measured one is judged against. A timing row checks
+its answer first and is not timed if wrong.
 
-Order: every correctness case (Triton kernels), then the timing cases, then with --mosaic the Mosaic GPU kernel
-(a small correctness case with a short timeout first: a deadlock costs that timeout only). Each case runs in its own
+Order: every correctness case, then the timing cases. Each case runs in its own
 process (`python -m benchmarks.gpu_check --child NAME`) under min(its timeout, budget left); a failure, crash or
 hang is recorded and the next case runs. This file (the plan, the parent, the report) imports no JAX, so the parent
 cannot be the thing that fails; the case side, which does, is benchmarks/gpu_check_cases.py. Exit status: 0 when
 every case that ran is ok, 1 otherwise.
 
 --dry-run: the same plan and plumbing on a CPU with tiny shapes: correctness cases run the kernels in Pallas
-interpret mode, timing cases time the XLA reference in their place (labelled so), Mosaic cases only lower for CUDA.
+interpret mode; timing cases time the interpret-mode kernel (one iteration) and the XLA reference beside it
+(`xla_ms`), so the roofline columns hold real, if meaningless, CPU numbers.
 --inject NAME=raise|hang|crash|mismatch (repeatable) makes one case fail that way (tests of the plumbing).
 """
 
@@ -56,13 +58,13 @@ class Case:
   name: str
   kind: str  # "correctness" | "timing"
   op: str  # "sparse_attention" | "indexer_scores" | "indexer_topk"
-  impl: str  # "triton" | "mosaic"
+  impl: str  # "triton"
   params: dict
   timeout: float
 
   @property
   def kernel(self) -> str:
-    return f"{self.op} ({'Mosaic GPU' if self.impl == 'mosaic' else 'Pallas-Triton'})"
+    return f"{self.op} (Pallas-Triton)"
 
 
 # V4-Flash: 64 heads x d 512 (64 RoPE), window 128, top-512; indexer 64 heads x 128.
@@ -70,7 +72,6 @@ _SPARSE = dict(H=64, D=512, W=128, K=512, page_size=64, lens=False)
 _SPARSE_DRY = dict(H=16, D=128, W=16, K=32, page_size=4)
 _INDEXER = dict(HI=64, C=128, k=512, cand=0, block_size=8)
 _INDEXER_DRY = dict(HI=16, C=32, k=16)
-_MOSAIC_DRY = dict(H=64, D=512, W=128, K=512, ctx=4096)  # the kernel's only shape; lowered, not run
 
 
 def _sparse(name, kind, *, mode, kind_, fmt, N, ctx, impl="triton", timeout=None, dry=None, **kw):
@@ -96,8 +97,8 @@ def _indexer(name, kind, *, op, mode, keys, B, T, ctx, timeout=None, **kw):
   return Case(name, kind, op, "triton", p, t)
 
 
-def plan(mosaic: bool = False) -> list[Case]:
-  """Every case, in priority order (correctness of each kernel, then timing; Mosaic last, only if asked)."""
+def plan() -> list[Case]:
+  """Every case, in priority order (correctness of each kernel, then timing)."""
   C, T = "correctness", "timing"
   cases = [
       # correctness at V4-Flash shapes: each kernel, each pool layout the model or the bench uses
@@ -145,15 +146,6 @@ def plan(mosaic: bool = False) -> list[Case]:
       _indexer("time.topk.prefill.bf16.q4096.32k", T, op="indexer_topk", mode="prefill", keys="bf16", B=1,
                T=4096, ctx=32768),
   ]
-  if mosaic:
-    cases += [
-        _sparse("correct.mosaic.decode_csa.bf16.b2", C, mode="decode", kind_="csa", fmt="bf16", N=2, ctx=8192,
-                impl="mosaic", timeout=60.0, dry=_MOSAIC_DRY),
-        _sparse("time.mosaic.decode_csa.bf16.b64", T, mode="decode", kind_="csa", fmt="bf16", N=64, ctx=8192,
-                impl="mosaic", dry=_MOSAIC_DRY),
-        _sparse("time.mosaic.prefill_csa.bf16.q4096.32k", T, mode="prefill", kind_="csa", fmt="bf16", N=4096,
-                ctx=32768, impl="mosaic", dry=_MOSAIC_DRY),
-    ]
   return cases
 
 
@@ -204,7 +196,6 @@ def parse_args(argv):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default=None, help="output dir (default: $OUT, else gpu_check_out)")
   ap.add_argument("--budget", type=float, default=400.0, help="seconds for the whole run (cases past it: skipped)")
-  ap.add_argument("--mosaic", action="store_true", help="also run the Mosaic GPU kernel (after the Triton cases)")
   ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, interpret mode / XLA timing")
   ap.add_argument("--only", default="", help="comma-separated substrings: run only cases whose name has one")
   ap.add_argument("--case-timeout", type=float, default=0.0, help="override every case's timeout (seconds)")
@@ -315,18 +306,18 @@ def render_markdown(rows: list[dict], env: dict, meta: dict) -> str:
     lines.append("")
   if timed:
     lines += ["## Timing (L2 flushed; roofline: H200 %s GB/s, %s TFLOP/s)" % (meta["hbm_gbps"], meta["peak_tflops"]),
-              "", "| case | kernel | shapes | dtype | layout | status | err/tol | ms | hot ms | TFLOP/s | GB/s | "
-              "% HBM | % TC | roofline % (bound) | splits | error |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "", "| case | kernel | shapes | dtype | layout | status | err/tol | ms | hot ms | XLA ms | TFLOP/s | "
+              "GB/s | % HBM | % TC | roofline % (bound) | predicted % | splits | error |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in timed:
       bound = f" ({r['bound']})" if r.get("bound") else ""
       lines.append(
           f"| {r['case']} | {r['kernel']} | {r['shape_text']} | {r['dtype']} | {r['layout']} | {r['status']} | "
           f"{_fmt(r.get('err_over_tol'), '.3g')} | {_fmt(r.get('kernel_ms'), '.4f')} | "
-          f"{_fmt(r.get('hot_ms'), '.4f')} | "
-          f"{_fmt(r.get('tflops'), '.1f')} | {_fmt(r.get('gbps'), '.0f')} | {_fmt(r.get('pct_hbm'), '.1f')} | "
-          f"{_fmt(r.get('pct_tc'), '.1f')} | {_fmt(r.get('roofline_pct'), '.1f')}{bound} | "
-          f"{r.get('num_splits') or ''} | {r.get('error', '')} |")
+          f"{_fmt(r.get('hot_ms'), '.4f')} | {_fmt(r.get('xla_ms'), '.4f')} | "
+          f"{_fmt(r.get('tflops'), '.3g')} | {_fmt(r.get('gbps'), '.3g')} | {_fmt(r.get('pct_hbm'), '.3g')} | "
+          f"{_fmt(r.get('pct_tc'), '.3g')} | {_fmt(r.get('roofline_pct'), '.3g')}{bound} | "
+          f"{_fmt(r.get('predicted_pct'), '.3g')} | {r.get('num_splits') or ''} | {r.get('error', '')} |")
     lines.append("")
   return "\n".join(lines)
 
@@ -355,7 +346,7 @@ def main(argv=None) -> int:
   if args.child:  # one case in this process (benchmarks/gpu_check_cases.py imports JAX; the parent never does)
     from benchmarks import gpu_check_cases
     return gpu_check_cases.child_main(args)
-  cases = plan(args.mosaic)
+  cases = plan()
   if args.only:
     keys = [k for k in args.only.split(",") if k]
     cases = [c for c in cases if any(k in c.name for k in keys)]
@@ -401,7 +392,6 @@ def main(argv=None) -> int:
              "--hbm-gbps", str(args.hbm_gbps), "--peak-tflops", str(args.peak_tflops), "--iters", str(args.iters),
              "--repeats", str(args.repeats), "--flush-mb", str(args.flush_mb), "--jax-cache", args.jax_cache]
       cmd += ["--dry-run"] if args.dry_run else []
-      cmd += ["--mosaic"] if case.impl == "mosaic" else []
       cmd += ["--child-inject", inject[case.name]] if case.name in inject else []
       rc, secs = _run_child(cmd, log, timeout, _child_env(args.dry_run))
       got = None
@@ -431,7 +421,7 @@ def main(argv=None) -> int:
     write_atomic(md_path, render_markdown(rows, env, meta))
     extra = ""
     if row.get("kernel_ms") is not None:
-      extra = f"  {row['kernel_ms']:.4f} ms  roofline {_fmt(row.get('roofline_pct'), '.1f')}%"
+      extra = f"  {row['kernel_ms']:.4f} ms  roofline {_fmt(row.get('roofline_pct'), '.3g')}%"
     print(f"[{i + 1:2d}/{len(cases)} {meta['elapsed']:5.0f}s] {case.name:52s} {row['status']:8s} "
           f"err/tol {_fmt(row.get('err_over_tol'), '.3g'):>6s}{extra}  {row.get('error', '')[:160]}", flush=True)
   print()

@@ -4,7 +4,7 @@
 # a global budget (--budget, default 400 s), rows appended to OUT/results.jsonl and OUT/gpu_check.md rebuilt after
 # every case, so a run cut short keeps every finished row. OUT = --out DIR, else $OUT, else gpu_check_out.
 #
-#   benchmarks/gpu_check.sh [--out DIR] [--budget 400] [--mosaic] [--only SUBSTR,...]   # on the GPU
+#   benchmarks/gpu_check.sh [--out DIR] [--budget 400] [--only SUBSTR,...]            # on the GPU
 #   benchmarks/gpu_check.sh --dry-run --out DIR                                        # CPU plumbing run
 #   benchmarks/gpu_check.sh --list                                                     # the plan
 #

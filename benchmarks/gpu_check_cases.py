@@ -30,7 +30,7 @@ def child_main(args) -> int:
   if args.env_only:
     _child_write(args.result, _jax_env())
     return 0
-  cases = {c.name: c for c in plan(mosaic=True)}
+  cases = {c.name: c for c in plan()}
   case = cases[args.child]
   try:
     row = run_case(case, args)
@@ -182,29 +182,18 @@ def _run_sparse(args, p, case, dry, inject, partial):
   D = p["D"]
   static = dict(scale=D ** -0.5)
   ref = jax.jit(_on_record(dispatch.SparseArgs, lambda a: dispatch._sparse_reference(a, static)))
-  if case.impl == "mosaic":
-    from pallas_kernels import sparse_attention_mgpu as mg
-    row["tuning"] = dict(block_k=mg.BLOCK_K, warpgroups=3)
-    if dry:  # no Mosaic GPU on a CPU: lower it for CUDA at these shapes instead
-      from pallas_kernels import lowering
-      abstract = [None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
-      lowering.export_for_cuda(mg.sparse_attention_mgpu, *abstract, scale=static["scale"])
-      row.update(status="ok", err_over_tol=None, note="dry run: lowered for CUDA only")
-      return row
-    kern = jax.jit(_on_record(dispatch.SparseArgs,
-                              lambda a: dispatch._run_sparse_kernel(mg.sparse_attention_mgpu, a, static, {})))
-    row["num_splits"] = 1
-  elif dry and case.kind == "timing":
-    kern = ref  # the plumbing only: interpret-mode kernels in timing loops take minutes on a CPU
-    row["kernel"] = case.kernel + " [dry run: XLA reference timed in its place]"
-  else:
-    tuning = sa.SparseAttentionTuning(block_h=16, block_k=16) if dry else sa.SparseAttentionTuning()
-    row["tuning"] = dataclasses.asdict(tuning)
-    row["num_splits"] = sa.chosen_num_splits(inputs.q_NxHxD.shape[0], inputs.q_NxHxD.shape[1],
-                                             [inputs.window_idx_NxW.shape[1], inputs.comp_idx_NxK.shape[1]], tuning)
-    kernel_kw = dict(interpret=dry, tuning=tuning)
-    kern = jax.jit(_on_record(dispatch.SparseArgs,
-                              lambda a: dispatch._run_sparse_kernel(sa.sparse_attention_kernel, a, static, kernel_kw)))
+  tuning = (sa.SparseAttentionTuning(block_h=16, block_k=16) if dry
+            else sa.default_tuning([inputs.window_pool_PxD, inputs.comp_pool_QxD]))
+  row["tuning"] = dataclasses.asdict(tuning)
+  row["num_splits"] = sa.chosen_num_splits(
+      inputs.q_NxHxD.shape[0], inputs.q_NxHxD.shape[1], [inputs.window_idx_NxW.shape[1], inputs.comp_idx_NxK.shape[1]],
+      tuning, row_bytes=max(sa.pool_row_bytes(inputs.window_pool_PxD), sa.pool_row_bytes(inputs.comp_pool_QxD)),
+      out_bytes=inputs.q_NxHxD.dtype.itemsize, D=D)
+  kernel_kw = dict(interpret=dry, tuning=tuning)
+  kern = jax.jit(_on_record(dispatch.SparseArgs,
+                            lambda a: dispatch._run_sparse_kernel(sa.sparse_attention_kernel, a, static, kernel_kw)))
+  if dry and case.kind == "timing":
+    row["kernel"] = case.kernel + " [dry run: interpret mode on the CPU]"
   out, lse = kern(*inputs)
   want_out, want_lse = ref(*inputs)
   if inject == "mismatch":
@@ -224,8 +213,20 @@ def _run_sparse(args, p, case, dry, inject, partial):
   q = inputs.q_NxHxD
   nbytes = (q.size * q.dtype.itemsize * 2 + uw * sa.pool_row_bytes(window_pool) + uc * sa.pool_row_bytes(comp_pool))
   ms, hot, flush = kb.device_time_ms(kern, inputs, _chained_slot(inputs, "sink_H"), **_timing(args, dry))
-  row.update(hot_ms=hot, flush_ms=flush)
+  row.update(hot_ms=hot, flush_ms=flush, predicted_pct=_predicted(p))
+  if dry:  # the reference beside the interpret-mode kernel (on the GPU the budget goes to the kernels)
+    row["xla_ms"] = kb.device_time_ms(ref, inputs, _chained_slot(inputs, "sink_H"), **_timing(args, dry))[0]
   return _roofline(row, flops, nbytes, ms, args)
+
+
+def _predicted(p) -> float | None:
+  """The design's predicted % of HBM for a sparse timing case (docs/kernels.md, Roofline per configuration)."""
+  from benchmarks import kernels_bench as kb
+  if p.get("mode") != "decode":
+    return None
+  fmt = "bf16" if p["fmt"] in ("bf16", "f32") else "fp8"
+  keys = p["W"] + p["K"]
+  return kb.predicted_decode(p["N"], keys, fmt, H=p["H"], D=p["D"], window=p["W"])["pct_hbm"]
 
 
 def _run_indexer(args, p, case, dry, inject, partial):
@@ -263,8 +264,7 @@ def _run_indexer(args, p, case, dry, inject, partial):
   kern = jax.jit(_on_record(dispatch.IndexerArgs, lambda a: run_kernel(kernel, a, static, kernel_kw)))
   row["tuning"] = dataclasses.asdict(tuning)
   if dry and case.kind == "timing":
-    kern = ref
-    row["kernel"] = case.kernel + " [dry run: XLA reference timed in its place]"
+    row["kernel"] = case.kernel + " [dry run: interpret mode on the CPU]"
   got = np.asarray(kern(*inputs))
   scores = np.asarray(check_scores(*inputs))
   if inject == "mismatch":
@@ -284,4 +284,6 @@ def _run_indexer(args, p, case, dry, inject, partial):
   nbytes = q.size * 2 + w.size * 4 + uk * row_bytes + out_bytes
   ms, hot, flush = kb.device_time_ms(kern, inputs, _chained_slot(inputs, "w_BxTxH"), **_timing(args, dry))
   row.update(hot_ms=hot, flush_ms=flush)
+  if dry:
+    row["xla_ms"] = kb.device_time_ms(ref, inputs, _chained_slot(inputs, "w_BxTxH"), **_timing(args, dry))[0]
   return _roofline(row, flops, nbytes, ms, args)

@@ -5,7 +5,7 @@
 
 Defaults: decode batch 64 and 256 at 8k and 128k (csa: 128 window + top-512; hca: 128 + ctx/128), bf16 and FP8
 (paged layout) rows, prefill 4096 queries at 32k, the indexer (scores; fused top-512 with bf16 and FP8 keys); the
-Mosaic GPU kernel only with --mosaic. All cases run in this one process: benchmarks/gpu_check.sh is the GPU check
+All cases run in this one process: benchmarks/gpu_check.sh is the GPU check
 (one process per case, timeouts, a budget, results streamed); it uses this module's inputs, timing and checks.
 
 Order per case: build inputs, run kernel and reference once and compare (correctness first: a failing case is
@@ -62,6 +62,72 @@ class Result:
   num_splits: int  # sparse attention: the split count the kernel chose (0 = n/a)
   flops: float
   bytes: float
+
+
+# ------------------------------------------------------------------------------------------------ roofline model
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeModel:
+  """The sparse decode's predicted time on an H200 (docs/kernels.md, Roofline per configuration), from its bytes,
+  FLOPs and tiling. The numbers marked `assumed` are estimates, not measurements: the GPU run tests them.
+
+  time = max(bytes / min(HBM, Little's-law bandwidth), MMA FLOPs / (peak x MMA efficiency x wave fill)) + fixed.
+  Little's law: the resident programs (one per SM at the shipped tilings) keep (num_stages - 1) steps of block_k
+  gathered rows in flight, cp.async into shared memory; bandwidth = SMs busy x bytes in flight / loaded latency."""
+  hbm_bps: float = 4.8e12
+  peak_flops: float = 989e12
+  num_sms: int = 132
+  latency_s: float = 1.0e-6  # assumed: a gather's loaded HBM latency
+  wgmma_eff: float = 0.7  # assumed: fraction of peak for m64 x n16 x k16 wgmma tiles (bf16 tiling)
+  mma_sync_eff: float = 0.45  # assumed: mma.sync on sm_90 (FP8 tiling: 32 heads a program)
+  fixed_s: float = 2.0e-6  # assumed: first gathers' latency, the last wave's drain, the split merge's launch
+
+
+def predicted_decode(N: int, keys: int, fmt: str, *, H: int = 64, D: int = 512, window: int = 128,
+                     model: DecodeModel = DecodeModel()) -> dict:
+  """Predicted decode cost of N query tokens over `keys` rows each (window + top-k / HCA entries), fmt "bf16" |
+  "fp8" (584-byte rows), at the shipped tiling; returns bytes, FLOPs, times (us) and the predicted % of HBM."""
+  fp8 = fmt == "fp8"
+  tun = sa.FP8_TUNING if fp8 else sa.BF16_TUNING
+  row_bytes = 584 if fp8 else 2 * D
+  widths = [min(window, keys), max(0, keys - window)]
+  S = sa.chosen_num_splits(N, H, [w for w in widths if w], tun, row_bytes=row_bytes, out_bytes=2, D=D)
+  head_blocks = -(-H // min(tun.block_h, max(16, 1 << (H - 1).bit_length())))
+  qo = N * H * D * 2  # q in, out written (bf16)
+  ideal_bytes = N * keys * row_bytes + 2 * qo  # what the GPU check counts: rows once, q, out
+  split_bytes = 2 * N * S * H * D * 2 if S > 1 else 0  # partials written, then read by the merge
+  flops = 2.0 * H * keys * 2 * D * N
+  programs = N * head_blocks * S
+  waves = -(-programs // model.num_sms)
+  fill = programs / (waves * model.num_sms)
+  busy = min(programs, model.num_sms)
+  in_flight = (tun.num_stages - 1) * tun.block_k * row_bytes
+  bw = min(model.hbm_bps, busy * in_flight / model.latency_s)
+  t_mem = (ideal_bytes + split_bytes) / bw
+  # bf16: the QK^T dot (N = 16 keys) is computed by both warpgroups (Triton's layout repeats it): 1.5x the MMAs.
+  mma_flops = flops * (1.0 if fp8 else 1.5)
+  t_mma = mma_flops / (model.peak_flops * (model.mma_sync_eff if fp8 else model.wgmma_eff) * fill)
+  t = max(t_mem, t_mma) + model.fixed_s
+  t_hbm, t_tc = ideal_bytes / model.hbm_bps, flops / model.peak_flops
+  return dict(N=N, keys=keys, fmt=fmt, splits=S, programs=programs, bytes=ideal_bytes, flops=flops,
+              intensity=flops / ideal_bytes, t_hbm_us=t_hbm * 1e6, t_tc_us=t_tc * 1e6, bw_tbps=bw / 1e12,
+              t_mem_us=t_mem * 1e6, t_mma_us=t_mma * 1e6, t_us=t * 1e6, pct_hbm=100 * t_hbm / t,
+              limit="memory" if t_mem >= t_mma else "MMA")
+
+
+def roofline_table(batches=(1, 8, 16, 32, 64, 96, 128), configs=(("csa", 640), ("top2048", 2176), ("hca128k", 1152))):
+  """Markdown rows of `predicted_decode` for bf16 and FP8 pools (docs/kernels.md)."""
+  lines = ["| layer (keys) | pool | batch | splits | programs | MB | GFLOP | FLOP/B | HBM us | TC us | "
+           "bandwidth TB/s | predicted us | limit | predicted % HBM |", "|" + "---|" * 14]
+  for name, keys in configs:
+    for fmt in ("bf16", "fp8"):
+      for b in batches:
+        r = predicted_decode(b, keys, fmt)
+        lines.append(f"| {name} ({keys}) | {fmt} | {b} | {r['splits']} | {r['programs']} | {r['bytes'] / 1e6:.1f} | "
+                     f"{r['flops'] / 1e9:.2f} | {r['intensity']:.0f} | {r['t_hbm_us']:.2f} | {r['t_tc_us']:.2f} | "
+                     f"{r['bw_tbps']:.2f} | {r['t_us']:.2f} | {r['limit']} | {r['pct_hbm']:.0f} |")
+  return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -191,30 +257,9 @@ def bench_sparse(name, args, *, interpret, tuning, timing, hbm, peak, D):
   uc, ac = unique_valid(ci, sa.pool_rows(cp))
   flops = 2.0 * H * (aw + ac) * (D + D)
   nbytes = N * H * D * 2 * 2 + uw * sa.pool_row_bytes(wp) + uc * sa.pool_row_bytes(cp)
-  splits = sa.chosen_num_splits(N, H, [wi.shape[1], ci.shape[1]], tuning)
+  splits = sa.chosen_num_splits(N, H, [wi.shape[1], ci.shape[1]], tuning or sa.default_tuning([wp, cp]),
+                                row_bytes=max(sa.pool_row_bytes(wp), sa.pool_row_bytes(cp)), out_bytes=2, D=D)
   return finish("sparse_attention", name, err, kern, ref, args, 5, timing, flops, nbytes, hbm, peak, splits)
-
-
-def bench_sparse_mgpu(name, args, *, interpret, tuning, timing, hbm, peak, D):
-  """The Mosaic GPU (plgpu) kernel on the same case (GPU only: it has no CPU interpret mode)."""
-  from pallas_kernels import sparse_attention_mgpu as mg
-  q, wp, wi, cp, ci, sink = args
-  N, H, _ = q.shape
-  scale = D ** -0.5
-  kern = jax.jit(lambda *a: mg.sparse_attention_mgpu(*a, scale=scale))
-  ref = jax.jit(lambda *a: sa.sparse_attention_reference(*a, scale=scale))
-  try:
-    ko, kl = kern(*args)
-  except Exception as e:  # a compile/launch failure is a failed check, reported with its message
-    print(f"# sparse_attention_mgpu {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    return Result("sparse_attention_mgpu", name, False, float("inf"), *([float("nan")] * 8), 0, 0.0, 0.0)
-  ro, rl = ref(*args)
-  err = max(tol_ratio(ko, ro, 1.5e-2, 2e-2), tol_ratio(kl, rl, 1e-3, 1e-3))
-  uw, aw = unique_valid(wi, sa.pool_rows(wp))
-  uc, ac = unique_valid(ci, sa.pool_rows(cp))
-  flops = 2.0 * H * (aw + ac) * (D + D)
-  nbytes = N * H * D * 2 * 2 + uw * sa.pool_row_bytes(wp) + uc * sa.pool_row_bytes(cp)
-  return finish("sparse_attention_mgpu", name, err, kern, ref, args, 5, timing, flops, nbytes, hbm, peak, 1)
 
 
 def finish(op, name, err, kern, ref, args, slot, timing, flops, nbytes, hbm, peak, splits):
@@ -310,22 +355,25 @@ def parse_args(argv):
   p.add_argument("--hbm_gbps", type=float, default=4800.0, help="H200 HBM3e")
   p.add_argument("--peak_tflops", type=float, default=989.0, help="H100/H200 dense bf16")
   p.add_argument("--page_size", type=int, default=64)
-  p.add_argument("--block_h", type=int, default=64)
-  p.add_argument("--block_k", type=int, default=32)
+  p.add_argument("--block_h", type=int, default=0, help="0: the pool format's shipped tuning (default_tuning)")
+  p.add_argument("--block_k", type=int, default=0, help="0: the pool format's shipped tuning")
+  p.add_argument("--roofline", action="store_true", help="print the predicted decode roofline table and exit")
   p.add_argument("--num_splits", type=int, default=0)
   p.add_argument("--num_warps", type=int, default=8)
-  p.add_argument("--num_stages", type=int, default=sa.SparseAttentionTuning.num_stages)
+  p.add_argument("--num_stages", type=int, default=3)
   p.add_argument("--no_time", action="store_true", help="correctness only")
   p.add_argument("--time_xla", action="store_true",
                  help="also time the XLA references (3 more compiles per case; off in the GPU check's budget)")
   p.add_argument("--jsonl", default="", help="append each result here as soon as it exists")
   p.add_argument("--json", default="", help="also write all results as one JSON list at the end")
-  p.add_argument("--mosaic", action="store_true", help="also run the Mosaic GPU kernel (GPU, bf16, H 64 x d 512)")
   return p.parse_args(argv)
 
 
 def main(argv=None):
   a = parse_args(argv)
+  if a.roofline:
+    print(roofline_table())
+    return
   on_gpu = jax.default_backend() == "gpu"
   interpret = not on_gpu
   ints = lambda s: [int(x) for x in s.split(",") if x]
@@ -341,8 +389,10 @@ def main(argv=None):
     H, D, W, K, HI, C, TOPK = 64, 512, 128, 512, 64, 128, 512
     batches, contexts, pf_ctx, pf_q = ints(a.batches), ints(a.contexts), ints(a.prefill_contexts), a.prefill_queries
     iters, repeats, page = a.iters, a.repeats, a.page_size
-    tuning = sa.SparseAttentionTuning(block_h=a.block_h, block_k=a.block_k, num_splits=a.num_splits,
-                                      num_warps=a.num_warps, num_stages=a.num_stages)
+    tuning = None  # each pool format's shipped tuning
+    if a.block_h or a.block_k or a.num_splits or a.num_warps != 8 or a.num_stages != 3:
+      tuning = sa.SparseAttentionTuning(block_h=a.block_h or 64, block_k=a.block_k or 16, num_splits=a.num_splits,
+                                        num_warps=a.num_warps, num_stages=a.num_stages)
     ituning = ix.IndexerTuning()
     ttuning = itk.IndexerTopkTuning()
     flush_elems = int(a.flush_mb * 2 ** 20 / 4)
@@ -381,8 +431,6 @@ def main(argv=None):
           args = sparse_case(key, N=b, H=H, D=D, W=W, K=E if kind == "hca" else K, comp_rows_per_seq=E,
                              seqs=b, hca=kind == "hca", fmt=fmt, prefill=False, ctx=ctx, page_size=page)
           emit(bench_sparse(f"decode {kind} {fmt} b{b} ctx{ctx}", args, tuning=tuning, D=D, **common))
-          if a.mosaic and on_gpu and fmt == "bf16" and H == 64 and D == 512:
-            emit(bench_sparse_mgpu(f"decode {kind} {fmt} b{b} ctx{ctx}", args, tuning=tuning, D=D, **common))
           del args
   if "sparse_prefill" in ops:
     for fmt in prefill_fmts:
@@ -390,8 +438,6 @@ def main(argv=None):
         args = sparse_case(key, N=pf_q, H=H, D=D, W=W, K=K, comp_rows_per_seq=ctx // 4, seqs=1, hca=False,
                            fmt=fmt, prefill=True, ctx=ctx, page_size=page)
         emit(bench_sparse(f"prefill csa {fmt} q{pf_q} ctx{ctx}", args, tuning=tuning, D=D, **common))
-        if a.mosaic and on_gpu and fmt == "bf16" and H == 64 and D == 512:
-          emit(bench_sparse_mgpu(f"prefill csa {fmt} q{pf_q} ctx{ctx}", args, tuning=tuning, D=D, **common))
         del args
   key_fmts = ["bf16", "fp8"] if not a.small else ["fp8"]
   if "indexer_decode" in ops:

@@ -65,7 +65,7 @@ def ctas_per_sm(regs: int, smem: int, threads: int, lim: Sm90Limits = H200) -> t
       "regs": lim.regs_per_sm // (regs_per_warp * warps),
       "threads": lim.threads_per_sm // threads,
       "ctas": lim.ctas_per_sm_max,
-      "smem": (lim.smem_per_sm // (smem + lim.smem_reserved_per_cta)) if smem else lim.ctas_per_sm_max,
+      "smem": (lim.smem_per_sm // (smem + lim.smem_reserved_per_cta)) if smem else 1 << 30,
   }
   if smem > lim.smem_per_cta_max:
     return 0, "smem"

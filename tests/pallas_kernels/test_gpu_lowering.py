@@ -155,45 +155,6 @@ def test_indexer_topk_lowers_for_cuda(name, B, T, M, cand, keys):
   assert exp.out_avals[0].shape == (B, T, K)
 
 
-@pytest.mark.parametrize("name,N,K", [
-    ("decode_b64_csa", 64, TOPK),
-    ("decode_b256_hca_128k", 256, 1024),
-    ("prefill_4k_csa", 4096, TOPK),
-    ("window_only", 64, 0),
-])
-def test_mosaic_gpu_kernel_lowers_for_cuda(name, N, K):
-  """The Mosaic GPU (plgpu) producer/consumer kernel lowers for CUDA on the CPU (Mosaic GPU's CPU interpreter cannot
-  run it: its barriers are checked in test_mgpu_barriers.py, its numbers by benchmarks/gpu_check.sh --mosaic on a
-  GPU)."""
-  from pallas_kernels import sparse_attention_mgpu as mg
-  comp = (S((max(N, 64) * 32768, D), jnp.bfloat16), S((N, K), jnp.int32)) if K else (None, None)
-  exp = export_for_cuda(
-      mg.sparse_attention_mgpu, S((N, H, D), jnp.bfloat16), S((max(N, 256) * W, D), jnp.bfloat16),
-      S((N, W), jnp.int32), comp[0], comp[1], S((H,), jnp.float32), S((N,), jnp.int32),
-      S((N,), jnp.int32) if K else None, scale=D ** -0.5)
-  assert "mosaic_gpu_v2" in lowering.custom_call_targets(exp)
-  assert exp.out_avals[0].shape == (N, H, D) and exp.out_avals[1].shape == (N, H)
-
-
-def test_mosaic_gpu_id_layout():
-  """The id row the Mosaic kernel reads: lengths and range applied (-1), blocks padded, live block counts in the
-  tail (the kernel's loop bounds)."""
-  import numpy as np
-  from pallas_kernels import sparse_attention_mgpu as mg
-  wi = jnp.asarray([[0, 1, 2, 3], [5, -1, 7, 99]], jnp.int32)
-  ci = jnp.asarray(np.arange(2 * 70).reshape(2, 70), jnp.int32)
-  ids, w_width = mg._ids_layout(wi, ci, jnp.asarray([4, 3]), jnp.asarray([70, 0]), 10, 200)
-  ids = np.asarray(ids)
-  assert w_width == 64 and ids.shape[1] % 128 == 0 and ids.shape[1] >= 64 + 128 + 128
-  np.testing.assert_array_equal(ids[0, :4], [0, 1, 2, 3])
-  np.testing.assert_array_equal(ids[1, :4], [5, -1, 7, -1])  # -1 kept, 99 >= P, position 3 past length 3
-  assert np.all(ids[:, 4:64] == -1)
-  np.testing.assert_array_equal(ids[0, 64:134], np.arange(70))
-  assert np.all(ids[1, 64:192] == -1)  # comp length 0
-  tail = ids[:, -128:]
-  np.testing.assert_array_equal(tail[:, :2], [[1, 2], [1, 0]])
-
-
 def _triton_module(capsys, *specs, **kw):
   export_for_cuda(sa.sparse_attention_pallas, *specs, scale=D ** -0.5, **kw)
   return capsys.readouterr().out.splitlines()
