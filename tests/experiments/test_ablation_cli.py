@@ -13,8 +13,10 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = ["ablate_topk", "ablate_window", "ablate_retention", "ablate_eviction", "tiers_workload", "precision",
-           "cache_bytes", "v41_quant_cache_parity", "train", "ablate_spec"]
-WRITERS = {"ablate_topk", "ablate_window", "ablate_retention", "ablate_eviction", "tiers_workload", "ablate_spec"}
+           "cache_bytes", "v41_quant_cache_parity", "train", "ablate_spec", "ablate_multikey", "ablate_resume",
+           "ablate_indexer_recall"]
+WRITERS = {"ablate_topk", "ablate_window", "ablate_retention", "ablate_eviction", "tiers_workload", "ablate_spec",
+           "ablate_multikey", "ablate_resume", "ablate_indexer_recall"}
 
 
 def _run(args, cwd=REPO, timeout=180):
