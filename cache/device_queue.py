@@ -138,6 +138,12 @@ class DeviceQueue:
   def _group_dims(self, g: str):
     """(registrations, frees, allocations queued for group g, and their static widths)."""
     nr, nf, na = self._q_nreg[g], self._q_nfree[g], self._q_nalloc[g]
+    if self._step_widths is not None:
+      # an engine's manager: the step's fixed widths whenever the queue fits them, so an admission call compiles
+      # one bookkeeping program, not one per queue size
+      w = self._step_widths[self.groups.index(g)]
+      if nr <= w[0] and nf <= w[1] and na <= w[2]:
+        return nr, nf, na, *w
     return nr, nf, na, bucket_width(nr), bucket_width(nf), bucket_width(na)
 
   def _refs(self, g, runs, reverse=False):

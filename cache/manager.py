@@ -224,6 +224,9 @@ class KVCacheManager(DeviceQueue):
     hashers = [self._hasher(t, e) for _, t, e in reqs]
     tgts = [t for t in allocate_tokens if t is not None] if allocate_tokens is not None else []
     widths = tuple(bucket_width(sum(-(-int(t) // bt) for t in tgts)) for bt in self._bt)
+    if self._step_widths is not None:
+      # an engine's manager: at least the step's allocation width (one admission program, see _group_dims)
+      widths = tuple(max(w, bucket_width(sw[2])) for w, sw in zip(widths, self._step_widths))
     res = self._apply(([t for _, t, _ in reqs], hashers, allocate_tokens, slots), widths)
     hit, run, ids = res["hit"], res["run"], res["hit_ids"]
     hits, runs = hit[:len(reqs)].tolist(), run[:len(reqs)].tolist()

@@ -345,6 +345,7 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
 
 # The running-pool state pools of a layer and the aux keys their per-token rows are tapped under.
 _STATE_TAPS = (("comp_state", "comp_state_rows"), ("index_state", "index_state_rows"))
+STATE_TAP_KEYS = tuple(key for _, key in _STATE_TAPS)
 
 
 def store_states(cache: caches.ModelCache, auxes, step: caches.StepIndex, keep_N, *,

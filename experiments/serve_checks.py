@@ -102,11 +102,10 @@ def _check_drafts(o: ServeOptions) -> None:
     raise FlagError(f"--num_speculative_tokens={k}: must be in 0..8 (0 = off)")
   if not k:
     return
-  for bad, why in ((ec.batch_invariant, "--batch_invariant (the default; add --batch_invariant=false)"),
-                   (o.mesh, "--mesh"), (ec.model_api != "functional", "--model_api=nnx")):
+  for bad, why in ((o.mesh, "--mesh"), (ec.model_api != "functional", "--model_api=nnx")):
     if bad:
       raise FlagError(f"--num_speculative_tokens={k} with {why} is not supported (drafts run on one device, "
-                      "through the functional model, in the bucketed step)")
+                      "through the functional model)")
   if min(ec.chunk_size, ec.max_num_batched_tokens) < 1 + k:
     raise FlagError(f"--num_speculative_tokens={k}: --chunk_size and --max_num_batched_tokens must be >= {1 + k}")
   if not o.checkpoint and o.model in SHIPPED_MODELS:

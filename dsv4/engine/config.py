@@ -39,10 +39,10 @@ class EngineConfig:
   # On by default: a request's logits are bitwise the same whatever shares its step, however its prompt is chunked,
   # whether it hit the prefix cache or was preempted. The step runs its tokens in fixed tiles of `tile_tokens`
   # through one fixed-shape program (docs/engine.md). False = the bucketed step (one program per token bucket and
-  # table width; needed for speculative decoding).
+  # table width).
   batch_invariant: bool = _field(True, "Bitwise-reproducible logits whatever shares a step and however a prompt is "
                                  "chunked (fixed-shape tiles of tile_tokens in a device loop, one step program); "
-                                 "false = the bucketed step (drafts need it).")
+                                 "false = the bucketed step.")
   # Tokens per tile of the invariant step: every token's matmuls have this many rows whatever the step holds.
   # Smaller = less padding for small steps, more loop trips (weights re-read) for large ones.
   tile_tokens: int = _field(16, "Tokens per fixed-shape tile of the batch-invariant step (a power of two).")
@@ -120,12 +120,10 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.num_speculative_tokens={k}: a decode row is 1 + k tokens; chunk_size and "
                        f"max_num_batched_tokens must be >= {1 + k}")
     if k:
-      for name, bad in (("batch_invariant", self.batch_invariant), ("record_logits", self.record_logits),
-                        ("model_api='nnx'", self.model_api != "functional")):
+      for name, bad in (("record_logits", self.record_logits), ("model_api='nnx'", self.model_api != "functional")):
         if bad:
           raise ValueError(f"EngineConfig: num_speculative_tokens > 0 with {name} is not supported (the speculative "
-                           f"step is the bucketed functional model's, one verified row per request"
-                           f"{'; set batch_invariant=False' if name == 'batch_invariant' else ''})")
+                           f"step is the functional model's, one verified row per request)")
     if not 0.0 <= self.bucket_fill < 1.0:
       raise ValueError(f"EngineConfig.bucket_fill: a fraction in [0, 1), got {self.bucket_fill}")
     if self.tiering is not None:

@@ -6,11 +6,15 @@ has not read yet: the device fills it from that step's results and shifts it by 
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from dsv4 import caches, model
 from dsv4.engine.sampling import verify_drafts
 from dsv4.engine.step_plan import RaggedShape
+from dsv4.engine.tiles import tiled
 
 
 def continue_rows(p, prev_RxW, shape: RaggedShape):
@@ -50,8 +54,16 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   Returns (cache, results [R, out_width], the logits the decided token was drawn from [R, V])."""
   K, R, N = shape.spec, shape.rows, shape.tokens
   step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
-  cache, h_NxD, auxes, X = model.forward_ragged_aux(params, config, p["tokens"], cache, step, layout=layout,
-                                                     kernel_cfg=kernel_cfg, return_stream=True, tap_states=True)
+  fwd = functools.partial(model.forward_ragged_aux, params, config, layout=layout, kernel_cfg=kernel_cfg,
+                          return_stream=True, tap_states=True)
+  if shape.invariant:   # the backbone in fixed tiles (tiles.py): every position's bits as without drafts
+    def backbone(i, toks, tile_step, cache):
+      cache, h, auxes, X = fwd(toks, cache, tile_step)
+      return cache, (h, X[0], [{k: a[k] for k in model.STATE_TAP_KEYS if k in a} for a in auxes])
+    cache, (h_NxD, X_NxnxD, auxes) = tiled(backbone, p, rows, cache, shape)
+    X = X_NxnxD[None]
+  else:
+    cache, h_NxD, auxes, X = fwd(p["tokens"], cache, step)
   last = jnp.maximum(p["last"], 0)
   ndraft = jnp.where(p["num"] > 0, jnp.minimum(p["ndraft"], K), 0)
   base = last - ndraft                                  # flat index of the input whose logits score draft 1
@@ -75,7 +87,19 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   after_frontier = jnp.where(samples, decided, p["next_tok"])
   shifted = jnp.concatenate([p["tokens"][1:], jnp.zeros((1,), p["tokens"].dtype)])
   nxt_N = jnp.where(at_frontier, after_frontier[row_N], shifted)
-  cache, Xm, hm = model.mtp_forward(params, config, 0, X, nxt_N, cache, step, layout=layout, kernel_cfg=kernel_cfg)
+  mtp = functools.partial(model.mtp_forward, params, config, 0, layout=layout, kernel_cfg=kernel_cfg)
+  if shape.invariant:
+    T = shape.tile
+
+    def catch_up(i, toks, tile_step, cache):
+      del toks
+      X_t = jax.lax.dynamic_slice_in_dim(X, i * T, T, axis=1)
+      cache, Xm, hm = mtp(X_t, jax.lax.dynamic_slice_in_dim(nxt_N, i * T, T), cache, tile_step)
+      return cache, (Xm[0], hm)
+    cache, (Xm_NxnxD, hm) = tiled(catch_up, p, rows, cache, shape)
+    Xm = Xm_NxnxD[None]
+  else:
+    cache, Xm, hm = mtp(X, nxt_N, cache, step)
   draft = jnp.argmax(model.lm_logits(params, hm[frontier]), axis=-1).astype(jnp.int32)
   drafts = [draft]
   # The recursion: position frontier + i, the block's own stream, the previous draft. Only rows that sampled draft.

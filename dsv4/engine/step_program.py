@@ -25,6 +25,7 @@ from dsv4 import caches, model
 from dsv4.engine.sampling import sample_rows_impl
 from dsv4.engine.speculative_step import continue_rows, verify_and_draft
 from dsv4.engine.step_plan import RaggedShape, unpack
+from dsv4.engine.tiles import tiled
 
 
 class StepOutput(NamedTuple):
@@ -101,10 +102,10 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
     from flax import nnx  # local: the default path does not import Flax
     net = nnx.merge(graphdef, params)
     fwd = functools.partial(net.ragged, layout=layout, kernel_cfg=kernel_cfg)
-    to_logits, h_dtype = net.logits, net.lm_head[...].dtype
+    to_logits = net.logits
   else:
     fwd = functools.partial(model.forward_ragged, params, config, layout=layout, kernel_cfg=kernel_cfg)
-    to_logits, h_dtype = functools.partial(model.lm_logits, params), params["lm_head"].dtype
+    to_logits = functools.partial(model.lm_logits, params)
 
   def output(cache, results_R, logits_RxV) -> StepOutput:
     """Each row's results padded to the S slots, kept on the device as the next step's prev_tokens too."""
@@ -124,47 +125,11 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
     logits = to_logits(h_NxD[jnp.maximum(p["last"], 0)])
     return output(cache, _sample(p, logits), logits)
 
-  cache, h_NxD = _tiled_forward(fwd, p, rows, cache, shape, config.hidden_size, h_dtype)
+  cache, h_NxD = tiled(lambda i, toks, step, cache: fwd(toks, cache, step), p, rows, cache, shape)
   # Each row's logits and sample at the fixed [rows, D] / [rows, V] shape of this engine (one matmul whose rows
   # do not see each other: its shape, not its neighbours, decides the summation order).
   logits = to_logits(h_NxD[jnp.maximum(p["last"], 0)])
   return output(cache, _sample(p, logits), logits)
-
-
-def tile_index(p, i, tile: int, rows, *, invariant: bool = True) -> tuple[jax.Array, caches.StepIndex]:
-  """Tile i of a packed plan as a step of its own: its `tile` flat tokens, and per row the part of the row's
-  tokens that falls in the tile (start and count; 0 = the row is not in this tile). A row's tokens are contiguous
-  on the flat axis, so a row cut by a tile boundary continues in the next tile exactly as a chunked prefill
-  continues in the next step: its KV and compressor state rows are in the cache by then."""
-  o = i * tile
-  toks = jax.lax.dynamic_slice_in_dim(p["tokens"], o, tile)
-  row = jax.lax.dynamic_slice_in_dim(p["row"], o, tile)
-  pos = jax.lax.dynamic_slice_in_dim(p["pos"], o, tile)
-  first = p["last"] - p["num"] + 1                  # flat offset of each row's first token
-  lo = jnp.maximum(first, o)
-  hi = jnp.minimum(first + p["num"], o + tile)
-  num = jnp.where(p["num"] > 0, jnp.maximum(hi - lo, 0), 0)
-  start = p["start"] + jnp.maximum(lo - first, 0)
-  return toks, caches.StepIndex(row, pos, start, num, rows, swa_base_R=p["swa_base"], invariant=invariant)
-
-
-def _tiled_forward(fwd, p, rows, cache, shape: RaggedShape, hidden: int, h_dtype):
-  """The invariant body: the flat axis in fixed tiles of `shape.tile` tokens, each through the same fixed-shape
-  forward, in order, in a device loop whose trip count is the live tile count (padding: at most one tile). Every
-  matmul of a token then has the tile's shape whatever the step holds, attention and the indexer read fixed-width
-  tables (`RaggedShape.full_width` is the engine's maximum) and the compressors fold in position order, so a
-  token's hidden state has the same bits alone, batched, or cut into other chunks."""
-  T = shape.tile
-  num_tiles = (p["n_real"][0] + T - 1) // T
-
-  def body(i, carry):
-    cache, h_NxD = carry
-    toks, step = tile_index(p, i, T, rows)
-    cache, h = fwd(toks, cache, step)
-    return cache, jax.lax.dynamic_update_slice_in_dim(h_NxD, h.astype(h_NxD.dtype), i * T, axis=0)
-
-  h0 = jnp.zeros((shape.tokens, hidden), h_dtype)
-  return jax.lax.fori_loop(0, num_tiles, body, (cache, h0))
 
 
 _STEP_STATICS = ("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api", "graphdef")

@@ -12,9 +12,11 @@ from dsv4 import config, model
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
 
-# Buckets 8, 32, 128, 256 (growth 4, budget 256).
+# The bucketed step (bucket fill is its rule; the invariant step has no token buckets): buckets 8, 32, 128, 256
+# (growth 4, budget 256).
 EC = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, chunk_size=64, max_model_len=1024,
-                  num_full_blocks=48, num_swa_blocks=160, record_logits=True, token_bucket_growth=4)
+                  num_full_blocks=48, num_swa_blocks=160, record_logits=True, token_bucket_growth=4,
+                  batch_invariant=False)
 
 
 @pytest.fixture(scope="module")

@@ -142,12 +142,18 @@ def test_host_bytes_per_step_do_not_grow_with_context():
 
 
 def test_compilation_is_bounded_and_counted():
-  """A workload compiles at most the bucket count of step programs; a second engine with the same shapes
-  compiles no step program at all and runs the same programs; the report counts what really compiled."""
+  """The invariant step (the default) is one program per engine, whatever the workload; the bucketed step
+  compiles at most its bucket count. A second engine with the same shapes compiles no step program at all and runs
+  the same programs; the report counts what really compiled."""
   cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   wl = workloads.random_prompts(cfg.vocab_size, requests=6, prompt_len=(20, 150), seed=4)
-  first = Engine(params, cfg, BASE)
+  tiled = Engine(params, cfg, dataclasses.replace(BASE, batch_invariant=True))
+  run_workload(tiled, wl)
+  rep = tiled.compile_report()
+  assert rep["step_programs"] == {"ragged_step": 1}, rep
+  assert rep["compilations_by_function"].get("jit(ragged_step)", 0) <= 1, rep
+  first = Engine(params, cfg, dataclasses.replace(BASE, batch_invariant=False))
   run_workload(first, wl)
   rep = first.compile_report()
   # one flat token axis: token buckets 8, 32, 128 (max_num_batched_tokens 96), one row bucket (4 = max_num_seqs),
@@ -157,7 +163,7 @@ def test_compilation_is_bounded_and_counted():
   assert buckets == 3
   assert rep["compilations_by_function"].get("jit(ragged_step)", 0) <= buckets, rep
   assert 2 <= rep["step_programs"]["ragged_step"] <= buckets, rep   # prefill chunks and decodes: two buckets at least
-  second = Engine(params, cfg, BASE)
+  second = Engine(params, cfg, dataclasses.replace(BASE, batch_invariant=False))
   run_workload(second, wl)
   rep2 = second.compile_report()
   assert rep2["compilations_by_function"].get("jit(ragged_step)", 0) == 0, rep2
