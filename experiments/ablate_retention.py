@@ -62,8 +62,8 @@ def define_flags():
   flags.DEFINE_list("workloads", ["doc_branch", "chat_fork"], "Traces to sweep: doc_branch, chat_fork (the "
                     "committed retention.*), edit_last, alternate, agent_loop (retention_multiturn.*).")
   flags.DEFINE_string("stem", "retention", "Output file stem.")
-  flags.DEFINE_float("swa_pool_frac", 0.0, "0: pools never evict; f > 0: the swa pool holds f x what a never-evicting "
-                     "one would (the checkpoints R adds then compete for it).")
+  flags.DEFINE_integer("swa_pool_blocks", 0, "0: pools never evict; n > 0: the swa pool holds n blocks (the "
+                       "checkpoints R adds then compete for it).")
   flags.DEFINE_bool("verify_engine", None, "Check a small trace through the real Engine (default: on unless --small).")
   flags.DEFINE_bool("replot", False, "Re-draw the plot from the table already in the output directory (no sweep).")
   plotting.define_output_flags(SCRIPT, "retention.csv/json/png")
@@ -368,7 +368,7 @@ def verify_engine(intervals=(0, 128), seed: int = 0) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------ main
 def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, check_engine: bool = False,
-        stem: str = "retention", names=("doc_branch", "chat_fork"), swa_pool_frac: float = 0.0) -> dict:
+        stem: str = "retention", names=("doc_branch", "chat_fork"), swa_pool_blocks: int = 0) -> dict:
   from cache.manager import KVCacheManager
   config = PRESETS[config_name]()
   answer = synthetic_answer(config.vocab_size, seed)
@@ -377,8 +377,8 @@ def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, c
   for name, trace in wl.items():
     need = trace_sizes(trace, answer)
     nf, ns = need // 128 + 64, need // 32 + 64            # never evicts: held = what the policy keeps
-    if swa_pool_frac:
-      ns = max(int(ns * swa_pool_frac), 64)
+    if swa_pool_blocks:
+      ns = swa_pool_blocks
     for R in intervals:
       t0 = time.time()
       m = KVCacheManager(group_specs(config), num_full_blocks=nf, num_swa_blocks=ns, retention_interval=R,
@@ -387,9 +387,8 @@ def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, c
       rows.append(dict(workload=name, retention_interval=R, **summarize(res, m), wall_s=round(time.time() - t0, 2)))
       logging.info("%s R=%d: %s", name, R, rows[-1])
   engine_rows = verify_engine(seed=seed) if check_engine else []
-  meta = dict(config=config_name, small=small, seed=seed, swa_pool_frac=swa_pool_frac,
-              pools=(f"swa pool {swa_pool_frac} x the never-evicting size" if swa_pool_frac else
-                     "sized so nothing is evicted"),
+  meta = dict(config=config_name, small=small, seed=seed, swa_pool_blocks=swa_pool_blocks,
+              pools=(f"swa pool of {swa_pool_blocks} blocks" if swa_pool_blocks else "sized so nothing is evicted"),
               engine_check=engine_rows,
               note="cache-only: KVCacheManager driven directly with synthetic answers (hits do not depend on "
                    "model outputs); recomputed = prompt tokens not covered by the admission hit")
@@ -471,7 +470,7 @@ def plot_hits(rows: list[dict], meta: dict):
     held.plot(R, [x["swa_mb_cached"] for x in r], label=name, **st)
   handles += [plotting.proxy(f"R = {R}", color="0.3", linestyle="None", marker=r_marker[R], markerfacecolor="none",
                              markersize=7) for R in intervals]
-  pools = "pools never evict" if not meta.get("swa_pool_frac") else f"swa pool x{meta['swa_pool_frac']}"
+  pools = "pools never evict" if not meta.get("swa_pool_blocks") else f"swa pool {meta['swa_pool_blocks']} blocks"
   trade.set(xlabel="swa checkpoint MB held (end of trace)", ylabel="prefix hit (% of prompt tokens)",
             title=f"{meta.get('config', '')}: hits vs checkpoint bytes ({pools})")
   plotting.legend_below(trade, *zip(*handles), ncol=2)
@@ -497,7 +496,7 @@ def main(argv):
         *plotting.read_table(out_dir, stem)), out_dir, stem))
     return
   run(FLAGS.config, intervals, FLAGS.small, out_dir, FLAGS.seed, check, stem=FLAGS.stem, names=FLAGS.workloads,
-      swa_pool_frac=FLAGS.swa_pool_frac)
+      swa_pool_blocks=FLAGS.swa_pool_blocks)
 
 
 if __name__ == "__main__":

@@ -230,10 +230,10 @@ class MultiKeySpec:
 
 def make_multikey_batch(spec: MultiKeySpec, seed: int, batch: int):
   """Returns dict(tokens, targets, mask [B,T], src_pos [B,T,M] (all m slot positions at the answer position,
-  -1 padded; M = max(ms)), count [B] (c), m [B])."""
+  -1 padded; M = levels, the same for every m, so one compiled evaluation serves all m), count [B] (c), m [B])."""
   spec.validate()
   rng = np.random.default_rng(np.uint64(seed) + np.uint64(0x2545F491))
-  T, M = spec.seq_len, max(spec.ms)
+  T, M = spec.seq_len, spec.levels
   tokens = rng.integers(spec.filler_lo, spec.filler_hi, size=(batch, T)).astype(np.int32)
   tokens[:, 0] = BOS
   targets = np.zeros((batch, T), np.int32)
