@@ -201,7 +201,7 @@ def _run_child(payload: bytes, timeout_s: float) -> tuple[float | None, str]:
   """(max error / tolerance, "") or (None, why). The child is its own process group, killed whole on timeout."""
   env = dict(os.environ)
   env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # a few MB, grown on demand: never a share of the pools' memory
-  cache_dir = jax.config.jax_compilation_cache_dir  # the parent's persistent cache, if it has one
+  cache_dir = getattr(jax.config, "jax_compilation_cache_dir", None)  # the parent's persistent cache, if any
   if cache_dir and "JAX_COMPILATION_CACHE_DIR" not in env:
     env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
   env["PYTHONPATH"] = os.pathsep.join([_ROOT] + [p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
