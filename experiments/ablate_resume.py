@@ -247,10 +247,13 @@ def plot(rows: list[dict], meta: dict):
   for ax in (drift, first, acc):
     plotting.knob_axis(ax, wins, "replayed tokens R (in windows W)")
   drift.set_yscale("log")
-  drift.set(ylabel="mean KL(exact || replay) per token (nats)", title="logit drift after a bounded replay")
+  drift.set(ylabel="mean KL(exact || replay) per token (nats)",
+            title="logit drift after a bounded replay\n(bit-identical drawn at 1e-12)")
   gs = max(r.get("gen_steps", 31) for r in rows if r["method"] != "bf16_vs_fp32")
-  first.set(ylabel=f"first divergent greedy token (none: = continuation length, {gs} at most)", ylim=(-1, gs + 1),
-            title="where greedy decoding first differs")
+  first.set(ylabel="first divergent greedy token (index)", ylim=(-1, gs + 1),
+            title="where greedy decoding first differs\n(none: the continuation length, "
+                  + " or ".join(str(g) for g in sorted({r.get("gen_steps", gs) for r in rows
+                                                          if r["method"] == "replay"})) + ")")
   acc.set(ylabel="task accuracy", ylim=(-0.02, 1.05), title="answer accuracy after the resume")
   for ax in (drift, first, acc):
     if ax.get_legend_handles_labels()[0]:
