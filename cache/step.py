@@ -210,7 +210,30 @@ def counters(res):
   return {"counters": out}
 
 
-apply_step_packed = jax.jit(step_packed, donate_argnums=(0, 1), static_argnames=("in_layout", "results") + _STATIC)
+# XLA options of the bookkeeping programs on the CPU: integer loops over a few hundred entries, where LLVM's
+# optimisation costs more than it returns (the main job's admission program: 24 -> 9 s of compile on a loaded
+# 2-core box, its bookkeeping program 11 -> 5 s; runtime: BUILD_NOTES.md, Compile time). Other backends keep XLA's
+# defaults. None = XLA's defaults on the CPU too.
+CPU_COMPILER_OPTIONS: dict | None = {"xla_backend_optimization_level": 0}
+
+
+@functools.cache
+def _jitted_step_packed(backend: str, options: tuple):
+  return jax.jit(step_packed, donate_argnums=(0, 1), static_argnames=("in_layout", "results") + _STATIC,
+                 compiler_options=dict(options) or None)
+
+
+def jitted_step_packed():
+  """The jitted `step_packed` of the default backend (pools and tables donated; compile logs name it
+  `jit(step_packed)`), with that backend's compiler options."""
+  backend = jax.default_backend()
+  options = CPU_COMPILER_OPTIONS if backend == "cpu" and CPU_COMPILER_OPTIONS else {}
+  return _jitted_step_packed(backend, tuple(sorted(options.items())))
+
+
+def apply_step_packed(pools, tables, buf, **kw):
+  """Runs `step_packed` jitted (`jitted_step_packed`)."""
+  return jitted_step_packed()(pools, tables, buf, **kw)
 
 
 _RESULT_LAYOUTS: dict = {}

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cache import device_queue, pool
+from cache import step as cache_step
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
 from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs, GroupSpec
@@ -61,7 +62,7 @@ def test_apply_step_updates_in_place(monkeypatch):
   real = device_queue.apply_step_packed     # what the manager calls: one buffer in, one out
 
   def spy(pools, tables, buf, **kw):
-    seen.append(real.lower(pools, tables, buf, **kw).compile().as_text())
+    seen.append(cache_step.jitted_step_packed().lower(pools, tables, buf, **kw).compile().as_text())
     return real(pools, tables, buf, **kw)
 
   monkeypatch.setattr(device_queue, "apply_step_packed", spy)
