@@ -57,8 +57,10 @@ CONTEXTS = (2048, 8192, 32768, 65536)
 
 
 def make_runner(cfg, params, *, max_model_len, max_num_seqs, chunk_size=64, min_table_tokens=4096, **kw):
-  """A runner without an engine (its own block tables, `rows_at` sets them); kw: further EngineConfig fields."""
-  layout = caches.CacheLayout()
+  """A runner without an engine (its own block tables, `rows_at` sets them); kw: further EngineConfig fields. Parts
+  1-3 measure the bucketed step (batch_invariant=False unless kw says otherwise)."""
+  layout = kw.pop("layout", caches.CacheLayout())
+  kw.setdefault("batch_invariant", False)
   nf = 8 * 64 * 1024 // layout.full_block_tokens + 8
   ec = EngineConfig(num_swa_blocks=4 * max_num_seqs + 64, num_full_blocks=nf, max_num_seqs=max_num_seqs,
                     chunk_size=chunk_size, max_model_len=max_model_len, min_table_tokens=min_table_tokens,

@@ -44,7 +44,7 @@ SLOW = {
         "test_async_equals_sync[0-preempting]",
     "tests/dsv4/test_engine_step.py::test_host_bytes_per_step_do_not_grow_with_context":
         "test_one_transfer_each_way_per_step (one plan buffer in, one token buffer out, under a transfer guard)",
-    # batch invariance: the one-token loop of the step program, in a child at XLA's default level
+    # batch invariance: the tiled step program, in a child at XLA's default level
     "tests/dsv4/test_engine_step.py::test_batch_invariant_mode_is_bitwise":
         "test_composition.py::test_all_pairs_one_device_v4 (the invariant row)",
     "tests/dsv4/test_engine_step.py::test_engine_equals_forward_full[v41]":

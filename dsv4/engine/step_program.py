@@ -4,10 +4,10 @@ gathered on the device at its manager slot, then logits at each row's last token
 plan arrives as one packed int32 buffer (`step_plan`); the outputs come back as a `StepOutput`.
 
 Every mode is this program (the mode is part of its static shape or its static arguments):
-* Batch-invariant (`RaggedShape.invariant`): every token runs the same one-token forward in order (a loop with a
-  dynamic trip count), logits and sampling per row at a fixed shape; the runner sizes each token's full table by
-  its own position (`ModelRunner._invariant_calls`), so nothing in a token's math depends on what else shares the
-  step or on how its prompt was chunked. Cost: per-token work over the live context, never max_model_len.
+* Batch-invariant (`RaggedShape.invariant`, the default): one shape per engine; the flat axis runs in fixed tiles
+  of `RaggedShape.tile` tokens through the same fixed-shape forward, in order, in a loop over the live tiles
+  (`tiles.tiled`), and logits and sampling at the fixed [rows, ...] shape, so nothing in a token's math depends on
+  what else shares the step or on how its prompt was chunked. Cost: the live tiles and the live context.
 * Speculative decoding (`RaggedShape.spec` = k): verification and the MTP block's drafts (`speculative_step`).
 * A mesh: the same body, run by `ModelRunner` under `jax.shard_map` (pools over `data`) or a plain mesh jit.
 * KV precision, kernels (`kernel_cfg`) and the model API (functional or NNX modules) are static arguments.
@@ -86,10 +86,10 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
   (`nnx.split`); the step runs that module (`Model.ragged`, its blocks calling their own sub-modules), so a changed
   module is a changed graphdef and compiles its own program.
 
-  shape.invariant: every real token runs the same one-token forward, in order (a loop with a dynamic trip count,
-  so padding costs nothing), then each row's logits and sample at a fixed [1, D] / [1, V] shape: nothing in a
-  token's math depends on what else shares the step or on how its prompt was chunked. The tables are the live
-  ones (the runner sizes them by each token's own position, see `ModelRunner._invariant_calls`)."""
+  shape.invariant: the step runs in fixed tiles (`tiles.tiled`: each tile a step of its own through the same
+  fixed-shape forward, in order, in a loop over the live tiles), then each row's logits and sample at the fixed
+  [rows, D] / [rows, V] shape: nothing in a token's math depends on what else shares the step or on how its prompt
+  was chunked."""
   p = unpack(buf, shape)
   if shape.spec:
     p = continue_rows(p, prev_tokens, shape)
