@@ -41,7 +41,7 @@ def define_flags():
   flags.DEFINE_list("contexts", ["8192", "16384", "32768", "65536", "131072"], "Random-indexer context lengths.")
   flags.DEFINE_integer("queries", 16, "Query positions per random-indexer point.")
   flags.DEFINE_list("checkpoints", ["v4_multikey", "v41_multikey"], "Trained checkpoints.")
-  flags.DEFINE_list("trained_contexts", ["8192"], "Context lengths for the trained models' recall.")
+  flags.DEFINE_list("trained_contexts", ["4096"], "Context lengths for the trained models' recall.")
   flags.DEFINE_list("acc_ks", ["4", "8", "16", "32"], "Top-k values of the accuracy part.")
   flags.DEFINE_list("ms", ["1", "4", "16"], "Slot counts m of the accuracy part.")
   flags.DEFINE_integer("eval_batches", 4, "Accuracy batches per point.")
