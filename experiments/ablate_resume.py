@@ -5,13 +5,15 @@ r"""Exact restore vs bounded replay: resuming a session after its window / compr
     python -m experiments.ablate_resume --small --out_dir=/tmp/x   # CI
     python -m experiments.ablate_resume --replot --refresh_results
 
-For every model (trained task checkpoints, and random-weight V4 / V4.1 tiny models of several depths) and compute
+For every model (trained task checkpoints, default v4_multikey; random-weight v4_tiny of the depths in
+--random_v4_depths, default 4 layers; with --random_v41 a random 8-layer v41_tiny) and compute
 dtype (fp32; bf16 params + bf16 cache), a sequence is resumed at position P either exactly (the window KV and
 compressor state a straight run would hold: what this project's SWA checkpoints restore) or by replaying the last R
 tokens with only the compressed KV cached (`replay_lib`: the replay-based servers' way), R = 1..4 windows. Measured
 against the exact resume in the same dtype:
 
-* logit drift over a 32-token greedy continuation: max |delta logit|, mean KL(exact || replay);
+* logit drift over a greedy continuation (32 tokens after P = 160 for the random models; the trained ones resume at
+  16 tokens before the end of their task length): max |delta logit|, mean KL(exact || replay);
 * first divergent token: the first continuation step where greedy decoding after the replay emits another token
   than after the exact resume (the continuation is the exact run's own greedy output, teacher-forced);
 * task accuracy (trained checkpoints): the answer read after a resume placed 16 tokens before the end;

@@ -21,6 +21,12 @@ Workloads (multi-turn sessions that resume at points that are not prompt/turn bo
               cut points (prompt = doc[:cut] + question) and continue for more turns.
   chat_fork   multi-turn chat sessions; then forked sessions re-use an earlier session's history up to a random
               token (an edited / regenerated message) and continue for more turns.
+  edit_last   chat sessions whose last user message is then edited (resume inside that message).
+  alternate   pairs of sessions served A B A B (every resume at the session's own previous request end).
+  agent_loop  agents appending tool outputs, short unrelated requests in between, retries from inside the last
+              tool output.
+--workloads picks the traces (default doc_branch,chat_fork: the committed retention.*; the last three write
+retention_multiturn.* with --stem=retention_multiturn), --swa_pool_blocks bounds the swa pool (0: never evicts).
 Metrics per retention interval R: swa blocks cached (resident checkpoint blocks) at the end and their bytes for the
 config, full blocks cached, prompt tokens, hit tokens, recomputed tokens (prompt tokens not covered by a hit), and
 the same restricted to the branch / fork requests (the resumes R is for).
