@@ -5,7 +5,7 @@ r"""Exact restore vs bounded replay: resuming a session after its window / compr
     python -m experiments.ablate_resume --small --out_dir=/tmp/x   # CI
     python -m experiments.ablate_resume --replot --refresh_results
 
-For every model (trained task checkpoints, default v4_multikey; random-weight v4_tiny of the depths in
+For every model (trained task checkpoints, default v4_multikey and v41_multikey; random-weight v4_tiny of the depths in
 --random_v4_depths, default 4 layers; with --random_v41 a random 8-layer v41_tiny) and compute
 dtype (fp32; bf16 params + bf16 cache), a sequence is resumed at position P either exactly (the window KV and
 compressor state a straight run would hold: what this project's SWA checkpoints restore) or by replaying the last R
@@ -48,7 +48,7 @@ SCRIPT = "ablate_resume"
 
 
 def define_flags():
-  flags.DEFINE_list("checkpoints", ["v4_multikey"], "Trained checkpoints (task accuracy + drift).")
+  flags.DEFINE_list("checkpoints", ["v4_multikey", "v41_multikey"], "Trained checkpoints (task accuracy + drift).")
   flags.DEFINE_list("random_v4_depths", ["4"], "Random-weight v4_tiny depths (drift only).")
   flags.DEFINE_bool("random_v41", True, "Also a random-weight v41_tiny (8 layers, no Engram).")
   flags.DEFINE_list("replay_windows", ["1", "2", "3", "4"], "Replay lengths R in windows.")

@@ -169,8 +169,9 @@ def train(argv_cmd: str) -> dict:
     logging.info("final eval T=%d: %s", T, final[str(T)])
   meta = dict(task=dataclasses.asdict(spec), command=argv_cmd, steps_done=step, train_seconds=round(train_s, 1),
               final_eval=final, small=small,
-              flags={k: FLAGS[k].value for k in ("task", "ms", "max_count", "distractors", "fixed_key", "sup_all_slots",
-                                                  "count_mode", "variant", "num_layers", "hidden_size", "window", "topk",
+              flags={k: FLAGS[k].value for k in ("task", "max_count", "distractors", "fixed_key", "sup_all_slots",
+                                                  "ms", "count_mode", "variant", "num_layers", "hidden_size", "window",
+                                                  "topk",
                                                   "seq_len", "num_pairs", "num_queries", "batch", "steps",
                                                   "dense_warmup_steps", "lr", "warmup", "weight_decay",
                                                   "kl_weight", "attn_sup_weight", "kl_on_all", "seed")})
