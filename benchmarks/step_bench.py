@@ -49,7 +49,7 @@ flags.DEFINE_list("mixed_bucket_steps", ["1", "4"], "token_bucket_steps for part
                   "power-of-two buckets (a chunk + 63 decodes spills into the next power), 4 = buckets 1.25x apart.")
 flags.DEFINE_bool("decode_only", False, "Run part 1 (decode vs context) only (= --parts=decode; the model-side "
                   "breakdown of this part: python -m benchmarks.probes.decode_bench).")
-flags.DEFINE_list("tiles", ["16"], "tile_tokens of the invariant step in part 4 (each timed at every point).")
+flags.DEFINE_list("tiles", ["16", "64"], "tile_tokens of the invariant step in part 4 (each timed at every point).")
 flags.DEFINE_bool("json", False, "Also print every number as JSON.")
 FLAGS = flags.FLAGS
 M1 = 1 << 20

@@ -44,8 +44,9 @@ class EngineConfig:
                                  "chunked (fixed-shape tiles of tile_tokens in a device loop, one step program); "
                                  "false = the bucketed step.")
   # Tokens per tile of the invariant step: every token's matmuls have this many rows whatever the step holds.
-  # Smaller = less padding for small steps, more loop trips (weights re-read) for large ones.
-  tile_tokens: int = _field(16, "Tokens per fixed-shape tile of the batch-invariant step (a power of two).")
+  # Smaller = less padding for small steps, more loop trips (weights re-read) for large ones. 64: the best worst
+  # case of step_bench's points on the CPU (BUILD_NOTES.md, Invariant step cost).
+  tile_tokens: int = _field(64, "Tokens per fixed-shape tile of the batch-invariant step (a power of two).")
   # Smallest block-table width (tokens) of a step; tables grow in powers of two with the live context up to
   # max_model_len, so a step's attention cost follows its context, not the configured limit.
   min_table_tokens: int = _field(4096, "Smallest block-table width (tokens) of a step; tables grow in powers of two "
