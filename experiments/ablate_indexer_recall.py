@@ -46,6 +46,8 @@ def define_flags():
   flags.DEFINE_list("ms", ["1", "4", "16"], "Slot counts m of the accuracy part.")
   flags.DEFINE_integer("eval_batches", 4, "Accuracy batches per point.")
   flags.DEFINE_integer("batch", 16, "Accuracy batch size.")
+  flags.DEFINE_bool("trained_only", False, "Only the trained models' recall at --trained_contexts, written as its "
+                    "own table `indexer_recall_trained` (no plot): the long-context rows beside the main run's.")
   flags.DEFINE_bool("small", False, "CI: random part only, two contexts, two k, few queries.")
   flags.DEFINE_bool("replot", False, "Re-draw the plot from the table already in the output directory (no sweep).")
   plotting.define_output_flags(SCRIPT, "indexer_recall.csv/json/png")
@@ -214,6 +216,14 @@ def main(argv):
   if FLAGS.replot:
     print("wrote", plotting.save_figure(plot(*plotting.read_table(out_dir, "indexer_recall")), out_dir,
                                         "indexer_recall"))
+    return
+  if FLAGS.trained_only:
+    rows = trained_part(FLAGS.checkpoints, [int(x) for x in FLAGS.trained_contexts], [int(x) for x in FLAGS.ks])
+    csv_path, _ = plotting.write_table(rows, out_dir, "indexer_recall_trained",
+                                       dict(note="trained models' recall@k at long context (prefill in chunks)"))
+    print("wrote", csv_path)
+    for r in rows:
+      print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
     return
   if FLAGS.small:
     out = run(out_dir, contexts=[8192, 16384], ks=[64, 512], queries=2, checkpoints=[], trained_contexts=[],

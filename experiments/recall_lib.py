@@ -110,15 +110,20 @@ def _step(params, config, cache, tokens_BxT, start_B, swa, full, collect_aux: bo
   return dsv4_model.forward_aux(params, config, tokens_BxT, cache, index, collect_aux=collect_aux)
 
 
-def prefill_then_query(params, config, tokens_BxT: np.ndarray, num_query: int, fmts=FORMATS):
-  """Prefill tokens [0, T - num_query), then for each key format run the last num_query tokens against the cache
-  with that format's index keys. Returns {fmt: (logits [B, Q, V], [per index layer: index_scores [B, Q, M]])}."""
+def prefill_then_query(params, config, tokens_BxT: np.ndarray, num_query: int, fmts=FORMATS,
+                       prefill_chunk: int = 2048):
+  """Prefill tokens [0, T - num_query) in chunks of `prefill_chunk` (one compiled shape; a whole 8k prefill at once
+  would hold every position's indexer product), then for each key format run the last num_query tokens against
+  the cache with that format's index keys. Returns {fmt: (logits [B, Q, V], [per index layer: index_scores
+  [B, Q, M]])}."""
   B, T = tokens_BxT.shape
   P = T - num_query
   cache, swa, full = caches.init_contiguous(config, B, T)
   swa, full = jnp.asarray(swa), jnp.asarray(full)
   tok = jnp.asarray(tokens_BxT, jnp.int32)
-  cache, _, _ = _step(params, config, cache, tok[:, :P], jnp.zeros((B,), jnp.int32), swa, full)
+  for s in range(0, P, prefill_chunk):
+    n = min(prefill_chunk, P - s)
+    cache, _, _ = _step(params, config, cache, tok[:, s:s + n], jnp.full((B,), s, jnp.int32), swa, full)
   layers = index_layers(config)
   out = {}
   for fmt in fmts:
