@@ -22,8 +22,8 @@ from dsv4.engine.sampling import SamplingParams
 from tests.dsv4.tiers_precision_worker import widen
 from tests.isolation import run_in_child
 
-# The one step shape of these tests: 4 rows, 64 tokens in tiles of 16, tables at max_model_len 256.
-ROOMY = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, max_model_len=256,
+# The one step shape of these tests: 4 rows, 64 tokens in tiles of 16, tables at max_model_len 384.
+ROOMY = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, max_model_len=384,
                      num_full_blocks=12, num_swa_blocks=40, record_logits=True, batch_invariant=True, dtype="bf16",
                      tile_tokens=16)
 # Same step program, a pool that preempts when four requests run (cache shapes differ: a second compile).
@@ -44,10 +44,11 @@ def _model(variant: str, kv: str):
 def traces(draw, vocab: int):
   """Requests (prompt, sampling), plus the scheduler's choices for the batched run."""
   rng = np.random.default_rng(draw(st.integers(0, 2 ** 16)))
-  prefixes = [[int(t) for t in rng.integers(2, vocab, int(rng.integers(40, 140)))] for _ in range(PREFIXES)]
+  # documents past one 128-token full block, so a request that shares one can hit it
+  prefixes = [[int(t) for t in rng.integers(2, vocab, int(rng.integers(130, 300)))] for _ in range(PREFIXES)]
   reqs = []
   for i in range(draw(st.integers(2, 5))):
-    head = prefixes[draw(st.integers(0, PREFIXES - 1))][:draw(st.integers(0, 140))]
+    head = prefixes[draw(st.integers(0, PREFIXES - 1))][:draw(st.integers(0, 300))]
     tail = [int(t) for t in rng.integers(2, vocab, draw(st.integers(1, 40)))]
     temperature = draw(st.sampled_from([0.0, 0.8]))
     sp = SamplingParams(max_tokens=draw(st.integers(1, 4)), temperature=temperature, top_k=16, seed=i,
