@@ -149,7 +149,7 @@ def main(argv):
       requests = 30
   out_dir = plotting.output_dir()
   if FLAGS.replot:
-    print("wrote", plotting.save_figure(plot(*plotting.read_table(out_dir, "eviction")), out_dir, "eviction"))
+    print("wrote", plotting.replot(plot, out_dir, "eviction"))
     return
   run(FLAGS.config, FLAGS.policies, full_blocks, FLAGS.swa_ratio, requests, FLAGS.small, out_dir, FLAGS.seed)
 

@@ -214,8 +214,7 @@ def main(argv):
   del argv
   out_dir = plotting.output_dir()
   if FLAGS.replot:
-    print("wrote", plotting.save_figure(plot(*plotting.read_table(out_dir, "indexer_recall")), out_dir,
-                                        "indexer_recall"))
+    print("wrote", plotting.replot(plot, out_dir, "indexer_recall"))
     return
   if FLAGS.trained_only:
     rows = trained_part(FLAGS.checkpoints, [int(x) for x in FLAGS.trained_contexts], [int(x) for x in FLAGS.ks])

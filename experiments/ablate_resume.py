@@ -267,7 +267,7 @@ def main(argv):
   del argv
   out_dir = plotting.output_dir()
   if FLAGS.replot:
-    print("wrote", plotting.save_figure(plot(*plotting.read_table(out_dir, "resume")), out_dir, "resume"))
+    print("wrote", plotting.replot(plot, out_dir, "resume"))
     return
   if FLAGS.small:
     subs = subjects([], [2], False)

@@ -167,7 +167,7 @@ def main(argv):
     raise app.UsageError(f"--ks: each k in 0..8, got {ks}")
   out_dir = plotting.output_dir()
   if FLAGS.replot:
-    print("wrote", plotting.save_figure(plot(*plotting.read_table(out_dir, "spec")), out_dir, "spec"))
+    print("wrote", plotting.replot(plot, out_dir, "spec"))
     return
   if FLAGS.repeats < 1:
     raise app.UsageError(f"--repeats={FLAGS.repeats}: must be >= 1")

@@ -129,7 +129,7 @@ def main(argv):
     stem += f"_pairs{FLAGS.num_pairs}"
   out_dir = plotting.output_dir()
   if FLAGS.replot:
-    print("wrote", plotting.save_figure(plot(*plotting.read_table(out_dir, stem)), out_dir, stem))
+    print("wrote", plotting.replot(plot, out_dir, stem))
     return
   out = run(FLAGS.checkpoint, ks, lens, eval_batches, batch, out_dir, stem=stem, num_pairs=FLAGS.num_pairs)
   print(f"wrote {out['csv']} {out['json']} {out['png']}")

@@ -123,7 +123,7 @@ def main(argv):
     windows, lens, eval_batches, batch = [8, 16], [128], 1, 4
   out_dir = plotting.output_dir()
   if FLAGS.replot:
-    print("wrote", plotting.save_figure(plot(*plotting.read_table(out_dir, "window")), out_dir, "window"))
+    print("wrote", plotting.replot(plot, out_dir, "window"))
     return
   out = run(FLAGS.checkpoint, windows, lens, eval_batches, batch, out_dir)
   print(f"wrote {out['csv']} {out['json']} {out['png']}")

@@ -112,6 +112,11 @@ def save_figure(fig, out_dir: str, stem: str) -> str:
   return path
 
 
+def replot(plot, out_dir: str, stem: str) -> str:
+  """`--replot`: the figure drawn again from the table a run already wrote (`plot(rows, meta)`), no sweep."""
+  return save_figure(plot(*read_table(out_dir, stem)), out_dir, stem)
+
+
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "h")
 _LINESTYLES = ("-", "--", "-.", ":", (0, (6, 2, 1, 2, 1, 2)), (0, (1, 1)))
 

@@ -12,7 +12,7 @@ from dsv4 import caches
 from dsv4.engine.step_plan import RaggedShape
 
 
-def tile_index(p, i, tile: int, rows, *, invariant: bool = True) -> tuple[jax.Array, caches.StepIndex]:
+def tile_index(p, i, tile: int, rows) -> tuple[jax.Array, caches.StepIndex]:
   """Tile i of a packed plan as a step of its own: its `tile` flat tokens, and per row the part of the row's
   tokens that falls in the tile (start and count; 0 = the row is not in this tile). A row's tokens are contiguous
   on the flat axis, so a row cut by a tile boundary continues in the next tile exactly as a chunked prefill
@@ -26,7 +26,7 @@ def tile_index(p, i, tile: int, rows, *, invariant: bool = True) -> tuple[jax.Ar
   hi = jnp.minimum(first + p["num"], o + tile)
   num = jnp.where(p["num"] > 0, jnp.maximum(hi - lo, 0), 0)
   start = p["start"] + jnp.maximum(lo - first, 0)
-  return toks, caches.StepIndex(row, pos, start, num, rows, swa_base_R=p["swa_base"], invariant=invariant)
+  return toks, caches.StepIndex(row, pos, start, num, rows, swa_base_R=p["swa_base"], invariant=True)
 
 
 def tiled(fn, p, rows, cache, shape: RaggedShape):
