@@ -1,7 +1,8 @@
 """How a stored checkpoint spells its tensors: which naming it uses (original, HF, save_pretrained, NeMo), where its
 MTP blocks are, and which tensor is the scale of which weight. Works on tensor names only (no data is read).
 
-MTP blocks load in every naming. transformers drops them, so HF-named directories carry them in DeepSeek's own
+MTP blocks load in every naming (V4.1's DSpark stages too, always as `mtp.K.*`: NeMo's draft adapter reads them
+there and nothing stores them as layers). transformers drops them, so HF-named directories carry them in DeepSeek's own
 spelling, either as `mtp.K.*` (a hub directory) or as layer N + K (`model.layers.{N+K}.attn.*` and
 `layers.{N+K}.e_proj.weight`, ...; what NeMo's adapter also reads and what the HF writers write); such a layer is
 recognised by its `e_proj` and renamed to `mtp.K.*` before anything else. Blocks beyond the config's
@@ -57,9 +58,12 @@ def beyond_config_mtp(name: str, config: ModelConfig | None) -> bool:
 
 def stored_mtp_blocks(path: str, num_layers: int) -> int:
   """How many MTP blocks (0, 1, ... with none missing) the checkpoint at `path` stores, in any naming: `mtp.K.*`,
-  NeMo's `mtp.layers.K.*`, or layer num_layers + K. A block counts when its e_proj is there."""
+  NeMo's `mtp.layers.K.*`, or layer num_layers + K. A block counts when its e_proj is there. A V4.1 DSpark draft
+  (stage 0 has a `main_proj`; `mtp.K.*` in every naming) counts its stages with an `attn.wq_a`."""
   names = native_mtp(read_entries(path), num_layers)
   have = {int(m.group(1)) for n in names if (m := re.match(r"^(?:model\.)?mtp\.(?:layers\.)?(\d+)\.e_proj\.", n))}
+  if any(re.match(r"^(?:model\.)?mtp\.0\.main_proj\.", n) for n in names):
+    have = {int(m.group(1)) for n in names if (m := re.match(r"^(?:model\.)?mtp\.(\d+)\.attn\.wq_a\.", n))}
   k = 0
   while k in have:
     k += 1

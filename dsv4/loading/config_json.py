@@ -21,8 +21,10 @@ Four spellings are read, told apart by their keys:
   `moe_inter_dim`, `n_activated_experts`, `route_scale`, `rope_factor`, ...). Its model-shape fields have toy
   defaults in the code, so every one of them is required here.
 * **NeMo** V4.1 (`model_type` "deepseek_v41" with a `text_config`, or "deepseek_v41_text"): NeMo Automodel 0.7.0
-  `DeepseekV41TextConfig` defaults for omitted fields (the released Flash values); DSpark draft and vision fields
-  are read and ignored (not part of the text backbone).
+  `DeepseekV41TextConfig` defaults for omitted fields (the released Flash values); vision fields are read and
+  ignored (not part of the text backbone). The DSpark draft (`num_nextn_predict_layers` stages, `dspark_*` keys;
+  docs/model.md, DSpark) is declared, not built: `info.mtp_layers` and `info.dspark` say what the file describes,
+  the config has no draft (`num_mtp_layers` 0) until `with_draft` / `load_pretrained(mtp=True)` opts in.
 
 Every key is consumed: it sets a field, is checked against the only value this implementation supports (e.g.
 `scoring_func` must be "sqrtsoftplus", `num_key_value_heads` 1), or is on a list of keys with no effect on
@@ -38,8 +40,8 @@ import json
 import math
 import os
 
-from dsv4.config import (AttentionConfig, ConfigError, EngramConfig, IndexerConfig, MHCConfig, ModelConfig, MoEConfig,
-                         YarnConfig)
+from dsv4.config import (AttentionConfig, ConfigError, DSparkConfig, EngramConfig, IndexerConfig, MHCConfig,
+                         ModelConfig, MoEConfig, YarnConfig)
 
 CONFIG_FILE = "config.json"
 TEXT_CONFIG_FILE = "text_config.json"  # NeMo Automodel text-only exports
@@ -54,7 +56,6 @@ _NO_EFFECT = {
     # runtime knobs of the official inference code
     "max_batch_size", "max_seq_len", "scale_dtype",
 }
-_DSPARK_PREFIX = "dspark_"  # V4.1 draft layers: not part of the text backbone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,7 @@ class CheckpointInfo:
   pad_token_id: int | None = None
   ignored: tuple[str, ...] = ()           # unknown keys tolerated with strict=False
   mtp_layers: int = 0                     # MTP blocks the file declares (num_nextn_predict_layers / n_mtp_layers)
+  dspark: DSparkConfig | None = None      # V4.1: the DSpark draft the file declares (None: none declared)
 
 
 class _Reader:
@@ -128,8 +130,7 @@ class _Reader:
     return v
 
   def finish(self, strict: bool, extra_ok=()) -> tuple[str, ...]:
-    rest = sorted(k for k in self.d if k not in self.used and k not in _NO_EFFECT and k not in extra_ok
-                  and not k.startswith(_DSPARK_PREFIX))
+    rest = sorted(k for k in self.d if k not in self.used and k not in _NO_EFFECT and k not in extra_ok)
     if rest and strict:
       raise ConfigError(f"{self.where}: field {rest[0]!r} is not understood by this reader ({len(rest)} unknown: "
                         f"{rest[:6]}); refusing rather than guessing (strict=False ignores them)")
@@ -446,9 +447,11 @@ def _v41_nemo(r: _Reader, top: _Reader | None, name: str, strict: bool) -> tuple
       rms_norm_eps=r.float("rms_norm_eps", 1e-20), max_position_embeddings=r.int("max_position_embeddings", 1048576),
       kv_source_layer_ids=kv_src, index_source_layer_ids=idx_src, candidate_source_layer_id=cand, engram=eng,
       bos_token_id=bos, eos_token_id=eos[0])
-  r.raw("num_nextn_predict_layers")  # V4.1 drafts with DSpark layers, not MTP blocks (not loaded)
+  stages, dspark = _dspark_from(r, top, n)
+  if any(cr[n:n + stages]):
+    raise ConfigError(f"{r.where}: field 'compress_ratios' gives DSpark draft layers {list(cr[n:n + stages])}; "
+                      f"they are window-only (0)")
   if top is not None:
-    top.raw("num_nextn_predict_layers")
     top.raw("text_config")
     top.raw("vision_config")  # the vision encoder is not part of the text backbone
     top.raw("image_token_id")
@@ -458,7 +461,40 @@ def _v41_nemo(r: _Reader, top: _Reader | None, name: str, strict: bool) -> tuple
   else:
     ignored = ()
   ignored += r.finish(strict)
-  return cfg, CheckpointInfo("nemo", fp8_block or 32, expert, eos, pad, ignored)
+  return cfg, CheckpointInfo("nemo", fp8_block or 32, expert, eos, pad, ignored, stages, dspark)
+
+
+def _dspark_from(r: _Reader, top: _Reader | None, n: int) -> tuple[int, DSparkConfig | None]:
+  """The declared DSpark draft (NeMo `DeepseekV41TextConfig` defaults: three stages, block 5, noise token 128799,
+  features of layers 37-39, rank 256, 128 experts, top-3): (stages, DSparkConfig), or (0, None) without one. Its
+  values are checked when a config with the draft is built (`with_draft`), not here: a backbone-only load never
+  needs them (NeMo keeps the released target ids when num_hidden_layers is reduced)."""
+  stages = r.int("num_nextn_predict_layers", 3, min_value=0)
+  if top is not None and top.has("num_nextn_predict_layers") and top.int("num_nextn_predict_layers", min_value=0) \
+      != stages:
+    raise ConfigError(f"{r.where}: field 'num_nextn_predict_layers' disagrees with the top-level value")
+  ds = DSparkConfig(block_size=r.int("dspark_block_size", 5, min_value=0),
+                    noise_token_id=r.int("dspark_noise_token_id", 128799, min_value=0),
+                    target_layer_ids=r.ints("dspark_target_layer_ids", (37, 38, 39)),
+                    markov_rank=r.int("dspark_markov_rank", 256, min_value=0),
+                    n_routed_experts=r.int("dspark_n_routed_experts", 128, min_value=0),
+                    num_experts_per_tok=r.int("dspark_num_experts_per_tok", 3, min_value=0))
+  return (stages, ds) if stages else (0, None)
+
+
+def with_draft(cfg: ModelConfig, info: CheckpointInfo, stages: int | None = None) -> ModelConfig:
+  """`cfg` with the draft its config.json declares: V4 `stages` MTP blocks (default: all declared), V4.1 the whole
+  DSpark draft (all declared stages: stage 0 projects the features and the last holds the heads, so a part of it
+  is no draft). ConfigError when nothing is declared or the DSpark fields do not fit the backbone."""
+  n = info.mtp_layers if stages is None else stages
+  if not info.mtp_layers:
+    raise ConfigError("the config declares no draft layers (num_nextn_predict_layers)")
+  if cfg.variant == "v4":
+    return dataclasses.replace(cfg, num_mtp_layers=n)
+  if n != info.mtp_layers or info.dspark is None:
+    raise ConfigError(f"num_nextn_predict_layers: a V4.1 DSpark draft loads whole ({info.mtp_layers} stages), "
+                      f"not {n}")
+  return dataclasses.replace(cfg, num_mtp_layers=n, dspark=info.dspark)
 
 
 def _parse(d: dict, name: str, strict: bool, where: str) -> tuple[ModelConfig, CheckpointInfo]:
@@ -548,6 +584,17 @@ def _yarn_dict(y: YarnConfig) -> dict:
           "beta_slow": y.beta_slow}
 
 
+def _dspark_dict(cfg: ModelConfig) -> dict:
+  """V4.1's draft fields: the DSpark stages when the config has them, else an explicit 0 (NeMo's default is 3)."""
+  if not cfg.num_mtp_layers:
+    return dict(num_nextn_predict_layers=0)
+  ds = cfg.dspark
+  return dict(num_nextn_predict_layers=cfg.num_mtp_layers, dspark_block_size=ds.block_size,
+              dspark_noise_token_id=ds.noise_token_id, dspark_target_layer_ids=list(ds.target_layer_ids),
+              dspark_markov_rank=ds.markov_rank, dspark_n_routed_experts=ds.n_routed_experts,
+              dspark_num_experts_per_tok=ds.num_experts_per_tok)
+
+
 def config_to_dict(cfg: ModelConfig, *, dtype: str = "bfloat16") -> dict:
   """A config.json object that `config_from_dict` reads back as `cfg`: V4 in transformers' DeepseekV4Config
   format, V4.1 as NeMo's DeepseekV41TextConfig ("deepseek_v41_text"). `dtype`: the stored weights' dtype, recorded
@@ -572,14 +619,15 @@ def config_to_dict(cfg: ModelConfig, *, dtype: str = "bfloat16") -> dict:
     e = cfg.engram
     return dict(
         model_type="deepseek_v41_text", architectures=["DeepseekV41ForCausalLM"], **common,
-        qk_rope_head_dim=a.rope_head_dim, rope_scaling=_yarn_dict(a.yarn), compress_ratios=list(cfg.compress_ratios),
+        qk_rope_head_dim=a.rope_head_dim, rope_scaling=_yarn_dict(a.yarn),
+        compress_ratios=list(cfg.compress_ratios) + [0] * cfg.num_mtp_layers,   # NeMo lists the draft layers too
         kv_source_layer_ids=list(cfg.kv_source_layer_ids), index_source_layer_ids=list(cfg.index_source_layer_ids),
         candidate_source_layer_id=cfg.candidate_source_layer_id, candidate_block_size=ix.candidate_block_size,
         candidate_topk_blocks=ix.candidate_topk_blocks, engram_layer_ids=list(e.layer_ids),
         engram_num_embeddings=list(e.num_embeddings), engram_max_ngram_size=e.max_ngram_size,
         engram_vocab_size=e.vocab_size, engram_n_heads=e.n_heads, engram_head_dim=e.head_dim,
         engram_pad_token_id=e.pad_token_id, engram_compressed_vocab_size=e.compressed_vocab_size,
-        num_nextn_predict_layers=0)
+        **_dspark_dict(cfg))
   plans = cfg.layer_plan()
   rates: dict[str, int] = {}
   for p in plans:

@@ -79,10 +79,17 @@ def _leaf_original(path: Path, shape: tuple, kind: str, dtype) -> list[TensorSpe
   def one(name, stored_shape, to_param=_ident, from_param=_ident):
     return [TensorSpec(name, path, tuple(stored_shape), integer, None, to_param, from_param)]
 
-  if path[0] == "mtp" and not head and last in ("e_proj", "h_proj", "enorm", "hnorm", "norm"):
-    if last in ("e_proj", "h_proj"):
+  if path[0] == "mtp" and not head and last in ("e_proj", "h_proj", "enorm", "hnorm", "norm", "main_proj",
+                                                 "main_norm"):
+    if last in ("e_proj", "h_proj", "main_proj"):   # V4 MTP fusion, V4.1 DSpark feature projection: [out, in]
       return one(f"{pre}{last}.weight", shape[::-1], _t2, _t2)
     return one(f"{pre}{last}.weight", shape)
+  if path[0] == "mtp" and head == ("markov_head",):  # DSpark: embed [V, r] as stored, head Linear(r, V) [out, in]
+    if last == "embed":
+      return one(f"{pre}markov_head.embed.weight", shape)
+    return one(f"{pre}markov_head.head.weight", shape[::-1], _t2, _t2)
+  if path[0] == "mtp" and head == ("confidence_head",):  # DSpark: Linear(D + r, 1), stored [1, D + r]
+    return one(f"{pre}confidence_head.proj.weight", shape[::-1], _t2, _t2)
 
   # mHC: flat names hc_attn_fn / hc_ffn_fn / hc_head_fn, fn stored [rows, n*D]
   if head and head[0] in ("hc_attn", "hc_ffn", "hc_head"):
@@ -324,6 +331,8 @@ def hf_mtp_export_names(config: ModelConfig) -> dict[str, str]:
   """`mtp.K.*` -> the name the HF writers give it: layer N + K in the original spelling, the form NeMo's adapter
   reads next to HF names (intermediate exports): what a backbone layer also has under `model.layers.{N+K}.`, the
   MTP-only parts (e_proj, h_proj, enorm, hnorm, norm, hc_head_*) under unprefixed `layers.{N+K}.`."""
+  if config.variant != "v4":   # V4.1 DSpark stages stay `mtp.K.*`, where NeMo's draft adapter reads them
+    return {}
   shapes = param_shapes(config)
   layer_parts = {k for layer in shapes["layers"] for k in layer}
   out = {}
@@ -415,8 +424,11 @@ def _nemo_v4_name(name: str) -> str:
 
 def original_to_nemo_name(name: str, variant: str) -> str:
   m = re.match(r"mtp\.(\d+)\.", name)
-  if m:  # NeMo renames MTP block K as layer K, then moves it under `mtp.layers.K.`
-    return "mtp." + original_to_nemo_name(f"layers.{m[1]}." + name[m.end():], variant).removeprefix("model.")
+  if m:  # NeMo renames draft block K as layer K, then moves it under `mtp.layers.K.` (V4) / `mtp.K.` (V4.1 DSpark)
+    inner = original_to_nemo_name(f"layers.{m[1]}." + name[m.end():], variant)
+    if variant == "v4":
+      return "mtp." + inner.removeprefix("model.")
+    return "mtp." + inner.removeprefix("model.layers.")   # `_dspark_native_key`
   return _nemo_v4_name(name) if variant == "v4" else _nemo_v41_name(name)
 
 

@@ -20,8 +20,8 @@ import os
 
 import numpy as np
 
-from dsv4.config import ModelConfig
-from dsv4.loading.config_json import CheckpointInfo, read_config
+from dsv4.config import ConfigError, ModelConfig
+from dsv4.loading.config_json import CheckpointInfo, read_config, with_draft
 from dsv4.loading.safetensors_io import CheckpointError, load_checkpoint, resolve_dtype, stored_mtp_blocks
 from dsv4.loading.tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -69,17 +69,25 @@ def load_pretrained(path: str, *, dtype="auto", strict: bool = True, device=None
   NeMo-format V4.1, off otherwise), True / False to force it. keep_quantized: FP4 routed experts stay packed on the
   device and are dequantized inside the MoE step (dsv4/layers/expert_quant.py).
 
-  mtp: the MTP blocks config.json declares (`num_nextn_predict_layers`, `n_mtp_layers`). None = load those the
-  directory stores (a transformers save_pretrained drops them: then the model has none, `pre.config.num_mtp_layers`
-  says so); True = every declared block, a CheckpointError naming the first missing tensor otherwise; False = none."""
+  mtp: the draft config.json declares (`num_nextn_predict_layers`, `n_mtp_layers`). V4 MTP blocks: None = load those
+  the directory stores (a transformers save_pretrained drops them: then the model has none,
+  `pre.config.num_mtp_layers` says so); True = every declared block, a CheckpointError naming the first missing
+  tensor otherwise; False = none. V4.1 DSpark draft (`mtp.0` .. `mtp.{K-1}`, docs/model.md, DSpark): loaded only
+  with True (all declared stages and the `dspark_*` fields); None / False = the backbone alone."""
   if not os.path.isdir(path):
     raise CheckpointError(f"{path}: not a checkpoint directory")
   config, info = read_config(path, strict=strict, quantized_cache=quantized_cache)
-  if mtp or (mtp is None and info.mtp_layers):
+  if mtp or (mtp is None and info.mtp_layers and config.variant == "v4"):
     if mtp and not info.mtp_layers:
       raise CheckpointError(f"{path}: mtp=True but config.json declares no MTP block (num_nextn_predict_layers)")
-    n = info.mtp_layers if mtp else declared_mtp_blocks_stored(path, config, info)
-    config = dataclasses.replace(config, num_mtp_layers=n)
+    if config.variant == "v4":
+      n = info.mtp_layers if mtp else declared_mtp_blocks_stored(path, config, info)
+      config = dataclasses.replace(config, num_mtp_layers=n)
+    else:
+      try:
+        config = with_draft(config, info)
+      except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
   dt = resolve_dtype(dtype, path)
   tok = Tokenizer.from_dir(path) if tokenizer and os.path.isfile(os.path.join(path, TOKENIZER_FILE)) else None
   if tok is not None and len(tok) > config.vocab_size:

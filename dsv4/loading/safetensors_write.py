@@ -33,9 +33,10 @@ class Quant:
 
 # Dense projections that ship FP8 in the released checkpoints: attention q/kv/o, the indexer query, shared experts.
 # Compressor / indexer-compressor wkv, wgate, weights_proj, the router, norms, mHC, embed and head stay float. An
-# MTP block is quantized like a layer, plus its e_proj / h_proj (NeMo's adapter expects scales for them).
+# MTP block is quantized like a layer, plus its e_proj / h_proj (NeMo's adapter expects scales for them); a V4.1
+# DSpark stage like a layer, plus stage 0's main_proj (NeMo's `DeepseekV41DSparkStateDictAdapter`).
 _FP8_ORIG = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
-                       r"|ffn\.shared_experts\.w[123]|engram\.wkv|e_proj|h_proj)\.weight$")
+                       r"|ffn\.shared_experts\.w[123]|engram\.wkv|e_proj|h_proj|main_proj)\.weight$")
 _FP8_ROWS_ORIG = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")  # V4.1 Engram table: per-row/32-col scales
 _FP4_ORIG = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 

@@ -65,7 +65,8 @@ def nemo_text_kwargs(cfg) -> dict:
                     y.original_max_position_embeddings, "beta_fast": y.beta_fast, "beta_slow": y.beta_slow},
       n_routed_experts=mo.n_routed_experts, n_shared_experts=mo.n_shared_experts,
       num_experts_per_tok=mo.num_experts_per_tok, routed_scaling_factor=mo.routed_scaling_factor,
-      sliding_window=a.window, compress_ratios=list(cfg.compress_ratios), compress_rope_theta=a.compress_rope_theta,
+      sliding_window=a.window, compress_ratios=list(cfg.compress_ratios) + [0] * cfg.num_mtp_layers,
+      compress_rope_theta=a.compress_rope_theta,
       kv_source_layer_ids=list(cfg.kv_source_layer_ids), index_source_layer_ids=list(cfg.index_source_layer_ids),
       index_n_heads=ix.num_heads, index_head_dim=ix.head_dim, index_topk=ix.topk,
       candidate_source_layer_id=cfg.candidate_source_layer_id, candidate_topk_blocks=ix.candidate_topk_blocks,
@@ -73,7 +74,18 @@ def nemo_text_kwargs(cfg) -> dict:
       hc_eps=cfg.mhc.eps, engram_layer_ids=list(e.layer_ids), engram_num_embeddings=list(e.num_embeddings),
       engram_max_ngram_size=e.max_ngram_size, engram_vocab_size=e.vocab_size, engram_n_heads=e.n_heads,
       engram_head_dim=e.head_dim, engram_pad_token_id=e.pad_token_id,
-      engram_compressed_vocab_size=e.compressed_vocab_size, num_nextn_predict_layers=0, dspark_noise_token_id=0, dtype="float32")
+      engram_compressed_vocab_size=e.compressed_vocab_size, dtype="float32", **_dspark_kwargs(cfg))
+
+
+def _dspark_kwargs(cfg) -> dict:
+  """The DSpark fields (`nemo_text_kwargs` also lists the draft layers in NeMo's schedule: ratio 0 each)."""
+  if not cfg.num_mtp_layers:
+    return dict(num_nextn_predict_layers=0, dspark_noise_token_id=0)
+  ds = cfg.dspark
+  return dict(num_nextn_predict_layers=cfg.num_mtp_layers, dspark_block_size=ds.block_size,
+              dspark_noise_token_id=ds.noise_token_id, dspark_target_layer_ids=list(ds.target_layer_ids),
+              dspark_markov_rank=ds.markov_rank, dspark_n_routed_experts=ds.n_routed_experts,
+              dspark_num_experts_per_tok=ds.num_experts_per_tok)
 
 
 def tiny_tokenizer(vocab_size: int):
@@ -118,10 +130,16 @@ def build(cfg, seed: int = 0, *, fake_quant: bool = False):
   backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch",
                           dispatcher="torch", enable_hf_state_dict_adapter=False, rope_fusion=False)
   model = DeepseekV41ForCausalLM(config, backend=backend, tokenizer=tokenizer).float().eval()
-  g = torch.Generator().manual_seed(seed + 1)
+  _randomize(model, torch.Generator().manual_seed(seed + 1))
+  return model, tokenizer
+
+
+def _randomize(model, g, skip=()):
+  """Random weights around each parameter's init (constants randomised too), as `build` does."""
+  import torch
   with torch.no_grad():
     for name, p in model.named_parameters():
-      if not p.dtype.is_floating_point:
+      if not p.dtype.is_floating_point or name.startswith(skip):
         continue
       if p.ndim >= 2:
         p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5))
@@ -131,7 +149,24 @@ def build(cfg, seed: int = 0, *, fake_quant: bool = False):
     for name, b in model.named_buffers():
       if name.endswith(("e_score_correction_bias", "bias_vl")):
         b.copy_(0.1 * torch.randn(b.shape, generator=g))
-  return model, tokenizer
+
+
+def build_dspark(cfg, target, seed: int = 0, *, num_anchors: int = 1):
+  """NeMo's V4.1 DSpark draft (`DeepseekV41DSparkModel`: the `mtp` stages plus a frozen copy of the target's
+  embedding and LM head) for `cfg` (num_mtp_layers stages, `cfg.dspark`), fp32, random weights. Its attention
+  FP8-rounds the KV whatever `build` did to the backbone's (dspark.py imports `quantize_cache` itself)."""
+  import torch
+  from nemo_automodel.components.models.common import BackendConfig
+  from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
+  from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkModel
+  text = DeepseekV41TextConfig(**nemo_text_kwargs(cfg))
+  backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch",
+                          dispatcher="torch", enable_hf_state_dict_adapter=False, rope_fusion=False)
+  torch.manual_seed(seed)
+  draft = DeepseekV41DSparkModel(text, backend, num_anchors=num_anchors, enable_confidence_head=True).float().eval()
+  _randomize(draft, torch.Generator().manual_seed(seed + 1), skip=("embed_tokens.", "lm_head."))
+  draft.initialize_embeddings_and_head(embed_tokens=target.model.embed_tokens, lm_head=target.lm_head)
+  return draft
 
 
 def state_dict_np(model) -> dict:
