@@ -22,10 +22,13 @@ V4.1 has no transformers implementation; its original names (`attn.indexer.{wq_b
 k_norm}`, no `ape`) are generated the same way and its "HF" names are the same renames applied to them (an
 extrapolation, not checked against any reference).
 
-MTP blocks (`mtp.K.*`, V4 only) are spelled like layer K in every naming. transformers implements no MTP, so
-HF-named directories keep them in the original spelling: `hf_specs` expects `mtp.K.*` as DeepSeek ships it, and
-the HF writers put block K where NeMo's adapter also reads it, as layer N + K (`hf_mtp_export_names`). NeMo's
-names wrap the renamed layer-K names in `mtp.layers.K.*`.
+Draft blocks (`mtp.K.*`: V4 MTP blocks, V4.1 DSpark stages) are spelled like layer K in every naming, plus their own
+parts (V4: e_proj, h_proj, enorm, hnorm, norm; DSpark: main_proj, main_norm on stage 0, norm, markov_head.{embed,
+head}, confidence_head.proj on the last). transformers implements neither, so HF-named directories keep them in the
+original spelling: `hf_specs` expects `mtp.K.*` as DeepSeek ships it; the HF writers put a V4 block where NeMo's
+adapter also reads it, as layer N + K (`hf_mtp_export_names`), and leave DSpark stages at `mtp.K.*` (where NeMo's
+`DeepseekV41DSparkStateDictAdapter` reads them). NeMo's names wrap the renamed layer-K names in `mtp.layers.K.*`
+(V4) or `mtp.K.*` (V4.1 DSpark: its draft model's own state_dict, `_dspark_native_key`).
 """
 
 from __future__ import annotations
