@@ -40,6 +40,27 @@ Multi-key aggregation ("multikey", `MultiKeySpec`): the number of far-away entri
   a slot's key lies in two overlapping CSA entries (one V4.1 ratio-2 entry), so the answer needs ~2m (m) entries
   and a top-k below that must lose information. Chance = 1 / (m + 1) (uniform c).
 
+Repeated motifs ("motif", `MotifSpec`): language modelling where the continuation is mostly predictable from the
+last few tokens (repetitive text / code), a task where speculative drafting should pay:
+
+    [BOS] a b c a b c a b c a b x a b c | d e f g d e f g d e f g ...
+
+* a sequence is a run of segments; each segment repeats a motif of p distinct tokens (p uniform in p_lo..p_hi, all
+  <= 8 so two periods sit inside the 16-token window) for reps_lo..reps_hi full periods, then switches to a fresh
+  motif (the switch point is unpredictable, so the first period of every new segment is noise to any model);
+* `chain`: a motif is p consecutive tokens of one fixed cycle over the motif tokens (the same for every sequence), so
+  inside a period the next token is the current one's fixed successor (learned like a bigram table) and only the
+  wrap from the motif's last token back to its first needs the context (an induction / look-back of one period);
+  without `chain` the p tokens are random and every prediction needs the look-back. A 2-layer model of
+  `train_lib.retrieval_config` stayed on the bag-of-recent-tokens plateau (accuracy ~0.3) for 460 steps without it;
+* each token after its segment's first period is replaced by a random motif-range token with probability
+  `sub_prob` (a typo: the text goes on with the motif, so the token after a substitution is still predictable by
+  a model that looks back a whole period rather than matching the last token only);
+* loss / accuracy on every position after the sequence's first motif period (mask); `pred_mask` marks the
+  positions whose target is predictable (a repeat: inside a segment after its first period, not a substitution),
+  the ceiling of a perfect model's accuracy is their share of the mask;
+* no far-away retrieval: the compressed path is not needed (no `src_pos` sources; attention supervision off).
+
 Every batch is a pure function of (task spec, seed): `make_batch(spec, seed, batch)`; evaluation uses seeds from a
 range disjoint from the training seeds (`EVAL_SEED_BASE`).
 """
@@ -260,6 +281,89 @@ def make_multikey_batch(spec: MultiKeySpec, seed: int, batch: int):
   return dict(tokens=tokens, targets=targets, mask=mask, src_pos=src_pos, count=count, m=ms)
 
 
+@dataclasses.dataclass(frozen=True)
+class MotifSpec:
+  kind: str = "motif"
+  seq_len: int = 128
+  p_lo: int = 2              # motif length uniform in p_lo..p_hi (inclusive); p_hi <= window / 2
+  p_hi: int = 8
+  reps_lo: int = 3           # full periods per segment, uniform in reps_lo..reps_hi (inclusive)
+  reps_hi: int = 10
+  sub_prob: float = 0.03     # per-token substitution probability after a segment's first period
+  tok_lo: int = 3            # motif tokens (inclusive lo, exclusive hi): 61 of the 64
+  tok_hi: int = 64
+  chain: bool = False        # motifs are runs of one fixed cycle over the motif tokens (a vocabulary with a fixed
+                             # successor: token -> succ(token) inside a motif, so only the wrap back to the motif's
+                             # first token needs the context); False: p distinct random tokens
+  chain_seed: int = 0        # the fixed cycle (a permutation of the motif tokens), the same for every sequence
+
+  @property
+  def vocab_size(self) -> int:
+    return 64
+
+  @property
+  def num_values(self) -> int:
+    return self.tok_hi - self.tok_lo
+
+  def validate(self):
+    if not 1 <= self.p_lo <= self.p_hi or self.tok_hi - self.tok_lo < self.p_hi or self.tok_hi > self.vocab_size:
+      raise ValueError("MotifSpec: need 1 <= p_lo <= p_hi <= number of motif tokens, tok_hi <= 64")
+    if not 1 <= self.reps_lo <= self.reps_hi:
+      raise ValueError("MotifSpec: need 1 <= reps_lo <= reps_hi")
+    if not 0.0 <= self.sub_prob < 1.0:
+      raise ValueError("MotifSpec: sub_prob in [0, 1)")
+    if self.seq_len < 2 + self.p_hi * (self.reps_lo + 1):
+      raise ValueError(f"MotifSpec: seq_len {self.seq_len} too short for a segment of {self.reps_lo} periods of "
+                       f"{self.p_hi} plus one")
+
+
+def motif_cycle(spec: MotifSpec) -> np.ndarray:
+  """The fixed cycle of `chain` motifs: the motif tokens in one random order (seeded by chain_seed)."""
+  return np.random.default_rng(np.uint64(spec.chain_seed) + np.uint64(0x165667B1)).permutation(
+      np.arange(spec.tok_lo, spec.tok_hi)).astype(np.int32)
+
+
+def make_motif_batch(spec: MotifSpec, seed: int, batch: int):
+  """Returns dict(tokens, targets, mask [B,T], pred_mask [B,T] (target predictable: a repeat, no substitution),
+  src_pos [B,T] (-1: no far sources), period [B,T] (the motif length of the segment target t+1 is in))."""
+  spec.validate()
+  rng = np.random.default_rng(np.uint64(seed) + np.uint64(0x27D4EB2F))
+  T = spec.seq_len
+  cycle = motif_cycle(spec)
+  tokens = np.zeros((batch, T), np.int32)
+  repeat = np.zeros((batch, T), bool)          # token is a repeat of its motif (segment position >= p)
+  period = np.zeros((batch, T), np.int32)
+  mask = np.zeros((batch, T), np.float32)
+  for b in range(batch):
+    t, first = 1, None
+    while t < T:
+      p = int(rng.integers(spec.p_lo, spec.p_hi + 1))
+      if spec.chain:
+        start = int(rng.integers(0, len(cycle)))
+        motif = cycle[(start + np.arange(p)) % len(cycle)]
+      else:
+        motif = rng.choice(np.arange(spec.tok_lo, spec.tok_hi), size=p, replace=False)
+      n = p * int(rng.integers(spec.reps_lo, spec.reps_hi + 1))
+      m = min(n, T - t)
+      tokens[b, t:t + m] = np.resize(motif, m)
+      repeat[b, t + p:t + m] = True
+      period[b, t:t + m] = p
+      first = t + p if first is None else first
+      t += m
+    sub = repeat[b] & (rng.random(T) < spec.sub_prob)
+    tokens[b, sub] = rng.integers(spec.tok_lo, spec.tok_hi, size=int(sub.sum()))
+    repeat[b, sub] = False
+    mask[b, first - 1:T - 1] = 1.0            # targets: every token after the first motif period
+  targets = np.zeros((batch, T), np.int32)
+  targets[:, :-1] = tokens[:, 1:]
+  pred_mask = np.zeros((batch, T), np.float32)
+  pred_mask[:, :-1] = repeat[:, 1:] * mask[:, :-1]
+  per = np.zeros((batch, T), np.int32)
+  per[:, :-1] = period[:, 1:]
+  return dict(tokens=tokens, targets=targets, mask=mask, pred_mask=pred_mask, src_pos=np.full((batch, T), -1, np.int32),
+              period=per)
+
+
 def spec_from_dict(d: dict):
   """Task spec from its `dataclasses.asdict` (checkpoint config.json "task"); no "kind" = key-value recall."""
   d = dict(d)
@@ -268,6 +372,8 @@ def spec_from_dict(d: dict):
   if d.get("kind") == "multikey":
     d["ms"] = tuple(d["ms"])
     return MultiKeySpec(**d)
+  if d.get("kind") == "motif":
+    return MotifSpec(**d)
   d.pop("kind", None)
   return KVRecallSpec(**d)
 
@@ -277,6 +383,8 @@ def make_batch(spec, seed: int, batch: int):
     return make_count_batch(spec, seed, batch)
   if isinstance(spec, MultiKeySpec):
     return make_multikey_batch(spec, seed, batch)
+  if isinstance(spec, MotifSpec):
+    return make_motif_batch(spec, seed, batch)
   return make_kv_batch(spec, seed, batch)
 
 

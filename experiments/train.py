@@ -44,9 +44,17 @@ flags.DEFINE_integer("num_layers", 2, "Layers (V4: layer 0 window-only, then CSA
 flags.DEFINE_integer("hidden_size", 64, "Hidden size.")
 flags.DEFINE_integer("window", 16, "Sliding window.")
 flags.DEFINE_integer("topk", 8, "Indexer top-k in the sparse phase.")
-flags.DEFINE_enum("task", "kv", ["kv", "count", "multikey"], "kv: key-value recall (tasks.KVRecallSpec); count: how "
-                  "often a key occurs, 1..--max_count times beyond the window (tasks.CountSpec); multikey: the "
-                  "fraction of m slots that hold the key, m drawn from --ms (tasks.MultiKeySpec).")
+flags.DEFINE_enum("task", "kv", ["kv", "count", "multikey", "motif"], "kv: key-value recall (tasks.KVRecallSpec); "
+                  "count: how often a key occurs, 1..--max_count times beyond the window (tasks.CountSpec); "
+                  "multikey: the fraction of m slots that hold the key, m drawn from --ms (tasks.MultiKeySpec); "
+                  "motif: language modelling of repeated motifs with switches and substitutions (tasks.MotifSpec; "
+                  "loss on every position after the first period, no attention supervision: use "
+                  "--dense_warmup_steps=0).")
+flags.DEFINE_integer("motif_p_lo", 2, "motif task: shortest motif.")
+flags.DEFINE_integer("motif_p_hi", 8, "motif task: longest motif (<= window / 2).")
+flags.DEFINE_float("sub_prob", 0.03, "motif task: per-token substitution probability.")
+flags.DEFINE_bool("motif_chain", False, "motif task: motifs are runs of one fixed token cycle (tasks.MotifSpec.chain: "
+                  "only the wrap to the motif's first token needs the context).")
 flags.DEFINE_list("ms", ["1", "2", "4", "8", "16"], "multikey task: slot counts m drawn per sequence.")
 flags.DEFINE_integer("max_count", 8, "count task: maximum count C (counts uniform in 1..C).")
 flags.DEFINE_bool("distractors", True, "count task: fill the unused slots with other key tokens.")
@@ -108,10 +116,20 @@ def train(argv_cmd: str) -> dict:
       ms = (1, 2)
     spec = tasks.MultiKeySpec(seq_len=seq_len, ms=ms, min_gap=max(2 * window, 8))
     config = dataclasses.replace(config, name=config.name.replace("retrieval", "multikey"))
+  elif FLAGS.task == "motif":
+    p_hi = min(FLAGS.motif_p_hi, window // 2) if small else FLAGS.motif_p_hi
+    if 2 * p_hi > window:
+      raise app.UsageError(f"--motif_p_hi={p_hi}: two periods must fit the window ({window})")
+    spec = tasks.MotifSpec(seq_len=seq_len, p_lo=FLAGS.motif_p_lo, p_hi=p_hi, sub_prob=FLAGS.sub_prob,
+                           chain=FLAGS.motif_chain)
+    config = dataclasses.replace(config, name=config.name.replace("retrieval", "motif"))
   else:
     spec = tasks.KVRecallSpec(seq_len=seq_len, num_pairs=num_pairs, num_queries=num_queries,
                               min_gap=max(2 * window, 8))
   spec.validate()
+  # Attention supervision needs the answer's far sources (src_pos); the motif task has none (all -1), so the term
+  # would be -log(0) at every position: off. The indexer KL stays (it ranks entries like the main attention does).
+  attn_sup_weight = 0.0 if FLAGS.task == "motif" else FLAGS.attn_sup_weight
   default_name = f"{FLAGS.variant}_{dict(kv='retrieval').get(FLAGS.task, FLAGS.task)}"
   out_dir = FLAGS.out_dir or (tempfile.mkdtemp(prefix="dsv4_train_small_") if small else
                               os.path.join("out", "train", default_name))
@@ -132,7 +150,7 @@ def train(argv_cmd: str) -> dict:
     if n <= 0:
       continue
     train_step = train_lib.make_train_step(cfg, opt, FLAGS.kl_weight, FLAGS.kl_on_all,
-                                           FLAGS.attn_sup_weight if phase == "dense" else 0.0)
+                                           attn_sup_weight if phase == "dense" else 0.0)
     for _ in range(n):
       fparams, opt_state, m = train_step(fparams, iparams, opt_state, _batch(spec, step, batch))
       step += 1
@@ -170,7 +188,7 @@ def train(argv_cmd: str) -> dict:
   meta = dict(task=dataclasses.asdict(spec), command=argv_cmd, steps_done=step, train_seconds=round(train_s, 1),
               final_eval=final, small=small,
               flags={k: FLAGS[k].value for k in ("task", "max_count", "distractors", "fixed_key", "sup_all_slots",
-                                                  "ms", "count_mode", "variant", "num_layers", "hidden_size", "window",
+                                                  "ms", "count_mode", "motif_p_lo", "motif_p_hi", "sub_prob", "motif_chain", "variant", "num_layers", "hidden_size", "window",
                                                   "topk",
                                                   "seq_len", "num_pairs", "num_queries", "batch", "steps",
                                                   "dense_warmup_steps", "lr", "warmup", "weight_decay",

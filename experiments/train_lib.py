@@ -263,16 +263,23 @@ def evaluate(params, config: ModelConfig, spec, num_batches: int = 8, batch: int
   the answer's source tokens (kv recall: the asked value; counting: every occurrence of the key) that lie in a
   top-k entry. Counting also reports `acc_by_count` {c: accuracy on the answers with true count c}."""
   c = n = h = 0.0
+  pc = pn = 0.0
   by_c: dict[int, list[float]] = {}
   for b in tasks.eval_batches(spec, num_batches, batch, seed_offset):
     cc, nn, hh = _eval_step(_copy_tree(params), config, jnp.asarray(b["tokens"]), jnp.asarray(b["targets"]),
                             jnp.asarray(b["mask"]), jnp.asarray(b["src_pos"]), ablate)
     cc = np.asarray(cc)
     c, n, h = c + float(cc.sum()), n + float(nn), h + float(hh)
+    if "pred_mask" in b:   # motif: accuracy on the predictable targets only (repeats, no substitution)
+      pcc, pnn, _ = _eval_step(_copy_tree(params), config, jnp.asarray(b["tokens"]), jnp.asarray(b["targets"]),
+                               jnp.asarray(b["pred_mask"]), jnp.asarray(b["src_pos"]), ablate)
+      pc, pn = pc + float(np.asarray(pcc).sum()), pn + float(pnn)
     if "count" in b:
       for cnt, ok in zip(b["count"], cc):
         by_c.setdefault(int(cnt), []).append(float(ok))
   out = dict(accuracy=c / max(n, 1), index_hit=h / max(n, 1), n=int(n), chance=1.0 / spec.num_values)
+  if pn:
+    out.update(accuracy_predictable=pc / pn, predictable_share=pn / max(n, 1))
   if by_c:
     out["acc_by_count"] = {str(k): round(float(np.mean(v)), 4) for k, v in sorted(by_c.items())}
   return out
