@@ -69,6 +69,7 @@ class CheckpointInfo:
   ignored: tuple[str, ...] = ()           # unknown keys tolerated with strict=False
   mtp_layers: int = 0                     # MTP blocks the file declares (num_nextn_predict_layers / n_mtp_layers)
   dspark: DSparkConfig | None = None      # V4.1: the DSpark draft the file declares (None: none declared)
+  draft_ratios: tuple[int, ...] = ()      # V4.1: compress_ratios' entries after the backbone (the draft's: all 0)
 
 
 class _Reader:
@@ -448,9 +449,6 @@ def _v41_nemo(r: _Reader, top: _Reader | None, name: str, strict: bool) -> tuple
       kv_source_layer_ids=kv_src, index_source_layer_ids=idx_src, candidate_source_layer_id=cand, engram=eng,
       bos_token_id=bos, eos_token_id=eos[0])
   stages, dspark = _dspark_from(r, top, n)
-  if any(cr[n:n + stages]):
-    raise ConfigError(f"{r.where}: field 'compress_ratios' gives DSpark draft layers {list(cr[n:n + stages])}; "
-                      f"they are window-only (0)")
   if top is not None:
     top.raw("text_config")
     top.raw("vision_config")  # the vision encoder is not part of the text backbone
@@ -461,7 +459,8 @@ def _v41_nemo(r: _Reader, top: _Reader | None, name: str, strict: bool) -> tuple
   else:
     ignored = ()
   ignored += r.finish(strict)
-  return cfg, CheckpointInfo("nemo", fp8_block or 32, expert, eos, pad, ignored, stages, dspark)
+  return cfg, CheckpointInfo("nemo", fp8_block or 32, expert, eos, pad, ignored, stages, dspark,
+                             tuple(cr[n:n + stages]))
 
 
 def _dspark_from(r: _Reader, top: _Reader | None, n: int) -> tuple[int, DSparkConfig | None]:
@@ -494,6 +493,9 @@ def with_draft(cfg: ModelConfig, info: CheckpointInfo, stages: int | None = None
   if n != info.mtp_layers or info.dspark is None:
     raise ConfigError(f"num_nextn_predict_layers: a V4.1 DSpark draft loads whole ({info.mtp_layers} stages), "
                       f"not {n}")
+  if any(info.draft_ratios):   # (a reduced num_hidden_layers keeps NeMo's full schedule: then these are backbone's)
+    raise ConfigError(f"compress_ratios: the DSpark draft layers' entries are {list(info.draft_ratios)}; they are "
+                      f"window-only (0)")
   return dataclasses.replace(cfg, num_mtp_layers=n, dspark=info.dspark)
 
 

@@ -5,7 +5,7 @@ A tiny V4.1 target (no Engram) with a three-stage DSpark draft, fp32, random wei
 dicts (backbone NeMo names, draft in NeMo's native `mtp.K.*` names) go through one safetensors file and the
 project's loader. Compared:
 
-* on identical given features (NeMo's own target features) and chosen anchors (no, partial and full window context),
+* on identical given features (random, unit scale) and chosen anchors (no, partial and full window context),
   NeMo's backbone forward (noise embeddings, positions and mask from its own `create_noise_embed`,
   `build_position_ids`, `build_attention_mask`) against `dsv4.dspark`: the final-normed hidden states, the Markov
   transition logits, the full draft logits (`compute_logits(normalized) + transition` against `train_logits` and
@@ -168,8 +168,10 @@ def _rel(got, want):
 
 
 def test_draft_matches_nemo_on_given_features(oracle):
-  ref, draft, params, tokens = oracle
-  feats = _nemo_features(ref, tokens)
+  _, draft, params, tokens = oracle
+  # given features (the target's own are compared in the slow test): unit-scale like the residual streams
+  feats = np.random.default_rng(6).standard_normal((B, S, len(CFG.dspark.target_layer_ids) * CFG.hidden_size))
+  feats = feats.astype(np.float32)
   want = _nemo_draft(draft, tokens, feats)
   got = _jax_draft(params, tokens, feats, want["prev"])
   errs = {k: _rel(got[k], want[k]) for k in ("hidden", "transition", "logits", "confidence")}
@@ -214,3 +216,16 @@ def test_released_names_match_nemos_draft_adapter(oracle):
   assert sorted(targets) == sorted(written)
   for k, v in targets.items():
     assert (tuple(v.shape), dt[v.dtype]) == (written[k].shape, written[k].dtype), k
+
+
+def test_nemo_config_declares_the_same_draft(oracle):
+  """NeMo's own V4.1 config for this model (`DeepseekV41Config(...).to_dict()`, DSpark fields included) reads back
+  as the backbone plus a declared draft that `with_draft` turns into exactly CFG."""
+  import json
+  from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+  from dsv4.loading import with_draft
+  from dsv4.loading.config_json import config_from_dict
+  nested = json.loads(json.dumps(DeepseekV41Config(text_config=v41_oracle.nemo_text_kwargs(CFG)).to_dict()))
+  cfg, info = config_from_dict(nested)
+  assert cfg.num_mtp_layers == 0 and info.mtp_layers == 3 and info.dspark == CFG.dspark
+  assert with_draft(cfg, info) == dataclasses.replace(CFG, name=cfg.name)
