@@ -69,21 +69,21 @@ def load_pretrained(path: str, *, dtype="auto", strict: bool = True, device=None
   NeMo-format V4.1, off otherwise), True / False to force it. keep_quantized: FP4 routed experts stay packed on the
   device and are dequantized inside the MoE step (dsv4/layers/expert_quant.py).
 
-  mtp: the draft config.json declares (`num_nextn_predict_layers`, `n_mtp_layers`). V4 MTP blocks: None = load those
-  the directory stores (a transformers save_pretrained drops them: then the model has none,
-  `pre.config.num_mtp_layers` says so); True = every declared block, a CheckpointError naming the first missing
-  tensor otherwise; False = none. V4.1 DSpark draft (`mtp.0` .. `mtp.{K-1}`, docs/model.md, DSpark): loaded only
-  with True (all declared stages and the `dspark_*` fields); None / False = the backbone alone."""
+  mtp: the draft config.json declares (`num_nextn_predict_layers`, `n_mtp_layers`). None = load those the
+  directory stores (a transformers save_pretrained drops them: then the model has none, `pre.config.num_mtp_layers`
+  says so); True = every declared block, a CheckpointError naming the first missing tensor otherwise; False = none.
+  V4.1's DSpark draft (`mtp.0` .. `mtp.{K-1}`, docs/model.md, DSpark) loads whole or not at all (its first and last
+  stages hold unique parts): None loads it when every declared stage is stored."""
   if not os.path.isdir(path):
     raise CheckpointError(f"{path}: not a checkpoint directory")
   config, info = read_config(path, strict=strict, quantized_cache=quantized_cache)
-  if mtp or (mtp is None and info.mtp_layers and config.variant == "v4"):
+  if mtp or (mtp is None and info.mtp_layers):
     if mtp and not info.mtp_layers:
       raise CheckpointError(f"{path}: mtp=True but config.json declares no MTP block (num_nextn_predict_layers)")
+    n = info.mtp_layers if mtp else declared_mtp_blocks_stored(path, config, info)
     if config.variant == "v4":
-      n = info.mtp_layers if mtp else declared_mtp_blocks_stored(path, config, info)
       config = dataclasses.replace(config, num_mtp_layers=n)
-    else:
+    elif n == info.mtp_layers:   # DSpark: the whole draft, with its dspark_* fields
       try:
         config = with_draft(config, info)
       except ConfigError as e:

@@ -1,6 +1,6 @@
 """dsv4.loading with V4.1's DSpark draft (`mtp.0` .. `mtp.2`; docs/model.md, DSpark): every naming round-trips
-bitwise (FP8 / FP4 like the released checkpoint where the naming is quantized), the draft stays out unless asked,
-config.json declares it. NeMo's own adapter checks the names in tests/dsv4/test_dspark_parity.py."""
+bitwise (FP8 / FP4 like the released checkpoint where the naming is quantized), a config without the draft ignores
+it, config.json declares it and `load_pretrained` opts in like V4's MTP blocks. NeMo's own adapter checks the names in tests/dsv4/test_dspark_parity.py."""
 
 import dataclasses
 import json
@@ -105,8 +105,8 @@ def test_stage_parts_on_the_wrong_stage_fail(params, tmp_path):
 
 def test_config_declares_the_draft_and_load_pretrained_opts_in(params, tmp_path):
   """config.json's `num_nextn_predict_layers` + `dspark_*` keys (NeMo's defaults when absent) declare the draft:
-  `info.mtp_layers` / `info.dspark`, the config itself without it; `with_draft` / `load_pretrained(mtp=True)` add
-  it whole; the default load is the backbone alone."""
+  `info.mtp_layers` / `info.dspark`, the config itself without it; `with_draft` adds it whole; `load_pretrained`
+  opts in like V4's MTP (None: the draft when the directory stores it, True: required, False: never)."""
   d = json.loads(json.dumps(config_to_dict(CFG, dtype="float32")))
   assert d["num_nextn_predict_layers"] == 3 and d["dspark_target_layer_ids"] == [1, 2, 3]
   assert d["compress_ratios"] == [0, 2, 1, 1, 0, 0, 0]
@@ -132,11 +132,22 @@ def test_config_declares_the_draft_and_load_pretrained_opts_in(params, tmp_path)
   safetensors_io.save_checkpoint(params, CFG, ck, naming="original", quant=Quant(fp8_block=FP8_BLOCK))
   with open(os.path.join(ck, "config.json"), "w") as f:
     json.dump(d, f)
-  pre = load_pretrained(ck, dtype="fp32", tokenizer=False)
+  want = _fake_quant_params(params, CFG, FP8_BLOCK)
+  pre = load_pretrained(ck, dtype="fp32", tokenizer=False, mtp=False)
   assert pre.config.num_mtp_layers == 0 and "mtp" not in pre.params
-  pre = load_pretrained(ck, dtype="fp32", tokenizer=False, mtp=True)
-  assert pre.config.num_mtp_layers == 3 and pre.config.dspark == DS
-  assert _max_diff(_fake_quant_params(params, CFG, FP8_BLOCK), jax.tree_util.tree_map(np.asarray, pre.params)) == 0.0
+  for mtp in (None, True):   # None: the stored draft, as for V4's MTP blocks
+    pre = load_pretrained(ck, dtype="fp32", tokenizer=False, mtp=mtp)
+    assert pre.config.num_mtp_layers == 3 and pre.config.dspark == DS
+    assert _max_diff(want, jax.tree_util.tree_map(np.asarray, pre.params)) == 0.0
+  # a directory storing the backbone only (declared draft, no stage stored): None reads the backbone, True refuses
+  no = str(tmp_path / "backbone_only")
+  safetensors_io.save_checkpoint({k: v for k, v in params.items() if k != "mtp"}, BASE, no, naming="original")
+  with open(os.path.join(no, "config.json"), "w") as f:
+    json.dump(d, f)
+  pre = load_pretrained(no, dtype="fp32", tokenizer=False)
+  assert pre.config.num_mtp_layers == 0 and "mtp" not in pre.params
+  with pytest.raises(CheckpointError, match=r"tensor 'mtp\.0\.[^']*' is missing"):
+    load_pretrained(no, dtype="fp32", tokenizer=False, mtp=True)
   with open(os.path.join(ck, "config.json"), "w") as f:   # the draft's fields do not fit this backbone
     json.dump({**d, "dspark_target_layer_ids": [2, 4]}, f)
   with pytest.raises(ConfigError, match="dspark.target_layer_ids"):

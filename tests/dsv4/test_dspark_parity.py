@@ -211,8 +211,8 @@ def test_released_names_match_nemos_draft_adapter(oracle):
     np.testing.assert_array_equal(imported[k].numpy(), v, err_msg=k)
   targets = adapter.to_hf(dict(native), quantization=True, for_checkpoint_load=True)
   written = safetensors_write._quantize_dict(ours, CFG, Quant(fp8_block=32), "original")
-  dt = {torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn, torch.int8: np.int8, torch.float8_e8m0fnu: ml_dtypes.float8_e8m0fnu,
-        torch.float32: np.float32}
+  dt = {torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn, torch.int8: np.int8,
+        torch.float8_e8m0fnu: ml_dtypes.float8_e8m0fnu, torch.float32: np.float32}
   assert sorted(targets) == sorted(written)
   for k, v in targets.items():
     assert (tuple(v.shape), dt[v.dtype]) == (written[k].shape, written[k].dtype), k
