@@ -81,6 +81,21 @@ class MHCConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DSparkConfig:
+  """V4.1's draft model (docs/model.md, DSpark; NeMo `deepseek_v41/dspark.py`): `ModelConfig.num_mtp_layers`
+  window-only stages, stored as `mtp.K.*`, that draft `block_size` tokens in one pass. Stage 0 projects the target's
+  features (the mean over mHC streams of the input of each layer in `target_layer_ids`, concatenated) to the hidden
+  size; every stage attends to that projection over the window before the anchor and to its own block (bidirectional).
+  The last stage adds a rank-`markov_rank` token-transition bias (from the previous token) to the LM head's logits."""
+  block_size: int = 5                        # drafts per pass: the anchor + block_size - 1 noise inputs
+  target_layer_ids: tuple[int, ...] = ()     # backbone layers whose input streams feed the draft
+  markov_rank: int = 256
+  noise_token_id: int = 128799               # the input id of the block's positions after the anchor
+  n_routed_experts: int = 128
+  num_experts_per_tok: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
 class EngramConfig:
   """V4.1 Engram (docs/model.md; NeMo `deepseek_v41/engram.py`): hashed n-gram memory added to the streams before
   the layers in `layer_ids`. Empty `layer_ids` switches it off."""
@@ -149,9 +164,11 @@ class ModelConfig:
   # V4.1 as NeMo ships it: quantize-dequantize the cache (FP8 window KV, NVFP4 compressed KV, MXFP4 index q/k;
   # dsv4/layers/cache_quant.py). Off = exact float cache.
   quantized_cache: bool = False
-  # Multi-token prediction blocks (V4: `num_nextn_predict_layers`, one `mtp.0.*` block in V4-Flash): each fuses the
-  # backbone's last stream with the next token's embedding and runs one window-only block (docs/model.md, MTP).
+  # Draft blocks (`num_nextn_predict_layers`, stored as `mtp.K.*`). V4: multi-token prediction blocks (one in
+  # V4-Flash): each fuses the backbone's last stream with the next token's embedding and runs one window-only block
+  # (docs/model.md, MTP). V4.1: the stages of the DSpark block drafter (three in V4.1-Flash), shaped by `dspark`.
   num_mtp_layers: int = 0
+  dspark: DSparkConfig = DSparkConfig()
 
   def __post_init__(self):
     a, ix, moe = self.attention, self.indexer, self.moe
@@ -195,9 +212,22 @@ class ModelConfig:
         _require(moe.num_experts_per_tok <= moe.n_routed_experts, "moe.num_hash_layers", "tid2eid width")
     else:
       self._validate_v41()
-      _require(self.num_mtp_layers == 0, "num_mtp_layers",
-               "V4.1 drafts with DSpark blocks, which are not implemented; MTP blocks are V4-only")
+      _require(self.num_mtp_layers >= 0, "num_mtp_layers", "must be >= 0")
+      if self.num_mtp_layers:
+        self._validate_dspark()
     self.layer_plan()  # surfaces any remaining schedule error at construction
+
+  def _validate_dspark(self):
+    ds = self.dspark
+    ids = ds.target_layer_ids
+    _require(bool(ids) and list(ids) == sorted(set(ids)) and all(0 <= i < self.num_layers for i in ids),
+             "dspark.target_layer_ids", f"need strictly increasing backbone layer ids in [0, {self.num_layers}), "
+             f"got {ids!r}")
+    _require(ds.block_size >= 1, "dspark.block_size", "must be >= 1")
+    _require(ds.markov_rank >= 1, "dspark.markov_rank", "must be >= 1")
+    _require(0 <= ds.noise_token_id < self.vocab_size, "dspark.noise_token_id", "must be a token id")
+    _require(0 < ds.num_experts_per_tok <= ds.n_routed_experts, "dspark.num_experts_per_tok",
+             f"must be in [1, dspark.n_routed_experts={ds.n_routed_experts}]")
 
   def _validate_v41(self):
     _require(self.moe.num_hash_layers == 0 and not self.hash_layer_ids, "moe.num_hash_layers",
@@ -280,13 +310,19 @@ class ModelConfig:
 
   @functools.cache
   def mtp_plans(self) -> tuple[LayerPlan, ...]:
-    """The MTP blocks' plans: window-only attention (main RoPE, no compressor), learned MoE routing; their cache
-    layers follow the backbone's (index num_layers + depth)."""
+    """The draft blocks' plans (V4 MTP blocks, V4.1 DSpark stages): window-only attention (main RoPE, no
+    compressor), learned MoE routing; their cache layers follow the backbone's (index num_layers + depth)."""
     return tuple(LayerPlan(
         index=self.num_layers + d, kind="swa", ratio=0, rope="main", overlap=False, has_compressor=False,
         has_index_keys=False, has_index_query=False, dense_compressed=False, kv_source=-1, index_source=-1,
-        candidate_source=False, uses_candidates=False, hash_moe=False, q_head_norm=True)
+        candidate_source=False, uses_candidates=False, hash_moe=False, q_head_norm=self.variant == "v4")
         for d in range(self.num_mtp_layers))
+
+  @property
+  def dspark_moe(self) -> MoEConfig:
+    """The DSpark stages' MoE: the backbone's expert shapes with the draft's own expert count and top-k."""
+    return dataclasses.replace(self.moe, n_routed_experts=self.dspark.n_routed_experts,
+                               num_experts_per_tok=self.dspark.num_experts_per_tok, num_hash_layers=0)
 
   def cache_plans(self) -> tuple[LayerPlan, ...]:
     """Every layer that owns cache arrays: the backbone, then the MTP blocks."""
@@ -340,9 +376,10 @@ def v4_flash() -> ModelConfig:
                      compress_ratios=v4_schedule(43))
 
 
-def v41_flash(engram: bool = True) -> ModelConfig:
-  """DeepSeek-V4.1-Flash text backbone (docs/model.md, Presets), without DSpark draft layers and vision. Engram on
-  layers 1 and 14 (NeMo defaults: 384006168 / 384016682 table rows of 256); `engram=False` drops it."""
+def v41_flash(engram: bool = True, dspark: bool = False) -> ModelConfig:
+  """DeepSeek-V4.1-Flash text backbone (docs/model.md, Presets), without vision. Engram on layers 1 and 14 (NeMo
+  defaults: 384006168 / 384016682 table rows of 256); `engram=False` drops it. `dspark=True` adds the released
+  three-stage DSpark drafter (NeMo's defaults: block 5, features of layers 37-39, 128 experts, top-3, rank 256)."""
   return ModelConfig(
       name="v41_flash", variant="v41", vocab_size=129280, hidden_size=5120, num_layers=40,
       compress_ratios=v41_schedule(40, 2, 18),
@@ -352,7 +389,9 @@ def v41_flash(engram: bool = True) -> ModelConfig:
       rms_norm_eps=1e-20,
       kv_source_layer_ids=(2, 8, 14, 20), index_source_layer_ids=(2, 8, 14, 20, 24, 28, 32, 36),
       candidate_source_layer_id=20,
-      engram=EngramConfig(layer_ids=(1, 14), num_embeddings=(384006168, 384016682)) if engram else EngramConfig())
+      engram=EngramConfig(layer_ids=(1, 14), num_embeddings=(384006168, 384016682)) if engram else EngramConfig(),
+      num_mtp_layers=3 if dspark else 0,
+      dspark=DSparkConfig(target_layer_ids=(37, 38, 39)) if dspark else DSparkConfig())
 
 
 def v41_tiny(engram: bool = True, vocab_size: int = 128) -> ModelConfig:

@@ -70,7 +70,7 @@ def param_shapes(config: ModelConfig) -> dict:
       out["ape"] = _spec((ratio, c * width), "normal", (None, "comp_proj"))
     return out
 
-  def block(plan):
+  def block(plan, mo=mo):
     attn = {
         "wq_a": _spec((D, a.q_lora_rank), "dense", ("embed", "q_lora")),
         "q_norm": _spec((a.q_lora_rank,), "ones", ("q_lora",)),
@@ -125,13 +125,27 @@ def param_shapes(config: ModelConfig) -> dict:
   layers = [block(plan) for plan in config.layer_plan()]
   out = {"embed": _spec((config.vocab_size, D), "embed", ("vocab", "embed")), "layers": layers,
          "norm": _spec((D,), "ones", ("embed",)), "lm_head": _spec((D, config.vocab_size), "dense", ("embed", "vocab"))}
-  if config.num_mtp_layers:
+  if config.num_mtp_layers and config.variant == "v4":
     # an MTP block: a whole block plus its input fusion (e_proj, h_proj and their norms) and its own final collapse
     # and norm; the embedding and the LM head are the backbone's. The fusion is two D x D matrices: replicated.
     out["mtp"] = [{**block(plan), "e_proj": _spec((D, D), "dense", ("embed", None)),
                    "h_proj": _spec((D, D), "dense", ("embed", None)), "enorm": _spec((D,), "ones", ("embed",)),
                    "hnorm": _spec((D,), "ones", ("embed",)), "norm": _spec((D,), "ones", ("embed",)),
                    "hc_head": hc(n)} for plan in config.mtp_plans()]
+  elif config.num_mtp_layers:
+    # DSpark stages (dsv4/dspark.py): window-only blocks with the draft's own MoE; stage 0 also projects the target
+    # features, the last one holds the final norm, the Markov transition head and the acceptance-confidence head.
+    ds = config.dspark
+    stages = [block(plan, config.dspark_moe) for plan in config.mtp_plans()]
+    stages[0].update(main_proj=_spec((D * len(ds.target_layer_ids), D), "dense", ("dspark_features", "embed")),
+                     main_norm=_spec((D,), "ones", ("embed",)))
+    stages[-1].update(norm=_spec((D,), "ones", ("embed",)),
+                      markov_head={"embed": _spec((config.vocab_size, ds.markov_rank), "embed",
+                                                  ("vocab", "markov_rank")),
+                                   "head": _spec((ds.markov_rank, config.vocab_size), "dense",
+                                                 ("markov_rank", "vocab"))},
+                      confidence_head={"proj": _spec((D + ds.markov_rank, 1), "dense", ("embed_x_rank", None))})
+    out["mtp"] = stages
   if not config.single_pass_mhc:
     out["hc_head"] = hc(n)
   if config.engram.layer_ids:
@@ -244,12 +258,13 @@ def _hc(p, config: ModelConfig, X):
 
 
 def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, kernel_cfg, collect_aux, *,
-                  pre_prev=None, shared=None, engram_hash=None):
+                  pre_prev=None, shared=None, engram_hash=None, tap_stream=False):
   """One block's wiring around its sublayers `s`: the attention and MoE sublayers with mHC.
 
   V4: returns (cache_l, X, aux). V4.1 (`single_pass_mhc`, docs/model.md): Engram first, then single-pass mHC, where
   each sublayer collapses with the previous one's `pre` (`pre_prev` in, the FFN's `pre` out) and the CSA2 state
-  `shared` goes from layer to layer: returns (cache_l, X, pre, aux, shared)."""
+  `shared` goes from layer to layer: returns (cache_l, X, pre, aux, shared). tap_stream (V4.1): aux["stream_mean"]
+  is the mean over streams of the block's input after Engram [N, D] (a DSpark target feature, dsv4/dspark.py)."""
   eps = config.rms_norm_eps
   if not config.single_pass_mhc:
     pre, post, comb = s.hc_attn(X)
@@ -262,9 +277,12 @@ def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, ke
     return cache_l, mhc.expand(y, X, post, comb), aux
   if s.engram is not None:
     X = s.engram(X, engram_hash)
+  stream_mean = jnp.mean(X.astype(jnp.float32), axis=2).astype(X.dtype)[0] if tap_stream else None
   pre, post, comb = s.hc_attn(X)
   u = rms_norm(mhc.collapse(pre_prev, X), s.attn_norm, eps)
   cache_l, y, aux, shared = s.attn(u[0], ctx, cache_l, kernel_cfg, collect_aux, shared)
+  if tap_stream:
+    aux = dict(aux, stream_mean=stream_mean)
   X = mhc.expand(y[None], X, post, comb)
   pre2, post2, comb2 = s.hc_ffn(X)
   u = rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps)
@@ -289,9 +307,10 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
                        layout: caches.CacheLayout = caches.CacheLayout(),
                        kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(), collect_aux: bool = False,
                        blocks: Sequence[Callable] | None = None, hc_head: Callable | None = None,
-                       return_stream: bool = False, tap_states: bool = False):
+                       return_stream: bool = False, tap_states: bool = False, dspark_taps: bool = False):
   """`forward_ragged` plus a per-layer aux list (indexer picks [N,k], scores [N,M] when collect_aux).
   return_stream (V4): also the last block's streams X_1xNxnxD (what an MTP block reads), as a 4th result.
+  dspark_taps (V4.1): the aux of each layer in `dspark.target_layer_ids` holds "stream_mean" (its DSpark feature).
   tap_states: each pooling layer's aux also holds every token's compressor state rows (`store_states` writes the
   ones a speculative step accepted).
 
@@ -321,8 +340,9 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
     shared = None
     for plan, block, cache_l in zip(plans, blocks, layers_in):
       eh = hashes[None, :, config.engram.layer_ids.index(plan.index)] if plan.engram else None
+      tap = {"tap_stream": True} if dspark_taps and plan.index in config.dspark.target_layer_ids else {}
       cache_l, X, pre, aux, shared = block(X, tokens, ctx, cache_l, kernel_cfg, collect_aux, pre_prev=pre,
-                                           shared=shared, engram_hash=eh)
+                                           shared=shared, engram_hash=eh, **tap)
       new_layers.append(cache_l)
       auxes.append(aux)
     h = mhc.collapse(pre, X)
@@ -338,7 +358,7 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
   new_cache = caches.ModelCache(tuple(new_layers) + tuple(cache.layers[len(new_layers):]))
   if return_stream:
     if config.single_pass_mhc:
-      raise ValueError("return_stream: V4 only (MTP blocks are V4-only)")
+      raise ValueError("return_stream: V4 only (V4.1 drafts with DSpark: dspark_taps)")
     return new_cache, h, auxes, X
   return new_cache, h, auxes
 

@@ -28,7 +28,7 @@ import time
 
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
-from dsv4 import caches
+from dsv4 import caches, dspark
 from dsv4.config import ModelConfig
 from dsv4.engine import bucket_fill, compile_stats, placement, schema
 from dsv4.engine.config import EngineConfig  # noqa: F401  (re-exported: dsv4.engine.engine.EngineConfig)
@@ -81,8 +81,13 @@ class Engine:
     ec = engine_config
     self.spec = ec.num_speculative_tokens
     if self.spec and config.num_mtp_layers < 1:
-      raise ValueError("EngineConfig.num_speculative_tokens > 0: the model has no MTP block (ModelConfig."
+      raise ValueError("EngineConfig.num_speculative_tokens > 0: the model has no drafter (ModelConfig."
                        "num_mtp_layers = 0; a checkpoint with mtp.0.* weights, or experiments/train_mtp.py)")
+    if self.spec and dspark.is_dspark(config) and self.spec > config.dspark.block_size:
+      raise ValueError(f"EngineConfig.num_speculative_tokens={self.spec}: the model's DSpark drafter proposes "
+                       f"{config.dspark.block_size} tokens per pass (ModelConfig.dspark.block_size)")
+    # V4's MTP recursion writes window KV up to k - 1 positions past a row's frontier; DSpark writes none
+    self.draft_lookahead = self.spec - 1 if self.spec and not dspark.is_dspark(config) else 0
     if self.spec and mesh is not None:
       raise ValueError("EngineConfig.num_speculative_tokens > 0 runs on one device (no mesh)")
     from dsv4 import sharding
@@ -344,10 +349,11 @@ class Engine:
 
   def _alloc_end(self, req: Request, n: int) -> int:
     """Positions req's blocks must cover for a row of n tokens: with speculative decoding a row that decides a
-    token also runs the MTP block k - 1 positions past its frontier (its recursive drafts write window KV there)."""
+    token also runs V4's MTP block k - 1 positions past its frontier (its recursive drafts write window KV there;
+    `draft_lookahead`)."""
     end = req.num_computed + n
     if self.spec and req.num_computed + n - req.step_drafts >= len(req.tokens) + req.inflight:
-      end += self.spec - 1
+      end += self.draft_lookahead
     if self.spec and req.inflight:
       end += req.inflight_drafts      # the unread step may accept all its drafts: the row then starts that much later
     return min(end, self.ec.max_model_len)

@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cache import step as cache_step
-from dsv4 import caches, sharding
+from dsv4 import caches, dspark, sharding
 from dsv4.config import ModelConfig
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.sampling import SamplingParams
@@ -211,13 +211,18 @@ class ModelRunner:
     compressor state of start - 1)."""
     return max(r.start - self._swa_tail, 0) // self.engine_config.layout.swa_block_tokens
 
+  def _draft_extra(self) -> int:
+    """Swa positions a drafting row may touch past its planned tokens: a row that continues an unread step lands up
+    to k positions later than planned (async scheduling), and V4's MTP recursion writes up to k - 1 more."""
+    if not self.spec:
+      return 0
+    return self.spec + (0 if dspark.is_dspark(self.config) else self.spec - 1)
+
   def _swa_width(self, rows: list[Row]) -> int:
     """Swa table width: a power of two >= 8 covering every row from its base block to the block of its last token,
     so the swa table follows the window + chunk, not the context."""
     sb = self.engine_config.layout.swa_block_tokens
-    # with drafts, the MTP block's recursion writes up to k - 1 positions past a row's last token, and a row that
-    # continues an unread step lands up to k positions later than planned (async scheduling)
-    extra = max(2 * self.spec - 1, 0)
+    extra = self._draft_extra()
     need = max(-(-(r.start + len(r.tokens) + extra) // sb) - self._swa_base(r) for r in rows)
     return min(self.max_swa_width, pow2_at_least(need, 8))
 
@@ -230,7 +235,7 @@ class ModelRunner:
     T = ec.tile_tokens
     N = -(-ec.max_num_batched_tokens // T) * T
     sb = ec.layout.swa_block_tokens
-    longest = min(max(ec.chunk_size, 1 + self.spec), ec.max_num_batched_tokens) + max(2 * self.spec - 1, 0)
+    longest = min(max(ec.chunk_size, 1 + self.spec), ec.max_num_batched_tokens) + self._draft_extra()
     swa = min(self.max_swa_width, pow2_at_least(-(-(longest + self._swa_tail) // sb) + 2, 8))
     return RaggedShape(N, ec.max_num_seqs // self.num_shards, swa, self.max_full_width, True, self.spec, T)
 

@@ -1,6 +1,8 @@
 """The speculative part of the step program (EngineConfig.num_speculative_tokens = k > 0): each decode row carries
-the k drafts MTP block 0 proposed last step; one backbone pass verifies them, the block catches up on the positions
-that became final and drafts k more (`verify_and_draft`). With async scheduling a row may continue a step the host
+the k drafts the model's drafter proposed last step; one backbone pass verifies them and the drafter proposes k more
+(`verify_and_draft`). V4's drafter is MTP block 0, which catches up on the positions that became final and then runs
+on its own output k - 1 times; V4.1's is DSpark (dsv4/dspark.py), whose context KV the verification pass writes
+from the target's features and which drafts its whole block in one pass from the decided token. With async scheduling a row may continue a step the host
 has not read yet: the device fills it from that step's results and shifts it by the drafts accepted there
 (`continue_rows`). Both run inside `step_program.step_body` (one device, the functional model)."""
 
@@ -11,7 +13,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dsv4 import caches, model
+from dsv4 import caches, dspark, model
+from dsv4.layers.compressor import StepContext
 from dsv4.engine.sampling import verify_drafts
 from dsv4.engine.step_plan import RaggedShape
 from dsv4.engine.tiles import tiled
@@ -54,14 +57,27 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   Returns (cache, results [R, out_width], the logits the decided token was drawn from [R, V])."""
   K, R, N = shape.spec, shape.rows, shape.tokens
   step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
-  fwd = functools.partial(model.forward_ragged_aux, params, config, layout=layout, kernel_cfg=kernel_cfg,
-                          return_stream=True, tap_states=True)
+  ds = dspark.is_dspark(config)
+  if ds:    # the backbone taps its DSpark features and writes the stages' context KV at the step's positions
+    fwd_ds = functools.partial(model.forward_ragged_aux, params, config, layout=layout, kernel_cfg=kernel_cfg,
+                               tap_states=True, dspark_taps=True)
+
+    def fwd(toks, cache, st):
+      cache, h, auxes = fwd_ds(toks, cache, st)
+      feats = dspark.features([auxes[l]["stream_mean"] for l in config.dspark.target_layer_ids])
+      cache = dspark.write_context(params, config, feats, cache, StepContext.from_step(st, layout))
+      return cache, h, auxes, None
+  else:
+    fwd = functools.partial(model.forward_ragged_aux, params, config, layout=layout, kernel_cfg=kernel_cfg,
+                            return_stream=True, tap_states=True)
   if shape.invariant:   # the backbone in fixed tiles (tiles.py): every position's bits as without drafts
     def backbone(i, toks, tile_step, cache):
       cache, h, auxes, X = fwd(toks, cache, tile_step)
-      return cache, (h, X[0], [{k: a[k] for k in model.STATE_TAP_KEYS if k in a} for a in auxes])
-    cache, (h_NxD, X_NxnxD, auxes) = tiled(backbone, p, rows, cache, shape)
-    X = X_NxnxD[None]
+      taps = [{k: a[k] for k in model.STATE_TAP_KEYS if k in a} for a in auxes]
+      return cache, (h, taps) if ds else (h, taps, X[0])
+    cache, outs = tiled(backbone, p, rows, cache, shape)
+    h_NxD, auxes = outs[:2]
+    X = None if ds else outs[2][None]
   else:
     cache, h_NxD, auxes, X = fwd(p["tokens"], cache, step)
   last = jnp.maximum(p["last"], 0)
@@ -80,10 +96,19 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   real = p["row"] >= 0
   at_frontier = real & (n == frontier[row_N])
   cache = model.store_states(cache, auxes, step, at_frontier & (ndraft[row_N] > 0), layout=layout)
+  samples = p["next_tok"] < 0
+  drafting = samples & (p["num"] > 0) & (p["slot"] >= 0)
+  if ds:
+    # DSpark: one pass from each drafting row's decided token at its frontier + 1 over its stages' context KV (all
+    # positions up to the frontier are final and were written by this pass or earlier ones)
+    anchor_pos = p["pos"][frontier] + 1
+    got = dspark.serve_drafts(params, config, cache, StepContext.from_step(step, layout), jnp.arange(R), decided,
+                              anchor_pos, drafting)
+    drafts_RxK = jnp.where(drafting[:, None], got[:, :K], 0)
+    return _results(cache, accepted, new_RxJ, drafts_RxK, logits_RxJxV)
 
   # MTP block 0 over the same positions: the token after each position, the decided / next prompt token at the
   # frontier (a mid-prompt row: the host's next_tok).
-  samples = p["next_tok"] < 0
   after_frontier = jnp.where(samples, decided, p["next_tok"])
   shifted = jnp.concatenate([p["tokens"][1:], jnp.zeros((1,), p["tokens"].dtype)])
   nxt_N = jnp.where(at_frontier, after_frontier[row_N], shifted)
@@ -103,7 +128,6 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   draft = jnp.argmax(model.lm_logits(params, hm[frontier]), axis=-1).astype(jnp.int32)
   drafts = [draft]
   # The recursion: position frontier + i, the block's own stream, the previous draft. Only rows that sampled draft.
-  drafting = samples & (p["num"] > 0) & (p["slot"] >= 0)
   pos = p["pos"][frontier] + 1
   Xr = Xm[:, frontier]
   for _ in range(K - 1):
@@ -114,6 +138,10 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
     drafts.append(jnp.argmax(model.lm_logits(params, hr), axis=-1).astype(jnp.int32))
     pos = pos + 1
   drafts_RxK = jnp.where(drafting[:, None], jnp.stack(drafts, axis=1), 0)
+  return _results(cache, accepted, new_RxJ, drafts_RxK, logits_RxJxV)
+
+
+def _results(cache, accepted, new_RxJ, drafts_RxK, logits_RxJxV):
   res = jnp.concatenate([(accepted + 1)[:, None], new_RxJ, drafts_RxK], axis=1)
   chosen = jnp.take_along_axis(logits_RxJxV, accepted[:, None, None], axis=1)[:, 0]
   return cache, res.astype(jnp.int32), chosen
