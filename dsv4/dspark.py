@@ -199,31 +199,34 @@ def reference_drafts(params, config: ModelConfig, tokens_S, pad_to: int = 0):
 @functools.partial(jax.jit, static_argnames=("config",))
 def _reference_drafts(params, config: ModelConfig, toks_1xS, anchor):
   _, feats = sequence_features(params, config, toks_1xS)
-  S, W = toks_1xS.shape[1], config.attention.window
-  kvs = context_kv(params, config, feats[0], jnp.arange(S))
-  cpos = anchor - W + jnp.arange(W)
-  ok = (cpos >= 0)[None]
-  ctx_kv = [kv[jnp.clip(cpos, 0, S - 1)][None] for kv in kvs]
-  tok = toks_1xS[:, anchor]
-  h = draft_hidden(params, config, ctx_kv, ok, tok, anchor[None])
-  return greedy_drafts(params, h, tok)[0]
+  h = hidden_at_anchors(params, config, toks_1xS, feats, anchor.reshape(1, 1))
+  return greedy_drafts(params, h[0], toks_1xS[:, anchor])[0]
+
+
+def hidden_at_anchors(params, config: ModelConfig, tokens_BxS, feats_BxSxF, anchors_BxA):
+  """Cache-free drafting at given anchors of whole sequences: the final-normed hidden states [B, A, block, D]
+  (slot i predicts the token at anchor + i + 1). Context KV from every position's features, the window before each
+  anchor gathered from it."""
+  B, S = tokens_BxS.shape
+  A, W = anchors_BxA.shape[1], config.attention.window
+  pos = jnp.broadcast_to(jnp.arange(S)[None], (B, S))
+  kvs = context_kv(params, config, feats_BxSxF.reshape(B * S, -1), pos.reshape(-1))
+  cpos = anchors_BxA[..., None] - W + jnp.arange(W)                              # [B, A, W], oldest first
+  ok = (cpos >= 0).reshape(B * A, W)
+  take = lambda kv: jnp.take_along_axis(kv.reshape(B, S, 1, -1), jnp.clip(cpos, 0, S - 1).reshape(B, A * W, 1, 1),
+                                        axis=1).reshape(B * A, W, -1)
+  anchor_tok = jnp.take_along_axis(tokens_BxS, anchors_BxA, axis=1).reshape(B * A)
+  h = draft_hidden(params, config, [take(kv) for kv in kvs], ok, anchor_tok, anchors_BxA.reshape(B * A))
+  return h.reshape(B, A, *h.shape[1:])
 
 
 def train_logits(params, config: ModelConfig, tokens_BxS, feats_BxSxF, anchors_BxA):
   """Cache-free drafting at given anchors (training, teacher forcing): logits [B, A, block, V] of the tokens at
-  anchor + 1 .. anchor + block, with the Markov bias of the true previous tokens. Anchors must satisfy
-  anchor + block < S for every slot to have a label (callers mask the rest)."""
+  anchor + 1 .. anchor + block, with the Markov bias of the true previous tokens. Slots past the sequence's end
+  read a clipped previous token (callers mask them)."""
   B, S = tokens_BxS.shape
-  A, W, blk = anchors_BxA.shape[1], config.attention.window, config.dspark.block_size
-  pos = jnp.broadcast_to(jnp.arange(S)[None], (B, S))
-  kvs = context_kv(params, config, feats_BxSxF.reshape(B * S, -1), pos.reshape(-1))
-  cpos = anchors_BxA[..., None] - W + jnp.arange(W)                              # [B, A, W]
-  ok = (cpos >= 0).reshape(B * A, W)
-  take = lambda kv: jnp.take_along_axis(kv.reshape(B, S, 1, -1), jnp.clip(cpos, 0, S - 1).reshape(B, A * W, 1, 1),
-                                        axis=1).reshape(B * A, W, -1)
-  ctx_kv = [take(kv) for kv in kvs]
-  anchor_tok = jnp.take_along_axis(tokens_BxS, anchors_BxA, axis=1).reshape(B * A)
-  h = draft_hidden(params, config, ctx_kv, ok, anchor_tok, anchors_BxA.reshape(B * A))
-  lab_pos = jnp.clip(anchors_BxA[..., None] + jnp.arange(blk), 0, S - 1)        # previous token of each slot
-  prev = jnp.take_along_axis(tokens_BxS, lab_pos.reshape(B, A * blk), axis=1).reshape(B * A, blk)
-  return draft_logits(params, h, prev).reshape(B, A, blk, -1)
+  A, blk = anchors_BxA.shape[1], config.dspark.block_size
+  h = hidden_at_anchors(params, config, tokens_BxS, feats_BxSxF, anchors_BxA)
+  prev_pos = jnp.clip(anchors_BxA[..., None] + jnp.arange(blk), 0, S - 1)       # previous token of each slot
+  prev = jnp.take_along_axis(tokens_BxS, prev_pos.reshape(B, A * blk), axis=1).reshape(B, A, blk)
+  return draft_logits(params, h, prev)

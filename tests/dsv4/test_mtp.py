@@ -212,7 +212,8 @@ def test_loader_names_and_refusals(tmp_path):
   safetensors_io.save_original_safetensors(model.init_params(base, jax.random.PRNGKey(2)), base, str(tmp_path / "no"))
   with pytest.raises(safetensors_io.CheckpointError, match="mtp.0"):
     load_checkpoint(str(tmp_path / "no"), CFG)
-  with pytest.raises(ConfigError, match="num_mtp_layers"):
+  # V4.1's draft stages are DSpark's: they need its target layers
+  with pytest.raises(ConfigError, match="dspark.target_layer_ids"):
     dataclasses.replace(v41_tiny(), num_mtp_layers=1)
   # the block's window KV is one more layer of the sliding-window group
   specs = [s for s in caches.cache_array_specs(CFG, caches.CacheLayout()) if s.layer == CFG.num_layers]
