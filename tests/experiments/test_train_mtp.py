@@ -63,3 +63,35 @@ def test_train_mtp_small_cli(tmp_path):
   for x, y in zip(jax.tree_util.tree_leaves(shipped), jax.tree_util.tree_leaves({k: v for k, v in params.items()
                                                                                  if k != "mtp"})):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_recursive_passes_are_the_engines_recursion():
+  """mtp_lib's whole-sequence recursion (one frontier per row) gives the drafts of a literal recursion as
+  dsv4/engine/speculative_step.py runs it: a catch-up pass, then k - 1 one-position runs of the block on its own
+  output stream and previous draft, each writing its window KV at the next position."""
+  from dsv4 import caches
+  base = config.v4_tiny(num_layers=1, vocab_size=64, window=8)
+  params = model.init_params(base, jax.random.PRNGKey(1))
+  cfg, params = mtp_lib.add_mtp(base, params, seed=3)
+  B, T, k = 3, 24, 4
+  toks = jnp.asarray(np.random.default_rng(1).integers(3, 64, (B, T)), jnp.int32)
+  fr = jnp.asarray([5, 11, 17], jnp.int32)
+  want, drafts = mtp_lib._engine_drafts(params, cfg, toks, fr, k)
+  # the literal recursion
+  cache, swa, full = caches.init_contiguous(cfg, B, T)
+  idx = caches.BatchIndex(jnp.zeros(B, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.asarray(swa), jnp.asarray(full))
+  step = caches.step_index_from_batch(idx, T)
+  cache, h, _, X = model.forward_ragged_aux(params, cfg, toks.reshape(-1), cache, step, return_stream=True)
+  nxt = jnp.concatenate([toks[:, 1:], jnp.zeros((B, 1), toks.dtype)], axis=1).reshape(-1)
+  cache, Xm, hm = model.mtp_forward(params, cfg, 0, X, nxt, cache, step)
+  flat = jnp.arange(B) * T + fr
+  got = [jnp.argmax(model.lm_logits(params, hm[flat]), -1)]
+  Xr = Xm[:, flat]
+  for i in range(1, k):
+    pos = fr + i
+    rstep = caches.StepIndex(jnp.arange(B, dtype=jnp.int32), pos, pos, jnp.ones(B, jnp.int32), step.tables)
+    cache, Xr, hr = model.mtp_forward(params, cfg, 0, Xr, got[-1], cache, rstep)
+    got.append(jnp.argmax(model.lm_logits(params, hr), -1))
+  np.testing.assert_array_equal(np.asarray(drafts), np.stack([np.asarray(g) for g in got], axis=1))
+  bb = np.argmax(np.asarray(model.lm_logits(params, h)).reshape(B, T, -1), -1)
+  np.testing.assert_array_equal(np.asarray(want), bb[np.arange(B)[:, None], np.asarray(fr)[:, None] + np.arange(1, k + 1)])
