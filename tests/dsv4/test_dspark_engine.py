@@ -88,3 +88,66 @@ def test_k_beyond_the_block_is_refused(drafter):
   cfg, params = drafter
   with pytest.raises(ValueError, match="DSpark drafter proposes 5 tokens"):
     Engine(params, cfg, dataclasses.replace(EC, num_speculative_tokens=6))
+
+
+def test_tier_reloads_carry_the_draft_state(drafter, tmp_path):
+  """Host + disk tiers under a pool that evicts the first wave's blocks: the second wave reloads them from the tiers
+  (the stages' context KV is part of every SWA block) and every proposal still equals the one from scratch."""
+  from dsv4.engine.tiering import TieringConfig
+  cfg, params = drafter
+  prompts = _prompts(cfg, 3, [30, 45, 20, 38], shared=140)
+  tc = TieringConfig(tiers=("host", "disk"), disk_dir=str(tmp_path / "disk"), policy="load", write_queue=0)
+  ec = dataclasses.replace(EC, num_speculative_tokens=5, async_scheduling=False, num_full_blocks=3,
+                           num_swa_blocks=24, tiering=tc)
+  fillers = _prompts(cfg, 9, [230, 230])     # between the waves: they evict (demote) the first wave's blocks
+  seen, hits = [], []
+  eng = Engine(params, cfg, ec)
+  tier_hits = 0
+  check = _checker(cfg, params, seen, hits)
+  for wave in (prompts[:2], fillers[:1], fillers[1:], prompts[2:]):
+    for i, p in enumerate(wave):
+      eng.add_request(f"w{len(seen)}_{i}", p, SamplingParams(max_tokens=8, ignore_eos=True))
+    while eng.has_work():
+      eng.step()
+      check(eng)
+      tier_hits = max([tier_hits] + [r.tier_hit_tokens for r in eng.running])
+  assert tier_hits > 0 and len(seen) >= 8
+
+
+def test_handoff_carries_the_draft_state(drafter):
+  """Prefill on one engine, export the state as the request finishes, import it in a drafting decode engine: its
+  first proposals (read from the imported context KV of the draft stages) equal the ones from scratch."""
+  from cache.hashing import ExtraKeys
+  from dsv4.engine import handoff
+  from dsv4.engine.tiering import TieringConfig
+  cfg, params = drafter
+  tenant = ExtraKeys(tenant="t")
+  tiered = lambda ec, name: Engine(params, cfg, dataclasses.replace(
+      ec, tiering=TieringConfig(tiers=("host",), policy="load", write_queue=0, engine_id=name, model_digest="d")))
+  prompts = {f"p{n}": p for n, p in zip((181, 45), _prompts(cfg, 4, [181, 45]))}
+  drafting = dataclasses.replace(EC, num_speculative_tokens=5, async_scheduling=False)
+
+  def prefill(ec, name):
+    pre = tiered(ec, name)
+    exported = {}
+    pre.on_finish = lambda r: exported.__setitem__(r.rid, handoff.export_state(pre, r, tenant))
+    for rid, p in prompts.items():
+      pre.add_request(rid, p, SamplingParams(max_tokens=1, ignore_eos=True), tenant)
+    return {o.rid: o.output for o in pre.run()}, exported
+
+  # a prefill engine that does not draft writes no draft state: a drafting receiver refuses its records
+  first, exported = prefill(EC, "prefill0")
+  dec = tiered(drafting, "decode0")
+  with pytest.raises(handoff.HandoffError):
+    handoff.import_state(dec, "p181", prompts["p181"] + first["p181"], tenant, exported["p181"][1])
+  first, exported = prefill(drafting, "prefill")
+  dec = tiered(drafting, "decode")
+  for rid, p in prompts.items():
+    handoff.import_state(dec, rid, p + first[rid], tenant, exported[rid][1])
+    dec.add_request(rid, p + first[rid], SamplingParams(max_tokens=6, ignore_eos=True), tenant)
+  seen, hits = [], []
+  check = _checker(cfg, params, seen, hits)
+  while dec.has_work():
+    dec.step()
+    check(dec)
+  assert len(seen) >= 2 and min(hits) == min(len(p) for p in prompts.values())
