@@ -85,15 +85,15 @@ class EngineConfig:
   # calls per step) each step is read before the next is planned (`Engine.async_active` says which).
   async_scheduling: bool = _field(True, "Plan and send step N+1 before reading step N's tokens (same tokens; "
                                   "applies on one device without tiers or batch invariance).")
-  # Speculative decoding with the model's MTP block (ModelConfig.num_mtp_layers >= 1): each decode row carries the
-  # k drafts the block proposed last step; one step verifies them (greedy: the tokens without drafts; sampled:
-  # rejection sampling, the same distribution), keeps the accepted prefix plus one decided token, and drafts k
-  # more. 0 = off. With async scheduling the next step is planned before this one is read: its row is filled on
-  # the device from this step's results and shifted by the number of drafts accepted. One device, the functional
-  # model, no batch invariance or recorded logits (refused at construction).
-  num_speculative_tokens: int = _field(0, "Speculative decoding: drafts per step from the model's MTP block (0 = "
-                                       "off, up to 8; e.g. the v4_retrieval_mtp model). Greedy answers are "
-                                       "unchanged; sampled ones keep their distribution.")
+  # Speculative decoding with the model's drafter (ModelConfig.num_mtp_layers >= 1: V4's MTP block, V4.1's DSpark
+  # stages, k <= dspark.block_size): each decode row carries the k drafts proposed last step; one step verifies
+  # them (greedy: the tokens without drafts; sampled: rejection sampling, the same distribution), keeps the accepted
+  # prefix plus one decided token, and drafts k more. 0 = off. With async scheduling the next step is planned before
+  # this one is read: its row is filled on the device from this step's results and shifted by the number of drafts
+  # accepted. One device and the functional model; no recorded logits (refused at construction).
+  num_speculative_tokens: int = _field(0, "Speculative decoding: drafts per step from the model's drafter (V4 MTP "
+                                       "block, V4.1 DSpark; 0 = off, up to 8; e.g. the v4_motif_mtp model). "
+                                       "Greedy answers are unchanged; sampled ones keep their distribution.")
 
   def validate(self):
     for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_model_len", "num_full_blocks",
