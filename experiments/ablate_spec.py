@@ -1,6 +1,8 @@
-r"""Speculative decoding ablation: the engine with the MTP block's drafts, k = 0 (off) .. 4 drafts per step.
+r"""Speculative decoding ablation: the engine with a model's drafts, k = 0 (off) .. 7 drafts per step, for several
+drafting checkpoints side by side.
 
     python -m experiments.ablate_spec                     # -> out/ablate_spec/spec.{csv,json,png}
+    python -m experiments.ablate_spec --checkpoints=v4_motif_mtp --ks=0,1,5   # a subset
     python -m experiments.ablate_spec --small --out_dir=/tmp/x    # CI smoke run
     python -m experiments.ablate_spec --refresh_results   # refresh the committed experiments/results/spec.*
     python -m experiments.ablate_spec --replot --refresh_results   # re-draw the committed plot from its table
@@ -8,21 +10,28 @@ r"""Speculative decoding ablation: the engine with the MTP block's drafts, k = 0
 Output goes to --out_dir (default out/ablate_spec/, untracked); --refresh_results writes the committed
 experiments/results/ instead.
 
-The checkpoint is the retrieval model with its trained draft block (`experiments/checkpoints/v4_retrieval_mtp`,
-made by `experiments/train_mtp.py`). Two greedy workloads of held-out task sequences:
-* task: each sequence up to its query section plus the first query key; the model answers and continues the
-  query section (the format it was trained on);
-* free: each sequence cut in the middle of its document; the model continues the document freely.
-For each k: draft acceptance (accepted / proposed), tokens decided per verifying row (1 + accepted), generated
-tokens per engine step, and wall time per generated token: the median of --repeats runs on fresh engines of the
-same configuration after one that compiled the step programs, so the speed-up over k = 0 is steady-state serving,
-not compilation.
-Every k must give the tokens of k = 0 (greedy); the table says so per row.
+Checkpoints (--checkpoints, names under experiments/checkpoints/ or directories): any whose config has a drafter
+(`num_mtp_layers >= 1`: a V4 MTP block from `experiments/train_mtp.py`, or a V4.1 DSpark drafter) and whose
+config.json names its task. A checkpoint that is missing, has no drafter or no task is skipped with a logged reason
+(kept in the table's meta "skipped"); a k the engine refuses for a checkpoint likewise. Default: the motif model's
+MTP block (`v4_motif_mtp`, repetitive text: drafting should pay) and the retrieval model's (`v4_retrieval_mtp`).
+
+Greedy workloads of held-out task sequences, per task:
+* key-value recall: "task", each sequence up to its query section plus the first query key (the model answers and
+  continues the query section); "free", each sequence cut in the middle of its document, continued freely;
+* motif: "free", each sequence cut in the middle, continued --free_tokens tokens (the backbone repeats the motif).
+For each (checkpoint, workload, k): acceptance by draft depth (share of the rows drafting d or more whose first d
+drafts were all accepted), draft acceptance (accepted / proposed), acceptance length (1 + accepted drafts per
+verifying row: tokens decided per row and step), engine steps per generated token, generated tokens/s and wall ms
+per generated token, and whether the tokens equal those of k = 0 (greedy: they must). Wall time: every k of one
+(checkpoint, workload) is compiled first (one untimed run each), then the --repeats timed runs on fresh engines go
+round the ks in turn, so every k sees the same box; the median run is reported.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from typing import NamedTuple
@@ -38,27 +47,32 @@ from experiments import train_lib
 FLAGS = flags.FLAGS
 SCRIPT = "ablate_spec"
 _HELD_OUT = 1_000_000          # data seeds no training step used (as experiments/train_mtp.py)
+DEFAULT_CHECKPOINTS = ["v4_motif_mtp", "v4_retrieval_mtp"]
 
 
 def define_flags():
-  flags.DEFINE_string("checkpoint", "v4_retrieval_mtp",
-                      "Checkpoint (with an MTP block) under experiments/checkpoints/.")
-  flags.DEFINE_list("ks", ["0", "1", "2", "3", "4"], "Drafts per step (0 = no speculation).")
+  flags.DEFINE_list("checkpoints", DEFAULT_CHECKPOINTS,
+                    "Checkpoints with a drafter (names under experiments/checkpoints/ or directories); a missing one "
+                    "or one without a drafter is skipped with a logged reason.")
+  flags.DEFINE_list("ks", [str(k) for k in range(8)], "Drafts per step (0 = no speculation).")
   flags.DEFINE_integer("requests", 32, "Requests per workload.")
-  flags.DEFINE_integer("free_tokens", 48, "Generated tokens per request on the free workload.")
+  flags.DEFINE_integer("free_tokens", 48, "Generated tokens per request on the free workloads.")
   flags.DEFINE_integer("max_num_seqs", 8, "Engine rows per step.")
   flags.DEFINE_integer("repeats", 5, "Timed runs per configuration after the compiling one (the median is reported).")
-  flags.DEFINE_bool("small", False, "CI: k in {0, 2}, 4 requests, 8 free tokens.")
+  flags.DEFINE_bool("small", False, "CI: the first checkpoint only, k in {0, 2}, 4 requests, 8 free tokens, "
+                    "one timed run.")
   flags.DEFINE_bool("replot", False, "Re-draw the plot from the table already in the output directory (no runs).")
   plotting.define_output_flags(SCRIPT, "spec.csv/json/png")
 
 
-def workloads(spec: tasks.KVRecallSpec, requests: int, free_tokens: int) -> dict:
-  """name -> (prompts, max_tokens)."""
+def workloads(spec, requests: int, free_tokens: int) -> dict:
+  """name -> (prompts, max_tokens) for the checkpoint's task."""
   rows = tasks.make_batch(spec, _HELD_OUT, requests)["tokens"]
-  q0 = spec.seq_len - spec.query_len
-  return {"task": ([[int(t) for t in r[:q0 + 2]] for r in rows], spec.query_len - 2),
-          "free": ([[int(t) for t in r[:spec.seq_len // 2]] for r in rows], free_tokens)}
+  free = ([[int(t) for t in r[:spec.seq_len // 2]] for r in rows], free_tokens)
+  if isinstance(spec, tasks.KVRecallSpec):
+    q0 = spec.seq_len - spec.query_len
+    return {"task": ([[int(t) for t in r[:q0 + 2]] for r in rows], spec.query_len - 2), "free": free}
+  return {"free": free}
 
 
 class ServeRun(NamedTuple):
@@ -76,13 +90,49 @@ def _serve(params, config, ec: EngineConfig, prompts, max_tokens: int) -> ServeR
   return ServeRun(eng, [o.output for o in outs], time.perf_counter() - t0)
 
 
-def run(checkpoint: str, ks, requests: int, free_tokens: int, max_num_seqs: int, out_dir: str,
-        repeats: int = 5) -> dict:
-  config, params, info = train_lib.load_checkpoint_dir(
-      checkpoint if os.path.isdir(checkpoint) else os.path.join(train_lib.CHECKPOINT_ROOT, checkpoint))
-  if config.num_mtp_layers < 1:
-    raise ValueError(f"{checkpoint}: no MTP block (train one with experiments/train_mtp.py)")
-  spec = train_lib.task_spec_from_info(info)
+def _checkpoint_dir(name: str) -> str:
+  return name if os.path.isdir(name) else os.path.join(train_lib.CHECKPOINT_ROOT, name)
+
+
+def load_drafting(name: str):
+  """(config, params, task spec) of a checkpoint with a drafter, or a string: why it is skipped."""
+  directory = _checkpoint_dir(name)
+  if not os.path.isfile(os.path.join(directory, "config.json")):
+    return f"no checkpoint at {directory}"
+  with open(os.path.join(directory, "config.json")) as f:
+    info = json.load(f)
+  if info.get("config", {}).get("num_mtp_layers", 0) < 1:
+    return "no drafter (num_mtp_layers = 0; train one with experiments/train_mtp.py)"
+  if "task" not in info:
+    return "config.json names no task (no workload to serve)"
+  try:
+    config, params, info = train_lib.load_checkpoint_dir(directory)
+    spec = train_lib.task_spec_from_info(info)
+  except Exception as e:  # noqa: BLE001 - a damaged / incompatible checkpoint is a skip with its reason
+    return f"does not load: {type(e).__name__}: {e}"
+  return config, params, spec
+
+
+def _row(checkpoint, config, name, k, prompts, outs, eng, secs, ref):
+  s = eng.stats
+  gen = sum(len(o) for o in outs)
+  drafted, accepted, rows = s.get("spec_draft_tokens", 0), s.get("spec_accepted_tokens", 0), s.get("spec_rows", 0)
+  return dict(checkpoint=checkpoint, variant=config.variant, workload=name, k=k, requests=len(prompts),
+              generated_tokens=gen, steps=s["steps"], drafted=drafted, accepted=accepted,
+              acceptance=round(accepted / max(drafted, 1), 4),
+              # 1 + accepted drafts per verifying row: the tokens one row decides per step (1.0 at k = 0)
+              acceptance_length=round(1 + accepted / max(rows, 1), 3),
+              # share of the rows drafting d or more whose first d drafts were all accepted, d = 1 .. k
+              accepted_by_depth="/".join(f"{s[f'spec_accepted_at_{d}'] / max(s[f'spec_drafts_at_{d}'], 1):.3f}"
+                                         for d in range(1, k + 1)),
+              steps_per_token=round(s["steps"] / max(gen, 1), 4),
+              tokens_per_s=round(gen / max(secs, 1e-9), 1),
+              ms_per_token=round(1e3 * secs / max(gen, 1), 3),
+              same_tokens_as_k0=None if ref is None else outs == ref)
+
+
+def run_checkpoint(checkpoint: str, config, params, spec, ks, requests: int, free_tokens: int, max_num_seqs: int,
+                   repeats: int, skipped: dict) -> list[dict]:
   # Fine token buckets (growth 2, 4 steps per interval): a decode step of R rows runs R (1 + k) tokens, and with
   # the default 4x buckets its padding alone (8 -> 32 slots at k = 1..3) would decide the comparison on a CPU,
   # where a step's time follows its padded tokens.
@@ -91,63 +141,77 @@ def run(checkpoint: str, ks, requests: int, free_tokens: int, max_num_seqs: int,
                       num_swa_blocks=32 * max_num_seqs, token_bucket_growth=2, token_bucket_steps=4)
   rows = []
   for name, (prompts, max_tokens) in workloads(spec, requests, free_tokens).items():
-    ref = None
-    for k in ks:
+    ecs, runs = {}, {}
+    for k in ks:          # compile every configuration first (an untimed run each) ...
       ec = dataclasses.replace(base, num_speculative_tokens=k)
-      _serve(params, config, ec, prompts, max_tokens)                  # compiles this configuration's programs
-      runs = [_serve(params, config, ec, prompts, max_tokens) for _ in range(repeats)]
-      eng, outs = runs[0].engine, runs[0].outputs
-      assert all(r.outputs == outs for r in runs), "greedy runs of one configuration differ"
-      secs = sorted(r.seconds for r in runs)[len(runs) // 2]          # the median run: a shared box is noisy
-      ref = outs if k == 0 else ref
-      s = eng.stats
-      gen = sum(len(o) for o in outs)
-      rows.append(dict(workload=name, k=k, requests=len(prompts), generated_tokens=gen, steps=s["steps"],
-                       drafted=s["spec_draft_tokens"], accepted=s["spec_accepted_tokens"],
-                       acceptance=round(s["spec_accepted_tokens"] / max(s["spec_draft_tokens"], 1), 4),
-                       tokens_per_row=round(1 + s["spec_accepted_tokens"] / max(s["spec_rows"], 1), 3),
-                       # share of the rows drafting d or more whose first d drafts were all accepted, d = 1 .. k
-                       accepted_by_depth="/".join(f"{s[f'spec_accepted_at_{d}'] / max(s[f'spec_drafts_at_{d}'], 1):.3f}"
-                                                  for d in range(1, k + 1)),
-                       tokens_per_step=round(gen / max(s["steps"], 1), 3),
-                       ms_per_token=round(1e3 * secs / max(gen, 1), 3),
-                       same_tokens_as_k0=None if ref is None else outs == ref))
-      logging.info("%s k=%d acceptance=%.3f tokens/step=%.2f ms/token=%.2f", name, k, rows[-1]["acceptance"],
-                   rows[-1]["tokens_per_step"], rows[-1]["ms_per_token"])
-    k0 = next(r for r in rows if r["workload"] == name and r["k"] == 0)["ms_per_token"] if 0 in ks else None
-    for r in rows:
-      if r["workload"] == name and k0:
+      try:
+        first = _serve(params, config, ec, prompts, max_tokens)
+      except (ValueError, NotImplementedError) as e:
+        skipped[f"{checkpoint}/{name}/k={k}"] = f"{type(e).__name__}: {e}"
+        logging.warning("skipping %s %s k=%d: %s", checkpoint, name, k, e)
+        continue
+      ecs[k], runs[k] = ec, [first] if repeats == 0 else []
+    for _ in range(repeats):   # ... then the timed runs round the ks, so each k sees the same box
+      for k, ec in ecs.items():
+        runs[k].append(_serve(params, config, ec, prompts, max_tokens))
+    ref = runs[0][0].outputs if 0 in runs else None
+    wl_rows = []
+    for k, rk in runs.items():
+      outs = rk[0].outputs
+      assert all(r.outputs == outs for r in rk), f"{checkpoint} {name} k={k}: greedy runs differ"
+      secs = sorted(r.seconds for r in rk)[len(rk) // 2]                # the median run: a shared box is noisy
+      wl_rows.append(_row(checkpoint, config, name, k, prompts, outs, rk[0].engine, secs, None if k == 0 else ref))
+      r = wl_rows[-1]
+      logging.info("%s %s k=%d acceptance length %.2f by depth %s tokens/s %.0f", checkpoint, name, k,
+                   r["acceptance_length"], r["accepted_by_depth"], r["tokens_per_s"])
+    k0 = next((r["ms_per_token"] for r in wl_rows if r["k"] == 0), None)
+    for r in wl_rows:
+      if k0:
         r["speedup_vs_k0"] = round(k0 / r["ms_per_token"], 3)
-  engine = {f: getattr(base, f) for f in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_model_len",
-                                          "num_full_blocks", "num_swa_blocks", "token_bucket_growth",
-                                          "token_bucket_steps")}
-  meta = dict(checkpoint=checkpoint, config_name=config.name, engine=engine,
-              repeats=repeats,
-              note="greedy; wall time: the median of the timed runs on fresh engines after a compiling one; CPU")
+    rows += wl_rows
+  return rows, base
+
+
+def run(checkpoints, ks, requests: int, free_tokens: int, max_num_seqs: int, out_dir: str, repeats: int = 5) -> dict:
+  rows, skipped, names, base = [], {}, {}, None
+  for ckpt in checkpoints:
+    got = load_drafting(ckpt)
+    if isinstance(got, str):
+      skipped[ckpt] = got
+      logging.warning("skipping checkpoint %s: %s", ckpt, got)
+      continue
+    config, params, spec = got
+    names[ckpt] = config.name
+    r, base = run_checkpoint(ckpt, config, params, spec, ks, requests, free_tokens, max_num_seqs, repeats, skipped)
+    rows += r
+  if not rows:
+    raise ValueError(f"ablate_spec: nothing to run ({skipped})")
+  engine = {f: getattr(base, f) for f in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "num_full_blocks",
+                                          "num_swa_blocks", "token_bucket_growth", "token_bucket_steps",
+                                          "async_scheduling", "batch_invariant")}
+  meta = dict(checkpoints=list(names), config_names=names, skipped=skipped, engine=engine, repeats=repeats,
+              requests=requests, free_tokens=free_tokens,
+              note="greedy; wall time: the median of the timed runs on fresh engines (round the ks in turn) after "
+                   "a compiling one; CPU")
   csv_path, json_path = plotting.write_table(rows, out_dir, "spec", meta)
   png = plotting.save_figure(plot(rows, meta), out_dir, "spec")
-  return dict(rows=rows, csv=csv_path, json=json_path, png=png)
+  return dict(rows=rows, csv=csv_path, json=json_path, png=png, skipped=skipped)
 
 
 def plot(rows: list[dict], meta: dict):
-  """Acceptance and tokens per step (left), speed-up over k = 0 (right), against k, one series per workload."""
-  names = sorted({r["workload"] for r in rows})
+  """Acceptance length (left) and generated tokens/s (right) against k, one series per (checkpoint, workload)."""
+  series = sorted({(r["checkpoint"], r["workload"]) for r in rows})
   ks = sorted({r["k"] for r in rows})
   fig, (left, right) = plotting.new_figure(2, width=5.2)
-  for i, name in enumerate(names):
-    r = sorted((x for x in rows if x["workload"] == name), key=lambda x: x["k"])
-    spec_r = [x for x in r if x["k"] > 0]
-    left.plot([x["k"] for x in r], [x["tokens_per_row"] for x in r], label=f"{name}: tokens per verifying row",
-              **plotting.series_style(i, len(names), "-"))
-    left.plot([x["k"] for x in spec_r], [x["acceptance"] for x in spec_r], label=f"{name}: draft acceptance",
-              **plotting.series_style(i, len(names), "--", hollow=True))
-    right.plot([x["k"] for x in r], [x.get("speedup_vs_k0", float("nan")) for x in r], label=name,
-               **plotting.series_style(i, len(names), "-"))
-  right.axhline(1.0, color="gray", lw=0.8, zorder=1, label="no speculation")
+  for i, (ckpt, name) in enumerate(series):
+    r = sorted((x for x in rows if (x["checkpoint"], x["workload"]) == (ckpt, name)), key=lambda x: x["k"])
+    style = plotting.series_style(i, len(series), "-")
+    left.plot([x["k"] for x in r], [x["acceptance_length"] for x in r], label=f"{ckpt}: {name}", **style)
+    right.plot([x["k"] for x in r], [x["tokens_per_s"] for x in r], label=f"{ckpt}: {name}", **style)
   for ax in (left, right):
     plotting.knob_axis(ax, ks, "drafts per step k")
-  left.set(ylabel="tokens / row, acceptance", title=f"{meta.get('config_name', '')}: MTP drafts")
-  right.set(ylabel="generated tokens/s vs k = 0", title="speed-up (CPU, steady state)")
+  left.set(ylabel="acceptance length (tokens / verifying row)", title="greedy drafts accepted")
+  right.set(ylabel="generated tokens / s", title="throughput (CPU, steady state)")
   plotting.legend_below(left, ncol=1)
   plotting.legend_below(right, ncol=1)
   return fig
@@ -159,25 +223,30 @@ def main(argv):
     ks = [int(k) for k in FLAGS.ks]
   except ValueError:
     raise app.UsageError(f"--ks: integers, got {FLAGS.ks}") from None
-  requests, free_tokens = FLAGS.requests, FLAGS.free_tokens
+  requests, free_tokens, checkpoints = FLAGS.requests, FLAGS.free_tokens, list(FLAGS.checkpoints)
   if FLAGS.small:
-    ks, requests, free_tokens = [0, 2], 4, 8
+    ks, requests, free_tokens, checkpoints = [0, 2], 4, 8, checkpoints[:1]
     FLAGS.repeats = 1
   if any(not 0 <= k <= 8 for k in ks):
     raise app.UsageError(f"--ks: each k in 0..8, got {ks}")
+  if not checkpoints:
+    raise app.UsageError("--checkpoints: name at least one")
   out_dir = plotting.output_dir()
   if FLAGS.replot:
     print("wrote", plotting.replot(plot, out_dir, "spec"))
     return
   if FLAGS.repeats < 1:
     raise app.UsageError(f"--repeats={FLAGS.repeats}: must be >= 1")
-  out = run(FLAGS.checkpoint, ks, requests, free_tokens, FLAGS.max_num_seqs, out_dir, FLAGS.repeats)
+  out = run(checkpoints, ks, requests, free_tokens, FLAGS.max_num_seqs, out_dir, FLAGS.repeats)
   print(f"wrote {out['csv']} {out['json']} {out['png']}")
-  print("workload  k  acceptance  tokens/row  tokens/step  ms/token  speed-up  same tokens")
+  for c, why in out["skipped"].items():
+    print(f"skipped {c}: {why}")
+  print("checkpoint        workload  k  accept.len  by depth                                 steps/tok  tok/s  "
+        "ms/tok  speed-up  same")
   for r in out["rows"]:
-    print(f"{r['workload']:8s} {r['k']:2d}  {r['acceptance']:10.3f}  {r['tokens_per_row']:10.2f}  "
-          f"{r['tokens_per_step']:11.2f}  {r['ms_per_token']:8.2f}  {r.get('speedup_vs_k0', float('nan')):8.2f}  "
-          f"{r['same_tokens_as_k0']}")
+    print(f"{r['checkpoint']:17s} {r['workload']:8s} {r['k']:2d}  {r['acceptance_length']:10.2f}  "
+          f"{r['accepted_by_depth']:40s} {r['steps_per_token']:9.3f}  {r['tokens_per_s']:5.0f}  "
+          f"{r['ms_per_token']:6.2f}  {r.get('speedup_vs_k0', float('nan')):8.2f}  {r['same_tokens_as_k0']}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def checked_outputs(out_dir, script, stem, knob, swept):
 COMMITTED = [("ablate_topk", "topk", "k"), ("ablate_topk", "topk_v4_count", "k"),
              ("ablate_topk", "topk_v41_retrieval", "k"), ("ablate_window", "window", "window"),
              ("ablate_retention", "retention", "retention_interval"),
-             ("ablate_eviction", "eviction", "num_full_blocks")]
+             ("ablate_eviction", "eviction", "num_full_blocks"), ("ablate_spec", "spec", "k")]
 
 
 @pytest.mark.parametrize("script,stem,knob", COMMITTED)

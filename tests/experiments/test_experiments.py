@@ -68,6 +68,32 @@ def test_multi_source_hit_and_supervision():
                              atol=1e-6)
 
 
+def test_motif_task_mask_and_predictable_targets():
+  """Motif task: deterministic; the loss mask covers every position after the first motif period; every
+  predictable target repeats the token one period back, and substitutions / segment switches make the rest."""
+  spec = tasks.MotifSpec(seq_len=128)
+  a, b = tasks.make_batch(spec, 3, 8), tasks.make_batch(spec, 3, 8)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+  assert tasks.spec_from_dict(dataclasses.asdict(spec)) == spec
+  tok, tgt, mask, pred, per = a["tokens"], a["targets"], a["mask"], a["pred_mask"], a["period"]
+  np.testing.assert_array_equal(tgt[:, :-1], tok[:, 1:])
+  assert np.all(tok[:, 0] == tasks.BOS) and np.all((tok[:, 1:] >= spec.tok_lo) & (tok[:, 1:] < spec.tok_hi))
+  for r in range(8):
+    p0 = per[r, 0]
+    first = np.nonzero(mask[r])[0]
+    # mask: one contiguous run from the position before token 1 + p0 to T - 2
+    assert first[0] == p0 and first[-1] == spec.seq_len - 2 and len(first) == spec.seq_len - 1 - p0
+    ts = np.nonzero(pred[r])[0]
+    assert np.all(mask[r, ts] > 0)
+    # a predictable target repeats the token one period back (unless that one was a substitution)
+    assert np.mean(tgt[r, ts] == tok[r, ts + 1 - per[r, ts]]) > 0.85
+  share = pred.sum() / mask.sum()
+  assert 0.6 < share < 0.95, share            # not trivial: switches and substitutions are unpredictable
+  with pytest.raises(ValueError):
+    tasks.MotifSpec(p_lo=5, p_hi=4).validate()
+
+
 def test_config_roundtrip():
   c = train_lib.retrieval_config()
   assert train_lib.config_from_dict(json.loads(json.dumps(train_lib.config_to_dict(c)))) == c
@@ -213,11 +239,24 @@ def test_shipped_v41_checkpoint_loads_and_is_small():
 
 @pytest.mark.slow
 def test_ablate_spec_small(tmp_path):
-  """experiments/ablate_spec.py --small: k = 0 and 2 on both workloads through the engine, the table and plot read,
-  every k gives the greedy tokens of k = 0 and the trained draft is accepted."""
+  """experiments/ablate_spec.py --small: k = 0 and 2 of the motif MTP model through the engine, the table and plot
+  read, every k gives the greedy tokens of k = 0 and the trained draft is accepted."""
   from tests.experiments.test_ablation_plots import checked_outputs
-  _run(["experiments.ablate_spec", "--small", f"--out_dir={tmp_path}"])
+  _run(["experiments.ablate_spec", "--small", f"--out_dir={tmp_path}"])     # --small: the first checkpoint only
   rows = checked_outputs(tmp_path, "ablate_spec", "spec", "k", [0, 2])
-  assert sorted((r["workload"], r["k"]) for r in rows) == [("free", 0), ("free", 2), ("task", 0), ("task", 2)]
+  assert [(r["checkpoint"], r["workload"], r["k"]) for r in rows] == [("v4_motif_mtp", "free", 0),
+                                                                      ("v4_motif_mtp", "free", 2)]
   assert all(r["same_tokens_as_k0"] for r in rows if r["k"] > 0)
-  assert all(r["acceptance"] > 0 and r["tokens_per_row"] > 1 for r in rows if r["k"] > 0)
+  assert all(r["acceptance"] > 0 and r["acceptance_length"] > 1 for r in rows if r["k"] > 0)
+  assert all(r["acceptance_length"] == 1 and r["accepted_by_depth"] == "" for r in rows if r["k"] == 0)
+
+
+def test_ablate_spec_skips_what_cannot_draft(tmp_path):
+  """A missing checkpoint and one without a drafter are skipped with their reasons; the rest is not touched."""
+  from experiments import ablate_spec
+  assert "no checkpoint" in ablate_spec.load_drafting(str(tmp_path / "missing"))
+  assert "no drafter" in ablate_spec.load_drafting("v4_retrieval")
+  config, params, spec = ablate_spec.load_drafting("v4_retrieval_mtp")
+  assert config.num_mtp_layers == 1 and isinstance(spec, tasks.KVRecallSpec)
+  with pytest.raises(ValueError, match="nothing to run"):
+    ablate_spec.run([str(tmp_path / "missing"), "v4_retrieval"], [0, 1], 2, 4, 2, str(tmp_path))
