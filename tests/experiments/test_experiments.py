@@ -134,6 +134,18 @@ def test_train_small_count(tmp_path):
   assert got["index_hit"] == pytest.approx(want["index_hit"]) and got["acc_by_count"] == want["acc_by_count"]
 
 
+@pytest.mark.slow
+def test_train_small_motif(tmp_path):
+  """--task=motif: the many-position mask trains and evaluates (accuracy on every masked position and on the
+  predictable ones), no attention supervision."""
+  out = tmp_path / "ck"
+  _run(["experiments.train", "--small", "--task=motif", "--motif_chain", f"--out_dir={out}"])
+  info = json.load(open(out / "config.json"))
+  assert info["task"]["kind"] == "motif" and info["task"]["chain"] and info["task"]["p_hi"] <= 4
+  e = info["final_eval"]["64"]["full_topk"]
+  assert e["n"] > 40 and 0.5 < e["predictable_share"] < 1 and "accuracy_predictable" in e
+
+
 def test_training_steps_reduce_the_loss():
   """The train step really trains: on one fixed batch, 12 AdamW steps cut the loss (indexer KL included)."""
   config = train_lib.retrieval_config("v4", num_layers=2, window=8, vocab_size=64, index_topk=4, hidden_size=32)

@@ -56,7 +56,9 @@ def test_train_mtp_small_cli(tmp_path):
                      capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   info = json.load(open(out / "config.json"))
-  assert info["small"] and set(info["acceptance_after"]) == {"task", "free_generation"}
+  assert info["small"] and set(info["acceptance_after"]) == {"task", "free_generation", "free_k2_by_depth",
+                                                             "free_k2_acceptance_length"}
+  assert len(info["acceptance_after"]["free_k2_by_depth"]) == 2 and info["recursion_depth"] == 1
   config, params = train_lib.load_trained(str(out))
   shipped_config, shipped = train_lib.load_trained("v4_retrieval")
   assert config.num_mtp_layers == 1 and "mtp" in params
