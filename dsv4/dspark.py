@@ -178,11 +178,9 @@ def serve_drafts(params, config: ModelConfig, cache: caches.ModelCache, ctx, row
   cpos = anchor_pos_R[:, None] - W + jnp.arange(W)[None, :]                  # [R, W], oldest first
   ok = drafting_R[:, None] & (cpos >= 0)
   slots = ctx.swa_slots(jnp.broadcast_to(rows_R[:, None], cpos.shape), cpos, ok)
-  ctx_kv = []
-  for s in range(config.num_mtp_layers):
-    kv, got = caches.read_rows(cache.layers[config.num_layers + s]["window_kv"], slots)
-    ctx_kv.append(kv)
-  h = draft_hidden(params, config, ctx_kv, ok & got, anchor_tok_R, anchor_pos_R)
+  ctx_kv = [caches.gather_flat(caches.flat_pool(cache.layers[config.num_layers + s]["window_kv"]), slots)
+            for s in range(config.num_mtp_layers)]            # an FP8 record is dequantized as attention reads it
+  h = draft_hidden(params, config, ctx_kv, ok & (slots >= 0), anchor_tok_R, anchor_pos_R)
   return greedy_drafts(params, h, anchor_tok_R)
 
 

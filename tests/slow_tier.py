@@ -24,6 +24,15 @@ SLOW = {
         "test_rejection_sampling_keeps_the_distribution (the sampled verifier both engines run)",
     "tests/dsv4/test_engine_spec.py::test_prefix_hit_carries_the_mtp_window":
         "test_trained_drafts_give_the_same_greedy_tokens (prefix hits with drafts)",
+    # V4.1's DSpark drafter: bitwise drafts on / off under the invariant step, tiers and the P/D handoff
+    "tests/dsv4/test_dspark_engine.py::test_drafts_on_or_off_same_bits":
+        "test_dspark_engine.py::test_served_drafts_equal_drafts_from_scratch (drafts from the cache equal drafts "
+        "from scratch) and test_drafts_never_change_greedy_tokens",
+    "tests/dsv4/test_dspark_engine.py::test_tier_reloads_carry_the_draft_state":
+        "test_dspark_engine.py::test_served_drafts_equal_drafts_from_scratch (prefix hits and preemption carry the "
+        "draft state in the swa blocks)",
+    "tests/dsv4/test_dspark_engine.py::test_handoff_carries_the_draft_state":
+        "test_handoff.py (the state handoff), test_served_drafts_equal_drafts_from_scratch",
     # meshes (8 host devices, a worker process each) and multi-process runs
     "tests/dsv4/test_sharding_multiprocess.py::test_two_processes_same_tokens_as_one":
         "test_sharding.py::test_engine_on_mesh_same_tokens_with_prefix_hits (one process)",

@@ -90,7 +90,7 @@ class EngineConfig:
   # them (greedy: the tokens without drafts; sampled: rejection sampling, the same distribution), keeps the accepted
   # prefix plus one decided token, and drafts k more. 0 = off. With async scheduling the next step is planned before
   # this one is read: its row is filled on the device from this step's results and shifted by the number of drafts
-  # accepted. One device and the functional model; no recorded logits (refused at construction).
+  # accepted. One device and the functional model (refused at construction otherwise).
   num_speculative_tokens: int = _field(0, "Speculative decoding: drafts per step from the model's drafter (V4 MTP "
                                        "block, V4.1 DSpark; 0 = off, up to 8; e.g. the v4_motif_mtp model). "
                                        "Greedy answers are unchanged; sampled ones keep their distribution.")
@@ -121,7 +121,7 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.num_speculative_tokens={k}: a decode row is 1 + k tokens; chunk_size and "
                        f"max_num_batched_tokens must be >= {1 + k}")
     if k:
-      for name, bad in (("record_logits", self.record_logits), ("model_api='nnx'", self.model_api != "functional")):
+      for name, bad in (("model_api='nnx'", self.model_api != "functional"),):
         if bad:
           raise ValueError(f"EngineConfig: num_speculative_tokens > 0 with {name} is not supported (the speculative "
                            f"step is the functional model's, one verified row per request)")

@@ -486,7 +486,7 @@ class Engine:
       if not samples or req.status in (Status.FINISHED, Status.REJECTED):
         continue                      # mid-prompt chunk (its sample is not wanted), or it already ended
       if self.spec:
-        if self._take_verified(req, sampled[i], live, num_drafts):
+        if self._take_verified(req, sampled[i], live, num_drafts, None if logits is None else logits[i]):
           done.append(req)
         continue
       tok = int(sampled[i])
@@ -522,10 +522,11 @@ class Engine:
       self.deferral.forget(req.rid)
     return True
 
-  def _take_verified(self, req: Request, res, live: bool, num_drafts: int) -> bool:
+  def _take_verified(self, req: Request, res, live: bool, num_drafts: int, logits_JxV=None) -> bool:
     """A speculative row's results (runner.RaggedShape.out_width): the accepted drafts and the decided token
-    join the output one by one (a stop ends it there; later ones are dropped), the positions of the accepted
-    drafts become computed and committed, and the new drafts are kept for the next step. True if it finished."""
+    join the output one by one (a stop ends it there; later ones are dropped), each with its logits when recorded
+    (logits_JxV[j]: the distribution new token j was verified or drawn from), the positions of the accepted drafts
+    become computed and committed, and the new drafts are kept for the next step. True if it finished."""
     k = self.spec
     n_new = int(res[0])
     new, drafts = [int(t) for t in res[1:1 + n_new]], [int(t) for t in res[2 + k:2 + 2 * k]]
@@ -541,10 +542,12 @@ class Engine:
       req.num_computed += accepted
       req.max_computed = max(req.max_computed, req.num_computed)
     now = self.clock()
-    for tok in new:
+    for j, tok in enumerate(new):
       req.append_output(tok)
       if live:
         self._mgr(req).append_tokens(req.rid, [tok])
+      if logits_JxV is not None:
+        req.token_logits = (req.token_logits or []) + [logits_JxV[j]]
       if req.first_token_time is None:
         req.first_token_time = now
       req.last_token_time = now

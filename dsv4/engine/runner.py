@@ -300,16 +300,16 @@ class ModelRunner:
       D = len(sent.by_shard)
       # [D * rows] or, gathered over a mesh's data axis, [D, rows]; with drafts each row has a result vector
       per_shard = results.reshape(D, -1, result_width(self.spec)) if self.spec else results.reshape(D, -1)
-      if call_logits is not None:
+      if call_logits is not None:   # [rows, V], with drafts [rows, k + 1, V] (one per token a row can decide)
         call_logits = np.asarray(call_logits)
-        call_logits = call_logits.reshape(D, -1, call_logits.shape[-1])
+        call_logits = call_logits.reshape(D, -1, *call_logits.shape[-(2 if self.spec else 1):])
       for s, rows_of_shard in enumerate(sent.by_shard):
         for k, j in enumerate(rows_of_shard):
           i = sent.rows[j][0]
           toks[i] = per_shard[s, k]
           if call_logits is not None:
             if logits is None:
-              logits = np.zeros((d.num_rows, call_logits.shape[-1]), call_logits.dtype)
+              logits = np.zeros((d.num_rows, *call_logits.shape[2:]), call_logits.dtype)
             logits[i] = call_logits[s, k]
     return toks, logits
 

@@ -54,7 +54,7 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   * k - 1 more one-position runs of the block on its own output stream give the remaining drafts.
   KV written past the frontier (rejected drafts, the recursion's positions) is overwritten before anything reads
   it: every step writes its positions before attending, and reads stop at each query's position.
-  Returns (cache, results [R, out_width], the logits the decided token was drawn from [R, V])."""
+  Returns (cache, results [R, out_width], logits [R, k + 1, V]: column j scored the row's j-th new token)."""
   K, R, N = shape.spec, shape.rows, shape.tokens
   step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
   ds = dspark.is_dspark(config)
@@ -85,7 +85,9 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   base = last - ndraft                                  # flat index of the input whose logits score draft 1
   j = jnp.arange(K + 1)[None, :]
   scored = jnp.minimum(base[:, None] + j, last[:, None])
-  logits_RxJxV = model.lm_logits(params, h_NxD[scored])
+  # one [R, D] matmul per scored column, the shape of the step without drafts: a position's logits have the bits
+  # they have there (a greedy row's tokens and logits equal the engine's without drafts, bit for bit)
+  logits_RxJxV = jnp.stack([model.lm_logits(params, h_NxD[scored[:, j]]) for j in range(K + 1)], axis=1)
   drafts_RxK = p["tokens"][jnp.minimum(base[:, None] + 1 + j[:, :K], N - 1)]
   accepted, new_RxJ = verify_drafts(logits_RxJxV, drafts_RxK, ndraft, p["temperature"], p["top_k"], p["top_p"],
                                     p["seed"], p["step"])
@@ -143,5 +145,4 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
 
 def _results(cache, accepted, new_RxJ, drafts_RxK, logits_RxJxV):
   res = jnp.concatenate([(accepted + 1)[:, None], new_RxJ, drafts_RxK], axis=1)
-  chosen = jnp.take_along_axis(logits_RxJxV, accepted[:, None, None], axis=1)[:, 0]
-  return cache, res.astype(jnp.int32), chosen
+  return cache, res.astype(jnp.int32), logits_RxJxV

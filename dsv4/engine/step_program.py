@@ -39,7 +39,8 @@ class StepOutput(NamedTuple):
     mesh with pools over `data`: gathered over `data`, [D, S / D] (or [D, S / D, W]).
   prev_tokens: the same results kept on the device as the next step's `prev_tokens` (a token id -(1 + j) in the
     next plan is row j's entry); None from a mesh step (no async scheduling there).
-  logits: [rows, V] float, the logits each row's token was drawn from, when the step records them; else None.
+  logits: [rows, V] float, the logits each row's token was drawn from, when the step records them (with drafts
+  [rows, k + 1, V]: one per token a row can decide); else None.
   """
   cache: Any
   tables: dict | None

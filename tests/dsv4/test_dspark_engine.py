@@ -151,3 +151,32 @@ def test_handoff_carries_the_draft_state(drafter):
     dec.step()
     check(dec)
   assert len(seen) >= 2 and min(hits) == min(len(p) for p in prompts.values())
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_drafts_on_or_off_same_bits(drafter, kv):
+  """The invariant step in bf16 (the default): each greedy request run alone without drafts, and batched with
+  async drafting k = 5 (drafts accepted or not, rows crossing tiles): the same tokens and the same logits, bit for
+  bit."""
+  from dsv4 import caches
+  cfg, params = drafter
+  if kv == "fp8":   # the FP8 record quantizes the non-RoPE channels in blocks of 64
+    from tests.dsv4.tiers_precision_worker import widen
+    cfg = widen(cfg, False)
+    params = model.init_params(cfg, jax.random.PRNGKey(0))
+  prompts = _prompts(cfg, 5, [45, 90, 17, 30])
+  ec = dataclasses.replace(EC, dtype="bf16", record_logits=True, tile_tokens=16,
+                           layout=caches.CacheLayout(kv_dtype=caches.FP8 if kv == "fp8" else jax.numpy.bfloat16))
+  alone = {}
+  for i, p in enumerate(prompts):
+    eng = Engine(params, cfg, ec)
+    eng.add_request(f"r{i}", p, SamplingParams(max_tokens=12, ignore_eos=True))
+    alone.update({o.rid: o for o in eng.run()})
+  eng = Engine(params, cfg, dataclasses.replace(ec, num_speculative_tokens=5))
+  for i, p in enumerate(prompts):
+    eng.add_request(f"r{i}", p, SamplingParams(max_tokens=12, ignore_eos=True))
+  both = {o.rid: o for o in eng.run()}
+  assert eng.stats["spec_draft_tokens"] > 0
+  for rid, o in alone.items():
+    assert both[rid].output == o.output, rid
+    np.testing.assert_array_equal(np.stack(both[rid].token_logits), np.stack(o.token_logits), err_msg=rid)

@@ -193,7 +193,7 @@ def test_refusals(trained):
   with pytest.raises(ValueError, match="no MTP block"):
     Engine({k: v for k, v in params.items() if k != "mtp"}, no_mtp, dataclasses.replace(EC, num_speculative_tokens=2))
   for bad in (dict(num_speculative_tokens=9),
-              dict(num_speculative_tokens=2, record_logits=True), dict(num_speculative_tokens=40),
+              dict(num_speculative_tokens=40),
               dict(num_speculative_tokens=2, model_api="nnx")):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
       dataclasses.replace(EC, **bad).validate()
