@@ -13,8 +13,9 @@ experiments/results/ instead.
 Checkpoints (--checkpoints, names under experiments/checkpoints/ or directories): any whose config has a drafter
 (`num_mtp_layers >= 1`: a V4 MTP block from `experiments/train_mtp.py`, or a V4.1 DSpark drafter) and whose
 config.json names its task. A checkpoint that is missing, has no drafter or no task is skipped with a logged reason
-(kept in the table's meta "skipped"); a k the engine refuses for a checkpoint likewise. Default: the motif model's
-MTP block (`v4_motif_mtp`, repetitive text: drafting should pay) and the retrieval model's (`v4_retrieval_mtp`).
+(kept in the table's meta "skipped"); a k the engine refuses for a checkpoint likewise. Default: the motif models'
+drafters (V4's MTP block `v4_motif_mtp` and V4.1's DSpark `v41_motif_dspark`, repetitive text: drafting should pay)
+and the retrieval model's MTP block (`v4_retrieval_mtp`).
 
 Greedy workloads of held-out task sequences, per task:
 * key-value recall: "task", each sequence up to its query section plus the first query key (the model answers and
@@ -47,7 +48,7 @@ from experiments import train_lib
 FLAGS = flags.FLAGS
 SCRIPT = "ablate_spec"
 _HELD_OUT = 1_000_000          # data seeds no training step used (as experiments/train_mtp.py)
-DEFAULT_CHECKPOINTS = ["v4_motif_mtp", "v4_retrieval_mtp"]
+DEFAULT_CHECKPOINTS = ["v4_motif_mtp", "v41_motif_dspark", "v4_retrieval_mtp"]
 
 
 def define_flags():
