@@ -110,6 +110,7 @@ class Tiering:
     # An engine that drafts keeps its draft layers' window state (V4's MTP block, V4.1's DSpark context KV) in every
     # swa block; one that does not leaves those rows unwritten. Its records are another layout: a drafting engine
     # never loads a block without draft state (a miss, not drafts from empty rows), and a record says which it is.
+    # (The record's fingerprint, hence its key, carries it; the block digests stay the manager's.)
     self.state_layout = self.specs.fingerprint + ("+drafts" if engine.spec else "")
     self.layout_fp = f"{self.state_layout}/rec{record.FORMAT_VERSION}"
     caps = list(tc.capacity_bytes) + [1 << 30] * (len(tc.tiers) - len(tc.capacity_bytes))
@@ -151,7 +152,7 @@ class Tiering:
 
   def _hasher(self, extra: ExtraKeys, tokens) -> RequestHasher:
     h = RequestHasher(dataclasses.replace(extra, model=extra.model or self.mgr.model_id,
-                                          layout=self.state_layout), self.specs.hash_tokens, self.mgr.key_bits)
+                                          layout=self.specs.fingerprint), self.specs.hash_tokens, self.mgr.key_bits)
     h.update(np.asarray(tokens, np.int32))
     return h
 

@@ -153,16 +153,19 @@ def test_handoff_carries_the_draft_state(drafter):
   assert len(seen) >= 2 and min(hits) == min(len(p) for p in prompts.values())
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_drafts_on_or_off_same_bits(drafter, kv):
+@pytest.mark.parametrize("kind,kv", [("dspark", "bf16"), ("dspark", "fp8"), ("mtp", "bf16")])
+def test_drafts_on_or_off_same_bits(drafter, kind, kv):
   """The invariant step in bf16 (the default): each greedy request run alone without drafts, and batched with
-  async drafting k = 5 (drafts accepted or not, rows crossing tiles): the same tokens and the same logits, bit for
-  bit."""
+  async drafting (DSpark k = 5, V4's MTP block k = 3; drafts accepted or not, rows crossing tiles): the same tokens
+  and the same logits, bit for bit."""
   from dsv4 import caches
   cfg, params = drafter
+  if kind == "mtp":
+    cfg = dataclasses.replace(config.v4_tiny(num_layers=3), num_mtp_layers=1)
   if kv == "fp8":   # the FP8 record quantizes the non-RoPE channels in blocks of 64
     from tests.dsv4.tiers_precision_worker import widen
     cfg = widen(cfg, False)
+  if kind == "mtp" or kv == "fp8":
     params = model.init_params(cfg, jax.random.PRNGKey(0))
   prompts = _prompts(cfg, 5, [45, 90, 17, 30])
   ec = dataclasses.replace(EC, dtype="bf16", record_logits=True, tile_tokens=16,
@@ -172,7 +175,7 @@ def test_drafts_on_or_off_same_bits(drafter, kv):
     eng = Engine(params, cfg, ec)
     eng.add_request(f"r{i}", p, SamplingParams(max_tokens=12, ignore_eos=True))
     alone.update({o.rid: o for o in eng.run()})
-  eng = Engine(params, cfg, dataclasses.replace(ec, num_speculative_tokens=5))
+  eng = Engine(params, cfg, dataclasses.replace(ec, num_speculative_tokens=5 if kind == "dspark" else 3))
   for i, p in enumerate(prompts):
     eng.add_request(f"r{i}", p, SamplingParams(max_tokens=12, ignore_eos=True))
   both = {o.rid: o for o in eng.run()}

@@ -1,7 +1,9 @@
 """Batch invariance by construction, as a property: on random traces (batch mixes, arrival waves, chunk sizes,
-prefix caching on / off, async on / off, greedy and seeded sampling, a pool small enough to preempt), in bf16
-compute with bf16 or FP8 KV, every request's tokens and recorded logits are bitwise those of the same request run
-alone on a fresh engine. The claim depends on the code XLA generates, so each test runs in a child process at XLA's
+prefix caching on / off, async on / off, greedy and seeded sampling, a pool small enough to preempt; in the slow
+tier also drafts on / off and host-tier reloads), in bf16 compute with bf16 or FP8 KV, every request's tokens and
+recorded logits are bitwise those of the same request run alone on a fresh engine (with drafts: alone with the same
+k, since a sampled row's draws follow its verifications; greedy rows equal drafts off too,
+tests/dsv4/test_dspark_engine.py). The claim depends on the code XLA generates, so each test runs in a child process at XLA's
 default optimisation level (tests/isolation.py), as users run.
 
 Every engine here shares one `EngineConfig` shape (rows, token budget, tile, pools), so one compiled step program
@@ -13,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from dsv4 import caches, config, model
 from dsv4.engine.api import generate
@@ -31,17 +33,23 @@ TIGHT = dataclasses.replace(ROOMY, num_full_blocks=3, num_swa_blocks=9)
 PREFIXES = 3          # shared document prefixes the prompts draw from (prefix hits)
 
 
-def _model(variant: str, kv: str):
+def _model(variant: str, kv: str, drafter: bool = False):
   cfg = config.v4_tiny(num_layers=3) if variant == "v4" else config.v41_tiny()
   if kv == "fp8":
     cfg = widen(cfg, mesh=False)        # the FP8 record needs 64-channel blocks
+  if drafter and variant == "v4":
+    cfg = dataclasses.replace(cfg, num_mtp_layers=1)
+  elif drafter:
+    cfg = dataclasses.replace(cfg, num_mtp_layers=2, dspark=config.DSparkConfig(
+        block_size=4, target_layer_ids=(4, 7), markov_rank=8, noise_token_id=1, n_routed_experts=4,
+        num_experts_per_tok=2))
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   layout = caches.CacheLayout(kv_dtype=caches.FP8 if kv == "fp8" else jnp.bfloat16)
   return cfg, params, layout
 
 
 @st.composite
-def traces(draw, vocab: int):
+def traces(draw, vocab: int, with_drafts: bool = False, with_tiers: bool = False):
   """Requests (prompt, sampling), plus the scheduler's choices for the batched run."""
   rng = np.random.default_rng(draw(st.integers(0, 2 ** 16)))
   # documents past one 128-token full block, so a request that shares one can hit it
@@ -56,8 +64,24 @@ def traces(draw, vocab: int):
     reqs.append((head + tail, sp))
   run = dict(chunk_size=draw(st.sampled_from([4, 8, 16, 32, 64])),
              enable_prefix_caching=draw(st.booleans()), async_scheduling=draw(st.booleans()),
-             tight=draw(st.booleans()), waves=draw(st.integers(1, 3)))
+             tight=draw(st.booleans()), waves=draw(st.integers(1, 3)),
+             drafts=draw(st.sampled_from([0, 3])) if with_drafts else 0,
+             tiers=draw(st.booleans()) if with_tiers else False)
+  if run["tiers"]:     # a reload needs a block evicted by the tight pool and asked for again by a later wave
+    run.update(tight=True, enable_prefix_caching=True, waves=3)
   return reqs, run
+
+
+def _reload_trace(vocab: int):
+  """A trace that reloads from the tier for certain: a document read, then a long request the tight pool can only
+  hold by evicting (demoting) the document's blocks, then the document read again."""
+  rng = np.random.default_rng(7)
+  doc = [int(t) for t in rng.integers(2, vocab, 270)]
+  other = [int(t) for t in rng.integers(2, vocab, 300)]
+  sp = SamplingParams(max_tokens=3, ignore_eos=True)
+  run = dict(chunk_size=64, enable_prefix_caching=True, async_scheduling=False, tight=True, waves=3, drafts=3,
+             tiers=True)
+  return [(doc + [5], sp), (other, sp), (doc + [9, 4], sp)], run
 
 
 class _Alone:
@@ -66,10 +90,10 @@ class _Alone:
   def __init__(self, cfg, params, ec):
     self.cfg, self.params, self.ec, self.memo = cfg, params, ec, {}
 
-  def __call__(self, prompt, sp):
-    key = (tuple(prompt), sp)
+  def __call__(self, prompt, sp, drafts: int = 0):
+    key = (tuple(prompt), sp, drafts)
     if key not in self.memo:
-      eng = Engine(self.params, self.cfg, self.ec)
+      eng = Engine(self.params, self.cfg, dataclasses.replace(self.ec, num_speculative_tokens=drafts))
       (o,) = generate(self.params, self.cfg, [prompt], sp, engine=eng)
       assert o.error is None, o.error
       self.memo[key] = (o.output, np.stack(o.token_logits))
@@ -91,25 +115,33 @@ def _batched(cfg, params, ec, reqs, waves: int):
   return eng, [eng.requests[f"r{i}"] for i in range(len(reqs))]
 
 
-def _check(variant: str, kv: str, examples: int):
-  cfg, params, layout = _model(variant, kv)
+def _check(variant: str, kv: str, examples: int, drafts: bool = False, tiers: bool = False):
+  cfg, params, layout = _model(variant, kv, drafts)
   roomy = dataclasses.replace(ROOMY, layout=layout)
   alone = _Alone(cfg, params, roomy)
-  seen = {"preemptions": 0, "hits": 0}
+  seen = {"preemptions": 0, "hits": 0, "drafted": 0, "tier_hits": 0}
 
   @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
-  @given(traces(cfg.vocab_size))
+  @given(traces(cfg.vocab_size, drafts, tiers))
+  @(example(_reload_trace(cfg.vocab_size)) if tiers else (lambda f: f))
   def prop(trace):
     reqs, run = trace
+    tc = None
+    if run["tiers"]:
+      from dsv4.engine.tiering import TieringConfig
+      tc = TieringConfig(tiers=("host",), policy="load", write_queue=0)
     ec = dataclasses.replace(TIGHT if run["tight"] else ROOMY, layout=layout, chunk_size=run["chunk_size"],
                              enable_prefix_caching=run["enable_prefix_caching"],
-                             async_scheduling=run["async_scheduling"])
+                             async_scheduling=run["async_scheduling"], num_speculative_tokens=run["drafts"],
+                             tiering=tc)
     eng, outs = _batched(cfg, params, ec, reqs, run["waves"])
     seen["preemptions"] += eng.stats["preemptions"]
     seen["hits"] += sum(r.hit_tokens + r.readmit_hit_tokens for r in outs)
+    seen["drafted"] += eng.stats["spec_draft_tokens"]
+    seen["tier_hits"] += sum(r.tier_hit_tokens for r in outs)
     for (prompt, sp), r in zip(reqs, outs):
       assert r.error is None, r.error
-      want_tokens, want_logits = alone(prompt, sp)
+      want_tokens, want_logits = alone(prompt, sp, run["drafts"])
       assert r.output == want_tokens, (run, len(prompt))
       got = np.stack(r.token_logits)
       assert np.array_equal(got.view(np.uint32), want_logits.view(np.uint32)), (run, len(prompt))
@@ -134,3 +166,14 @@ def test_invariant_logits_on_random_traces_every_variant(variant, kv, request):
     return
   seen = _check(variant, kv, examples=10)
   assert seen["preemptions"] > 0 and seen["hits"] > 0, seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,kv", [("v4", "bf16"), ("v41", "fp8")])
+def test_invariant_logits_with_drafts_and_tier_reloads(variant, kv, request):
+  """The same property with the model's drafter (V4: MTP, V4.1: DSpark) drafting 0 or 3 tokens per step and a
+  host tier under the tight pool: the traces must have drafted, preempted and reloaded from the tier."""
+  if run_in_child(request, default_xla_opt=True):
+    return
+  seen = _check(variant, kv, examples=8, drafts=True, tiers=True)
+  assert seen["drafted"] > 0 and seen["preemptions"] > 0 and seen["tier_hits"] > 0, seen
