@@ -24,6 +24,18 @@ SLOW = {
         "test_rejection_sampling_keeps_the_distribution (the sampled verifier both engines run)",
     "tests/dsv4/test_engine_spec.py::test_prefix_hit_carries_the_mtp_window":
         "test_trained_drafts_give_the_same_greedy_tokens (prefix hits with drafts)",
+    # the default tier's 8-minute budget: each has a sibling that exercises the same code in the default tier
+    "tests/dsv4/test_dspark_engine.py::test_drafts_never_change_greedy_tokens[False]":
+        "test_drafts_never_change_greedy_tokens[True] (async) and test_served_drafts_equal_drafts_from_scratch "
+        "(synchronous steps, greedy tokens equal the engine without drafts)",
+    "tests/experiments/test_train_mtp.py::test_recursive_passes_are_the_engines_recursion":
+        "test_train_mtp.py::test_train_mtp_small_cli (the recursion objective runs) and test_engine_spec.py (the "
+        "engine's recursion drafts)",
+    "tests/dsv4/test_composition.py::test_all_pairs_one_device_v4[one-bf16-tiers-noinv-interpret]":
+        "test_composition.py::test_all_pairs_one_device_v4[one-fp8-notiers-inv-interpret] (interpret kernels), "
+        "test_tiers_reload.py (tier reloads)",
+    "tests/dsv4/test_engine_step.py::test_compile_counts_belong_to_their_engine":
+        "test_engine_step.py::test_compilation_is_bounded_and_counted (the counts of one engine)",
     # V4.1's DSpark drafter: bitwise drafts on / off under the invariant step, tiers and the P/D handoff
     "tests/dsv4/test_dspark_engine.py::test_drafts_on_or_off_same_bits":
         "test_dspark_engine.py::test_served_drafts_equal_drafts_from_scratch (drafts from the cache equal drafts "

@@ -190,7 +190,7 @@ def test_rejection_sampling_keeps_the_distribution(temperature, top_k, top_p):
 def test_refusals(trained):
   cfg, params = trained
   no_mtp = dataclasses.replace(cfg, num_mtp_layers=0)
-  with pytest.raises(ValueError, match="no MTP block"):
+  with pytest.raises(ValueError, match="no drafter"):
     Engine({k: v for k, v in params.items() if k != "mtp"}, no_mtp, dataclasses.replace(EC, num_speculative_tokens=2))
   for bad in (dict(num_speculative_tokens=9),
               dict(num_speculative_tokens=40),
