@@ -36,6 +36,31 @@ SLOW = {
         "test_tiers_reload.py (tier reloads)",
     "tests/dsv4/test_engine_step.py::test_compile_counts_belong_to_their_engine":
         "test_engine_step.py::test_compilation_is_bounded_and_counted (the counts of one engine)",
+    "tests/dsv4/test_dspark_engine.py::test_served_drafts_equal_drafts_from_scratch[preempting]":
+        "test_served_drafts_equal_drafts_from_scratch[roomy] (prefix hits; preemption carries the swa group as in "
+        "test_engine_spec.py)",
+    "tests/cache/test_acceptance.py::test_hybrid_limiting_group[256-swa-27-768]":
+        "test_hybrid_limiting_group's other rows",
+    "tests/dsv4/test_spec_reservation.py::test_forced_acceptance_keeps_the_greedy_tokens[v4_mtp-accept_all]":
+        "test_forced_acceptance_keeps_the_greedy_tokens[v4_mtp-partial] (the shift, the reservation and the kept blocks all happen with partial acceptance)",
+    "tests/dsv4/test_spec_reservation.py::test_optimistic_reservation[v4_mtp-accept_all]":
+        "test_optimistic_reservation[v4_mtp-partial] (the shift, the reservation and the kept blocks all happen with partial acceptance)",
+    "tests/dsv4/test_spec_reservation.py::test_device_writes_at_the_real_acceptance[v4_mtp-accept_all]":
+        "test_device_writes_at_the_real_acceptance[v4_mtp-partial] (the shift, the reservation and the kept blocks all happen with partial acceptance)",
+    "tests/dsv4/test_spec_reservation.py::test_unused_blocks_stay_and_are_grown_into[v4_mtp-accept_all]":
+        "test_unused_blocks_stay_and_are_grown_into[v4_mtp-partial] (the shift, the reservation and the kept blocks all happen with partial acceptance)",
+    "tests/dsv4/test_spec_reservation.py::test_max_tokens_is_never_passed[v4_mtp-accept_all]":
+        "test_max_tokens_is_never_passed[v4_mtp-partial] (the shift, the reservation and the kept blocks all happen with partial acceptance)",
+    "tests/dsv4/test_spec_reservation.py::test_forced_acceptance_keeps_the_greedy_tokens[v4_mtp-reject_all]":
+        "test_forced_acceptance_keeps_the_greedy_tokens[v4_mtp-partial] (the shift, the reservation and the kept blocks all happen with partial acceptance)",
+    "tests/dsv4/test_spec_reservation.py::test_optimistic_reservation[v4_mtp-reject_all]":
+        "test_optimistic_reservation[v4_mtp-partial] (the shift, the reservation and the kept blocks all happen with partial acceptance)",
+    "tests/dsv4/test_spec_reservation.py::test_device_writes_at_the_real_acceptance[v4_mtp-reject_all]":
+        "test_device_writes_at_the_real_acceptance[v4_mtp-partial] (the shift, the reservation and the kept blocks all happen with partial acceptance)",
+    "tests/dsv4/test_spec_reservation.py::test_unused_blocks_stay_and_are_grown_into[v4_mtp-reject_all]":
+        "test_unused_blocks_stay_and_are_grown_into[v4_mtp-partial] (the shift, the reservation and the kept blocks all happen with partial acceptance)",
+    "tests/dsv4/test_spec_reservation.py::test_max_tokens_is_never_passed[v4_mtp-reject_all]":
+        "test_max_tokens_is_never_passed[v4_mtp-partial] (the shift, the reservation and the kept blocks all happen with partial acceptance)",
     # V4.1's DSpark drafter: bitwise drafts on / off under the invariant step, tiers and the P/D handoff
     "tests/dsv4/test_dspark_engine.py::test_drafts_on_or_off_same_bits":
         "test_dspark_engine.py::test_served_drafts_equal_drafts_from_scratch (drafts from the cache equal drafts "

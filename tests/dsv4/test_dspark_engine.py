@@ -59,16 +59,18 @@ def _checker(cfg, params, seen, hits):
   return check
 
 
-def test_served_drafts_equal_drafts_from_scratch(drafter):
+@pytest.mark.parametrize("swa_blocks", [9, 7], ids=["roomy", "preempting"])
+def test_served_drafts_equal_drafts_from_scratch(drafter, swa_blocks):
   """Synchronous steps so the host holds each step's drafts: with chunked prefill, prefix hits on a shared head
-  and a pool small enough to preempt, every proposal equals the one recomputed over the whole sequence."""
+  and (7 swa blocks) a pool small enough to preempt, every proposal equals the one recomputed over the whole
+  sequence."""
   cfg, params = drafter
   prompts = _prompts(cfg, 1, [40, 25, 60, 33, 20, 9], shared=140)
-  ec = dataclasses.replace(EC, num_speculative_tokens=5, async_scheduling=False, num_swa_blocks=7)
+  ec = dataclasses.replace(EC, num_speculative_tokens=5, async_scheduling=False, num_swa_blocks=swa_blocks)
   seen, hits = [], []
   eng, got = _run(params, cfg, ec, prompts, 8, _checker(cfg, params, seen, hits), waves=2)
-  print("checked", len(seen), "max hit", max(hits), "preemptions", eng.stats["preemptions"])
-  assert len(seen) >= 10 and max(hits) > 0 and eng.stats["preemptions"] > 0
+  assert len(seen) >= 10 and max(hits) > 0
+  assert eng.stats["preemptions"] > 0 or swa_blocks > 7
   _, want = _run(params, cfg, EC, prompts, 8)
   assert got == want
 
