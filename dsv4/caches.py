@@ -309,6 +309,15 @@ def init_contiguous(config: ModelConfig, batch: int, max_len: int,
   return init_cache(config, layout, swa.size, full.size), swa, full
 
 
+def whole_sequences(config: ModelConfig, batch: int, length: int):
+  """(contiguous cache, ragged StepIndex) for `batch` whole sequences of `length` tokens each, computed from position
+  0 in one step: training, reference and acceptance runs over whole sequences (no cache reuse)."""
+  cache, swa, full = init_contiguous(config, batch, length)
+  idx = BatchIndex(jnp.zeros(batch, jnp.int32), jnp.full((batch,), length, jnp.int32), jnp.asarray(swa),
+                   jnp.asarray(full))
+  return cache, step_index_from_batch(idx, length)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # How a step addresses the pools. A "slot" is a flat row index into a pool reshaped to [num_blocks * rows, ...];
 # -1 means "no row" (padding, negative position, unallocated block). Writes to -1 are dropped; reads of -1 are

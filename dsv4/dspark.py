@@ -52,9 +52,7 @@ def sequence_features(params, config: ModelConfig, tokens_BxS):
   """(backbone logits [B, S, V], DSpark features [B, S, F]) of whole sequences (no cache reuse): training and
   reference drafts."""
   B, S = tokens_BxS.shape
-  cache, swa, full = caches.init_contiguous(config, B, S)
-  idx = caches.BatchIndex(jnp.zeros(B, jnp.int32), jnp.full((B,), S, jnp.int32), jnp.asarray(swa), jnp.asarray(full))
-  step = caches.step_index_from_batch(idx, S)
+  cache, step = caches.whole_sequences(config, B, S)
   _, h, auxes = model.forward_ragged_aux(params, config, tokens_BxS.reshape(-1), cache, step, dspark_taps=True)
   feats = features([auxes[l]["stream_mean"] for l in config.dspark.target_layer_ids])
   return model.lm_logits(params, h).reshape(B, S, -1), feats.reshape(B, S, -1)

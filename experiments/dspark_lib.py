@@ -19,10 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from dsv4 import dspark, model
 from dsv4.config import DSparkConfig, ModelConfig
+from experiments import train_lib
 
 
 def add_dspark(config: ModelConfig, params: dict, ds: DSparkConfig, num_stages: int, seed: int = 0):
@@ -61,12 +61,7 @@ def distill_loss(draft_params, params, config: ModelConfig, tokens_BxT):
 
 
 def make_train_step(config: ModelConfig, opt):
-  @jax.jit
-  def step(draft_params, params, opt_state, tokens_BxT):
-    (loss, acc), grads = jax.value_and_grad(distill_loss, has_aux=True)(draft_params, params, config, tokens_BxT)
-    updates, opt_state = opt.update(grads, opt_state, draft_params)
-    return optax.apply_updates(draft_params, updates), opt_state, loss, acc
-  return step
+  return train_lib.make_draft_train_step(lambda d, p, toks: distill_loss(d, p, config, toks), opt)
 
 
 def engine_acceptance(params, config: ModelConfig, cont_BxT, anchors, k: int) -> dict:

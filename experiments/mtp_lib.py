@@ -18,11 +18,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from dsv4 import caches
 from dsv4 import model
 from dsv4.config import ModelConfig
+from experiments import train_lib
 
 
 def add_mtp(config: ModelConfig, params: dict, seed: int = 0) -> tuple[ModelConfig, dict]:
@@ -36,10 +36,7 @@ def forward_with_mtp(params, config: ModelConfig, tokens_BxT):
   """Backbone logits and MTP block 0's logits [B, T, V] over whole sequences (no cache reuse). MTP position t reads
   the token at t + 1 (the last position reads token 0: compare positions < T - 1 only)."""
   B, T = tokens_BxT.shape
-  cache, swa, full = caches.init_contiguous(config, B, T)
-  idx = caches.BatchIndex(jnp.zeros(B, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.asarray(swa),
-                          jnp.asarray(full))
-  step = caches.step_index_from_batch(idx, T)
+  cache, step = caches.whole_sequences(config, B, T)
   cache, h, _, X = model.forward_ragged_aux(params, config, tokens_BxT.reshape(-1), cache, step, return_stream=True)
   nxt = jnp.concatenate([tokens_BxT[:, 1:], jnp.zeros((B, 1), tokens_BxT.dtype)], axis=1)
   _, _, hm = model.mtp_forward(params, config, 0, X, nxt.reshape(-1), cache, step)
@@ -57,12 +54,7 @@ def distill_loss(mtp_params, params, config: ModelConfig, tokens_BxT):
 
 
 def make_train_step(config: ModelConfig, opt):
-  @jax.jit
-  def step(mtp_params, params, opt_state, tokens_BxT):
-    (loss, acc), grads = jax.value_and_grad(distill_loss, has_aux=True)(mtp_params, params, config, tokens_BxT)
-    updates, opt_state = opt.update(grads, opt_state, mtp_params)
-    return optax.apply_updates(mtp_params, updates), opt_state, loss, acc
-  return step
+  return train_lib.make_draft_train_step(lambda d, p, toks: distill_loss(d, p, config, toks), opt)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -127,10 +119,7 @@ def recursive_passes(params, config: ModelConfig, tokens_BxT, frontier_B, k: int
   reads the previous pass's argmax one position back at positions > f, as the engine feeds its own drafts (at
   f + 1 the catch-up pass's draft 1; exact for the drafts of one frontier)."""
   B, T = tokens_BxT.shape
-  cache, swa, full = caches.init_contiguous(config, B, T)
-  idx = caches.BatchIndex(jnp.zeros(B, jnp.int32), jnp.full((B,), T, jnp.int32), jnp.asarray(swa),
-                          jnp.asarray(full))
-  step = caches.step_index_from_batch(idx, T)
+  cache, step = caches.whole_sequences(config, B, T)
   cache, h, _, X = model.forward_ragged_aux(params, config, tokens_BxT.reshape(-1), cache, step, return_stream=True)
   X = jax.lax.stop_gradient(X)
   nxt = jnp.concatenate([tokens_BxT[:, 1:], jnp.zeros((B, 1), tokens_BxT.dtype)], axis=1)
@@ -172,13 +161,8 @@ def recursive_distill_loss(mtp_params, params, config: ModelConfig, tokens_BxT, 
 
 
 def make_recursive_train_step(config: ModelConfig, opt, k: int, rec_weight: float = 1.0):
-  @jax.jit
-  def step(mtp_params, params, opt_state, tokens_BxT, frontier_B):
-    (loss, accs), grads = jax.value_and_grad(recursive_distill_loss, has_aux=True)(
-        mtp_params, params, config, tokens_BxT, frontier_B, k, rec_weight)
-    updates, opt_state = opt.update(grads, opt_state, mtp_params)
-    return optax.apply_updates(mtp_params, updates), opt_state, loss, accs
-  return step
+  return train_lib.make_draft_train_step(
+      lambda d, p, toks, fr: recursive_distill_loss(d, p, config, toks, fr, k, rec_weight), opt)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "k"))

@@ -202,6 +202,18 @@ def make_optimizer(lr: float, warmup: int, total: int, weight_decay: float = 0.0
   return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, weight_decay=weight_decay)), sched
 
 
+def make_draft_train_step(loss_fn, opt):
+  """A jitted optimizer step for a drafter on a frozen backbone (experiments/mtp_lib.py, dspark_lib.py):
+  loss_fn(draft_params, params, *batch) -> (loss, aux) is differentiated in draft_params only. Returns
+  step(draft_params, params, opt_state, *batch) -> (draft_params, opt_state, loss, aux)."""
+  @jax.jit
+  def step(draft_params, params, opt_state, *batch):
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(draft_params, params, *batch)
+    updates, opt_state = opt.update(grads, opt_state, draft_params)
+    return optax.apply_updates(draft_params, updates), opt_state, loss, aux
+  return step
+
+
 def make_train_step(config: ModelConfig, opt, kl_weight: float, kl_on_all: bool, attn_sup_weight: float = 0.0):
   @jax.jit
   def step(fparams, iparams, opt_state, batch):

@@ -30,7 +30,7 @@ from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
 from dsv4 import caches, dspark
 from dsv4.config import ModelConfig
-from dsv4.engine import bucket_fill, compile_stats, placement, schema
+from dsv4.engine import bucket_fill, compile_stats, placement, schema, speculative_step
 from dsv4.engine.config import EngineConfig  # noqa: F401  (re-exported: dsv4.engine.engine.EngineConfig)
 from dsv4.engine.prefix_deferral import SharedPrefixDeferral
 from dsv4.engine.request import Request, RequestOutput, Status
@@ -86,8 +86,7 @@ class Engine:
     if self.spec and dspark.is_dspark(config) and self.spec > config.dspark.block_size:
       raise ValueError(f"EngineConfig.num_speculative_tokens={self.spec}: the model's DSpark drafter proposes "
                        f"{config.dspark.block_size} tokens per pass (ModelConfig.dspark.block_size)")
-    # V4's MTP recursion writes window KV up to k - 1 positions past a row's frontier; DSpark writes none
-    self.draft_lookahead = self.spec - 1 if self.spec and not dspark.is_dspark(config) else 0
+    self.draft_lookahead = speculative_step.draft_lookahead(config, self.spec)
     if self.spec and mesh is not None:
       raise ValueError("EngineConfig.num_speculative_tokens > 0 runs on one device (no mesh)")
     from dsv4 import sharding

@@ -43,8 +43,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cache import step as cache_step
-from dsv4 import caches, dspark, sharding
+from dsv4 import caches, sharding
 from dsv4.config import ModelConfig
+from dsv4.engine import speculative_step
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.sampling import SamplingParams
 # re-exported: the runner's public names from before the step program had modules of its own
@@ -214,9 +215,7 @@ class ModelRunner:
   def _draft_extra(self) -> int:
     """Swa positions a drafting row may touch past its planned tokens: a row that continues an unread step lands up
     to k positions later than planned (async scheduling), and V4's MTP recursion writes up to k - 1 more."""
-    if not self.spec:
-      return 0
-    return self.spec + (0 if dspark.is_dspark(self.config) else self.spec - 1)
+    return self.spec + speculative_step.draft_lookahead(self.config, self.spec) if self.spec else 0
 
   def _swa_width(self, rows: list[Row]) -> int:
     """Swa table width: a power of two >= 8 covering every row from its base block to the block of its last token,

@@ -20,6 +20,12 @@ from dsv4.engine.step_plan import RaggedShape
 from dsv4.engine.tiles import tiled
 
 
+def draft_lookahead(config, k: int) -> int:
+  """Positions past a drafting row's frontier its drafter writes KV at: V4's MTP recursion writes its k - 1 drafts'
+  window KV there; DSpark writes none (its block's own KV is never cached)."""
+  return k - 1 if k and not dspark.is_dspark(config) else 0
+
+
 def continue_rows(p, prev_RxW, shape: RaggedShape):
   """Async scheduling with drafts: a row with prev_row = j >= 0 continues row j of the previous step, whose results
   (`prev_RxW`, [rows, out_width]) are still on the device: its first token is j's decided token and the rest are
