@@ -85,6 +85,12 @@ def main(argv):
   directory = FLAGS.model if os.path.isdir(FLAGS.model) else os.path.join(train_lib.CHECKPOINT_ROOT, FLAGS.model)
   if not os.path.isdir(directory):
     raise app.UsageError(f"--model: no checkpoint directory {directory!r}")
+  for name, lo in (("block_size", 1), ("stages", 1), ("markov_rank", 1), ("experts", 1), ("experts_per_tok", 1),
+                   ("steps", 1), ("batch", 1)):
+    if getattr(FLAGS, name) < lo:
+      raise app.UsageError(f"--{name}={getattr(FLAGS, name)}: must be >= {lo}")
+  if FLAGS.experts_per_tok > FLAGS.experts:
+    raise app.UsageError(f"--experts_per_tok={FLAGS.experts_per_tok}: at most --experts={FLAGS.experts}")
   if not 1 <= k <= FLAGS.block_size:
     raise app.UsageError(f"--eval_k={k}: must be in 1..--block_size={FLAGS.block_size}")
   config, params, info = train_lib.load_checkpoint_dir(directory)
@@ -98,7 +104,10 @@ def main(argv):
   spec = train_lib.task_spec_from_info(info)
   out_dir = FLAGS.out_dir or (tempfile.mkdtemp(prefix="dsv4_train_dspark_") if FLAGS.small else
                               os.path.join("out", "train_dspark", os.path.basename(directory.rstrip("/")) + "_dspark"))
-  config, params = dspark_lib.add_dspark(config, params, ds, FLAGS.stages, FLAGS.seed)
+  try:   # target layers and the noise token are checked against the loaded model's config
+    config, params = dspark_lib.add_dspark(config, params, ds, FLAGS.stages, FLAGS.seed)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   before = _eval(params, config, spec, eval_batches, batch, gen_tokens, k)
   logging.info("before training: %s", before)
 

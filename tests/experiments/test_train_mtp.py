@@ -97,3 +97,24 @@ def test_recursive_passes_are_the_engines_recursion():
   np.testing.assert_array_equal(np.asarray(drafts), np.stack([np.asarray(g) for g in got], axis=1))
   bb = np.argmax(np.asarray(model.lm_logits(params, h)).reshape(B, T, -1), -1)
   np.testing.assert_array_equal(np.asarray(want), bb[np.arange(B)[:, None], np.asarray(fr)[:, None] + np.arange(1, k + 1)])
+
+
+@pytest.mark.slow
+def test_train_dspark_small_cli(tmp_path):
+  """V4.1's DSpark drafter on a frozen shipped backbone: the checkpoint holds the draft, the backbone is unchanged,
+  the engine-like acceptance is reported by depth; a bad flag is one line before anything loads."""
+  out = tmp_path / "ck"
+  r = subprocess.run([sys.executable, "-m", "experiments.train_dspark", "--small", "--model=v41_motif",
+                      f"--out_dir={out}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  info = json.load(open(out / "config.json"))
+  assert info["small"] and len(info["acceptance_after"]["free_k2_by_depth"]) == 2
+  config, params = train_lib.load_trained(str(out))
+  _, shipped = train_lib.load_trained("v41_motif")
+  assert config.num_mtp_layers == 3 and config.dspark.block_size == 7
+  for x, y in zip(jax.tree_util.tree_leaves(shipped), jax.tree_util.tree_leaves({k: v for k, v in params.items()
+                                                                                 if k != "mtp"})):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  bad = subprocess.run([sys.executable, "-m", "experiments.train_dspark", "--small", "--experts_per_tok=9"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert bad.returncode != 0 and "--experts_per_tok=9" in bad.stderr
