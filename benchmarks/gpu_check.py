@@ -29,8 +29,9 @@ cannot be the thing that fails; the case side, which does, is benchmarks/gpu_che
 every case that ran is ok, 1 otherwise.
 
 --dry-run: the same plan and plumbing on a CPU with tiny shapes: correctness cases run the kernels in Pallas
-interpret mode; timing cases time the interpret-mode kernel (one iteration) and the XLA reference beside it
-(`xla_ms`), so the roofline columns hold real, if meaningless, CPU numbers.
+interpret mode; timing cases time the interpret-mode kernel (one iteration, hot: a CPU has no L2 to flush, so `kernel_ms` is
+`hot_ms`) and the XLA reference beside it (`xla_ms`), so the roofline columns hold real, if meaningless, CPU
+numbers.
 --inject NAME=raise|hang|crash|mismatch (repeatable) makes one case fail that way (tests of the plumbing).
 """
 
