@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import hca_attention as _hca
 from pallas_kernels import indexer as _indexer
 from pallas_kernels import indexer_paged as _indexer_paged
 from pallas_kernels import indexer_topk as _indexer_topk
@@ -50,6 +51,7 @@ IndexerTuning = _indexer.IndexerTuning
 IndexerTopkTuning = _indexer_topk.IndexerTopkTuning
 Fp8PagedPool = _sparse.Fp8PagedPool
 Fp8IndexKeys = _indexer_topk.Fp8IndexKeys
+HcaAttentionTuning = _hca.HcaAttentionTuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,7 @@ class KernelConfig:
   # auto: seconds a kernel's validation (a child process: JAX start, two compiles, one run) may take before the
   # kernel counts as hung and the XLA reference is used
   validation_timeout_s: float = 180.0
+  hca_tuning: HcaAttentionTuning | None = None  # the invariant step's HCA kernel
 
 
 # op name -> callable(*args, interpret: bool, tuning=..., **kw). Filled by kernel modules.
@@ -71,7 +74,7 @@ def register_kernel(op: str, fn: Callable) -> None:
   _KERNELS[op] = fn
 
 
-for _mod in (_sparse, _indexer, _indexer_topk):
+for _mod in (_sparse, _indexer, _indexer_topk, _hca):
   for _op, _fn in getattr(_mod, "KERNELS", {}).items():
     register_kernel(_op, _fn)
 
@@ -112,6 +115,19 @@ class IndexerArgs(NamedTuple):
   allowed_BxTxM: Any = None
   num_keys_B: Any = None
   candidate_blocks_BxTxC: Any = None
+
+
+class HcaArgs(NamedTuple):
+  """The array arguments of one `hca_attention` call, by name. Static arguments (`scale`, `entries_per_block`)
+  travel beside it in a dict."""
+  q_NxHxD: Any
+  window_pool_PxD: Any
+  window_idx_NxW: Any
+  window_len_N: Any
+  comp_pool_QxD: Any
+  table_NxF: Any
+  num_visible_N: Any
+  sink_H: Any
 
 
 class _OpCheck(NamedTuple):
@@ -155,7 +171,7 @@ def _abstract(x):
 
 def _tuning(cfg: KernelConfig, op: str):
   return {"sparse_attention": cfg.sparse_tuning, "indexer_scores": cfg.indexer_tuning,
-          "indexer_topk": cfg.topk_tuning}.get(op)
+          "indexer_topk": cfg.topk_tuning, "hca_attention": cfg.hca_tuning}.get(op)
 
 
 def _kernel_name(fn: Callable) -> str:
@@ -316,6 +332,32 @@ def sparse_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, co
   return _RUN["sparse_attention"](_KERNELS["sparse_attention"], args, static, kw)
 
 
+def _hca_args(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF, num_visible_N,
+              sink_H, *, scale: float, entries_per_block: int):
+  return (HcaArgs(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF, num_visible_N,
+                  sink_H), dict(scale=float(scale), entries_per_block=int(entries_per_block)))
+
+
+def hca_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF, num_visible_N,
+                  sink_H, *, scale: float, entries_per_block: int, cfg: KernelConfig = KernelConfig()):
+  """HCA attention in the invariant step's order (the window, then every visible entry in position order, blocks
+  of 64 entries) -> out_NxHxD in q's dtype.
+
+  hca_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF, num_visible_N,
+                sink_H, *, scale, entries_per_block, cfg=KernelConfig())
+
+  Entry e of query n's row lives at pool row table_NxF[n, e // E] * E + e % E (E = entries_per_block); entries
+  0 .. num_visible_N[n] - 1 are visible. A query's bits depend only on its own arguments (see `hca_attention.py`
+  for the contract). The XLA reference is `attention.blocked_dense_attention`'s math (`hca_attention_reference`);
+  the model keeps calling that function itself when no kernel is selected."""
+  args, static = _hca_args(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF,
+                           num_visible_N, sink_H, scale=scale, entries_per_block=entries_per_block)
+  kw = _resolve(cfg, "hca_attention", args, static)
+  if kw is None:
+    return _hca_reference(args, static)
+  return _RUN["hca_attention"](_KERNELS["hca_attention"], args, static, kw)
+
+
 def _scores_args(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None, *,
                  num_keys_B=None):
   return IndexerArgs(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM,
@@ -371,6 +413,10 @@ def indexer_topk(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT
   return _RUN["indexer_topk"](_KERNELS["indexer_topk"], args, static, kw)
 
 
+def _hca_reference(a: HcaArgs, static: dict):
+  return _hca.hca_attention_reference(*a, **static)
+
+
 def _sparse_reference(a: SparseArgs, static: dict):
   return _sparse.sparse_attention_reference(a.q_NxHxD, a.window_pool_PxD, a.window_idx_NxW, a.comp_pool_QxD,
                                             a.comp_idx_NxK, a.sink_H, scale=static["scale"],
@@ -408,6 +454,10 @@ def _run_sparse_kernel(kernel: Callable, a: SparseArgs, static: dict, kw: dict):
                 scale=static["scale"], window_len_N=a.window_len_N, comp_len_N=a.comp_len_N, **kw)
 
 
+def _run_hca_kernel(kernel: Callable, a: HcaArgs, static: dict, kw: dict):
+  return kernel(*a, **static, **kw)
+
+
 def _run_scores_kernel(kernel: Callable, a: IndexerArgs, static: dict, kw: dict):
   return kernel(a.q_BxTxHxC, a.w_BxTxH, a.key_pool_PxC, a.key_rows_BxM, a.num_visible_BxT, a.allowed_BxTxM,
                 num_keys_B=a.num_keys_B, **kw)
@@ -419,9 +469,10 @@ def _run_topk_kernel(kernel: Callable, a: IndexerArgs, static: dict, kw: dict):
                 block_size=static["block_size"], **kw)
 
 
-_OP_ARGS = {"sparse_attention": _sparse_args, "indexer_scores": _scores_args, "indexer_topk": _topk_args}
+_OP_ARGS = {"sparse_attention": _sparse_args, "indexer_scores": _scores_args, "indexer_topk": _topk_args,
+            "hca_attention": _hca_args}
 _RUN = {"sparse_attention": _run_sparse_kernel, "indexer_scores": _run_scores_kernel,
-        "indexer_topk": _run_topk_kernel}
+        "indexer_topk": _run_topk_kernel, "hca_attention": _run_hca_kernel}
 
 
 # Random inputs with the structure, shapes and dtypes of the call (values inside each argument's contract).
@@ -467,6 +518,21 @@ def _sparse_inputs(a: SparseArgs, static: dict, key) -> SparseArgs:
       window_len_N=None if a.window_len_N is None else _ints(keys[6], a.window_len_N, 0,
                                                              a.window_idx_NxW.shape[1] + 1),
       comp_len_N=None if a.comp_len_N is None else _ints(keys[7], a.comp_len_N, 0, a.comp_idx_NxK.shape[1] + 1))
+
+
+def _hca_inputs(a: HcaArgs, static: dict, key) -> HcaArgs:
+  keys = jax.random.split(key, 8)
+  W, F = a.window_idx_NxW.shape[1], a.table_NxF.shape[1]
+  E = static["entries_per_block"]
+  return HcaArgs(
+      q_NxHxD=_normal(keys[0], a.q_NxHxD),
+      window_pool_PxD=_random_pool(keys[1], a.window_pool_PxD),
+      window_idx_NxW=_ints(keys[2], a.window_idx_NxW, -1, a.window_pool_PxD.shape[0] + 1),
+      window_len_N=_ints(keys[3], a.window_len_N, 0, W + 1),
+      comp_pool_QxD=_random_pool(keys[4], a.comp_pool_QxD),
+      table_NxF=_ints(keys[5], a.table_NxF, -1, -(-a.comp_pool_QxD.shape[0] // E) + 1),
+      num_visible_N=_ints(keys[6], a.num_visible_N, 0, F * E + 1),
+      sink_H=_normal(keys[7], a.sink_H))
 
 
 def _indexer_inputs(a: IndexerArgs, static: dict, key) -> IndexerArgs:
@@ -546,6 +612,28 @@ def _sparse_small(a: SparseArgs, static: dict, tuning) -> SmallCase:
   return SmallCase(args, tun, tiling)
 
 
+def _hca_small(a: HcaArgs, static: dict, tuning) -> SmallCase:
+  """HCA: the compiled code depends on H, D, the dtypes and pool formats, the tuning and entries_per_block (static),
+  not on N, W, the table width or the pool rows (every id row is read a block per step). The small case: 2
+  queries, 64 pool rows, a window of two steps and a table of two 64-entry blocks' worth of entries."""
+  t = tuning or _hca.default_tuning([a.window_pool_PxD, a.comp_pool_QxD])
+  N, H, D = a.q_NxHxD.shape
+  E = static["entries_per_block"]
+  n = min(N, 2)
+  f = min(a.table_NxF.shape[1], max(1, -(-2 * _hca.DENSE_BLOCK_ENTRIES // E)))
+  args = HcaArgs(
+      q_NxHxD=_lead(a.q_NxHxD, n), window_pool_PxD=_small_pool(a.window_pool_PxD),
+      window_idx_NxW=_lead(_cols(a.window_idx_NxW, min(a.window_idx_NxW.shape[1], 2 * t.block_k)), n),
+      window_len_N=_lead(a.window_len_N, n), comp_pool_QxD=_small_pool(a.comp_pool_QxD),
+      table_NxF=_lead(_cols(a.table_NxF, f), n), num_visible_N=_lead(a.num_visible_N, n), sink_H=a.sink_H)
+  return SmallCase(args, t, (H, D))
+
+
+def _hca_err(got, want, a: HcaArgs, static: dict):
+  atol, rtol = _tols(a.q_NxHxD.dtype)
+  return _close(got, want, atol, rtol)
+
+
 def _indexer_small(a: IndexerArgs, static: dict, tuning, *, topk: bool) -> SmallCase:
   """Indexer scores / fused top-k: the compiled code depends on H, C, the dtypes and key format, the tuning, k, the
   candidate count and (top-k) whether the entries span more than one on-chip chunk, not on B, T, the pool rows or
@@ -620,6 +708,7 @@ def _topk_err(got, scores, args: IndexerArgs, static: dict):
 
 _CHECKS.update({
     "sparse_attention": _OpCheck(_sparse_inputs, _sparse_reference, _sparse_err, _sparse_small),
+    "hca_attention": _OpCheck(_hca_inputs, _hca_reference, _hca_err, _hca_small),
     "indexer_scores": _OpCheck(_indexer_inputs, _scores_reference, _scores_err,
                                lambda a, s, t: _indexer_small(a, s, t, topk=False)),
     "indexer_topk": _OpCheck(_indexer_inputs, _topk_check_scores, _topk_err,
