@@ -58,7 +58,7 @@ MIN_CASE_S = 10.0  # a case needs at least this much budget to start (JAX's star
 class Case:
   name: str
   kind: str  # "correctness" | "timing"
-  op: str  # "sparse_attention" | "indexer_scores" | "indexer_topk"
+  op: str  # "sparse_attention" | "hca_attention" | "indexer_scores" | "indexer_topk"
   impl: str  # "triton"
   params: dict
   timeout: float
@@ -75,7 +75,8 @@ _INDEXER = dict(HI=64, C=128, k=512, cand=0, block_size=8)
 _INDEXER_DRY = dict(HI=16, C=32, k=16)
 
 
-def _sparse(name, kind, *, mode, kind_, fmt, N, ctx, impl="triton", timeout=None, dry=None, **kw):
+def _sparse(name, kind, *, mode, kind_, fmt, N, ctx, impl="triton", timeout=None, dry=None, op="sparse_attention",
+            **kw):
   p = dict(_SPARSE, mode=mode, layer=kind_, fmt=fmt, N=N, ctx=ctx, **kw)
   if kind_ == "hca":
     p["K"] = ctx // 128
@@ -85,7 +86,7 @@ def _sparse(name, kind, *, mode, kind_, fmt, N, ctx, impl="triton", timeout=None
   d.update(dry or {})
   p["dry"] = d
   t = timeout or (90.0 if kind == "correctness" else 120.0)
-  return Case(name, kind, "sparse_attention", impl, p, t)
+  return Case(name, kind, op, impl, p, t)
 
 
 def _indexer(name, kind, *, op, mode, keys, B, T, ctx, timeout=None, **kw):
@@ -138,6 +139,11 @@ def plan() -> list[Case]:
               ctx=131072),
       _sparse("time.sparse.decode_hca.fp8_paged.b64.128k", T, mode="decode", kind_="hca", fmt="fp8_paged", N=64,
               ctx=131072),
+      # the invariant step's HCA kernel (window, then every entry through the row's table): checked, then timed
+      _sparse("time.hca.decode_invariant.bf16.b64.128k", T, mode="decode", kind_="hca", fmt="bf16", N=64,
+              ctx=131072, lens=True, dry=dict(lens=True), op="hca_attention"),
+      _sparse("time.hca.decode_invariant.fp8_paged.b64.128k", T, mode="decode", kind_="hca", fmt="fp8_paged",
+              N=64, ctx=131072, lens=True, dry=dict(lens=True), op="hca_attention"),
       _indexer("time.topk.decode.fp8_keys.b64.128k", T, op="indexer_topk", mode="decode", keys="fp8", B=64, T=1,
                ctx=131072),
       _indexer("time.topk.decode.bf16_keys.b64.128k", T, op="indexer_topk", mode="decode", keys="bf16", B=64,

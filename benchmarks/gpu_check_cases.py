@@ -102,6 +102,8 @@ def run_case(case: Case, args) -> dict:
   ctx = dict(args=args, p=p, case=case, dry=args.dry_run, inject=args.child_inject, partial=partial)
   if case.op == "sparse_attention":
     return _run_sparse(**ctx)
+  if case.op == "hca_attention":
+    return _run_hca(**ctx)
   return _run_indexer(**ctx)
 
 
@@ -215,6 +217,65 @@ def _run_sparse(args, p, case, dry, inject, partial):
   ms, hot, flush = kb.device_time_ms(kern, inputs, _chained_slot(inputs, "sink_H"), **_timing(args, dry))
   row.update(hot_ms=hot, flush_ms=flush, predicted_pct=_predicted(p))
   if dry:  # the reference beside the interpret-mode kernel (on the GPU the budget goes to the kernels)
+    row["xla_ms"] = kb.device_time_ms(ref, inputs, _chained_slot(inputs, "sink_H"), **_timing(args, dry))[0]
+  return _roofline(row, flops, nbytes, ms, args)
+
+
+def _hca_inputs(p, key):
+  """The HCA decode case's rows as the invariant step's HCA call: each sequence's entries through its own table
+  (one entry per table block: ratio 128), visible count = the live compressed length."""
+  import jax.numpy as jnp
+  from pallas_kernels import dispatch
+  a = _sparse_inputs(p, key)
+  N, K = a.comp_idx_NxK.shape
+  nv = jnp.full((N,), K, jnp.int32) if a.comp_len_N is None else a.comp_len_N
+  wl = jnp.full((N,), p["W"], jnp.int32) if a.window_len_N is None else a.window_len_N
+  return dispatch.HcaArgs(a.q_NxHxD, a.window_pool_PxD, a.window_idx_NxW, wl, a.comp_pool_QxD, a.comp_idx_NxK, nv,
+                          a.sink_H)
+
+
+def _run_hca(args, p, case, dry, inject, partial):
+  import jax
+  from benchmarks import kernels_bench as kb
+  from pallas_kernels import dispatch
+  from pallas_kernels import hca_attention as hk
+  from pallas_kernels import sparse_attention as sa
+  row = {}
+  inputs = jax.jit(lambda key: _hca_inputs(p, key))(jax.random.PRNGKey(0))
+  row["arrays"] = _arrays(inputs)
+  D = p["D"]
+  static = dict(scale=D ** -0.5, entries_per_block=1)
+  ref = jax.jit(_on_record(dispatch.HcaArgs, lambda a: dispatch._hca_reference(a, static)))
+  tuning = (hk.HcaAttentionTuning(block_h=16, block_k=16) if dry
+            else hk.default_tuning([inputs.window_pool_PxD, inputs.comp_pool_QxD]))
+  row["tuning"] = dataclasses.asdict(tuning)
+  kernel_kw = dict(interpret=dry, tuning=tuning)
+  kern = jax.jit(_on_record(dispatch.HcaArgs,
+                            lambda a: dispatch._run_hca_kernel(hk.hca_attention_kernel, a, static, kernel_kw)))
+  if dry and case.kind == "timing":
+    row["kernel"] = case.kernel + " [dry run: interpret mode on the CPU]"
+  out = kern(*inputs)
+  want = ref(*inputs)
+  if inject == "mismatch":
+    out = out * 1.5
+  tol = (1e-4, 1e-4) if p["fmt"] == "f32" else (1.5e-2, 2e-2)
+  err = kb.tol_ratio(out, want, *tol)
+  del out, want
+  if not _judged(row, err, case, partial, "max |kernel - reference| / tol"):
+    return row
+  H = p["H"]
+  window_pool, comp_pool = inputs.window_pool_PxD, inputs.comp_pool_QxD
+  window_idx = sa.apply_len(inputs.window_idx_NxW, inputs.window_len_N)
+  comp_idx = sa.apply_len(inputs.table_NxF, inputs.num_visible_N)
+  uw, aw = kb.unique_valid(window_idx, sa.pool_rows(window_pool))
+  uc, ac = kb.unique_valid(comp_idx, sa.pool_rows(comp_pool))
+  flops = 2.0 * H * (aw + ac) * (D + D)
+  q = inputs.q_NxHxD
+  nbytes = (q.size * q.dtype.itemsize * 2 + uw * sa.pool_row_bytes(window_pool) + uc * sa.pool_row_bytes(comp_pool)
+            + inputs.table_NxF.size * 4)
+  ms, hot, flush = kb.device_time_ms(kern, inputs, _chained_slot(inputs, "sink_H"), **_timing(args, dry))
+  row.update(hot_ms=hot, flush_ms=flush)
+  if dry:
     row["xla_ms"] = kb.device_time_ms(ref, inputs, _chained_slot(inputs, "sink_H"), **_timing(args, dry))[0]
   return _roofline(row, flops, nbytes, ms, args)
 

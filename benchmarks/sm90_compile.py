@@ -253,7 +253,8 @@ HI, CI = 64, 128  # indexer: 64 heads x 128 (V4.1: 32 heads)
 @dataclasses.dataclass(frozen=True)
 class Case:
   name: str
-  family: str  # "sparse" (the attention kernel: spills fail the test) | "indexer_scores" | "indexer_topk"
+  family: str  # "sparse" (the attention kernels, sparse MLA and HCA: spills fail the test) | "indexer_scores" |
+  #               "indexer_topk"
   params: dict
 
   def build(self):
@@ -261,7 +262,9 @@ class Case:
     return _BUILDERS[self.family](**self.params)
 
 
-def _sparse(N, K, fmt, ctx=131072, lens=True, tuning=None):
+def _sparse(N, K, fmt, ctx=131072, lens=True, tuning=None, hca_table=0):
+  """Sparse MLA over window W + K ids; with hca_table = F, the invariant step's HCA kernel instead (window W, then
+  the visible entries through [N, F] block tables, one entry per table block: ratio 128)."""
   import jax
   import jax.numpy as jnp
 
@@ -279,6 +282,11 @@ def _sparse(N, K, fmt, ctx=131072, lens=True, tuning=None):
   # A serving pool: 256 sequences' windows and 64 sequences' compressed rows at `ctx` (2M rows at 128k), whatever
   # the batch; pool sizes change the code only through 32- vs 64-bit offsets.
   window_rows, comp_rows = 256 * W, 64 * ctx // 4
+  if hca_table:
+    from pallas_kernels import hca_attention as hk
+    specs = (S((N, H, D), jnp.bfloat16), pool(window_rows), S((N, W), jnp.int32), S((N,), jnp.int32),
+             pool(64 * hca_table), S((N, hca_table), jnp.int32), S((N,), jnp.int32), S((H,), jnp.float32))
+    return hk.hca_attention_pallas, specs, dict(scale=D ** -0.5, entries_per_block=1, tuning=tuning)
   comp = (pool(comp_rows), S((N, K), jnp.int32)) if K else (None, None)
   ln = S((N,), jnp.int32) if lens else None
   specs = (S((N, H, D), jnp.bfloat16), pool(window_rows), S((N, W), jnp.int32), comp[0], comp[1],
@@ -324,6 +332,10 @@ def _cases() -> list[Case]:
   out.append(Case("sparse_decode_b64_hca_128k_bf16", "sparse", dict(N=64, K=1024, fmt="bf16")))
   out.append(Case("sparse_decode_b64_hca_128k_fp8_paged", "sparse", dict(N=64, K=1024, fmt="fp8_paged")))
   out.append(Case("sparse_decode_b64_window_only_bf16", "sparse", dict(N=64, K=0, fmt="bf16")))
+  # The invariant step's HCA kernel (family "sparse": the same rows and dots, so a spill fails the test too);
+  # tables at 1M tokens (8192 blocks), any live context.
+  for fmt in ("bf16", "fp8_record", "fp8_paged"):
+    out.append(Case(f"hca_invariant_decode_b64_{fmt}", "sparse", dict(N=64, K=0, fmt=fmt, hca_table=8192)))
   out.append(Case("indexer_scores_decode_b64_128k", "indexer_scores", dict(B=64, T=1, M=131072 // 4)))
   out.append(Case("indexer_scores_prefill_4k", "indexer_scores", dict(B=1, T=4096, M=16384 // 4)))
   out.append(Case("indexer_scores_decode_b64_128k_v41", "indexer_scores",

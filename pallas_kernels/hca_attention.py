@@ -121,8 +121,8 @@ class HcaAttentionTuning:
   block_k: window ids / entries per step (power of two, dividing DENSE_BLOCK_ENTRIES so that the steps tile the
     reference's 64-entry blocks in order).
   num_warps / num_stages: Triton launch and software-pipelining depth of the key loops.
-  The defaults are the sparse kernel's spill-free tilings (same rows, same dots): bf16 64 heads x 16 keys, FP8 32
-  heads. debug: print the kernel jaxpr and Triton module when lowering."""
+  `default_tuning` picks the spill-free tilings below. debug: print the kernel jaxpr and Triton module when
+  lowering."""
   block_h: int = 64
   block_k: int = 16
   num_warps: int = 8
@@ -138,8 +138,11 @@ class HcaAttentionTuning:
       raise ValueError(f"block_k must divide {DENSE_BLOCK_ENTRIES}, got {self.block_k}")
 
 
-BF16_TUNING = HcaAttentionTuning()
-FP8_TUNING = HcaAttentionTuning(block_h=32)
+# Spill-free at sm_90a (benchmarks/sm90_compile.py, docs/kernels.md): the table gather in front of each step's row
+# gather costs registers the sparse kernel's tilings do not have. bf16: 64 heads, 2 stages (3 spill ~400 B); FP8:
+# 16 heads a program (32 spill ~450 B), four programs a token, their rows shared through L2.
+BF16_TUNING = HcaAttentionTuning(num_stages=2)
+FP8_TUNING = HcaAttentionTuning(block_h=16)
 
 
 def default_tuning(pools) -> HcaAttentionTuning:

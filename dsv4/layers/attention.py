@@ -378,8 +378,15 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
 
   window_pool = caches.flat_pool(cache_layer["window_kv"])
   if plan.dense_compressed and ctx.invariant:
-    out = blocked_dense_attention(q, window_pool, win_idx, win_len, comp_pool, ctx, plan.ratio, p["sink"],
-                                  d ** -0.5)
+    # The same block order on the HCA kernel when `kernel_cfg` sends "hca_attention" to one; else the XLA function.
+    nv = num_visible(ctx, plan.ratio)
+    hca = (q, window_pool, win_idx, win_len, comp_pool, ctx.full_table_RxF[ctx.row_N], nv, p["sink"])
+    hca_static = dict(scale=d ** -0.5, entries_per_block=ctx.full_block_tokens // plan.ratio)
+    if dispatch.uses_kernel(kernel_cfg, "hca_attention", *hca, **hca_static):
+      out = dispatch.hca_attention(*hca, **hca_static, cfg=kernel_cfg)
+    else:
+      out = blocked_dense_attention(q, window_pool, win_idx, win_len, comp_pool, ctx, plan.ratio, p["sink"],
+                                    d ** -0.5)
   else:
     # Per-query valid lengths: the kernels stop their loops there (O(live ids), not O(W + K)).
     out, _ = dispatch.sparse_attention(q, window_pool, win_idx, comp_pool, comp_idx, p["sink"], scale=d ** -0.5,

@@ -233,3 +233,23 @@ def test_indexer_topk_fp8_query_lowers_to_fp8_dots(name, B, T, M, capsys):
     dots = [ln for ln in capsys.readouterr().out.splitlines() if "tt.dot" in ln]
     assert len(dots) == 2
     assert all(("xf8E4M3FN> *" in ln) == fp8_query for ln in dots), dots
+
+
+@pytest.mark.parametrize("pool", ["bf16", "fp8", "fp8_paged"])
+@pytest.mark.parametrize("name,N,F", [
+    ("decode_b64_1m_table", 64, 8192),   # HCA (ratio 128, one entry per 128-token block): tables at 1M tokens
+    ("prefill_4k_128k_table", 4096, 1024),
+])
+def test_hca_attention_lowers_for_cuda(name, N, F, pool):
+  """The invariant step's HCA kernel (window, then every visible entry through the row's table, block_k a step)."""
+  from pallas_kernels import hca_attention as hk
+  rows = max(N, 64) * F
+  if pool == "fp8_paged":
+    wp, cp = paged_spec(max(N, 256) * W), paged_spec(rows)
+  else:
+    wp, cp = pool_spec(max(N, 256) * W, pool == "fp8"), pool_spec(rows, pool == "fp8")
+  exp = export_for_cuda(
+      hk.hca_attention_pallas, S((N, H, D), jnp.bfloat16), wp, S((N, W), jnp.int32), S((N,), jnp.int32), cp,
+      S((N, F), jnp.int32), S((N,), jnp.int32), S((H,), jnp.float32), scale=D ** -0.5, entries_per_block=1)
+  assert TRITON in lowering.custom_call_targets(exp)
+  assert exp.out_avals[0].shape == (N, H, D)
