@@ -6,10 +6,17 @@ k, since a sampled row's draws follow its verifications; greedy rows equal draft
 tests/dsv4/test_dspark_engine.py). The claim depends on the code XLA generates, so each test runs in a child process at XLA's
 default optimisation level (tests/isolation.py), as users run.
 
+On a fixed mesh (2, 2, 2) = data x tensor x expert, pools split over `data`, the same property: the traces and the
+comparison are these, the engines (batched and alone) run on the mesh, in a child with 8 host devices. Admission
+places a request on a data shard (longest hit, most free blocks, fewest rows), so alone and batched it may run on
+different shards: the bits must not change. Async scheduling is not active on a mesh (`Engine.async_active`), so
+its draw changes nothing there; drafts are refused on a mesh (one device only), so those traces have none.
+
 Every engine here shares one `EngineConfig` shape (rows, token budget, tile, pools), so one compiled step program
 serves every example of a test: the traces vary only what the scheduler decides."""
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from dsv4 import caches, config, model
+from dsv4 import caches, config, model, sharding
 from dsv4.engine.api import generate
 from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
@@ -31,6 +38,11 @@ ROOMY = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, m
 # Same step program, a pool that preempts when four requests run (cache shapes differ: a second compile).
 TIGHT = dataclasses.replace(ROOMY, num_full_blocks=3, num_swa_blocks=9)
 PREFIXES = 3          # shared document prefixes the prompts draw from (prefix hits)
+MESH = (2, 2, 2)      # data x tensor x expert; tiny V4 / V4.1 split 4 heads, 2 output groups, 8 experts over it
+# On the mesh every engine, batched or alone, has TIGHT's pool per data shard (2 of the 4 rows there): a mesh engine
+# compiles its step anew (the persistent cache serves the later engines), so one cache shape means one compile. A
+# request alone always fits it; two long requests on one shard preempt.
+MESH_POOL = dataclasses.replace(ROOMY, num_full_blocks=3 * MESH[0], num_swa_blocks=9 * MESH[0])
 
 
 def _model(variant: str, kv: str, drafter: bool = False):
@@ -85,24 +97,28 @@ def _reload_trace(vocab: int):
 
 
 class _Alone:
-  """Each request's tokens and logits alone on a fresh roomy engine (memoised across examples)."""
+  """Each request's tokens and logits alone on a fresh roomy engine (memoised across examples), and the data shard
+  it ran on; on `mesh` if given (the mesh is fixed, only the batch varies)."""
 
-  def __init__(self, cfg, params, ec):
-    self.cfg, self.params, self.ec, self.memo = cfg, params, ec, {}
+  def __init__(self, cfg, params, ec, mesh=None):
+    self.cfg, self.params, self.ec, self.mesh, self.memo = cfg, params, ec, mesh, {}
 
   def __call__(self, prompt, sp, drafts: int = 0):
     key = (tuple(prompt), sp, drafts)
     if key not in self.memo:
-      eng = Engine(self.params, self.cfg, dataclasses.replace(self.ec, num_speculative_tokens=drafts))
+      eng = Engine(self.params, self.cfg, dataclasses.replace(self.ec, num_speculative_tokens=drafts),
+                   mesh=self.mesh)
+      shard = []
+      eng.on_finish = lambda r: shard.append(r.shard)
       (o,) = generate(self.params, self.cfg, [prompt], sp, engine=eng)
       assert o.error is None, o.error
-      self.memo[key] = (o.output, np.stack(o.token_logits))
+      self.memo[key] = (o.output, np.stack(o.token_logits), shard[0])
     return self.memo[key]
 
 
-def _batched(cfg, params, ec, reqs, waves: int):
+def _batched(cfg, params, ec, reqs, waves: int, mesh=None):
   """All requests through one engine, submitted in `waves` groups (each after the previous group's first steps)."""
-  eng = Engine(params, cfg, ec)
+  eng = Engine(params, cfg, ec, mesh=mesh)
   groups = np.array_split(np.arange(len(reqs)), waves)
   for g in groups:
     for i in g:
@@ -115,11 +131,12 @@ def _batched(cfg, params, ec, reqs, waves: int):
   return eng, [eng.requests[f"r{i}"] for i in range(len(reqs))]
 
 
-def _check(variant: str, kv: str, examples: int, drafts: bool = False, tiers: bool = False):
+def _check(variant: str, kv: str, examples: int, drafts: bool = False, tiers: bool = False, mesh=None):
   cfg, params, layout = _model(variant, kv, drafts)
-  roomy = dataclasses.replace(ROOMY, layout=layout)
-  alone = _Alone(cfg, params, roomy)
-  seen = {"preemptions": 0, "hits": 0, "drafted": 0, "tier_hits": 0}
+  roomy = dataclasses.replace(ROOMY if mesh is None else MESH_POOL, layout=layout)
+  tight = TIGHT if mesh is None else MESH_POOL
+  alone = _Alone(cfg, params, roomy, mesh)
+  seen = {"preemptions": 0, "hits": 0, "drafted": 0, "tier_hits": 0, "shards_differ": 0}
 
   @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
   @given(traces(cfg.vocab_size, drafts, tiers))
@@ -130,18 +147,19 @@ def _check(variant: str, kv: str, examples: int, drafts: bool = False, tiers: bo
     if run["tiers"]:
       from dsv4.engine.tiering import TieringConfig
       tc = TieringConfig(tiers=("host",), policy="load", write_queue=0)
-    ec = dataclasses.replace(TIGHT if run["tight"] else ROOMY, layout=layout, chunk_size=run["chunk_size"],
+    ec = dataclasses.replace(tight if run["tight"] else roomy, layout=layout, chunk_size=run["chunk_size"],
                              enable_prefix_caching=run["enable_prefix_caching"],
                              async_scheduling=run["async_scheduling"], num_speculative_tokens=run["drafts"],
                              tiering=tc)
-    eng, outs = _batched(cfg, params, ec, reqs, run["waves"])
+    eng, outs = _batched(cfg, params, ec, reqs, run["waves"], mesh)
     seen["preemptions"] += eng.stats["preemptions"]
     seen["hits"] += sum(r.hit_tokens + r.readmit_hit_tokens for r in outs)
     seen["drafted"] += eng.stats["spec_draft_tokens"]
     seen["tier_hits"] += sum(r.tier_hit_tokens for r in outs)
     for (prompt, sp), r in zip(reqs, outs):
       assert r.error is None, r.error
-      want_tokens, want_logits = alone(prompt, sp, run["drafts"])
+      want_tokens, want_logits, alone_shard = alone(prompt, sp, run["drafts"])
+      seen["shards_differ"] += r.shard != alone_shard      # finished on another data shard than alone
       assert r.output == want_tokens, (run, len(prompt))
       got = np.stack(r.token_logits)
       assert np.array_equal(got.view(np.uint32), want_logits.view(np.uint32)), (run, len(prompt))
@@ -177,3 +195,33 @@ def test_invariant_logits_with_drafts_and_tier_reloads(variant, kv, request):
     return
   seen = _check(variant, kv, examples=8, drafts=True, tiers=True)
   assert seen["drafted"] > 0 and seen["preemptions"] > 0 and seen["tier_hits"] > 0, seen
+
+
+def _mesh_child(request, monkeypatch) -> bool:
+  """As run_in_child (at XLA's default level), the child with 8 host devices for the fixed mesh."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_force_host_platform_device_count=8".strip())
+  if run_in_child(request, timeout_s=3000, default_xla_opt=True):
+    return True
+  assert jax.device_count() >= 8, jax.device_count()
+  return False
+
+
+def test_invariant_logits_on_random_traces_on_a_mesh(request, monkeypatch):
+  """The default tier's mesh draw: V4, bf16 compute and KV, two traces on the fixed mesh (2, 2, 2), pools over
+  data, alone on the same mesh; some request must have finished on another data shard than alone."""
+  if _mesh_child(request, monkeypatch):
+    return
+  seen = _check("v4", "bf16", examples=2, mesh=sharding.make_mesh(MESH))
+  assert seen["shards_differ"] > 0, seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,kv", [("v4", "fp8"), ("v41", "bf16"), ("v41", "fp8")])
+def test_invariant_logits_on_random_traces_on_a_mesh_every_variant(variant, kv, request, monkeypatch):
+  """V4 and V4.1, bf16 and FP8 KV, more traces on the fixed mesh: they must have preempted, hit the prefix cache
+  and run requests on another data shard than alone."""
+  if _mesh_child(request, monkeypatch):
+    return
+  seen = _check(variant, kv, examples=8, mesh=sharding.make_mesh(MESH))
+  assert seen["preemptions"] > 0 and seen["hits"] > 0 and seen["shards_differ"] > 0, seen
