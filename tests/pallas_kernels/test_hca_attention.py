@@ -102,6 +102,33 @@ def test_kernel_matches_reference_fp8_paged():
   np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "fp8"])
+def test_reference_is_blocked_dense_attention(fmt):
+  """The op's XLA reference on (table of the token's row, its visible count) is the model's
+  `blocked_dense_attention` on the step context, bit for bit: the fallback the engine keeps calling."""
+  from dsv4.layers import attention
+  from dsv4.layers.compressor import StepContext
+  ratio, R = 4, 3
+  rng = np.random.default_rng(2)
+  args = make_case(2, fmt)
+  q, wp, wi, wl, cp, _, _, sink = args
+  wi = jnp.where(wi < P, wi, -1)  # the model's window ids are in the pool (the XLA function only masks -1)
+  table_RxF = jnp.asarray(np.stack([rng.permutation(Q // E)[:F] for _ in range(R)]), jnp.int32)
+  row = jnp.asarray([0, 1, 2, 1, 0, 2, 2, 0], jnp.int32)
+  valid = jnp.asarray([False, True, True, True, True, True, True, False])
+  pos = jnp.where(valid, jnp.asarray([0, 19, 255, 832, 3, 300, 416, 0], jnp.int32), 0)
+  zeros = jnp.zeros((N,), bool)
+  ctx = StepContext(row_N=row, valid_N=valid, pos_N=pos, first_N=zeros, last_N=zeros,
+                    swa_table_RxS=jnp.zeros((R, 1), jnp.int32), full_table_RxF=table_RxF,
+                    swa_base_R=jnp.zeros((R,), jnp.int32), swa_block_tokens=16, full_block_tokens=E * ratio,
+                    invariant=True)
+  want = attention.blocked_dense_attention(q, wp, wi, wl, cp, ctx, ratio, sink, D ** -0.5)
+  nv = attention.num_visible(ctx, ratio)
+  assert int(nv.max()) > 2 * hk.DENSE_BLOCK_ENTRIES
+  got = hk.hca_attention_reference(q, wp, wi, wl, cp, table_RxF[row], nv, sink, **STATIC)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_dispatch_routes_hca_attention():
   """"hca_attention" is a registered op: interpret -> the kernel, xla / auto on the CPU -> the reference."""
   args = make_case(1, "fp32")
