@@ -63,8 +63,18 @@ def _finish(vals, ids):
 
 
 def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_N, k: int, *,
-                       chunk_entries: int = 4096, block_max_size: int = 0):
-  """Top-k entry ids over all visible entries of each query's row (see the module docstring)."""
+                       chunk_entries: int = 4096, block_max_size: int = 0, query_block: int = 0):
+  """Top-k entry ids over all visible entries of each query's row (see the module docstring).
+
+  query_block > 0 (the invariant step): the queries run in fixed blocks of that many, in a loop over the blocks up
+  to the last query that sees an entry, so a tile holding a few live tokens gathers and scores keys for those
+  blocks only (every query gathers its own row's keys: that is the cost that follows the query count), and a
+  query's picks come from a call of one fixed shape whatever its neighbours are. A query that sees no entry gets
+  what the whole call would give it (ids -1, scores and block maxima -inf)."""
+  N = q_NxHxC.shape[0]
+  if query_block and N > query_block:
+    return _by_query_blocks(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_N, k, query_block,
+                            chunk_entries=chunk_entries, block_max_size=block_max_size)
   N, H, C = q_NxHxC.shape
   NB, E, C2 = key_blocks_BxExC.shape
   F = table_NxF.shape[1]
@@ -108,6 +118,28 @@ def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_
   vals, ids, bm = jax.lax.fori_loop(0, live, body, init)
   bmax = bm[:, :M // block_max_size] if block_max_size else None
   return (*_finish(vals, ids), bmax)
+
+
+def _by_query_blocks(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_N, k: int, qb: int, **kw):
+  N, F = table_NxF.shape
+  if N % qb:
+    raise ValueError(f"indexer_topk_paged: query_block {qb} must divide the {N} queries")
+  M = F * key_blocks_BxExC.shape[1]
+  kk = min(k, M)
+  bms = kw["block_max_size"]
+  sees = jnp.where(num_visible_N > 0, jnp.arange(N, dtype=jnp.int32), -1)
+  live = (jnp.max(sees) + qb) // qb                       # 0 when no query sees anything
+
+  def body(b, carry):
+    cut = lambda a: jax.lax.dynamic_slice_in_dim(a, b * qb, qb, axis=0)
+    got = indexer_topk_paged(cut(q_NxHxC), cut(w_NxH), key_blocks_BxExC, cut(table_NxF), cut(num_visible_N), k,
+                             **kw)
+    return tuple(c if g is None else jax.lax.dynamic_update_slice_in_dim(c, g, b * qb, axis=0)
+                 for c, g in zip(carry, got))
+
+  init = (jnp.full((N, kk), -1, jnp.int32), jnp.full((N, kk), -jnp.inf, jnp.float32),
+          jnp.full((N, M // bms), -jnp.inf, jnp.float32) if bms else None)
+  return jax.lax.fori_loop(0, live, body, init)
 
 
 def candidate_blocks(block_max_NxNb, last_block_N, topk_blocks: int):

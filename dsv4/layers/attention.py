@@ -95,8 +95,10 @@ def indexer_select_fused(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR,
 
 
 # Entries per scored chunk of the paged indexer in the invariant step (fixed, so the running top-k merges in the
-# same order whatever the table width).
+# same order whatever the table width), and queries per scored block (fixed, so a tile with a few live tokens
+# gathers keys for those only: each query reads its own row's keys).
 INVARIANT_INDEX_CHUNK = 1024
+INVARIANT_INDEX_QUERIES = 8
 
 
 def indexer_select_paged(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool,
@@ -114,7 +116,7 @@ def indexer_select_paged(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR,
     return ids, None
   # The invariant step's tables span max_model_len: smaller chunks keep a short context from scoring a whole
   # default chunk of invisible entries (the loop runs only the chunks some query can see).
-  chunk = {"chunk_entries": INVARIANT_INDEX_CHUNK} if ctx.invariant else {}
+  chunk = {"chunk_entries": INVARIANT_INDEX_CHUNK, "query_block": INVARIANT_INDEX_QUERIES} if ctx.invariant else {}
   ids, _, bmax = dispatch.indexer_topk_paged(q, w, key_pool, table_NxF, nv, k, block_max_size=block_max_size,
                                              **chunk)
   return ids, bmax

@@ -79,6 +79,26 @@ def test_topk_paged_equals_reference(seed, chunk):
   assert np.all(np.asarray(ids)[0] == -1)  # the query that sees nothing picks nothing
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_query_blocks_match_the_reference_and_a_query_ignores_its_neighbours(seed):
+  """query_block (the invariant step): the queries in fixed blocks, none run past the last query that sees an
+  entry; a query's picks and score bits do not change with what its block neighbours are."""
+  q, w, pool, tab, nv = make_case(seed, N=8, H=4, C=16, NB=40, E=8, F=13)
+  nv = nv.at[5:].set(0).at[2].set(57)                       # trailing queries see nothing (tile padding)
+  kw = dict(chunk_entries=32, block_max_size=4, query_block=2)
+  ids, vals, bmax = ip.indexer_topk_paged(q, w, pool, tab, nv, 12, **kw)
+  assert_topk_matches(ids, reference_scores(q, w, pool, tab, nv), 12)
+  assert np.all(np.asarray(ids)[5:] == -1) and np.all(np.isneginf(np.asarray(vals)[5:]))
+  assert np.all(np.isneginf(np.asarray(bmax)[5:]))
+  # Query 2's neighbour (3) replaced: other q, table and visible count; query 2 moved nowhere, same bits.
+  q2, w2, _, tab2, nv2 = make_case(seed + 10, N=8, H=4, C=16, NB=40, E=8, F=13)
+  mix = lambda a, b: a.at[3].set(b[3])
+  ids2, vals2, bmax2 = ip.indexer_topk_paged(mix(q, q2), mix(w, w2), pool, mix(tab, tab2), mix(nv, nv2), 12, **kw)
+  np.testing.assert_array_equal(np.asarray(ids2)[2], np.asarray(ids)[2])
+  np.testing.assert_array_equal(np.asarray(vals2)[2], np.asarray(vals)[2])
+  np.testing.assert_array_equal(np.asarray(bmax2)[2], np.asarray(bmax)[2])
+
+
 def test_topk_paged_bf16_pool_and_k_above_entries():
   q, w, pool, tab, nv = make_case(3, N=4, H=4, C=16, NB=20, E=4, F=3, dtype=jnp.bfloat16)
   ids, _, _ = ip.indexer_topk_paged(q, w, pool, tab, nv, 64, chunk_entries=4)  # k > F * E: width clipped
