@@ -10,7 +10,8 @@ On a fixed mesh (2, 2, 2) = data x tensor x expert, pools split over `data`, the
 comparison are these, the engines (batched and alone) run on the mesh, in a child with 8 host devices. Admission
 places a request on a data shard (longest hit, most free blocks, fewest rows), so alone and batched it may run on
 different shards: the bits must not change. Async scheduling is not active on a mesh (`Engine.async_active`), so
-its draw changes nothing there; drafts are refused on a mesh (one device only), so those traces have none.
+its draw changes nothing there; drafts are refused on a mesh (one device only), so those traces have none (the
+slow tier's tier reloads included).
 
 Every engine here shares one `EngineConfig` shape (rows, token budget, tile, pools), so one compiled step program
 serves every example of a test: the traces vary only what the scheduler decides."""
@@ -84,14 +85,14 @@ def traces(draw, vocab: int, with_drafts: bool = False, with_tiers: bool = False
   return reqs, run
 
 
-def _reload_trace(vocab: int):
+def _reload_trace(vocab: int, drafts: int = 3):
   """A trace that reloads from the tier for certain: a document read, then a long request the tight pool can only
   hold by evicting (demoting) the document's blocks, then the document read again."""
   rng = np.random.default_rng(7)
   doc = [int(t) for t in rng.integers(2, vocab, 270)]
   other = [int(t) for t in rng.integers(2, vocab, 300)]
   sp = SamplingParams(max_tokens=3, ignore_eos=True)
-  run = dict(chunk_size=64, enable_prefix_caching=True, async_scheduling=False, tight=True, waves=3, drafts=3,
+  run = dict(chunk_size=64, enable_prefix_caching=True, async_scheduling=False, tight=True, waves=3, drafts=drafts,
              tiers=True)
   return [(doc + [5], sp), (other, sp), (doc + [9, 4], sp)], run
 
@@ -140,7 +141,7 @@ def _check(variant: str, kv: str, examples: int, drafts: bool = False, tiers: bo
 
   @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
   @given(traces(cfg.vocab_size, drafts, tiers))
-  @(example(_reload_trace(cfg.vocab_size)) if tiers else (lambda f: f))
+  @(example(_reload_trace(cfg.vocab_size, 3 if drafts else 0)) if tiers else (lambda f: f))
   def prop(trace):
     reqs, run = trace
     tc = None
@@ -225,3 +226,13 @@ def test_invariant_logits_on_random_traces_on_a_mesh_every_variant(variant, kv, 
     return
   seen = _check(variant, kv, examples=8, mesh=sharding.make_mesh(MESH))
   assert seen["preemptions"] > 0 and seen["hits"] > 0 and seen["shards_differ"] > 0, seen
+
+
+@pytest.mark.slow
+def test_invariant_logits_with_tier_reloads_on_a_mesh(request, monkeypatch):
+  """The same property with a host tier under the tight pool on the fixed mesh (V4, bf16; no drafts, refused on a
+  mesh): the traces must have preempted and reloaded from the tier."""
+  if _mesh_child(request, monkeypatch):
+    return
+  seen = _check("v4", "bf16", examples=6, tiers=True, mesh=sharding.make_mesh(MESH))
+  assert seen["preemptions"] > 0 and seen["tier_hits"] > 0, seen
