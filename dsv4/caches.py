@@ -194,6 +194,8 @@ class StepIndex:
                     step passes only the blocks its rows can touch, from block (start - state_tail_tokens) //
                     swa_block_tokens on, so that table's width follows the window + chunk, not the context.
 
+  full_row_R:       int32 [R] or None: see the field.
+
   Shapes are static per compile: N (bucketed), R and each S_g. `make_step_index` builds one on the host.
   """
   token_row_N: jax.Array
@@ -202,6 +204,10 @@ class StepIndex:
   row_num_tokens_R: jax.Array
   tables: dict[str, jax.Array]
   swa_base_R: jax.Array | None = None
+  # int32 [R] or None (= row r itself): the row of tables["full"] that holds row r's full table. The invariant step
+  # passes the engine's device table [slots, W] with each row's slot here, so no per-row copy of a table spanning
+  # max_model_len is made: a table lookup reads only the blocks it needs.
+  full_row_R: jax.Array | None = None
   # The engine's tiled invariant step: compressor pools fold in position order (`compressor.sequential_pool_scan`)
   # and dense compressed attention runs over fixed entry blocks, so neither a chunk or tile boundary nor the
   # table width changes a token's bits.

@@ -63,8 +63,13 @@ def _finish(vals, ids):
 
 
 def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_N, k: int, *,
-                       chunk_entries: int = 4096, block_max_size: int = 0, query_block: int = 0):
+                       chunk_entries: int = 4096, block_max_size: int = 0, query_block: int = 0,
+                       table_rows_N=None):
   """Top-k entry ids over all visible entries of each query's row (see the module docstring).
+
+  table_rows_N (int32 [N], optional): table_NxF is then a table of any number of rows [S, F] and query n's is
+  row table_rows_N[n] (the invariant step passes the engine's device table, whose width is max_model_len's: each
+  chunk reads only its own columns of each query's row, so nothing costs the table width).
 
   query_block > 0 (the invariant step): the queries run in fixed blocks of that many, in a loop over the blocks up
   to the last query that sees an entry, so a tile holding a few live tokens gathers and scores keys for those
@@ -72,15 +77,18 @@ def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_
   query's picks come from a call of one fixed shape whatever its neighbours are. A query that sees no entry gets
   what the whole call would give it (ids -1, scores and block maxima -inf)."""
   N = q_NxHxC.shape[0]
+  rows_N = jnp.arange(N, dtype=jnp.int32) if table_rows_N is None else table_rows_N.astype(jnp.int32)
   if query_block and N > query_block:
-    return _by_query_blocks(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_N, k, query_block,
+    return _by_query_blocks(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, rows_N, num_visible_N, k, query_block,
                             chunk_entries=chunk_entries, block_max_size=block_max_size)
   N, H, C = q_NxHxC.shape
   NB, E, C2 = key_blocks_BxExC.shape
   F = table_NxF.shape[1]
-  if C2 != C or w_NxH.shape != (N, H) or table_NxF.shape[0] != N or num_visible_N.shape != (N,):
+  if (C2 != C or w_NxH.shape != (N, H) or num_visible_N.shape != (N,) or rows_N.shape != (N,)
+      or (table_rows_N is None and table_NxF.shape[0] != N)):
     raise ValueError(f"indexer_topk_paged: shapes q {q_NxHxC.shape}, w {w_NxH.shape}, keys {key_blocks_BxExC.shape}"
-                     f", table {table_NxF.shape}, num_visible {num_visible_N.shape} do not agree")
+                     f", table {table_NxF.shape}, num_visible {num_visible_N.shape}, table rows "
+                     f"{None if table_rows_N is None else table_rows_N.shape} do not agree")
   if block_max_size and E % block_max_size:
     raise ValueError(f"indexer_topk_paged: block_max_size {block_max_size} must divide the {E} entries per block")
   q = q_NxHxC.astype(jnp.float32)
@@ -90,12 +98,15 @@ def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_
   kk = min(k, M)
   fc = max(1, min(F, chunk_entries // E))  # blocks per chunk
   nc = -(-F // fc)
+  def table_cols(c):  # [N, fc]: columns c * fc .. of each query's table row (-1 past the table)
+    col = c * fc + jnp.arange(fc, dtype=jnp.int32)
+    return jnp.where(col[None, :] < F, table_NxF[rows_N[:, None], jnp.minimum(col, F - 1)[None, :]], -1)
+
   if nc == 1:
-    s, _ = _chunk_scores(q, w, key_blocks_BxExC, table_NxF, 0, nv)
+    s, _ = _chunk_scores(q, w, key_blocks_BxExC, table_cols(0), 0, nv)
     vals, ids = jax.lax.top_k(s, kk)
     bmax = _block_max(s, block_max_size) if block_max_size else None
     return (*_finish(vals, ids), bmax)
-  tab = jnp.pad(table_NxF, ((0, 0), (0, nc * fc - F)), constant_values=-1)
   # Only the chunks some query of the call can see are scored (a dynamic trip count: the cost follows the live
   # context, not the table width). A chunk a query cannot see leaves its running top-k as it was (its scores are
   # -inf and sort after every kept value), so the trip count, which its neighbours set, never changes its picks.
@@ -104,8 +115,7 @@ def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_
 
   def body(c, carry):
     vals, ids, bmax = carry
-    tab_Nxfc = jax.lax.dynamic_slice_in_dim(tab, c * fc, fc, axis=1)
-    s, ent = _chunk_scores(q, w, key_blocks_BxExC, tab_Nxfc, c * (fc * E), nv)
+    s, ent = _chunk_scores(q, w, key_blocks_BxExC, table_cols(c), c * (fc * E), nv)
     # Earlier chunks first: among equal scores the lower entry id wins, as in one top_k over all entries.
     v2, pick = jax.lax.top_k(jnp.concatenate([vals, s], axis=1), kk)
     all_ids = jnp.concatenate([ids, jnp.broadcast_to(ent[None, :], (N, fc * E))], axis=1)
@@ -120,8 +130,8 @@ def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_
   return (*_finish(vals, ids), bmax)
 
 
-def _by_query_blocks(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_N, k: int, qb: int, **kw):
-  N, F = table_NxF.shape
+def _by_query_blocks(q_NxHxC, w_NxH, key_blocks_BxExC, table_SxF, rows_N, num_visible_N, k: int, qb: int, **kw):
+  N, F = rows_N.shape[0], table_SxF.shape[1]
   if N % qb:
     raise ValueError(f"indexer_topk_paged: query_block {qb} must divide the {N} queries")
   M = F * key_blocks_BxExC.shape[1]
@@ -132,8 +142,8 @@ def _by_query_blocks(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_N,
 
   def body(b, carry):
     cut = lambda a: jax.lax.dynamic_slice_in_dim(a, b * qb, qb, axis=0)
-    got = indexer_topk_paged(cut(q_NxHxC), cut(w_NxH), key_blocks_BxExC, cut(table_NxF), cut(num_visible_N), k,
-                             **kw)
+    got = indexer_topk_paged(cut(q_NxHxC), cut(w_NxH), key_blocks_BxExC, table_SxF, cut(num_visible_N), k,
+                             table_rows_N=cut(rows_N), **kw)
     return tuple(c if g is None else jax.lax.dynamic_update_slice_in_dim(c, g, b * qb, axis=0)
                  for c, g in zip(carry, got))
 
@@ -155,8 +165,9 @@ def candidate_blocks(block_max_NxNb, last_block_N, topk_blocks: int):
 
 
 def indexer_topk_candidates(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_N, k: int,
-                            candidate_blocks_NxCb, block_size: int):
+                            candidate_blocks_NxCb, block_size: int, table_rows_N=None):
   """Top-k over the entries of the candidate blocks only (O(Cb * block_size) per query, independent of M).
+  table_rows_N: as in `indexer_topk_paged` (query n's table is table_NxF[table_rows_N[n]]).
 
   Returns (ids [N, min(k, F * E)] entry ids, -1 = none; vals). Candidate ids are sorted first so that the
   scored entries are in increasing id order: ties then break toward the lower entry id, as over the dense mask."""
@@ -172,7 +183,8 @@ def indexer_topk_candidates(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_vis
   ok_cb = cb != jnp.iinfo(jnp.int32).max
   ent = jnp.where(ok_cb[:, :, None], cb[:, :, None] * block_size + jnp.arange(block_size)[None, None, :], -1)
   ent = ent.reshape(N, -1)  # [N, Cb * bs]
-  blk = jnp.take_along_axis(table_NxF, jnp.clip(ent // E, 0, F - 1), axis=1)
+  rows_N = jnp.arange(N) if table_rows_N is None else table_rows_N
+  blk = table_NxF[rows_N[:, None], jnp.clip(ent // E, 0, F - 1)]
   ok = (ent >= 0) & (ent < M) & (ent < num_visible_N[:, None]) & (blk >= 0) & (blk < NB)
   keys = key_blocks_BxExC[jnp.clip(blk, 0, NB - 1), jnp.maximum(ent, 0) % E]  # [N, Cb*bs, C]
   s = jnp.where(ok, _score(q_NxHxC.astype(jnp.float32), w_NxH.astype(jnp.float32), keys), -jnp.inf)

@@ -62,7 +62,8 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   it: every step writes its positions before attending, and reads stop at each query's position.
   Returns (cache, results [R, out_width], logits [R, k + 1, V]: column j scored the row's j-th new token)."""
   K, R, N = shape.spec, shape.rows, shape.tokens
-  step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
+  step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"],
+                          full_row_R=p.get("full_row"))
   ds = dspark.is_dspark(config)
   if ds:    # the backbone taps its DSpark features and writes the stages' context KV at the step's positions
     fwd_ds = functools.partial(model.forward_ragged_aux, params, config, layout=layout, kernel_cfg=kernel_cfg,
@@ -140,7 +141,7 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   Xr = Xm[:, frontier]
   for _ in range(K - 1):
     rstep = caches.StepIndex(jnp.where(drafting, jnp.arange(R), -1), pos, pos, drafting.astype(jnp.int32), rows,
-                             swa_base_R=p["swa_base"])
+                             swa_base_R=p["swa_base"], full_row_R=p.get("full_row"))
     cache, Xr, hr = model.mtp_forward(params, config, 0, Xr, drafts[-1], cache, rstep, layout=layout,
                                       kernel_cfg=kernel_cfg)
     drafts.append(jnp.argmax(model.lm_logits(params, hr), axis=-1).astype(jnp.int32))

@@ -55,12 +55,19 @@ def _sample(p, logits_RxV):
 
 def _row_tables(tables, p, shape: RaggedShape):
   """Each row's block tables [R, width], gathered from the device tables [slots, W] at its slot: the full table
-  from entry 0 (width follows the live context), the swa table from its base block (the window + chunk)."""
+  from entry 0 (width follows the live context), the swa table from its base block (the window + chunk).
+
+  The invariant step's full table spans max_model_len: it is not copied per row; the device table itself goes to
+  the model with each row's slot as its table row (`StepIndex.full_row_R`, `p["full_row"]`), so a lookup reads
+  only the blocks it needs and nothing costs the table width."""
   out = {}
   slot = jnp.maximum(p["slot"], 0)
   for g, t in tables.items():
     w = t.shape[1]
-    if g == caches.SWA:
+    if g != caches.SWA and shape.invariant and w == shape.full_width:
+      out[g] = t
+      p["full_row"] = slot
+    elif g == caches.SWA:
       cols = p["swa_base"][:, None] + jnp.arange(shape.swa_width, dtype=jnp.int32)[None]
       out[g] = jnp.where(cols < w, t[slot[:, None], jnp.minimum(cols, w - 1)], -1)
     else:

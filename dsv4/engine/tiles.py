@@ -26,7 +26,8 @@ def tile_index(p, i, tile: int, rows) -> tuple[jax.Array, caches.StepIndex]:
   hi = jnp.minimum(first + p["num"], o + tile)
   num = jnp.where(p["num"] > 0, jnp.maximum(hi - lo, 0), 0)
   start = p["start"] + jnp.maximum(lo - first, 0)
-  return toks, caches.StepIndex(row, pos, start, num, rows, swa_base_R=p["swa_base"], invariant=True)
+  return toks, caches.StepIndex(row, pos, start, num, rows, swa_base_R=p["swa_base"], full_row_R=p.get("full_row"),
+                                invariant=True)
 
 
 def tiled(fn, p, rows, cache, shape: RaggedShape):

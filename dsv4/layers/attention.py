@@ -37,7 +37,7 @@ def entry_rows(ctx: StepContext, ratio: int):
   rpb = ctx.full_block_tokens // ratio
   M = ctx.full_table_RxF.shape[1] * rpb
   ids = jnp.arange(M, dtype=jnp.int32)[None, :]
-  return caches.row_slots(ctx.full_table_RxF, ctx.row_N[:, None], ids, rpb, ctx.valid_N[:, None])
+  return caches.row_slots(ctx.full_table_RxF, ctx.full_row_N[:, None], ids, rpb, ctx.valid_N[:, None])
 
 
 def num_visible(ctx: StepContext, ratio: int):
@@ -108,17 +108,17 @@ def indexer_select_paged(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR,
   are scored. Returns (ids [N,k], block maxima [N, M / block_max_size] or None)."""
   q, w = _indexer_qw(p, config, x_NxD, cq_NxR, ctx, inv_freq)
   nv = num_visible(ctx, plan.ratio)
-  table_NxF = ctx.full_table_RxF[ctx.row_N]  # padding tokens: row 0's table, but nv = 0 hides every entry
   k = config.indexer.topk
+  # Each query reads its row's table (ctx.full_row_N; padding tokens: row 0's, but nv = 0 hides every entry).
   if candidate_blocks_NxCb is not None:
-    ids, _ = dispatch.indexer_topk_candidates(q, w, key_pool, table_NxF, nv, k, candidate_blocks_NxCb,
-                                              config.indexer.candidate_block_size)
+    ids, _ = dispatch.indexer_topk_candidates(q, w, key_pool, ctx.full_table_RxF, nv, k, candidate_blocks_NxCb,
+                                              config.indexer.candidate_block_size, table_rows_N=ctx.full_row_N)
     return ids, None
   # The invariant step's tables span max_model_len: smaller chunks keep a short context from scoring a whole
   # default chunk of invisible entries (the loop runs only the chunks some query can see).
   chunk = {"chunk_entries": INVARIANT_INDEX_CHUNK, "query_block": INVARIANT_INDEX_QUERIES} if ctx.invariant else {}
-  ids, _, bmax = dispatch.indexer_topk_paged(q, w, key_pool, table_NxF, nv, k, block_max_size=block_max_size,
-                                             **chunk)
+  ids, _, bmax = dispatch.indexer_topk_paged(q, w, key_pool, ctx.full_table_RxF, nv, k,
+                                             block_max_size=block_max_size, table_rows_N=ctx.full_row_N, **chunk)
   return ids, bmax
 
 
@@ -204,7 +204,7 @@ def blocked_dense_attention(q_NxHxD, window_pool, win_idx_NxW, win_len_N, comp_p
     m, l, acc = carry
     ids = b * block + jnp.arange(block, dtype=jnp.int32)[None, :]
     ok = ids < nv[:, None]
-    rows = caches.row_slots(ctx.full_table_RxF, ctx.row_N[:, None], ids, rpb, ctx.valid_N[:, None] & ok)
+    rows = caches.row_slots(ctx.full_table_RxF, ctx.full_row_N[:, None], ids, rpb, ctx.valid_N[:, None] & ok)
     ok = ok & (rows >= 0)
     s, kv = _masked_scores(q, comp_pool, rows, ok, scale)
     m2 = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -234,7 +234,7 @@ def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: StepCon
 
 def _entry_ids_to_pool_rows(ctx: StepContext, ratio: int, ids_NxK):
   """Pool rows of the picked entry ids through each token's block table (O(k), no [N, M] row list)."""
-  return caches.row_slots(ctx.full_table_RxF, ctx.row_N[:, None], ids_NxK, ctx.full_block_tokens // ratio,
+  return caches.row_slots(ctx.full_table_RxF, ctx.full_row_N[:, None], ids_NxK, ctx.full_block_tokens // ratio,
                           ctx.valid_N[:, None] & (ids_NxK >= 0))
 
 
@@ -382,7 +382,7 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
   if plan.dense_compressed and ctx.invariant:
     # The same block order on the HCA kernel when `kernel_cfg` sends "hca_attention" to one; else the XLA function.
     nv = num_visible(ctx, plan.ratio)
-    hca = (q, window_pool, win_idx, win_len, comp_pool, ctx.full_table_RxF[ctx.row_N], nv, p["sink"])
+    hca = (q, window_pool, win_idx, win_len, comp_pool, ctx.full_table_RxF[ctx.full_row_N], nv, p["sink"])
     hca_static = dict(scale=d ** -0.5, entries_per_block=ctx.full_block_tokens // plan.ratio)
     if dispatch.uses_kernel(kernel_cfg, "hca_attention", *hca, **hca_static):
       out = dispatch.hca_attention(*hca, **hca_static, cfg=kernel_cfg)

@@ -48,7 +48,8 @@ class StepContext:
   first_N: jax.Array        # first token of its row in this step
   last_N: jax.Array         # last token of its row in this step
   swa_table_RxS: jax.Array
-  full_table_RxF: jax.Array
+  full_table_RxF: jax.Array  # rows: full_row_N (the invariant step: the engine's device table [slots, W])
+  full_row_N: jax.Array     # row of full_table_RxF holding each token's full table
   swa_base_R: jax.Array     # swa block index of swa table column 0, per row (StepIndex.swa_base_R)
   swa_block_tokens: int = dataclasses.field(metadata=dict(static=True))
   full_block_tokens: int = dataclasses.field(metadata=dict(static=True))
@@ -76,8 +77,10 @@ class StepContext:
     full = step.tables.get(caches.FULL)
     full = jnp.full((R, 1), -1, jnp.int32) if full is None else full.astype(jnp.int32)
     base = (jnp.zeros((R,), jnp.int32) if step.swa_base_R is None else step.swa_base_R.astype(jnp.int32))
+    full_row = r if step.full_row_R is None else jnp.maximum(step.full_row_R.astype(jnp.int32), 0)[r]
     return StepContext(row_N=r, valid_N=valid, pos_N=pos, first_N=valid & (pos == start),
-                       last_N=valid & (pos == end - 1), swa_table_RxS=swa, full_table_RxF=full, swa_base_R=base,
+                       last_N=valid & (pos == end - 1), swa_table_RxS=swa, full_table_RxF=full, full_row_N=full_row,
+                       swa_base_R=base,
                        swa_block_tokens=layout.swa_block_tokens, full_block_tokens=layout.full_block_tokens,
                        tap_state=tap_state, invariant=invariant)
 
@@ -152,7 +155,7 @@ def sequential_pool_scan(reset_N, lse_NxW, mean_NxW):
 
 
 def _emit(ctx: StepContext, entry_N, emitted_N, ratio: int):
-  return caches.row_slots(ctx.full_table_RxF, ctx.row_N, entry_N, ctx.full_block_tokens // ratio, emitted_N)
+  return caches.row_slots(ctx.full_table_RxF, ctx.full_row_N, entry_N, ctx.full_block_tokens // ratio, emitted_N)
 
 
 def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, out_pool, inv_freq, eps: float,

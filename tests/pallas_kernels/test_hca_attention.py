@@ -119,7 +119,7 @@ def test_reference_is_blocked_dense_attention(fmt):
   pos = jnp.where(valid, jnp.asarray([0, 19, 255, 832, 3, 300, 416, 0], jnp.int32), 0)
   zeros = jnp.zeros((N,), bool)
   ctx = StepContext(row_N=row, valid_N=valid, pos_N=pos, first_N=zeros, last_N=zeros,
-                    swa_table_RxS=jnp.zeros((R, 1), jnp.int32), full_table_RxF=table_RxF,
+                    swa_table_RxS=jnp.zeros((R, 1), jnp.int32), full_table_RxF=table_RxF, full_row_N=row,
                     swa_base_R=jnp.zeros((R,), jnp.int32), swa_block_tokens=16, full_block_tokens=E * ratio,
                     invariant=True)
   want = attention.blocked_dense_attention(q, wp, wi, wl, cp, ctx, ratio, sink, D ** -0.5)
