@@ -48,14 +48,19 @@ def _run(params, cfg, ec, prompts, max_tokens, check=None, waves=1):
   return eng, {o.rid: o.output for o in eng.outputs()}
 
 
-def _checker(cfg, params, seen, hits):
+def _checker(cfg, params, seen, hits, per_request: int = 1 << 30):
+  """Checks each running request's proposal against the reference (at most `per_request` per request: each check
+  is a whole-sequence forward)."""
+  checked = {}
+
   def check(eng):
     for r in eng.running:
       hits.append(r.hit_tokens)
-      if r.drafts and r.num_computed == len(r.tokens) - 1:
+      if r.drafts and r.num_computed == len(r.tokens) - 1 and checked.get(r.rid, 0) < per_request:
         want = [int(t) for t in dspark.reference_drafts(params, cfg, r.tokens, 256)]
         assert r.drafts == want[:len(r.drafts)], (r.rid, len(r.tokens))
         seen.append(len(r.tokens))
+        checked[r.rid] = checked.get(r.rid, 0) + 1
   return check
 
 
@@ -63,12 +68,13 @@ def _checker(cfg, params, seen, hits):
 def test_served_drafts_equal_drafts_from_scratch(drafter, swa_blocks):
   """Synchronous steps so the host holds each step's drafts: with chunked prefill, prefix hits on a shared head
   and (7 swa blocks) a pool small enough to preempt, every proposal equals the one recomputed over the whole
-  sequence."""
+  sequence (the roomy trace, in the default tier, checks 3 proposals per request)."""
   cfg, params = drafter
   prompts = _prompts(cfg, 1, [40, 25, 60, 33, 20, 9], shared=140)
   ec = dataclasses.replace(EC, num_speculative_tokens=5, async_scheduling=False, num_swa_blocks=swa_blocks)
   seen, hits = [], []
-  eng, got = _run(params, cfg, ec, prompts, 8, _checker(cfg, params, seen, hits), waves=2)
+  per_request = 3 if swa_blocks > 7 else 1 << 30
+  eng, got = _run(params, cfg, ec, prompts, 8, _checker(cfg, params, seen, hits, per_request), waves=2)
   assert len(seen) >= 10 and max(hits) > 0
   assert eng.stats["preemptions"] > 0 or swa_blocks > 7
   _, want = _run(params, cfg, EC, prompts, 8)
