@@ -64,8 +64,13 @@ def _finish(vals, ids):
 
 def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_N, k: int, *,
                        chunk_entries: int = 4096, block_max_size: int = 0, query_block: int = 0,
-                       table_rows_N=None):
+                       table_rows_N=None, candidate_topk_blocks: int = 0):
   """Top-k entry ids over all visible entries of each query's row (see the module docstring).
+
+  candidate_topk_blocks > 0 (with block_max_size): the third output is the V4.1 candidate blocks instead of the
+  block maxima: `candidate_blocks` of them (the newest visible block forced in, then the highest maxima), merged
+  chunk by chunk as a running top-k, so nothing is kept at the table's width. Same ids as `candidate_blocks` over
+  the whole maxima (earlier chunks first: among equal maxima the lower block id wins, as in one top_k).
 
   table_rows_N (int32 [N], optional): table_NxF is then a table of any number of rows [S, F] and query n's is
   row table_rows_N[n] (the invariant step passes the engine's device table, whose width is max_model_len's: each
@@ -80,7 +85,8 @@ def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_
   rows_N = jnp.arange(N, dtype=jnp.int32) if table_rows_N is None else table_rows_N.astype(jnp.int32)
   if query_block and N > query_block:
     return _by_query_blocks(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, rows_N, num_visible_N, k, query_block,
-                            chunk_entries=chunk_entries, block_max_size=block_max_size)
+                            chunk_entries=chunk_entries, block_max_size=block_max_size,
+                            candidate_topk_blocks=candidate_topk_blocks)
   N, H, C = q_NxHxC.shape
   NB, E, C2 = key_blocks_BxExC.shape
   F = table_NxF.shape[1]
@@ -91,6 +97,8 @@ def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_
                      f"{None if table_rows_N is None else table_rows_N.shape} do not agree")
   if block_max_size and E % block_max_size:
     raise ValueError(f"indexer_topk_paged: block_max_size {block_max_size} must divide the {E} entries per block")
+  if candidate_topk_blocks and not block_max_size:
+    raise ValueError("indexer_topk_paged: candidate_topk_blocks needs block_max_size (the candidate block size)")
   q = q_NxHxC.astype(jnp.float32)
   w = w_NxH.astype(jnp.float32)
   nv = num_visible_N.astype(jnp.int32)
@@ -102,16 +110,20 @@ def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_
     col = c * fc + jnp.arange(fc, dtype=jnp.int32)
     return jnp.where(col[None, :] < F, table_NxF[rows_N[:, None], jnp.minimum(col, F - 1)[None, :]], -1)
 
+  last_blk = jnp.floor_divide(nv - 1, block_max_size) if block_max_size else None  # -1: sees nothing
   if nc == 1:
     s, _ = _chunk_scores(q, w, key_blocks_BxExC, table_cols(0), 0, nv)
     vals, ids = jax.lax.top_k(s, kk)
     bmax = _block_max(s, block_max_size) if block_max_size else None
+    if candidate_topk_blocks:
+      bmax = candidate_blocks(bmax, last_blk, candidate_topk_blocks)
     return (*_finish(vals, ids), bmax)
   # Only the chunks some query of the call can see are scored (a dynamic trip count: the cost follows the live
   # context, not the table width). A chunk a query cannot see leaves its running top-k as it was (its scores are
   # -inf and sort after every kept value), so the trip count, which its neighbours set, never changes its picks.
   live = (jnp.max(nv, initial=0) + fc * E - 1) // (fc * E)
   nbm = fc * E // block_max_size if block_max_size else 0
+  nct = min(candidate_topk_blocks, M // block_max_size) if candidate_topk_blocks else 0
 
   def body(c, carry):
     vals, ids, bmax = carry
@@ -119,14 +131,27 @@ def indexer_topk_paged(q_NxHxC, w_NxH, key_blocks_BxExC, table_NxF, num_visible_
     # Earlier chunks first: among equal scores the lower entry id wins, as in one top_k over all entries.
     v2, pick = jax.lax.top_k(jnp.concatenate([vals, s], axis=1), kk)
     all_ids = jnp.concatenate([ids, jnp.broadcast_to(ent[None, :], (N, fc * E))], axis=1)
-    if block_max_size:
+    if nct:      # running candidate blocks: (maxima, block ids), the newest visible block forced in (+inf)
+      cv, cid = bmax
+      blk = c * nbm + jnp.arange(nbm, dtype=jnp.int32)
+      bm = jnp.where(blk[None, :] == last_blk[:, None], jnp.inf, _block_max(s, block_max_size))
+      cv2, cpick = jax.lax.top_k(jnp.concatenate([cv, bm], axis=1), nct)
+      bmax = cv2, jnp.take_along_axis(jnp.concatenate([cid, jnp.broadcast_to(blk[None, :], (N, nbm))], axis=1),
+                                      cpick, axis=1)
+    elif block_max_size:
       bmax = jax.lax.dynamic_update_slice_in_dim(bmax, _block_max(s, block_max_size), c * nbm, axis=1)
     return v2, jnp.take_along_axis(all_ids, pick, axis=1), bmax
 
-  init = (jnp.full((N, kk), -jnp.inf, jnp.float32), jnp.full((N, kk), -1, jnp.int32),
-          jnp.full((N, nc * nbm), -jnp.inf, jnp.float32))
+  if nct:
+    bm0 = (jnp.full((N, nct), -jnp.inf, jnp.float32), jnp.full((N, nct), -1, jnp.int32))
+  else:
+    bm0 = jnp.full((N, nc * nbm), -jnp.inf, jnp.float32)
+  init = (jnp.full((N, kk), -jnp.inf, jnp.float32), jnp.full((N, kk), -1, jnp.int32), bm0)
   vals, ids, bm = jax.lax.fori_loop(0, live, body, init)
-  bmax = bm[:, :M // block_max_size] if block_max_size else None
+  if nct:
+    bmax = jnp.where(bm[0] > -jnp.inf, bm[1], -1).astype(jnp.int32)
+  else:
+    bmax = bm[:, :M // block_max_size] if block_max_size else None
   return (*_finish(vals, ids), bmax)
 
 
@@ -136,7 +161,7 @@ def _by_query_blocks(q_NxHxC, w_NxH, key_blocks_BxExC, table_SxF, rows_N, num_vi
     raise ValueError(f"indexer_topk_paged: query_block {qb} must divide the {N} queries")
   M = F * key_blocks_BxExC.shape[1]
   kk = min(k, M)
-  bms = kw["block_max_size"]
+  bms, nct = kw["block_max_size"], kw["candidate_topk_blocks"]
   sees = jnp.where(num_visible_N > 0, jnp.arange(N, dtype=jnp.int32), -1)
   live = (jnp.max(sees) + qb) // qb                       # 0 when no query sees anything
 
@@ -147,8 +172,11 @@ def _by_query_blocks(q_NxHxC, w_NxH, key_blocks_BxExC, table_SxF, rows_N, num_vi
     return tuple(c if g is None else jax.lax.dynamic_update_slice_in_dim(c, g, b * qb, axis=0)
                  for c, g in zip(carry, got))
 
-  init = (jnp.full((N, kk), -1, jnp.int32), jnp.full((N, kk), -jnp.inf, jnp.float32),
-          jnp.full((N, M // bms), -jnp.inf, jnp.float32) if bms else None)
+  if nct:      # a query that sees nothing has no candidate
+    third = jnp.full((N, min(nct, M // bms)), -1, jnp.int32)
+  else:
+    third = jnp.full((N, M // bms), -jnp.inf, jnp.float32) if bms else None
+  init = (jnp.full((N, kk), -1, jnp.int32), jnp.full((N, kk), -jnp.inf, jnp.float32), third)
   return jax.lax.fori_loop(0, live, body, init)
 
 

@@ -102,10 +102,12 @@ INVARIANT_INDEX_QUERIES = 8
 
 
 def indexer_select_paged(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool,
-                         inv_freq, candidate_blocks_NxCb=None, block_max_size: int = 0):
+                         inv_freq, candidate_blocks_NxCb=None, block_max_size: int = 0,
+                         candidate_topk_blocks: int = 0):
   """Lightning indexer read block-wise from the paged pool, chunked running top-k (pallas_kernels/indexer_paged.py):
   no [N, M, C] key copy and no [N, H, M] product. With candidate blocks (V4.1 reindex layers) only their entries
-  are scored. Returns (ids [N,k], block maxima [N, M / block_max_size] or None)."""
+  are scored. Returns (ids [N,k], block maxima [N, M / block_max_size] or None); with candidate_topk_blocks (the
+  V4.1 candidate source) the candidate block ids [N, Cb] instead of the maxima, merged as a running top-k."""
   q, w = _indexer_qw(p, config, x_NxD, cq_NxR, ctx, inv_freq)
   nv = num_visible(ctx, plan.ratio)
   k = config.indexer.topk
@@ -118,7 +120,8 @@ def indexer_select_paged(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR,
   # default chunk of invisible entries (the loop runs only the chunks some query can see).
   chunk = {"chunk_entries": INVARIANT_INDEX_CHUNK, "query_block": INVARIANT_INDEX_QUERIES} if ctx.invariant else {}
   ids, _, bmax = dispatch.indexer_topk_paged(q, w, key_pool, ctx.full_table_RxF, nv, k,
-                                             block_max_size=block_max_size, table_rows_N=ctx.full_row_N, **chunk)
+                                             block_max_size=block_max_size, table_rows_N=ctx.full_row_N,
+                                             candidate_topk_blocks=candidate_topk_blocks, **chunk)
   return ids, bmax
 
 
@@ -269,11 +272,12 @@ def _select(p_ix, config: ModelConfig, plan: LayerPlan, x_NxD, cq, ctx: StepCont
     if ids is None and not paged:
       ids = s_ids
       bmax = _block_max_of_scores(scores, bs) if candidate_source else None
-  if paged:
-    ids, bmax = indexer_select_paged(p_ix, config, plan, x_NxD, cq, ctx, key_pool, inv_freq, cand_blocks,
-                                     bs if candidate_source else 0)
   cand = None
-  if candidate_source:
+  if paged:   # the candidate source's blocks come out of the same pass, merged chunk by chunk
+    ids, cand = indexer_select_paged(p_ix, config, plan, x_NxD, cq, ctx, key_pool, inv_freq, cand_blocks,
+                                     bs if candidate_source else 0,
+                                     ix.candidate_topk_blocks if candidate_source else 0)
+  elif candidate_source:
     cand = dispatch.candidate_blocks(bmax, jnp.floor_divide(nv - 1, bs), ix.candidate_topk_blocks)
   if collect_aux:
     aux.update(topk_ids=ids, index_scores=scores,

@@ -99,6 +99,24 @@ def test_query_blocks_match_the_reference_and_a_query_ignores_its_neighbours(see
   np.testing.assert_array_equal(np.asarray(bmax2)[2], np.asarray(bmax)[2])
 
 
+@pytest.mark.parametrize("query_block", [0, 2])
+@pytest.mark.parametrize("chunk", [16, 40, 10_000])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_running_candidates_equal_candidate_blocks_of_all_maxima(seed, chunk, query_block):
+  """The V4.1 candidate source merged chunk by chunk (candidate_topk_blocks) picks exactly the ids
+  `candidate_blocks` picks from the whole block maxima, ties (quantized keys) included."""
+  q, w, pool, tab, nv = make_case(seed, N=8, H=4, C=16, NB=40, E=8, F=13)
+  pool = jnp.round(pool * 2) / 2                                  # coarse keys: equal block maxima happen
+  q = jnp.round(q)
+  kw = dict(chunk_entries=chunk, block_max_size=4, query_block=query_block)
+  ids, vals, bmax = ip.indexer_topk_paged(q, w, pool, tab, nv, 12, **kw)
+  ids2, vals2, cand = ip.indexer_topk_paged(q, w, pool, tab, nv, 12, candidate_topk_blocks=5, **kw)
+  want = ip.candidate_blocks(bmax, jnp.floor_divide(nv - 1, 4), 5)
+  np.testing.assert_array_equal(np.asarray(cand), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(ids2), np.asarray(ids))
+  assert (np.asarray(cand) >= 0).sum() > 8
+
+
 def test_topk_paged_bf16_pool_and_k_above_entries():
   q, w, pool, tab, nv = make_case(3, N=4, H=4, C=16, NB=20, E=4, F=3, dtype=jnp.bfloat16)
   ids, _, _ = ip.indexer_topk_paged(q, w, pool, tab, nv, 64, chunk_entries=4)  # k > F * E: width clipped
