@@ -290,6 +290,9 @@ SLOW = {
     "tests/dsv4/test_v41_parity.py::test_engram_hash_matches_reference":
         "test_engram_hash_flash_constants, test_logits_match_nemo (Engram inside the model against NeMo's)",
     "tests/pallas_kernels/test_dispatch.py::test_auto_validates_each_kernel_once_at_its_shapes[False]": "[True]",
+    "tests/dsv4/test_engine.py::test_hit_accounting_on_a_scripted_trace[128]":
+        "[0] (the same worked trace and resume points at the engine's default retention interval), "
+        "tests/cache/test_manager.py (dense retention checkpoints)",
     # a mesh engine compiles its own step program at XLA's default level (about a minute on 2 cores)
     "tests/dsv4/test_invariance_props.py::test_invariant_logits_on_random_traces_on_a_mesh":
         "test_invariant_logits_on_random_traces (the same traces and comparison on one device), "

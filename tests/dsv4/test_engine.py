@@ -93,7 +93,8 @@ def test_session_switch_hits_everything_up_to_the_last_boundary(tiny):
   assert [o.rid for o in rep.outputs] == ["A.t0", "A.t1", "B.t2", "A.t3"]
 
 
-def test_hit_accounting_on_a_scripted_trace(tiny):
+@pytest.mark.parametrize("retention", [0, 128])
+def test_hit_accounting_on_a_scripted_trace(tiny, retention):
   """Worked out by hand. r0: 300-token prompt, 10 answer tokens. r1 = r0's prompt + answer + 50 tokens resumes at
   floor((300 + 10 - 1) / 128) * 128 = 256. r2 shares only r0's first 200 tokens: its full blocks match up to 128, but
   a resume point needs an SWA checkpoint there: with retention_interval 0 the only checkpoints are at 256 (prompt
@@ -103,16 +104,15 @@ def test_hit_accounting_on_a_scripted_trace(tiny):
   rng = np.random.default_rng(11)
   p0 = [int(t) for t in rng.integers(2, cfg.vocab_size, 300)]
   sp = SamplingParams(max_tokens=10, ignore_eos=True)
-  for retention, expected_r2 in [(0, 128), (128, 128)]:
-    eng = Engine(params, cfg, dataclasses.replace(BASE, retention_interval=retention))
-    (r0,) = generate(params, cfg, [p0], sp, engine=eng)
-    p1 = p0 + r0.output + [int(t) for t in rng.integers(2, cfg.vocab_size, 50)]
-    (r1,) = generate(params, cfg, [p1], sp, engine=eng)
-    p2 = p0[:200] + [int(t) for t in rng.integers(2, cfg.vocab_size, 90)]
-    (r2,) = generate(params, cfg, [p2], sp, engine=eng)
-    assert (r0.hit_tokens, r1.hit_tokens, r2.hit_tokens) == (0, 256, expected_r2), retention
-    assert r1.computed_tokens == len(p1) - 256 + len(r1.output) - 1
-    assert eng.stats["computed_tokens"] == sum(o.computed_tokens for o in (r0, r1, r2))
+  eng = Engine(params, cfg, dataclasses.replace(BASE, retention_interval=retention))
+  (r0,) = generate(params, cfg, [p0], sp, engine=eng)
+  p1 = p0 + r0.output + [int(t) for t in rng.integers(2, cfg.vocab_size, 50)]
+  (r1,) = generate(params, cfg, [p1], sp, engine=eng)
+  p2 = p0[:200] + [int(t) for t in rng.integers(2, cfg.vocab_size, 90)]
+  (r2,) = generate(params, cfg, [p2], sp, engine=eng)
+  assert (r0.hit_tokens, r1.hit_tokens, r2.hit_tokens) == (0, 256, 128), retention
+  assert r1.computed_tokens == len(p1) - 256 + len(r1.output) - 1
+  assert eng.stats["computed_tokens"] == sum(o.computed_tokens for o in (r0, r1, r2))
 
 
 def test_bad_input_gets_a_clear_error_and_the_batch_goes_on(tiny):
