@@ -209,8 +209,9 @@ def _mesh_child(request, monkeypatch) -> bool:
 
 
 def test_invariant_logits_on_random_traces_on_a_mesh(request, monkeypatch):
-  """The default tier's mesh draw: V4, bf16 compute and KV, two traces on the fixed mesh (2, 2, 2), pools over
-  data, alone on the same mesh; some request must have finished on another data shard than alone."""
+  """The smallest mesh draw (slow tier, tests/slow_tier.py: a mesh engine compiles for about a minute): V4, bf16
+  compute and KV, two traces on the fixed mesh (2, 2, 2), pools over data, alone on the same mesh; some request
+  must have finished on another data shard than alone."""
   if _mesh_child(request, monkeypatch):
     return
   seen = _check("v4", "bf16", examples=2, mesh=sharding.make_mesh(MESH))
