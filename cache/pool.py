@@ -470,6 +470,38 @@ def _register_core(st: PoolState, ids_M, key_Mx2, parent_Mx4, tokens_MxT):
   return st, code
 
 
+REGISTER_CHUNK_MIN = 32   # `_register_chunks`: entries per chunk at least ...
+REGISTER_CHUNKS = 4       # ... and at most this many chunks per call
+
+
+def _register_chunks(st: PoolState, ids_M, key_Mx2, parent_Mx4, tokens_MxT, min_chunk: int = REGISTER_CHUNK_MIN,
+                     chunks: int = REGISTER_CHUNKS):
+  """`_register_core` chunk after chunk (ceil(M / chunks) entries, at least min_chunk), only up to the last entry
+  that is not padding (-1): exactly the batch's result, since a batch has the semantics of its entries one after
+  another. Each insertion round costs O(chunk x probes) instead of O(M x probes), so the cost follows the live
+  entries: a step's fixed widths are mostly padding (8 x 2k admission: 32 of 176 live)."""
+  m = ids_M.shape[0]
+  c = max(min_chunk, -(-m // chunks))
+  if m <= c:
+    return _register_core(st, ids_M, key_Mx2, parent_Mx4, tokens_MxT)
+  pad = -m % c
+  if pad:
+    ids_M = jnp.pad(ids_M, (0, pad), constant_values=-1)
+    key_Mx2, parent_Mx4, tokens_MxT = (jnp.pad(x, ((0, pad), (0, 0))) for x in (key_Mx2, parent_Mx4, tokens_MxT))
+  i = jnp.arange(m + pad, dtype=jnp.int32)
+  n = (jnp.max(jnp.where(ids_M != -1, i, -1)) + c) // c        # chunks up to the last non-padding entry
+
+  def body(carry):
+    k, st, code = carry
+    sl = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=k * c, slice_size=c)
+    st, ck = _register_core(st, sl(ids_M), sl(key_Mx2), sl(parent_Mx4), sl(tokens_MxT))
+    return k + 1, st, jax.lax.dynamic_update_slice_in_dim(code, ck.astype(jnp.int32), k * c, 0)
+
+  code = jnp.full(m + pad, SKIPPED, jnp.int32)
+  _, st, code = jax.lax.while_loop(lambda carry: carry[0] < n, body, (jnp.int32(0), st, code))
+  return st, code[:m]
+
+
 def _evict_core(st: PoolState, ids_M):
   nb, ns = st.num_blocks, st.table_S.shape[0]
   valid = (ids_M >= 0) & (ids_M < nb)
@@ -518,7 +550,7 @@ def free(st: PoolState, ids_M, *, prepend_uncached: bool = True):
 @functools.partial(jax.jit, donate_argnums=0)
 def register(st: PoolState, ids_M, key_Mx2, parent_Mx4, tokens_MxT):
   """Record the cached identity of held, full blocks. Returns (state, status_M) with the codes above."""
-  return _register_core(st, ids_M, key_Mx2, parent_Mx4, tokens_MxT)
+  return _register_chunks(st, ids_M, key_Mx2, parent_Mx4, tokens_MxT)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

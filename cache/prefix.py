@@ -54,6 +54,16 @@ def _block_idents(key_BxUx2, parent_BxUx4, tokens_BxUxG, upb, j_BxK):
   return key.reshape(b * k, 2), par.reshape(b * k, -1), tok.reshape(b * k, -1)
 
 
+def _all_block_idents(key_BxUx2, parent_BxUx4, tokens_BxUxG, upb):
+  """`_block_idents` of every block (j = 0 .. U // upb - 1) as strided slices and a reshape: no gather over the
+  request's tokens (at XLA's level 0 on the CPU a gather costs per element, a reshape nothing)."""
+  b, u, g = tokens_BxUxG.shape
+  nb = u // upb
+  key = key_BxUx2[:, upb - 1:nb * upb:upb]
+  par = parent_BxUx4[:, :nb * upb:upb]
+  return key.reshape(b * nb, 2), par.reshape(b * nb, -1), tokens_BxUxG.reshape(b * nb, upb * g)
+
+
 def _lookup(pool_state, key_BxUx2, parent_BxUx4, tokens_BxUxG, upb, j_BxK):
   ids = pool.lookup_blocks(pool_state, *_block_idents(key_BxUx2, parent_BxUx4, tokens_BxUxG, upb, j_BxK))
   return ids.reshape(j_BxK.shape)
@@ -72,8 +82,8 @@ def search(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, groups, alig
       continue
     bt = grp.units_per_block * hash_tokens
     nb = num_units // grp.units_per_block
-    js = jnp.broadcast_to(jnp.arange(nb), (b, nb))
-    ids = _lookup(pool_state, key_BxUx2, parent_BxUx4, tokens_BxUxG, grp.units_per_block, js)
+    ids = pool.lookup_blocks(pool_state, *_all_block_idents(key_BxUx2, parent_BxUx4, tokens_BxUxG,
+                                                            grp.units_per_block)).reshape(b, nb)
     run = jnp.sum(jnp.cumprod(ids >= 0, axis=1), axis=1)
     run_tokens = jnp.minimum(run_tokens, run * bt // align * align)
     full_ids[gi] = ids
@@ -128,6 +138,36 @@ def search(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, groups, alig
       out.append(ids)
       compact.append(jnp.where(keep, t, -1))
   return hit, run_tokens, tuple(out), tuple(compact)
+
+
+SEARCH_ROW_CHUNKS = 2      # `search_rows`: batches of at least 16 rows are searched in this many chunks
+
+
+def search_rows(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, groups, align, hash_tokens,
+                chunks: int = SEARCH_ROW_CHUNKS, min_rows: int = 16):
+  """`search` chunk of rows after chunk, only up to the last row that can hit (an aligned limit > 0): the same
+  results, since rows are searched independently and a row with limit 0 (padding: max_len 0) gets hit 0, run 0 and
+  no ids. An engine admits at one fixed batch width (`ADMIT_ROWS_FIXED`), mostly padding rows, and a search costs
+  per row (every block's tokens are compared)."""
+  b, num_units, _ = key_BxUx2.shape
+  args = (key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B)
+  if b < min_rows or b % chunks:
+    return search(pools, *args, groups, align, hash_tokens)
+  c = b // chunks
+  limit = jnp.minimum(max_len_B, num_units * hash_tokens) // align * align
+  n = (jnp.max(jnp.where(limit > 0, jnp.arange(b, dtype=jnp.int32), -1)) + c) // c   # chunks up to the last live row
+  shapes = jax.eval_shape(lambda: search(pools, *args, groups, align, hash_tokens))
+  hit, run, out, compact = shapes
+  init = (jnp.zeros(hit.shape, hit.dtype), jnp.zeros(run.shape, run.dtype),
+          tuple(jnp.full(x.shape, -1, x.dtype) for x in out), tuple(jnp.full(x.shape, -1, x.dtype) for x in compact))
+
+  def body(carry):
+    k, res = carry
+    part = search(pools, *(jax.lax.dynamic_slice_in_dim(x, k * c, c) for x in args), groups, align, hash_tokens)
+    res = jax.tree.map(lambda r, p: jax.lax.dynamic_update_slice_in_dim(r, p.astype(r.dtype), k * c, 0), res, part)
+    return k + 1, res
+
+  return jax.lax.while_loop(lambda carry: carry[0] < n, body, (jnp.int32(0), init))[1]
 
 
 @functools.partial(jax.jit, static_argnames=("groups", "align_tokens", "hash_tokens"))

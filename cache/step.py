@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache import pool
-from cache.prefix import search
+from cache.prefix import search_rows
 from cache.specs import FULL_HISTORY
 
 
@@ -85,7 +85,7 @@ def step_core(pools, tables, plans, admit, *, groups, block_tokens, align, hash_
   for i, plan in enumerate(plans):
     st, tab = pools[i], tables[i]
     reg_ids = resolve(tab, plan.reg_ref_R)
-    st, status = pool._register_core(st, reg_ids, plan.reg_key_Rx2, plan.reg_par_Rx4, plan.reg_tok_RxT)
+    st, status = pool._register_chunks(st, reg_ids, plan.reg_key_Rx2, plan.reg_par_Rx4, plan.reg_tok_RxT)
     free_ids = resolve(tab, plan.free_ref_F)
     # register read ref_N (held blocks) and free writes it: make the write depend on that read so that XLA keeps
     # ref_N in place (pool.py, `_after`)
@@ -102,7 +102,7 @@ def step_core(pools, tables, plans, admit, *, groups, block_tokens, align, hash_
     res["alloc_ev"].append(ev)
     res["alloc_ok"].append(aok)
   if admit is not None:
-    hit, run, _, ids = search(tuple(pools), admit.key_BxUx2, admit.par_BxUx4, admit.tok_BxUxG, admit.max_len_B,
+    hit, run, _, ids = search_rows(tuple(pools), admit.key_BxUx2, admit.par_BxUx4, admit.tok_BxUxG, admit.max_len_B,
                               groups, align, hash_tokens)
     res["hit"], res["run"], res["hit_ids"] = hit, run, ids
     b = admit.slot_B.shape[0]
@@ -132,7 +132,9 @@ def step_core(pools, tables, plans, admit, *, groups, block_tokens, align, hash_
       w = tables[i].shape[1]
       kk = jnp.arange(admit_widths[i], dtype=jnp.int32)
       ends = jnp.cumsum(need)
-      r = jnp.minimum(jnp.searchsorted(ends, kk, side="right"), b - 1)
+      # searchsorted(ends, kk, side="right") as one compare-and-count ([widths, B] is small): jnp's searchsorted
+      # lowers to a while loop of many tiny thunks
+      r = jnp.minimum(jnp.sum(ends[None, :] <= kk[:, None], axis=1, dtype=jnp.int32), b - 1)
       j = hit[r] // block_tokens[i] + kk - (ends[r] - need[r])
       ref = jnp.where((kk < n) & (j < w), admit.slot_B[r] * w + j, -1)
       tables[i] = _write(tables[i], ref, aids)

@@ -1,6 +1,7 @@
 """Property tests: random op sequences on the jitted pool and the plain reference, states compared every step."""
 
 import collections
+import functools
 
 import jax
 import numpy as np
@@ -161,3 +162,44 @@ def test_duplicate_detection_without_sort(ids):
     s2, got = fn(s)
     assert np.asarray(got).tolist() == [int(x) if not isinstance(x, bool) else x for x in want]
     assert (np.asarray(s2.mark_N) == pool.BIG).all()
+
+
+W = 12                      # a register call wider than its chunks
+_CHUNKED = {c: jax.jit(functools.partial(pool._register_chunks, min_chunk=c, chunks=W)) for c in (2, 5)}
+_WHOLE = jax.jit(pool._register_core)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_register_in_chunks_matches_one_batch(d):
+  """The step's register (`_register_chunks`: chunk after chunk, up to the last entry that is not padding) leaves
+  exactly the statuses and state of one batch and of the reference: colliding keys, repeated ids, padding between
+  and after live entries, tombstones from reused blocks; chunks of 2 and of 5 (the last one padded)."""
+  s = pool.init_pool(N, T, MAX_PROBE)
+  ref = RefPool(N, T, MAX_PROBE)
+  s, ids, _, _ = pool.allocate(s, N - 2, max_n=N)
+  ref.allocate(N - 2, max_n=N)
+  held = [int(x) for x in ids if x >= 0]
+  for _ in range(3):
+    n = d.draw(st.integers(0, W))
+    ids = d.draw(st.lists(st.sampled_from(held + [-1, -1, -1, N, -4]), min_size=n, max_size=n)) + [-1] * (W - n)
+    k = d.draw(st.lists(st.integers(0, 3), min_size=W, max_size=W))
+    p = d.draw(st.lists(st.integers(0, 1), min_size=W, max_size=W))
+    t = d.draw(st.lists(st.integers(0, 2), min_size=W, max_size=W))
+    keys = np.array([[0, x] for x in k], np.int32)
+    par = np.array([[x, 0, 0, 1] for x in p], np.int32)
+    tok = np.array([[x] * T for x in t], np.int32)
+    args = (jnp.asarray(ids, jnp.int32), jnp.asarray(keys), jnp.asarray(par), jnp.asarray(tok))
+    whole, wstatus = _WHOLE(s, *args)
+    s, status = _CHUNKED[d.draw(st.sampled_from([2, 5]))](s, *args)
+    assert list(np.asarray(status)) == list(np.asarray(wstatus)) == ref.register(ids, keys, par, tok)
+    for a, b in zip(jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(whole)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _check(ref, s, collections.Counter(held))
+    # release a few blocks and take them back: reused cached blocks leave tombstones in the table
+    back = d.draw(st.lists(st.sampled_from(held), max_size=3, unique=True))
+    s, ok = pool.free(s, _pad(back))
+    assert ok and ref.free(back)
+    s, got, _, ok = pool.allocate(s, len(back), max_n=M)
+    assert ok and [int(x) for x in got if x >= 0] == ref.allocate(len(back), max_n=M)[0]
+    held = [b for b in held if b not in back] + [int(x) for x in got if x >= 0]

@@ -116,3 +116,31 @@ def test_collision_never_aliases():
   assert m.lookup(mixed).num_tokens == 128 or m.lookup(mixed).num_tokens == 0
   check_against_reference(m, mixed, ExtraKeys())
   check_against_reference(m, a, ExtraKeys())
+
+
+def test_search_in_row_chunks_equals_one_batch():
+  """The admission's search (`search_rows`: chunks of rows, up to the last row that can hit) returns exactly what one
+  batched search returns, with padding rows and rows too short to hit between and after the live ones."""
+  import jax
+  from cache.prefix import search, search_rows
+  m = KVCacheManager(group_specs(CFG), num_full_blocks=NF, num_swa_blocks=NS)
+  toks = np.concatenate([SEGMENTS[0], SEGMENTS[1], SEGMENTS[2], SEGMENTS[3]] * 3)
+  m.add_request("r", toks)
+  assert m.allocate_for("r", len(toks))
+  m.commit("r", len(toks))
+  m.free("r")
+  qs = [toks, toks[:700], toks[:50], toks[:1000], toks[:1], toks[:300]] + [toks[:129], toks[:640]] * 4
+  hashers = [m._hasher(np.asarray(t, np.int32), ExtraKeys()) for t in qs]
+  plan = m._pack([np.asarray(t, np.int32) for t in qs], hashers)
+  max_len = np.asarray(plan.max_len_B).copy()
+  max_len[[6, 9]] = 0                        # padding rows between live ones (rows 14, 15 are padding already)
+  pools = tuple(m.pools[g] for g in m.groups)
+  arrays = tuple(jnp.asarray(x) for x in (plan.key_BxUx2, plan.par_BxUx4, plan.tok_BxUxG, max_len))
+  statics = (m._searches, m.specs.align_tokens, m.specs.hash_tokens)
+  assert plan.key_BxUx2.shape[0] == 16
+  want = jax.jit(lambda p, *a: search(p, *a, *statics))(pools, *arrays)
+  for chunks in (2, 4, 8):
+    got = jax.jit(lambda p, *a: search_rows(p, *a, *statics, chunks=chunks))(pools, *arrays)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert list(np.asarray(want[0])[:6]) == [1024, 512, 0, 512, 0, 256]   # live rows hit (dense-start checkpoints)
