@@ -36,9 +36,10 @@ SLOW = {
         "test_tiers_reload.py (tier reloads)",
     "tests/dsv4/test_engine_step.py::test_compile_counts_belong_to_their_engine":
         "test_engine_step.py::test_compilation_is_bounded_and_counted (the counts of one engine)",
-    "tests/dsv4/test_dspark_engine.py::test_served_drafts_equal_drafts_from_scratch[preempting]":
-        "test_served_drafts_equal_drafts_from_scratch[roomy] (prefix hits; preemption carries the swa group as in "
-        "test_engine_spec.py)",
+    "tests/dsv4/test_dspark_engine.py::test_served_drafts_equal_drafts_from_scratch":
+        "test_drafts_never_change_greedy_tokens[True] (DSpark drafting through the async engine: same greedy tokens), "
+        "tests/dsv4/test_dspark_parity.py (the drafter against NeMo), test_engine_spec.py (served drafts with prefix "
+        "hits and preemption, V4 MTP)",
     "tests/cache/test_acceptance.py::test_hybrid_limiting_group[256-swa-27-768]":
         "test_hybrid_limiting_group's other rows",
     "tests/dsv4/test_spec_reservation.py::test_forced_acceptance_keeps_the_greedy_tokens[v4_mtp-accept_all]":

@@ -68,7 +68,7 @@ def _checker(cfg, params, seen, hits, per_request: int = 1 << 30):
 def test_served_drafts_equal_drafts_from_scratch(drafter, swa_blocks):
   """Synchronous steps so the host holds each step's drafts: with chunked prefill, prefix hits on a shared head
   and (7 swa blocks) a pool small enough to preempt, every proposal equals the one recomputed over the whole
-  sequence (the roomy trace, in the default tier, checks 3 proposals per request)."""
+  sequence (the roomy trace checks 3 proposals per request; both in the slow tier)."""
   cfg, params = drafter
   prompts = _prompts(cfg, 1, [40, 25, 60, 33, 20, 9], shared=140)
   ec = dataclasses.replace(EC, num_speculative_tokens=5, async_scheduling=False, num_swa_blocks=swa_blocks)
