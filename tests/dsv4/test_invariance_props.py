@@ -219,7 +219,7 @@ def test_invariant_logits_on_random_traces_on_a_mesh(request, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant,kv", [("v4", "fp8"), ("v41", "bf16"), ("v41", "fp8")])
+@pytest.mark.parametrize("variant,kv", [("v41", "bf16"), ("v41", "fp8")])   # FP8 KV: V4.1's (V4 FP8 on one device)
 def test_invariant_logits_on_random_traces_on_a_mesh_every_variant(variant, kv, request, monkeypatch):
   """V4 and V4.1, bf16 and FP8 KV, more traces on the fixed mesh: they must have preempted, hit the prefix cache
   and run requests on another data shard than alone."""
