@@ -266,13 +266,13 @@ def _run_hca(args, p, case, dry, inject, partial):
   H = p["H"]
   window_pool, comp_pool = inputs.window_pool_PxD, inputs.comp_pool_QxD
   window_idx = sa.apply_len(inputs.window_idx_NxW, inputs.window_len_N)
-  comp_idx = sa.apply_len(inputs.table_NxF, inputs.num_visible_N)
+  comp_idx = sa.apply_len(inputs.table_SxF, inputs.num_visible_N)
   uw, aw = kb.unique_valid(window_idx, sa.pool_rows(window_pool))
   uc, ac = kb.unique_valid(comp_idx, sa.pool_rows(comp_pool))
   flops = 2.0 * H * (aw + ac) * (D + D)
   q = inputs.q_NxHxD
   nbytes = (q.size * q.dtype.itemsize * 2 + uw * sa.pool_row_bytes(window_pool) + uc * sa.pool_row_bytes(comp_pool)
-            + inputs.table_NxF.size * 4)
+            + inputs.table_SxF.size * 4)
   ms, hot, flush = kb.device_time_ms(kern, inputs, _chained_slot(inputs, "sink_H"), **_timing(args, dry))
   row.update(hot_ms=hot, flush_ms=flush)
   if dry:

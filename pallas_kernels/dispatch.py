@@ -125,9 +125,10 @@ class HcaArgs(NamedTuple):
   window_idx_NxW: Any
   window_len_N: Any
   comp_pool_QxD: Any
-  table_NxF: Any
+  table_SxF: Any
   num_visible_N: Any
   sink_H: Any
+  table_rows_N: Any = None
 
 
 class _OpCheck(NamedTuple):
@@ -332,26 +333,30 @@ def sparse_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, co
   return _RUN["sparse_attention"](_KERNELS["sparse_attention"], args, static, kw)
 
 
-def _hca_args(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF, num_visible_N,
-              sink_H, *, scale: float, entries_per_block: int):
-  return (HcaArgs(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF, num_visible_N,
-                  sink_H), dict(scale=float(scale), entries_per_block=int(entries_per_block)))
+def _hca_args(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF, num_visible_N,
+              sink_H, *, scale: float, entries_per_block: int, table_rows_N=None):
+  return (HcaArgs(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF, num_visible_N,
+                  sink_H, table_rows_N), dict(scale=float(scale), entries_per_block=int(entries_per_block)))
 
 
-def hca_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF, num_visible_N,
-                  sink_H, *, scale: float, entries_per_block: int, cfg: KernelConfig = KernelConfig()):
+def hca_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF, num_visible_N,
+                  sink_H, *, scale: float, entries_per_block: int, cfg: KernelConfig = KernelConfig(),
+                  table_rows_N=None):
   """HCA attention in the invariant step's order (the window, then every visible entry in position order, blocks
   of 64 entries) -> out_NxHxD in q's dtype.
 
-  hca_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF, num_visible_N,
-                sink_H, *, scale, entries_per_block, cfg=KernelConfig())
+  hca_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF, num_visible_N,
+                sink_H, *, scale, entries_per_block, cfg=KernelConfig(), table_rows_N=None)
 
-  Entry e of query n's row lives at pool row table_NxF[n, e // E] * E + e % E (E = entries_per_block); entries
-  0 .. num_visible_N[n] - 1 are visible. A query's bits depend only on its own arguments (see `hca_attention.py`
+  Entry e of query n's row lives at pool row table_SxF[r, e // E] * E + e % E (E = entries_per_block, r =
+  table_rows_N[n]; None = n, the table then having one row per query); entries 0 .. num_visible_N[n] - 1 are
+  visible. The table is passed as it is (e.g. the engine's [slots, max_model_len / block] table): the kernel reads
+  each query's row in place, only the words of its visible entries. A query's bits depend only on its own arguments (see `hca_attention.py`
   for the contract). The XLA reference is `attention.blocked_dense_attention`'s math (`hca_attention_reference`);
   the model keeps calling that function itself when no kernel is selected."""
-  args, static = _hca_args(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF,
-                           num_visible_N, sink_H, scale=scale, entries_per_block=entries_per_block)
+  args, static = _hca_args(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF,
+                           num_visible_N, sink_H, scale=scale, entries_per_block=entries_per_block,
+                           table_rows_N=table_rows_N)
   kw = _resolve(cfg, "hca_attention", args, static)
   if kw is None:
     return _hca_reference(args, static)
@@ -522,7 +527,7 @@ def _sparse_inputs(a: SparseArgs, static: dict, key) -> SparseArgs:
 
 def _hca_inputs(a: HcaArgs, static: dict, key) -> HcaArgs:
   keys = jax.random.split(key, 8)
-  W, F = a.window_idx_NxW.shape[1], a.table_NxF.shape[1]
+  W, (S, F) = a.window_idx_NxW.shape[1], a.table_SxF.shape
   E = static["entries_per_block"]
   return HcaArgs(
       q_NxHxD=_normal(keys[0], a.q_NxHxD),
@@ -530,9 +535,10 @@ def _hca_inputs(a: HcaArgs, static: dict, key) -> HcaArgs:
       window_idx_NxW=_ints(keys[2], a.window_idx_NxW, -1, a.window_pool_PxD.shape[0] + 1),
       window_len_N=_ints(keys[3], a.window_len_N, 0, W + 1),
       comp_pool_QxD=_random_pool(keys[4], a.comp_pool_QxD),
-      table_NxF=_ints(keys[5], a.table_NxF, -1, -(-a.comp_pool_QxD.shape[0] // E) + 1),
+      table_SxF=_ints(keys[5], a.table_SxF, -1, -(-a.comp_pool_QxD.shape[0] // E) + 1),
       num_visible_N=_ints(keys[6], a.num_visible_N, 0, F * E + 1),
-      sink_H=_normal(keys[7], a.sink_H))
+      sink_H=_normal(keys[7], a.sink_H),
+      table_rows_N=None if a.table_rows_N is None else _ints(jax.random.fold_in(keys[5], 1), a.table_rows_N, 0, S))
 
 
 def _indexer_inputs(a: IndexerArgs, static: dict, key) -> IndexerArgs:
@@ -614,18 +620,20 @@ def _sparse_small(a: SparseArgs, static: dict, tuning) -> SmallCase:
 
 def _hca_small(a: HcaArgs, static: dict, tuning) -> SmallCase:
   """HCA: the compiled code depends on H, D, the dtypes and pool formats, the tuning and entries_per_block (static),
-  not on N, W, the table width or the pool rows (every id row is read a block per step). The small case: 2
-  queries, 64 pool rows, a window of two steps and a table of two 64-entry blocks' worth of entries."""
+  not on N, W, the table's rows and width or the pool rows (every id row and table row is read a block per step).
+  The small case: 2 queries, 64 pool rows, a window of two steps and a table of two 64-entry blocks' worth of
+  entries (at most 2 rows when the call names each query's row)."""
   t = tuning or _hca.default_tuning([a.window_pool_PxD, a.comp_pool_QxD])
   N, H, D = a.q_NxHxD.shape
   E = static["entries_per_block"]
   n = min(N, 2)
-  f = min(a.table_NxF.shape[1], max(1, -(-2 * _hca.DENSE_BLOCK_ENTRIES // E)))
+  f = min(a.table_SxF.shape[1], max(1, -(-2 * _hca.DENSE_BLOCK_ENTRIES // E)))
   args = HcaArgs(
       q_NxHxD=_lead(a.q_NxHxD, n), window_pool_PxD=_small_pool(a.window_pool_PxD),
       window_idx_NxW=_lead(_cols(a.window_idx_NxW, min(a.window_idx_NxW.shape[1], 2 * t.block_k)), n),
       window_len_N=_lead(a.window_len_N, n), comp_pool_QxD=_small_pool(a.comp_pool_QxD),
-      table_NxF=_lead(_cols(a.table_NxF, f), n), num_visible_N=_lead(a.num_visible_N, n), sink_H=a.sink_H)
+      table_SxF=_lead(_cols(a.table_SxF, f), n), num_visible_N=_lead(a.num_visible_N, n), sink_H=a.sink_H,
+      table_rows_N=_lead(a.table_rows_N, n))
   return SmallCase(args, t, (H, D))
 
 

@@ -6,8 +6,11 @@ Contract (shared by the reference and the kernel):
   window_pool_PxD, window_idx_NxW, window_len_N   the flat SWA pool, each query's window rows (-1 = none) and the
                    number of valid leading ids (0 for a padding token: the query then gives 0).
   comp_pool_QxD    the flat compressed pool (entries of every row).
-  table_NxF        each query's full-group block table (block ids, -1 = none); entry e of the query's row lives at
-                   pool row table[e // E] * E + e % E, E = `entries_per_block` (full_block_tokens // ratio).
+  table_SxF        full-group block tables, one row per sequence slot (block ids, -1 = none), as the engine keeps
+                   them: never copied per query.
+  table_rows_N     the row of table_SxF holding query n's table (None = arange(N): an [N, F] table, one row per
+                   query; a row outside the table sees nothing). Entry e of query n lives at pool row
+                   table[rows[n], e // E] * E + e % E, E = `entries_per_block` (full_block_tokens // ratio).
   num_visible_N    the query's visible entries 0 .. nv-1 (its causal prefix; 0 for padding).
   sink_H           one logit per head, added to the softmax denominator only.
 Returns out_NxHxD = sum_j p_j v_j, p = exp(s_j) / (sum_j exp(s_j) + exp(sink)), in q's dtype (fp32 accumulation);
@@ -23,9 +26,10 @@ leaving its running (max, sum, accumulator) untouched.
 
 The Pallas kernel (`hca_attention_pallas`, Pallas-Triton like the sparse kernel): grid (query token, head block),
 no key split (a split would change the order). A program keeps block_h heads of one query in registers, reads its
-window ids a block of block_k per step, then computes the pool rows of entries j*block_k .. of its row from its
-table (one masked gather of block_k table words a step: the table of a 1M-token context is 8192 words, far too
-wide for registers), gathers those rows and runs the online softmax in base 2 (fp32 accumulators, IEEE dots for
+window ids a block of block_k per step, then computes the pool rows of entries j*block_k .. from its own table
+row, read in place in the [S, F] table (one masked gather of block_k table words a step, only up to its visible
+count: the table of a 1M-token context is 8192 words, and a per-query copy of it would cost the table width, not
+the context), gathers those rows and runs the online softmax in base 2 (fp32 accumulators, IEEE dots for
 fp32 inputs). Row loads, the chunk plan and the in-kernel FP8 decode are the sparse kernel's.
 """
 
@@ -51,12 +55,26 @@ DENSE_BLOCK_ENTRIES = 64
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def entry_pool_rows(table_NxF, ids_NxK, num_visible_N, entries_per_block: int):
-  """Pool rows of entry ids [N, K] through each query's table (-1 past its visible count or where no block)."""
-  F = table_NxF.shape[1]
+def table_rows(table_SxF, table_rows_N, N: int):
+  """Each query's row of the table as int32 [N] (None = arange(N), the table then having one row per query)."""
+  if table_rows_N is None:
+    if table_SxF.shape[0] != N:
+      raise ValueError(f"a table of {table_SxF.shape[0]} rows for {N} queries needs table_rows_N")
+    return jnp.arange(N, dtype=jnp.int32)
+  if tuple(table_rows_N.shape) != (N,):
+    raise ValueError(f"table_rows_N must have shape ({N},), got {tuple(table_rows_N.shape)}")
+  return table_rows_N.astype(jnp.int32)
+
+
+def entry_pool_rows(table_SxF, ids_NxK, num_visible_N, entries_per_block: int, table_rows_N=None):
+  """Pool rows of entry ids [N, K] through each query's table row (-1 past its visible count, where no block, or
+  for a row outside the table). Reads only the [N, K] table words the ids name."""
+  S, F = table_SxF.shape
+  rows = table_rows(table_SxF, table_rows_N, ids_NxK.shape[0])
   blk = ids_NxK // entries_per_block
-  in_table = (ids_NxK >= 0) & (blk < F) & (ids_NxK < num_visible_N[:, None])
-  block_id = jnp.take_along_axis(table_NxF.astype(jnp.int32), jnp.clip(blk, 0, F - 1), axis=1)
+  in_table = ((ids_NxK >= 0) & (blk < F) & (ids_NxK < num_visible_N[:, None])
+              & ((rows >= 0) & (rows < S))[:, None])
+  block_id = table_SxF.astype(jnp.int32)[jnp.clip(rows, 0, S - 1)[:, None], jnp.clip(blk, 0, F - 1)]
   ok = in_table & (block_id >= 0)
   return jnp.where(ok, block_id * entries_per_block + ids_NxK % entries_per_block, -1).astype(jnp.int32)
 
@@ -69,8 +87,8 @@ def _masked_scores(q_NxHxD, pool, rows_NxK, ok_NxK, scale: float):
   return jnp.where(ok[:, None, :], s, -jnp.inf), kv, ok
 
 
-def hca_attention_reference(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF,
-                            num_visible_N, sink_H, *, scale: float, entries_per_block: int,
+def hca_attention_reference(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF,
+                            num_visible_N, sink_H, table_rows_N=None, *, scale: float, entries_per_block: int,
                             block: int = DENSE_BLOCK_ENTRIES):
   """Plain-JAX reference: the window's softmax, then blocks of `block` entries in position order (online softmax,
   fp32), looped over the blocks some query can see; a block a query cannot see leaves its carry untouched."""
@@ -89,7 +107,7 @@ def hca_attention_reference(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len
   def body(b, carry):
     m, l, acc = carry
     ids = jnp.broadcast_to(b * block + jnp.arange(block, dtype=jnp.int32)[None, :], (q.shape[0], block))
-    rows = entry_pool_rows(table_NxF, ids, nv, entries_per_block)
+    rows = entry_pool_rows(table_SxF, ids, nv, entries_per_block, table_rows_N)
     s, kv, ok = _masked_scores(q, comp_pool_QxD, rows, rows >= 0, scale)
     m2 = jnp.maximum(m, jnp.max(s, axis=-1))
     corr = jnp.exp(m - m2)
@@ -152,8 +170,8 @@ def default_tuning(pools) -> HcaAttentionTuning:
 def _hca_kernel(*refs, plan, Dn, wmeta, cmeta, block_k, epb, F, qk_scale2, cdtype):
   """One program: one query token, block_h heads; the window, then the entries 0..nv-1 in order.
 
-  refs: q, sink, lens [win_len, nv], window ids [nblk, block_k], table [Fp], window pool arrays, comp pool
-  arrays, out."""
+  refs: q, sink, lens [win_len, nv, table row], window ids [nblk, block_k], table [S, F] (whole, read in place),
+  window pool arrays, comp pool arrays, out."""
   q_ref, sink_ref, lens_ref, widx_ref, table_ref = refs[:5]
   nw, nc = wmeta[0], cmeta[0]
   warrs = refs[5:5 + nw]
@@ -169,6 +187,7 @@ def _hca_kernel(*refs, plan, Dn, wmeta, cmeta, block_k, epb, F, qk_scale2, cdtyp
   lens = lens_ref[...]
   wl = jnp.clip(_sa._pick(lens, 0), 0, widx_ref.shape[0] * bk)
   nv = jnp.clip(_sa._pick(lens, 1), 0, F * epb)
+  row = _sa._pick(lens, 2)  # in the table (the wrapper zeroes nv for a row outside it)
 
   def step(carry, valid, ids, arrs, kind, meta):
     m, l, accs = carry
@@ -203,10 +222,11 @@ def _hca_kernel(*refs, plan, Dn, wmeta, cmeta, block_k, epb, F, qk_scale2, cdtyp
     e = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
     inb = e < nv
     col = jnp.where(inb, e // epb, 0)
+    rowv = jnp.full((bk,), row, jnp.int32)
     if _pl_triton is None:  # pragma: no cover - no Triton backend: plain gather + select
-      blk = jnp.where(inb, table_ref[col], -1)
-    else:  # a masked gather of this step's table words (the table row is too wide to hold)
-      blk = _pl_triton.load(table_ref.at[col], mask=inb, other=-1)
+      blk = jnp.where(inb, table_ref[rowv, col], -1)
+    else:  # a masked gather of this step's words of the query's own table row
+      blk = _pl_triton.load(table_ref.at[rowv, col], mask=inb, other=-1)
     rows = blk * epb + e % epb
     valid = inb & (blk >= 0) & (rows < cP)
     return step(carry, valid, rows, carrs, ckind, cpm)
@@ -224,9 +244,9 @@ def _hca_kernel(*refs, plan, Dn, wmeta, cmeta, block_k, epb, F, qk_scale2, cdtyp
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "entries_per_block", "interpret", "tuning"))
-def hca_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF,
-                         num_visible_N, sink_H, *, scale: float, entries_per_block: int, interpret: bool = False,
-                         tuning: HcaAttentionTuning | None = None):
+def hca_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF,
+                         num_visible_N, sink_H, table_rows_N=None, *, scale: float, entries_per_block: int,
+                         interpret: bool = False, tuning: HcaAttentionTuning | None = None):
   """Pallas (Triton-GPU) kernel with the contract of `hca_attention_reference`."""
   t = tuning or default_tuning([window_pool_PxD, comp_pool_QxD])
   N, H, D = q_NxHxD.shape
@@ -249,18 +269,23 @@ def hca_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N,
 
   bk = t.block_k
   widx = _sa._pad_idx(window_idx_NxW, bk)
-  F = table_NxF.shape[1]
-  Fp = _sa._next_pow2(max(F, 1))  # a Triton block: a power of two, padded with -1 (never read past F * E)
-  table = jnp.pad(table_NxF.astype(jnp.int32), ((0, 0), (0, Fp - F)), constant_values=-1)
-  lens_Nx2 = jnp.stack([jnp.clip(window_len_N.astype(jnp.int32), 0, window_idx_NxW.shape[1]),
-                        num_visible_N.astype(jnp.int32)], axis=1)
+  S, F = table_SxF.shape
+  rows_N = table_rows(table_SxF, table_rows_N, N)
+  in_table = (rows_N >= 0) & (rows_N < S)
+  # The table goes in whole, as the engine keeps it: each program gathers the words of its own row it visits, so
+  # nothing per query is built at the table's width. lens[:, 3] (a power-of-two block): window length, visible
+  # count (0 for a row outside the table), table row, unused.
+  table = table_SxF.astype(jnp.int32)
+  lens_Nx4 = jnp.stack([jnp.clip(window_len_N.astype(jnp.int32), 0, window_idx_NxW.shape[1]),
+                        jnp.where(in_table, num_visible_N.astype(jnp.int32), 0),
+                        jnp.where(in_table, rows_N, 0), jnp.zeros_like(rows_N)], axis=1)
 
-  args = [q, sink, lens_Nx2, widx, table]
+  args = [q, sink, lens_Nx4, widx, table]
   in_specs = [pl.BlockSpec((None, bh, D), lambda n, h: (n, h, 0)),
               pl.BlockSpec((bh,), lambda n, h: (h,)),
-              pl.BlockSpec((None, 2), lambda n, h: (n, 0)),
+              pl.BlockSpec((None, 4), lambda n, h: (n, 0)),
               pl.BlockSpec((None,) + widx.shape[1:], lambda n, h: (n, 0, 0)),
-              pl.BlockSpec((None, Fp), lambda n, h: (n, 0))]
+              pl.BlockSpec(table.shape, lambda n, h: (0, 0))]
   metas = []
   for pool in pools:
     kind, arrs = _sa._pool_kind_arrays(pool, 2 ** 31)
@@ -288,13 +313,13 @@ def hca_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N,
   return out
 
 
-def hca_attention_kernel(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF,
-                         num_visible_N, sink_H, *, scale: float, entries_per_block: int, interpret: bool = False,
-                         tuning: HcaAttentionTuning | None = None):
+def hca_attention_kernel(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF,
+                         num_visible_N, sink_H, table_rows_N=None, *, scale: float, entries_per_block: int,
+                         interpret: bool = False, tuning: HcaAttentionTuning | None = None):
   """Dispatcher entry point (registered as "hca_attention")."""
-  return hca_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_NxF,
-                              num_visible_N, sink_H, scale=float(scale), entries_per_block=int(entries_per_block),
-                              interpret=interpret, tuning=tuning)
+  return hca_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF,
+                              num_visible_N, sink_H, table_rows_N, scale=float(scale),
+                              entries_per_block=int(entries_per_block), interpret=interpret, tuning=tuning)
 
 
 KERNELS = {"hca_attention": hca_attention_kernel}

@@ -386,8 +386,10 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
   if plan.dense_compressed and ctx.invariant:
     # The same block order on the HCA kernel when `kernel_cfg` sends "hca_attention" to one; else the XLA function.
     nv = num_visible(ctx, plan.ratio)
-    hca = (q, window_pool, win_idx, win_len, comp_pool, ctx.full_table_RxF[ctx.full_row_N], nv, p["sink"])
-    hca_static = dict(scale=d ** -0.5, entries_per_block=ctx.full_block_tokens // plan.ratio)
+    # The engine's table as it is, with each token's row: the kernel reads only the words of its visible entries.
+    hca = (q, window_pool, win_idx, win_len, comp_pool, ctx.full_table_RxF, nv, p["sink"])
+    hca_static = dict(scale=d ** -0.5, entries_per_block=ctx.full_block_tokens // plan.ratio,
+                      table_rows_N=ctx.full_row_N)
     if dispatch.uses_kernel(kernel_cfg, "hca_attention", *hca, **hca_static):
       out = dispatch.hca_attention(*hca, **hca_static, cfg=kernel_cfg)
     else:

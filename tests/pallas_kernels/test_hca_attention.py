@@ -285,3 +285,78 @@ def test_invariant_engine_hca_kernel_tokens_and_bits(monkeypatch):
   alone_toks, alone_logits = run("interpret", prompts[:1])
   assert alone_toks[0] == toks[0]
   np.testing.assert_array_equal(alone_logits[0], logits[0])
+
+
+# ---- the table as the engine keeps it: [S slots, F], each query naming its row ------------------------------------
+
+
+ROWS = [4, 0, 9, 0, 2, 11, 7, 3]   # 12 table rows for 8 queries; queries 1 and 3 share row 0
+
+
+def _slot_table_case(seed, fmt):
+  """make_case's queries, their table rows spread into a 12-row table at ROWS (queries 1 and 3 on the same row, so
+  query 3 takes query 1's table), the other rows filled with unrelated blocks; query 0 and 7 are padding (nv 0)."""
+  args = make_case(seed, fmt)
+  table_NxF = np.asarray(args[5])
+  rng = np.random.default_rng(seed + 100)
+  table_SxF = rng.integers(-1, Q // E, (12, F)).astype(np.int32)
+  for n, r in enumerate(ROWS):
+    if n != 3:
+      table_SxF[r] = table_NxF[n]
+  rows = jnp.asarray(ROWS, jnp.int32)
+  return args, jnp.asarray(table_SxF), rows
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_kernel_reads_rows_of_a_wider_table(fmt):
+  """Table [S, F] with S > N and table_rows_N (two queries on one row, padding queries): the kernel equals the
+  reference on the same form, and both equal their per-query [N, F] copy form bit for bit."""
+  args, table_SxF, rows = _slot_table_case(3, fmt)
+  slot_args = args[:5] + (table_SxF,) + args[6:] + (rows,)
+  copy_args = args[:5] + (table_SxF[rows],) + args[6:]
+  got = np.asarray(kernel(slot_args), np.float32)
+  want = np.asarray(hk.hca_attention_reference(*slot_args, **STATIC), np.float32)
+  np.testing.assert_array_equal(got, np.asarray(kernel(copy_args), np.float32))
+  np.testing.assert_array_equal(want, np.asarray(hk.hca_attention_reference(*copy_args, **STATIC), np.float32))
+  tol = TOL[fmt]
+  np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+  assert (got[0] == 0).all() and (got[7] == 0).all()
+  # through the dispatcher (interpret and XLA), rows as a keyword
+  cfg = dispatch.KernelConfig("interpret", hca_tuning=TUNE)
+  np.testing.assert_array_equal(
+      np.asarray(dispatch.hca_attention(*slot_args[:8], **STATIC, cfg=cfg, table_rows_N=rows), np.float32), got)
+  np.testing.assert_array_equal(np.asarray(dispatch.hca_attention(
+      *slot_args[:8], **STATIC, cfg=dispatch.KernelConfig("xla"), table_rows_N=rows), np.float32), want)
+
+
+def _shapes_in(jaxpr):
+  """Every aval shape of a jaxpr's equations' outputs, nested jaxprs (pjit, loops, the kernel body) included."""
+  out = []
+  for eqn in jaxpr.eqns:
+    out += [tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")]
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          out += _shapes_in(inner)
+  return out
+
+
+def per_query_table_shapes(fn, *args, n, f):
+  """Shapes in `fn`'s jaxpr that have both an n and an f dimension (a per-query copy of the table)."""
+  return [s for s in _shapes_in(jax.make_jaxpr(fn)(*args).jaxpr) if n in s and f in s]
+
+
+def test_kernel_path_builds_no_per_query_table():
+  """The dispatcher's kernel path with a 4096-column table of 80 rows and 64 queries: no intermediate has both a
+  64 and a 4096 dimension (the old path built the [N, F] gather and its power-of-two pad)."""
+  n, f, s = 64, 4096, 80
+  spec = jax.ShapeDtypeStruct
+  args = (spec((n, H, D), jnp.bfloat16), spec((P, D), jnp.bfloat16), spec((n, W), jnp.int32), spec((n,), jnp.int32),
+          spec((1000, D), jnp.bfloat16), spec((s, f), jnp.int32), spec((n,), jnp.int32), spec((H,), jnp.float32))
+  cfg = dispatch.KernelConfig("interpret", hca_tuning=TUNE)
+  fn = lambda *a: dispatch.hca_attention(*a[:8], **STATIC, cfg=cfg, table_rows_N=a[8])
+  assert per_query_table_shapes(fn, *args, spec((n,), jnp.int32), n=n, f=f) == []
+  # the check can fail: the per-query copy the model used to pass
+  copy = lambda *a: dispatch.hca_attention(*a[:5], a[5][a[8]], *a[6:8], **STATIC, cfg=cfg)
+  assert per_query_table_shapes(copy, *args, spec((n,), jnp.int32), n=n, f=f)
