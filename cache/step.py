@@ -21,6 +21,7 @@ Each part costs O(ids it touches x probe length); nothing walks the pool (pool.p
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import math
 from typing import NamedTuple
 
@@ -212,11 +213,24 @@ def counters(res):
   return {"counters": out}
 
 
-# XLA options of the bookkeeping programs on the CPU: integer loops over a few hundred entries, where LLVM's
-# optimisation costs more than it returns (the main job's admission program: 24 -> 9 s of compile on a loaded
-# 2-core box, its bookkeeping program 11 -> 5 s; runtime: BUILD_NOTES.md, Compile time). Other backends keep XLA's
-# defaults. None = XLA's defaults on the CPU too.
-CPU_COMPILER_OPTIONS: dict | None = {"xla_backend_optimization_level": 0}
+def _cpu_compiler_options() -> dict:
+  # Integer loops over a few hundred entries, where LLVM's optimisation costs more than it returns (the main job's
+  # admission program: 24 -> 9 s of compile on a loaded 2-core box, its bookkeeping program 11 -> 5 s), and the
+  # program is hundreds of small fusions, each its own LLVM module: XLA's older elemental emitter generates them
+  # faster than the MLIR fusion emitters (about 3.5 -> 2.1 s and 2.2 -> 1.3 s more). Runtime: BUILD_NOTES.md,
+  # Compile time. The emitter flag only on the jaxlib line it was checked on: XLA refuses an option it does not know.
+  options = {"xla_backend_optimization_level": 0}
+  try:
+    if importlib.metadata.version("jaxlib").startswith("0.10."):
+      options["xla_cpu_use_fusion_emitters"] = False
+  except importlib.metadata.PackageNotFoundError:
+    pass
+  return options
+
+
+# XLA options of the bookkeeping programs on the CPU; other backends keep XLA's defaults. None = XLA's defaults on
+# the CPU too.
+CPU_COMPILER_OPTIONS: dict | None = _cpu_compiler_options()
 
 
 @functools.cache

@@ -85,6 +85,12 @@ class EngineConfig:
   # calls per step) each step is read before the next is planned (`Engine.async_active` says which).
   async_scheduling: bool = _field(True, "Plan and send step N+1 before reading step N's tokens (same tokens; "
                                   "applies on one device without tiers or batch invariance).")
+  # XLA CPU only: LLVM's optimisation level for the step program. On the CPU a short job's time is mostly compile:
+  # a lower level compiles the step program faster and runs it slower (BUILD_NOTES.md, Compile time). A level set in
+  # XLA_FLAGS wins. GPU and other backends: XLA's defaults.
+  cpu_step_opt_level: int = _field(-1, "XLA CPU: LLVM optimisation level of the step program (0-3; -1 = XLA's "
+                                   "default; XLA_FLAGS' level wins): lower compiles faster, runs slower. Other "
+                                   "backends ignore it.")
   # Speculative decoding with the model's drafter (ModelConfig.num_mtp_layers >= 1: V4's MTP block, V4.1's DSpark
   # stages, k <= dspark.block_size): each decode row carries the k drafts proposed last step; one step verifies
   # them (greedy: the tokens without drafts; sampled: rejection sampling, the same distribution), keeps the accepted
@@ -110,6 +116,9 @@ class EngineConfig:
     t = self.tile_tokens
     if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or t < 1 or t & (t - 1):
       raise ValueError(f"EngineConfig.tile_tokens: a power of two >= 1, got {t!r}")
+    lvl = self.cpu_step_opt_level
+    if not isinstance(lvl, (int, np.integer)) or isinstance(lvl, bool) or not -1 <= lvl <= 3:
+      raise ValueError(f"EngineConfig.cpu_step_opt_level: an integer in -1..3 (-1 = XLA's default), got {lvl!r}")
     if not 1 <= self.token_bucket_steps <= 8:
       raise ValueError(f"EngineConfig.token_bucket_steps: 1..8, got {self.token_bucket_steps}")
     if not isinstance(self.async_scheduling, bool):

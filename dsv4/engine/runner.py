@@ -51,7 +51,7 @@ from dsv4.engine.sampling import SamplingParams
 # re-exported: the runner's public names from before the step program had modules of its own
 from dsv4.engine.step_plan import (RaggedShape, pack, pow2_at_least, pow4_at_least, result_width,  # noqa: F401
                                    token_bucket, token_buckets)
-from dsv4.engine.step_program import StepOutput, ragged_step, step_body  # noqa: F401
+from dsv4.engine.step_program import StepOutput, jitted_ragged_step, ragged_step, step_body, step_compiler_options  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -163,6 +163,8 @@ class ModelRunner:
     # fused: the cache bookkeeping is sent with the step and runs on the device right before it (one device with
     # managers); on a mesh the managers apply it in their own call before the step and the tables travel with it
     self.fused = managers is not None and mesh is None
+    # the one-device step program, jitted with this engine's compiler options (on the CPU: LLVM's level)
+    self._one_device_step = jitted_ragged_step(step_compiler_options(ec.cpu_step_opt_level))
     if managers is not None:
       for m in managers:
         m.set_step_capacity(ec.max_num_batched_tokens, S // self.num_shards)
@@ -371,7 +373,7 @@ class ModelRunner:
       (dev,) = jax.device_put([bufs[0]])
       self.stats["host_bytes_in"] += bufs[0].nbytes
       tables = self._tables()
-    out = ragged_step(params, self.cache, tables, self.prev_tokens, dev, **kw)
+    out = self._one_device_step(params, self.cache, tables, self.prev_tokens, dev, **kw)
     self.cache, self.prev_tokens = out.cache, out.prev_tokens
     if self.fused:
       manager.set_device_state(pools, tuple(out.tables[g] for g in manager.groups))
@@ -425,7 +427,7 @@ class ModelRunner:
     sh = self.shardings
     fn = jax.jit(ragged_step, in_shardings=(sh["params"], sh["cache"], sh["plan"], rep, sh["plan"]),
                  out_shardings=StepOutput(sh["cache"], None, rep, None, rep if ec.record_logits else None),
-                 donate_argnums=(1,))
+                 donate_argnums=(1,), compiler_options=dict(step_compiler_options(ec.cpu_step_opt_level)) or None)
     self._mesh_steps[shape] = fn
     return fn
 

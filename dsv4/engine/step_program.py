@@ -16,6 +16,7 @@ Every mode is this program (the mode is part of its static shape or its static a
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -143,10 +144,32 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
 _STEP_STATICS = ("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api", "graphdef")
 
 
-@functools.partial(jax.jit, static_argnames=_STEP_STATICS, donate_argnames=("cache", "tables"))
-def ragged_step(params, cache, tables, prev_tokens, buf, *, config, layout, kernel_cfg, shape: RaggedShape,
-                record_logits: bool, model_api: str = "functional", graphdef=None):
-  """`step_body` jitted for one device (compile logs name it `jit(ragged_step)`, on a mesh too). The cache and the
-  tables are donated: the `StepOutput` returns them."""
+def _ragged_step(params, cache, tables, prev_tokens, buf, *, config, layout, kernel_cfg, shape: RaggedShape,
+                 record_logits: bool, model_api: str = "functional", graphdef=None):
   return step_body(params, cache, tables, prev_tokens, buf, config=config, layout=layout, kernel_cfg=kernel_cfg,
                    shape=shape, record_logits=record_logits, model_api=model_api, graphdef=graphdef)
+
+
+_ragged_step.__name__ = _ragged_step.__qualname__ = "ragged_step"     # the name compile logs show
+
+
+@functools.cache
+def jitted_ragged_step(compiler_options: tuple = ()):
+  """`step_body` jitted for one device (compile logs name it `jit(ragged_step)`, on a mesh too), compiled with
+  `compiler_options` (sorted (name, value) pairs; () = XLA's defaults). The cache and the tables are donated: the
+  `StepOutput` returns them."""
+  return jax.jit(_ragged_step, static_argnames=_STEP_STATICS, donate_argnames=("cache", "tables"),
+                 compiler_options=dict(compiler_options) or None)
+
+
+ragged_step = jitted_ragged_step()   # at XLA's defaults
+
+
+def step_compiler_options(cpu_opt_level: int) -> tuple:
+  """The step program's XLA options for the default backend: on the CPU, LLVM's optimisation level
+  `cpu_opt_level` (EngineConfig.cpu_step_opt_level; -1 = XLA's default). A level set in XLA_FLAGS wins (the test
+  suite's, a user's). Other backends: XLA's defaults."""
+  if (cpu_opt_level < 0 or jax.default_backend() != "cpu"
+      or "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")):
+    return ()
+  return (("xla_backend_optimization_level", int(cpu_opt_level)),)
