@@ -51,6 +51,7 @@ IndexerTuning = _indexer.IndexerTuning
 IndexerTopkTuning = _indexer_topk.IndexerTopkTuning
 Fp8PagedPool = _sparse.Fp8PagedPool
 Fp8IndexKeys = _indexer_topk.Fp8IndexKeys
+PagedRows = _indexer.PagedRows
 HcaAttentionTuning = _hca.HcaAttentionTuning
 
 
@@ -379,6 +380,9 @@ def indexer_scores(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_B
   num_visible_BxT: entries 0..n-1 are visible to query (b, t) (causality). num_keys_B: optional int32 [B], the
   live length of sequence b's entry list (entries >= num_keys_B[b] are invisible and never read, so kernels cost
   O(live entries)); None = all M. Visible = entry < min(num_visible, num_keys), row valid, and allowed (if given).
+  key_rows_BxM may be a `PagedRows` (a block table [S, F] as the caller keeps it, each sequence's row of it and the
+  entries per block; M = F * E): the kernel then reads each sequence's table row in place, a block of words per
+  step, and no [B, M] entry list is built (the scores themselves are [B, T, M]).
   """
   args, static = _scores_args(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM,
                               num_keys_B=num_keys_B)
@@ -408,7 +412,9 @@ def indexer_topk(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT
   (`candidate_blocks_BxTxC`, block ids of `block_size` entries, -1 = none) restrict the picks to those blocks. The
   fused kernel ("indexer_topk", `indexer_topk.py`) keeps scores on chip and writes only the k ids (per chunk of
   IndexerTopkTuning.select_chunk entries) and scores only the candidate blocks' entries when given; the XLA
-  reference is the reference scores (FP8 keys dequantized, candidates as a mask) and `topk_from_scores`."""
+  reference is the reference scores (FP8 keys dequantized, candidates as a mask) and `topk_from_scores`. With
+  key_rows_BxM a `PagedRows` the kernel reads each sequence's row of the table in place, only up to the visible
+  entries, so nothing is built or read at the table's width."""
   args, static = _topk_args(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k, allowed_BxTxM,
                             num_keys_B=num_keys_B, candidate_blocks_BxTxC=candidate_blocks_BxTxC,
                             block_size=block_size)
@@ -545,11 +551,18 @@ def _indexer_inputs(a: IndexerArgs, static: dict, key) -> IndexerArgs:
   keys = jax.random.split(key, 8)
   entries, pool_rows = a.key_rows_BxM.shape[1], a.key_pool_PxC.shape[0]
   cand = a.candidate_blocks_BxTxC  # top-k only, with static block_size
+  kr = a.key_rows_BxM
+  if isinstance(kr, PagedRows):  # random blocks of the pool, each sequence on a random row of the table
+    E = kr.entries_per_block
+    key_rows = PagedRows(_ints(keys[3], kr.table_SxF, -1, -(-pool_rows // E)),
+                         _ints(jax.random.fold_in(keys[3], 1), kr.rows_B, 0, kr.table_SxF.shape[0]), E)
+  else:
+    key_rows = _ints(keys[3], kr, -1, pool_rows)
   return IndexerArgs(
       q_BxTxHxC=_normal(keys[0], a.q_BxTxHxC),
       w_BxTxH=(jax.random.uniform(keys[1], a.w_BxTxH.shape, jnp.float32) + 0.1).astype(a.w_BxTxH.dtype),
       key_pool_PxC=_random_pool(keys[2], a.key_pool_PxC),
-      key_rows_BxM=_ints(keys[3], a.key_rows_BxM, -1, pool_rows),
+      key_rows_BxM=key_rows,
       num_visible_BxT=_ints(keys[4], a.num_visible_BxT, 0, entries + 1),
       allowed_BxTxM=None if a.allowed_BxTxM is None else (
           jax.random.bernoulli(keys[5], 0.7, a.allowed_BxTxM.shape).astype(a.allowed_BxTxM.dtype)),
@@ -658,9 +671,16 @@ def _indexer_small(a: IndexerArgs, static: dict, tuning, *, topk: bool) -> Small
     tiling = (H, C)
   b, tt = min(B, 2), min(T, 2)
   bt = lambda x: None if x is None else jax.ShapeDtypeStruct((b, tt) + tuple(x.shape[2:]), x.dtype)
+  kr = a.key_rows_BxM
+  if isinstance(kr, PagedRows):  # a table of at most b rows, wide enough for m entries
+    E = kr.entries_per_block
+    key_rows = PagedRows(_lead(_cols(kr.table_SxF, -(-m // E)), b), _lead(kr.rows_B, b), E)
+    m = key_rows.shape[1]
+  else:
+    key_rows = jax.ShapeDtypeStruct((b, m), kr.dtype)
   args = IndexerArgs(
       q_BxTxHxC=bt(a.q_BxTxHxC), w_BxTxH=bt(a.w_BxTxH), key_pool_PxC=_small_pool(a.key_pool_PxC),
-      key_rows_BxM=jax.ShapeDtypeStruct((b, m), a.key_rows_BxM.dtype), num_visible_BxT=bt(a.num_visible_BxT),
+      key_rows_BxM=key_rows, num_visible_BxT=bt(a.num_visible_BxT),
       allowed_BxTxM=None if a.allowed_BxTxM is None else jax.ShapeDtypeStruct((b, tt, m), a.allowed_BxTxM.dtype),
       num_keys_B=_lead(a.num_keys_B, b), candidate_blocks_BxTxC=bt(a.candidate_blocks_BxTxC))
   return SmallCase(args, tuning, tiling)

@@ -3,7 +3,9 @@
 Contract:
   q_BxTxHxC       indexer queries (RoPE'd), w_BxTxH head weights (scale already folded in).
   key_pool_PxC    the layer's index-key pool, flat rows.
-  key_rows_BxM    pool row of entry m of sequence b (-1 = not allocated).
+  key_rows_BxM    pool row of entry m of sequence b (-1 = not allocated): an int [B, M] list, or `PagedRows` (the
+                  block table as the engine keeps it, [S, F], and each sequence's row of it; M = F * E), which the
+                  kernels read in place, a block of table words per step, never building the [B, M] list.
   num_visible_BxT entries 0..num_visible-1 are visible to the query (causality).
   allowed_BxTxM   optional extra restriction (V4.1 candidate blocks).
   num_keys_B      optional int [B]: only entries 0..num_keys_B[b]-1 of sequence b are live (the live length of the
@@ -17,6 +19,52 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+@jax.tree_util.register_pytree_node_class
+class PagedRows:
+  """Entry lists through a block table: entry m of sequence b lives at pool row
+  table_SxF[rows_B[b], m // E] * E + m % E (E = entries_per_block, static), -1 where the block is -1 or rows_B[b]
+  is outside the table. Stands in for key_rows_BxM ([B, M], M = F * E: `shape` says so) so that a caller with the
+  engine's [slots, max_model_len / block] table passes it as it is."""
+
+  def __init__(self, table_SxF, rows_B, entries_per_block: int):
+    self.table_SxF, self.rows_B, self.entries_per_block = table_SxF, rows_B, int(entries_per_block)
+
+  def tree_flatten(self):
+    return (self.table_SxF, self.rows_B), self.entries_per_block
+
+  @classmethod
+  def tree_unflatten(cls, entries_per_block, leaves):
+    return cls(*leaves, entries_per_block)
+
+  @property
+  def shape(self):
+    return (self.rows_B.shape[0], self.table_SxF.shape[1] * self.entries_per_block)
+
+  @property
+  def dtype(self):
+    return jnp.dtype(jnp.int32)
+
+  def pool_rows(self, ent_BxK):
+    """Pool rows [B, K] of entry ids (-1 for ids < 0 or >= M, no block, or a row outside the table); reads only
+    the table words the ids name."""
+    S, F = self.table_SxF.shape
+    E = self.entries_per_block
+    rows = self.rows_B.astype(jnp.int32)
+    ok = (ent_BxK >= 0) & (ent_BxK < F * E) & ((rows >= 0) & (rows < S))[:, None]
+    blk = self.table_SxF.astype(jnp.int32)[jnp.clip(rows, 0, S - 1)[:, None], jnp.clip(ent_BxK // E, 0, F - 1)]
+    return jnp.where(ok & (blk >= 0), blk * E + ent_BxK % E, -1).astype(jnp.int32)
+
+  def as_rows(self):
+    """The [B, M] entry list (the references' form)."""
+    B, M = self.shape
+    return self.pool_rows(jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32)[None, :], (B, M)))
+
+
+def entry_rows_list(key_rows_BxM):
+  """key_rows_BxM as an int [B, M] list (`PagedRows` expanded; the references read it whole)."""
+  return key_rows_BxM.as_rows() if isinstance(key_rows_BxM, PagedRows) else key_rows_BxM
 
 
 def check_num_keys(num_keys_B, B):
@@ -38,6 +86,7 @@ def indexer_scores_reference(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num
                              num_keys_B=None):
   check_num_keys(num_keys_B, q_BxTxHxC.shape[0])
   num_visible_BxT = effective_visible(num_visible_BxT, num_keys_B)
+  key_rows_BxM = entry_rows_list(key_rows_BxM)
   P = key_pool_PxC.shape[0]
   keys_BxMxC = jnp.take(key_pool_PxC, jnp.clip(key_rows_BxM, 0, P - 1), axis=0).astype(jnp.float32)
   dots = jnp.einsum("bthc,bmc->bthm", q_BxTxHxC.astype(jnp.float32), keys_BxMxC,
@@ -115,17 +164,36 @@ class IndexerTuning:
       raise ValueError("block_m must be > 0")
 
 
-def _indexer_kernel(*refs, has_allowed, P, H, block_t, block_m, skip_invisible, cdtype):
-  if has_allowed:
-    q_ref, w_ref, rows_ref, nv_ref, pool_ref, allowed_ref, o_ref = refs
-  else:
-    q_ref, w_ref, rows_ref, nv_ref, pool_ref, o_ref = refs
-    allowed_ref = None
+def _table_words(table_ref, row, col, mask):
+  """Words table[row, col] (col [n]) where mask, else -1: a masked gather from the table left in memory."""
+  rowv = jnp.full(col.shape, row, jnp.int32)
+  col = jnp.where(mask, col, 0)
+  if _pl_triton is None:  # pragma: no cover
+    return jnp.where(mask, table_ref[rowv, col], -1)
+  return _pl_triton.load(table_ref.at[rowv, col], mask=mask, other=-1)
+
+
+def _indexer_kernel(*refs, has_allowed, P, H, block_t, block_m, skip_invisible, cdtype, M, epb):
+  """epb > 0: the entry list is a block table (refs: the sequence's row [1], the whole table [S, F]) and entry m's
+  pool row is table[row, m // epb] * epb + m % epb; else an entry-list block [block_m]."""
+  it = iter(refs)
+  q_ref, w_ref = next(it), next(it)
+  rows_ref = next(it)
+  table_ref = next(it) if epb else None
+  nv_ref, pool_ref = next(it), next(it)
+  allowed_ref = next(it) if has_allowed else None
+  o_ref = next(it)
   m0 = pl.program_id(2) * block_m
   nv = nv_ref[...]
 
   def compute():
-    rows = rows_ref[...]
+    if epb:  # this tile's table words of the sequence's row (entries past the visible ones are not read)
+      ent1 = m0 + jax.lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+      inb = (ent1 < M) & (ent1 < jnp.max(nv))
+      blk = _table_words(table_ref, jnp.sum(rows_ref[...]), ent1 // epb, inb)
+      rows = jnp.where(inb & (blk >= 0), blk * epb + ent1 % epb, -1)
+    else:
+      rows = rows_ref[...]
     valid_row = (rows >= 0) & (rows < P)
     safe = jnp.where(valid_row, rows, 0)
     C = pool_ref.shape[1]
@@ -155,6 +223,16 @@ def _indexer_kernel(*refs, has_allowed, P, H, block_t, block_m, skip_invisible, 
     o_ref[...] = compute()
 
 
+def paged_table_args(key_rows: PagedRows, nv_BxT):
+  """(each sequence's row [B, 1], the table int32 [S, F], nv with 0 for a sequence whose row is outside the
+  table): what the kernels take for a `PagedRows` entry list. Nothing here is [B, F]."""
+  S = key_rows.table_SxF.shape[0]
+  rows = key_rows.rows_B.astype(jnp.int32)
+  ok = (rows >= 0) & (rows < S)
+  return (jnp.where(ok, rows, 0)[:, None], key_rows.table_SxF.astype(jnp.int32),
+          jnp.where(ok[:, None], nv_BxT, 0))
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
 def indexer_scores_pallas(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None,
                           num_keys_B=None, *, interpret: bool = False, tuning: IndexerTuning | None = None):
@@ -166,6 +244,7 @@ def indexer_scores_pallas(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_vi
   num_visible_BxT = effective_visible(num_visible_BxT, num_keys_B)
   P = key_pool_PxC.shape[0]
   M = key_rows_BxM.shape[1]
+  paged = isinstance(key_rows_BxM, PagedRows)
   assert H & (H - 1) == 0, "indexer heads must be a power of two"
   bt = t.block_t or max(1, 128 // H)
   bt = min(bt, 1 << max(0, (T - 1).bit_length()))
@@ -175,20 +254,27 @@ def indexer_scores_pallas(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_vi
 
   q = jnp.pad(q_BxTxHxC, ((0, 0), (0, Tp - T), (0, 0), (0, 0))).reshape(B, Tp * H, C)
   w = jnp.pad(w_BxTxH.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0))).reshape(B, Tp * H)
-  rows = jnp.pad(key_rows_BxM.astype(jnp.int32), ((0, 0), (0, Mp - M)), constant_values=-1)
   nv = jnp.pad(num_visible_BxT.astype(jnp.int32), ((0, 0), (0, Tp - T)))
-  args = [q, w, rows, nv, key_pool_PxC]
+  args = [q, w]
   in_specs = [pl.BlockSpec((None, bt * H, C), lambda b, i, j: (b, i, 0)),
-              pl.BlockSpec((None, bt * H), lambda b, i, j: (b, i)),
-              pl.BlockSpec((None, bm), lambda b, i, j: (b, j)),
-              pl.BlockSpec((None, bt), lambda b, i, j: (b, i)),
-              pl.BlockSpec(key_pool_PxC.shape, lambda b, i, j: (0, 0))]
+              pl.BlockSpec((None, bt * H), lambda b, i, j: (b, i))]
+  if paged:  # the table whole, as the caller keeps it; each program reads its sequence's row in place
+    row_Bx1, table, nv = paged_table_args(key_rows_BxM, nv)
+    args += [row_Bx1, table]
+    in_specs += [pl.BlockSpec((None, 1), lambda b, i, j: (b, 0)), pl.BlockSpec(table.shape, lambda b, i, j: (0, 0))]
+  else:
+    args.append(jnp.pad(key_rows_BxM.astype(jnp.int32), ((0, 0), (0, Mp - M)), constant_values=-1))
+    in_specs.append(pl.BlockSpec((None, bm), lambda b, i, j: (b, j)))
+  args += [nv, key_pool_PxC]
+  in_specs += [pl.BlockSpec((None, bt), lambda b, i, j: (b, i)),
+               pl.BlockSpec(key_pool_PxC.shape, lambda b, i, j: (0, 0))]
   if allowed_BxTxM is not None:
     allowed = jnp.pad(allowed_BxTxM.astype(jnp.int8), ((0, 0), (0, Tp - T), (0, Mp - M)))
     args.append(allowed)
     in_specs.append(pl.BlockSpec((None, bt, bm), lambda b, i, j: (b, i, j)))
   kernel = functools.partial(_indexer_kernel, has_allowed=allowed_BxTxM is not None, P=P, H=H, block_t=bt,
-                             block_m=bm, skip_invisible=t.skip_invisible, cdtype=cdtype)
+                             block_m=bm, skip_invisible=t.skip_invisible, cdtype=cdtype, M=M,
+                             epb=key_rows_BxM.entries_per_block if paged else 0)
   compiler_params = None
   if _pl_triton is not None:
     compiler_params = _pl_triton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)

@@ -7,6 +7,9 @@ num_keys_B), plus two options the kernel can use to skip work:
     the row scale multiplies the [heads, entries] dot result, never the keys.
   * V4.1 candidate restriction by block ids (`candidate_blocks_BxTxC`, block_size entries per block, -1 = none):
     the kernel scores only the entries of the candidate blocks (cost O(candidates x block_size), not O(M)).
+  * the entry list as a block table (`indexer.PagedRows`: the [S, F] table as the caller keeps it and each
+    sequence's row): a program gathers the words of its sequence's row that its steps visit (only up to the
+    tile's visible count), so no [B, M] list is built and the cost follows the visible context.
 
 Kernel (Pallas-Triton): grid (B, T / block_t, chunks). A program holds its block_t x H queries (q, weights) in
 registers for the whole loop, walks the live entries of its chunk block_m at a time (gathering key rows by id with
@@ -148,9 +151,12 @@ def _gather(ref, r, c, m, other):
   return _pl_triton.load(ref.at[r, c], mask=m, other=jnp.asarray(other, ref.dtype))
 
 
-def _kernel(*refs, H, C, P, bt, bm, nblk, k, kout, per_query, has_allowed, fp8, write_scores, cdtype, prec):
+def _kernel(*refs, H, C, P, bt, bm, nblk, k, kout, per_query, has_allowed, fp8, write_scores, cdtype, prec, epb):
+  """epb > 0: the entry list is a block table (refs after the entry ids: the sequence's row [1], the whole table
+  [S, F]); entry m's pool row is table[row, m // epb] * epb + m % epb, read a block of words per step."""
   it = iter(refs)
   q_ref, w_ref, nv_ref, ent_ref, rows_ref = next(it), next(it), next(it), next(it), next(it)
+  table_ref = next(it) if epb else None
   allowed_ref = next(it) if has_allowed else None
   key_refs = (next(it), next(it)) if fp8 else (next(it),)
   ids_ref = next(it)
@@ -171,8 +177,15 @@ def _kernel(*refs, H, C, P, bt, bm, nblk, k, kout, per_query, has_allowed, fp8, 
   nv = nv_ref[...]  # [bt] visible entries per query (num_keys applied)
   live = jnp.max(nv)
 
+  row = jnp.sum(rows_ref[...]) if epb else None
+
   def body(j, s_all):
-    if per_query:  # [1, MC] blocks: this query's own entry list
+    if epb:  # this step's words of the sequence's own table row (only entries some query of the tile sees)
+      ent1 = ent_ref[0, pl.ds(j * bm, bm)] if per_query else ent_ref[pl.ds(j * bm, bm)]
+      inb = (ent1 >= 0) & (ent1 < live)
+      blk = _ix._table_words(table_ref, row, ent1 // epb, inb)
+      rows1 = jnp.where(inb & (blk >= 0), blk * epb + ent1 % epb, -1)
+    elif per_query:  # [1, MC] blocks: this query's own entry list
       ent1, rows1 = ent_ref[0, pl.ds(j * bm, bm)], rows_ref[0, pl.ds(j * bm, bm)]
     else:
       ent1, rows1 = ent_ref[pl.ds(j * bm, bm)], rows_ref[pl.ds(j * bm, bm)]
@@ -290,6 +303,9 @@ def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_
   prec = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST) if cdtype == jnp.float32 else None
   bm = t.block_m
   per_query = candidate_blocks_BxTxC is not None
+  paged = isinstance(key_rows_BxM, _ix.PagedRows)
+  if paged:  # the table whole, as the caller keeps it; each program reads its sequence's row in place
+    row_Bx1, table, nv = _ix.paged_table_args(key_rows_BxM, nv)
 
   q, w = q_BxTxHxC, w_BxTxH
   if fp8 and t.fp8_query:
@@ -304,8 +320,8 @@ def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_
     E = ent.shape[-1]
     Ep = max(bm, _next_pow2(E))
     ent = jnp.pad(ent, ((0, 0), (0, 0), (0, Ep - E)), constant_values=-1)
-    rows = jnp.where(ent >= 0, jnp.take_along_axis(key_rows_BxM[:, None, :].astype(jnp.int32),
-                                                   jnp.maximum(ent, 0), axis=2), -1)
+    rows = None if paged else jnp.where(ent >= 0, jnp.take_along_axis(key_rows_BxM[:, None, :].astype(jnp.int32),
+                                                                      jnp.maximum(ent, 0), axis=2), -1)
     MC, nchunks, Tp = Ep, 1, T
   else:
     bt = t.block_t or max(1, 64 // H)
@@ -315,7 +331,7 @@ def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_
     nchunks = -(-M // MC)
     Mp = nchunks * MC
     ent = jnp.where(jnp.arange(Mp) < M, jnp.arange(Mp, dtype=jnp.int32), -1)
-    rows = jnp.pad(key_rows_BxM.astype(jnp.int32), ((0, 0), (0, Mp - M)), constant_values=-1)
+    rows = None if paged else jnp.pad(key_rows_BxM.astype(jnp.int32), ((0, 0), (0, Mp - M)), constant_values=-1)
   kout = _next_pow2(kk)
   nblk = MC // bm
   qf = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0))).reshape(B, Tp * H, C)
@@ -326,12 +342,16 @@ def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_
   in_specs = [pl.BlockSpec((None, bt * H, C), lambda b, i, c: (b, i, 0)),
               pl.BlockSpec((None, bt * H), lambda b, i, c: (b, i)),
               pl.BlockSpec((None, bt), lambda b, i, c: (b, i))]
-  if per_query:
-    args += [ent, rows]
-    in_specs += [pl.BlockSpec((None, 1, MC), lambda b, i, c: (b, i, 0))] * 2
+  args.append(ent)
+  in_specs.append(pl.BlockSpec((None, 1, MC), lambda b, i, c: (b, i, 0)) if per_query
+                  else pl.BlockSpec((MC,), lambda b, i, c: (c,)))
+  if paged:
+    args += [row_Bx1, table]
+    in_specs += [pl.BlockSpec((None, 1), lambda b, i, c: (b, 0)), pl.BlockSpec(table.shape, lambda b, i, c: (0, 0))]
   else:
-    args += [ent, rows]
-    in_specs += [pl.BlockSpec((MC,), lambda b, i, c: (c,)), pl.BlockSpec((None, MC), lambda b, i, c: (b, c))]
+    args.append(rows)
+    in_specs.append(pl.BlockSpec((None, 1, MC), lambda b, i, c: (b, i, 0)) if per_query
+                    else pl.BlockSpec((None, MC), lambda b, i, c: (b, c)))
   has_allowed = allowed_BxTxM is not None
   if has_allowed:
     if per_query:
@@ -359,7 +379,8 @@ def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_
     out_shape.append(jax.ShapeDtypeStruct((B, Tp, nchunks * W), jnp.float32))
     out_specs.append(pl.BlockSpec((None, bt, W), lambda b, i, c: (b, i, c)))
   kernel = functools.partial(_kernel, H=H, C=C, P=P, bt=bt, bm=bm, nblk=nblk, k=kk, kout=kout, per_query=per_query,
-                             has_allowed=has_allowed, fp8=fp8, write_scores=write_scores, cdtype=cdtype, prec=prec)
+                             has_allowed=has_allowed, fp8=fp8, write_scores=write_scores, cdtype=cdtype, prec=prec,
+                             epb=key_rows_BxM.entries_per_block if paged else 0)
   compiler_params = None
   if _pl_triton is not None:
     compiler_params = _pl_triton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)

@@ -40,6 +40,12 @@ def entry_rows(ctx: StepContext, ratio: int):
   return caches.row_slots(ctx.full_table_RxF, ctx.full_row_N[:, None], ids, rpb, ctx.valid_N[:, None])
 
 
+def paged_entry_rows(ctx: StepContext, ratio: int):
+  """`entry_rows` as the indexer kernels take it: the step's table as it is and each token's row of it (they read
+  the words they visit in place; no [N, M] list). Padding tokens see nothing through `num_visible`."""
+  return dispatch.PagedRows(ctx.full_table_RxF, ctx.full_row_N, ctx.full_block_tokens // ratio)
+
+
 def num_visible(ctx: StepContext, ratio: int):
   """Compressed entries each query may see (its causal prefix); 0 for padding tokens."""
   return jnp.where(ctx.valid_N, (ctx.pos_N + 1) // ratio, 0)
@@ -60,8 +66,8 @@ def _indexer_qw(p, config: ModelConfig, x_NxD, cq_NxR, ctx: StepContext, inv_fre
 def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool, rows_NxM,
                    inv_freq, kernel_cfg, allowed_NxM=None):
   """Lightning indexer through `dispatch.indexer_scores` (the reference, or the score kernel): returns (top-k entry
-  ids [N,k] with -1 for invisible picks, scores [N,M]). O(M) memory per query; the model uses it where the scores
-  themselves are needed (the V4.1 candidate source's block maxima with a kernel selected, aux outputs)."""
+  ids [N,k] with -1 for invisible picks, scores [N,M]). rows_NxM: `entry_rows` or `paged_entry_rows`. O(M) memory
+  per query; the model uses it where the scores themselves are needed (the V4.1 candidate source's block maxima with a kernel selected, aux outputs)."""
   q, w = _indexer_qw(p, config, x_NxD, cq_NxR, ctx, inv_freq)
   nv = num_visible(ctx, plan.ratio)
   # One query per "batch row" (B = N, T = 1): each flat token brings its own row's entry list.
@@ -77,7 +83,7 @@ def _fused_topk_call(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx
   q, w = _indexer_qw(p, config, x_NxD, cq_NxR, ctx, inv_freq)
   nv = num_visible(ctx, plan.ratio)
   cand = None if candidate_blocks_NxCb is None else candidate_blocks_NxCb[:, None]
-  args = (q[:, None], w[:, None], caches.flat_pool(key_pool), entry_rows(ctx, plan.ratio), nv[:, None],
+  args = (q[:, None], w[:, None], caches.flat_pool(key_pool), paged_entry_rows(ctx, plan.ratio), nv[:, None],
           config.indexer.topk)
   return args, dict(candidate_blocks_BxTxC=cand, block_size=config.indexer.candidate_block_size)
 
@@ -262,7 +268,9 @@ def _select(p_ix, config: ModelConfig, plan: LayerPlan, x_NxD, cq, ctx: StepCont
     ids = indexer_select_fused(p_ix, config, plan, x_NxD, cq, ctx, key_pool, inv_freq, kernel_cfg, cand_blocks)
     paged = ids is None
   if (ids is None and not paged) or collect_aux:
-    rows = entry_rows(ctx, plan.ratio)
+    # The score kernel reads the table in place; the aux target and a candidate mask need the [N, M] list.
+    dense = collect_aux or cand_blocks is not None
+    rows = entry_rows(ctx, plan.ratio) if dense else paged_entry_rows(ctx, plan.ratio)
     M = rows.shape[1]
     allowed = None
     if cand_blocks is not None:

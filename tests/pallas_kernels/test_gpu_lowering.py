@@ -235,21 +235,49 @@ def test_indexer_topk_fp8_query_lowers_to_fp8_dots(name, B, T, M, capsys):
     assert all(("xf8E4M3FN> *" in ln) == fp8_query for ln in dots), dots
 
 
+@pytest.mark.parametrize("table", ["per_query", "slots"])
 @pytest.mark.parametrize("pool", ["bf16", "fp8", "fp8_paged"])
 @pytest.mark.parametrize("name,N,F", [
     ("decode_b64_1m_table", 64, 8192),   # HCA (ratio 128, one entry per 128-token block): tables at 1M tokens
     ("prefill_4k_128k_table", 4096, 1024),
 ])
-def test_hca_attention_lowers_for_cuda(name, N, F, pool):
-  """The invariant step's HCA kernel (window, then every visible entry through the row's table, block_k a step)."""
+def test_hca_attention_lowers_for_cuda(name, N, F, pool, table):
+  """The invariant step's HCA kernel (window, then every visible entry through the row's table, block_k a step):
+  an [N, F] table, or the engine's [slots, F] table with each query's row, read in place."""
   from pallas_kernels import hca_attention as hk
   rows = max(N, 64) * F
   if pool == "fp8_paged":
     wp, cp = paged_spec(max(N, 256) * W), paged_spec(rows)
   else:
     wp, cp = pool_spec(max(N, 256) * W, pool == "fp8"), pool_spec(rows, pool == "fp8")
+  tab = (S((N, F), jnp.int32),) if table == "per_query" else (S((257, F), jnp.int32),)
   exp = export_for_cuda(
       hk.hca_attention_pallas, S((N, H, D), jnp.bfloat16), wp, S((N, W), jnp.int32), S((N,), jnp.int32), cp,
-      S((N, F), jnp.int32), S((N,), jnp.int32), S((H,), jnp.float32), scale=D ** -0.5, entries_per_block=1)
+      *tab, S((N,), jnp.int32), S((H,), jnp.float32), None if table == "per_query" else S((N,), jnp.int32),
+      scale=D ** -0.5, entries_per_block=1)
   assert TRITON in lowering.custom_call_targets(exp)
   assert exp.out_avals[0].shape == (N, H, D)
+
+
+@pytest.mark.parametrize("keys", ["bf16", "fp8"])
+@pytest.mark.parametrize("name,B,F,cand", [
+    ("decode_b64_1m_table", 64, 8192, False),    # CSA (ratio 4, 32 entries a 128-token block): 1M-token tables
+    ("decode_b64_1m_table_v41", 64, 8192, True),
+])
+def test_indexer_kernels_lower_with_paged_rows(name, B, F, cand, keys):
+  """The fused top-k and the score kernel on `PagedRows` (the engine's [slots, F] table and each sequence's row,
+  read in place a block of words per step)."""
+  HI, C, K, E = 64, 128, 512, 32
+  P = 4096 * E
+  pool = (it.Fp8IndexKeys(S((P, C), jnp.float8_e4m3fn), S((P,), jnp.float32)) if keys == "fp8"
+          else S((P, C), jnp.bfloat16))
+  paged = ix.PagedRows(S((257, F), jnp.int32), S((B,), jnp.int32), E)
+  exp = export_for_cuda(
+      it.indexer_topk_pallas, S((B, 1, HI, C), jnp.bfloat16), S((B, 1, HI), jnp.float32), pool, paged,
+      S((B, 1), jnp.int32), None, None, S((B, 1, 64), jnp.int32) if cand else None, k=K)
+  assert TRITON in lowering.custom_call_targets(exp)
+  assert exp.out_avals[0].shape == (B, 1, K)
+  if keys == "bf16" and not cand:
+    exp = export_for_cuda(ix.indexer_scores_pallas, S((B, 1, HI, C), jnp.bfloat16), S((B, 1, HI), jnp.float32),
+                          pool, paged, S((B, 1), jnp.int32))
+    assert TRITON in lowering.custom_call_targets(exp)

@@ -15,6 +15,7 @@ from pallas_kernels import hca_attention as hk
 from pallas_kernels import indexer_paged as ixp
 from pallas_kernels import indexer_topk as it
 from pallas_kernels import sparse_attention as sa
+from tests.pallas_kernels.jaxpr_shapes import per_query_table_shapes
 
 N, H, D, ROPE, W, E, F = 8, 4, 128, 64, 16, 2, 104  # 208 table entries: nv spans 0, < 64, 64 and several blocks
 P = 96                                             # window pool rows
@@ -329,24 +330,6 @@ def test_kernel_reads_rows_of_a_wider_table(fmt):
       *slot_args[:8], **STATIC, cfg=dispatch.KernelConfig("xla"), table_rows_N=rows), np.float32), want)
 
 
-def _shapes_in(jaxpr):
-  """Every aval shape of a jaxpr's equations' outputs, nested jaxprs (pjit, loops, the kernel body) included."""
-  out = []
-  for eqn in jaxpr.eqns:
-    out += [tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")]
-    for p in eqn.params.values():
-      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          out += _shapes_in(inner)
-  return out
-
-
-def per_query_table_shapes(fn, *args, n, f):
-  """Shapes in `fn`'s jaxpr that have both an n and an f dimension (a per-query copy of the table)."""
-  return [s for s in _shapes_in(jax.make_jaxpr(fn)(*args).jaxpr) if n in s and f in s]
-
-
 def test_kernel_path_builds_no_per_query_table():
   """The dispatcher's kernel path with a 4096-column table of 80 rows and 64 queries: no intermediate has both a
   64 and a 4096 dimension (the old path built the [N, F] gather and its power-of-two pad)."""
@@ -356,7 +339,7 @@ def test_kernel_path_builds_no_per_query_table():
           spec((1000, D), jnp.bfloat16), spec((s, f), jnp.int32), spec((n,), jnp.int32), spec((H,), jnp.float32))
   cfg = dispatch.KernelConfig("interpret", hca_tuning=TUNE)
   fn = lambda *a: dispatch.hca_attention(*a[:8], **STATIC, cfg=cfg, table_rows_N=a[8])
-  assert per_query_table_shapes(fn, *args, spec((n,), jnp.int32), n=n, f=f) == []
+  assert per_query_table_shapes(fn, *args, spec((n,), jnp.int32), n=n, widths=(f,)) == []
   # the check can fail: the per-query copy the model used to pass
   copy = lambda *a: dispatch.hca_attention(*a[:5], a[5][a[8]], *a[6:8], **STATIC, cfg=cfg)
-  assert per_query_table_shapes(copy, *args, spec((n,), jnp.int32), n=n, f=f)
+  assert per_query_table_shapes(copy, *args, spec((n,), jnp.int32), n=n, widths=(f,))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import indexer as ix
+from pallas_kernels import indexer_topk
 
 SETTINGS = dict(max_examples=4, deadline=None,   # derandomize: the suite's hypothesis profile (tests/conftest.py)
                 suppress_health_check=[hypothesis.HealthCheck.too_slow, hypothesis.HealthCheck.data_too_large])
@@ -26,6 +27,27 @@ def make_case(seed, B, T, H, C, P, M, dtype, with_allowed):
   allowed = jnp.asarray(rng.random((B, T, M)) < 0.6) if with_allowed else None
   return (jnp.asarray(q, dtype), jnp.asarray(w), jnp.asarray(kp, dtype), jnp.asarray(rows, jnp.int32),
           jnp.asarray(nv, jnp.int32), allowed)
+
+
+ROWS = [4, 0, 9, 0, 2, 11, 7, 3]   # 8 sequences on a 12-row table; sequences 1 and 3 share row 0
+
+
+def paged_case(seed, T=1, fp8=False, E=4, F=24, S=12, P=200, H=16, C=32):
+  """Sequence b's entries through table row ROWS[b] (blocks -1, in range, and past the pool); sequences 0 and 7
+  see nothing (padding). Returns (q, w, pool, PagedRows, nv) and the same entry lists as an [B, M] list."""
+  rng = np.random.default_rng(seed)
+  B, M = len(ROWS), F * E
+  q = jnp.asarray(rng.standard_normal((B, T, H, C)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((B, T, H)) * C ** -0.5, jnp.float32)
+  kp = jnp.asarray(rng.standard_normal((P, C)), jnp.float32)
+  if fp8:
+    kp = indexer_topk.quantize_index_keys(kp)
+  table = rng.integers(-1, P // E, (S, F))
+  table[rng.random((S, F)) < 0.05] = P // E + 2  # blocks past the pool: invalid like -1
+  nv = rng.integers(1, M + 1, (B, T))
+  nv[0] = nv[7] = 0
+  paged = ix.PagedRows(jnp.asarray(table, jnp.int32), jnp.asarray(ROWS, jnp.int32), E)
+  return (q, w, kp, paged, jnp.asarray(nv, jnp.int32)), paged.as_rows()
 
 
 def assert_scores_close(got, want, atol, rtol):
@@ -106,3 +128,18 @@ def test_tuning_validation():
     ix.IndexerTuning(block_m=48)
   with pytest.raises(ValueError):
     ix.IndexerTuning(block_t=3)
+
+
+@pytest.mark.parametrize("block_m,skip", [(16, True), (32, False)])
+def test_scores_read_rows_of_a_wider_table(block_m, skip):
+  """PagedRows (more table rows than sequences, two sequences on one row, padding sequences): the score kernel's
+  scores equal its scores on the [B, M] entry list bit for bit, and the reference's on both forms agree."""
+  (q, w, kp, paged, nv), rows = paged_case(3, T=3)
+  tun = ix.IndexerTuning(block_m=block_m, skip_invisible=skip)
+  got = np.asarray(ix.indexer_scores_pallas(q, w, kp, paged, nv, interpret=True, tuning=tun))
+  np.testing.assert_array_equal(got, np.asarray(ix.indexer_scores_pallas(q, w, kp, rows, nv, interpret=True,
+                                                                         tuning=tun)))
+  want = ix.indexer_scores_reference(q, w, kp, paged, nv)
+  np.testing.assert_array_equal(np.asarray(want), np.asarray(ix.indexer_scores_reference(q, w, kp, rows, nv)))
+  assert_scores_close(got, want, 1e-5, 1e-5)
+  assert np.isneginf(got[0]).all() and np.isneginf(got[7]).all()

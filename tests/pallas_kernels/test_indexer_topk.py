@@ -9,7 +9,8 @@ import pytest
 from pallas_kernels import dispatch
 from pallas_kernels import indexer as ix
 from pallas_kernels import indexer_topk as it
-from tests.pallas_kernels.test_indexer import make_case
+from tests.pallas_kernels.jaxpr_shapes import per_query_table_shapes
+from tests.pallas_kernels.test_indexer import ROWS, make_case, paged_case
 
 
 def assert_ids_match(got_ids, want_scores, k, tie_tol):
@@ -164,3 +165,79 @@ def test_nonfinite_key_rows_behind_invalid_ids(fused):
     np.testing.assert_array_equal(np.isinf(got), np.isinf(np.asarray(want)))
     f = np.isfinite(np.asarray(want))
     np.testing.assert_allclose(got[f], np.asarray(want)[f], rtol=2e-5, atol=2e-5)
+
+
+# ---- entry lists as the engine keeps them: a block table [S, F] and each sequence's row (`PagedRows`) -------------
+
+
+def test_paged_rows_are_the_entry_list():
+  (_, _, _, paged, _), rows = paged_case(0)
+  E, table = paged.entries_per_block, np.asarray(paged.table_SxF)
+  want = np.where(table[ROWS][:, :, None] >= 0, table[ROWS][:, :, None] * E + np.arange(E), -1).reshape(len(ROWS), -1)
+  np.testing.assert_array_equal(np.asarray(rows), want)
+  assert paged.shape == rows.shape
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["f32", "fp8"])
+@pytest.mark.parametrize("chunk,cand", [(128, False), (32, False), (128, True)],
+                         ids=["one_chunk", "chunks_merged", "v41_candidates"])
+def test_topk_reads_rows_of_a_wider_table(chunk, cand, fp8):
+  """PagedRows with more table rows than sequences (two on one row, padding sequences): the kernel's ids equal its
+  ids on the [B, M] entry list exactly, the reference's are the same on both forms, and the kernel matches it."""
+  (q, w, kp, paged, nv), rows = paged_case(1, T=2, fp8=fp8)
+  cb = None
+  if cand:
+    cb = jnp.asarray(np.random.default_rng(1).integers(-1, paged.shape[1] // 8, (len(ROWS), 2, 4)), jnp.int32)
+  tun = it.IndexerTopkTuning(block_m=16, select_chunk=chunk)
+  run = lambda r: np.asarray(it.indexer_topk_pallas(q, w, kp, r, nv, None, None, cb, k=8, interpret=True,
+                                                    tuning=tun))
+  got = run(paged)
+  np.testing.assert_array_equal(got, run(rows))
+  ref = lambda r: np.asarray(it.indexer_topk_reference(q, w, kp, r, nv, 8, candidate_blocks_BxTxC=cb))
+  np.testing.assert_array_equal(ref(paged), ref(rows))
+  allowed = None if cb is None else ix.candidate_blocks_to_allowed(cb, paged.shape[1], 8)
+  keys = it.dequantize_index_keys(kp) if fp8 else kp
+  scores = ix.indexer_scores_reference(q, w, keys, paged, nv, allowed)
+  np.testing.assert_array_equal(np.asarray(scores), np.asarray(ix.indexer_scores_reference(q, w, keys, rows, nv,
+                                                                                           allowed)))
+  assert_ids_match(got, scores, 8, 1e-4)
+  assert (got[0] == -1).all() and (got[7] == -1).all()
+
+
+def test_dispatch_topk_with_paged_rows_and_its_validation_case():
+  """dispatch.indexer_topk takes PagedRows on every backend; the validation `auto` runs on a GPU (small case,
+  random inputs, error measure) handles them, on the CPU with interpret."""
+  args, rows = paged_case(2)
+  k = 6
+  got = dispatch.indexer_topk(*args, k, cfg=dispatch.KernelConfig("interpret"))
+  want = dispatch.indexer_topk(*args, k, cfg=dispatch.KernelConfig("xla"))
+  np.testing.assert_array_equal(np.asarray(want), np.asarray(dispatch.indexer_topk(*args[:3], rows, args[4], k,
+                                                                                    cfg=dispatch.KernelConfig("xla"))))
+  assert_ids_match(got, ix.indexer_scores_reference(*args), k, 1e-4)
+  check = dispatch._CHECKS["indexer_topk"]
+  a, static = dispatch._topk_args(*args, k)
+  small = check.small_case(a, static, None)
+  assert isinstance(small.args.key_rows_BxM, dispatch.PagedRows)
+  inputs = check.random_inputs(small.args, static, jax.random.PRNGKey(0))
+  out = dispatch._RUN["indexer_topk"](dispatch._KERNELS["indexer_topk"], inputs, static, dict(interpret=True))
+  assert check.err_over_tol(out, check.reference(inputs, static), inputs, static) <= 1.0
+
+
+def test_kernel_paths_build_no_per_query_entry_list():
+  """The fused top-k and the score kernel through the dispatcher, 64 sequences on a 4096-block table of 80 rows (3
+  entries a block): no intermediate has both a 64 and a 4096 or 12288 dimension (the scores, the score op's
+  output, are at the entry width: there only integer arrays count). The per-query list is caught."""
+  n, f, s, E, H, C = 64, 4096, 80, 3, 4, 32
+  spec = jax.ShapeDtypeStruct
+  qa = (spec((n, 1, H, C), jnp.bfloat16), spec((n, 1, H), jnp.float32), spec((1000, C), jnp.bfloat16))
+  tab, rows_B, nv = spec((s, f), jnp.int32), spec((n,), jnp.int32), spec((n, 1), jnp.int32)
+  cfg = dispatch.KernelConfig("interpret")
+  topk = lambda q, w, kp, t, r, v: dispatch.indexer_topk(q, w, kp, ix.PagedRows(t, r, E), v, 32, cfg=cfg)
+  scores = lambda q, w, kp, t, r, v: dispatch.indexer_scores(q, w, kp, ix.PagedRows(t, r, E), v, cfg=cfg)
+  widths = (f, f * E)
+  assert per_query_table_shapes(topk, *qa, tab, rows_B, nv, n=n, widths=widths) == []
+  assert per_query_table_shapes(scores, *qa, tab, rows_B, nv, n=n, widths=widths, ints_only=True) == []
+  # the check can fail: the [N, M] entry list the model used to pass
+  topk_list = lambda q, w, kp, t, r, v: dispatch.indexer_topk(q, w, kp, ix.PagedRows(t, r, E).as_rows(), v, 32,
+                                                              cfg=cfg)
+  assert per_query_table_shapes(topk_list, *qa, tab, rows_B, nv, n=n, widths=widths)
