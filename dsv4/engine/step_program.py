@@ -162,7 +162,7 @@ def jitted_ragged_step(compiler_options: tuple = ()):
                  compiler_options=dict(compiler_options) or None)
 
 
-ragged_step = jitted_ragged_step()   # at XLA's defaults
+ragged_step = jitted_ragged_step(())   # at XLA's defaults
 
 
 def step_compiler_options(cpu_opt_level: int) -> tuple:

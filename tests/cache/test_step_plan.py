@@ -116,3 +116,13 @@ def check(fused, plain, live):
     assert {g: list(x) for g, x in fused.block_tables(rid).tables.items()} == \
         {g: list(x) for g, x in plain.block_tables(rid).tables.items()}
   same_state(fused, plain)
+
+
+def test_cpu_compiler_options_of_the_cache_programs():
+  """Level 0 everywhere on the CPU; the elemental emitter only on the jaxlib line where the flag was checked (XLA
+  refuses an option it does not know)."""
+  import importlib.metadata
+  from cache import step
+  opts = step._cpu_compiler_options()
+  assert opts["xla_backend_optimization_level"] == 0
+  assert ("xla_cpu_use_fusion_emitters" in opts) == importlib.metadata.version("jaxlib").startswith("0.10.")

@@ -73,8 +73,24 @@ def test_from_flags_builds_what_was_asked():
     ("dtype", "fp16", r"EngineConfig\.dtype: 'fp32' or 'bf16', got 'fp16'"),
     ("model_api", "flax", r"EngineConfig\.model_api: 'functional' or 'nnx', got 'flax'"),
     ("token_bucket_growth", 3, r"EngineConfig\.token_bucket_growth: 2 or 4, got 3"),
+    ("cpu_step_opt_level", 4, r"EngineConfig\.cpu_step_opt_level: an integer in -1\.\.3"),
 ])
 def test_engine_config_names_the_bad_field(field, value, msg):
   with pytest.raises(ValueError, match=msg):
     dataclasses.replace(EngineConfig(), **{field: value}).validate()
   EngineConfig().validate()
+
+
+def test_cpu_step_opt_level_reaches_the_step_program_unless_xla_flags_set_one(monkeypatch):
+  import jax
+  from dsv4.engine import step_program
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+  on_cpu = jax.default_backend() == "cpu"
+  assert step_program.step_compiler_options(1) == ((("xla_backend_optimization_level", 1),) if on_cpu else ())
+  assert step_program.step_compiler_options(-1) == ()
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")      # the user's (or the suite's) level wins
+  assert step_program.step_compiler_options(1) == ()
+  # one jitted program per distinct option set, named as compile logs show it
+  assert step_program.jitted_ragged_step(()) is step_program.ragged_step
+  assert step_program.jitted_ragged_step((("xla_backend_optimization_level", 1),)) is not step_program.ragged_step
+  assert step_program.ragged_step.__name__ == "ragged_step"
