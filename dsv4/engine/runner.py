@@ -388,11 +388,23 @@ class ModelRunner:
     if self.managers is not None:
       for m in self.managers:
         m.flush()
-    per = [jax.device_get(self._tables(s)) for s in range(D)]
-    tables = {g: np.stack([np.asarray(t[g]) for t in per]) if D > 1 else np.asarray(per[0][g]) for g in per[0]}
-    self.stats["host_bytes_in"] += sum(b.nbytes for b in bufs) + sum(t.nbytes for t in tables.values())
+    per = [self._tables(s) for s in range(D)]
+    self.stats["host_bytes_in"] += sum(b.nbytes for b in bufs)
     dev = sharding.put(np.stack(bufs) if D > 1 else bufs[0], self.shardings["plan"])
-    return {g: sharding.put(t, self.shardings["plan"]) for g, t in tables.items()}, dev
+    return {g: self._tables_on_mesh([t[g] for t in per]) for g in per[0]}, dev
+
+  def _tables_on_mesh(self, per_shard):
+    """One group's block tables as the step's input on the mesh, device to device (no host round trip): each
+    device of data shard k gets a copy of shard k's table ([S, W] replicated when D == 1, else stacked [D, S, W]
+    over `data`). Under jax.distributed each process places only its addressable devices' copies."""
+    D = self.num_shards
+    sh = self.shardings["plan"]
+    shape = per_shard[0].shape if D == 1 else (D,) + per_shard[0].shape
+    arrays = []
+    for d, idx in sh.addressable_devices_indices_map(shape).items():
+      k = 0 if D == 1 else idx[0].start or 0
+      arrays.append(jax.device_put(per_shard[k] if D == 1 else per_shard[k][None], d))
+    return jax.make_array_from_single_device_arrays(shape, sh, arrays)
 
   def _mesh_step(self, shape: RaggedShape):
     """The step program jitted for the mesh, per shape: a `StepOutput` without tables or prev_tokens (a mesh step

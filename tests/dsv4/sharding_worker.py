@@ -283,6 +283,39 @@ def check_pools(variant: str, shape=(2, 2, 2)) -> None:
     sys.exit(f"FAIL pools {variant}: the small pool did not preempt")
 
 
+def check_tables(shape=(2, 2, 2)) -> None:
+  """A mesh step's block tables reach the mesh device to device: building them reads nothing back to the host, and
+  each data shard's devices hold its manager's table."""
+  from cache.hashing import ExtraKeys
+  from dsv4.engine.engine import Engine
+  cfg = config_for("v4")
+  e = Engine(model.init_params(cfg, jax.random.PRNGKey(0)), cfg, engine_config(), mesh=sharding.make_mesh(shape))
+  D = shape[0]
+  for k, m in enumerate(e.managers):     # different rows per shard: a shard mix-up shows
+    m.add_requests([(f"r{k}", np.arange(100 + 130 * k, dtype=np.int32) % 50 + 3, ExtraKeys())],
+                   allocate_tokens=[100 + 130 * k])
+  bufs = [np.zeros(8, np.int32) for _ in range(D)]
+  # On the CPU JAX's transfer guard does not see device->host reads (host memory either way): refuse them here.
+  from jax._src import array as jax_array
+
+  def refuse(*a, **k):
+    raise AssertionError("mesh_inputs read a device array back to the host")
+  saved = jax.device_get, jax_array.ArrayImpl.__array__
+  jax.device_get, jax_array.ArrayImpl.__array__ = refuse, refuse
+  try:
+    tables, _ = e.runner.mesh_inputs(bufs)
+  finally:
+    jax.device_get, jax_array.ArrayImpl.__array__ = saved
+  for g, t in tables.items():
+    assert t.sharding == e.runner.shardings["plan"], (g, t.sharding)
+    got = np.asarray(t)
+    for k, m in enumerate(e.managers):
+      want = np.asarray(m.device_tables[g])
+      assert (got[k] == want).all(), (g, k)
+      assert (want >= 0).any(), (g, k)
+  print(f"tables on the mesh: {sorted(tables)} device to device, per shard equal to its manager's", flush=True)
+
+
 if __name__ == "__main__":
   what = sys.argv[1]
   if jax.device_count() < 8:
@@ -296,6 +329,8 @@ if __name__ == "__main__":
     check_engine()
   elif what == "pools":
     check_pools(sys.argv[2])
+  elif what == "tables":
+    check_tables()
   else:
     sys.exit(f"unknown check {what!r}")
   print("OK")

@@ -76,6 +76,10 @@ def test_pools_over_data_need_divisible_block_counts():
   assert r.mesh_axes("engram_rows") == ("tensor", "expert") and r.mesh_axes("batch") == ("data",)
 
 
+def test_mesh_step_tables_travel_device_to_device():
+  run_worker("tables", timeout=600)
+
+
 def test_engine_table_rows_are_per_data_shard():
   """Each data shard's cache manager owns max_num_seqs / D table rows (shard-local slots); on one device the one
   manager owns them all, and the runner reads the tables from it."""
