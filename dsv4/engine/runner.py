@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from cache import step as cache_step
 from dsv4 import caches, sharding
 from dsv4.config import ModelConfig
-from dsv4.engine import speculative_step
+from dsv4.engine import block_copies, speculative_step
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.sampling import SamplingParams
 # re-exported: the runner's public names from before the step program had modules of its own
@@ -442,6 +442,51 @@ class ModelRunner:
                  donate_argnums=(1,), compiler_options=dict(step_compiler_options(ec.cpu_step_opt_level)) or None)
     self._mesh_steps[shape] = fn
     return fn
+
+  # ------------------------------------------------------------------------------------------ KV blocks
+  # The narrow interface the KV tiers use (dsv4.engine.tiering): whole pool blocks copied between the runner's cache
+  # and host arrays, as raw stored bits, on one device or on the mesh (block_copies). A component is
+  # (layer, array name, part), see block_copies.component.
+  def kv_pool(self, layer: int, name: str):
+    """One layer's pool array as stored (an `Fp8KVPool` for an FP8 pool): shapes and dtypes of the records."""
+    return self.cache.layers[layer][name]
+
+  def read_kv_blocks(self, names: tuple, shard_N, ids_N) -> list[np.ndarray]:
+    """Host copies (bits) of the named components' rows at blocks (shard_N, shard-local ids_N); ids out of range
+    read a clamped row."""
+    if self.mesh is None:
+      return [np.asarray(x) for x in block_copies.read_blocks(self.cache, names, jnp.asarray(ids_N))]
+    return self._block_copies().read(self.cache, names, shard_N, ids_N)
+
+  def write_kv_blocks(self, names: tuple, shard_N, ids_N, rows) -> None:
+    """Writes rows (bits or stored dtypes) into the named components at (shard_N, ids_N); out-of-range ids (and,
+    on a mesh, rows of no shard) are dropped."""
+    if self.mesh is None:
+      self.cache = block_copies.write_blocks(self.cache, names, jnp.asarray(ids_N), rows)
+    else:
+      self.cache = self._block_copies().write(self.cache, names, shard_N, ids_N, rows)
+
+  def reset_kv_cache(self) -> None:
+    """Fresh pools (zeros), made in place with this runner's pool layout (on a mesh: sharded, no host copy)."""
+    ec = self.engine_config
+
+    def fresh():
+      return caches.init_cache(self.config, ec.layout, ec.num_swa_blocks, ec.num_full_blocks)
+
+    self.cache = jax.jit(fresh, out_shardings=self.shardings["cache"])() if self.mesh is not None else fresh()
+
+  def wait_kv(self) -> None:
+    """Blocks until every queued write into the cache is done."""
+    jax.block_until_ready(self.cache)
+
+  def num_step_programs(self) -> int:
+    """Distinct step shapes run so far (a new one was a compile)."""
+    return len(self.shapes_run)
+
+  def _block_copies(self):
+    if getattr(self, "_mesh_copies", None) is None:
+      self._mesh_copies = block_copies.MeshBlockCopies(self, self.num_shards)
+    return self._mesh_copies
 
   def step_function_name(self) -> str:
     """The step program this runner dispatches (each distinct shape in `shapes_run` is one program of it)."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,8 +39,7 @@ from cache.tiers.store import TieredStore
 from cache.tiers.tier import Tier, TierPolicy
 from cache.tiers.writeback import WriteBehind
 from dsv4 import caches
-from dsv4.engine.block_copies import (ID_BUCKETS, UINT_OF_SIZE, MeshBlockCopies, component, id_bucket, read_blocks,
-                                      write_blocks)
+from dsv4.engine.block_copies import ID_BUCKETS, UINT_OF_SIZE, id_bucket
 # re-exported: `from dsv4.engine.tiering import TieringConfig` (serve, tests) predates its module
 from dsv4.engine.tiering_config import DEMOTES, POLICIES, TieringConfig  # noqa: F401
 from dsv4.loading.weights_digest import params_digest
@@ -80,8 +78,6 @@ class Tiering:
     self.mgrs, self.runner = list(engine.managers), engine.runner
     self.mgr = self.mgrs[0]
     self.num_shards = len(self.mgrs)
-    on_mesh = getattr(self.runner, "mesh", None) is not None
-    self._mesh = MeshBlockCopies(self.runner, self.num_shards) if on_mesh else None
     self.specs = self.mgr.specs
     self.groups = {g.name: g for g in self.specs.groups}
     # cache.specs are plain (no arrays): the model's arrays per group come from dsv4.caches; the record components
@@ -93,7 +89,7 @@ class Tiering:
       for a in arrays:
         if a.group != g:
           continue
-        x = self.runner.cache.layers[a.layer][a.name]
+        x = self.runner.kv_pool(a.layer, a.name)
         if isinstance(x, dispatch.Fp8KVPool):
           for p, (field, arr) in enumerate(zip(x._fields, x)):
             names.append((a.layer, a.name, p))
@@ -104,7 +100,7 @@ class Tiering:
           entries.append(record.ArrayEntry(f"L{a.layer}/{a.name}", record.dtype_str(x.dtype), tuple(x.shape[1:])))
       self.names[g], self.manifest[g] = tuple(names), tuple(entries)
     # blocks per shard of each group's pool (the out-of-range id that drops a write)
-    self.shard_blocks = {g: component(self.runner.cache, *self.names[g][0]).shape[0] // self.num_shards
+    self.shard_blocks = {g: self._blocks(g) // self.num_shards
                          for g in self.groups}
     self.model_digest = tc.model_digest or (params_digest(params) if params is not None else "")
     # An engine that drafts keeps its draft layers' window state (V4's MTP block, V4.1's DSpark context KV) in every
@@ -242,21 +238,21 @@ class Tiering:
         self.stats["demoted_blocks"] += 1
 
   # ---------------------------------------------------------------------------------------------- device copies
+  def _blocks(self, g) -> int:
+    """Blocks of group g's pool over all shards (every component of a group has as many)."""
+    layer, name, part = self.names[g][0]
+    x = self.runner.kv_pool(layer, name)
+    return (x if part < 0 else x[part]).shape[0]
+
   def _dev_read(self, g, shard_N, ids_N) -> list[np.ndarray]:
-    if self._mesh is None:
-      out = [np.asarray(x) for x in read_blocks(self.runner.cache, self.names[g], jnp.asarray(ids_N))]
-    else:
-      out = self._mesh.read(self.runner.cache, self.names[g], shard_N, ids_N)
+    out = self.runner.read_kv_blocks(self.names[g], shard_N, ids_N)
     return [x.view(record.np_dtype(e.dtype)) for x, e in zip(out, self.manifest[g])]     # bits -> the stored dtype
 
   def _dev_write(self, g, shard_N, ids_N, rows) -> None:
     """rows: host arrays of the stored dtypes, sent to the device as their bits."""
     rows = tuple(jnp.asarray(r.view(UINT_OF_SIZE[r.dtype.itemsize]) if jnp.issubdtype(r.dtype, jnp.floating) else r)
                  for r in rows)
-    if self._mesh is None:
-      self.runner.cache = write_blocks(self.runner.cache, self.names[g], jnp.asarray(ids_N), rows)
-    else:
-      self.runner.cache = self._mesh.write(self.runner.cache, self.names[g], shard_N, ids_N, rows)
+    self.runner.write_kv_blocks(self.names[g], shard_N, ids_N, rows)
 
   def _read(self, g, locs) -> list[np.ndarray]:
     """Rows of blocks (shard, shard-local id) of group g, per record component: raw stored arrays on the host."""
@@ -274,18 +270,18 @@ class Tiering:
   def warmup(self) -> None:
     """Compile the device copy programs for every bucket now (benchmarks: keeps compiles out of TTFT)."""
     for g in self.groups:
-      nb = component(self.runner.cache, *self.names[g][0]).shape[0]
+      nb = self._blocks(g)
       for n in ID_BUCKETS:
         # out of range (and, on a mesh, no shard's): reads clamp, writes are dropped
         sh, ids = np.full(n, -1, np.int32), np.full(n, nb, np.int32)
         rows = self._dev_read(g, sh, ids)
         self._dev_write(g, sh, ids, rows)
-    jax.block_until_ready(self.runner.cache)
+    self.runner.wait_kv()
 
   def before_run(self, scheduled) -> None:
     self._process_events()
     self._step_t0 = (time.perf_counter(), sum(n for _, n in scheduled), any(n > 1 for _, n in scheduled),
-                     len(self.runner.shapes_run))
+                     self.runner.num_step_programs())
 
   def after_finish(self) -> None:
     """A request was finished outside a step (Engine.stop_request): its end-of-request registrations reach the
@@ -296,7 +292,7 @@ class Tiering:
   def after_step(self, scheduled) -> None:
     if self._step_t0 is not None:
       t0, toks, prefill, shapes = self._step_t0
-      if prefill and len(self.runner.shapes_run) == shapes:   # a step that compiled says nothing about the rate
+      if prefill and self.runner.num_step_programs() == shapes:   # a step that compiled says nothing about the rate
         self.cost.observe_prefill(toks, time.perf_counter() - t0)
       self._step_t0 = None
     for req, _ in scheduled:
@@ -544,15 +540,7 @@ class Tiering:
     if not all([m.reset_prefix_cache() for m in self.mgrs]):
       raise RuntimeError("drop_device_cache: requests still hold blocks")
     self._process_events()
-    ec = self.engine.ec
-
-    def fresh():
-      return caches.init_cache(self.engine.config, ec.layout, ec.num_swa_blocks, ec.num_full_blocks)
-
-    if self._mesh is not None:      # made in place with the sharded runner's pool layout (no host copy)
-      self.runner.cache = jax.jit(fresh, out_shardings=self.runner.shardings["cache"])()
-    else:
-      self.runner.cache = fresh()
+    self.runner.reset_kv_cache()
     return self.stats["demoted_blocks"] - before
 
   def flush(self) -> None:
