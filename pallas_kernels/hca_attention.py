@@ -158,9 +158,10 @@ class HcaAttentionTuning:
 
 # Spill-free at sm_90a (benchmarks/sm90_compile.py, docs/kernels.md): the table gather in front of each step's row
 # gather costs registers the sparse kernel's tilings do not have. bf16: 64 heads, 2 stages (3 spill ~400 B); FP8:
-# 16 heads a program (32 spill ~450 B), four programs a token, their rows shared through L2.
+# 16 heads and 4 warps a program (32 heads spill ~450 B; 8 warps spill 12 B of the FP8 record once the table row
+# is a loaded index), four programs a token, their rows shared through L2, two CTAs an SM.
 BF16_TUNING = HcaAttentionTuning(num_stages=2)
-FP8_TUNING = HcaAttentionTuning(block_h=16)
+FP8_TUNING = HcaAttentionTuning(block_h=16, num_warps=4)
 
 
 def default_tuning(pools) -> HcaAttentionTuning:
@@ -170,8 +171,8 @@ def default_tuning(pools) -> HcaAttentionTuning:
 def _hca_kernel(*refs, plan, Dn, wmeta, cmeta, block_k, epb, F, qk_scale2, cdtype):
   """One program: one query token, block_h heads; the window, then the entries 0..nv-1 in order.
 
-  refs: q, sink, lens [win_len, nv, table row], window ids [nblk, block_k], table [S, F] (whole, read in place),
-  window pool arrays, comp pool arrays, out."""
+  refs: q, sink, lens [win_len, nv, table row], window ids [nblk, block_k], table [S * F] (whole, flat, read in
+  place), window pool arrays, comp pool arrays, out."""
   q_ref, sink_ref, lens_ref, widx_ref, table_ref = refs[:5]
   nw, nc = wmeta[0], cmeta[0]
   warrs = refs[5:5 + nw]
@@ -187,7 +188,6 @@ def _hca_kernel(*refs, plan, Dn, wmeta, cmeta, block_k, epb, F, qk_scale2, cdtyp
   lens = lens_ref[...]
   wl = jnp.clip(_sa._pick(lens, 0), 0, widx_ref.shape[0] * bk)
   nv = jnp.clip(_sa._pick(lens, 1), 0, F * epb)
-  row = _sa._pick(lens, 2)  # in the table (the wrapper zeroes nv for a row outside it)
 
   def step(carry, valid, ids, arrs, kind, meta):
     m, l, accs = carry
@@ -217,16 +217,18 @@ def _hca_kernel(*refs, plan, Dn, wmeta, cmeta, block_k, epb, F, qk_scale2, cdtyp
   carry = jax.lax.fori_loop(0, (wl + bk - 1) // bk, wbody, carry)
 
   _, ckind, cP, cpm = cmeta
+  # The first word of the query's row of the flat table (the wrapper zeroes nv for a row outside it), read here so
+  # that it holds no register through the window loop.
+  row0 = _sa._pick(lens_ref[...], 2)
 
   def cbody(j, carry):
     e = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
     inb = e < nv
-    col = jnp.where(inb, e // epb, 0)
-    rowv = jnp.full((bk,), row, jnp.int32)
+    word = row0 + jnp.where(inb, e // epb, 0)
     if _pl_triton is None:  # pragma: no cover - no Triton backend: plain gather + select
-      blk = jnp.where(inb, table_ref[rowv, col], -1)
+      blk = jnp.where(inb, table_ref[word], -1)
     else:  # a masked gather of this step's words of the query's own table row
-      blk = _pl_triton.load(table_ref.at[rowv, col], mask=inb, other=-1)
+      blk = _pl_triton.load(table_ref.at[word], mask=inb, other=-1)
     rows = blk * epb + e % epb
     valid = inb & (blk >= 0) & (rows < cP)
     return step(carry, valid, rows, carrs, ckind, cpm)
@@ -275,17 +277,17 @@ def hca_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N,
   # The table goes in whole, as the engine keeps it: each program gathers the words of its own row it visits, so
   # nothing per query is built at the table's width. lens[:, 3] (a power-of-two block): window length, visible
   # count (0 for a row outside the table), table row, unused.
-  table = table_SxF.astype(jnp.int32)
+  table = table_SxF.astype(jnp.int32).reshape(S * F)  # flat: a row is one scalar offset in the kernel
   lens_Nx4 = jnp.stack([jnp.clip(window_len_N.astype(jnp.int32), 0, window_idx_NxW.shape[1]),
                         jnp.where(in_table, num_visible_N.astype(jnp.int32), 0),
-                        jnp.where(in_table, rows_N, 0), jnp.zeros_like(rows_N)], axis=1)
+                        jnp.where(in_table, rows_N, 0) * F, jnp.zeros_like(rows_N)], axis=1)
 
   args = [q, sink, lens_Nx4, widx, table]
   in_specs = [pl.BlockSpec((None, bh, D), lambda n, h: (n, h, 0)),
               pl.BlockSpec((bh,), lambda n, h: (h,)),
               pl.BlockSpec((None, 4), lambda n, h: (n, 0)),
               pl.BlockSpec((None,) + widx.shape[1:], lambda n, h: (n, 0, 0)),
-              pl.BlockSpec(table.shape, lambda n, h: (0, 0))]
+              pl.BlockSpec(table.shape, lambda n, h: (0,))]
   metas = []
   for pool in pools:
     kind, arrs = _sa._pool_kind_arrays(pool, 2 ** 31)
