@@ -80,11 +80,11 @@ class EngineConfig:
                                      "for it and hits it, instead of computing the same KV alongside it.")
   # Async scheduling: step N+1 is planned and sent before step N's tokens are read; N's sampled tokens feed N+1 on
   # the device, stop conditions are seen one step late (a request that stopped may run one more step, whose
-  # token is dropped). Same tokens as the synchronous engine. It applies on one device without tiers or batch
-  # invariance; there (a mesh: the managers' own calls; tiers: they read block ids; batch invariance: several
-  # calls per step) each step is read before the next is planned (`Engine.async_active` says which).
+  # token is dropped). Same tokens as the synchronous engine. It applies on one device without tiers; there (a
+  # mesh: the managers' own calls; tiers: they read block ids) each step is read before the next is planned
+  # (`Engine.async_active` says which).
   async_scheduling: bool = _field(True, "Plan and send step N+1 before reading step N's tokens (same tokens; "
-                                  "applies on one device without tiers or batch invariance).")
+                                  "applies on one device without tiers).")
   # XLA CPU only: LLVM's optimisation level for the step program. On the CPU a short job's time is mostly compile:
   # a lower level compiles the step program faster and runs it slower (BUILD_NOTES.md, Compile time). A level set in
   # XLA_FLAGS wins. GPU and other backends: XLA's defaults.

@@ -114,7 +114,7 @@ class ModelRunner:
       if self.net.config != config:
         raise ValueError("ModelRunner: the nnx_model.Model was built for another config than the runner's")
     # k > 0: every step runs the speculative program (verification, the MTP block's catch-up and k drafts per row);
-    # EngineConfig.validate already refused it with batch invariance, recorded logits or the NNX modules
+    # EngineConfig.validate already refused it with the NNX modules
     self.spec = ec.num_speculative_tokens
     if self.spec and (mesh is not None or config.num_mtp_layers < 1):
       raise ValueError("ModelRunner: EngineConfig.num_speculative_tokens > 0 needs a model with an MTP block "
@@ -315,8 +315,8 @@ class ModelRunner:
     return toks, logits
 
   def _call(self, call: list[tuple[int, Row]]) -> _SentCall:
-    """One dispatch of the step program for `call` (the step's rows, or with batch invariance the part of them of
-    one table width): plan packed per data shard, one host->device transfer."""
+    """One dispatch of the step program for `call` (the step's rows): plan packed per data shard, one host->device
+    transfer."""
     ec = self.engine_config
     rows = [r for _, r in call]
     D = self.num_shards
