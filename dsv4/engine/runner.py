@@ -165,6 +165,7 @@ class ModelRunner:
     self.fused = managers is not None and mesh is None
     # the one-device step program, jitted with this engine's compiler options (on the CPU: LLVM's level)
     self._one_device_step = jitted_ragged_step(step_compiler_options(ec.cpu_step_opt_level))
+    self._mesh_copies = None              # block copies on the mesh (the KV tiers' reads and writes)
     if managers is not None:
       for m in managers:
         m.set_step_capacity(ec.max_num_batched_tokens, S // self.num_shards)
@@ -447,9 +448,10 @@ class ModelRunner:
   # The narrow interface the KV tiers use (dsv4.engine.tiering): whole pool blocks copied between the runner's cache
   # and host arrays, as raw stored bits, on one device or on the mesh (block_copies). A component is
   # (layer, array name, part), see block_copies.component.
-  def kv_pool(self, layer: int, name: str):
-    """One layer's pool array as stored (an `Fp8KVPool` for an FP8 pool): shapes and dtypes of the records."""
-    return self.cache.layers[layer][name]
+  def kv_pool(self, layer: int, name: str, part: int = -1):
+    """One layer's pool array as stored (part -1: an `Fp8KVPool` whole for an FP8 pool; else that array of it,
+    `block_copies.component`): shapes and dtypes of the records."""
+    return block_copies.component(self.cache, layer, name, part)
 
   def read_kv_blocks(self, names: tuple, shard_N, ids_N) -> list[np.ndarray]:
     """Host copies (bits) of the named components' rows at blocks (shard_N, shard-local ids_N); ids out of range
@@ -484,7 +486,7 @@ class ModelRunner:
     return len(self.shapes_run)
 
   def _block_copies(self):
-    if getattr(self, "_mesh_copies", None) is None:
+    if self._mesh_copies is None:        # made at first use: an engine without tiers never copies blocks
       self._mesh_copies = block_copies.MeshBlockCopies(self, self.num_shards)
     return self._mesh_copies
 

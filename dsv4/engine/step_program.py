@@ -154,7 +154,7 @@ _ragged_step.__name__ = _ragged_step.__qualname__ = "ragged_step"     # the name
 
 
 @functools.cache
-def jitted_ragged_step(compiler_options: tuple = ()):
+def jitted_ragged_step(compiler_options: tuple):
   """`step_body` jitted for one device (compile logs name it `jit(ragged_step)`, on a mesh too), compiled with
   `compiler_options` (sorted (name, value) pairs; () = XLA's defaults). The cache and the tables are donated: the
   `StepOutput` returns them."""

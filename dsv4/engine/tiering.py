@@ -240,9 +240,7 @@ class Tiering:
   # ---------------------------------------------------------------------------------------------- device copies
   def _blocks(self, g) -> int:
     """Blocks of group g's pool over all shards (every component of a group has as many)."""
-    layer, name, part = self.names[g][0]
-    x = self.runner.kv_pool(layer, name)
-    return (x if part < 0 else x[part]).shape[0]
+    return self.runner.kv_pool(*self.names[g][0]).shape[0]
 
   def _dev_read(self, g, shard_N, ids_N) -> list[np.ndarray]:
     out = self.runner.read_kv_blocks(self.names[g], shard_N, ids_N)
