@@ -67,6 +67,7 @@ import argparse
 import copy
 import functools
 import gc
+import json
 import os
 import time
 
@@ -473,6 +474,9 @@ def main():
                   "0.33 engine default, 0), dense (None) or a multiple of 128")
   ap.add_argument("--compilation_cache_dir", default="", help="persistent XLA compilation cache (opt-in; '' = off): "
                   "a rerun of the same points skips their compiles, which are most of a point's time")
+  ap.add_argument("--cache_cpu_options", default="", help="JSON object of XLA options for the cache's programs on the "
+                  "CPU instead of `cache.step.CPU_COMPILER_OPTIONS`, e.g. '{\"xla_backend_optimization_level\": 0}' "
+                  "(their compile / runtime trade)")
   ap.add_argument("--call_floor", action="store_true", help="only print what one standalone jitted call with both "
                   "pools donated and one buffer each way costs here, then exit")
   bg = ap.add_argument_group("--budget mode: hit tokens of round-robin chat sessions under a fixed KV byte budget, "
@@ -485,6 +489,12 @@ def main():
   bg.add_argument("--answer", type=int, default=150, help="answer tokens per turn")
   bg.add_argument("--user", type=int, default=300, help="new user tokens per turn")
   a = ap.parse_args()
+  if a.cache_cpu_options:
+    from cache import step as cache_step
+    try:
+      cache_step.CPU_COMPILER_OPTIONS = dict(json.loads(a.cache_cpu_options))
+    except (ValueError, TypeError) as e:
+      ap.error(f"--cache_cpu_options: a JSON object of XLA options ({e})")
   if a.compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(a.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
