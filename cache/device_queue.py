@@ -55,6 +55,9 @@ class DeviceQueue:
     self._step_widths = None
     self._step_rows = None
     self._reset_queue()
+    self._q_admit = []          # queued admissions (Admission), sent with the next call that runs the queue
+    self._admitting = {}        # request id -> Admission, queued or in flight (result not read)
+    self._admitted = []         # (request id, PrefixHit) of queued admissions resolved, for take_admitted()
     self._out_layouts = {}      # result buffer layout per (input layout, widths): computed once each
     self._in_treedefs = {}
 
@@ -122,7 +125,7 @@ class DeviceQueue:
       self._free_seq += 1
 
   def _queued(self) -> bool:
-    return any(self._q_nreg[g] or self._q_nfree[g] or self._q_nalloc[g] for g in self.groups)
+    return bool(self._q_admit) or any(self._q_nreg[g] or self._q_nfree[g] or self._q_nalloc[g] for g in self.groups)
 
   @property
   def pools(self) -> dict:
@@ -218,34 +221,38 @@ class DeviceQueue:
                 hash_tokens=self._G, prepend=self.prepend_uncached,
                 admit_widths=admit_widths or tuple(16 for _ in self.groups))
 
-  def _carve(self, dims, admit=None):
-    """Every queued operation (and the admission batch) carved into one InputCarver; resets the queue. Returns
-    (carver, in_layout, SentCall without layout)."""
+  def _carve(self, dims, admits=None):
+    """Every queued operation (and the admissions, a list of Admission) carved into one InputCarver; resets the
+    queue (admissions included). Returns (carver, in_layout, SentCall without layout)."""
     shapes = []
     for (_, _, _, r, f, a), bt in zip(dims, self._bt):
       shapes += [(r,), (r, 2), (r, 4), (r, bt), (f,), (a,)]
-    if admit is not None:
-      b, u = self._admit_dims(admit[0])
+    toks = None
+    if admits:
+      toks = [a.tokens for a in admits]
+      b, u = self._admit_dims(toks)
       shapes += [(b, u, 2), (b, u, 4), (b, u, self._G), (b,), (b,), (b,)]
     carver = InputCarver(shapes)
     for g, d in zip(self.groups, dims):
       self._group_plan(g, carver.take, d)
-    if admit is not None:
-      self._pack(*admit, take=carver.take)
+    if admits:
+      targets = [a.target for a in admits] if any(a.target is not None for a in admits) else None
+      self._pack(toks, [a.hasher for a in admits], targets, [a.slot for a in admits], take=carver.take)
+      self._q_admit = []
     regs = None
     if self.events.enabled:
       regs = {g: self._q_reg[g] for g in self.groups}
-    sent = SentCall(None, dict(self._alloc_total), self._free_seq, regs)
+    sent = SentCall(None, dict(self._alloc_total), self._free_seq, regs, admits or None)
     self._calls += 1
     self._reset_queue()
-    return carver, (self._in_treedef(admit is not None), carver.shapes), sent
+    return carver, (self._in_treedef(bool(admits)), carver.shapes), sent
 
-  def _apply(self, admit=None, admit_widths=None):
-    """One device call: the queued work plus, with admit = (token arrays, hashers, allocate targets or None,
-    slots), the batched admission. Every plan array is a view of one int32 buffer (one transfer in); every result
-    comes back in one int32 buffer (one transfer out), unpacked as numpy views."""
+  def _apply(self, admits=None, admit_widths=None):
+    """One device call: the queued work plus the admissions (a list of Admission; None = the queued ones). Every
+    plan array is a view of one int32 buffer (one transfer in); every result comes back in one int32 buffer (one
+    transfer out), unpacked as numpy views."""
     dims = [self._group_dims(g) for g in self.groups]
-    carver, in_layout, sent = self._carve(dims, admit)
+    carver, in_layout, sent = self._carve(dims, self._q_admit if admits is None else admits)
     statics = self._statics(admit_widths)
     pools = tuple(self._pools[g] for g in self.groups)
     tabs = tuple(self._tab[g] for g in self.groups)
@@ -291,6 +298,8 @@ class DeviceQueue:
     if seq > self._count_seq:
       self._count_seq = seq
       self._free_seen = sent.free_seq
+    if sent.admits:
+      self._resolve_admissions(res, sent.admits)
 
   def _events_of(self, g, gi, res, sent: SentCall):
     regs = sent.regs[g]
@@ -403,7 +412,7 @@ class DeviceQueue:
       self._apply(None)
       dims = [self._group_dims(g) for g in self.groups]
     dims = [(nr, nf, na, r, f, a) for (nr, nf, na, _, _, _), (r, f, a) in zip(dims, self._step_widths)]
-    carver, in_layout, sent = self._carve(dims)
+    carver, in_layout, sent = self._carve(dims, self._q_admit)
     results = "all" if self.events.enabled else "counts"
     statics = self._statics()
     key = (in_layout, results, tuple(t.shape for t in self._tab.values()))

@@ -57,7 +57,7 @@ from cache.device_queue import DeviceQueue
 from cache.events import AllBlocksCleared, EventLog, KVEvent
 from cache.hashing import ExtraKeys, RequestHasher, device_key, digest_words, key_int
 from cache.prefix import find_hits, group_searches
-from cache.request_state import HOST_HELD, HeldEntries, Int32Buffer, RequestState
+from cache.request_state import HOST_HELD, Admission, HeldEntries, Int32Buffer, RequestState
 from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs
 from cache.step_plan import StepPlan, bucket_width
 
@@ -195,14 +195,57 @@ class KVCacheManager(DeviceQueue):
     return self.add_requests([(request_id, prompt_token_ids, extra_keys)])[0]
 
   def add_requests(self, requests, allocate_tokens=None) -> list[PrefixHit]:
-    """Admit several requests in ONE device call (with everything queued): search, claim (the hit blocks are
-    written into each request's table row on the device), and with `allocate_tokens[i]` (total tokens to cover,
-    e.g. hit + first chunk; None = no allocation) their first allocation. If the pools cannot cover every
-    admitted request's allocation, none is made (call allocate_for)."""
+    """Admit several requests in ONE device call (with everything queued, admissions queued by
+    `queue_admissions` included): search, claim (the hit blocks are written into each request's table row on the
+    device), and with `allocate_tokens[i]` (total tokens to cover, e.g. hit + first chunk; None = no allocation)
+    their first allocation. If the pools cannot cover every admitted request's allocation, none is made (call
+    allocate_for)."""
+    if allocate_tokens is not None and len(allocate_tokens) != len(requests):
+      raise CacheError("add_requests: allocate_tokens must have one entry per request")
+    if allocate_tokens is not None and any(t is not None and t < 0 for t in allocate_tokens):
+      raise CacheError("add_requests: allocate_tokens must be >= 0")
+    admits = self._prepare_admissions(requests, allocate_tokens)
+    if not admits:
+      return []
+    tgts = [a.target for a in admits if a.target is not None]
+    widths = tuple(bucket_width(sum(-(-int(t) // bt) for t in tgts)) for bt in self._bt)
+    if self._step_widths is not None:
+      # an engine's manager: at least the step's allocation width (one admission program, see _group_dims)
+      widths = tuple(max(w, bucket_width(sw[2])) for w, sw in zip(widths, self._step_widths))
+    self._apply(self._q_admit + admits, widths)
+    return [a.hit for a in admits]
+
+  def queue_admissions(self, requests) -> None:
+    """Queue admissions of (request id, prompt, ExtraKeys): their search, claim and table row ride the next
+    device call that runs the queue, normally the engine's step program (`take_step_plan`), so an admission is no
+    call of its own. Their hits are known once that call's results are read: `take_admitted()`. Until then a
+    request exists only as an admission: `free(rid)` withdraws it (a queued one at once, one in flight when its
+    result arrives); every other call on it raises."""
+    admits = self._prepare_admissions(requests, None)
+    for a in admits:
+      a.queued = True
+    self._q_admit += admits
+
+  def take_admitted(self) -> list[tuple[str, PrefixHit]]:
+    """(request id, PrefixHit) of every queued admission resolved since the last call, in queue order."""
+    out, self._admitted = self._admitted, []
+    return out
+
+  @property
+  def admissions_pending(self) -> int:
+    """Queued admissions not yet sent to the device (they ride the next call that runs the queue)."""
+    return len(self._q_admit)
+
+  def is_admitting(self, request_id: str) -> bool:
+    """Queued or sent, result not read yet."""
+    return request_id in self._admitting
+
+  def _prepare_admissions(self, requests, allocate_tokens) -> list[Admission]:
+    """Checked, table rows taken, prompts hashed: one Admission per request (nothing sent)."""
     reqs = []
     seen = set()
     for rid, prompt, extra in requests:
-      if rid in self._requests or rid in seen:
+      if rid in self._requests or rid in self._admitting or rid in seen:
         raise CacheError(f"request {rid!r} already exists")
       toks = np.asarray(prompt, np.int32)
       if toks.ndim != 1 or len(toks) == 0:
@@ -211,31 +254,31 @@ class KVCacheManager(DeviceQueue):
       reqs.append((rid, toks, extra))
     if not reqs:
       return []
-    if allocate_tokens is not None and len(allocate_tokens) != len(reqs):
-      raise CacheError("add_requests: allocate_tokens must have one entry per request")
-    if allocate_tokens is not None and any(t is not None and t < 0 for t in allocate_tokens):
-      raise CacheError("add_requests: allocate_tokens must be >= 0")
     longest = max([len(t) for _, t, _ in reqs] + [t or 0 for t in (allocate_tokens or [])])
     for g, bt in zip(self.groups, self._bt):
       self._ensure_width(g, -(-longest // bt))
     if self._fixed and len(self._free_slots) < len(reqs):
       raise CacheError(f"add_requests: {len(reqs)} requests but {len(self._free_slots)} free table rows")
-    slots = [self._take_slot() for _ in reqs]
-    hashers = [self._hasher(t, e) for _, t, e in reqs]
-    tgts = [t for t in allocate_tokens if t is not None] if allocate_tokens is not None else []
-    widths = tuple(bucket_width(sum(-(-int(t) // bt) for t in tgts)) for bt in self._bt)
-    if self._step_widths is not None:
-      # an engine's manager: at least the step's allocation width (one admission program, see _group_dims)
-      widths = tuple(max(w, bucket_width(sw[2])) for w, sw in zip(widths, self._step_widths))
-    res = self._apply(([t for _, t, _ in reqs], hashers, allocate_tokens, slots), widths)
+    out = []
+    for i, (rid, toks, extra) in enumerate(reqs):
+      a = Admission(rid, toks, extra.tenant, self._hasher(toks, extra), self._take_slot(),
+                    None if allocate_tokens is None else allocate_tokens[i])
+      self._admitting[rid] = a
+      out.append(a)
+    return out
+
+  def _resolve_admissions(self, res, admits: list[Admission]) -> None:
+    """A device call's admission results: each request's state (its hit, its held table entries, its checkpoint
+    junctions), its PrefixHit on the Admission and, for queued ones, in `take_admitted()`. One withdrawn while in
+    flight is released at once."""
     hit, run, ids = res["hit"], res["run"], res["hit_ids"]
-    hits, runs = hit[:len(reqs)].tolist(), run[:len(reqs)].tolist()
+    hits, runs = hit[:len(admits)].tolist(), run[:len(admits)].tolist()
     # a hit holds every full-history block before it and, in sliding groups, the tail before it (prefix.search)
     tails = [(g, p.block_tokens, p.need_blocks) for g, p in self.policies.items()]
     full = [(g, bt) for g, bt in self._group_bt if g not in self.policies]
-    out = []
-    for i, (rid, toks, extra) in enumerate(reqs):
-      h = self._hit(i, len(toks), hit, ids)
+    for i, a in enumerate(admits):
+      toks = a.tokens
+      a.hit = self._hit(i, len(toks), hit, ids)
       n, rn = hits[i], runs[i]
       junction = ()
       # A junction inside the dense-start gap (run < 2 * hit, or nothing hit): where the dense schedule could not
@@ -255,18 +298,21 @@ class KVCacheManager(DeviceQueue):
         e = n // bt
         released[g] = max(0, e - need)
         tables[g] = HeldEntries(released[g], e)
-      r = RequestState(rid, Int32Buffer(toks), hashers[i], extra.tenant, len(toks), n, tables,
-                       {g: tables[g].n for g in self.groups}, released, junction, n == 0, slot=slots[i])
-      self._requests[rid] = r
-      out.append(h)
-    if allocate_tokens is not None and res["admit_ok"]:
+      self._requests[a.rid] = RequestState(a.rid, Int32Buffer(toks), a.hasher, a.tenant, len(toks), n, tables,
+                                           {g: tables[g].n for g in self.groups}, released, junction, n == 0,
+                                           slot=a.slot)
+      del self._admitting[a.rid]
+    if "admit_ok" in res and res["admit_ok"]:
       for g, bt in self._group_bt:
-        for i, (rid, _, _) in enumerate(reqs):
-          t = allocate_tokens[i]
-          if t is not None:
-            tab = self._requests[rid].tables[g]
-            tab.grow(max(0, -(-t // bt) - tab.n))
-    return out
+        for a in admits:
+          if a.target is not None:
+            tab = self._requests[a.rid].tables[g]
+            tab.grow(max(0, -(-a.target // bt) - tab.n))
+    for a in admits:
+      if a.withdrawn:
+        self.free(a.rid)
+      elif a.target is None and a.queued:
+        self._admitted.append((a.rid, a.hit))
 
   def num_committed(self, request_id: str) -> int:
     """Tokens committed so far (what the cache will have registered after the next call)."""
@@ -403,6 +449,15 @@ class KVCacheManager(DeviceQueue):
     """End of request: checkpoint the sliding tails where the next turn resumes, then release every block, tail
     first (a chain's last blocks become evictable before its head). Its table row is reused once the device
     has applied the releases (they come first in the next call)."""
+    a = self._admitting.get(request_id)
+    if a is not None:
+      if a in self._q_admit:          # not sent yet: nothing on the device to release
+        self._q_admit.remove(a)
+        del self._admitting[request_id]
+        self._free_slots.append(a.slot)
+      else:                           # in flight: released when its result is read (`_resolve_admissions`)
+        a.withdrawn = True
+      return
     r = self._req(request_id)
     if r.rid in self._q_rids:
       self.flush()

@@ -136,3 +136,18 @@ class RequestState:
   dense: bool = True                   # take the dense-start checkpoints (only a request that hit nothing does)
   plan: tuple[int, ...] | None = None  # its checkpoint boundaries (policy.plan), computed at the first commit
   slot: int = -1                       # its row of the device block tables
+
+
+@dataclasses.dataclass(eq=False)
+class Admission:
+  """A request being admitted: checked, hashed, its table row taken, its search and claim queued or sent
+  (`KVCacheManager.queue_admissions` / `add_requests`). Becomes a RequestState when the call's result is read."""
+  rid: str
+  tokens: np.ndarray
+  tenant: str
+  hasher: RequestHasher
+  slot: int
+  target: int | None = None          # tokens to cover with blocks in the same call (add_requests' allocate_tokens)
+  queued: bool = False               # from queue_admissions: its hit goes to take_admitted()
+  withdrawn: bool = False            # freed while in flight: released as soon as its result is read
+  hit: "object" = None               # its PrefixHit, once resolved

@@ -210,7 +210,10 @@ def counters(res):
     out.append(jnp.stack([res["num_free"][i], jnp.sum(st == pool.INVALID), (~res["free_ok"][i]).astype(jnp.int32),
                           (~res["alloc_ok"][i]).astype(jnp.int32), jnp.sum(st == pool.DUPLICATE),
                           jnp.sum(st == pool.TABLE_FULL)]).astype(jnp.int32))
-  return {"counters": out}
+  out = {"counters": out}
+  if "hit" in res:         # admissions carried: their hits, runs and claimed ids (the host builds their state)
+    out.update({k: res[k] for k in ("hit", "run", "hit_ids", "admit_ok")})
+  return out
 
 
 def _cpu_compiler_options() -> dict:

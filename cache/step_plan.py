@@ -18,6 +18,7 @@ class SentCall:
   alloc_total: dict
   free_seq: int
   regs: dict | None
+  admits: list | None = None     # the admissions it carried (cache.request_state.Admission), in batch order
 
 
 @dataclasses.dataclass(frozen=True)
