@@ -437,19 +437,25 @@ class DeviceQueue:
     layout, seq = plan.sent.layout
     self._on_result(unpack(np.asarray(buf), *layout), plan.sent, seq)
 
+  def run_queue(self) -> None:
+    """Run what is queued (admissions included) now and read its results: in the engine's own bookkeeping program
+    once the step's widths are fixed (the step program's first part, so no other shape compiles), else in a
+    standalone call."""
+    if not self._queued():
+      return
+    if self._step_widths is not None:
+      plan = self.take_step_plan()
+      pools, tables, out = apply_step_packed(*self.device_state(), plan.buf, **dict(plan.statics))
+      self.set_device_state(pools, tables)
+      self.stats["device_calls"] += 1
+      self.on_step_result(plan, jax.device_get(out))
+    else:
+      self._apply(None)
+
   def sync_counts(self) -> None:
     """Apply what is queued and read the device's free counts (waits for every call sent): exact counts."""
     self.stats["syncs"] += 1
-    if self._queued():
-      if self._step_widths is not None:
-        # the engine's own bookkeeping program (same widths and statics: no compile of another shape)
-        plan = self.take_step_plan()
-        pools, tables, out = apply_step_packed(*self.device_state(), plan.buf, **dict(plan.statics))
-        self.set_device_state(pools, tables)
-        self.stats["device_calls"] += 1
-        self.on_step_result(plan, jax.device_get(out))
-      else:
-        self._apply(None)
+    self.run_queue()
     if self._free_seen < self._free_seq:
       nf = jax.device_get([self._pools[g].num_free for g in self.groups])
       for g, n in zip(self.groups, nf):

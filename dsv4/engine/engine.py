@@ -112,6 +112,8 @@ class Engine:
                               **({} if rules is None else {"rules": rules}))
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
+    # admissions sent with a step whose hits are not read yet: they hold table rows, not yet running
+    self.admitting: list[Request] = []
     # every request not yet taken by the caller (`take_outputs` forgets finished ones: a long job's host memory
     # stays flat)
     self.requests: dict[str, Request] = {}
@@ -178,11 +180,15 @@ class Engine:
   def _running_on(self, shard: int) -> list[Request]:
     return [r for r in self.running if r.shard == shard]
 
+  def _rows_held(self, shard: int) -> int:
+    """Table rows of the shard in use: running requests and admissions whose hits are not read yet."""
+    return len(self._running_on(shard)) + sum(r.shard == shard for r in self.admitting)
+
   def _rows_free(self, shard: int) -> bool:
-    return len(self._running_on(shard)) < self.ec.max_num_seqs // self.num_shards
+    return self._rows_held(shard) < self.ec.max_num_seqs // self.num_shards
 
   def _place_batch(self, reqs: list[Request]) -> list[int | None]:
-    rows = [len(self._running_on(s)) for s in range(self.num_shards)]
+    rows = [self._rows_held(s) for s in range(self.num_shards)]
     return placement.place_batch(reqs, self.managers, rows, self.ec.max_num_seqs // self.num_shards,
                                  self.ec.enable_prefix_caching)
 
@@ -225,7 +231,13 @@ class Engine:
       return 0
     return len(req.tokens) + req.inflight - req.num_computed
 
-  def schedule(self) -> list[tuple[Request, int]]:
+  def schedule(self, admit: bool = True) -> list[tuple[Request, int]]:
+    """The step's rows: the running requests in order (admitted ones last), each its next chunk within the token
+    budget, blocks allocated (preempting the latest running request of its shard when out of blocks); then (admit)
+    the next admissions are queued: their prefix search and claim ride this step's program, and they run once
+    their hits are read (`_take_admitted`)."""
+    self._take_admitted()
+    back: list[Request] = []          # admitted requests going back to the queue (out of blocks before running)
     budget = self.ec.max_num_batched_tokens
     scheduled: list[tuple[Request, int]] = []
     preempted = False
@@ -234,6 +246,9 @@ class Engine:
         break
       if req not in self.running:       # preempted earlier in this loop
         continue
+      if req.fresh and back:            # an earlier admission is going back to the queue: so do later ones
+        back.append(self._give_back(req))
+        continue
       n = min(self._todo(req), budget, self.ec.chunk_size)
       if n <= 0:
         continue
@@ -241,7 +256,19 @@ class Engine:
       while True:
         if self._mgr(req).allocate_to(req.rid, self._alloc_end(req, n)):
           scheduled.append((req, n))
+          req.fresh = False
           budget -= n
+          break
+        if req.fresh:
+          # Admitted but out of blocks before its first chunk: it gives its claim back and keeps its place at the
+          # head of the queue (admissions never preempt); every shard has the same number of blocks, so out of
+          # blocks on an idle shard means it never fits.
+          if len(self._running_on(req.shard)) == 1 and not any(r.shard == req.shard for r, _ in scheduled):
+            self._mgr(req).free(req.rid)
+            self._leave(req)
+            self._reject(req, "the KV block pool is too small for this request even when it runs alone")
+          else:
+            back.append(self._give_back(req))
           break
         # Blocks are per data shard: the victims are the latest running requests on req's shard.
         mine = self._running_on(req.shard)
@@ -256,24 +283,60 @@ class Engine:
         preempted = True
         if victim is req:
           break
-    if not preempted:
-      scheduled += self._admit_waiting(budget, scheduled)
+    if back:
+      self.waiting.extendleft(reversed(back))       # in admission order, ahead of everything that waits
+    elif admit and not preempted:
+      self._queue_admissions()
     self._track_usage()
     return self._fill_bucket(scheduled)
 
-  def _admit_waiting(self, budget: int, scheduled) -> list[tuple[Request, int]]:
-    """Admissions of one step: candidates from the head of the queue (free rows, budget, deferral against the
-    running requests), ONE batched prefix search + claim per shard for all of them, then in order: deferral
-    against the ones admitted before it, the first chunk within the budget, its blocks. A candidate that does not
-    make it gives its claim back and keeps its place at the head of the queue."""
+  def _give_back(self, req: Request) -> Request:
+    """An admitted request that has not run returns its claim and goes back to the queue (not a preemption)."""
+    self._mgr(req).free(req.rid)
+    self._leave(req)
+    if req.num_preemptions:           # a failed admission reuses nothing: count only the one that succeeds
+      req.readmit_hit_tokens -= req.num_computed
+    req.num_computed = 0
+    req.fresh = False
+    req.status = Status.WAITING
+    return req
+
+  def _take_admitted(self) -> None:
+    """Admissions whose hits were read (with a step's results, or a call that ran the queue): in queue order,
+    deferral against the ones admitted before them (deferred ones go back to the head of the queue), then running
+    with num_computed = the hit (tiers extend it)."""
+    back: list[Request] = []
+    for mgr in self.managers:
+      for rid, hit in mgr.take_admitted():
+        req = self.requests[rid]
+        self.admitting.remove(req)
+        req.admitting = False
+        self.deferral.admitted(rid)
+        if self._defer(req):
+          mgr.free(rid)
+          req.status = Status.WAITING
+          back.append(req)
+          continue
+        self._admitted(req, hit.num_tokens)
+        req.status = Status.RUNNING
+        req.slot = mgr.slot_of(rid)
+        req.step_drafts = 0
+        req.fresh = True
+        self.running.append(req)
+    self.waiting.extendleft(reversed(back))
+
+  def _queue_admissions(self) -> None:
+    """Candidates from the head of the queue (free rows, deferral against the running requests), placed on a shard,
+    their admissions queued with the shard's manager: search and claim go with the next step program (or, on an
+    engine with nothing to run, with the bookkeeping program run alone: `step`)."""
     held: list[Request] = []          # deferred this step: they keep their place at the head of the queue
     cands: list[Request] = []
     order: dict[str, int] = {}        # queue order of everything taken from the head (put back in that order)
-    rows = {s: len(self._running_on(s)) for s in range(self.num_shards)}
+    rows = {s: self._rows_held(s) for s in range(self.num_shards)}
     cap = self.ec.max_num_seqs // self.num_shards
-    while self.waiting and len(self.running) + len(cands) < self.ec.max_num_seqs and len(cands) < budget:
+    while self.waiting and len(self.running) + len(self.admitting) + len(cands) < self.ec.max_num_seqs:
       req = self.waiting[0]
-      if (self.num_shards == 1 and rows[0] >= cap) or req.inflight:
+      if (self.num_shards == 1 and rows[0] + len(cands) >= cap) or req.inflight:
         break                           # (a request preempted with a token in flight waits until it is read)
       order[req.rid] = len(order)
       if self._defer(req):
@@ -282,51 +345,20 @@ class Engine:
       cands.append(self.waiting.popleft())
     places = self._place_batch(cands) if cands else []
     by_shard: dict[int, list[Request]] = {}
+    back = []
     for req, s in zip(cands, places):
-      if s is not None:
-        req.shard = s
-        by_shard.setdefault(s, []).append(req)
-    hits = {}
+      if s is None:
+        back.append(req)
+        continue
+      req.shard = s
+      by_shard.setdefault(s, []).append(req)
     for s, reqs in by_shard.items():
-      salted = [(r.rid, r.tokens, r.cache_salt(self.ec.enable_prefix_caching)) for r in reqs]
-      for r, h in zip(reqs, self.managers[s].add_requests(salted)):
-        hits[r.rid] = h.num_tokens
-    out: list[tuple[Request, int]] = []
-    back: list[Request] = []
-    stop = False
-    for req in cands:
-      if req.rid not in hits or stop:
-        if req.rid in hits:
-          self._mgr(req).free(req.rid)
-        back.append(req)
-        continue
-      self.deferral.admitted(req.rid)
-      if budget <= 0 or self._defer(req):
-        self._mgr(req).free(req.rid)
-        (held if budget > 0 else back).append(req)
-        continue
-      hit = self._admitted(req, hits[req.rid])
-      n = min(self._todo(req), budget, self.ec.chunk_size)
-      req.step_drafts = 0
-      if not self._mgr(req).allocate_to(req.rid, self._alloc_end(req, n)):
-        self._mgr(req).free(req.rid)
-        req.num_computed = 0
-        if req.num_preemptions:       # a failed admission reuses nothing: count only the one that succeeds
-          req.readmit_hit_tokens -= hit
-        # Every shard has the same number of blocks: out of blocks on an idle shard means it never fits.
-        if not self._running_on(req.shard) and not any(r.shard == req.shard for r, _ in scheduled + out):
-          self._reject(req, "the KV block pool is too small for this request even when it runs alone")
-          continue
-        back.append(req)
-        stop = True
-        continue
-      req.status = Status.RUNNING
-      req.slot = self._mgr(req).slot_of(req.rid)
-      self.running.append(req)
-      out.append((req, n))
-      budget -= n
+      self.managers[s].queue_admissions([(r.rid, r.tokens, r.cache_salt(self.ec.enable_prefix_caching))
+                                         for r in reqs])
+      for r in reqs:
+        r.admitting = True
+        self.admitting.append(r)
     self.waiting.extendleft(reversed(sorted(held + back, key=lambda r: order[r.rid])))
-    return out
 
   def _with_drafts(self, req: Request, n: int, budget: int) -> int:
     """Tokens of req's row this step with speculative decoding: a decode row (its one pending token is the last
@@ -392,6 +424,13 @@ class Engine:
       return False
     if req.status is Status.RUNNING:
       self._finish(req, reason)
+    elif req.admitting:
+      # Its admission went with a step whose result is not read: withdrawn (released when the result arrives).
+      self._mgr(req).free(rid)
+      self.admitting.remove(req)
+      req.admitting = False
+      req.status, req.finish_reason = Status.FINISHED, reason
+      self.deferral.forget(rid)
     else:
       # Waiting: never admitted, or preempted (its blocks were freed then): nothing held in the manager.
       self.waiting.remove(req)
@@ -411,6 +450,12 @@ class Engine:
     O(new tokens): each row's chunk is a slice of the request's token list, block tables never leave the device,
     and a step moves one plan buffer in and one buffer (tokens + cache counters) out."""
     scheduled = self.schedule()
+    if not scheduled and any(m.admissions_pending for m in self.managers):
+      # Nothing runs this step but admissions wait for their hits: the bookkeeping program runs alone (the step
+      # program's own first part, no model program), and the admitted rows run in this step.
+      for m in self.managers:
+        m.run_queue()
+      scheduled = self.schedule(admit=False)
     sent = None
     if scheduled:
       if self.tiering is not None:
@@ -569,7 +614,7 @@ class Engine:
             "runner": dict(self.runner.stats)}
 
   def has_work(self) -> bool:
-    return bool(self.waiting or self.running or self._inflight is not None)
+    return bool(self.waiting or self.running or self.admitting or self._inflight is not None)
 
   def run(self, progress=None) -> list[RequestOutput]:
     """Steps until every request ended. Returns the outputs of every request the engine holds (in the order they

@@ -42,6 +42,8 @@ class Request:
   last_token_time: float | None = None
   token_logits: list[np.ndarray] | None = None
   slot: int = -1                   # its row of its cache manager's device block tables while running
+  admitting: bool = False          # its prefix search and claim went with a step; the hit is not read yet
+  fresh: bool = False              # admitted (hit read), no chunk scheduled yet: out of blocks, it is given back
   inflight: int = 0                # sampled tokens sent to the device and not read yet (async scheduling): 0 or 1
   sample_row: int = -1             # its row in the step that samples that token (the next step reads it there)
   index: int = 0                   # order of arrival at the engine

@@ -202,9 +202,9 @@ class Replica:
       self._sweep_rejected()
       done, self._done = self._done, []
       e = self.engine
-      queued = sum(len(r.tokens) - r.num_computed for r in list(e.waiting) + e.running
-                   if r.num_computed < len(r.prompt))
-      return {"done": done, "queued_prefill_tokens": queued, "running": len(e.running) + len(e.waiting)}
+      held = list(e.waiting) + e.admitting + e.running
+      queued = sum(len(r.tokens) - r.num_computed for r in held if r.num_computed < len(r.prompt))
+      return {"done": done, "queued_prefill_tokens": queued, "running": len(held)}
 
   def stats(self) -> dict:
     with self._lock:
