@@ -1,27 +1,27 @@
 """KV cache bookkeeping per engine step, as the engine pays it, beside vLLM 0.33's KVCacheManager on the same trace.
 
-The trace (one engine step): retire the B requests admitted in the previous step (each computed its last 128
-prompt tokens and sampled one token: `commit(L)`, `append_tokens`, `free`) and admit B new warm requests of L tokens
-(their prompt minus its last 128 tokens was served just before, untimed, so each hits L - 128, claims its blocks and
-allocates blocks up to L).
+The trace (one engine step): retire the B requests that ran in the previous step (each computed its last 128 prompt
+tokens and sampled one token: `commit(L)`, `append_tokens`, `free`), run the B requests admitted in the previous
+step (blocks up to L) and admit B new warm requests of L tokens (their prompt minus its last 128 tokens was served
+just before, untimed, so each hits L - 128 and claims its blocks). Per step that is one batch retired, one
+allocated, one admitted: vLLM's per-step work.
 
 Ours goes through the engine's calls (`dsv4/engine/engine.py`, `runner.py`), the manager built as the engine builds
-it (fixed table rows = max_num_seqs = 2 B, width = max_model_len = L, `set_step_capacity(B x 128, 2 B)`):
-  (a) host planning: commit / append_tokens / free of the retiring batch (queued on the host), ONE batched
-      `add_requests` for the admissions (a standalone jitted call that applies the queue, searches and claims),
-      `allocate_to(rid, L)` and `slot_of` per admitted request, `take_step_plan`, `device_state`, and after the step
-      `on_step_result`;
-  (b) the step: the cache's bookkeeping program (`cache.step.apply_step_packed` on the device pools and tables)
-      then a minimal model program (each row's full and swa table rows gathered from the device tables as the
-      runner's `_row_tables` does, summed into a [B, 128, 64] activation, one 64 x 64 matmul, an argmax per row),
-      dispatched back to back, their two input buffers in one `device_put` and their results read back in one
-      `device_get`, as `ModelRunner._call` / `collect` do;
-  (c) the same program (same shapes and statics: one compilation) with an EMPTY bookkeeping plan (all padding:
-      nothing registered, freed or allocated) and no host planning.
+it (fixed table rows = max_num_seqs = 3 B: running, admitted, warm-up; width = max_model_len = L,
+`set_step_capacity(B x 128, 2 B)`):
+  (a) host planning: commit / append_tokens / free of the retiring batch, `allocate_to(rid, L)` and `slot_of` per
+      request of the running batch, `queue_admissions` of the new batch, `take_step_plan`, `device_state`, and
+      after the step `on_step_result` + `take_admitted` (the new batch's hits);
+  (b) the step: the cache's bookkeeping program (`cache.step.apply_step_packed` on the device pools and tables:
+      the queued work, then the admissions' search and claim) then a minimal model program (each row's full and swa
+      table rows gathered from the device tables as the runner's `_row_tables` does, summed into a [B, 128, 64]
+      activation, one 64 x 64 matmul, an argmax per row), dispatched back to back, their two input buffers in one
+      `device_put` and their results read back in one `device_get`, as `ModelRunner._call` / `collect` do;
+  (c) the same program (same shapes and statics, an admission region of the same shape: one compilation) with an
+      all-padding plan (`empty_step_plan`: nothing registered, freed, allocated or searched) and no host planning.
 Reported: marginal bookkeeping per step = (a) + (b) - (c), each step paired with the mean of the two (c) runs made
 right after it (interleaved, back to back with the step program; one more (c) runs untimed before the step, after
-the untimed warm-up), median over the timed steps; the admission call alone (part of (a)); the rest of (a);
-(b) - (c). The first two steps (compilation) are not timed.
+the untimed warm-up), median over the timed steps; (a); (b) - (c). The first two steps (compilation) are not timed.
 Hashing is excluded on both sides (ours: prompts hashed untimed and handed to the manager; vLLM: Request
 construction) and reported separately for ours.
 
@@ -39,7 +39,7 @@ skipped (of these shapes only 8 x 2k fits 4k blocks). Flatness per shape: our ma
 smallest pool that fit, within 1.5x or not.
 
 `--call_floor`: what one standalone jitted call with both pools donated and one buffer each way costs here (the
-floor under `add_requests` and any other standalone call), then exit.
+floor under any standalone call: `add_requests`, `flush`, lookups), then exit.
 
 `--budget`: a different question, hit tokens rather than time. Round-robin chat sessions under a fixed KV byte
 budget: total hit tokens with cache v1 checkpoint placement (prompt boundary + end of request) and with cache v2
@@ -130,9 +130,10 @@ class Ours:
     self.B, self.L = B, L
     specs = group_specs(v4_flash())
     self.m = m = KVCacheManager(specs, num_blocks={"full": pool, "swa": pool}, enable_events=False,
-                                num_slots=2 * B, max_tokens=L)
+                                num_slots=3 * B, max_tokens=L)
     m.set_step_capacity(B * CHUNK, 2 * B)
-    self.empty = m.take_step_plan()          # nothing queued yet: an all-padding plan of the step's fixed widths
+    self.empty = None                        # (c)'s plan: all padding, the step's shape (made at the first warm-up)
+    self.model_bufs = {}
     start = L - CHUNK
     base = max(0, start - SWA_TAIL) // 32
     full_w = min(m.table_width("full"), _pow2(-(-L // 128)))
@@ -153,16 +154,16 @@ class Ours:
     self.hash_ms = (time.perf_counter() - t0) / len(prompts) * 1e3
     self._orig = m._hasher
     self._ready = {}
-    self.prev, self.slots = [], np.arange(B, dtype=np.int32)
-    self.model_buf = None
+    self.prev, self.rows, self.slots = [], [], np.arange(B, dtype=np.int32)
 
   def _cached_hasher(self, tokens, extra):
     h = self._ready.pop(tokens.ctypes.data, None) if len(tokens) == self.L else None
     return self._orig(tokens, extra) if h is None else h
 
   def warm(self, s: int):
-    """Serve batch s's prompts minus their last 128 tokens (fills the cache), untimed, just before step s; then
-    prepare step s's hashers and model input (untimed: the model input is the same for (b) and (c))."""
+    """Serve batch s's prompts minus their last 128 tokens (fills the cache), untimed, just before step s (which
+    admits batch s); then prepare step s's hashers and the model input of batch s's rows (untimed: the model input
+    is the same for (b) and (c); batch s runs in step s + 1)."""
     m, L, B = self.m, self.L, self.B
     m._hasher = self._orig
     rids = [f"w{s}.{i}" for i in range(B)]
@@ -188,14 +189,16 @@ class Ours:
     buf = np.empty(2 * B + B * CHUNK, np.int32)
     buf[B:2 * B] = self.base
     buf[2 * B:] = np.stack([p[L - CHUNK:] for p in self.prompts[s]]).reshape(-1) % VOCAB
-    self.model_buf = buf
+    self.model_bufs[s] = buf
+    if self.empty is None:          # (c): the step's shape with an admission region of batch s's shape, all padding
+      self.empty = m.empty_step_plan(m._admit_dims(self.prompts[s]))
 
-  def _run(self, plan, slots):
+  def _run(self, plan, slots, s):
     """(b) / (c): the step program's dispatch: model input packed, both buffers in one device_put, the call, the
     state handed back, the one result buffer read."""
     m = self.m
     pools, tables = m.device_state()
-    buf = self.model_buf.copy()
+    buf = self.model_bufs[s].copy()
     buf[:self.B] = slots
     kv, mb = jax.device_put([plan.buf, buf])
     pools, tables, out = step_program(pools, tables, kv, mb, self.params, kv_statics=plan.statics, **self._shape)
@@ -203,14 +206,16 @@ class Ours:
     toks, kv_res = jax.device_get(out)                       # one device -> host transfer, as `collect` makes
     return np.concatenate([np.asarray(toks), np.asarray(kv_res)])
 
-  def empty_step(self) -> float:
+  def empty_step(self, s: int) -> float:
     """(c): the step program with the empty plan, no host planning. Seconds."""
     t = time.perf_counter()
-    self._run(self.empty, self.slots)
+    self._run(self.empty, self.slots, max(s - 1, 0))
     return time.perf_counter() - t
 
   def step(self, s: int, profile=None) -> dict:
-    """One engine step: (a) + (b). Seconds per part; hit tokens of the batch."""
+    """One engine step (a) + (b): retire the rows of the last step (batch s - 2), run batch s - 1 (admitted in the
+    last step: blocks up to L), admit batch s (search and claim in this step's program). Seconds per part; hit
+    tokens of batch s."""
     m, L, B = self.m, self.L, self.B
     rids = [f"r{s}.{i}" for i in range(B)]
     reqs = [(rid, p, ExtraKeys()) for rid, p in zip(rids, self.prompts[s])]
@@ -222,25 +227,29 @@ class Ours:
       m.append_tokens(rid, [1])
       m.free(rid)
     t1 = time.perf_counter()
-    hits = m.add_requests(reqs)           # the step's one admission call
-    t2 = time.perf_counter()
-    for rid in rids:
+    for rid in self.rows:
       if not m.allocate_to(rid, L):
         raise RuntimeError(f"ours: out of blocks at {B} x {L}")
-    slots = np.fromiter((m.slot_of(rid) for rid in rids), np.int32, B)
+    slots = np.fromiter((m.slot_of(rid) for rid in self.rows), np.int32, B) if self.rows else self.slots
+    m.queue_admissions(reqs)              # the step's admissions: they ride its program
     plan = m.take_step_plan()
     t3 = time.perf_counter()
-    out = self._run(plan, slots)
+    out = self._run(plan, slots, max(s - 1, 0))
     t4 = time.perf_counter()
     m.on_step_result(plan, out[B:])
+    hits = m.take_admitted()
     t5 = time.perf_counter()
     if profile is not None:
       profile.disable()
-    if plan.statics != self.empty.statics:
-      raise RuntimeError("the step plan's statics differ from the empty plan's: (b) and (c) are different programs")
-    self.prev, self.slots = rids, slots
-    return {"total": t5 - t0, "retire": t1 - t0, "admit": t2 - t1, "plan": (t3 - t2) + (t5 - t4),
-            "program": t4 - t3, "hit": sum(h.num_tokens for h in hits), "min_hit": min(h.num_tokens for h in hits)}
+    if self.rows and plan.statics != self.empty.statics:
+      diff = [(k, v, w) for (k, v), (_, w) in zip(plan.statics, self.empty.statics) if v != w]
+      raise RuntimeError(f"the step plan's statics differ from the empty plan's ({diff}): (b) and (c) are different "
+                         "programs")
+    if [r for r, _ in hits] != rids:
+      raise RuntimeError("ours: the step's admissions were not resolved by its results")
+    self.prev, self.rows, self.slots = self.rows, rids, slots
+    return {"total": t5 - t0, "retire": t1 - t0, "plan": (t3 - t1) + (t5 - t4), "program": t4 - t3,
+            "hit": sum(h.num_tokens for _, h in hits), "min_hit": min(h.num_tokens for _, h in hits)}
 
   def check(self):
     """The device tables agree with the host's counts for every held request (reads the device; untimed)."""
@@ -275,9 +284,9 @@ def bench(B: int, L: int, pool: int, steps: int, seed: int = 0, vllm_src: str = 
     # (c) right after the warm-up runs cold (caches flushed by the warm-up, a bench artifact the engine does not
     # have), so it is run once untimed; the step's (c) is the mean of the two runs right after it, back to back with
     # the step program as an engine's steps are
-    ours.empty_step()
+    ours.empty_step(s)
     r = ours.step(s, profile if timed else None)
-    r["empty"] = (ours.empty_step() + ours.empty_step()) / 2
+    r["empty"] = (ours.empty_step(s) + ours.empty_step(s)) / 2
     r["marginal"] = r["total"] - r["empty"]
     if timed:
       rows.append(r)
@@ -295,7 +304,7 @@ def bench(B: int, L: int, pool: int, steps: int, seed: int = 0, vllm_src: str = 
   def med(rs, k):
     return float(np.median([x[k] for x in rs]) * 1e3)
 
-  out = {k: med(rows, k) for k in ("marginal", "total", "admit", "retire", "plan", "program", "empty")}
+  out = {k: med(rows, k) for k in ("marginal", "total", "retire", "plan", "program", "empty")}
   out["prog_minus_empty"] = float(np.median([x["program"] - x["empty"] for x in rows]) * 1e3)
   out["hit"] = min(x["hit"] for x in rows)
   out["min_hit"] = min(x["min_hit"] for x in rows)
@@ -527,10 +536,11 @@ def main():
     print("vLLM skipped (no --vllm_src)")
   print(f"load average at start: {_load()} ({os.cpu_count()} CPUs)")
   print("ours: KVCacheManager through the engine's calls, settings: its defaults (retention_interval=0, dense start, "
-        "re-render 64, junction checkpoints), events off, table rows 2 B, width L, step capacity B x 128 tokens / 2 B "
-        "rows. marginal = (a) host planning incl. the admission call + (b) the step (bookkeeping program + minimal "
-        "model body, transfers) - (c) the same program with an empty plan; admission = the one add_requests call; "
-        "host rest = (a) without it; (b)-(c) = the program's share.")
+        "re-render 64, junction checkpoints), events off, table rows 3 B, width L, step capacity B x 128 tokens / 2 B "
+        "rows. A step retires batch s - 2, runs batch s - 1 (admitted in the last step) and admits batch s (queued: "
+        "search and claim in the step's bookkeeping program, hits read with its results). marginal = (a) host "
+        "planning + (b) the step (bookkeeping program incl. the admissions + minimal model body, transfers) - (c) "
+        "the same program with an all-padding plan; (b)-(c) = the program's share.")
   if vllm_src:
     print(f"vLLM 0.33: KVCacheManager, prefix_cache_retention_interval={retention!r}"
           f"{' (its engine default)' if retention == 0 else ' (NOT its engine default)'}, one pool of 2 x pool "
@@ -538,15 +548,15 @@ def main():
           "allocate_slots; host Python only.")
   print("ms per step, median of the timed steps; hit tokens per step = the batch's sum (per request: hit / B). "
         "Hashing excluded on both sides.")
-  print("| B | L | pool blocks/group | ours marginal ms | admission call ms | host rest ms | (b)-(c) ms | "
+  print("| B | L | pool blocks/group | ours marginal ms | host planning ms | (b)-(c) ms | "
         "empty program (c) ms | ours hit tok/step | vLLM ms | vLLM hit tok/step | vLLM / ours | "
         "our hashing ms/step (excluded) |")
-  print("|" + " --- |" * 13)
+  print("|" + " --- |" * 12)
   res = {}
   for B, L in shapes:
     for pool in pools:
       if 2 * (B * L // 128 + B) > pool:   # two batches are held at once (admitted + retiring)
-        print(f"| {B} | {L} | {pool} | pool too small for two batches |" + " |" * 9, flush=True)
+        print(f"| {B} | {L} | {pool} | pool too small for two batches |" + " |" * 8, flush=True)
         continue
       prof = None
       if a.profile:
@@ -568,7 +578,7 @@ def main():
         vm, vh, ratio = f"{v['ms']:.2f}", v["hit"], f"{v['ms'] / r['marginal']:.2f}"
       if r["overflows"]:
         print(f"(note: {r['overflows']} step plans overflowed their fixed widths and ran a call of their own)")
-      print(f"| {B} | {L} | {pool} | {r['marginal']:.2f} | {r['admit']:.2f} | {r['total'] - r['admit'] - r['program']:.2f}"
+      print(f"| {B} | {L} | {pool} | {r['marginal']:.2f} | {r['total'] - r['program']:.2f}"
             f" | {r['prog_minus_empty']:.2f} | {r['empty']:.2f} | {r['hit']} | {vm} | {vh} | {ratio} | "
             f"{r['hash_ms']:.1f} |", flush=True)
       # every point compiles its own programs (the pool size is part of each shape): drop them, or a full matrix

@@ -54,6 +54,7 @@ class DeviceQueue:
     self.peak_used = {g: 0 for g in self.groups}
     self._step_widths = None
     self._step_rows = None
+    self._free_chunks = tuple(64 for _ in self.groups)     # entries released per iteration of the device's loop
     self._reset_queue()
     self._q_admit = []          # queued admissions (Admission), sent with the next call that runs the queue
     self._admitting = {}        # request id -> Admission, queued or in flight (result not read)
@@ -139,8 +140,8 @@ class DeviceQueue:
       self._apply(None)
 
   def _group_dims(self, g: str):
-    """(registrations, frees, allocations queued for group g, and their static widths)."""
-    nr, nf, na = self._q_nreg[g], self._q_nfree[g], self._q_nalloc[g]
+    """(registrations, release runs, allocations queued for group g, and their static widths)."""
+    nr, nf, na = self._q_nreg[g], len(self._q_free[g]), self._q_nalloc[g]
     if self._step_widths is not None:
       # an engine's manager: the step's fixed widths whenever the queue fits them, so an admission call compiles
       # one bookkeeping program, not one per queue size
@@ -199,10 +200,10 @@ class DeviceQueue:
       key[:nr] = keys_from_words(kw, self.key_bits)
       par[:nr] = pw
       np.concatenate([c[4][c[1] * bt:c[2] * bt] for c in regs], out=tok[:nr].reshape(-1))
-    fr = take((f,))
-    fr[nf:] = -1
-    if frees:
-      fr[:nf] = self._refs(g, frees, reverse=True)
+    fr = take((f, 3))
+    fr[nf:] = 0
+    if frees:                 # runs as queued (a request's tail first); the device releases b - 1 down to a
+      fr[:nf] = frees
     al = take((a,))
     al[na:] = -1
     if allocs:
@@ -219,18 +220,21 @@ class DeviceQueue:
   def _statics(self, admit_widths=None):
     return dict(groups=self._searches, block_tokens=self._bt, align=self._align,
                 hash_tokens=self._G, prepend=self.prepend_uncached,
-                admit_widths=admit_widths or tuple(16 for _ in self.groups))
+                admit_widths=admit_widths or tuple(16 for _ in self.groups), free_chunks=self._free_chunks)
 
-  def _carve(self, dims, admits=None):
+  def _carve(self, dims, admits=None, admit_dims=None):
     """Every queued operation (and the admissions, a list of Admission) carved into one InputCarver; resets the
-    queue (admissions included). Returns (carver, in_layout, SentCall without layout)."""
+    queue (admissions included). admit_dims = (rows, units): an admission region of that shape even without
+    admissions (all padding). Returns (carver, in_layout, SentCall without layout)."""
     shapes = []
     for (_, _, _, r, f, a), bt in zip(dims, self._bt):
-      shapes += [(r,), (r, 2), (r, 4), (r, bt), (f,), (a,)]
+      shapes += [(r,), (r, 2), (r, 4), (r, bt), (f, 3), (a,)]
     toks = None
     if admits:
       toks = [a.tokens for a in admits]
-      b, u = self._admit_dims(toks)
+      admit_dims = self._admit_dims(toks)
+    if admit_dims is not None:
+      b, u = admit_dims
       shapes += [(b, u, 2), (b, u, 4), (b, u, self._G), (b,), (b,), (b,)]
     carver = InputCarver(shapes)
     for g, d in zip(self.groups, dims):
@@ -239,13 +243,16 @@ class DeviceQueue:
       targets = [a.target for a in admits] if any(a.target is not None for a in admits) else None
       self._pack(toks, [a.hasher for a in admits], targets, [a.slot for a in admits], take=carver.take)
       self._q_admit = []
+    elif admit_dims is not None:          # an admission region with no row in it
+      key, par, tok, max_len, target, slot = (carver.take(sh) for sh in shapes[-6:])
+      key[...], par[...], tok[...], max_len[...], target[...], slot[...] = 0, 0, 0, 0, -1, -1
     regs = None
     if self.events.enabled:
       regs = {g: self._q_reg[g] for g in self.groups}
     sent = SentCall(None, dict(self._alloc_total), self._free_seq, regs, admits or None)
     self._calls += 1
     self._reset_queue()
-    return carver, (self._in_treedef(bool(admits)), carver.shapes), sent
+    return carver, (self._in_treedef(admit_dims is not None), carver.shapes), sent
 
   def _apply(self, admits=None, admit_widths=None):
     """One device call: the queued work plus the admissions (a list of Admission; None = the queued ones). Every
@@ -378,14 +385,18 @@ class DeviceQueue:
   # ------------------------------------------------------------------------------------------ the step program
   def set_step_capacity(self, tokens: int, rows: int) -> None:
     """Fix the widths of the bookkeeping the engine's step program carries (one compiled shape): at most
-    `tokens` new tokens over `rows` requests per step. A step whose queue does not fit (a long request's end
-    releases many blocks at once) applies it in a call of its own first (`take_step_plan`)."""
-    w = []
+    `tokens` new tokens over `rows` requests per step. Releases are runs of table entries (a request's end is one
+    run per group however long it is), at most 2 per row, released on the device in chunks of the width a step's
+    own commits need, as many chunks as there are entries. A step whose queue does not fit (more runs, a table
+    loaded from a tier with gaps) applies it in a call of its own first (`take_step_plan`)."""
+    w, chunks = [], []
     for g, bt in zip(self.groups, self._bt):
       need = self.policies[g].need_blocks if g in self.policies else 0
       a = -(-tokens // bt) + rows
-      w.append((-(-(a + 2 * rows * need) // 8) * 8, -(-(2 * a + rows * need) // 8) * 8, -(-a // 8) * 8))
+      w.append((-(-(a + 2 * rows * need) // 8) * 8, -(-2 * rows // 8) * 8, -(-a // 8) * 8))
+      chunks.append(-(-(2 * a + rows * need) // 8) * 8)
     self._step_widths = tuple(w)
+    self._free_chunks = tuple(chunks)
     self._step_rows = rows
 
   def take_step_plan(self) -> StepPlan:
@@ -404,15 +415,32 @@ class DeviceQueue:
       tot = dict(self._alloc_total)
       for g in self.groups:
         self._alloc_total[g] -= nalloc[g]
-      self._apply(None)
+      self._apply([])                 # (queued admissions stay for the step: they follow its allocations)
       self._q_alloc, self._q_nalloc, self._q_rids, self._alloc_total = allocs, nalloc, rids, tot
       dims = [self._group_dims(g) for g in self.groups]
     if any(d[2] > w[2] for d, w in zip(dims, self._step_widths)):
       self.stats["step_plan_overflows"] += 1
-      self._apply(None)
+      self._apply([])
       dims = [self._group_dims(g) for g in self.groups]
     dims = [(nr, nf, na, r, f, a) for (nr, nf, na, _, _, _), (r, f, a) in zip(dims, self._step_widths)]
-    carver, in_layout, sent = self._carve(dims, self._q_admit)
+    return self._step_plan(*self._carve(dims, self._q_admit))
+
+  def empty_step_plan(self, admit_dims=None) -> StepPlan:
+    """A step plan with nothing in it (all padding) of the step's fixed widths and, with admit_dims = (rows,
+    units), an admission region of that shape: what the step program costs with nothing to do (benchmarks). The
+    queue is left as it is; the plan's results are not to be handed back (`on_step_result`)."""
+    if self._step_widths is None:
+      raise CacheError("empty_step_plan: call set_step_capacity first")
+    dims = [(0, 0, 0, r, f, a) for r, f, a in self._step_widths]
+    saved = (self._q_reg, self._q_free, self._q_alloc, self._q_nreg, self._q_nfree, self._q_nalloc, self._q_rids,
+             self._calls)
+    self._reset_queue()
+    plan = self._step_plan(*self._carve(dims, None, admit_dims))
+    (self._q_reg, self._q_free, self._q_alloc, self._q_nreg, self._q_nfree, self._q_nalloc, self._q_rids,
+     self._calls) = saved
+    return plan
+
+  def _step_plan(self, carver, in_layout, sent) -> StepPlan:
     results = "all" if self.events.enabled else "counts"
     statics = self._statics()
     key = (in_layout, results, tuple(t.shape for t in self._tab.values()))

@@ -42,7 +42,8 @@ class GroupPlan(NamedTuple):
   reg_key_Rx2: jax.Array
   reg_par_Rx4: jax.Array
   reg_tok_RxT: jax.Array
-  free_ref_F: jax.Array       # entries to release, eviction order; the table entry becomes -1
+  free_run_Fx3: jax.Array     # runs (slot, a, b) to release, in order, each entry b - 1 down to a (eviction order);
+                              # a released table entry becomes -1; b <= a: padding
   alloc_ref_A: jax.Array      # entries to fill with newly allocated blocks, packed at the front (count = refs >= 0)
 
 
@@ -73,10 +74,42 @@ def _write(table_SxW, ref_M, ids_M):
   return flat.at[jnp.where(ref_M >= 0, ref_M, s * w)].set(ids_M, mode="drop").reshape(s, w)
 
 
-_STATIC = ("groups", "block_tokens", "align", "hash_tokens", "prepend", "admit_widths")
+_STATIC = ("groups", "block_tokens", "align", "hash_tokens", "prepend", "admit_widths", "free_chunks")
 
 
-def step_core(pools, tables, plans, admit, *, groups, block_tokens, align, hash_tokens, prepend, admit_widths):
+def _free_runs(st, tab, run_Fx3, chunk, prepend, after):
+  """Release the runs' table entries in order (each run b - 1 down to a) as a device loop over fixed chunks of
+  `chunk` entries whose trip count is the live entry count: a request's end releases all its blocks as ONE run, so
+  the work follows the entries released, never a width sized for the longest request. Each chunk is one release
+  (`pool._free_core`: cached blocks join the LRU ring in list order, so chunking leaves the ring as one release
+  would; uncached ones go on the stack with the chunk's first entry on top). `after`: values the loop must follow
+  (the registrations' reads of the same arrays; see pool._after). Returns (state, table, no chunk refused)."""
+  s_F, a_F, b_F = run_Fx3[:, 0], run_Fx3[:, 1], run_Fx3[:, 2]
+  w = tab.shape[1]
+  len_F = jnp.maximum(b_F - a_F, 0)
+  ends_F = jnp.cumsum(len_F)
+  total = ends_F[-1]
+  trips = jnp.where(jnp.all(after != pool._NEVER), (total + chunk - 1) // chunk, 0)
+  k_C = jnp.arange(chunk, dtype=jnp.int32)
+
+  def body(c):
+    k, st, tab, ok = c
+    e_C = k * chunk + k_C
+    # the run of each entry: a compare-and-count over the (few) runs, not a searchsorted loop
+    r_C = jnp.minimum(jnp.sum(ends_F[None, :] <= e_C[:, None], axis=1, dtype=jnp.int32), run_Fx3.shape[0] - 1)
+    ent_C = b_F[r_C] - 1 - (e_C - (ends_F[r_C] - len_F[r_C]))
+    ref_C = jnp.where(e_C < total, s_F[r_C] * w + ent_C, -1)
+    ids_C = resolve(tab, ref_C)
+    st, fok = pool._free_core(st, ids_C, prepend)
+    tab = _write(tab, pool._after(ref_C, -1, ids_C), jnp.full_like(ids_C, -1))
+    return k + 1, st, tab, ok & fok
+
+  _, st, tab, ok = jax.lax.while_loop(lambda c: c[0] < trips, body, (jnp.int32(0), st, tab, jnp.bool_(True)))
+  return st, tab, ok
+
+
+def step_core(pools, tables, plans, admit, *, groups, block_tokens, align, hash_tokens, prepend, admit_widths,
+              free_chunks):
   """pools / tables / plans: tuples in the order of `groups`; admit: AdmitPlan or None. Returns (pools, tables,
   results). results["hit_ids"]: per group, full-history groups [B, U // k] (-1 past the hit), sliding groups the
   tail only, [B, need_blocks] (see prefix.search, compact form). Hit and allocated ids are also written into the
@@ -87,11 +120,9 @@ def step_core(pools, tables, plans, admit, *, groups, block_tokens, align, hash_
     st, tab = pools[i], tables[i]
     reg_ids = resolve(tab, plan.reg_ref_R)
     st, status = pool._register_chunks(st, reg_ids, plan.reg_key_Rx2, plan.reg_par_Rx4, plan.reg_tok_RxT)
-    free_ids = resolve(tab, plan.free_ref_F)
-    # register read ref_N (held blocks) and free writes it: make the write depend on that read so that XLA keeps
+    # register read ref_N (held blocks) and the releases write it: the loop follows that read so that XLA keeps
     # ref_N in place (pool.py, `_after`)
-    st, fok = pool._free_core(st, pool._after(free_ids, -1, status), prepend)
-    tab = _write(tab, pool._after(plan.free_ref_F, -1, free_ids, reg_ids), jnp.full_like(free_ids, -1))
+    st, tab, fok = _free_runs(st, tab, plan.free_run_Fx3, free_chunks[i], prepend, jnp.concatenate([status, reg_ids]))
     n = jnp.sum(plan.alloc_ref_A >= 0, dtype=jnp.int32)
     st, ids, ev, aok = pool._allocate_core(st, n, plan.alloc_ref_A.shape[0])
     tab = _write(tab, plan.alloc_ref_A, ids)

@@ -262,8 +262,9 @@ class Engine:
         if req.fresh:
           # Admitted but out of blocks before its first chunk: it gives its claim back and keeps its place at the
           # head of the queue (admissions never preempt); every shard has the same number of blocks, so out of
-          # blocks on an idle shard means it never fits.
-          if len(self._running_on(req.shard)) == 1 and not any(r.shard == req.shard for r, _ in scheduled):
+          # blocks on a shard where nothing else runs (admitted with it at most) means it never fits.
+          others = [r for r in self._running_on(req.shard) if r is not req and not r.fresh]
+          if not others and not any(r.shard == req.shard for r, _ in scheduled):
             self._mgr(req).free(req.rid)
             self._leave(req)
             self._reject(req, "the KV block pool is too small for this request even when it runs alone")

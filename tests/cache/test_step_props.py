@@ -35,6 +35,19 @@ def packed(pools, tables, plans, admit, **kw):
   return pools, tables, unpack(np.asarray(out), *layout)
 
 
+def _runs(entries):
+  """Release runs (slot, a, b) of table positions slot * TW + e, in list order: an entry right below the previous
+  one in the same row extends its run (a run releases b - 1 down to a)."""
+  out = []
+  for e in entries:
+    s, j = divmod(e, TW)
+    if out and out[-1][0] == s and out[-1][1] == j + 1:
+      out[-1] = (s, j, out[-1][2])
+    else:
+      out.append((s, j, j + 1))
+  return out
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.sampled_from(["pytree", "packed"]))
 def test_apply_step_matches_reference(d, path):
@@ -59,6 +72,8 @@ def test_apply_step_matches_reference(d, path):
       par = np.array([[x, 0, 0, 1] for x in p], np.int32)
       tok = np.array([[x] * T for x in t], np.int32)
       fr = d.draw(st.lists(st.sampled_from(held), max_size=W, unique=True)) if held else []
+      if d.draw(st.booleans()):
+        fr.sort(reverse=True)          # neighbours merge into longer runs
       ids_fr = [int(host[gi][e]) for e in fr]
       free_left = refs[gi].num_free + sum(1 for b in set(ids_fr)
                                           if sum(1 for e in held if host[gi][e] == b) == ids_fr.count(b))
@@ -66,11 +81,11 @@ def test_apply_step_matches_reference(d, path):
       n = d.draw(st.integers(0, min(W, free_left, len(now_empty))))
       al = d.draw(st.permutations(now_empty))[:n] if n else []
       rr = np.array(reg + [-1] * (W - len(reg)), np.int32)
-      plans.append(GroupPlan(rr, key, par, tok, np.array(fr + [-1] * (W - len(fr)), np.int32),
+      plans.append(GroupPlan(rr, key, par, tok, np.array(_runs(fr) + [(0, 0, 0)] * (W - len(_runs(fr))), np.int32),
                              np.array(al + [-1] * (W - len(al)), np.int32)))
       want.append((reg, key, par, tok, fr, al))
     kw = dict(groups=group_searches(SPECS), block_tokens=(T, T), align=SPECS.align_tokens,
-              hash_tokens=SPECS.hash_tokens, prepend=prepend, admit_widths=(W, W))
+              hash_tokens=SPECS.hash_tokens, prepend=prepend, admit_widths=(W, W), free_chunks=(3, 3))
     if path == "pytree":
       pools, tables, res = apply_step(pools, tables, tuple(plans), None, **kw)
     else:
@@ -80,7 +95,10 @@ def test_apply_step_matches_reference(d, path):
       ref, tab = refs[gi], host[gi]
       ids = [int(tab[e]) if e >= 0 else -1 for e in reg] + [-1] * (W - len(reg))
       assert list(res["status"][gi]) == ref.register(ids, key, par, tok)
-      assert bool(res["free_ok"][gi]) == ref.free([int(tab[e]) for e in fr], prepend_uncached=prepend)
+      # the device releases in chunks of `free_chunks` entries, each one release call
+      ids_fr = [int(tab[e]) for e in fr]
+      ok = all([ref.free(ids_fr[c:c + 3], prepend_uncached=prepend) for c in range(0, len(ids_fr), 3)])
+      assert bool(res["free_ok"][gi]) == ok
       tab[fr] = -1
       got_ids, got_ev, ok = ref.allocate(len(al), max_n=W)
       assert ok and bool(res["alloc_ok"][gi])

@@ -139,6 +139,17 @@ def test_pool_too_small_for_one_request_is_rejected_not_hung(tiny):
   assert outs[1].error is None and len(outs[1].output) == 4
 
 
+def test_admitted_together_and_too_big_for_the_pool_are_all_rejected(tiny):
+  """Admitted in one step, none of them can get its first chunk's blocks even alone (1 swa block): each is rejected
+  at its first allocation, not given back and re-admitted forever."""
+  cfg, params = tiny
+  eng = Engine(params, cfg, dataclasses.replace(TINY_POOL, num_swa_blocks=1))
+  outs = generate(params, cfg, [[7] * 100, [8] * 100, [9] * 50], SamplingParams(max_tokens=4, ignore_eos=True),
+                  engine=eng)
+  assert all("too small" in o.error for o in outs)
+  assert eng.stats["steps"] <= 3
+
+
 def test_v41_cache_never_changes_the_answer():
   """V4.1 (CSA2 roles, ratio-2 pending rows, Engram token ids) through the same engine and cache manager: prefix
   hits and preemption (tiny pool) give the same tokens as caching off."""
