@@ -22,6 +22,11 @@ from cache.step import AdmitPlan, GroupPlan, InputCarver, apply_step_packed, res
 from cache.step_plan import ADMIT_ROWS_FIXED, SentCall, StepPlan, bucket_width, units_bucket_width
 
 
+# Entries per chunk of the step program's release loop, at most: a chunk's cost grows faster than its width on the
+# CPU (its running sums lower to a reduce-window), while each extra chunk costs only a loop iteration.
+FREE_CHUNK_MAX = 256
+
+
 def _empty(shape) -> np.ndarray:
   return np.empty(shape, np.int32)
 
@@ -200,10 +205,12 @@ class DeviceQueue:
       key[:nr] = keys_from_words(kw, self.key_bits)
       par[:nr] = pw
       np.concatenate([c[4][c[1] * bt:c[2] * bt] for c in regs], out=tok[:nr].reshape(-1))
-    fr = take((f, 3))
-    fr[nf:] = 0
+    fr = take((f, 4))
+    fr[nf:, :3] = 0
+    fr[nf:, 3] = self._q_nfree[g]
     if frees:                 # runs as queued (a request's tail first); the device releases b - 1 down to a
-      fr[:nf] = frees
+      fr[:nf, :3] = frees
+      np.cumsum(fr[:nf, 2] - fr[:nf, 1], out=fr[:nf, 3])
     al = take((a,))
     al[na:] = -1
     if allocs:
@@ -228,7 +235,7 @@ class DeviceQueue:
     admissions (all padding). Returns (carver, in_layout, SentCall without layout)."""
     shapes = []
     for (_, _, _, r, f, a), bt in zip(dims, self._bt):
-      shapes += [(r,), (r, 2), (r, 4), (r, bt), (f, 3), (a,)]
+      shapes += [(r,), (r, 2), (r, 4), (r, bt), (f, 4), (a,)]
     toks = None
     if admits:
       toks = [a.tokens for a in admits]
@@ -394,7 +401,7 @@ class DeviceQueue:
       need = self.policies[g].need_blocks if g in self.policies else 0
       a = -(-tokens // bt) + rows
       w.append((-(-(a + 2 * rows * need) // 8) * 8, -(-2 * rows // 8) * 8, -(-a // 8) * 8))
-      chunks.append(-(-(2 * a + rows * need) // 8) * 8)
+      chunks.append(min(-(-(2 * a + rows * need) // 8) * 8, FREE_CHUNK_MAX))
     self._step_widths = tuple(w)
     self._free_chunks = tuple(chunks)
     self._step_rows = rows

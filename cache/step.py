@@ -42,8 +42,8 @@ class GroupPlan(NamedTuple):
   reg_key_Rx2: jax.Array
   reg_par_Rx4: jax.Array
   reg_tok_RxT: jax.Array
-  free_run_Fx3: jax.Array     # runs (slot, a, b) to release, in order, each entry b - 1 down to a (eviction order);
-                              # a released table entry becomes -1; b <= a: padding
+  free_run_Fx4: jax.Array     # runs (slot, a, b, entries through this run) to release, in order, each entry b - 1
+                              # down to a (eviction order); a released entry becomes -1; a = b: padding
   alloc_ref_A: jax.Array      # entries to fill with newly allocated blocks, packed at the front (count = refs >= 0)
 
 
@@ -77,27 +77,32 @@ def _write(table_SxW, ref_M, ids_M):
 _STATIC = ("groups", "block_tokens", "align", "hash_tokens", "prepend", "admit_widths", "free_chunks")
 
 
-def _free_runs(st, tab, run_Fx3, chunk, prepend, after):
+def _free_runs(st, tab, run_Fx4, chunk, prepend, after):
   """Release the runs' table entries in order (each run b - 1 down to a) as a device loop over fixed chunks of
   `chunk` entries whose trip count is the live entry count: a request's end releases all its blocks as ONE run, so
   the work follows the entries released, never a width sized for the longest request. Each chunk is one release
   (`pool._free_core`: cached blocks join the LRU ring in list order, so chunking leaves the ring as one release
-  would; uncached ones go on the stack with the chunk's first entry on top). `after`: values the loop must follow
-  (the registrations' reads of the same arrays; see pool._after). Returns (state, table, no chunk refused)."""
-  s_F, a_F, b_F = run_Fx3[:, 0], run_Fx3[:, 1], run_Fx3[:, 2]
+  would; uncached ones go on the stack with the chunk's first entry on top). run_Fx4 rows: (slot, a, b, entries
+  through this run) (the host's running sum; padding rows a = b and the total). `after`: values the loop must
+  follow (the registrations' reads of the same arrays; see pool._after). Returns (state, table, no chunk
+  refused)."""
+  s_F, a_F, b_F, ends_F = run_Fx4[:, 0], run_Fx4[:, 1], run_Fx4[:, 2], run_Fx4[:, 3]
+  f = run_Fx4.shape[0]
   w = tab.shape[1]
-  len_F = jnp.maximum(b_F - a_F, 0)
-  ends_F = jnp.cumsum(len_F)
   total = ends_F[-1]
   trips = jnp.where(jnp.all(after != pool._NEVER), (total + chunk - 1) // chunk, 0)
   k_C = jnp.arange(chunk, dtype=jnp.int32)
+  wr = min(chunk, f)       # a chunk's entries lie in at most `chunk` runs (live runs are never empty)
 
   def body(c):
     k, st, tab, ok = c
     e_C = k * chunk + k_C
-    # the run of each entry: a compare-and-count over the (few) runs, not a searchsorted loop
-    r_C = jnp.minimum(jnp.sum(ends_F[None, :] <= e_C[:, None], axis=1, dtype=jnp.int32), run_Fx3.shape[0] - 1)
-    ent_C = b_F[r_C] - 1 - (e_C - (ends_F[r_C] - len_F[r_C]))
+    # the run of each entry: a compare-and-count over the window of runs the chunk can touch, not a searchsorted
+    # loop, nor every run
+    lo = jnp.minimum(jnp.sum(ends_F <= k * chunk, dtype=jnp.int32), f - wr)
+    ends_W = jax.lax.dynamic_slice_in_dim(ends_F, lo, wr)
+    r_C = lo + jnp.minimum(jnp.sum(ends_W[None, :] <= e_C[:, None], axis=1, dtype=jnp.int32), wr - 1)
+    ent_C = ends_F[r_C] - 1 - e_C + a_F[r_C]      # b - 1 at the run's first entry, a at its last
     ref_C = jnp.where(e_C < total, s_F[r_C] * w + ent_C, -1)
     ids_C = resolve(tab, ref_C)
     st, fok = pool._free_core(st, ids_C, prepend)
@@ -122,7 +127,7 @@ def step_core(pools, tables, plans, admit, *, groups, block_tokens, align, hash_
     st, status = pool._register_chunks(st, reg_ids, plan.reg_key_Rx2, plan.reg_par_Rx4, plan.reg_tok_RxT)
     # register read ref_N (held blocks) and the releases write it: the loop follows that read so that XLA keeps
     # ref_N in place (pool.py, `_after`)
-    st, tab, fok = _free_runs(st, tab, plan.free_run_Fx3, free_chunks[i], prepend, jnp.concatenate([status, reg_ids]))
+    st, tab, fok = _free_runs(st, tab, plan.free_run_Fx4, free_chunks[i], prepend, jnp.concatenate([status, reg_ids]))
     n = jnp.sum(plan.alloc_ref_A >= 0, dtype=jnp.int32)
     st, ids, ev, aok = pool._allocate_core(st, n, plan.alloc_ref_A.shape[0])
     tab = _write(tab, plan.alloc_ref_A, ids)

@@ -35,9 +35,9 @@ def packed(pools, tables, plans, admit, **kw):
   return pools, tables, unpack(np.asarray(out), *layout)
 
 
-def _runs(entries):
-  """Release runs (slot, a, b) of table positions slot * TW + e, in list order: an entry right below the previous
-  one in the same row extends its run (a run releases b - 1 down to a)."""
+def _runs(entries, width):
+  """Release runs (slot, a, b, entries so far) of table positions slot * TW + e, in list order: an entry right
+  below the previous one in the same row extends its run (a run releases b - 1 down to a); padded to `width` rows."""
   out = []
   for e in entries:
     s, j = divmod(e, TW)
@@ -45,7 +45,9 @@ def _runs(entries):
       out[-1] = (s, j, out[-1][2])
     else:
       out.append((s, j, j + 1))
-  return out
+  ends = np.cumsum([b - a for _, a, b in out]).tolist()
+  rows = [(s, a, b, n) for (s, a, b), n in zip(out, ends)]
+  return np.array(rows + [(0, 0, 0, len(entries))] * (width - len(rows)), np.int32).reshape(width, 4)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -81,7 +83,7 @@ def test_apply_step_matches_reference(d, path):
       n = d.draw(st.integers(0, min(W, free_left, len(now_empty))))
       al = d.draw(st.permutations(now_empty))[:n] if n else []
       rr = np.array(reg + [-1] * (W - len(reg)), np.int32)
-      plans.append(GroupPlan(rr, key, par, tok, np.array(_runs(fr) + [(0, 0, 0)] * (W - len(_runs(fr))), np.int32),
+      plans.append(GroupPlan(rr, key, par, tok, _runs(fr, W),
                              np.array(al + [-1] * (W - len(al)), np.int32)))
       want.append((reg, key, par, tok, fr, al))
     kw = dict(groups=group_searches(SPECS), block_tokens=(T, T), align=SPECS.align_tokens,
