@@ -11,31 +11,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cache.api_types import CacheError
 from cache.hashing import ExtraKeys
-from tests.cache.test_step_plan import check, make, program, same_state
-
-
-def run_step(m, late, pending):
-  """One step program on m; its results read now or (late) right after the next step is sent."""
-  plan = m.take_step_plan()
-  pools, tables = m.device_state()
-  pools, tables, res = program(pools, tables, plan.buf, plan.statics)
-  m.set_device_state(pools, tables)
-  if pending:
-    pp, pr = pending.pop()
-    m.on_step_result(pp, np.asarray(pr))
-  if late:
-    pending.append((plan, res))
-  else:
-    m.on_step_result(plan, np.asarray(res))
+from tests.cache.test_step_plan import advance, check, commit_and_finish, make, program, run_step, same_state, two_managers
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.booleans())
 def test_queued_admissions_match_the_standalone_call(d, late):
-  rng = np.random.default_rng(d.draw(st.integers(0, 1 << 20)))
-  nb = d.draw(st.sampled_from([12, 40]))
-  fused, plain = make(nb), make(nb)
-  prefixes = [rng.integers(2, 60, 48) for _ in range(2)]
+  rng, fused, plain, prefixes = two_managers(d)
   live, waiting, pending = {}, {}, []        # waiting: queued on fused, admitted on plain, hit not read on fused
   for step in range(d.draw(st.integers(3, 9))):
     # hits read since the last step: the same as the standalone call's
@@ -43,18 +25,7 @@ def test_queued_admissions_match_the_standalone_call(d, late):
       toks, plain_hit = waiting.pop(rid)
       assert h.num_tokens == plain_hit, rid
       live[rid] = [toks, h.num_tokens]
-    for rid, (toks, done) in list(live.items()):
-      if done >= len(toks):
-        continue
-      n = min(len(toks) - done, d.draw(st.integers(1, 20)))
-      a, b = fused.allocate_to(rid, done + n), plain.allocate_to(rid, done + n)
-      assert bool(a) == bool(b)
-      if not a:                       # out of blocks: preempt it (free; re-admitted later under a new id)
-        for m in (fused, plain):
-          m.free(rid)
-        del live[rid]
-        continue
-      live[rid][1] = done + n
+    advance(d, live, fused, plain)
     new = []
     for k in range(d.draw(st.integers(0, 2))):
       if len(live) + len(waiting) + len(new) >= 4:
@@ -75,17 +46,10 @@ def test_queued_admissions_match_the_standalone_call(d, late):
     plain.flush()
     if not late:
       check(fused, plain, live)
-    for rid, (toks, done) in live.items():
-      for m in (fused, plain):
-        if done > m.num_committed(rid):
-          m.commit(rid, done)
-    for rid in [r for r, (t, dn) in live.items() if dn >= len(t) and d.draw(st.booleans())]:
-      for m in (fused, plain):
-        m.free(rid)
-      del live[rid]
+    commit_and_finish(d, live, (fused, plain))
   if pending:
-    pp, pr = pending.pop()
-    fused.on_step_result(pp, np.asarray(pr))
+    pm, pp, pr = pending.pop()
+    pm.on_step_result(pp, np.asarray(pr))
   for rid, h in fused.take_admitted():
     assert h.num_tokens == waiting.pop(rid)[1]
   assert not waiting

@@ -57,13 +57,35 @@ def same_state(a, b):
     RefPool.from_state(a.pools[g]).check_invariants()
 
 
+def advance(d, live, fused, plain):
+  """Every live request (rid -> [tokens, done]) advances by a drawn chunk if the pools allow, the same decision on
+  both managers (exact counts); one out of blocks is preempted (freed; re-admitted later under a new id)."""
+  for rid, (toks, done) in list(live.items()):
+    if done >= len(toks):
+      continue
+    n = min(len(toks) - done, d.draw(st.integers(1, 20)))
+    a, b = fused.allocate_to(rid, done + n), plain.allocate_to(rid, done + n)
+    assert bool(a) == bool(b)
+    if not a:
+      for m in (fused, plain):
+        m.free(rid)
+      del live[rid]
+      continue
+    live[rid][1] = done + n
+
+
+def two_managers(d):
+  """A trace's random source, two managers on equal pools (one driven through step plans, one through its own
+  calls) and two shared prefixes the prompts draw from."""
+  rng = np.random.default_rng(d.draw(st.integers(0, 1 << 20)))
+  nb = d.draw(st.sampled_from([12, 40]))
+  return rng, make(nb), make(nb), [rng.integers(2, 60, 48) for _ in range(2)]
+
+
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.booleans())
 def test_step_plans_match_the_managers_own_calls(d, late):
-  rng = np.random.default_rng(d.draw(st.integers(0, 1 << 20)))
-  nb = d.draw(st.sampled_from([12, 40]))
-  fused, plain = make(nb), make(nb)
-  prefixes = [rng.integers(2, 60, 48) for _ in range(2)]
+  rng, fused, plain, prefixes = two_managers(d)
   live, pending = {}, []
   for step in range(d.draw(st.integers(3, 10))):
     # admissions (one batched call on each manager)
@@ -78,33 +100,26 @@ def test_step_plans_match_the_managers_own_calls(d, late):
       hits = m.add_requests([(rid, t, ExtraKeys()) for rid, t in new])
       for (rid, t), h in zip(new, hits):
         live[rid] = [t, h.num_tokens]
-    # every live request advances by a chunk if the pools allow (the same decision on both: exact counts)
-    for rid, (toks, done) in list(live.items()):
-      if done >= len(toks):
-        continue
-      n = min(len(toks) - done, d.draw(st.integers(1, 20)))
-      a, b = fused.allocate_to(rid, done + n), plain.allocate_to(rid, done + n)
-      assert bool(a) == bool(b)
-      if not a:                       # out of blocks: preempt it (free; it is re-admitted later as a new id)
-        for m in (fused, plain):
-          m.free(rid)
-        del live[rid]
-        continue
-      live[rid][1] = done + n
+    advance(d, live, fused, plain)
     run_step(fused, late, pending)
     plain.flush()
     check(fused, plain, live)
-    for rid, (toks, done) in live.items():
-      for m in (fused, plain):
-        if done > m.num_committed(rid):
-          m.commit(rid, done)
-    for rid in [r for r, (t, dn) in live.items() if dn >= len(t) and d.draw(st.booleans())]:
-      for m in (fused, plain):
-        m.free(rid)
-      del live[rid]
+    commit_and_finish(d, live, (fused, plain))
   run_step(fused, late, pending)        # the last commits and frees, through a step plan too
   plain.flush()
   check(fused, plain, live)
+
+
+def commit_and_finish(d, live, managers):
+  """Both managers commit what every live request computed; finished ones are freed at random."""
+  for rid, (toks, done) in live.items():
+    for m in managers:
+      if done > m.num_committed(rid):
+        m.commit(rid, done)
+  for rid in [r for r, (t, dn) in live.items() if dn >= len(t) and d.draw(st.booleans())]:
+    for m in managers:
+      m.free(rid)
+    del live[rid]
 
 
 def check(fused, plain, live):
