@@ -253,19 +253,21 @@ def _kernel(*refs, H, C, P, bt, bm, nblk, k, kout, per_query, has_allowed, fp8, 
   sel_i = sel.astype(jnp.int32)
   slot = jnp.cumsum(sel_i, axis=1) - sel_i
   pos = jax.lax.broadcasted_iota(jnp.int32, (bt, MC), 1)
-  # Unselected lanes are masked off (never stored on GPU); they get distinct trash slots past k so that interpret
-  # mode's discharged scatter has no colliding indices.
+  # Exactly kk lanes are selected (the radix cut counts every lane, -inf ones too), so their slots 0 .. kk - 1 cover
+  # the part of the block the caller reads, each written once; the rest is never read. No fill beforehand: on a GPU
+  # a block store and a scatter store to the same addresses by different threads have no order without a barrier
+  # (a -1 fill after the pick loses it: the H200 check saw this, interpret mode cannot). Unselected lanes are masked
+  # off (never stored on GPU); they get distinct trash slots past k so that interpret mode's discharged scatter has
+  # no colliding indices.
   dest = jnp.where(sel, slot, kout + pos)
   row = jax.lax.broadcasted_iota(jnp.int32, (bt, MC), 0)
   ent_full = ent_ref[...] if per_query else ent_ref[...][None, :]  # [1, MC]
   out_ids = jnp.where(s_all > -jnp.inf, jnp.broadcast_to(ent_full, (bt, MC)), -1)
-  ids_ref[...] = jnp.full(ids_ref.shape, -1, jnp.int32)
   if _pl_triton is None:  # pragma: no cover
     ids_ref[row, dest] = jnp.where(sel, out_ids, -1)
   else:
     _pl_triton.store(ids_ref.at[row, dest], out_ids, mask=sel)
   if sc_ref is not None:
-    sc_ref[...] = jnp.full(sc_ref.shape, -jnp.inf, jnp.float32)
     if _pl_triton is None:  # pragma: no cover
       sc_ref[row, dest] = jnp.where(sel, s_all, -jnp.inf)
     else:
@@ -387,11 +389,12 @@ def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_
   outs = pl.pallas_call(kernel, grid=(B, Tp // bt, nchunks), in_specs=in_specs, out_specs=out_specs,
                         out_shape=out_shape, compiler_params=compiler_params, interpret=interpret, debug=t.debug,
                         name="dsv4_indexer_topk")(*args)
-  ids = outs[0].reshape(B, Tp, nchunks, W)[:, :T, :, :kk]
+  kc = min(kk, MC)        # the slots each chunk writes (one chunk: MC >= M, so all kk)
+  ids = outs[0].reshape(B, Tp, nchunks, W)[:, :T, :, :kc]
   if not write_scores:
     return ids[:, :, 0]
-  sc = outs[1].reshape(B, Tp, nchunks, W)[:, :T, :, :kk].reshape(B, T, nchunks * kk)
-  ids = ids.reshape(B, T, nchunks * kk)
+  sc = outs[1].reshape(B, Tp, nchunks, W)[:, :T, :, :kc].reshape(B, T, nchunks * kc)
+  ids = ids.reshape(B, T, nchunks * kc)
   vals, pick = jax.lax.top_k(sc, kk)
   return jnp.where(jnp.isfinite(vals), jnp.take_along_axis(ids, pick, axis=-1), -1).astype(jnp.int32)
 

@@ -155,6 +155,20 @@ def test_indexer_topk_lowers_for_cuda(name, B, T, M, cand, keys):
   assert exp.out_avals[0].shape == (B, T, K)
 
 
+@pytest.mark.parametrize("M,stores", [(131072 // 4, 2), (8192 // 4, 1)], ids=["chunks", "one_chunk"])
+def test_indexer_topk_writes_each_output_once(M, stores, capsys):
+  """The fused top-k's Triton module stores each output once (the picked ids; with several chunks also their
+  scores): a fill of the block before the pick's scatter would be a second store to the same addresses, unordered
+  across threads on a GPU (the H200 check lost picks that way; interpret mode runs stores in order)."""
+  B, HI, C = 64, 64, 128
+  export_for_cuda(
+      it.indexer_topk_pallas, S((B, 1, HI, C), jnp.bfloat16), S((B, 1, HI), jnp.float32), S((B * M, C), jnp.bfloat16),
+      S((B, M), jnp.int32), S((B, 1), jnp.int32), None, S((B,), jnp.int32), None, k=512,
+      tuning=it.IndexerTopkTuning(debug=True))
+  ir = capsys.readouterr().out.splitlines()
+  assert sum("tt.store" in ln for ln in ir) == stores, [ln for ln in ir if "tt.store" in ln]
+
+
 def _triton_module(capsys, *specs, **kw):
   export_for_cuda(sa.sparse_attention_pallas, *specs, scale=D ** -0.5, **kw)
   return capsys.readouterr().out.splitlines()

@@ -59,6 +59,18 @@ def test_topk_f32(T, block_t, chunk, with_allowed):
   assert np.all(np.asarray(got)[0, 0] == -1)  # num_visible = 0
 
 
+def test_topk_k_larger_than_the_chunk():
+  """k above select_chunk: each chunk can only offer its whole chunk (the merge reads the slots a chunk wrote,
+  never past them: the kernel writes nothing else)."""
+  B, T, H, C, P, M = 2, 3, 16, 32, 128, 45
+  q, w, kp, rows, nv, _ = make_case(5, B, T, H, C, P, M, jnp.float32, False)
+  want = ix.indexer_scores_reference(q, w, kp, rows, nv)
+  got = it.indexer_topk_pallas(q, w, kp, rows, nv, k=20, interpret=True,
+                               tuning=it.IndexerTopkTuning(block_m=16, select_chunk=16))
+  assert got.shape == (B, T, 20)
+  assert_ids_match(got, want, 20, 1e-4)
+
+
 def test_topk_k_larger_than_visible_and_ties_detected():
   """Duplicated key rows give exact ties at the cut; k > visible entries pads with -1."""
   B, T, H, C, P, M = 2, 2, 16, 32, 64, 32
