@@ -71,6 +71,23 @@ def test_topk_k_larger_than_the_chunk():
   assert_ids_match(got, want, 20, 1e-4)
 
 
+@pytest.mark.parametrize("M", [4096, 9000], ids=["one_chunk", "three_chunks"])
+def test_topk_production_tiling(M):
+  """The tiling the H200 check ran (k 512, select_chunk 4096, block_m 64): one full chunk (prefill at 16k: 4096
+  entries) and several chunks, the last one partial (decode: M above select_chunk, each chunk offers 512 of its
+  4096 lanes). Interpret mode fills the outputs with INT_MIN / NaN first, so a slot the kernel left unwritten fails
+  here; the ordering of stores on a GPU is test_gpu_lowering.py's business."""
+  B, T, H, C = 2, 2, 16, 32
+  q, w, kp, rows, nv, _ = make_case(11, B, T, H, C, B * M, M, jnp.float32, False)
+  nk = jnp.asarray([M, M - 1000], jnp.int32)
+  want = ix.indexer_scores_reference(q, w, kp, rows, nv, None, nk)
+  got = it.indexer_topk_pallas(q, w, kp, rows, nv, None, nk, k=512, interpret=True,
+                               tuning=it.IndexerTopkTuning(block_m=64, select_chunk=4096))
+  assert got.shape == (B, T, 512)
+  assert_ids_match(got, want, 512, 1e-4)
+  assert np.all(np.asarray(got)[0, 0] == -1)  # make_case: query (0, 0) sees nothing
+
+
 def test_topk_k_larger_than_visible_and_ties_detected():
   """Duplicated key rows give exact ties at the cut; k > visible entries pads with -1."""
   B, T, H, C, P, M = 2, 2, 16, 32, 64, 32
