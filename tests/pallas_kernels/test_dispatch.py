@@ -210,12 +210,13 @@ def test_auto_validates_the_fused_topk_with_fp8_keys_and_candidates(monkeypatch,
 
 @pytest.mark.parametrize("op,broken,why,timeout_s", [
     ("sparse_attention", "wrong_sparse", "max error / tolerance", None),
+    ("sparse_attention", "nondeterministic_sparse", "nondeterministic: two runs on the same inputs differ", None),
     ("indexer_topk", "raising_topk", "RuntimeError: lowering failed", None),
     ("sparse_attention", "hanging_sparse", "timed out after 5 s", 5),
     ("sparse_attention", "crashing_sparse", "child exited with status", None),
 ])
 def test_auto_falls_back_to_xla_once_with_one_warning(monkeypatch, op, broken, why, timeout_s):
-  """A kernel that gives a wrong answer (sparse MLA scaled by 1.5), cannot run (the top-k raises), hangs (killed at
+  """A kernel that gives a wrong answer (sparse MLA scaled by 1.5), another answer each run (within tolerance), cannot run (the top-k raises), hangs (killed at
   the timeout) or kills its process (a GPU fault's stand-in) fails its validation in the child: the caller survives,
   that call site gets the plain reference's answer, bit for bit, and one one-line warning however often it is
   dispatched; the kernel never runs in this process."""

@@ -1,5 +1,5 @@
 """Kernels for the dispatch validation tests, importable by name (the validation child imports them): the real
-kernels in interpret mode (a CPU stand-in for the compiled ones), a wrong one, a raising one, a hanging one and one
+kernels in interpret mode (a CPU stand-in for the compiled ones), a wrong one, a nondeterministic one, a raising one, a hanging one and one
 that kills its process (a GPU fault's stand-in). Calls in this process are counted in CALLS."""
 
 import os
@@ -35,6 +35,17 @@ def wrong_sparse(*a, interpret=False, **k):
   _count("sparse_attention")
   out, lse = sa.sparse_attention_kernel(*a, interpret=True, **k)
   return out * 1.5, lse
+
+
+def nondeterministic_sparse(*a, interpret=False, **k):
+  """Within tolerance every time, but one element one ulp up on every other call (a race's stand-in)."""
+  import jax.numpy as jnp
+  _count("sparse_attention")
+  out, lse = sa.sparse_attention_kernel(*a, interpret=True, **k)
+  if CALLS["sparse_attention"] % 2:
+    i = (0,) * out.ndim
+    out = out.at[i].set(jnp.nextafter(out[i], jnp.asarray(jnp.inf, out.dtype)))
+  return out, lse
 
 
 def raising_topk(*a, **k):
