@@ -59,7 +59,6 @@ class DeviceQueue:
     self.peak_used = {g: 0 for g in self.groups}
     self._step_widths = None
     self._step_rows = None
-    self._last_admit_dims = None  # the last admission region's (rows, units): steps with nothing to admit reuse it
     self._free_chunks = tuple(64 for _ in self.groups)     # entries released per iteration of the device's loop
     self._reset_queue()
     self._q_admit = []          # queued admissions (Admission), sent with the next call that runs the queue
@@ -241,7 +240,6 @@ class DeviceQueue:
     if admits:
       toks = [a.tokens for a in admits]
       admit_dims = self._admit_dims(toks)
-      self._last_admit_dims = admit_dims
     if admit_dims is not None:
       b, u = admit_dims
       shapes += [(b, u, 2), (b, u, 4), (b, u, self._G), (b,), (b,), (b,)]
@@ -432,13 +430,7 @@ class DeviceQueue:
       self._apply([])
       dims = [self._group_dims(g) for g in self.groups]
     dims = [(nr, nf, na, r, f, a) for (nr, nf, na, _, _, _), (r, f, a) in zip(dims, self._step_widths)]
-    empty = None
-    if not self._q_admit and self._step_rows is not None and self._step_rows <= ADMIT_ROWS_FIXED:
-      # nothing to admit on an engine that admits at one fixed width: the last admission's program with an empty
-      # admission region (its search is skipped), not a second bookkeeping program without one (a compile of
-      # seconds on the CPU)
-      empty = self._last_admit_dims
-    return self._step_plan(*self._carve(dims, self._q_admit, empty))
+    return self._step_plan(*self._carve(dims, self._q_admit))
 
   def empty_step_plan(self, admit_dims=None) -> StepPlan:
     """A step plan with nothing in it (all padding) of the step's fixed widths and, with admit_dims = (rows,

@@ -151,17 +151,15 @@ def search_rows(pools, key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B, groups,
   per row (every block's tokens are compared)."""
   b, num_units, _ = key_BxUx2.shape
   args = (key_BxUx2, parent_BxUx4, tokens_BxUxG, max_len_B)
+  if b < min_rows or b % chunks:
+    return search(pools, *args, groups, align, hash_tokens)
+  c = b // chunks
   limit = jnp.minimum(max_len_B, num_units * hash_tokens) // align * align
+  n = (jnp.max(jnp.where(limit > 0, jnp.arange(b, dtype=jnp.int32), -1)) + c) // c   # chunks up to the last live row
   shapes = jax.eval_shape(lambda: search(pools, *args, groups, align, hash_tokens))
   hit, run, out, compact = shapes
   init = (jnp.zeros(hit.shape, hit.dtype), jnp.zeros(run.shape, run.dtype),
           tuple(jnp.full(x.shape, -1, x.dtype) for x in out), tuple(jnp.full(x.shape, -1, x.dtype) for x in compact))
-  if b < min_rows or b % chunks:
-    # all rows at once, skipped when none can hit (an empty admission region: a step with nothing to admit runs the
-    # admitting program for nothing, so that an engine has one bookkeeping program)
-    return jax.lax.cond(jnp.any(limit > 0), lambda: search(pools, *args, groups, align, hash_tokens), lambda: init)
-  c = b // chunks
-  n = (jnp.max(jnp.where(limit > 0, jnp.arange(b, dtype=jnp.int32), -1)) + c) // c   # chunks up to the last live row
 
   def body(carry):
     k, res = carry

@@ -106,27 +106,3 @@ def test_queued_admissions_need_no_call_of_their_own():
   assert got["b"].num_tokens == 96 and got["c"].num_tokens == 32
   assert m.num_committed("b") == 96
   assert jax.device_get(m.device_tables["full"])[m.slot_of("b")][:6].min() >= 0
-
-
-def test_a_step_with_nothing_to_admit_runs_the_admitting_program():
-  """On an engine of few rows a step with nothing to admit sends the last admission's region empty: the same
-  program (statics, buffer size) as the admitting step, and nothing changes beyond the step's own bookkeeping
-  (the property test above compares the state with the standalone calls')."""
-  m = make(40)
-  prompt = np.arange(2, 98, dtype=np.int32)
-  m.queue_admissions([("a", prompt, ExtraKeys())])
-  admitting = m.take_step_plan()
-  pools, tables = m.device_state()
-  pools, tables, res = program(pools, tables, admitting.buf, admitting.statics)
-  m.set_device_state(pools, tables)
-  m.on_step_result(admitting, np.asarray(res))
-  assert [rid for rid, _ in m.take_admitted()] == ["a"]
-  free = {g: m.num_free_blocks(g) for g in m.groups}
-  idle = m.take_step_plan()
-  assert idle.statics == admitting.statics and idle.buf.shape == admitting.buf.shape
-  assert idle.sent.admits is None
-  pools, tables = m.device_state()
-  pools, tables, res = program(pools, tables, idle.buf, idle.statics)
-  m.set_device_state(pools, tables)
-  m.on_step_result(idle, np.asarray(res))
-  assert m.take_admitted() == [] and {g: m.num_free_blocks(g) for g in m.groups} == free

@@ -55,13 +55,12 @@ def test_default_job_is_graded(tmp_path):
   assert s_on["prefix_hit_pct"] > 50
   a = outputs(tmp_path / "on")
   assert all(len(o["expected"]) == 1 and o["correct"] == (o["output"] == o["expected"]) for o in a)
-  # Real compilations (JAX's backend-compile events): the invariant step is one program per engine and the cache's
-  # bookkeeping one more (steps with nothing to admit run it with an empty admission region); nothing else compiles
-  # (engine construction puts host arrays).
+  # Real compilations (JAX's backend-compile events): the invariant step is one program per engine, the cache's
+  # bookkeeping one more and its admissions a third; nothing else compiles (engine construction puts host arrays).
   compiles = metrics(tmp_path / "on")["compiles"]
   assert compiles["compilations_by_function"].get("jit(ragged_step)", 0) == 1, compiles
   assert compiles["step_programs"] == {"ragged_step": 1}, compiles
-  assert compiles["compilations"] + compiles["persistent_cache_hits"] <= 2, compiles
+  assert compiles["compilations"] + compiles["persistent_cache_hits"] <= 3, compiles
   assert "Restoring checkpoint" not in on.stderr            # quiet logs by default (--verbosity=0 shows them)
 
 
