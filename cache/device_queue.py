@@ -18,6 +18,7 @@ from cache import pool
 from cache.api_types import CacheError
 from cache.events import BlockRemoved, BlockStored
 from cache.hashing import key_int, keys_from_words
+from cache.specs import FULL_HISTORY
 from cache.step import AdmitPlan, GroupPlan, InputCarver, apply_step_packed, result_layout, unpack
 from cache.step_plan import ADMIT_ROWS_FIXED, SentCall, StepPlan, bucket_width, units_bucket_width
 
@@ -240,6 +241,14 @@ class DeviceQueue:
     if admits:
       toks = [a.tokens for a in admits]
       admit_dims = self._admit_dims(toks)
+      # The admissions' hits take blocks that are free but cached (a touch), besides what they allocate: unknown
+      # until the result is read, so the host counts the most they can take as allocated by this call (its read
+      # replaces the count with the device's). Without it a plan made before the read (async scheduling) can
+      # promise blocks a hit already took, and the device refuses that allocation.
+      for gi, (g, grp, bt) in enumerate(zip(self.groups, self._searches, self._bt)):
+        most = sum(len(t) // bt if grp.kind == FULL_HISTORY else grp.need_blocks for t in toks)
+        self._nfree[g] -= most
+        self._alloc_total[g] += most
     if admit_dims is not None:
       b, u = admit_dims
       shapes += [(b, u, 2), (b, u, 4), (b, u, self._G), (b,), (b,), (b,)]
