@@ -500,7 +500,7 @@ class DeviceQueue:
     """Apply what is queued and read the device's free counts (waits for every call sent): exact counts."""
     self.stats["syncs"] += 1
     self.run_queue()
-    if self._free_seen < self._free_seq:
+    if self._free_seen < self._free_seq or self._admitting:     # (admissions in flight: counted at their most)
       nf = jax.device_get([self._pools[g].num_free for g in self.groups])
       for g, n in zip(self.groups, nf):
         self._nfree[g] = int(n)

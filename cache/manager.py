@@ -340,8 +340,10 @@ class KVCacheManager(DeviceQueue):
     tables, nfree = r.tables, self._nfree
     need = [(g, max(0, -(-total_tokens // bt) - tables[g].n)) for g, bt in self._group_bt]
     short = next((g for g, k in need if k > nfree[g]), None)
-    if short is not None and self._free_seen < self._free_seq:
-      self.sync_counts()           # releases not confirmed yet: read the exact counts, then decide
+    if short is not None and (self._free_seen < self._free_seq or self._admitting):
+      # releases not confirmed yet, or admissions whose hits are counted at the most they can take: read the exact
+      # counts, then decide
+      self.sync_counts()
       short = next((g for g, k in need if k > nfree[g]), None)
     if short is not None:
       return OutOfBlocks(short, dict(need)[short], nfree[short])
