@@ -259,12 +259,14 @@ class Engine:
           req.fresh = False
           budget -= n
           break
+        # admissions in flight on the shard hold their hits' blocks: out of blocks beside them is not "alone"
+        pending = any(a.shard == req.shard for a in self.admitting)
         if req.fresh:
           # Admitted but out of blocks before its first chunk: it gives its claim back and keeps its place at the
           # head of the queue (admissions never preempt); every shard has the same number of blocks, so out of
           # blocks on a shard where nothing else runs (admitted with it at most) means it never fits.
           others = [r for r in self._running_on(req.shard) if r is not req and not r.fresh]
-          if not others and not any(r.shard == req.shard for r, _ in scheduled):
+          if not others and not pending and not any(r.shard == req.shard for r, _ in scheduled):
             self._mgr(req).free(req.rid)
             self._leave(req)
             self._reject(req, "the KV block pool is too small for this request even when it runs alone")
@@ -273,7 +275,7 @@ class Engine:
           break
         # Blocks are per data shard: the victims are the latest running requests on req's shard.
         mine = self._running_on(req.shard)
-        if mine == [req]:
+        if mine == [req] and not pending:
           # Alone and still out of blocks: it can never fit. Reject it rather than preempt it forever.
           self._mgr(req).free(req.rid)
           self._leave(req)
