@@ -85,18 +85,20 @@ def traces(draw, vocab: int, with_drafts: bool = False, with_tiers: bool = False
   return reqs, run
 
 
-def _reload_trace(vocab: int, drafts: int = 3, tiers: bool = True):
+def _reload_trace(vocab: int, drafts: int = 3, tiers: bool = True, mesh: bool = False):
   """A trace that hits, preempts and (tiers) reloads from the tier for certain: a document read, then a long
   request the tight pool can only hold by evicting (demoting) the document's blocks, then the document read again.
+  On the mesh each data shard has its own pool, so a second long request comes with the document (waves: the
+  document and one long request, the other long request, the document again): one lands on the document's shard.
   Every property below runs it beside its drawn traces, so what a test asserts it saw does not hang on the draws
   of one Hypothesis version (derandomized draws change with the version)."""
   rng = np.random.default_rng(7)
   doc = [int(t) for t in rng.integers(2, vocab, 270)]
-  other = [int(t) for t in rng.integers(2, vocab, 300)]
+  others = [[int(t) for t in rng.integers(2, vocab, 300)] for _ in range(2 if mesh else 1)]
   sp = SamplingParams(max_tokens=3, ignore_eos=True)
   run = dict(chunk_size=64, enable_prefix_caching=True, async_scheduling=False, tight=True, waves=3, drafts=drafts,
              tiers=tiers)
-  return [(doc + [5], sp), (other, sp), (doc + [9, 4], sp)], run
+  return [(p, sp) for p in [doc + [5], *others, doc + [9, 4]]], run
 
 
 class _Alone:
@@ -143,7 +145,7 @@ def _check(variant: str, kv: str, examples: int, drafts: bool = False, tiers: bo
 
   @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
   @given(traces(cfg.vocab_size, drafts, tiers))
-  @example(_reload_trace(cfg.vocab_size, 3 if drafts else 0, tiers))
+  @example(_reload_trace(cfg.vocab_size, 3 if drafts else 0, tiers, mesh=mesh is not None))
   def prop(trace):
     reqs, run = trace
     tc = None
