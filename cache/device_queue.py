@@ -26,6 +26,7 @@ from cache.step_plan import ADMIT_ROWS_FIXED, SentCall, StepPlan, bucket_width, 
 # Entries per chunk of the step program's release loop, at most: a chunk's cost grows faster than its width on the
 # CPU (its running sums lower to a reduce-window), while each extra chunk costs only a loop iteration.
 FREE_CHUNK_MAX = 256
+_FEW_RUNS = 64        # below this many runs, host index arrays are built run by run (numpy call overhead)
 
 
 def _empty(shape) -> np.ndarray:
@@ -159,6 +160,13 @@ class DeviceQueue:
   def _refs(self, g, runs, reverse=False):
     """Table refs (slot * width + entry) of queued runs (slot, a, b, ...) in queue order: entries a .. b - 1, or
     b - 1 down to a (reverse: a request's releases go tail first). One numpy pass over every run."""
+    w = self.table_width(g)
+    if len(runs) <= _FEW_RUNS:     # one arange per run: cheaper than the vectorised pass's dozen numpy calls
+      if reverse:
+        parts = [np.arange(c[0] * w + c[2] - 1, c[0] * w + c[1] - 1, -1) for c in runs]
+      else:
+        parts = [np.arange(c[0] * w + c[1], c[0] * w + c[2]) for c in runs]
+      return np.concatenate(parts)
     if len(runs[0]) == 3:
       s, a, b = np.array(runs, np.int64).reshape(-1, 3).T
     else:
@@ -166,7 +174,7 @@ class DeviceQueue:
     cnt = b - a
     k = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)   # index inside its run
     ent = np.repeat(b - 1, cnt) - k if reverse else np.repeat(a, cnt) + k
-    return np.repeat(s * self.table_width(g), cnt) + ent
+    return np.repeat(s * w, cnt) + ent
 
   def _reg_words(self, g: str, regs=None):
     """(key digest words [R, 4] uint32, parent words [R, 4] int32) of every queued registration of group g: one
@@ -186,6 +194,9 @@ class DeviceQueue:
       at.append(n_words - u0)            # unit u of this run sits at word n_words + u - u0 of the join
       n_words += u1 - u0
     w = np.frombuffer(b"".join(parts), dtype="<u4").reshape(-1, 4)
+    if len(regs) <= _FEW_RUNS:     # block j of a run: key = its last unit, parent = the unit before its first
+      kidx = np.concatenate([np.arange(o + (c[1] + 1) * upb - 1, o + c[2] * upb, upb) for o, c in zip(at, regs)])
+      return w[kidx], w[kidx - upb].view(np.int32)
     a = np.fromiter((c[1] for c in regs), np.int64, len(regs))
     counts = np.fromiter((c[2] for c in regs), np.int64, len(regs)) - a
     j = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - a, counts)     # block index
@@ -366,13 +377,23 @@ class DeviceQueue:
     key, par, tok, max_len, target, slot = (take((b, u, 2)), take((b, u, 4)), take((b, u, g)), take((b,)),
                                             take((b,)), take((b,)))
     nb = len(toks)
-    ns = np.array([min(u, len(h.digests)) for h in hashers], np.int64)
-    tot = int(ns.sum())
+    ns_l = [min(u, len(h.digests)) for h in hashers]
+    tot = sum(ns_l)
     key[...] = 0
     par[...] = 0
-    if tot:
-      w = np.frombuffer(b"".join(h.blob[:16 * n] for h, n in zip(hashers, ns.tolist())),
-                        dtype="<u4").reshape(tot, 4)
+    if tot and nb <= _FEW_RUNS:      # a few requests: slice copies per request beat the scattered pass below
+      w = np.frombuffer(b"".join(h.blob[:16 * n] for h, n in zip(hashers, ns_l)), dtype="<u4").reshape(tot, 4)
+      kw, pw = keys_from_words(w, self.key_bits), w.view(np.int32)
+      o = 0
+      for i, (h, n) in enumerate(zip(hashers, ns_l)):
+        if n:                        # parent of unit c = digest of unit c - 1, the root for c = 0
+          key[i, :n] = kw[o:o + n]
+          par[i, 0] = np.frombuffer(h.root, "<i4")
+          par[i, 1:n] = pw[o:o + n - 1]
+          o += n
+    elif tot:
+      ns = np.array(ns_l, np.int64)
+      w = np.frombuffer(b"".join(h.blob[:16 * n] for h, n in zip(hashers, ns_l)), dtype="<u4").reshape(tot, 4)
       starts = np.cumsum(ns) - ns
       rows = np.repeat(np.arange(nb), ns)
       cols = np.arange(tot) - np.repeat(starts, ns)
@@ -389,7 +410,7 @@ class DeviceQueue:
       rows[i, :k] = t[:k]
       rows[i, k:] = 0
     max_len[:] = 0
-    max_len[:nb] = np.maximum(np.fromiter((len(t) for t in toks), np.int64, nb) - 1, 0)
+    max_len[:nb] = [max(len(t) - 1, 0) for t in toks]
     target[:] = -1
     if targets is not None:
       target[:nb] = [-1 if t is None else t for t in targets]

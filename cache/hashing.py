@@ -78,12 +78,16 @@ def key_int(key2: np.ndarray) -> int:
 
 def keys_from_words(w_Ux4: np.ndarray, key_bits: int = 64) -> np.ndarray:
   """Device keys (int32 [U, 2] = hi, lo; as `device_key`) of digests given as little-endian uint32 words."""
-  k = w_Ux4[:, 0].astype(np.uint64) | (w_Ux4[:, 1].astype(np.uint64) << np.uint64(32))
+  # the key is the digest's first 64 bits (little-endian: word 1 high, word 0 low), masked to key_bits; done on the
+  # two 32-bit words, without a uint64 detour
+  w = np.asarray(w_Ux4, np.uint32)
+  lo, hi = w[:, 0], w[:, 1]
   if key_bits < 64:
-    k &= np.uint64((1 << key_bits) - 1)
-  out = np.empty((len(k), 2), np.int32)
-  out[:, 0] = (k >> np.uint64(32)).astype(np.uint32).view(np.int32)
-  out[:, 1] = (k & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+    hi = hi & np.uint32((1 << max(key_bits - 32, 0)) - 1)
+    lo = lo & np.uint32((1 << min(key_bits, 32)) - 1)
+  out = np.empty((len(w), 2), np.int32)
+  out[:, 0] = hi.view(np.int32)
+  out[:, 1] = lo.view(np.int32)
   return out
 
 

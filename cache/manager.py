@@ -108,6 +108,9 @@ class KVCacheManager(DeviceQueue):
     self._memos = {}
     self._align = specs.align_tokens
     self._group_bt = tuple(zip(self.groups, self._bt))
+    # a hit holds every full-history block before it and, in sliding groups, the tail before it (prefix.search)
+    self._hit_tails = tuple((g, p.block_tokens, p.need_blocks) for g, p in self.policies.items())
+    self._hit_full = tuple((g, bt) for g, bt in self._group_bt if g not in self.policies)
     # groups whose blocks are registered as they are computed (sliding groups only at checkpoints)
     self._registered_bt = tuple((g, bt) for g, bt in self._group_bt
                                 if self._kind[g] == FULL_HISTORY or legacy_dense_swa)
@@ -273,9 +276,7 @@ class KVCacheManager(DeviceQueue):
     flight is released at once."""
     hit, run, ids = res["hit"], res["run"], res["hit_ids"]
     hits, runs = hit[:len(admits)].tolist(), run[:len(admits)].tolist()
-    # a hit holds every full-history block before it and, in sliding groups, the tail before it (prefix.search)
-    tails = [(g, p.block_tokens, p.need_blocks) for g, p in self.policies.items()]
-    full = [(g, bt) for g, bt in self._group_bt if g not in self.policies]
+    tails, full = self._hit_tails, self._hit_full
     for i, a in enumerate(admits):
       toks = a.tokens
       a.hit = self._hit(i, len(toks), hit, ids)

@@ -193,10 +193,12 @@ class InputCarver:
   fill every element); `buf` / `shapes` after the last take."""
 
   def __init__(self, shapes):
-    self.shapes = tuple(tuple(int(d) for d in sh) for sh in shapes)
-    sizes = [math.prod(sh) for sh in self.shapes]
-    self.buf = np.empty(sum(sizes), np.int32)
-    self._off = np.cumsum([0] + sizes).tolist()
+    # plain Python: a step carves a few dozen leaves, where numpy's per-call cost would dominate
+    self.shapes = tuple(tuple(map(int, sh)) for sh in shapes)
+    self._off = off = [0]
+    for sh in self.shapes:
+      off.append(off[-1] + math.prod(sh))
+    self.buf = np.empty(off[-1], np.int32)
     self._k = 0
 
   def take(self, shape):

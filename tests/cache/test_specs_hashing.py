@@ -6,7 +6,7 @@ import pytest
 from dsv4.caches import CacheLayout, cache_array_specs, group_specs, init_cache, state_tail_tokens
 from dsv4.config import v4_flash, v41_flash, v4_tiny
 from cache.checkpoints import CheckpointPolicy
-from cache.hashing import ExtraKeys, RequestHasher, device_key, key_int
+from cache.hashing import ExtraKeys, RequestHasher, device_key, key_int, keys_from_words
 from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs, GroupSpec
 
 
@@ -72,6 +72,16 @@ def test_hash_chain():
   k = device_key(h1.digests[0])
   assert k.dtype == np.int32 and key_int(k) == int.from_bytes(h1.digests[0][:8], "little", signed=True)
   assert key_int(device_key(h1.digests[0], key_bits=3)) in range(8)
+
+
+@pytest.mark.parametrize("key_bits", [64, 63, 40, 32, 31, 3, 0])
+def test_keys_from_words_is_device_key_per_digest(key_bits):
+  """The host packs keys from the digests' words in one numpy pass: each row is the digest's own device_key."""
+  h = RequestHasher(ExtraKeys(), 32)
+  h.update(np.random.default_rng(key_bits).integers(0, 1000, 32 * 20).astype(np.int32))
+  words = np.frombuffer(b"".join(h.digests), "<u4").reshape(-1, 4)
+  want = np.stack([device_key(d, key_bits) for d in h.digests])
+  assert np.array_equal(keys_from_words(words, key_bits), want)
 
 
 def test_checkpoint_policy():
