@@ -92,16 +92,15 @@ def _free_runs(st, tab, run_Fx4, chunk, prepend, after):
   total = ends_F[-1]
   trips = jnp.where(jnp.all(after != pool._NEVER), (total + chunk - 1) // chunk, 0)
   k_C = jnp.arange(chunk, dtype=jnp.int32)
-  wr = min(chunk, f)       # a chunk's entries lie in at most `chunk` runs (live runs are never empty)
 
   def body(c):
     k, st, tab, ok = c
     e_C = k * chunk + k_C
-    # the run of each entry: a compare-and-count over the window of runs the chunk can touch, not a searchsorted
-    # loop, nor every run
-    lo = jnp.minimum(jnp.sum(ends_F <= k * chunk, dtype=jnp.int32), f - wr)
-    ends_W = jax.lax.dynamic_slice_in_dim(ends_F, lo, wr)
-    r_C = lo + jnp.minimum(jnp.sum(ends_W[None, :] <= e_C[:, None], axis=1, dtype=jnp.int32), wr - 1)
+    # the run of each entry, #{runs ending at or before it}: every run's end counted at its place in the chunk (ends
+    # before the chunk at 0, after it dropped), then a running sum: O(runs + chunk), where a compare of every entry
+    # with every run it may touch grew as chunk x runs and made wide chunks slower than many narrow ones
+    at = jnp.clip(ends_F - k * chunk, 0, chunk)
+    r_C = jnp.minimum(jnp.cumsum(jnp.zeros(chunk, jnp.int32).at[at].add(1, mode="drop")), f - 1)
     ent_C = ends_F[r_C] - 1 - e_C + a_F[r_C]      # b - 1 at the run's first entry, a at its last
     ref_C = jnp.where(e_C < total, s_F[r_C] * w + ent_C, -1)
     ids_C = resolve(tab, ref_C)
