@@ -21,7 +21,8 @@ it (fixed table rows = max_num_seqs = 3 B: running, admitted, warm-up; width = m
       all-padding plan (`empty_step_plan`: nothing registered, freed, allocated or searched) and no host planning.
 Reported: marginal bookkeeping per step = (a) + (b) - (c), each step paired with the mean of the two (c) runs made
 right after it (interleaved, back to back with the step program; one more (c) runs untimed before the step, after
-the untimed warm-up), median over the timed steps; (a); (b) - (c). The first two steps (compilation) are not timed.
+the untimed warm-up), median over the timed steps; (a), the median of each step's own host time; (b) - (c); vLLM's
+step over ours and over (a) alone. The first two steps (compilation) are not timed.
 Hashing is excluded on both sides (ours: prompts hashed untimed and handed to the manager; vLLM: Request
 construction) and reported separately for ours.
 
