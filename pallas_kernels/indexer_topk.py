@@ -257,9 +257,10 @@ def _kernel(*refs, H, C, P, bt, bm, nblk, k, kout, per_query, has_allowed, fp8, 
   # the part of the block the caller reads, each written once; the rest is never read. No fill beforehand: on a GPU
   # a block store and a scatter store to the same addresses by different threads have no order without a barrier
   # (a -1 fill after the pick loses it: the H200 check saw this, interpret mode cannot). Unselected lanes are masked
-  # off (never stored on GPU); they get distinct trash slots past k so that interpret mode's discharged scatter has
-  # no colliding indices.
-  dest = jnp.where(sel, slot, kout + pos)
+  # off (never stored on GPU). Interpret mode discharges the masked store as gather, select, scatter: a masked lane
+  # writes back what it read, so masked lanes may share trash slots (equal values) but must never land on a pick's
+  # slot; they fold into kout trash slots past the picks, so the block is 2 x kout wide, not as wide as the chunk.
+  dest = jnp.where(sel, slot, kout + pos % kout)
   row = jax.lax.broadcasted_iota(jnp.int32, (bt, MC), 0)
   ent_full = ent_ref[...] if per_query else ent_ref[...][None, :]  # [1, MC]
   out_ids = jnp.where(s_all > -jnp.inf, jnp.broadcast_to(ent_full, (bt, MC)), -1)
@@ -374,7 +375,7 @@ def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_
     in_specs.append(pl.BlockSpec(key_pool.shape, lambda b, i, c: (0, 0)))
 
   write_scores = nchunks > 1
-  W = 2 * max(kout, MC)  # k slots + a trash region for masked lanes (never written on GPU); a power of two
+  W = 2 * kout  # k slots + kout trash slots for masked lanes (never written on GPU); a power of two
   out_shape = [jax.ShapeDtypeStruct((B, Tp, nchunks * W), jnp.int32)]
   out_specs = [pl.BlockSpec((None, bt, W), lambda b, i, c: (b, i, c))]
   if write_scores:
