@@ -61,6 +61,7 @@ MAINTAINED = [
 PROBES = [
     ("bucket_fill_bench", "EngineConfig.bucket_fill on vs off: steps, padded token slots, wall time"),
     ("cache_waves_vllm", "the hits vLLM 0.33 gives the cold waves / document fan-out of tests/cache/test_scenarios.py"),
+    ("cumsum_cpu", "whether a running sum costs O(n^2) in the cache's CPU programs (why release chunk width matters little)"),
     ("decode_bench", "model decode step vs context with three indexer paths (paged, dense reference, no score)"),
     ("decode_profile", "where a wide-config decode step spends its time, per XLA CPU thunk"),
     ("defer_ttft", "cost of in-batch shared-prefix deferral in time-to-first-token (engine steps)"),

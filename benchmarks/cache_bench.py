@@ -488,6 +488,8 @@ def main():
   ap.add_argument("--cache_cpu_options", default="", help="JSON object of XLA options for the cache's programs on the "
                   "CPU instead of `cache.step.CPU_COMPILER_OPTIONS`, e.g. '{\"xla_backend_optimization_level\": 0}' "
                   "(their compile / runtime trade)")
+  ap.add_argument("--free_chunk_max", type=int, default=0, help="entries per chunk of the step program's release "
+                  "loop, at most (`cache.device_queue.FREE_CHUNK_MAX`; 0 = its default)")
   ap.add_argument("--call_floor", action="store_true", help="only print what one standalone jitted call with both "
                   "pools donated and one buffer each way costs here, then exit")
   bg = ap.add_argument_group("--budget mode: hit tokens of round-robin chat sessions under a fixed KV byte budget, "
@@ -506,6 +508,11 @@ def main():
       cache_step.CPU_COMPILER_OPTIONS = dict(json.loads(a.cache_cpu_options))
     except (ValueError, TypeError) as e:
       ap.error(f"--cache_cpu_options: a JSON object of XLA options ({e})")
+  if a.free_chunk_max < 0:
+    ap.error(f"--free_chunk_max: a positive entry count, or 0 for the default (got {a.free_chunk_max})")
+  if a.free_chunk_max:
+    from cache import device_queue
+    device_queue.FREE_CHUNK_MAX = a.free_chunk_max
   if a.compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(a.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

@@ -23,8 +23,8 @@ from cache.step import AdmitPlan, GroupPlan, InputCarver, apply_step_packed, res
 from cache.step_plan import ADMIT_ROWS_FIXED, SentCall, StepPlan, bucket_width, units_bucket_width
 
 
-# Entries per chunk of the step program's release loop, at most: a chunk's cost grows faster than its width on the
-# CPU (its running sums lower to a reduce-window), while each extra chunk costs only a loop iteration.
+# Entries per chunk of the step program's release loop, at most. A chunk costs O(its entries + the step's runs), so
+# the width matters little: 256 and 4,096 measured the same on the CPU (BUILD_NOTES.md, Cache bookkeeping, Open).
 FREE_CHUNK_MAX = 256
 _FEW_RUNS = 64        # below this many runs, host index arrays are built run by run (numpy call overhead)
 
@@ -159,7 +159,8 @@ class DeviceQueue:
 
   def _refs(self, g, runs, reverse=False):
     """Table refs (slot * width + entry) of queued runs (slot, a, b, ...) in queue order: entries a .. b - 1, or
-    b - 1 down to a (reverse: a request's releases go tail first). One numpy pass over every run."""
+    b - 1 down to a (reverse: a request's releases go tail first). A few runs: one arange each; more: one numpy pass
+    over every run."""
     w = self.table_width(g)
     if len(runs) <= _FEW_RUNS:     # one arange per run: cheaper than the vectorised pass's dozen numpy calls
       if reverse:
@@ -256,7 +257,7 @@ class DeviceQueue:
       # until the result is read, so the host counts the most they can take as allocated by this call (its read
       # replaces the count with the device's). Without it a plan made before the read (async scheduling) can
       # promise blocks a hit already took, and the device refuses that allocation.
-      for gi, (g, grp, bt) in enumerate(zip(self.groups, self._searches, self._bt)):
+      for g, grp, bt in zip(self.groups, self._searches, self._bt):
         most = sum(len(t) // bt if grp.kind == FULL_HISTORY else grp.need_blocks for t in toks)
         self._nfree[g] -= most
         self._alloc_total[g] += most
@@ -371,7 +372,7 @@ class DeviceQueue:
 
   def _pack(self, toks, hashers, targets=None, slots=None, take=_empty) -> AdmitPlan:
     """The admission batch as an AdmitPlan (arrays from `take`, see _group_plan). Keys and parents of all requests
-    in one numpy pass (one bytes join), not per request."""
+    from one bytes join, copied per request for a few requests, in one scattered numpy pass for many."""
     g = self._G
     b, u = self._admit_dims(toks)
     key, par, tok, max_len, target, slot = (take((b, u, 2)), take((b, u, 4)), take((b, u, g)), take((b,)),
