@@ -62,9 +62,11 @@ def test_corrupted_data_with_intact_metadata(saved, tmp_path):
       b[i] ^= 0x7F
     return b
 
+  # Orbax writes the arrays into the data file in an order of its own; where the flip lands in a compressed chunk
+  # the read itself fails (a decompression error), which is as much a detection as the value checks.
   bad = _damaged_copy(d, tmp_path / "a", flip_exponents)
   os.remove(os.path.join(bad, orbax_io.DIGEST_FILE))      # without digests: caught by the value checks
-  with pytest.raises(CheckpointError, match=r"non-finite|magnitude") as e:
+  with pytest.raises(CheckpointError, match=r"non-finite|magnitude|cannot read the param data") as e:
     restore_params(bad, cfg)
   assert bad in str(e.value)
 
@@ -73,7 +75,7 @@ def test_corrupted_data_with_intact_metadata(saved, tmp_path):
     return b
 
   bad = _damaged_copy(d, tmp_path / "b", flip_one_bit)
-  with pytest.raises(CheckpointError, match=r"non-finite|magnitude|does not match its digest") as e:
+  with pytest.raises(CheckpointError, match=r"non-finite|magnitude|does not match its digest|cannot read the param data") as e:
     restore_params(bad, cfg)
   assert bad in str(e.value)
 
