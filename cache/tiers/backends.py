@@ -19,6 +19,8 @@ import threading
 import time
 import urllib.parse
 
+from cache.tiers.servers import mooncake_client_unavailable
+
 
 class TierError(RuntimeError):
   """A tier could not serve or take a record (down, timed out, full, unwritable)."""
@@ -221,8 +223,7 @@ class MooncakeBackend:
     try:
       from mooncake.store import MooncakeDistributedStore
     except ImportError as e:      # a setup error, not a store that is down: never a silently missing tier
-      raise ImportError("the mooncake tier needs the Mooncake client: pip install mooncake-transfer-engine "
-                        f"(or mooncake-transfer-engine-non-cuda) ({e})") from e
+      raise ImportError(mooncake_client_unavailable(e)) from e
     self.store = MooncakeDistributedStore()
     rc = self.store.setup("127.0.0.1", meta, 0, local_buffer_bytes, "tcp", "", master)
     if rc != 0:

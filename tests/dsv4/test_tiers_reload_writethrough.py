@@ -23,6 +23,7 @@ from dsv4.engine.engine import Engine, EngineConfig
 from dsv4.engine.request import Status
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.tiering import TieringConfig
+from tests.store_servers import require_server
 
 EC = EngineConfig(max_num_seqs=2, max_num_batched_tokens=128, chunk_size=64, max_model_len=640, num_full_blocks=6,
                   num_swa_blocks=48)
@@ -39,6 +40,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def redis_server():
+  require_server("redis")
   s = RedisServer()
   yield s
   s.stop()

@@ -11,7 +11,6 @@ compiles."""
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +18,8 @@ import sys
 import time
 
 import pytest
+
+from tests.store_servers import require_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -139,8 +140,7 @@ def test_a_killed_process_leaves_what_it_stored_and_what_it_finished(files, cold
 
 @pytest.fixture(scope="module")
 def redis_url():
-  if shutil.which("redis-server") is None:
-    pytest.skip("redis-server not installed (apt-get install redis-server)")
+  require_server("redis")
   pytest.importorskip("redis", reason="the redis client library is not installed (pip install redis)")
   from cache.tiers.servers import RedisServer
   s = RedisServer()

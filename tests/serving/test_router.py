@@ -13,6 +13,7 @@ from cache.tiers.servers import RedisServer
 from dsv4.serving import directory
 from dsv4.serving.cost import DEVICE, Candidate, RouteCostModel, RouteCosts, Source
 from dsv4.serving.router import KVAware, Load, RoundRobin
+from tests.store_servers import require_server
 
 SPACE = directory.KeySpace(model_id="m", layout="lay", hash_tokens=32, block_tokens=128)
 PROMPT = list(range(2, 2 + 600))          # 4 complete blocks
@@ -71,6 +72,7 @@ def test_kv_aware_routes_to_the_prefix_holder_and_round_robin_cycles():
 
 
 def _directories():
+  require_server("redis")
   srv = RedisServer()
   import redis
   return srv, [LocalDirectory(), RedisDirectory(redis.Redis.from_url(srv.url))]

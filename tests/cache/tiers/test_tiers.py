@@ -20,6 +20,7 @@ from cache.tiers.store import TieredStore
 from cache.tiers.tier import Tier, TierPolicy
 from cache.tiers.writeback import WriteBehind
 from tests.isolation import run_in_child
+from tests.store_servers import require_server
 
 FP = record.Fingerprint("model-a", "tok-1", "layout-1", "tenant-x", "")
 MAN = (record.ArrayEntry("L0/window_kv", "<f4", (4, 3)), record.ArrayEntry("L0/token_ids", "<i4", (4,)))
@@ -99,7 +100,6 @@ def test_disk_tier_atomic_files_reload_and_unwritable(tmp_path):
   with pytest.raises(TierError):
     DiskBackend(str(blocker / "kv"))
   # directory removed under a live tier: the write fails, is counted, nothing raises
-  import shutil
   shutil.rmtree(d)
   assert not t.put("dsv4kv:cd", data) and t.metrics["failures"] == 1 and not t.available()
 
@@ -123,8 +123,7 @@ def test_disk_full_is_a_dropped_write_not_a_crash(tmp_path):
 
 @pytest.fixture
 def redis_server():
-  if shutil.which("redis-server") is None:
-    pytest.skip("redis-server not installed (apt-get install redis-server)")
+  require_server("redis")
   s = RedisServer()
   yield s
   s.stop()
@@ -154,8 +153,7 @@ def test_redis_down_at_start_and_killed_mid_run(request):
   data, _, _ = _record()
   store.put("dsv4kv:a", data)                        # nothing listening: dropped, counted
   assert store.locate(["dsv4kv:a"]) == [[]] and t.metrics["failures"] >= 1
-  if shutil.which("redis-server") is None:
-    pytest.skip("redis-server not installed (apt-get install redis-server): the server-down half passed")
+  require_server("redis", also="the server-down half passed")
   s = RedisServer()
   request.addfinalizer(s.stop)                       # a failing assertion must not leave it running
   t2 = Tier(RedisBackend(s.url, timeout_s=0.2), TierPolicy(retry_after_s=0.2))
@@ -231,8 +229,7 @@ def test_cost_model_picks_the_cheaper_path():
 
 
 def test_mooncake_tier_roundtrip_and_server_gone(request):
-  if shutil.which("mooncake_master") is None or shutil.which("mooncake_client") is None:
-    pytest.skip("mooncake_master / mooncake_client not installed (pip install mooncake-transfer-engine-non-cuda)")
+  require_server("mooncake")
   if run_in_child(request):                          # Mooncake's client never loads into a pytest worker
     return
   from cache.tiers.backends import MooncakeBackend

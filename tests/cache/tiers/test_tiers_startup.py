@@ -4,7 +4,6 @@ package), and `python -m cache.tiers.servers` starting a store, printing its URL
 server outlives the process that started it."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from cache.tiers.backends import DiskBackend, HostBackend, RedisBackend, parse_r
 from cache.tiers.servers import RedisServer, free_port
 from cache.tiers.tier import Tier, TierPolicy
 from tests.orphans import running
+from tests.store_servers import require_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -70,8 +70,7 @@ def test_redis_ping_at_start_marks_an_unreachable_store_down():
   assert s["failures"] == 1 and s["last_error"].startswith("connect:") and not s["ok"] and s["down"]
   assert not t.available() and t.contains_many(["k"]) == [False]      # skipped, no timeout paid per lookup
   t.close()
-  if shutil.which("redis-server") is None:
-    pytest.skip("redis-server not installed (apt-get install redis-server): the reachable half is not checked")
+  require_server("redis", also="the unreachable half passed, the reachable half is not checked")
   with RedisServer() as srv:
     t = Tier(RedisBackend(srv.url, timeout_s=0.5))
     assert t.check() and t.summary()["failures"] == 0 and t.ok
@@ -84,8 +83,6 @@ def test_missing_redis_client_is_a_clear_error(monkeypatch):
     RedisBackend("redis://127.0.0.1:6379/0")
 
 
-needs_redis_server = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                        reason="redis-server not installed (apt-get install redis-server)")
 needs_proc = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds server processes through /proc (Linux)")
 
 
@@ -145,10 +142,10 @@ class ServersCli:
     self.proc.stderr.close()
 
 
-@needs_redis_server
 @needs_proc
 @pytest.mark.parametrize("sig,inherited", [("SIGINT", "SIG_DFL"), ("SIGTERM", "SIG_DFL"), ("SIGINT", "SIG_IGN")])
 def test_servers_cli_starts_redis_prints_its_url_and_stops_it_on_a_signal(sig, inherited):
+  require_server("redis")
   import redis
   port = free_port()
   with ServersCli("redis", "--port", str(port), prefix=with_sigint(inherited)) as cli:
@@ -165,9 +162,9 @@ def test_servers_cli_starts_redis_prints_its_url_and_stops_it_on_a_signal(sig, i
       redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
 
 
-@needs_redis_server
 @needs_proc
 def test_servers_cli_killed_leaves_no_server_behind():
+  require_server("redis")
   with ServersCli("redis") as cli:
     assert cli.read_url().startswith("redis://127.0.0.1:")
     assert len(cli.server_pids) == 1 and running(cli.server_pids[0])
@@ -188,9 +185,8 @@ sys.stdin.read()
 @needs_proc
 @pytest.mark.parametrize("kind", ["redis", "mooncake"])
 def test_a_server_dies_with_the_process_that_started_it(kind):
+  require_server(kind)
   exes = ["redis-server"] if kind == "redis" else ["mooncake_master", "mooncake_client"]
-  if any(shutil.which(e) is None for e in exes):
-    pytest.skip(f"{' / '.join(exes)} not installed")
   owner = subprocess.Popen([sys.executable, "-c", OWNER, kind], cwd=ROOT, stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
   servers = []
