@@ -19,6 +19,12 @@ MAINTAINED = [
          "python -m benchmarks.step_bench --repeats=3"),
         ("  mixed step (chunk + 63 decodes) vs the chunk alone, per chunk size",
          "python -m benchmarks.step_bench --parts=mixed --mixed_chunks=64,256,512 --repeats=5")]),
+    ("step_roofline", [
+        ("roofline of one step at V4-Flash / V4.1-Flash width on an H200: tiled invariant vs row-invariant vs "
+         "plain step, weight / KV / activation bytes, FLOPs, ratios; GPU check kernel rows beside the model",
+         "python -m benchmarks.step_roofline"),
+        ("  same on an H100 with FP8 experts and FP8 KV records",
+         "python -m benchmarks.step_roofline --device=h100 --experts=fp8 --kv=fp8")]),
     ("engine_bench", [
         ("TTFT of a resumed session with / without prefix reuse; batched vs one-by-one throughput",
          "python -m benchmarks.engine_bench")]),
