@@ -82,6 +82,16 @@ POINTS = [sc.Point("decode", b, c) for c in (8192, 65536) for b in sc.DECODE_BAT
     sc.Point("prefill", 512, 8192)]
 
 
+def test_flash_inventory_matches_the_stored_checkpoint(flash):
+  """156.0 GB as stored (BUILD_NOTES.md, Sizing); a pass touching every expert reads all of it but the embedding
+  table (one row per token) and the hash layers' tid2eid tables."""
+  cfg, w = flash
+  assert w.total_bytes / 1e9 == pytest.approx(156.0, abs=0.05)
+  every = sc.step_cost(cfg, sc.Point("prefill", 8192, 8192), "plain", weights=w).tally.weight_bytes
+  tables = w.embed_row_bytes * cfg.vocab_size + 3 * cfg.vocab_size * 6 * 4
+  assert every == pytest.approx(w.total_bytes - tables + 3 * 8192 * 6 * 4, rel=1e-4)
+
+
 def test_designs_keep_their_invariants_at_flash_width(flash):
   cfg, w = flash
   res = {(p, d): sc.step_cost(cfg, p, d, weights=w) for p in POINTS for d in sc.DESIGNS}
