@@ -1,12 +1,12 @@
 """Check, then time, the Pallas kernels against the XLA references; report TFLOP/s, GB/s and the split count.
 
-  python benchmarks/kernels_bench.py --jsonl out.jsonl          # GPU: the gpu_check case list (defaults below)
+  python benchmarks/kernels_bench.py --jsonl out.jsonl          # GPU: the default case list (below)
   python benchmarks/kernels_bench.py --small --jsonl out.jsonl  # CPU interpret-mode smoke run (CI)
 
 Defaults: decode batch 64 and 256 at 8k and 128k (csa: 128 window + top-512; hca: 128 + ctx/128), bf16 and FP8
 (paged layout) rows, prefill 4096 queries at 32k, the indexer (scores; fused top-512 with bf16 and FP8 keys); the
-All cases run in this one process: benchmarks/gpu_check.sh is the GPU check
-(one process per case, timeouts, a budget, results streamed); it uses this module's inputs, timing and checks.
+All cases run in this one process. benchmarks/gpu_suite.sh is what runs on a GPU (its kernel rows use this module's
+inputs and counting).
 
 Order per case: build inputs, run kernel and reference once and compare (correctness first: a failing case is
 recorded and not timed), then time. Each result is appended to the JSONL file as soon as it exists.

@@ -178,9 +178,11 @@ def check_options(o: ServeOptions) -> list[str]:
   if o.checkpoint:
     _check_checkpoint(o.checkpoint)
   if o.model == "random" or (o.checkpoint and not config_file(o.checkpoint)):
-    from dsv4.config import PRESETS
-    if o.preset not in PRESETS:
-      raise FlagError(f"--preset={o.preset}: unknown; known: {', '.join(sorted(PRESETS))}")
+    from dsv4.config import ConfigError, get_preset
+    try:
+      get_preset(o.preset)             # a config only: no weights are made here
+    except ConfigError as e:
+      raise FlagError(f"--preset={o.preset}: {str(e).replace('unknown preset', 'unknown', 1)}") from None
   kinds = o.tier_kinds
   _check_tiers(o, kinds)
   return kinds

@@ -80,8 +80,18 @@ def engine_config(o: ServeOptions, model_name: str, params, tier_kinds: list[str
   kv_dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp8": caches.FP8}[o.kv_dtype]
   return dataclasses.replace(
       ec, model_id=model_name, layout=dataclasses.replace(ec.layout, kv_dtype=kv_dtype),
+      kernel=dataclasses.replace(ec.kernel, backend=o.kernels),
       dtype=params_dtype(params),      # what was loaded: --dtype=fp32 really computes in fp32
       tiering=TieringConfig.from_flags(",".join(tier_kinds), o.kv_disk_dir, o.kv_store_url, demote=o.kv_tier_write))
+
+
+def _check_kernels(o: ServeOptions) -> None:
+  """--kernels=pallas off a GPU is a flag mistake, found before the model loads (the devices are up by now)."""
+  from pallas_kernels import dispatch
+  try:
+    dispatch.check_backend(dispatch.KernelConfig(backend=o.kernels))
+  except ValueError as e:
+    raise FlagError(f"--kernels={o.kernels}: {e}") from None
 
 
 def make_workload(o: ServeOptions, cfg, spec, tokenizer):
@@ -154,6 +164,7 @@ def run(o: ServeOptions) -> dict:
   """One run of the main job (see the module docstring); returns the summary the table shows. Raises ServeError."""
   tier_kinds = probe_tiers(o, check_options(o))
   init_devices(o)
+  _check_kernels(o)
   from dsv4.engine.api import StopStrings
   from dsv4.engine.engine import Engine
 

@@ -38,7 +38,7 @@ ENGINE_NOT_FLAGS = {
     "tiering": "built from --kv_tiers, --kv_disk_dir, --kv_store_url and --kv_tier_write (TieringConfig.from_flags)",
     "dtype": "--dtype casts the params at load (auto = as stored); the engine computes in the dtype that loaded",
     "model_id": "the loaded model's name (it keys the KV tiers' records)",
-    "kernel": "KernelConfig's default dispatch: the kernels are chosen per backend",
+    "kernel": "--kernels sets kernel.backend (the tunings are the kernels' defaults)",
     "record_logits": "serve writes no logits; keeping them costs memory per sampled position",
 }
 ENGINE_FLAGS = DataclassFlags(EngineConfig, overrides=ENGINE_FLAG_OVERRIDES, not_flags=ENGINE_NOT_FLAGS)
@@ -93,6 +93,10 @@ class ServeOptions:
                             "'evict' = only when the device cache evicts it.", ("store", "evict"))
   kv_tiers_strict: bool = _opt(False, "A KV tier that cannot start or becomes unreachable is fatal (exit code 2) "
                                "instead of one warning line and serving without it.")
+  kernels: str = _opt("auto", "Attention / indexer kernels: 'auto' = the Pallas kernels on a GPU, each kernel "
+                      "configuration validated once against its XLA reference (a failing one serves on XLA), the XLA "
+                      "reference elsewhere; 'xla' = the XLA reference everywhere; 'pallas' = the kernels without "
+                      "validation (a GPU only).", ("auto", "xla", "pallas"))
   compilation_cache_dir: str = _opt("", "Persistent XLA compilation cache directory (opt-in; '' = off): the step "
                                     "programs then compile once per machine instead of once per run.")
   # the engine's settings (their flags: ENGINE_FLAGS); model_id, dtype, layout.kv_dtype and tiering are filled in

@@ -41,6 +41,7 @@ from pallas_kernels import indexer_topk as _indexer_topk
 from pallas_kernels import sparse_attention as _sparse
 
 Backend = Literal["auto", "xla", "pallas", "interpret"]
+BACKENDS = ("auto", "xla", "pallas", "interpret")
 
 
 Fp8KVPool = _sparse.Fp8KVPool
@@ -65,6 +66,17 @@ class KernelConfig:
   # kernel counts as hung and the XLA reference is used
   validation_timeout_s: float = 180.0
   hca_tuning: HcaAttentionTuning | None = None  # the invariant step's HCA kernel
+
+
+def check_backend(cfg: KernelConfig, *, on_device: bool = True) -> None:
+  """ValueError (one line) for a backend that cannot serve here: not one of BACKENDS, or (on_device: asks JAX for
+  its backend) "pallas" off a GPU, where the compiled Triton kernels cannot run ("interpret" runs them on any
+  device; "auto" serves the XLA reference there)."""
+  if cfg.backend not in BACKENDS:
+    raise ValueError(f"kernel backend {cfg.backend!r}: one of {', '.join(BACKENDS)}")
+  if on_device and cfg.backend == "pallas" and not _on_gpu():
+    raise ValueError(f"kernel backend 'pallas' needs a GPU (JAX's backend here is {jax.default_backend()}); 'auto' "
+                     "serves the XLA reference off a GPU, 'interpret' runs the kernels in interpret mode")
 
 
 # op name -> callable(*args, interpret: bool, tuning=..., **kw). Filled by kernel modules.

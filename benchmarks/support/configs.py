@@ -21,7 +21,6 @@ WIDE_HF = dict(
 
 
 def wide_config() -> config.ModelConfig:
-  return config.ModelConfig(
-      name="wide4", variant="v4", vocab_size=1024, hidden_size=4096, num_layers=4, compress_ratios=(0, 0, 4, 128),
-      attention=config.AttentionConfig(), indexer=config.IndexerConfig(topk=32),
-      moe=config.MoEConfig(n_routed_experts=4, num_experts_per_tok=2, intermediate_size=512, num_hash_layers=1))
+  """`config.v4_flash_layers(4)` with the oracle config's top-32 (the transformers model it is compared with)."""
+  import dataclasses
+  return dataclasses.replace(config.v4_flash_layers(4), name="wide4", indexer=config.IndexerConfig(topk=32))

@@ -136,5 +136,9 @@ class EngineConfig:
                            f"step is the functional model's, one verified row per request)")
     if not 0.0 <= self.bucket_fill < 1.0:
       raise ValueError(f"EngineConfig.bucket_fill: a fraction in [0, 1), got {self.bucket_fill}")
+    try:                                # the backend's name only: whether a GPU is here is the engine's check
+      dispatch.check_backend(self.kernel, on_device=False)
+    except ValueError as e:
+      raise ValueError(f"EngineConfig.kernel: {e}") from None
     if self.tiering is not None:
       self.tiering.validate()           # before anything is built: a bad tier setting fails at once

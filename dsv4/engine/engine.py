@@ -36,6 +36,7 @@ from dsv4.engine.prefix_deferral import SharedPrefixDeferral
 from dsv4.engine.request import Request, RequestOutput, Status
 from dsv4.engine.runner import ModelRunner, Row
 from dsv4.engine.sampling import SamplingParams
+from pallas_kernels import dispatch
 
 
 def _counted(method):
@@ -63,6 +64,7 @@ class Engine:
 
   def _build(self, params, config, engine_config, mesh, rules, pools_over_data):
     engine_config.validate()
+    dispatch.check_backend(engine_config.kernel)     # "pallas" off a GPU: refused here, not at the first step
     # params may be an nnx_model.Model (model_api="nnx"): the runner holds that module, so editing it (replacing a
     # layer's attention, say) changes what the following steps compute.
     net = None

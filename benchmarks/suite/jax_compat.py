@@ -1,0 +1,72 @@
+"""What differs between the jax lines the suite meets: 0.10.x on the CPU boxes, 0.11.x on the GPU image (0.11.2).
+
+What changed from 0.10.2 to 0.11.x that touches this suite, and its guard here:
+* Python >= 3.12 for jax 0.11 wheels: nothing in the suite needs a newer Python than 3.11 (the CPU box's).
+* `jax.core.concrete_or_error` / `jax.core.is_concrete` and other `jax.core` helpers were removed in 0.11.0: the
+  suite, the engine and the kernels use no `jax.core` name nor `jax._src` (`REMOVED_MODULES`; scanned by
+  tests/test_gpu_suite.py over every module the suite runs).
+* Pallas-Triton is deprecated in 0.11 (still shipped) and its lowering reads the target GPU from the device: the
+  kernel modules guard the import (dispatch falls back to XLA) and the suite records a kernel that fails to lower or
+  compile as an `error` row, never a crash.
+* XLA aborts on a flag it does not know: the CPU dry run's `--xla_cpu_use_fusion_emitters=false` is passed only on
+  jaxlib 0.10.x (`cpu_dry_run_xla_flags`), as the test suite does.
+* Configuration options may be renamed or dropped between lines: `set_config` applies one if this jax has it and
+  reports which did not apply (a row field), instead of raising.
+* `Compiled.cost_analysis()` returns a dict on newer lines and a one-element list on older ones
+  (benchmarks/support/timing.py, `xla_cost`); `Device.memory_stats()` may return None.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+# Modules whose names the suite's code must not reach (imports and attribute chains): `jax.core` (helpers removed in
+# 0.11), jax's internals and the interpreters (no compatibility promise across lines).
+REMOVED_MODULES = ("jax.core.", "jax._src.", "jax.interpreters.")
+
+
+def version(dist: str) -> str | None:
+  try:
+    return importlib.metadata.version(dist)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def cpu_dry_run_xla_flags(existing: str = "") -> str:
+  """XLA_FLAGS for the CPU dry run: LLVM level 0 (compile time is most of a CPU run; same semantics) and, on jaxlib
+  0.10.x only, the older CPU emitter. Leaves a level already given alone."""
+  if "xla_backend_optimization_level" in existing:
+    return existing
+  flags = [existing, "--xla_backend_optimization_level=0"]
+  if (version("jaxlib") or "").startswith("0.10."):
+    flags.append("--xla_cpu_use_fusion_emitters=false")
+  return " ".join(f for f in flags if f).strip()
+
+
+def set_config(name: str, value) -> bool:
+  """jax.config.update(name, value) when this jax knows the option; False (nothing raised) when it does not."""
+  import jax
+  try:
+    jax.config.update(name, value)
+    return True
+  except (AttributeError, KeyError, ValueError, TypeError):
+    return False
+
+
+def enable_persistent_cache(cache_dir: str) -> dict:
+  """The persistent compilation cache in `cache_dir`, every program cached (no minimum compile time or size).
+  Returns which options applied."""
+  os.makedirs(cache_dir, exist_ok=True)
+  applied = {}
+  for name, value in (("jax_compilation_cache_dir", cache_dir), ("jax_persistent_cache_min_compile_time_secs", 0.0),
+                      ("jax_persistent_cache_min_entry_size_bytes", -1)):
+    applied[name] = set_config(name, value)
+  return applied
+
+
+def memory_stats(device) -> dict:
+  try:
+    return dict(device.memory_stats() or {})
+  except Exception:  # noqa: BLE001 - not every backend reports memory
+    return {}
