@@ -123,8 +123,9 @@ def _dotted(node) -> str:
 
 
 def test_suite_modules_use_no_jax_api_removed_in_0_11():
-  """jax 0.11 removed `jax.core` helpers (concrete_or_error, is_concrete, ...); the GPU image has 0.11.2. Nothing the
-  suite runs (its modules, the engine, the cache, the kernels, the main job) may use them or jax internals."""
+  """jax 0.11 removed `jax.core` helpers (concrete_or_error, is_concrete, ...) and made `jnp.empty` uninitialized; the
+  GPU image has 0.11.2. Nothing the suite runs (its modules, the engine, the cache, the kernels, the main job) may
+  use them or jax internals."""
   dirs = ["benchmarks/suite", "dsv4", "cache", "pallas_kernels"]
   files = [os.path.join(ROOT, "benchmarks", "gpu_suite.py")]
   files += [os.path.join(ROOT, "experiments", f) for f in os.listdir(os.path.join(ROOT, "experiments"))
@@ -142,7 +143,8 @@ def test_suite_modules_use_no_jax_api_removed_in_0_11():
         names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
       elif isinstance(node, ast.Attribute):
         names = [_dotted(node)]
-      if any(n and (n + ".").startswith(p) for n in names for p in jax_compat.REMOVED_MODULES):
+      if any(n and (n + ".").startswith(p) for n in names for p in jax_compat.REMOVED_MODULES) or \
+         any(n in jax_compat.UNINITIALIZED for n in names):
         bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {names}")
   assert not bad, bad
 

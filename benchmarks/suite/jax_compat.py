@@ -1,19 +1,25 @@
 """What differs between the jax lines the suite meets: 0.10.x on the CPU boxes, 0.11.x on the GPU image (0.11.2).
 
-What changed from 0.10.2 to 0.11.x that touches this suite, and its guard here:
-* Python >= 3.12 for jax 0.11 wheels: nothing in the suite needs a newer Python than 3.11 (the CPU box's).
-* `jax.core.concrete_or_error` / `jax.core.is_concrete` and other `jax.core` helpers were removed in 0.11.0: the
-  suite, the engine and the kernels use no `jax.core` name nor `jax._src` (`REMOVED_MODULES`; scanned by
-  tests/test_gpu_suite.py over every module the suite runs).
-* Pallas-Triton is deprecated in 0.11 (still shipped) and its lowering reads the target GPU from the device: the
-  kernel modules guard the import (dispatch falls back to XLA) and the suite records a kernel that fails to lower or
-  compile as an `error` row, never a crash.
+Read from jax's own change log (CHANGELOG.md and docs/pallas/CHANGELOG.md at 0.11.1's source), what changed from
+0.10.2 to 0.11 that touches the suite, the engine or the kernels, and its guard:
+* Python 3.11 is no longer supported (0.11 wheels need >= 3.12): nothing here needs more than 3.11, so the CPU box
+  (3.11, jax 0.10.2) cannot run 0.11 at all; the suite is written to both.
+* Removed from `jax.core`: `concrete_or_error`, `is_concrete`, `DebugInfo`, `new_jaxpr_eqn` and about thirty more;
+  from `jax.interpreters.pxla`: `MeshExecutable`, `Index`, ...: the suite, the engine, the cache and the kernels
+  reach no `jax.core`, `jax.interpreters` or `jax._src` name (`REMOVED_MODULES`; tests/test_gpu_suite.py scans
+  every module the suite runs, imports and attribute chains).
+* `jax.numpy.empty` / `empty_like` now return uninitialized memory (zeros before): none of that code calls them
+  (`UNINITIALIZED`, the same scan).
+* Pallas-Triton is deprecated (still shipped) and its lowering reads the target GPU from the device: the kernel
+  modules guard the import (dispatch falls back to XLA); a kernel that fails to lower or compile is an `error` row,
+  never a crash. `pallas.kernel` now aliases only refs it writes: no kernel here uses `pallas.kernel`.
+* The options the suite sets (`jax_compilation_cache_dir`, `jax_persistent_cache_min_compile_time_secs`,
+  `jax_persistent_cache_min_entry_size_bytes`) exist in both lines; `set_config` still applies an option only where
+  this jax has it and the report names any that did not apply, instead of raising.
 * XLA aborts on a flag it does not know: the CPU dry run's `--xla_cpu_use_fusion_emitters=false` is passed only on
   jaxlib 0.10.x (`cpu_dry_run_xla_flags`), as the test suite does.
-* Configuration options may be renamed or dropped between lines: `set_config` applies one if this jax has it and
-  reports which did not apply (a row field), instead of raising.
 * `Compiled.cost_analysis()` returns a dict on newer lines and a one-element list on older ones
-  (benchmarks/support/timing.py, `xla_cost`); `Device.memory_stats()` may return None.
+  (benchmarks/support/timing.py, `xla_cost`); `Device.memory_stats()` may return None (`memory_stats`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import os
 # Modules whose names the suite's code must not reach (imports and attribute chains): `jax.core` (helpers removed in
 # 0.11), jax's internals and the interpreters (no compatibility promise across lines).
 REMOVED_MODULES = ("jax.core.", "jax._src.", "jax.interpreters.")
+# Calls whose meaning changed in 0.11 (zeros before, uninitialized memory now).
+UNINITIALIZED = ("jnp.empty", "jnp.empty_like", "jax.numpy.empty", "jax.numpy.empty_like")
 
 
 def version(dist: str) -> str | None:
