@@ -555,6 +555,31 @@ class KVCacheManager(DeviceQueue):
       self.sync_counts()
     return self._nfree[group]
 
+  def blocks_to_run(self, prompt_len: int, total_tokens: int, extra_tokens: int = 0, lag: int = 0,
+                    cap: int | None = None) -> dict[str, int]:
+    """Blocks per group a request of prompt_len tokens that computes positions [0, total_tokens) needs to run
+    alone, at the least: every full-history block up to its last row's end and, in a sliding group, the peak of
+    its tail and window (`CheckpointPolicy.peak_blocks`: rows of one position, each allocating extra_tokens past it,
+    commits lagging `lag` positions past the prompt). A pool of at least this many blocks per group serves it
+    whatever it hits or reloads (rows shortened when it runs alone); a smaller one never can."""
+    end = min(total_tokens + extra_tokens, total_tokens + extra_tokens if cap is None else cap)
+    out = {}
+    for g, bt in self._group_bt:
+      pol = self.policies.get(g)
+      if pol is None:
+        out[g] = -(-end // bt)
+      else:
+        out[g] = self._memo(("peak", g, prompt_len, total_tokens, extra_tokens, lag, cap),
+                            lambda: pol.peak_blocks(prompt_len, total_tokens, extra_tokens, lag, cap))
+    return out
+
+  def room_for(self, request_id: str) -> int:
+    """The most positions `allocate_to` can cover for the request now (its blocks plus the free ones, the fewest
+    over the groups). Exact: reads the device's counts."""
+    r = self._req(request_id)
+    self.sync_counts()
+    return min((r.tables[g].n + self._nfree[g]) * bt for g, bt in self._group_bt)
+
   def free_blocks_estimate(self, group: str) -> int:
     """Free blocks as the host knows them without reading the device: never more than the truth."""
     return self._nfree[group]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import time
 
 from cache.hashing import ExtraKeys
@@ -49,6 +50,9 @@ def _counted(method):
 
 
 class Engine:
+
+  # The one refusal for a request the pool cannot serve: the same with tiers or without, before anything is loaded.
+  TOO_SMALL = "the KV block pool is too small for this request even when it runs alone"
 
   def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *, mesh=None,
                rules=None, pools_over_data: bool = True):
@@ -120,6 +124,9 @@ class Engine:
     # stays flat)
     self.requests: dict[str, Request] = {}
     self._next_index = 0
+    # Request.uid: this engine's own prefix (random: no other engine, in this process or one sharing its tiers, makes
+    # the same) and the arrival index, so a request never shares per-request state with an earlier one of its id
+    self._uid_prefix = os.urandom(6).hex() + ":"
     self._inflight = None                          # the step sent but not read yet (async scheduling)
     self.async_active = ec.async_scheduling and mesh is None and ec.tiering is None
     self.stats = collections.Counter()
@@ -158,6 +165,7 @@ class Engine:
       bad = str(e)
     req = Request(rid, prompt_list, params, extra_keys, self.clock() if arrival is None else arrival)
     req.index = self._next_index
+    req.uid = f"{self._uid_prefix}{req.index}"
     self._next_index += 1
     if rid in self.requests:
       # Refused without touching the engine's state under that id: the request holding it is unaffected, and the
@@ -243,6 +251,7 @@ class Engine:
     budget = self.ec.max_num_batched_tokens
     scheduled: list[tuple[Request, int]] = []
     preempted = False
+    order = {r.rid: i for i, r in enumerate(self.running)}
     for req in list(self.running):
       if budget <= 0:
         break
@@ -261,34 +270,44 @@ class Engine:
           req.fresh = False
           budget -= n
           break
+        # Out of blocks. Whatever holds blocks beside it on its shard makes room first (a request admitted alone
+        # fits: `_queue_admissions` refused what cannot); alone, it runs a shorter row.
         # admissions in flight on the shard hold their hits' blocks: out of blocks beside them is not "alone"
         pending = any(a.shard == req.shard for a in self.admitting)
-        if req.fresh:
-          # Admitted but out of blocks before its first chunk: it gives its claim back and keeps its place at the
-          # head of the queue (admissions never preempt); every shard has the same number of blocks, so out of
-          # blocks on a shard where nothing else runs (admitted with it at most) means it never fits.
-          others = [r for r in self._running_on(req.shard) if r is not req and not r.fresh]
-          if not others and not pending and not any(r.shard == req.shard for r, _ in scheduled):
-            self._mgr(req).free(req.rid)
-            self._leave(req)
-            self._reject(req, "the KV block pool is too small for this request even when it runs alone")
-          else:
-            back.append(self._give_back(req))
-          break
-        # Blocks are per data shard: the victims are the latest running requests on req's shard.
         mine = self._running_on(req.shard)
-        if mine == [req] and not pending:
-          # Alone and still out of blocks: it can never fit. Reject it rather than preempt it forever.
+        if req.fresh:
+          # Admitted but out of blocks before its first chunk. The admissions behind it in this step hold their
+          # hits and tier loads: they give them back first (their turn comes next), so the head of an admission
+          # batch never starves behind its own batch. Beside requests that ran, or admissions in flight, it gives
+          # its claim back and keeps its place at the head of the queue (admissions never preempt).
+          later = [r for r in mine if r.fresh and r is not req]
+          if later:
+            back.extend(self._give_back(r) for r in later)
+            continue
+          if len(mine) > 1 or pending:
+            back.append(self._give_back(req))
+            break
+        elif len(mine) > 1 or pending:
+          # Blocks are per data shard: the victim is the latest running request on req's shard (one admitted but
+          # not run yet gives its claim back: not a preemption).
+          victim = mine[-1]
+          if victim.fresh:
+            back.append(self._give_back(victim))
+            continue
+          self._preempt(victim)
+          preempted = True
+          if victim is req:
+            break
+          continue
+        # Alone on its shard: a shorter row fits (at worst one position).
+        n = self._shorter_row(req, n)
+        if n == 0:
           self._mgr(req).free(req.rid)
           self._leave(req)
-          self._reject(req, "the KV block pool is too small for this request even when it runs alone")
-          break
-        victim = mine[-1]
-        self._preempt(victim)
-        preempted = True
-        if victim is req:
+          self._reject(req, self.TOO_SMALL)
           break
     if back:
+      back.sort(key=lambda r: order[r.rid])
       self.waiting.extendleft(reversed(back))       # in admission order, ahead of everything that waits
     elif admit and not preempted:
       self._queue_admissions()
@@ -343,6 +362,9 @@ class Engine:
       req = self.waiting[0]
       if (self.num_shards == 1 and rows[0] + len(cands) >= cap) or req.inflight:
         break                           # (a request preempted with a token in flight waits until it is read)
+      if not self._fits_alone(req):     # before anything is searched, claimed or loaded
+        self._reject(self.waiting.popleft(), self.TOO_SMALL)
+        continue
       order[req.rid] = len(order)
       if self._defer(req):
         held.append(self.waiting.popleft())
@@ -364,6 +386,33 @@ class Engine:
         r.admitting = True
         self.admitting.append(r)
     self.waiting.extendleft(reversed(sorted(held + back, key=lambda r: order[r.rid])))
+
+  def blocks_alone(self, req: Request) -> dict[str, int]:
+    """Blocks per group `req` needs to run alone on a shard, at the least (`KVCacheManager.blocks_to_run`): its
+    prompt and every output token but the last computed, a drafting row's lookahead (and, async, the drafts of its
+    unread step) allocated past each row, commits one token behind past the prompt when async. A hit or a tier
+    reload never needs more, so this is the admission's whole rule: within every group's pool (per data shard) it
+    is admitted, waits or is preempted, never refused; beyond it, it is refused at admission."""
+    extra = (self.draft_lookahead + (self.spec if self.async_active else 0)) if self.spec else 0
+    total = min(len(req.prompt) + req.params.max_tokens - 1, self.ec.max_model_len)
+    return self.managers[0].blocks_to_run(len(req.prompt), total, extra, int(self.async_active),
+                                          self.ec.max_model_len)
+
+  def _fits_alone(self, req: Request) -> bool:
+    mgr = self.managers[0]                   # (every shard's pool has as many blocks)
+    return all(n <= mgr.num_blocks[g] for g, n in self.blocks_alone(req).items())
+
+  def _shorter_row(self, req: Request, n: int) -> int:
+    """The longest row shorter than n whose blocks fit what req holds plus the free blocks (0: none), its drafts
+    trimmed with it."""
+    room = self._mgr(req).room_for(req.rid)
+    drafts = req.step_drafts
+    for m in range(n - 1, 0, -1):
+      req.step_drafts = max(0, drafts - (n - m))
+      if self._alloc_end(req, m) <= room:
+        return m
+    req.step_drafts = 0
+    return 0
 
   def _with_drafts(self, req: Request, n: int, budget: int) -> int:
     """Tokens of req's row this step with speculative decoding: a decode row (its one pending token is the last
