@@ -181,6 +181,7 @@ def test_the_whole_suite_dry_runs_on_the_cpu(tmp_path):
   assert by["c.serve"]["answered"] == 48 and by["c.serve"]["answers_differ"] == 0
   assert by["d.engine.bf16"]["generated_tokens"] > 0 and by["d.engine.bf16"]["decode_step_ms"] > 0
   assert by["d.engine.bf16"]["bookkeeping_ms"] > 0 and by["d.engine.bf16"]["hit_tokens"] > 0
+  assert by["d.engine.bf16"]["preemptions"] >= 1                  # prefix hits and preemption in the mix
   assert by["d.engine.alone"]["tokens_equal"] and by["d.engine.alone"]["logits_bitwise"]
   assert "max_dlogit" in by["d.engine.xla_vs_kernels"]
   assert by["d.engine.fp8"]["kv"] == "fp8"

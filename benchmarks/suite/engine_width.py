@@ -3,8 +3,9 @@ top-512, window 128, CSA m=4 / HCA m=128) with random bf16 weights, served throu
 `dsv4.engine.api.generate` serves it.
 
 The workload (`Workload.real`): 64 requests of 4-8k-token prompts, 64 greedy tokens each; the requests come in
-groups of four that share a prefix (prefix hits), and the full-history pool holds 60% of the blocks the whole batch
-would hold at once, so rows may be preempted and readmitted along the way (the row counts the preemptions). The dry
+groups of four that share a prefix (prefix hits), and the full-history pool holds 75% of the blocks the whole batch
+would hold at once, so rows may be preempted and readmitted along the way (the row counts the preemptions; the dry
+run's pool, 30%, preempts). The dry
 run (`Workload.dry`) is the same mix at v4_tiny widths (head_dim 128 with 64 RoPE channels: the FP8 record needs
 whole 64-channel blocks) and short prompts.
 
@@ -44,11 +45,11 @@ class Workload:
 
   @staticmethod
   def real() -> "Workload":
-    return Workload(64, 4096, 8192, 64, 4, 2048, 0.6, 64, 8192, 2048)
+    return Workload(64, 4096, 8192, 64, 4, 2048, 0.75, 64, 8192, 2048)
 
   @staticmethod
   def dry() -> "Workload":
-    return Workload(8, 160, 200, 6, 4, 128, 0.5, 8, 256, 64)
+    return Workload(8, 160, 200, 6, 4, 128, 0.3, 8, 256, 64)
 
   def prompts(self, vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
@@ -80,17 +81,17 @@ def model(dry: bool, seed: int):
 
 def engine_config(cfg, wl: Workload, prompts, *, kv: str, kernels: str, record_logits: bool = True):
   """The engine for `prompts`: rows and token budget of the workload, the full-history pool at `pool_fraction` of
-  what the batch holds at its peak (128-token blocks; a group's shared prefix counted once)."""
+  the blocks the whole batch would hold at once (128-token blocks; a group's shared prefix counted once), never
+  less than the longest request needs plus one."""
   import jax.numpy as jnp
 
   from dsv4 import caches
   from dsv4.engine.config import EngineConfig
   from pallas_kernels import dispatch
   max_len = wl.prompt_max + wl.max_tokens + 64
-  per_request = -(-max_len // 128)
-  need = sum(-(-(len(p) + wl.max_tokens) // 128) for p in prompts)
-  need -= (len(prompts) - -(-len(prompts) // wl.group)) * (wl.shared_prefix // 128)
-  num_full = max(int(need * wl.pool_fraction), per_request + 2)
+  blocks = [-(-(len(p) + wl.max_tokens) // 128) for p in prompts]
+  need = sum(blocks) - (len(prompts) - -(-len(prompts) // wl.group)) * (wl.shared_prefix // 128)
+  num_full = max(int(need * wl.pool_fraction), max(blocks) + 1)
   kv_dtype = {"bf16": jnp.bfloat16, "fp8": caches.FP8}[kv]
   return EngineConfig(max_num_seqs=wl.max_num_seqs, max_num_batched_tokens=wl.max_num_batched_tokens,
                       chunk_size=wl.chunk_size, max_model_len=max_len, num_full_blocks=num_full,

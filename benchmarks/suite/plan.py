@@ -289,5 +289,5 @@ def _emit(report: Report, row: dict, item: Item, seconds: float, log) -> None:
   row = {"section": item.name[0], "item": row.pop("item"), "status": row.pop("status", "ok"), **row,
          "seconds": round(seconds, 1)}
   report.add(row)
-  log(f"[{report.rows and len(report.rows):3d}] {row['item']:52s} {row['status']:8s} {row['seconds']:6.1f}s "
+  log(f"[{len(report.rows):3d}] {row['item']:52s} {row['status']:8s} {row['seconds']:6.1f}s "
       f"{row.get('error', '')[:160]}")
