@@ -121,11 +121,14 @@ class _Alone:
     return self.memo[key]
 
 
-def _batched(cfg, params, ec, reqs, waves: int, mesh=None):
-  """All requests through one engine, submitted in `waves` groups (each after the previous group's first steps)."""
+def _batched(cfg, params, ec, reqs, waves: int, mesh=None, before_wave=None):
+  """All requests through one engine, submitted in `waves` groups (each after the previous group's first steps);
+  before_wave(engine, w), if given, runs before each later group w is submitted."""
   eng = Engine(params, cfg, ec, mesh=mesh)
   groups = np.array_split(np.arange(len(reqs)), waves)
-  for g in groups:
+  for w, g in enumerate(groups):
+    if w and before_wave is not None:
+      before_wave(eng, w)
     for i in g:
       eng.add_request(f"r{i}", reqs[i][0], reqs[i][1])
     for _ in range(2):

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
+from dsv4 import sharding
 from dsv4.engine.engine import Engine
-from dsv4.engine.request import RequestOutput
+from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.tiering import TieringConfig
-from dsv4 import sharding
-from tests.dsv4.test_invariance_props import MESH, MESH_POOL, TIGHT, _Alone, _mesh_child, _model, traces
+from tests.dsv4.test_invariance_props import MESH, MESH_POOL, TIGHT, _Alone, _batched, _mesh_child, _model, traces
 from tests.dsv4.test_tiers_reload import mooncake_server, redis_server  # noqa: F401  (fixtures)
 from tests.isolation import run_in_child
 from tests.store_servers import require_server
@@ -58,7 +58,6 @@ def _damage(eng: Engine, rng: np.random.Generator, fraction: float) -> int:
 
 
 def _fits_alone(eng: Engine, prompt, sp) -> bool:
-  from dsv4.engine.request import Request
   return eng._fits_alone(Request("probe", list(prompt), sp))
 
 
@@ -89,25 +88,16 @@ def _field_trace(vocab: int):
   return reqs, run
 
 
-def _run_waves(eng: Engine, reqs, run, rng) -> dict:
-  """The requests in run["waves"] groups; before a later group whose drop flag is set, the engine runs dry, that
-  fraction of the records is damaged and the device cache dropped (its blocks demoted first)."""
-  seen = {"damaged": 0}
-  groups = np.array_split(np.arange(len(reqs)), run["waves"])
-  for w, grp in enumerate(groups):
-    if w and run["drops"][w - 1]:
+def _drop_and_damage(run, rng):
+  """before_wave for `_batched`: before a later wave whose drop flag is set, the engine runs dry, that fraction of
+  the records is damaged and the device cache dropped (its blocks demoted first)."""
+  def before_wave(eng: Engine, w: int) -> None:
+    if run["drops"][w - 1]:
       while eng.has_work():
         eng.step()
       eng.tiering.drop_device_cache()
-      seen["damaged"] += _damage(eng, rng, run["damage"])
-    for i in grp:
-      eng.add_request(f"r{i}", reqs[i][0], reqs[i][1])
-    for _ in range(2):
-      if eng.has_work():
-        eng.step()
-  while eng.has_work():
-    eng.step()
-  return seen
+      _damage(eng, rng, run["damage"])
+  return before_wave
 
 
 def _check_never_refused(kind: str, examples: int, tmp_path, url: str = "", variant="v4", kv="bf16", mesh=None):
@@ -129,14 +119,13 @@ def _check_never_refused(kind: str, examples: int, tmp_path, url: str = "", vari
       tc = dataclasses.replace(tc, engine_id=f"e{n}", model_digest=f"admission-{n}")
     ec = dataclasses.replace(pool, chunk_size=run["chunk_size"], enable_prefix_caching=True,
                              async_scheduling=run["async_scheduling"], tiering=tc)
-    eng = Engine(params, cfg, ec, mesh=mesh)
+    eng, outs = _batched(cfg, params, ec, reqs, run["waves"], mesh,
+                         _drop_and_damage(run, np.random.default_rng(run["damage_seed"])))
     assert all(_fits_alone(eng, p, sp) for p, sp in reqs)     # the pool serves every request alone
-    _run_waves(eng, reqs, run, np.random.default_rng(run["damage_seed"]))
     seen["tier_hits"] += eng.tiering.stats["tier_hit_tokens"]
     seen["preemptions"] += eng.stats["preemptions"]
     seen["rejected_records"] += eng.tiering.stats["rejected_records"]
-    for i, (prompt, sp) in enumerate(reqs):
-      r = eng.requests[f"r{i}"]
+    for (prompt, sp), r in zip(reqs, outs):
       assert r.error is None, (r.error, run, len(prompt), r.hit_tokens, r.tier_hit_tokens)
       want_tokens, want_logits, _ = alone(prompt, sp)
       assert r.output == want_tokens, (run, len(prompt))
