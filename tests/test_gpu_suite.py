@@ -205,3 +205,27 @@ def test_kernels_bench_small_runs(tmp_path):
   from pallas_kernels import sparse_attention as sa
   splits = [r["num_splits"] for r in rows if r["op"] == "sparse_attention"]
   assert splits and all(1 <= s <= sa.MAX_SPLITS for s in splits), splits
+
+
+@pytest.mark.slow
+def test_every_kernel_program_of_the_suite_lowers_for_a_gpu_at_its_real_shapes():
+  """The programs sections (b) and (e) compile on the GPU, at V4-Flash shapes with their real tunings, lower to
+  Triton for an H200 here (abstract device, pallas_kernels/lowering.py): the GPU sees no kernel call untried."""
+  import jax
+
+  from benchmarks.suite import kernel_cases as kc
+  from pallas_kernels import lowering
+  failed = []
+  for case in kc.plan() + kc.tuning_plan():
+    args = jax.eval_shape(lambda k, case=case: kc.make_inputs(case, case.shapes(False), k), jax.random.PRNGKey(0))
+    kern, _, _, _ = kc.programs(case, False, args)
+    try:
+      exported = lowering.export_for_cuda(kern, *args)
+    except lowering.NoGpuTarget as e:
+      pytest.skip(str(e))
+    except Exception as e:  # noqa: BLE001 - every case's failure is listed
+      failed.append((case.name, f"{type(e).__name__}: {str(e)[:200]}"))
+      continue
+    if not lowering.custom_call_targets(exported) & set(lowering.GPU_CUSTOM_CALLS):
+      failed.append((case.name, "no GPU kernel call in the lowered module"))
+  assert not failed, failed

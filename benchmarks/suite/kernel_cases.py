@@ -196,48 +196,59 @@ def _on_record(record_type, fn):
   return lambda *arrays: fn(record_type(*arrays))
 
 
-def prepare(case: KernelCase, dry: bool, seed: int) -> Prepared:
-  """Inputs from `seed` on the device, then the kernel and its reference lowered (Python tracing: serial)."""
-  import jax
+def make_inputs(case: KernelCase, p: dict, key):
+  """The case's argument record (a pytree of arrays) from `key`; jit it, or eval_shape it for abstract inputs."""
+  fn = {"sparse_attention": _sparse_inputs, "hca_attention": _hca_inputs}.get(case.op, _indexer_inputs)
+  return fn(p, key)
 
+
+def programs(case: KernelCase, dry: bool, inputs) -> tuple:
+  """(kernel fn, reference fn, static args, tuning) of the case, each fn taking the record's fields in order: the
+  kernel as the model's dispatch calls it (`dispatch._run_*_kernel`, compiled Pallas-Triton, or interpret mode in the
+  dry run); for the top-k and the indexer scores the reference gives the scores the check reads (ties make id sets
+  ambiguous). `inputs` may be abstract (the tuning reads only types and shapes)."""
   from pallas_kernels import dispatch
   from pallas_kernels import hca_attention as hk
   from pallas_kernels import indexer as ix
   from pallas_kernels import indexer_topk as itk
   from pallas_kernels import sparse_attention as sa
   p = case.shapes(dry)
-  key = jax.random.PRNGKey(seed)
   if case.op == "sparse_attention":
-    inputs = jax.jit(lambda k: _sparse_inputs(p, k))(key)
     static = dict(scale=p["D"] ** -0.5)
     tuning = case.tuning or (sa.SparseAttentionTuning(block_h=16, block_k=16) if dry else
                              sa.default_tuning([inputs.window_pool_PxD, inputs.comp_pool_QxD]))
     kernel, run_kernel, ref = sa.sparse_attention_kernel, dispatch._run_sparse_kernel, dispatch._sparse_reference
     record = dispatch.SparseArgs
   elif case.op == "hca_attention":
-    inputs = jax.jit(lambda k: _hca_inputs(p, k))(key)
     static = dict(scale=p["D"] ** -0.5, entries_per_block=1)
     tuning = case.tuning or (hk.HcaAttentionTuning(block_h=16, block_k=16) if dry else
                              hk.default_tuning([inputs.window_pool_PxD, inputs.comp_pool_QxD]))
     kernel, run_kernel, ref = hk.hca_attention_kernel, dispatch._run_hca_kernel, dispatch._hca_reference
     record = dispatch.HcaArgs
   else:
-    inputs = jax.jit(lambda k: _indexer_inputs(p, k))(key)
     static = dict(k=p["k"], block_size=p["block_size"])
-    record = dispatch.IndexerArgs
+    record, ref = dispatch.IndexerArgs, dispatch._topk_check_scores
     if case.op == "indexer_topk":
       tuning = case.tuning or (itk.IndexerTopkTuning(block_m=32, select_chunk=64) if dry else
                                itk.IndexerTopkTuning())
       kernel, run_kernel = itk.indexer_topk_kernel, dispatch._run_topk_kernel
-      ref = dispatch._topk_check_scores        # the check reads the scores: ties make id sets ambiguous
     else:
       tuning = case.tuning or (ix.IndexerTuning(block_m=32) if dry else ix.IndexerTuning())
       kernel, run_kernel = ix.indexer_scores_kernel, dispatch._run_scores_kernel
-      ref = dispatch._topk_check_scores
   kernel_kw = dict(interpret=dry, tuning=tuning)
-  kern = jax.jit(_on_record(record, lambda a: run_kernel(kernel, a, static, kernel_kw)))
-  reference = jax.jit(_on_record(record, lambda a: ref(a, static)))
-  return Prepared(case, p, inputs, static, tuning, kern.lower(*inputs), reference.lower(*inputs), seed)
+  kern = _on_record(record, lambda a: run_kernel(kernel, a, static, kernel_kw))
+  reference = _on_record(record, lambda a: ref(a, static))
+  return kern, reference, static, tuning
+
+
+def prepare(case: KernelCase, dry: bool, seed: int) -> Prepared:
+  """Inputs from `seed` on the device, then the kernel and its reference lowered (Python tracing: serial)."""
+  import jax
+  p = case.shapes(dry)
+  inputs = jax.jit(lambda k: make_inputs(case, p, k))(jax.random.PRNGKey(seed))
+  kern, reference, static, tuning = programs(case, dry, inputs)
+  return Prepared(case, p, inputs, static, tuning, jax.jit(kern).lower(*inputs), jax.jit(reference).lower(*inputs),
+                  seed)
 
 
 def compile_all(prepared: list[Prepared], threads: int) -> dict:
