@@ -8,8 +8,9 @@ Property: random traces (the invariance traces of tests/dsv4/test_invariance_pro
 requests, waves, chunk sizes, greedy and seeded sampling, async on / off) through one engine with KV tiers (host and
 disk; Redis and Mooncake where their servers start) under a pool in which every request fits alone, with the device
 cache dropped between some waves (everything is then found in the tiers, several admissions of one step reloading
-at once) and some of the records damaged (the reload stops short, the request recomputes): no request is refused,
-and every one's tokens and logits are bitwise those of the request alone on a fresh engine without tiers.
+at once) and some of the records damaged (the reload stops short, the request recomputes), then the same trace
+through a second engine reading the first one's records from the shared tiers (disk, the store): no request is
+refused, and every one's tokens and logits are bitwise those of the request alone on a fresh engine without tiers.
 
 Reuse: one engine serving many batches whose request ids repeat (a notebook's "r0", "r1", ...), prefix caching on
 and off, preemptions, tiers: every request's counters and bits equal those of a fresh engine (caching off: a fresh
@@ -105,7 +106,7 @@ def _check_never_refused(kind: str, examples: int, tmp_path, url: str = "", vari
   cfg, params, layout = _model(variant, kv)
   pool = dataclasses.replace(TIGHT if mesh is None else MESH_POOL, layout=layout)
   alone = _Alone(cfg, params, pool, mesh)
-  seen = {"tier_hits": 0, "preemptions": 0, "rejected_records": 0, "examples": 0}
+  seen = {"tier_hits": 0, "second_tier_hits": 0, "preemptions": 0, "rejected_records": 0, "examples": 0}
 
   @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
   @given(tier_traces(cfg.vocab_size))
@@ -122,19 +123,28 @@ def _check_never_refused(kind: str, examples: int, tmp_path, url: str = "", vari
     eng, outs = _batched(cfg, params, ec, reqs, run["waves"], mesh,
                          _drop_and_damage(run, np.random.default_rng(run["damage_seed"])))
     assert all(_fits_alone(eng, p, sp) for p, sp in reqs)     # the pool serves every request alone
-    seen["tier_hits"] += eng.tiering.stats["tier_hit_tokens"]
-    seen["preemptions"] += eng.stats["preemptions"]
-    seen["rejected_records"] += eng.tiering.stats["rejected_records"]
-    for (prompt, sp), r in zip(reqs, outs):
-      assert r.error is None, (r.error, run, len(prompt), r.hit_tokens, r.tier_hit_tokens)
+    eng.tiering.store.drain()
+    # a second engine on the shared tiers (disk, the store) serves the trace again from the first one's records
+    ec2 = dataclasses.replace(ec, tiering=dataclasses.replace(tc, tiers=tc.tiers[1:], engine_id=f"second{n}"))
+    eng2, outs2 = _batched(cfg, params, ec2, reqs, run["waves"], mesh,
+                           _drop_and_damage(run, np.random.default_rng(run["damage_seed"] + 1)))
+    for e in (eng, eng2):
+      seen["tier_hits"] += e.tiering.stats["tier_hit_tokens"]
+      seen["preemptions"] += e.stats["preemptions"]
+      seen["rejected_records"] += e.tiering.stats["rejected_records"]
+    for (prompt, sp), r, r2 in zip(reqs, outs, outs2):
       want_tokens, want_logits, _ = alone(prompt, sp)
-      assert r.output == want_tokens, (run, len(prompt))
-      got = np.stack(r.token_logits)
-      assert np.array_equal(got.view(np.uint32), want_logits.view(np.uint32)), (run, len(prompt))
+      for x in (r, r2):
+        assert x.error is None, (x.error, run, len(prompt), x.hit_tokens, x.tier_hit_tokens)
+        assert x.output == want_tokens, (run, len(prompt))
+        got = np.stack(x.token_logits)
+        assert np.array_equal(got.view(np.uint32), want_logits.view(np.uint32)), (run, len(prompt))
+    seen["second_tier_hits"] += eng2.tiering.stats["tier_hit_tokens"]
     eng.tiering.close()
+    eng2.tiering.close()
 
   prop()
-  assert seen["tier_hits"] > 0 and seen["rejected_records"] > 0, seen
+  assert seen["tier_hits"] > 0 and seen["second_tier_hits"] > 0 and seen["rejected_records"] > 0, seen
   assert seen["preemptions"] > 0 or mesh is not None, seen     # (two rows per data shard on the mesh)
   return seen
 
