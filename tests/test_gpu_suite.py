@@ -209,23 +209,31 @@ def test_kernels_bench_small_runs(tmp_path):
 
 @pytest.mark.slow
 def test_every_kernel_program_of_the_suite_lowers_for_a_gpu_at_its_real_shapes():
-  """The programs sections (b) and (e) compile on the GPU, at V4-Flash shapes with their real tunings, lower to
-  Triton for an H200 here (abstract device, pallas_kernels/lowering.py): the GPU sees no kernel call untried."""
+  """The programs sections (b) and (e) compile on the GPU (the top-k diagnosis's variants, every kernel case, the
+  tuning rows), at V4-Flash shapes with their real tunings, lower to Triton for an H200 here (abstract device,
+  pallas_kernels/lowering.py): the GPU sees no kernel call untried."""
   import jax
 
   from benchmarks.suite import kernel_cases as kc
   from pallas_kernels import lowering
   failed = []
+  todo = []
   for case in kc.plan() + kc.tuning_plan():
     args = jax.eval_shape(lambda k, case=case: kc.make_inputs(case, case.shapes(False), k), jax.random.PRNGKey(0))
-    kern, _, _, _ = kc.programs(case, False, args)
+    todo.append((case.name, kc.programs(case, False, args)[0], args))
+  full = jax.eval_shape(lambda k: kc.TopkDiagnosis.inputs(False, k), jax.random.PRNGKey(0))
+  _, _, k = kc.TopkDiagnosis.shape(False)
+  for name, (tun, m) in kc.topk_variants(False).items():
+    args = jax.eval_shape(lambda f, m=m: kc.TopkDiagnosis.restrict(f, m), full)
+    todo.append((f"topk.{name}", kc.TopkDiagnosis.variant_fn(tun, k, False), (args,)))
+  for name, kern, args in todo:
     try:
       exported = lowering.export_for_cuda(kern, *args)
     except lowering.NoGpuTarget as e:
       pytest.skip(str(e))
     except Exception as e:  # noqa: BLE001 - every case's failure is listed
-      failed.append((case.name, f"{type(e).__name__}: {str(e)[:200]}"))
+      failed.append((name, f"{type(e).__name__}: {str(e)[:200]}"))
       continue
     if not lowering.custom_call_targets(exported) & set(lowering.GPU_CUSTOM_CALLS):
-      failed.append((case.name, "no GPU kernel call in the lowered module"))
+      failed.append((name, "no GPU kernel call in the lowered module"))
   assert not failed, failed

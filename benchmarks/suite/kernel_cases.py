@@ -435,41 +435,61 @@ class TopkDiagnosis:
 
   def __init__(self, dry: bool, seed: int):
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks import kernels_bench as kb
     from pallas_kernels import dispatch
     self.dry, self.seed = dry, seed
-    self.B, H, C, self.M, self.k = (2, 64, 128, 8192, 512) if dry else (64, 64, 128, 32768, 512)
-    q, w, pool, rows, nv = jax.jit(lambda key: kb.indexer_case(key, B=self.B, T=1, H=H, C=C, M=self.M,
-                                                               prefill=False, ctx=4 * self.M, fp8=False))(
-        jax.random.PRNGKey(seed))
+    self.B, self.M, self.k = self.shape(dry)
     self.static = dict(k=self.k, block_size=8)
-    self.full = dispatch.IndexerArgs(q, w, pool, rows, nv, num_keys_B=jnp.full((self.B,), self.M, jnp.int32))
+    self.full = jax.jit(lambda key: self.inputs(dry, key))(jax.random.PRNGKey(seed))
     self.scores = np.asarray(jax.jit(lambda x: dispatch._topk_check_scores(x, self.static))(self.full))
     self.variants = topk_variants(dry)
 
-  def args_for(self, m: int):
+  @staticmethod
+  def shape(dry: bool) -> tuple[int, int, int]:
+    """(B, M, k) of the diagnosed decode case."""
+    return (2, 8192, 512) if dry else (64, 32768, 512)
+
+  @staticmethod
+  def inputs(dry: bool, key):
+    """The decode case's record (64 heads x 128, bf16 keys), from `key`."""
+    import jax.numpy as jnp
+
+    from benchmarks import kernels_bench as kb
+    from pallas_kernels import dispatch
+    B, M, _ = TopkDiagnosis.shape(dry)
+    q, w, pool, rows, nv = kb.indexer_case(key, B=B, T=1, H=64, C=128, M=M, prefill=False, ctx=4 * M, fp8=False)
+    return dispatch.IndexerArgs(q, w, pool, rows, nv, num_keys_B=jnp.full((B,), M, jnp.int32))
+
+  @staticmethod
+  def restrict(full, m: int):
+    """The record with only the first `m` entries of every row (the `one_chunk` variant)."""
     import jax.numpy as jnp
 
     from pallas_kernels import dispatch
-    f = self.full
-    if m == self.M:
-      return f
-    return dispatch.IndexerArgs(f.q_BxTxHxC, f.w_BxTxH, f.key_pool_PxC, f.key_rows_BxM[:, :m],
-                                jnp.minimum(f.num_visible_BxT, m), num_keys_B=jnp.full((self.B,), m, jnp.int32))
+    B, M = full.key_rows_BxM.shape
+    if m == M:
+      return full
+    return dispatch.IndexerArgs(full.q_BxTxHxC, full.w_BxTxH, full.key_pool_PxC, full.key_rows_BxM[:, :m],
+                                jnp.minimum(full.num_visible_BxT, m), num_keys_B=jnp.full((B,), m, jnp.int32))
+
+  @staticmethod
+  def variant_fn(tuning, k: int, dry: bool):
+    """The fused top-k of one variant as a function of the record."""
+    from pallas_kernels import indexer_topk as itk
+    return lambda x: itk.indexer_topk_kernel(x.q_BxTxHxC, x.w_BxTxH, x.key_pool_PxC, x.key_rows_BxM,
+                                             x.num_visible_BxT, k, num_keys_B=x.num_keys_B, interpret=dry,
+                                             tuning=tuning)
+
+  def args_for(self, m: int):
+    return self.restrict(self.full, m)
 
   def compile(self, threads: int) -> dict:
     """name -> future of (executable, compile seconds)."""
     import jax
-
-    from pallas_kernels import indexer_topk as itk
     lowered = {}
     for name, (tun, m) in self.variants.items():
-      fn = jax.jit(lambda x, tun=tun: itk.indexer_topk_kernel(
-          x.q_BxTxHxC, x.w_BxTxH, x.key_pool_PxC, x.key_rows_BxM, x.num_visible_BxT, self.k, num_keys_B=x.num_keys_B,
-          interpret=self.dry, tuning=tun))
+      fn = jax.jit(self.variant_fn(tun, self.k, self.dry))
       try:
         lowered[name] = fn.lower(self.args_for(m))
       except Exception as e:  # noqa: BLE001 - a variant that does not lower is its row's error
