@@ -13,11 +13,12 @@ Runs, most telling first (each a fresh engine; one compiled step program serves 
   bf16 KV with the kernels (`auto`: each kernel configuration validated once against XLA on a GPU; the dry run:
   `interpret`); the same requests alone (one engine each), compared bitwise with their batched tokens and logits;
   the XLA path (`xla`) compared with the kernels' (first divergent token, max |dlogit|); FP8 KV with the kernels.
-Measured per run: tokens/s, step wall (ms) for decode-only steps and for steps with prefill chunks, the host's time
-per step outside the wait for the device (`Engine.step` wall minus `ModelRunner.collect`), the cache's bookkeeping
-program alone on the device per step (`cache.step.apply_step_packed` re-run on copies of a sample of the steps'
-own inputs), compilations and compile seconds; beside each step kind, the roofline of the tiled step at that point
-(`roofline_ms`).
+Measured per run: tokens/s, step wall (ms) for decode-only steps and for steps with prefill chunks (an
+`Engine.step` call's wall, counted for the step it read back: with async scheduling a call sends step N and waits
+for step N-1), the host's time per step outside that wait (`Engine.step` wall minus `ModelRunner.collect`), the
+cache's bookkeeping program alone on the device per step (`cache.step.apply_step_packed` re-run on copies of a
+sample of the steps' own inputs), compilations and compile seconds; beside each step kind, the roofline of the
+tiled step at that point (`roofline_ms`).
 """
 
 from __future__ import annotations
@@ -161,12 +162,16 @@ def serve(params, cfg, ec, prompts, max_tokens: int, *, bookkeeping_samples: int
   eng = Engine(params, cfg, ec)
   build_s = time.perf_counter() - t_build
   runner = eng.runner
-  dispatched, collect_s = [], [0.0]
+  # Each dispatched step's (rows, tokens) by its handle; `collected` lists the steps read back during one
+  # Engine.step call. With async scheduling a call sends step N and reads step N-1 (its wait is N-1's device time),
+  # so a call's wall is counted for the step it read: for a synchronous engine that is the step it sent.
+  info, collected, collect_s = {}, [], [0.0]
   real_dispatch, real_collect = runner.dispatch, runner.collect
 
   def dispatch(rows):
-    dispatched.append((len(rows), sum(len(r.tokens) for r in rows)))
-    return real_dispatch(rows)
+    handle = real_dispatch(rows)
+    info[id(handle)] = (len(rows), sum(len(r.tokens) for r in rows))
+    return handle
 
   def collect(d):
     t0 = time.perf_counter()
@@ -174,6 +179,7 @@ def serve(params, cfg, ec, prompts, max_tokens: int, *, bookkeeping_samples: int
       return real_collect(d)
     finally:
       collect_s[0] += time.perf_counter() - t0
+      collected.append(info.pop(id(d), None))
 
   runner.dispatch, runner.collect = dispatch, collect      # this engine's runner only: measured, not changed
   sampler = _BookkeepingSampler(bookkeeping_samples, skip=2)
@@ -184,12 +190,14 @@ def serve(params, cfg, ec, prompts, max_tokens: int, *, bookkeeping_samples: int
     for rid, p in zip(rids, prompts):
       eng.add_request(rid, p, sp)
     while eng.has_work():
-      n_before, c_before = len(dispatched), collect_s[0]
+      collected.clear()
+      c_before = collect_s[0]
       s0 = time.perf_counter()
       eng.step()
       wall = time.perf_counter() - s0
-      if len(dispatched) > n_before:
-        rows, toks = dispatched[-1]
+      read = [c for c in collected if c is not None]
+      if read:
+        rows, toks = read[-1]
         steps.append(dict(kind="decode" if toks == rows else "prefill", rows=rows, tokens=toks, wall=wall,
                           host=wall - (collect_s[0] - c_before)))
   wall = time.perf_counter() - t0
