@@ -301,6 +301,7 @@ class Engine:
           continue
         # Alone on its shard: a shorter row fits (at worst one position).
         n = self._shorter_row(req, n)
+        self.stats["shortened_rows"] += n > 0
         if n == 0:
           self._mgr(req).free(req.rid)
           self._leave(req)

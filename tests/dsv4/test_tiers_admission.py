@@ -33,6 +33,10 @@ from tests.isolation import run_in_child
 from tests.store_servers import require_server
 
 SP = SamplingParams(max_tokens=3, ignore_eos=True)
+# The tightest pool every request of these traces fits alone in (Engine.blocks_alone: 3 full blocks, at most 5 swa
+# blocks for a synchronous engine, which an engine with tiers is): admissions wait, preempt and, alone, shorten their
+# rows. Alone runs (no tiers: async, one more swa block past an aligned boundary) use TIGHT's roomier swa pool.
+SNUG = dataclasses.replace(TIGHT, num_swa_blocks=5)
 
 
 def _tiers(kind: str, tmp: str, url: str = "") -> TieringConfig:
@@ -89,6 +93,16 @@ def _field_trace(vocab: int):
   return reqs, run
 
 
+def _lone_trace(vocab: int):
+  """One request alone, its rows of 48 tokens misaligned with the 128-token alignment: the row at 240 would hold 6
+  swa blocks, the snug pool has 5, so it runs a shorter row there (then a resend reloads it after a drop)."""
+  doc = [int(t) for t in np.random.default_rng(12).integers(2, vocab, 300)]
+  g = SamplingParams(max_tokens=3, ignore_eos=True)
+  run = dict(chunk_size=48, enable_prefix_caching=True, async_scheduling=False, tight=True, waves=2, drafts=0,
+             tiers=True, drops=(True,), damage=0.0, damage_seed=0)
+  return [(doc, g), (doc + [4], g)], run
+
+
 def _drop_and_damage(run, rng):
   """before_wave for `_batched`: before a later wave whose drop flag is set, the engine runs dry, that fraction of
   the records is damaged and the device cache dropped (its blocks demoted first)."""
@@ -102,15 +116,16 @@ def _drop_and_damage(run, rng):
 
 
 def _check_never_refused(kind: str, examples: int, tmp_path, url: str = "", variant="v4", kv="bf16", mesh=None):
-  """Alone = the same engine configuration without tiers, on a fresh engine."""
+  """Alone = a fresh engine without tiers (on the same mesh)."""
   cfg, params, layout = _model(variant, kv)
-  pool = dataclasses.replace(TIGHT if mesh is None else MESH_POOL, layout=layout)
-  alone = _Alone(cfg, params, pool, mesh)
-  seen = {"tier_hits": 0, "second_tier_hits": 0, "preemptions": 0, "rejected_records": 0, "examples": 0}
+  alone = _Alone(cfg, params, dataclasses.replace(TIGHT if mesh is None else MESH_POOL, layout=layout), mesh)
+  pool = dataclasses.replace(SNUG if mesh is None else MESH_POOL, layout=layout)
+  seen = {"shortened_rows": 0, "tier_hits": 0, "second_tier_hits": 0, "preemptions": 0, "rejected_records": 0, "examples": 0}
 
   @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
   @given(tier_traces(cfg.vocab_size))
   @example(_field_trace(cfg.vocab_size))
+  @example(_lone_trace(cfg.vocab_size))
   def prop(trace):
     reqs, run = trace
     n = seen["examples"]
@@ -129,6 +144,7 @@ def _check_never_refused(kind: str, examples: int, tmp_path, url: str = "", vari
     eng2, outs2 = _batched(cfg, params, ec2, reqs, run["waves"], mesh,
                            _drop_and_damage(run, np.random.default_rng(run["damage_seed"] + 1)))
     for e in (eng, eng2):
+      seen["shortened_rows"] += e.stats["shortened_rows"]
       seen["tier_hits"] += e.tiering.stats["tier_hit_tokens"]
       seen["preemptions"] += e.stats["preemptions"]
       seen["rejected_records"] += e.tiering.stats["rejected_records"]
@@ -145,6 +161,7 @@ def _check_never_refused(kind: str, examples: int, tmp_path, url: str = "", vari
 
   prop()
   assert seen["tier_hits"] > 0 and seen["second_tier_hits"] > 0 and seen["rejected_records"] > 0, seen
+  assert seen["shortened_rows"] > 0 or mesh is not None, seen
   assert seen["preemptions"] > 0 or mesh is not None, seen     # (two rows per data shard on the mesh)
   return seen
 
@@ -152,7 +169,7 @@ def _check_never_refused(kind: str, examples: int, tmp_path, url: str = "", vari
 @pytest.mark.parametrize("kind", ["local", "redis", "mooncake"])
 def test_a_request_that_fits_is_never_refused(kind, tmp_path, request):
   """Host + disk always; Redis and Mooncake (each beside the host tier) where their servers start. V4, bf16 compute
-  and KV, the field trace and one drawn trace."""
+  and KV, the field trace, the lone trace and one drawn trace."""
   url = ""
   if kind == "mooncake":
     require_server("mooncake")
@@ -241,7 +258,7 @@ def test_an_engine_reused_with_repeating_ids_equals_a_fresh_one(caching, tmp_pat
   same batches under ids that never repeat (hits and reloads included, so nothing kept under an id leaks into the
   next request that has it)."""
   cfg, params, layout = _model("v4", "bf16")
-  ec = dataclasses.replace(TIGHT, layout=layout, chunk_size=32, enable_prefix_caching=caching)
+  ec = dataclasses.replace(SNUG, layout=layout, chunk_size=32, enable_prefix_caching=caching)
 
   def engine(name):
     return Engine(params, cfg, dataclasses.replace(ec, tiering=_tiers("local", str(tmp_path / name))))
