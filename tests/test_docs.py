@@ -9,7 +9,7 @@ Nothing is imported: the checks read files and parse Python source.
   link targets alike, so `--out_dir=experiments/checkpoints/x` names `experiments/checkpoints/x`, while
   `out/serve/outputs.jsonl` or `/tmp/kv` are not paths and a quoted string such as `"dsv4/kv/1"` is a literal.
   It must exist. `*` is a glob that must match something; `{a,b}` expands to both. Output that commands write
-  (`out/`, `ckpt/`, `/tmp/`, `.oracle/`, `gpu_check_out/`, `<out_dir>/`) never starts with a top-level
+  (`out/`, `ckpt/`, `/tmp/`, `.oracle/`, `<out_dir>/`) never starts with a top-level
   directory, so it is never checked (`GENERATED` lists those roots).
 * **Test ids.** `path::name` (with an optional `[params]`) also needs `def name` or `class name` in that file.
 * **Bare test files.** Inline code holding only `test_x.py` (the lists in `docs/references.md`) must name a file
@@ -34,7 +34,7 @@ PACKAGES = ("cache", "dsv4", "pallas_kernels", "experiments", "benchmarks", "tes
 
 # Where commands write their output. None of these starts with a top-level directory, so the path pattern never
 # matches them; an output directory under one (none today) would be added here and skipped.
-GENERATED = ("out/", "ckpt/", "/tmp/", ".oracle/", "gpu_check_out/")
+GENERATED = ("out/", "ckpt/", "/tmp/", ".oracle/")
 
 _TOP = "|".join(re.escape(d) for d in TOP_DIRS)
 _PATH_IN_TEXT = re.compile(
