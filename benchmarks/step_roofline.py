@@ -1,21 +1,17 @@
-"""Roofline cost of one engine step at real width: the engine's invariant single pass with XLA row blocks, the
-tiled step it replaced, the target single pass with fixed-blocking kernels and a plain (non-invariant) step, for
-V4-Flash and V4.1-Flash on an H200 (or H100), from the bytes and FLOPs each must move and do. A model, not a
-measurement: the rows where the GPU check measured a kernel print the measurement beside the model's figure. The
-model and its assumptions: benchmarks/support/step_cost.py; how to read the table: docs/engine.md (Cost at real
-width).
+"""Roofline cost of one engine step at real width: today's tiled invariant step, a row-invariant single-pass step
+and a plain (non-invariant) step, for V4-Flash and V4.1-Flash on an H200 (or H100), from the bytes and FLOPs each
+must move and do. A model, not a measurement: the rows where the GPU check measured a kernel print the measurement
+beside the model's figure. The model and its assumptions: benchmarks/support/step_cost.py; how to read the table:
+docs/engine.md (Cost at real width).
 
     python -m benchmarks.step_roofline
     python -m benchmarks.step_roofline --models=v4_flash --device=h100 --experts=fp8 --kv=fp8
 
-Designs: (s) the engine's single pass with XLA row blocks (per-token ops in blocks of 32 live tokens, routed
-experts in blocks of 8 of an expert's pairs: each weight read once per block), (a) the tiled step (the engine's
-previous design: the whole model per 64-token tile), (b) the target: the single pass with fixed-blocking kernels
-(weights read once per step; matmul reductions cut into fixed 256-wide pieces, parallel or serial per call, same
-bits; "(b) no split-K" never splits them), (c) a plain step. Columns: weight / KV / activation bytes and FLOPs of
-(c) ((b) reads the same weights), the weight bytes of (a) and (s), (c)'s roofline ms and each design's ratio to
-it. "scan floor" is a design's dependent compressor fold steps times an assumed 5 us each (latency the roofline
-leaves out): per token of every 64-token tile for (a), per live token for (s).
+Columns: weight / KV / activation bytes and FLOPs of the plain step (c) (the row-invariant step (b) reads the same
+weights), the tiled step's (a) weight bytes, each design's roofline ms, and the ratios to (c). "(b)" cuts matmul
+reductions into fixed 256-wide pieces (parallel or serial per call, same bits); "(b) no split-K" never splits them.
+"(a) scan floor" is the tiled step's dependent compressor fold steps times an assumed 5 us each (latency the
+roofline leaves out).
 """
 
 from __future__ import annotations
@@ -33,9 +29,7 @@ flags.DEFINE_enum("device", "h200", sorted(step_cost.DEVICES), "Device descripti
 flags.DEFINE_enum("experts", "mxfp4", ["mxfp4", "fp8", "bf16"], "Routed expert weight format.")
 flags.DEFINE_enum("kv", "bf16", ["bf16", "fp8"], "KV pool format (bf16 rows or 584-byte FP8 records).")
 flags.DEFINE_enum("compute", "bf16", ["bf16", "fp8"], "Tensor-core rate the matmuls run at.")
-flags.DEFINE_integer("tile", 64, "Tokens per tile of the tiled step (the engine's previous design).")
-flags.DEFINE_integer("rows", 32, "Live tokens per row block of the single pass (RowBlocking.rows).")
-flags.DEFINE_integer("expert_rows", 8, "An expert's pairs per block of the single pass (RowBlocking.expert_rows).")
+flags.DEFINE_integer("tile", 64, "Tokens per tile of the tiled step (EngineConfig.tile_tokens).")
 FLAGS = flags.FLAGS
 
 GB = 1e9
@@ -46,17 +40,17 @@ def step_rows(cfg, dev, fmt, tiling) -> list[list]:
   rows = []
   for pt in step_cost.default_points():
     r = {d: step_cost.step_cost(cfg, pt, d, dev, fmt, tiling, w) for d in step_cost.DESIGNS}
-    c, a, s, b, b0 = r["plain"], r["tiled"], r["single_pass_xla"], r["invariant_splitk"], r["invariant"]
-    rows.append([pt.label, c.tally.weight_bytes / GB, a.tally.weight_bytes / GB, s.tally.weight_bytes / GB,
-                 c.tally.kv_bytes / GB, c.tally.act_bytes / GB, c.tally.flops / 1e12, c.time_s * 1e3, c.bound,
-                 a.time_s / c.time_s, s.time_s / c.time_s, b.time_s / c.time_s, b0.time_s / c.time_s,
-                 a.scan_steps * dev.dependent_step_s * 1e3, s.scan_steps * dev.dependent_step_s * 1e3])
+    c, a, b, b0 = r["plain"], r["tiled"], r["invariant_splitk"], r["invariant"]
+    rows.append([pt.label, c.tally.weight_bytes / GB, a.tally.weight_bytes / GB, c.tally.kv_bytes / GB,
+                 c.tally.act_bytes / GB, c.tally.flops / 1e12, c.time_s * 1e3, c.bound, a.time_s * 1e3,
+                 b.time_s * 1e3, b0.time_s * 1e3, a.time_s / c.time_s, b.time_s / c.time_s, b0.time_s / c.time_s,
+                 a.scan_steps * dev.dependent_step_s * 1e3])
   return rows
 
 
-STEP_HEADERS = ["point", "weights GB (c, b)", "weights GB (a)", "weights GB (s)", "KV GB", "act GB", "TFLOP",
-                "(c) ms", "bound", "(a)/(c)", "(s)/(c)", "(b)/(c)", "(b) no split-K/(c)", "(a) scan floor ms",
-                "(s) scan floor ms"]
+STEP_HEADERS = ["point", "weights GB (c, b)", "weights GB (a)", "KV GB", "act GB", "TFLOP", "(c) ms", "bound",
+                "(a) ms", "(b) ms", "(b) no split-K ms", "(a)/(c)", "(b)/(c)", "(b) no split-K/(c)",
+                "(a) scan floor ms"]
 
 
 def measured_rows(dev, fmt, tiling) -> list[list]:
@@ -77,13 +71,11 @@ def main(argv):
   del argv
   dev = step_cost.DEVICES[FLAGS.device]
   fmt = step_cost.Formats(experts=FLAGS.experts, kv=FLAGS.kv, compute=FLAGS.compute)
-  tiling = step_cost.Tiling(tile_tokens=FLAGS.tile, rows=FLAGS.rows, expert_rows=FLAGS.expert_rows)
+  tiling = step_cost.Tiling(tile_tokens=FLAGS.tile)
   print(f"{dev.name}: HBM {dev.hbm_bytes_per_s / 1e12:.2f} TB/s, {fmt.compute} matmuls at "
         f"{dev.peak(fmt.compute) / 1e12:.0f} TFLOP/s ({dev.matmul_efficiency:.0%} of spec), {dev.num_sms} SMs; "
-        f"experts {fmt.experts}, KV {fmt.kv}. (s) the engine's single pass with XLA row blocks ({tiling.rows} "
-        f"tokens, {tiling.expert_rows} expert pairs), (a) the tiled step (the engine's previous design, tile "
-        f"{tiling.tile_tokens}), (b) the target: the single pass with fixed-blocking kernels (fixed split-K), (c) "
-        f"plain step.")
+        f"experts {fmt.experts}, KV {fmt.kv}, tile {tiling.tile_tokens}. (a) tiled step, (b) row-invariant step "
+        f"(fixed split-K), (c) plain step.")
   for name in FLAGS.models:
     cfg = get_preset(name)
     print_table(STEP_HEADERS, step_rows(cfg, dev, fmt, tiling), title=f"{name}: one step, roofline")

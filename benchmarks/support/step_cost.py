@@ -1,32 +1,18 @@
 """A roofline cost model of one engine step at real width (V4-Flash, V4.1-Flash) on a described GPU.
 
-Four step designs, each costed from the bytes it must move and the FLOPs it must do:
+Three step designs, each costed from the bytes it must move and the FLOPs it must do:
 
-* `single_pass_xla`: the invariant step the engine runs (dsv4/layers/row_invariant.py): every live token through
-  each layer once, its per-token ops row-invariant through XLA: every per-token segment (mHC coefficients,
-  collapses, expansions and norms, attention and indexer projections, compressor projections, attention cores,
-  output projection, router, shared expert, final collapse and norm) in fixed blocks of `Tiling.rows` live tokens,
-  one call per block at one shape in a device loop over the live blocks, so each dense weight is read once per
-  block; the routed experts grouped: token-expert pairs sorted by expert, each expert's pairs cut into blocks of
-  `Tiling.expert_rows`, one [expert_rows, D] x [D, I] product per live block with that block's expert's weights
-  (each expert's weights read once per block of its own pairs, padded FLOPs counted). The blocks of a loop run one
-  after another, each a call of its own shape's occupancy; a call at one fixed shape may split its reduction as
-  the library picks for that shape (one shape, one choice). Attention cores read their KV per block of queries (a
-  prefill chunk's shared reads, index keys, HCA entries, compressed rows, once per block, as the tiled step does
-  per tile), in the fixed key pieces of `invariant` (the XLA loops over 64-entry blocks are taken to use the
-  machine as those pieces do). Compressors fold token by token over the live tokens (`StepCost.scan_steps`).
-* `tiled`: the engine's previous invariant step: the step's flat token axis in tiles of 64 tokens, each tile a
-  pass of its own through the whole model, so every tile reads every weight it touches again, and the KV a row's
-  queries share (index keys, HCA entries, a prefill's compressed rows) once per tile.
-* `invariant_splitk` and `invariant`: the target for the engine's single pass on a GPU, with fixed-blocking
-  kernels: every token through each layer once (weights read once per step) with kernels whose per-row reduction
-  order does not depend on the row count: matmuls with one tiling per weight, a grouped expert matmul with fixed
-  16-row blocks (each expert's rows padded up to the block: padded FLOPs counted), attention split into fixed
-  64-key pieces and the indexer into fixed 256-entry chunks (a token's pieces and their merge order follow its
-  keys, not the batch), compressors reduced per entry in parallel. `invariant_splitk` cuts each matmul's reduction
-  into fixed 256-wide pieces summed in a fixed order: whether the pieces of one output tile run in parallel CTAs
-  or one after another in one CTA does not change a bit, so that choice may follow the batch. `invariant` never
-  splits the reduction (few rows then leave SMs idle).
+* `tiled`: the invariant step the engine runs today (dsv4/engine/tiles.py): the step's flat token axis in tiles of
+  64 tokens, each tile a pass of its own through the whole model, so every tile reads every weight it touches
+  again, and the KV a row's queries share (index keys, HCA entries, a prefill's compressed rows) once per tile.
+* `invariant_splitk` and `invariant`: a row-invariant step: every token through each layer once (weights read
+  once per step) with kernels whose per-row reduction order does not depend on the row count: matmuls with one
+  tiling per weight, a grouped expert matmul with fixed 16-row blocks (each expert's rows padded up to the block:
+  padded FLOPs counted), attention split into fixed 64-key pieces and the indexer into fixed 256-entry chunks (a
+  token's pieces and their merge order follow its keys, not the batch), compressors reduced per entry in parallel.
+  `invariant_splitk` cuts each matmul's reduction into fixed 256-wide pieces summed in a fixed order: whether the
+  pieces of one output tile run in parallel CTAs or one after another in one CTA does not change a bit, so that
+  choice may follow the batch. `invariant` never splits the reduction (few rows then leave SMs idle).
 * `plain`: a non-invariant step: the same single pass with free split-K / split-KV chosen per call, no padding.
 
 Every op's time is max(bytes / (HBM x occupancy), FLOPs / (peak x efficiency x occupancy)), occupancy =
@@ -42,9 +28,8 @@ E * (1 - (1 - k/E)^T) of them; the row counts per expert are binomial), decode r
 a prefill chunk of C tokens is one row whose last token sits at the stated context. Weights are the stored
 checkpoint formats (`benchmarks.sizing.stored_bytes_per_param` over `dsv4.model.param_shapes`: MXFP4 experts, FP8
 projections, bf16 / fp32 rest), computed at the bf16 (or FP8) tensor-core rate. What is left out: kernel launch and
-host gaps (the single pass's block loops run many small calls in sequence), communication, the sampler, and the
-dependent compressor fold steps of the tiled step and the single pass (reported on their own, `StepCost.scan_steps`,
-as they are latency, not bytes).
+host gaps, communication, the sampler, and the tiled step's dependent compressor scan steps (reported on their own,
+`StepCost.scan_steps`, as they are latency, not bytes).
 
 docs/engine.md (Cost at real width) has the table and how to read it.
 """
@@ -60,9 +45,8 @@ import numpy as np
 
 from dsv4.config import LayerPlan, ModelConfig
 
-Design = Literal["tiled", "single_pass_xla", "invariant", "invariant_splitk", "plain"]
-DESIGNS: tuple[Design, ...] = ("tiled", "single_pass_xla", "invariant", "invariant_splitk", "plain")
-FIXED_PIECES = ("invariant", "invariant_splitk", "single_pass_xla")   # attention / indexer in fixed pieces
+Design = Literal["tiled", "invariant", "invariant_splitk", "plain"]
+DESIGNS: tuple[Design, ...] = ("tiled", "invariant", "invariant_splitk", "plain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +98,7 @@ class Tiling:
   (also the grouped experts' fixed row block); `plain_block_k`: the finest reduction piece a plain split-K uses;
   `fixed_k_split`: the invariant split-K's fixed piece; `key_split` / `plain_key_block`: keys per attention piece
   (invariant: fixed by position; plain: the finest split-KV); `index_chunk` / `plain_index_chunk`: index keys per
-  indexer piece; `tile_tokens`: the tiled step's tile; `rows` / `expert_rows`: the single pass's row blocks (the
-  engine's `RowBlocking.rows` / `RowBlocking.expert_rows`)."""
+  indexer piece; `tile_tokens`: the tiled step's tile."""
   block_m: int = 64
   block_n: int = 128
   expert_block_m: int = 16
@@ -126,8 +109,6 @@ class Tiling:
   index_chunk: int = 256
   plain_index_chunk: int = 128
   tile_tokens: int = 64
-  rows: int = 32
-  expert_rows: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +158,6 @@ class LayerWeights:
   matmuls: tuple[Matmul, ...]     # dense projections: read once per pass
   expert_bytes: float             # one routed expert (w1 + w3 + w2)
   shared_bytes: float             # the shared expert(s)
-  shared_matmuls: tuple[Matmul, ...]   # the shared expert as projections (w1, w3, w2): the single pass's form
   n_experts: int
   top_k: int
   inter: int                      # expert width
@@ -218,14 +198,12 @@ def model_weights(cfg: ModelConfig, fmt: Formats = Formats()) -> ModelWeights:
   for plan, tree in zip(cfg.layer_plan(), shapes["layers"]):
     matmuls, other, lookup = [], 0.0, 0.0
     expert = shared = 0.0
-    shared_mms = []
     for names, spec in leaves(tree):
       b = stored(names, spec)
       if "experts" in names:
         expert += b / cfg.moe.n_routed_experts
       elif "shared" in names:
         shared += b
-        shared_mms.append(Matmul("/".join(names), spec.shape[-2], spec.shape[-1], 1, b))
       elif names[-1] == "tid2eid":
         lookup += b / spec.shape[0]
       elif names[-2:] == ["engram", "embed"]:
@@ -235,7 +213,7 @@ def model_weights(cfg: ModelConfig, fmt: Formats = Formats()) -> ModelWeights:
         matmuls.append(Matmul("/".join(names), spec.shape[-2], spec.shape[-1], groups, b))
       else:
         other += b
-    layers.append(LayerWeights(plan, tuple(matmuls), expert, shared, tuple(shared_mms), cfg.moe.n_routed_experts,
+    layers.append(LayerWeights(plan, tuple(matmuls), expert, shared, cfg.moe.n_routed_experts,
                                cfg.moe.num_experts_per_tok, cfg.moe.intermediate_size, other, lookup))
   D, V = cfg.hidden_size, cfg.vocab_size
   lm = shapes["lm_head"]
@@ -255,7 +233,6 @@ def model_weights(cfg: ModelConfig, fmt: Formats = Formats()) -> ModelWeights:
 class Tally:
   """Running totals of one step: bytes by kind, FLOPs, time (and the part of it spent in memory-bound ops)."""
   weight_bytes: float = 0.0
-  expert_weight_bytes: float = 0.0   # of weight_bytes: the routed experts'
   kv_bytes: float = 0.0
   act_bytes: float = 0.0
   flops: float = 0.0
@@ -269,12 +246,6 @@ class Tally:
         setattr(self, f.name, getattr(self, f.name) + getattr(t, f.name))
     for k, v in (t.parts.items() if part is None else [(part, t.time_s)]):
       self.parts[k] = self.parts.get(k, 0.0) + v
-
-  def scaled(self, n: float) -> "Tally":
-    """n calls of this one in sequence (every total and part times n)."""
-    out = Tally(**{f.name: getattr(self, f.name) * n for f in dataclasses.fields(self) if f.name != "parts"})
-    out.parts = {k: v * n for k, v in self.parts.items()}
-    return out
 
 
 def op_time(dev: DeviceSpec, compute: str, bytes_: float, flops: float, programs: float,
@@ -337,7 +308,7 @@ def _experts(dev, fmt, tiling, design, lw: LayerWeights, tokens: int, D: int) ->
   rows = routes + tokens                                      # the shared expert: every token
   padded_rows = row_blocks * bm if design in ("invariant", "invariant_splitk") else rows
   wbytes = touched * lw.expert_bytes + lw.shared_bytes
-  out = Tally(weight_bytes=wbytes, expert_weight_bytes=touched * lw.expert_bytes)
+  out = Tally(weight_bytes=wbytes)
   I = lw.inter
   for K, N, share in ((D, 2 * I, 2 / 3), (I, D, 1 / 3)):     # w1|w3 fused, then w2
     tiles = row_blocks * math.ceil(N / tiling.block_n)
@@ -348,23 +319,6 @@ def _experts(dev, fmt, tiling, design, lw: LayerWeights, tokens: int, D: int) ->
     t, moved, mem = op_time(dev, fmt.compute, wbytes * share + act, flops, tiles, pieces, 8.0 * rows * N)
     out.add(Tally(act_bytes=moved - wbytes * share, flops=flops, time_s=t, mem_bound_s=t if mem else 0))
   return out
-
-
-def _expert_blocks(dev, fmt, tiling, lw: LayerWeights, tokens: int, D: int) -> Tally:
-  """The single pass's routed experts: one [expert_rows, D] x [D, I] SwiGLU product per live block of an expert's
-  pairs with that expert's weights, the blocks in sequence (E[sum over experts of ceil(pairs / expert_rows)] of
-  them; a block's padding rows cost their FLOPs). The shared expert is not here: it runs in the row blocks."""
-  bm = tiling.expert_rows
-  one = Tally(weight_bytes=lw.expert_bytes, expert_weight_bytes=lw.expert_bytes)
-  I = lw.inter
-  for K, N, share in ((D, 2 * I, 2 / 3), (I, D, 1 / 3)):     # w1|w3 fused, then w2
-    tiles = math.ceil(bm / tiling.block_m) * math.ceil(N / tiling.block_n)
-    act = 2.0 * bm * (K + N)
-    flops = 2.0 * bm * K * N
-    t, moved, mem = op_time(dev, fmt.compute, lw.expert_bytes * share + act, flops, tiles,
-                            max(1, K // tiling.plain_block_k), 8.0 * bm * N)
-    one.add(Tally(act_bytes=moved - lw.expert_bytes * share, flops=flops, time_s=t, mem_bound_s=t if mem else 0))
-  return one.scaled(expected_row_blocks(lw.n_experts, lw.top_k, tokens, bm))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -403,7 +357,7 @@ def _attention_layer(dev, fmt, tiling, design, cfg: ModelConfig, plan: LayerPlan
   att_bytes = rows * (uniq_win + uniq_comp) * kv_row
   att_act = rows * nq * H * d * 2 * 2                         # q in, o out (bf16)
   att_flops = rows * float(np.sum(win_q + comp_q)) * 2 * H * 2 * d
-  split = tiling.key_split if design in FIXED_PIECES else tiling.plain_key_block
+  split = tiling.key_split if design in ("invariant", "invariant_splitk") else tiling.plain_key_block
   t, moved, mem = op_time(dev, fmt.compute, att_bytes + att_act, att_flops, rows * nq,
                           max(1, math.ceil(keys_last / split)), rows * nq * 2 * 4.0 * H * (d + 2))
   out.add(Tally(kv_bytes=att_bytes, act_bytes=moved - att_bytes, flops=att_flops, time_s=t,
@@ -414,7 +368,7 @@ def _attention_layer(dev, fmt, tiling, design, cfg: ModelConfig, plan: LayerPlan
     ib = rows * uniq_index * idx_row
     iact = rows * nq * (ix.num_heads * ix.head_dim * 2 + ix.num_heads * 4)   # q and head weights in
     iflops = rows * float(np.sum(index_q)) * 2 * ix.num_heads * ix.head_dim
-    chunk = tiling.index_chunk if design in FIXED_PIECES else tiling.plain_index_chunk
+    chunk = tiling.index_chunk if design in ("invariant", "invariant_splitk") else tiling.plain_index_chunk
     t, moved, mem = op_time(dev, fmt.compute, ib + iact, iflops, rows * nq,
                             max(1, math.ceil(int(index_q[-1]) / chunk)),
                             rows * nq * 2 * 8.0 * min(chunk, ix.topk))
@@ -437,7 +391,7 @@ def _attention_layer(dev, fmt, tiling, design, cfg: ModelConfig, plan: LayerPlan
 
 
 def pooling_compressors(cfg: ModelConfig) -> int:
-  """Compressors that fold a running pool (ratio > 1): the tiled step and the single pass fold token by token."""
+  """Compressors that fold a running pool (ratio > 1): the tiled step scans each token by token."""
   n = 0
   for plan in cfg.layer_plan():
     if plan.has_compressor and plan.ratio > 1:
@@ -448,50 +402,27 @@ def pooling_compressors(cfg: ModelConfig) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 # A pass (every token once through the model) and a step
 
-def row_blocks(rows: int, pos: np.ndarray, block: int) -> list[tuple[int, np.ndarray]]:
-  """The single pass's blocks of `block` live tokens over `rows` rows x queries at `pos` (one query per row, or
-  one row of queries): (rows, positions) of each."""
-  if len(pos) == 1:
-    return [(min(block, rows - r), pos) for r in range(0, rows, block)]
-  assert rows == 1, "a pass holds decode rows of one query or one prefill row"
-  return [(1, pos[o:o + block]) for o in range(0, len(pos), block)]
-
-
 def pass_cost(cfg: ModelConfig, w: ModelWeights, dev: DeviceSpec, fmt: Formats, tiling: Tiling, design: Design,
               rows: int, pos: np.ndarray, matmul_rows: int | None = None) -> Tally:
   """One pass of `rows` rows x queries at `pos` through every layer (no LM head). `matmul_rows`: the rows the
-  dense matmuls run at (the tiled step's fixed tile; default the live tokens). The single pass (`single_pass_xla`)
-  runs its per-token ops per block of `tiling.rows` live tokens, the blocks in sequence, and its routed experts in
-  blocks of an expert's pairs."""
+  dense matmuls run at (the tiled step's fixed tile; default the live tokens)."""
   tokens = rows * len(pos)
-  xla = design == "single_pass_xla"
-  blocks = math.ceil(tokens / tiling.rows) if xla else 1     # calls per per-token op; each reads its weights
-  M = tiling.rows if xla else (matmul_rows or tokens)
+  M = matmul_rows or tokens
   D = cfg.hidden_size
   n = cfg.mhc.hc_mult
   out = Tally(act_bytes=tokens * w.embed_row_bytes)
   for lw in w.layers:
     for m in lw.matmuls:
-      out.add(_matmul(dev, fmt, tiling, design, m, M).scaled(blocks), "projections")
-    if xla:
-      shared = Tally()
-      for m in lw.shared_matmuls:
-        shared.add(_matmul(dev, fmt, tiling, design, m, M).scaled(blocks))
-      out.add(shared, "experts")
-      out.add(_expert_blocks(dev, fmt, tiling, lw, tokens, D), "experts")
-      for r, p in row_blocks(rows, pos, tiling.rows):
-        out.add(_attention_layer(dev, fmt, tiling, design, cfg, lw.plan, r, p))
-    else:
-      out.add(_experts(dev, fmt, tiling, design, lw, tokens, D), "experts")
-      out.add(_attention_layer(dev, fmt, tiling, design, cfg, lw.plan, rows, pos))
-    # norms, biases etc. once per pass (per block in the single pass); lookups per token; the mHC streams (fp32)
-    # read and written per sublayer
-    misc = lw.other_bytes * blocks + tokens * lw.lookup_row_bytes
+      out.add(_matmul(dev, fmt, tiling, design, m, M), "projections")
+    out.add(_experts(dev, fmt, tiling, design, lw, tokens, D), "experts")
+    out.add(_attention_layer(dev, fmt, tiling, design, cfg, lw.plan, rows, pos))
+    # norms, biases etc. once per pass; lookups per token; the mHC streams (fp32) read and written per sublayer
+    misc = lw.other_bytes + tokens * lw.lookup_row_bytes
     act = tokens * 2 * 2 * n * D * 4
     t, _, _ = op_time(dev, fmt.compute, misc + act, 0.0, dev.num_sms)     # elementwise: spread over the machine
     out.add(Tally(weight_bytes=misc, act_bytes=act, time_s=t, mem_bound_s=t), "streams")
   for m in w.top_matmuls:
-    out.add(_matmul(dev, fmt, tiling, design, m, M).scaled(blocks), "projections")
+    out.add(_matmul(dev, fmt, tiling, design, m, M), "projections")
   return out
 
 
@@ -501,7 +432,7 @@ class StepCost:
   point: Point
   tally: Tally
   passes: int            # passes through the model (tiles for the tiled step)
-  scan_steps: int        # dependent compressor fold steps (tiled step, single pass; latency, not in time_s)
+  scan_steps: int        # dependent compressor fold steps (tiled step only; latency, not in time_s)
 
   @property
   def time_s(self) -> float:
@@ -542,9 +473,7 @@ def step_cost(cfg: ModelConfig, point: Point, design: Design, dev: DeviceSpec = 
   # logits once per step at each row's last token (the fixed [rows, D] shape in every design)
   total.add(_matmul(dev, fmt, tiling, "plain" if design == "tiled" else design, w.lm_head, point.logit_rows),
             "lm head")
-  # the compressors' folds: one dependent step per token per pooling compressor (every tile's width for the tiled
-  # step, the live tokens for the single pass); the other designs reduce an entry's tokens in parallel
-  scan = {"tiled": len(passes) * T, "single_pass_xla": point.batch}.get(design, 0) * pooling_compressors(cfg)
+  scan = len(passes) * T * pooling_compressors(cfg) if design == "tiled" else 0
   return StepCost(design, point, total, len(passes), scan)
 
 

@@ -1,5 +1,5 @@
 """The step cost model at real width (benchmarks/support/step_cost.py, benchmarks/step_roofline.py): hand-counted
-bytes on the tiny V4, the invariants the designs must keep at V4-Flash width, and the script's table."""
+bytes on the tiny V4, the invariants the three designs must keep at V4-Flash width, and the script's table."""
 
 import math
 
@@ -78,45 +78,6 @@ def test_tiny_decode_weights_by_hand():
   assert got == pytest.approx(want)
 
 
-def _dense_bytes(w) -> float:
-  """What a pass reads once whatever its tokens: every dense projection, the shared experts, norms and biases."""
-  return sum(sum(m.bytes for m in lw.matmuls) + lw.shared_bytes + lw.other_bytes for lw in w.layers) + sum(
-      m.bytes for m in w.top_matmuls)
-
-
-def test_tiny_single_pass_by_hand():
-  """The single pass with XLA row blocks on the tiny V4 (D 64, expert width 32, 8 experts, top-2): dense weights
-  once per block of 32 live tokens, each expert's once per block of its own pairs, folds per live token."""
-  cfg = v4_tiny()
-  w = sc.model_weights(cfg)
-  D, I = 64, 32
-  lw = w.layers[0]
-  assert sum(m.bytes for m in lw.shared_matmuls) == pytest.approx(lw.shared_bytes)
-  experts = sum(lw.expert_bytes for lw in w.layers)
-  lookups = sum(lw.lookup_row_bytes for lw in w.layers)
-  # one token: its 2 experts one block each (8 rows, 7 of them padding), FLOPs 2 x 8 x (D x 2I + I x D) a block
-  one = sc._expert_blocks(sc.H200, sc.Formats(), sc.Tiling(), lw, 1, D)
-  assert one.expert_weight_bytes == pytest.approx(2 * lw.expert_bytes)
-  assert one.flops == pytest.approx(2 * 2 * 8 * (D * 2 * I + I * D))
-  # 40 decode rows: 2 row blocks (32 + 8); blocks of one pair: 40 x 2 expert reads
-  t1 = sc.Tiling(expert_rows=1)
-  got = sc.step_cost(cfg, sc.Point("decode", 40, 100), "single_pass_xla", tiling=t1, weights=w)
-  assert [r for r, _ in sc.row_blocks(40, np.array([99]), 32)] == [32, 8]
-  assert got.tally.expert_weight_bytes == pytest.approx(80 * experts)
-  assert got.tally.weight_bytes == pytest.approx(2 * _dense_bytes(w) + 80 * experts + 40 * lookups
-                                                 + w.lm_head.bytes)
-  assert got.passes == 1 and got.scan_steps == 40 * sc.pooling_compressors(cfg)
-  # a prefill chunk of 100 tokens: blocks of 32, 32, 32, 4 positions, each attending on its own
-  blocks = sc.row_blocks(1, np.arange(100, 200), 32)
-  assert [len(p) for _, p in blocks] == [32, 32, 32, 4] and blocks[3][1].tolist() == [196, 197, 198, 199]
-  got = sc.step_cost(cfg, sc.Point("prefill", 100, 200), "single_pass_xla", weights=w)
-  assert got.tally.weight_bytes == pytest.approx(4 * _dense_bytes(w) + sc.expected_row_blocks(8, 2, 100, 8) * experts
-                                                 + 100 * lookups + w.lm_head.bytes)
-  # the tiled step folds every token of its 64-token tiles; the single pass the live ones
-  tiled = sc.step_cost(cfg, sc.Point("prefill", 100, 200), "tiled", weights=w)
-  assert tiled.scan_steps == 128 * sc.pooling_compressors(cfg) and got.scan_steps == 100 * sc.pooling_compressors(cfg)
-
-
 POINTS = [sc.Point("decode", b, c) for c in (8192, 65536) for b in sc.DECODE_BATCHES] + [
     sc.Point("prefill", 512, 8192)]
 
@@ -151,24 +112,6 @@ def test_designs_keep_their_invariants_at_flash_width(flash):
     b64, b128 = sc.Point("decode", 64, c), sc.Point("decode", 128, c)
     assert res[b64, "tiled"].tally.weight_bytes == pytest.approx(res[b64, "plain"].tally.weight_bytes)
     assert res[b128, "tiled"].passes == 2
-
-
-def test_single_pass_keeps_its_invariants_at_flash_width(flash):
-  cfg, w = flash
-  dense = _dense_bytes(w)
-  lookups = sum(lw.lookup_row_bytes for lw in w.layers)
-  tiling = sc.Tiling()
-  for p in [sc.Point("decode", b, 8192) for b in (1, 8, 40, 128)] + [sc.Point("prefill", 512, 8192)]:
-    s = sc.step_cost(cfg, p, "single_pass_xla", weights=w).tally
-    fixed = s.weight_bytes - s.expert_weight_bytes - p.batch * lookups - w.lm_head.bytes
-    assert fixed == pytest.approx(math.ceil(p.batch / tiling.rows) * dense)
-    if p.kind == "prefill":     # blocks of an expert's pairs never read more than one read per touched expert a tile
-      assert s.expert_weight_bytes <= sc.step_cost(cfg, p, "tiled", weights=w).tally.expert_weight_bytes
-  # one row block and at most expert_rows pairs per expert: the single pass reads what one plain pass reads
-  for p, t in ((sc.Point("decode", 1, 8192), tiling), (sc.Point("decode", 8, 8192), tiling),
-               (sc.Point("decode", 32, 8192), sc.Tiling(expert_rows=32))):
-    s = sc.step_cost(cfg, p, "single_pass_xla", tiling=t, weights=w)
-    assert s.tally.weight_bytes == pytest.approx(sc.step_cost(cfg, p, "plain", weights=w).tally.weight_bytes)
 
 
 def test_the_issue_counts(flash):
