@@ -137,6 +137,7 @@ def test_reload_gate_mooncake(world, request):
   """The second L4 backend: engine A's records (same bytes, same keys) placed in Mooncake Store, then a fresh
   engine whose only tier is Mooncake resumes the conversation from it. Runs in a child process (its own world), so
   Mooncake's client never loads into a pytest worker (tests/isolation.py)."""
+  require_server("mooncake")                        # here, not in the child: a skip there reads as a failure
   if run_in_child(request):
     return
   mooncake_server = request.getfixturevalue("mooncake_server")
