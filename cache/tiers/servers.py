@@ -101,7 +101,8 @@ def unavailable(kind: str) -> str | None:
 
 def mooncake_client_unavailable(error: BaseException) -> str:
   """One line for an ImportError of Mooncake's Python client: a missing system library, or the package itself."""
-  lib = _missing_library(f"error while loading shared libraries: {error}") if ".so" in str(error) else None
+  m = re.match(r"([^:\s]+\.so[.\d]*):", str(error))   # "libibverbs.so.1: cannot open shared object file: ..."
+  lib = m.group(1) if m else None
   if lib:
     return (f"the mooncake tier's client cannot load: the system library {lib} is missing "
             f"({_IBVERBS_HINT.get(lib, 'install the system package that provides it')})")
