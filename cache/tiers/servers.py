@@ -184,25 +184,29 @@ class MooncakeServer:
     if port:
       _check_free(port)
     env = env_with_loopback()
-    self.rpc, self.http, cport = port or free_port(), free_port(), free_port()
+    # Every port private: the master's admin / metrics server defaults to 0.0.0.0:9003, so a second master on the
+    # machine (another test process, another user) would exit at start with "Address already in use".
+    self.rpc, self.http, metrics, cport = port or free_port(), free_port(), free_port(), free_port()
     self.log = tempfile.mkdtemp(prefix="dsv4-mooncake-")
     self.meta = f"http://127.0.0.1:{self.http}/metadata"
     with open(os.path.join(self.log, "master.log"), "w") as log:   # the child keeps its own copy of the fd
       self.master = _start(
           ["mooncake_master", f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-           f"--http_metadata_server_port={self.http}"], env=env, stdout=log, stderr=subprocess.STDOUT,
+           f"--http_metadata_server_port={self.http}", "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"],
+          env=env, stdout=log, stderr=subprocess.STDOUT,
           start_new_session=own_session)
     self.client = None
     try:
-      _wait_port(self.rpc)
-      _wait_port(self.http)
+      master_log = os.path.join(self.log, "master.log")
+      _wait_port(self.rpc, proc=self.master, log=master_log)
+      _wait_port(self.http, proc=self.master, log=master_log)
       with open(os.path.join(self.log, "client.log"), "w") as log:
         self.client = _start(
             ["mooncake_client", "--host=127.0.0.1", f"--port={cport}", f"--master_server_address=127.0.0.1:{self.rpc}",
              f"--metadata_server={self.meta}", f"--global_segment_size={segment}", "--local_buffer_size=16MB",
              "--protocol=tcp"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=own_session)
-      _wait_port(cport)
+      _wait_port(cport, proc=self.client, log=os.path.join(self.log, "client.log"))
     except BaseException:      # a failed start or Ctrl-C: the caller never gets the object, so stop it here
       self.stop()
       raise
@@ -224,15 +228,31 @@ class MooncakeServer:
     self.stop()
 
 
-def _wait_port(port: int, timeout_s: float = 15.0) -> None:
+def _wait_port(port: int, timeout_s: float = 15.0, proc: subprocess.Popen | None = None, log: str | None = None) -> None:
+  """Until something listens on the port. A server that exits first is reported at once with its log's last error
+  line, never after the whole timeout."""
   t0 = time.monotonic()
   while time.monotonic() - t0 < timeout_s:
+    if proc is not None and proc.poll() is not None:
+      raise RuntimeError(f"{proc.args[0]} exited (code {proc.returncode}) before listening on 127.0.0.1:{port}"
+                         f"{_last_error(log)}")
     try:
       with socket.create_connection(("127.0.0.1", port), timeout=0.2):
         return
     except OSError:
       time.sleep(0.05)
-  raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout_s} s")
+  raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout_s} s{_last_error(log)}")
+
+
+def _last_error(log: str | None) -> str:
+  """': <the log's last error line>' (glog 'E' / 'F' lines first), or '' without a log."""
+  if not log or not os.path.exists(log):
+    return ""
+  with open(log, errors="replace") as f:
+    lines = [ln.strip() for ln in f if ln.strip()]
+  errors = [ln for ln in lines if ln[:1] in "EF" and ln[1:5].isdigit()]
+  last = (errors or lines or [""])[-1]
+  return f": {last}" if last else ""
 
 
 def _check_free(port: int) -> None:
