@@ -45,7 +45,7 @@ def main(argv):
   del argv
   from dsv4 import config
   from dsv4 import model
-  from dsv4.engine.engine import EngineConfig
+  from dsv4.engine.config import EngineConfig
   cfg = config.get_preset(FLAGS.preset)
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   n, L, T = FLAGS.requests, FLAGS.prompt_len, FLAGS.max_tokens

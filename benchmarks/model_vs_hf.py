@@ -33,9 +33,9 @@ from benchmarks.support.configs import WIDE_HF, wide_config
 from benchmarks.support.table import print_table
 from benchmarks.support.timing import best_time, median_time, xla_cost
 from dsv4 import caches, model
-from dsv4.layers import moe
 from dsv4 import config
-from dsv4.loading import load_checkpoint
+from dsv4.layers import moe
+from dsv4.loading.safetensors_io import load_checkpoint
 from tests.dsv4 import oracle_util
 
 flags.DEFINE_list("configs", ["tiny", "wide"], "Which configurations to run.")

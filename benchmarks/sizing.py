@@ -82,7 +82,7 @@ def param_table(cfg, mesh, rules):
   import jax
   import numpy as np
 
-  from dsv4 import model, sharding
+  from dsv4 import mesh_context, model, sharding
   shapes = model.param_shapes(cfg)
   specs = sharding.param_specs(cfg, mesh, rules)
   total = per_dev = 0.0
@@ -95,7 +95,7 @@ def param_table(cfg, mesh, rules):
     div = 1
     for entry in spec:
       for a in ((entry,) if isinstance(entry, str) else (entry or ())):
-        div *= sharding.axis_size(mesh, a)
+        div *= mesh_context.axis_size(mesh, a)
     if names[-2:] == ["engram", "embed"] and div == 1:
       # A table whose row count does not divide the devices is padded to a multiple (padding rows are never
       # hashed to), then split like the others.
@@ -139,9 +139,9 @@ def pool_bytes(cfg, layout, mesh, rules, n_swa: int, n_full: int, over_data: boo
   split over it by their block axis (block counts rounded up to a multiple of the data size)."""
   import numpy as np
 
-  from dsv4 import caches, sharding
+  from dsv4 import caches, mesh_context, sharding
   if over_data:
-    d = sharding.axis_size(mesh, "data")
+    d = mesh_context.axis_size(mesh, "data")
     n_swa, n_full = -(-n_swa // d) * d, -(-n_full // d) * d
     rules = sharding.pools_over_data_rules(rules)
   total = per_dev = 0.0
@@ -149,7 +149,7 @@ def pool_bytes(cfg, layout, mesh, rules, n_swa: int, n_full: int, over_data: boo
     n = n_swa if s.group == caches.SWA else n_full
     b = float(n) * s.bytes_per_block
     spec = sharding.spec_for(sharding.cache_logical_axes(s), (n, *s.block_shape), mesh, rules)
-    div = np.prod([sharding.axis_size(mesh, a) for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))])
+    div = np.prod([mesh_context.axis_size(mesh, a) for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))])
     total += b
     per_dev += b / div
   return total, per_dev
@@ -359,7 +359,7 @@ def main():
   import jax
   import jax.numpy as jnp
 
-  from dsv4 import caches, sharding
+  from dsv4 import caches, mesh_context, sharding
   from dsv4.config import get_preset
   rules = sharding.Rules(kv_latent=args.kv_latent)
   layout = caches.CacheLayout(kv_dtype=jnp.dtype(args.kv_dtype))
@@ -376,7 +376,7 @@ def main():
           f"fits? / fits/D? (budget {budget:.0f} GB)")
     for mi, mspec in enumerate(args.meshes.split(";")):
       mesh = sharding.make_mesh(mspec)
-      shape = tuple(sharding.axis_size(mesh, a) for a in sharding.AXES)
+      shape = tuple(mesh_context.axis_size(mesh, a) for a in sharding.AXES)
       total_p, dev_p, cats = param_table(cfg, mesh, rules)
       total_kv, dev_kv = pool_bytes(cfg, layout, mesh, rules, n_swa, n_full)
       _, dev_p_d, _ = param_table(cfg, mesh, sharding.pools_over_data_rules(rules))

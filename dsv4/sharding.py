@@ -38,8 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dsv4 import caches, model
 from dsv4.config import ModelConfig
-# the model's mesh hooks, here too so one module holds the whole mesh API
-from dsv4.mesh_context import active_mesh, axis_size, constrain_batch, manual_axes  # noqa: F401
+from dsv4.mesh_context import axis_size
 
 AXES = ("data", "tensor", "expert")
 

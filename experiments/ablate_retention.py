@@ -329,7 +329,8 @@ def load_model(note=print):
 def verify_engine(intervals=(0, 128), seed: int = 0) -> list[dict]:
   """Runs a small doc_branch trace through the real Engine; the manager replay (same answers) must agree."""
   from cache.manager import KVCacheManager
-  from dsv4.engine.engine import Engine, EngineConfig
+  from dsv4.engine.config import EngineConfig
+  from dsv4.engine.engine import Engine
   from dsv4.engine.sampling import SamplingParams
   config, params, source = load_model(logging.info)
   V = config.vocab_size

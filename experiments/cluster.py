@@ -50,7 +50,7 @@ def loader(model: str):
 
 
 def engine_config():
-  from dsv4.engine.engine import EngineConfig
+  from dsv4.engine.config import EngineConfig
   return EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, chunk_size=128, max_model_len=1024,
                       num_full_blocks=24, num_swa_blocks=64)
 

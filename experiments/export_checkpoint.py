@@ -88,7 +88,7 @@ def export(model: str, out: str, *, force: bool = False, shard_bytes: int | None
   """Write the release-format directory `out` for the shipped model `model` (a name under experiments/checkpoints
   or a directory written by experiments.train). Returns `out`."""
   from dsv4.loading.config_json import config_to_dict
-  from dsv4.loading.safetensors_io import save_checkpoint
+  from dsv4.loading.safetensors_write import save_checkpoint
   from experiments import tasks, train_lib
   directory = model if os.path.isdir(model) else os.path.join(train_lib.CHECKPOINT_ROOT, model)
   if not os.path.isdir(directory):

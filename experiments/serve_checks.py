@@ -122,7 +122,7 @@ def _check_drafts(o: ServeOptions) -> None:
     from dsv4.config import ConfigError
     from dsv4.loading.config_json import read_config
     from dsv4.loading.pretrained import declared_mtp_blocks_stored
-    from dsv4.loading.safetensors_io import CheckpointError
+    from dsv4.loading.safetensors_file import CheckpointError
     try:                             # config.json and the shards' headers only
       cfg, info = read_config(o.checkpoint, strict=False)
       stored = declared_mtp_blocks_stored(o.checkpoint, cfg, info)

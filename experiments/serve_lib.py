@@ -25,8 +25,7 @@ from experiments.serve_model import ModelLoadError, load_model, load_tokenizer, 
     quiet_closed_loop_callbacks
 from experiments.serve_options import ServeOptions
 
-__all__ = ["run", "ServeError", "FlagError", "ModelLoadError", "TierFatal", "TierWatch", "engine_config",
-           "init_devices", "make_workload"]
+__all__ = ["run", "TierFatal", "TierWatch", "engine_config", "init_devices", "make_workload"]
 
 
 class TierFatal(ServeError):
@@ -75,7 +74,7 @@ def engine_config(o: ServeOptions, model_name: str, params, tier_kinds: list[str
   import jax.numpy as jnp
 
   from dsv4 import caches
-  from dsv4.engine.tiering import TieringConfig
+  from dsv4.engine.tiering_config import TieringConfig
   ec = o.engine
   kv_dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp8": caches.FP8}[o.kv_dtype]
   return dataclasses.replace(

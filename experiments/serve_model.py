@@ -61,7 +61,7 @@ def load_model(model: str, checkpoint: str = "", preset: str = "v4_tiny", seed: 
   import numpy as np
 
   from dsv4.config import ConfigError, get_preset
-  from dsv4.loading.safetensors_io import CheckpointError
+  from dsv4.loading.safetensors_file import CheckpointError
   from dsv4.loading.tokenizer import TokenizerError
   from dsv4.model import cast_params, init_params
   from experiments import train_lib

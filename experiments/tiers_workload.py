@@ -65,9 +65,10 @@ def _submit(eng, rid, prompt, max_tokens):
 
 
 def part_a(cfg, params, redis_url, tmp):
-  from dsv4.engine.engine import Engine, EngineConfig
-  from dsv4.engine.tiering import TieringConfig
   from dsv4.caches import group_specs
+  from dsv4.engine.config import EngineConfig
+  from dsv4.engine.engine import Engine
+  from dsv4.engine.tiering_config import TieringConfig
   ec = EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, chunk_size=256, max_model_len=4096,
                     num_full_blocks=24, num_swa_blocks=64, record_logits=False)
   sp = group_specs(cfg, ec.layout)
@@ -134,8 +135,9 @@ def part_a(cfg, params, redis_url, tmp):
 
 
 def part_b(cfg, params, redis_url, mooncake_url, tmp, lengths):
-  from dsv4.engine.engine import Engine, EngineConfig
-  from dsv4.engine.tiering import TieringConfig
+  from dsv4.engine.config import EngineConfig
+  from dsv4.engine.engine import Engine
+  from dsv4.engine.tiering_config import TieringConfig
   rows = []
   for L in lengths:
     ec = EngineConfig(max_num_seqs=1, max_num_batched_tokens=2048, chunk_size=2048, max_model_len=L + 256,

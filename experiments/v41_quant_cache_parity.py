@@ -78,8 +78,8 @@ def main(argv):
   from dsv4 import config
   from dsv4 import model
   from dsv4.layers import engram
-  from dsv4.loading import load_checkpoint
-  from dsv4.loading import safetensors_io
+  from dsv4.loading import safetensors_file
+  from dsv4.loading.safetensors_io import load_checkpoint
   from tests.dsv4 import v41_oracle
   root = v41_oracle.ensure_nemo()
   sys.path.insert(0, root)
@@ -99,7 +99,7 @@ def main(argv):
   fd, path = tempfile.mkstemp(suffix=".safetensors")   # own file: concurrent runs never share one
   os.close(fd)
   try:
-    safetensors_io.write_file(v41_oracle.state_dict_np(ref), path)
+    safetensors_file.write_file(v41_oracle.state_dict_np(ref), path)
     params = load_checkpoint(path, cfg)
   finally:
     os.remove(path)

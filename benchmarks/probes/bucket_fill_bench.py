@@ -20,7 +20,8 @@ from absl import app, flags
 
 from dsv4 import config
 from dsv4 import model
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
 
 flags.DEFINE_float("fill", 0.25, "bucket_fill of the 'on' engine.")

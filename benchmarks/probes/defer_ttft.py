@@ -16,7 +16,8 @@ import jax
 from dsv4 import config
 from dsv4 import model
 from dsv4.engine import workloads
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 
 
 def run(params, cfg, ec, wl):

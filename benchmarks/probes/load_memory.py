@@ -52,8 +52,8 @@ def write_checkpoint(path: str, shards: int, quant: str, naming: str) -> list[st
   import numpy as np
 
   from dsv4 import model
-  from dsv4.loading import Quant
-  from dsv4.loading import safetensors_io
+  from dsv4.loading import safetensors_write
+  from dsv4.loading.safetensors_write import Quant
   cfg = bench_config()
   rng = np.random.default_rng(0)
 
@@ -67,8 +67,8 @@ def write_checkpoint(path: str, shards: int, quant: str, naming: str) -> list[st
   total = sum(np.asarray(x).size for x in jax.tree_util.tree_leaves(params))
   bytes_per = {"none": 2, "fp8": 1.6, "fp8_fp4": 0.8}[quant]
   q = None if quant == "none" else Quant(fp8_block=128, fp4_experts=quant == "fp8_fp4")
-  return safetensors_io.save_checkpoint(params, cfg, path, naming=naming, quant=q, dtype=ml_dtypes.bfloat16,
-                                        shard_bytes=int(1.1 * total * bytes_per / shards))
+  return safetensors_write.save_checkpoint(params, cfg, path, naming=naming, quant=q, dtype=ml_dtypes.bfloat16,
+                                           shard_bytes=int(1.1 * total * bytes_per / shards))
 
 
 def _rss() -> int:
@@ -83,7 +83,7 @@ def child(arg: str) -> dict:
   import ml_dtypes
   import numpy as np
 
-  from dsv4.loading import load_checkpoint
+  from dsv4.loading.safetensors_io import load_checkpoint
   path, mode = arg.split("|")
   cfg = bench_config()
   jax.numpy.zeros(1).block_until_ready()   # backend up before the baseline

@@ -14,7 +14,8 @@ import numpy as np
 
 from cache.hashing import ExtraKeys
 from dsv4.config import ModelConfig
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.request import RequestOutput, Status
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.workloads import Workload

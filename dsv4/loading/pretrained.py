@@ -21,8 +21,10 @@ import os
 import numpy as np
 
 from dsv4.config import ConfigError, ModelConfig
+from dsv4.loading.checkpoint_naming import stored_mtp_blocks
 from dsv4.loading.config_json import CheckpointInfo, read_config, with_draft
-from dsv4.loading.safetensors_io import CheckpointError, load_checkpoint, resolve_dtype, stored_mtp_blocks
+from dsv4.loading.safetensors_file import CheckpointError
+from dsv4.loading.safetensors_io import load_checkpoint, resolve_dtype
 from dsv4.loading.tokenizer import TOKENIZER_FILE, Tokenizer
 
 GENERATION_CONFIG_FILE = "generation_config.json"

@@ -108,7 +108,7 @@ class Replica:
     import dataclasses as dc
 
     from dsv4.engine.engine import Engine
-    from dsv4.engine.tiering import TieringConfig
+    from dsv4.engine.tiering_config import TieringConfig
     from dsv4.serving import directory
     spec.validate()
     with self._lock:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dsv4 import config, model
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
 
 # The bucketed step (bucket fill is its rule; the invariant step has no token buckets): buckets 8, 32, 128, 256
@@ -83,15 +84,15 @@ def test_bucket_fill_rules(tiny):
 
 @pytest.mark.parametrize("growth,steps", [(2, 1), (2, 4), (4, 4), (4, 3), (2, 8)])
 def test_token_bucket_steps_bound_the_padding(growth, steps):
-  from dsv4.engine import runner
+  from dsv4.engine import step_plan
   budget = 2048
-  fine = runner.token_buckets(growth, budget, steps)
-  coarse = runner.token_buckets(growth, budget)
+  fine = step_plan.token_buckets(growth, budget, steps)
+  coarse = step_plan.token_buckets(growth, budget)
   assert fine == sorted(set(fine)) and set(coarse) <= set(fine) and all(b % 8 == 0 for b in fine)
   assert fine[-1] == coarse[-1] == budget
   # Every step of t tokens pads to at most (1 + (growth - 1) / steps) t, up to the multiple-of-8 rounding.
   for t in range(1, budget + 1):
-    b = runner.token_bucket(t, growth, budget, steps)
+    b = step_plan.token_bucket(t, growth, budget, steps)
     assert b >= t and b in fine
     assert b <= max(8, (1 + (growth - 1) / steps) * t + 8), (t, b)
   if steps == 1:

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from dsv4 import config, model
-from dsv4.engine import runner, workloads
+from dsv4.engine import step_plan, workloads
 from dsv4.engine.api import generate, run_workload
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.runner import Row
 from dsv4.engine.sampling import SamplingParams
 from tests.isolation import run_in_child
@@ -158,7 +159,7 @@ def test_compilation_is_bounded_and_counted():
   rep = first.compile_report()
   # one flat token axis: token buckets 8, 32, 128 (max_num_batched_tokens 96), one row bucket (4 = max_num_seqs),
   # one table width (1024 < min_table_tokens)
-  buckets = len({runner.token_bucket(n, BASE.token_bucket_growth, BASE.max_num_batched_tokens)
+  buckets = len({step_plan.token_bucket(n, BASE.token_bucket_growth, BASE.max_num_batched_tokens)
                  for n in range(1, BASE.max_num_batched_tokens + 1)})
   assert buckets == 3
   assert rep["compilations_by_function"].get("jit(ragged_step)", 0) <= buckets, rep

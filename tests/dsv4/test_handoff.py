@@ -15,9 +15,10 @@ from benchmarks.sizing import handoff_state_bytes
 from cache.hashing import ExtraKeys
 from dsv4 import config, model
 from dsv4.engine import handoff
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
-from dsv4.engine.tiering import TieringConfig
+from dsv4.engine.tiering_config import TieringConfig
 
 # the engine shapes of the other fast engine tests (tests/dsv4/test_api.py): their step programs are shared
 EC = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, chunk_size=32, max_model_len=1024,

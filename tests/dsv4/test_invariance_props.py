@@ -27,7 +27,8 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from dsv4 import caches, config, model, sharding
 from dsv4.engine.api import generate
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
 from tests.dsv4.tiers_precision_worker import widen
 from tests.isolation import run_in_child
@@ -153,7 +154,7 @@ def _check(variant: str, kv: str, examples: int, drafts: bool = False, tiers: bo
     reqs, run = trace
     tc = None
     if run["tiers"]:
-      from dsv4.engine.tiering import TieringConfig
+      from dsv4.engine.tiering_config import TieringConfig
       tc = TieringConfig(tiers=("host",), policy="load", write_queue=0)
     ec = dataclasses.replace(tight if run["tight"] else roomy, layout=layout, chunk_size=run["chunk_size"],
                              enable_prefix_caching=run["enable_prefix_caching"],

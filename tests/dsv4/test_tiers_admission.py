@@ -26,7 +26,7 @@ from dsv4 import sharding
 from dsv4.engine.engine import Engine
 from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.sampling import SamplingParams
-from dsv4.engine.tiering import TieringConfig
+from dsv4.engine.tiering_config import TieringConfig
 from tests.dsv4.test_invariance_props import MESH, MESH_POOL, TIGHT, _Alone, _batched, _mesh_child, _model, traces
 from tests.dsv4.test_tiers_reload import mooncake_server, redis_server  # noqa: F401  (fixtures)
 from tests.isolation import run_in_child

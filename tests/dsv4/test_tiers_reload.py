@@ -23,9 +23,10 @@ import pytest
 from cache.tiers.servers import MooncakeServer, RedisServer, free_port
 from dsv4 import config, model
 from dsv4.engine.api import generate
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
-from dsv4.engine.tiering import TieringConfig
+from dsv4.engine.tiering_config import TieringConfig
 from tests.isolation import run_in_child
 from tests.store_servers import require_server
 

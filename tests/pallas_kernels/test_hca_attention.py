@@ -249,7 +249,8 @@ def test_invariant_engine_hca_kernel_tokens_and_bits(monkeypatch):
   alone are bitwise its logits batched with others."""
   from dsv4 import config, model
   from dsv4.engine.api import generate
-  from dsv4.engine.engine import Engine, EngineConfig
+  from dsv4.engine.config import EngineConfig
+  from dsv4.engine.engine import Engine
   from dsv4.engine.sampling import SamplingParams
 
   cfg = config.v4_tiny(num_layers=3)
