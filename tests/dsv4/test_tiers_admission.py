@@ -40,7 +40,7 @@ SNUG = dataclasses.replace(TIGHT, num_swa_blocks=5)
 
 
 def _tiers(kind: str, tmp: str, url: str = "") -> TieringConfig:
-  tiers = {"local": ("host", "disk"), "redis": ("host", "redis"), "mooncake": ("host", "mooncake")}[kind]
+  tiers = {"local": ("host", "disk"), "redis": ("host", "disk", "redis"), "mooncake": ("host", "mooncake")}[kind]
   return TieringConfig(tiers=tiers, disk_dir=tmp, store_url=url, policy="load", write_queue=0)
 
 
@@ -168,8 +168,9 @@ def _check_never_refused(kind: str, examples: int, tmp_path, url: str = "", vari
 
 @pytest.mark.parametrize("kind", ["local", "redis", "mooncake"])
 def test_a_request_that_fits_is_never_refused(kind, tmp_path, request):
-  """Host + disk always; Redis and Mooncake (each beside the host tier) where their servers start. V4, bf16 compute
-  and KV, the field trace, the lone trace and one drawn trace."""
+  """Host + disk; host + disk + Redis (the default tier's row: every tier kind but Mooncake in one engine, the second
+  engine reading disk and Redis); host + Mooncake where its server starts. V4, bf16 compute and KV, the field
+  trace, the lone trace and one drawn trace."""
   url = ""
   if kind == "mooncake":
     require_server("mooncake")
