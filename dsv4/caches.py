@@ -208,7 +208,7 @@ class StepIndex:
   # passes the engine's device table [slots, W] with each row's slot here, so no per-row copy of a table spanning
   # max_model_len is made: a table lookup reads only the blocks it needs.
   full_row_R: jax.Array | None = None
-  # The engine's tiled invariant step: compressor pools fold in position order (`compressor.sequential_pool_scan`)
+  # The engine's tiled invariant step: compressor pools fold in position order (`compressor.window_pool_scan`)
   # and dense compressed attention runs over fixed entry blocks, so neither a chunk or tile boundary nor the
   # table width changes a token's bits.
   invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
