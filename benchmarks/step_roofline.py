@@ -10,8 +10,9 @@ docs/engine.md (Cost at real width).
 Columns: weight / KV / activation bytes and FLOPs of the plain step (c) (the row-invariant step (b) reads the same
 weights), the tiled step's (a) weight bytes, each design's roofline ms, and the ratios to (c). "(b)" cuts matmul
 reductions into fixed 256-wide pieces (parallel or serial per call, same bits); "(b) no split-K" never splits them.
-"(a) scan floor" is the tiled step's dependent compressor fold steps times an assumed 5 us each (latency the
-roofline leaves out).
+"scan floor" is each design's dependent compressor fold steps times an assumed 5 us each (latency the roofline
+leaves out): (a) and (b) fold each pooling window's tokens in position order (up to ratio - 1 steps a pass), (c)
+with the doubling scan (log2 of the window).
 """
 
 from __future__ import annotations
@@ -44,13 +45,13 @@ def step_rows(cfg, dev, fmt, tiling) -> list[list]:
     rows.append([pt.label, c.tally.weight_bytes / GB, a.tally.weight_bytes / GB, c.tally.kv_bytes / GB,
                  c.tally.act_bytes / GB, c.tally.flops / 1e12, c.time_s * 1e3, c.bound, a.time_s * 1e3,
                  b.time_s * 1e3, b0.time_s * 1e3, a.time_s / c.time_s, b.time_s / c.time_s, b0.time_s / c.time_s,
-                 a.scan_steps * dev.dependent_step_s * 1e3])
+                 " / ".join(f"{x.scan_steps * dev.dependent_step_s * 1e3:.3g}" for x in (a, b, c))])
   return rows
 
 
 STEP_HEADERS = ["point", "weights GB (c, b)", "weights GB (a)", "KV GB", "act GB", "TFLOP", "(c) ms", "bound",
                 "(a) ms", "(b) ms", "(b) no split-K ms", "(a)/(c)", "(b)/(c)", "(b) no split-K/(c)",
-                "(a) scan floor ms"]
+                "scan floor ms (a / b / c)"]
 
 
 def measured_rows(dev, fmt, tiling) -> list[list]:

@@ -28,7 +28,7 @@ E * (1 - (1 - k/E)^T) of them; the row counts per expert are binomial), decode r
 a prefill chunk of C tokens is one row whose last token sits at the stated context. Weights are the stored
 checkpoint formats (`benchmarks.sizing.stored_bytes_per_param` over `dsv4.model.param_shapes`: MXFP4 experts, FP8
 projections, bf16 / fp32 rest), computed at the bf16 (or FP8) tensor-core rate. What is left out: kernel launch and
-host gaps, communication, the sampler, and the tiled step's dependent compressor scan steps (reported on their own,
+host gaps, communication, the sampler, and the compressors' dependent fold steps (reported on their own,
 `StepCost.scan_steps`, as they are latency, not bytes).
 
 docs/engine.md (Cost at real width) has the table and how to read it.
@@ -41,8 +41,11 @@ import functools
 import math
 from typing import Literal
 
+import jax
 import numpy as np
 
+from benchmarks.sizing import stored_bytes_per_param
+from dsv4 import model
 from dsv4.config import LayerPlan, ModelConfig
 
 Design = Literal["tiled", "invariant", "invariant_splitk", "plain"]
@@ -179,10 +182,6 @@ _NOT_MATMUL = {"ape", "tid2eid", "q_weight", "k_weight", "embed", "bias", "bias_
 
 def model_weights(cfg: ModelConfig, fmt: Formats = Formats()) -> ModelWeights:
   """The stored weight inventory of `cfg` (MTP / draft blocks left out), from the model's own parameter tree."""
-  import jax
-  from benchmarks.sizing import stored_bytes_per_param
-  from dsv4 import model
-
   def stored(names, spec) -> float:
     per = (fmt.expert_bytes_per_param() if len(names) > 1 and names[-2] == "experts"
            else stored_bytes_per_param(names, cfg.variant, spec.dtype))
@@ -390,12 +389,18 @@ def _attention_layer(dev, fmt, tiling, design, cfg: ModelConfig, plan: LayerPlan
   return out
 
 
-def pooling_compressors(cfg: ModelConfig) -> int:
-  """Compressors that fold a running pool (ratio > 1): the tiled step scans each token by token."""
+def fold_chain_steps(cfg: ModelConfig, tokens_per_row: int, doubling: bool = False) -> int:
+  """Dependent steps of the compressors' running-pool folds in one pass over rows of `tokens_per_row` tokens.
+  Invariant steps (`compressor.window_pool_scan`: segments in parallel, each folded in position order): a pass's
+  chain is its longest segment, min(ratio, tokens) - 1 per fold. A plain step (`doubling`,
+  `compressor.segmented_pool_scan`): ceil(log2(min(ratio, tokens))) per fold. An overlapping compressor folds twice,
+  one after the other; V4 CSA folds the main and the indexer compressor. 0 for decode rows."""
   n = 0
   for plan in cfg.layer_plan():
     if plan.has_compressor and plan.ratio > 1:
-      n += 2 if plan.kind == "csa" else 1     # V4 CSA: the main and the indexer compressor
+      folds = (2 if plan.overlap else 1) * (2 if plan.kind == "csa" and plan.has_index_keys else 1)
+      seg = min(plan.ratio, tokens_per_row)
+      n += folds * (math.ceil(math.log2(seg)) if doubling else seg - 1)
   return n
 
 
@@ -432,7 +437,7 @@ class StepCost:
   point: Point
   tally: Tally
   passes: int            # passes through the model (tiles for the tiled step)
-  scan_steps: int        # dependent compressor fold steps (tiled step only; latency, not in time_s)
+  scan_steps: int        # dependent compressor fold steps over the step's passes (latency, not in time_s)
 
   @property
   def time_s(self) -> float:
@@ -453,7 +458,7 @@ def step_cost(cfg: ModelConfig, point: Point, design: Design, dev: DeviceSpec = 
     pos = np.array([point.context])
     if design == "tiled":
       full, rest = divmod(point.batch, T)
-      passes = [(T, 1)] * full + ([(rest, 1)] if rest else [])
+      passes = [(T, 1)] * full + ([(rest, 1)] if rest else [])    # (rows, tokens per row)
       for rows, _ in passes:
         total.add(pass_cost(cfg, w, dev, fmt, tiling, design, rows, pos, matmul_rows=T))
     else:
@@ -473,7 +478,7 @@ def step_cost(cfg: ModelConfig, point: Point, design: Design, dev: DeviceSpec = 
   # logits once per step at each row's last token (the fixed [rows, D] shape in every design)
   total.add(_matmul(dev, fmt, tiling, "plain" if design == "tiled" else design, w.lm_head, point.logit_rows),
             "lm head")
-  scan = len(passes) * T * pooling_compressors(cfg) if design == "tiled" else 0
+  scan = sum(fold_chain_steps(cfg, tokens, doubling=design == "plain") for _, tokens in passes)
   return StepCost(design, point, total, len(passes), scan)
 
 
