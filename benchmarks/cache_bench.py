@@ -65,17 +65,25 @@ of every shape): `--small` takes 2-2.5 minutes of CPU, about 1 minute with a war
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
+import cProfile
 import functools
 import gc
+import glob
 import json
 import os
+import pstats
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.support import vllm_adapter
+from benchmarks.support.vllm_adapter import VllmStep
+from cache import device_queue, pool, step as cache_step
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
 from cache.step import apply_step_packed
@@ -272,7 +280,6 @@ def bench(B: int, L: int, pool: int, steps: int, seed: int = 0, vllm_src: str = 
   ours = Ours(B, L, pool, prompts)
   v = None
   if vllm_src:
-    from benchmarks.support.vllm_adapter import VllmStep
     v = VllmStep(vllm_src, pool, L, retention_interval=vllm_retention)
     vreqs = [[v.request(f"r{s}.{i}", p) for i, p in enumerate(batch)] for s, batch in enumerate(prompts)]  # hashing
   rows, vrows = [], []
@@ -324,7 +331,6 @@ class DeviceProfile:
   interface as cProfile.Profile, so `bench` treats both alike."""
 
   def __init__(self):
-    import tempfile
     self._tmp = tempfile.mkdtemp(prefix="cache_bench_prof")
     self.dirs = []
     self._on = False
@@ -340,8 +346,6 @@ class DeviceProfile:
       self._on = False
 
   def report(self, top: int):
-    import collections
-    import glob
     per, cnt = collections.Counter(), collections.Counter()
     for d in self.dirs:
       path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
@@ -366,7 +370,6 @@ def call_floor(num_blocks: int, calls: int = 200) -> dict:
   """What one jitted call costs on this machine before it does any bookkeeping: both V4-Flash pools donated and
   passed through, (a) nothing else, (b) one 16-id scatter per pool; one int32 buffer in, one out (`device_get`), as
   `apply_step_packed` does. Median us per call (num_blocks per pool)."""
-  from cache import pool
   specs = group_specs(v4_flash())
   pools = tuple(pool.init_pool(num_blocks, g.block_tokens) for g in specs.groups)
 
@@ -503,7 +506,6 @@ def main():
   bg.add_argument("--user", type=int, default=300, help="new user tokens per turn")
   a = ap.parse_args()
   if a.cache_cpu_options:
-    from cache import step as cache_step
     try:
       cache_step.CPU_COMPILER_OPTIONS = dict(json.loads(a.cache_cpu_options))
     except (ValueError, TypeError) as e:
@@ -511,7 +513,6 @@ def main():
   if a.free_chunk_max < 0:
     ap.error(f"--free_chunk_max: a positive entry count, or 0 for the default (got {a.free_chunk_max})")
   if a.free_chunk_max:
-    from cache import device_queue
     device_queue.FREE_CHUNK_MAX = a.free_chunk_max
   if a.compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(a.compilation_cache_dir))
@@ -536,7 +537,6 @@ def main():
   vllm_src = ""
   if a.vllm_src:
     try:
-      from benchmarks.support import vllm_adapter
       print(f"vLLM KVCacheManager from {vllm_adapter.load(a.vllm_src).__file__}")
       vllm_src = a.vllm_src
     except Exception as e:  # any import failure: report it, never fail the benchmark
@@ -569,7 +569,6 @@ def main():
         continue
       prof = None
       if a.profile:
-        import cProfile
         prof = cProfile.Profile()
       elif a.device_profile:
         prof = DeviceProfile()
@@ -577,7 +576,6 @@ def main():
       if isinstance(prof, DeviceProfile):
         prof.report(a.device_profile)
       elif prof is not None:
-        import pstats
         print(f"cProfile {B}x{L} pool {pool} (timed steps):")
         pstats.Stats(prof).sort_stats("cumulative").print_stats(a.profile)
       res[(B, L, pool)] = r["marginal"]

@@ -25,7 +25,13 @@ import os
 import sys
 import time
 
+import jax
 from absl import app, flags
+
+from benchmarks.suite import jax_compat, plan
+from benchmarks.suite.budget import Budget, Watchdog
+from benchmarks.suite.plan import SuiteConfig
+from benchmarks.suite.report import Report
 
 
 def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
@@ -56,7 +62,6 @@ FLAGS = flags.FLAGS
 
 
 def suite_config(fv=FLAGS):
-  from benchmarks.suite.plan import SuiteConfig
   out = os.path.abspath(fv.out_dir)
   return SuiteConfig(out_dir=out, cache_dir=os.path.abspath(fv.cache_dir or os.path.join(out, "jax_cache")),
                      dry_run=fv.dry_run, budget_s=fv.budget_s,
@@ -68,7 +73,6 @@ def suite_config(fv=FLAGS):
 
 def main(argv):
   del argv
-  from benchmarks.suite import plan
   if FLAGS.list:
     for i, it in enumerate(plan.items()):
       print(f"{i + 1:2d}. {it.name:16s} needs {it.need_s:3.0f} s  {it.what}")
@@ -77,18 +81,12 @@ def main(argv):
     print("gpu_suite: --out_dir is required", file=sys.stderr)
     return 2
   if FLAGS.dry_run:       # before JAX makes its CPU backend (XLA reads XLA_FLAGS then)
-    from benchmarks.suite import jax_compat
     os.environ["XLA_FLAGS"] = jax_compat.cpu_dry_run_xla_flags(os.environ.get("XLA_FLAGS", ""))
   cfg = suite_config()
   return run_suite(cfg)
 
 
 def run_suite(cfg, clock=time.monotonic) -> int:
-  import jax
-
-  from benchmarks.suite import jax_compat, plan
-  from benchmarks.suite.budget import Budget, Watchdog
-  from benchmarks.suite.report import Report
   budget = Budget(cfg.budget_s, clock)
   if not cfg.dry_run and jax.default_backend() != "gpu":
     print(f"gpu_suite: no GPU (JAX's backend is {jax.default_backend()}); --dry_run runs the suite on the CPU",

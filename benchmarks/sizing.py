@@ -32,6 +32,18 @@ import math
 import os
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dsv4 import caches, mesh_context, model, sharding
+from dsv4.config import get_preset
+from dsv4.layers import mhc
+from dsv4.layers.compressor import StepContext
+from dsv4.layers.norms import rms_norm
+from pallas_kernels import dispatch
+
 
 def _parse():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -60,7 +72,6 @@ GB = 1e9
 def stored_bytes_per_param(names: list[str], variant: str, dtype) -> float:
   """Bytes per parameter as the released checkpoints store them (FP4 e2m1 routed experts with an e8m0 scale per
   32, FP8 e4m3 projections with one scale per block, bf16 embeddings / compressor / gates, the rest as `dtype`)."""
-  import numpy as np
   last, parent = names[-1], (names[-2] if len(names) > 1 else "")
   fp8_block = 128 if variant == "v4" else 32
   fp8 = 1.0 + 1.0 / (fp8_block * fp8_block)          # e4m3 + one e8m0 scale per block
@@ -79,10 +90,6 @@ def stored_bytes_per_param(names: list[str], variant: str, dtype) -> float:
 
 def param_table(cfg, mesh, rules):
   """(total stored bytes, per-device stored bytes, bytes per category per device)."""
-  import jax
-  import numpy as np
-
-  from dsv4 import mesh_context, model, sharding
   shapes = model.param_shapes(cfg)
   specs = sharding.param_specs(cfg, mesh, rules)
   total = per_dev = 0.0
@@ -111,7 +118,6 @@ def param_table(cfg, mesh, rules):
 def pool_blocks(cfg, layout, batch: int, context: int, chunk: int) -> tuple[int, int]:
   """Blocks resident for `batch` sequences of `context` tokens: every full-group block, and the SWA blocks of the
   window / compressor-state tail plus one chunk (older SWA blocks are freed as the window moves, docs/kv_cache.md)."""
-  from dsv4 import caches
   full = batch * caches.blocks_for(context, layout.full_block_tokens)
   tail = caches.state_tail_tokens(cfg) + chunk
   swa = batch * (caches.blocks_for(tail, layout.swa_block_tokens) + 1)
@@ -124,7 +130,6 @@ def handoff_state_bytes(cfg, layout, num_tokens: int) -> int:
   partially filled), the sliding-window tail of the aligned point P <= L and every swa block from P up to L (window
   rows, compressor state rows, Engram ids), as the pools store them (a partially filled block travels whole).
   Record headers and checksums come on top (docs/cluster.md)."""
-  from dsv4 import caches
   specs = caches.group_specs(cfg, layout)
   L = num_tokens - 1
   P = L // specs.align_tokens * specs.align_tokens
@@ -137,9 +142,6 @@ def handoff_state_bytes(cfg, layout, num_tokens: int) -> int:
 def pool_bytes(cfg, layout, mesh, rules, n_swa: int, n_full: int, over_data: bool = False) -> tuple[float, float]:
   """(total pool bytes, per-device pool bytes) under the rules: pools replicated over `data`, or with over_data
   split over it by their block axis (block counts rounded up to a multiple of the data size)."""
-  import numpy as np
-
-  from dsv4 import caches, mesh_context, sharding
   if over_data:
     d = mesh_context.axis_size(mesh, "data")
     n_swa, n_full = -(-n_swa // d) * d, -(-n_full // d) * d
@@ -175,10 +177,6 @@ def reduced_depth(cfg, n: int):
 
 def aot_step(cfg, mesh, rules, layout, batch: int, T: int, context: int):
   """Lower + compile the sharded step on abstract inputs. Returns (compile seconds, memory analysis or None)."""
-  import jax
-  import jax.numpy as jnp
-
-  from dsv4 import caches, model, sharding
   n_swa, n_full = pool_blocks(cfg, layout, batch, context, T)
   call, sh = sharding.jit_forward(cfg, mesh, rules, layout=layout, batch=batch, num_swa_blocks=n_swa,
                                   num_full_blocks=n_full, logits_replicated=True,
@@ -240,22 +238,14 @@ def stack_groups(layers: list, s: int, g: int, n: int, stack):
 
 
 def jax_tree_map_stack(trees, stack):
-  import jax
   return jax.tree_util.tree_map(lambda *xs: stack(xs), *trees)
 
 
 def scanned_step(params, config, layout, kernel_cfg, tokens_BxT, cache, index):
   """The engine's last-token step for a V4 model whose params / cache layers come as (head, groups, tail)."""
-  import jax
-  import jax.numpy as jnp
-
-  from dsv4 import caches, model
-  from dsv4.layers import mhc
-  from dsv4.layers.norms import rms_norm
   assert config.variant == "v4", "the scanned step covers V4 (V4.1 hands CSA2 state from layer to layer)"
   s, g, n = layer_groups(config)
   plans = config.layer_plan()
-  from dsv4.layers.compressor import StepContext
   B, T = tokens_BxT.shape
   # As model.forward_aux: the padded [B, T] step is a ragged step of B*T tokens riding as a batch of one.
   ctx = StepContext.from_step(caches.step_index_from_batch(index, T), layout)
@@ -291,11 +281,6 @@ def scanned_step(params, config, layout, kernel_cfg, tokens_BxT, cache, index):
 
 def aot_scanned(cfg, mesh, rules, layout, batch: int, T: int, context: int):
   """AOT compile of `scanned_step` at full depth on abstract inputs: (compile seconds, memory analysis, groups)."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec
-
-  from dsv4 import caches, model, sharding
   s, g, n = layer_groups(cfg)
   n_swa, n_full = pool_blocks(cfg, layout, batch, context, T)
   psh = sharding.param_shardings(cfg, mesh, rules)
@@ -323,7 +308,6 @@ def aot_scanned(cfg, mesh, rules, layout, batch: int, T: int, context: int):
                             jax.ShapeDtypeStruct((batch, nS), i32, sharding=ish.swa_table_BxS),
                             jax.ShapeDtypeStruct((batch, nF), i32, sharding=ish.full_table_BxF))
   tokens = jax.ShapeDtypeStruct((batch, T), i32, sharding=sharding.batch_sharding(mesh, batch, 2, rules))
-  from pallas_kernels import dispatch
   fn = jax.jit(lambda p, t, c, i: scanned_step(p, cfg, layout, dispatch.KernelConfig(), t, c, i),
                out_shardings=(shard_of(cache), sharding.replicated(mesh)), donate_argnums=(2,))
   t0 = time.perf_counter()
@@ -340,10 +324,6 @@ def aot_scanned(cfg, mesh, rules, layout, batch: int, T: int, context: int):
 def _last_token_step(params, config, layout, kernel_cfg, tokens_BxT, cache, index):
   """A [B, T] step with logits at each row's last computed token (the padded layout `model.forward_aux` turns into
   a ragged step of B * T flat tokens): what the sizing compiles at Flash shapes."""
-  import jax
-  import jax.numpy as jnp
-
-  from dsv4 import model
   cache, h_BxTxD, _ = model.forward_aux(params, config, tokens_BxT, cache, index, layout=layout,
                                         kernel_cfg=kernel_cfg, return_hidden=True)
   last = jnp.maximum(index.num_tokens_B - 1, 0)
@@ -356,11 +336,6 @@ def main():
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
-  import jax
-  import jax.numpy as jnp
-
-  from dsv4 import caches, mesh_context, sharding
-  from dsv4.config import get_preset
   rules = sharding.Rules(kv_latent=args.kv_latent)
   layout = caches.CacheLayout(kv_dtype=jnp.dtype(args.kv_dtype))
   budget = args.device_gb - args.reserve_gb

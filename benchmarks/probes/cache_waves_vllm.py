@@ -23,6 +23,9 @@ import argparse
 import numpy as np
 
 from benchmarks.support.vllm_adapter import VllmStep
+from cache.manager import KVCacheManager
+from dsv4.caches import group_specs
+from dsv4.config import v4_flash
 
 OURS_SETTINGS = "KVCacheManager defaults (retention_interval=0, dense_start, rerender_tokens=64, junction checkpoints)"
 
@@ -85,9 +88,6 @@ def fanout_vllm(src: str, prompts, retention: int | None = 0, chunk: int = 512):
 
 
 def fanout_ours(prompts, chunk: int = 512):
-  from cache.manager import KVCacheManager
-  from dsv4.caches import group_specs
-  from dsv4.config import v4_flash
   m = KVCacheManager(group_specs(v4_flash()), num_full_blocks=128, num_swa_blocks=128)
   out = []
   for i, p in enumerate(prompts):

@@ -16,6 +16,14 @@ import os
 import re
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import sizing
+from dsv4 import caches, config, model, sharding
+from tests.dsv4.sharding_worker import wide
+
 
 def main():
   ap = argparse.ArgumentParser()
@@ -27,14 +35,6 @@ def main():
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.tensor}".strip()
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
-  from benchmarks import sizing
-  from dsv4 import caches, model, sharding
-  from dsv4 import config
-  from tests.dsv4.sharding_worker import wide
 
   mesh = sharding.make_mesh({"tensor": args.tensor})
   flash = config.v4_flash()

@@ -17,6 +17,11 @@ import argparse
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
+
+from dsv4 import caches, config, model, nnx_model
+
 
 def main():
   ap = argparse.ArgumentParser()
@@ -24,11 +29,6 @@ def main():
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--tokens", type=int, default=64)
   args = ap.parse_args()
-  import jax
-  import jax.numpy as jnp
-
-  from dsv4 import caches, model, nnx_model
-  from dsv4 import config
 
   cfg = config.v4_tiny() if args.variant == "v4" else config.v41_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))

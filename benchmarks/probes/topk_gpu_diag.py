@@ -12,6 +12,8 @@ Reading it: `kernel_cases.topk_variants` says what each variant rules in or out.
 import argparse
 import sys
 
+from benchmarks.suite.kernel_cases import TopkDiagnosis
+
 
 def main():
   ap = argparse.ArgumentParser()
@@ -19,7 +21,6 @@ def main():
   ap.add_argument("--only", default="")
   ap.add_argument("--seed", type=int, default=0)
   a = ap.parse_args()
-  from benchmarks.suite.kernel_cases import TopkDiagnosis
   diag = TopkDiagnosis(a.dry, a.seed)
   if a.only:
     diag.variants = {k: v for k, v in diag.variants.items() if k in a.only.split(",")}

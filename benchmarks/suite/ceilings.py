@@ -7,11 +7,13 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+
 from benchmarks.suite import jax_compat
 
 
 def versions() -> dict:
-  import jax
   dev = jax.devices()[0]
   row = dict(python=sys.version.split()[0], jax=jax.__version__, jaxlib=jax_compat.version("jaxlib"),
              jax_cuda_plugin=jax_compat.version("jax-cuda12-plugin") or jax_compat.version("jax-cuda13-plugin"),
@@ -29,7 +31,6 @@ def versions() -> dict:
 
 def _best_s(fn, args, repeats: int, inner: int) -> float:
   """Seconds per call: best over `repeats` of `inner` back-to-back calls (one sync at the end)."""
-  import jax
   jax.block_until_ready(fn(*args))
   best = float("inf")
   for _ in range(repeats):
@@ -44,8 +45,6 @@ def _best_s(fn, args, repeats: int, inner: int) -> float:
 
 def copy_bandwidth(mib: int, repeats: int = 5, inner: int = 10) -> dict:
   """Device-to-device copy: read + write of a `mib` MiB buffer; GB/s = 2 x bytes / time."""
-  import jax
-  import jax.numpy as jnp
   n = mib * 2 ** 20 // 4
   x = jnp.arange(n, dtype=jnp.float32)
   copy = jax.jit(lambda a: a + 1.0).lower(x).compile()       # a copy XLA cannot elide (one read, one write)
@@ -55,8 +54,6 @@ def copy_bandwidth(mib: int, repeats: int = 5, inner: int = 10) -> dict:
 
 def matmul_rate(n: int, repeats: int = 5, inner: int = 10) -> dict:
   """bf16 n x n x n matmul (f32 accumulate, bf16 out): TFLOP/s = 2 n^3 / time."""
-  import jax
-  import jax.numpy as jnp
   k1, k2 = jax.random.split(jax.random.PRNGKey(0))
   a = jax.random.normal(k1, (n, n), jnp.bfloat16)
   b = jax.random.normal(k2, (n, n), jnp.bfloat16)

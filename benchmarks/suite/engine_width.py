@@ -28,7 +28,19 @@ import dataclasses
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from benchmarks.support import step_cost as sc
+from cache import step as cache_step
+from dsv4 import caches, config as C
+from dsv4.engine import runner as runner_mod
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
+from dsv4.engine.sampling import SamplingParams
+from dsv4.model import cast_params, init_params
+from pallas_kernels import dispatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +77,6 @@ class Workload:
 
 def model(dry: bool, seed: int):
   """(config, bf16 params): v4_flash_layers:4 on a device, v4_tiny in the dry run."""
-  import jax
-  import jax.numpy as jnp
-
-  from dsv4 import config as C
-  from dsv4.model import cast_params, init_params
   if dry:
     cfg = C.v4_tiny()
     cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, head_dim=128, rope_head_dim=64),
@@ -84,11 +91,6 @@ def engine_config(cfg, wl: Workload, prompts, *, kv: str, kernels: str, record_l
   """The engine for `prompts`: rows and token budget of the workload, the full-history pool at `pool_fraction` of
   the blocks the whole batch would hold at once (128-token blocks; a group's shared prefix counted once), never
   less than the longest request needs plus one."""
-  import jax.numpy as jnp
-
-  from dsv4 import caches
-  from dsv4.engine.config import EngineConfig
-  from pallas_kernels import dispatch
   max_len = wl.prompt_max + wl.max_tokens + 64
   blocks = [-(-(len(p) + wl.max_tokens) // 128) for p in prompts]
   need = sum(blocks) - (len(prompts) - -(-len(prompts) // wl.group)) * (wl.shared_prefix // 128)
@@ -111,9 +113,6 @@ class _BookkeepingSampler:
 
   @contextlib.contextmanager
   def installed(self):
-    import jax
-
-    from dsv4.engine import runner as runner_mod
     real = runner_mod.cache_step
     sampler = self
 
@@ -136,9 +135,6 @@ class _BookkeepingSampler:
       runner_mod.cache_step = real
 
   def device_ms(self, repeats: int = 3) -> float | None:
-    import jax
-
-    from cache import step as cache_step
     times = []
     for pools, tables, buf, kw in self.samples:
       best = float("inf")
@@ -155,8 +151,6 @@ class _BookkeepingSampler:
 
 def serve(params, cfg, ec, prompts, max_tokens: int, *, bookkeeping_samples: int = 0) -> dict:
   """Every prompt through one fresh engine, step by step; the outputs and the step measurements."""
-  from dsv4.engine.engine import Engine
-  from dsv4.engine.sampling import SamplingParams
   sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
   t_build = time.perf_counter()
   eng = Engine(params, cfg, ec)
@@ -224,13 +218,9 @@ def serve(params, cfg, ec, prompts, max_tokens: int, *, bookkeeping_samples: int
 
 
 def roofline_ms(cfg, kind: str, batch: float | None, context: int, kv: str) -> float | None:
-  """The tiled step's roofline at this point (benchmarks/support/step_cost.py, when that cost model is present;
-  None otherwise): random bf16 weights, so experts stored bf16."""
+  """The tiled step's roofline at this point (benchmarks/support/step_cost.py; None where it cannot cost the point):
+  random bf16 weights, so experts stored bf16."""
   if not batch:
-    return None
-  try:
-    from benchmarks.support import step_cost as sc
-  except ImportError:
     return None
   try:
     point = sc.Point(kind, int(round(batch)), int(context))

@@ -27,6 +27,8 @@ from __future__ import annotations
 import importlib.metadata
 import os
 
+import jax
+
 # Modules whose names the suite's code must not reach (imports and attribute chains): `jax.core` (helpers removed in
 # 0.11), jax's internals and the interpreters (no compatibility promise across lines).
 REMOVED_MODULES = ("jax.core.", "jax._src.", "jax.interpreters.")
@@ -54,7 +56,6 @@ def cpu_dry_run_xla_flags(existing: str = "") -> str:
 
 def set_config(name: str, value) -> bool:
   """jax.config.update(name, value) when this jax knows the option; False (nothing raised) when it does not."""
-  import jax
   try:
     jax.config.update(name, value)
     return True

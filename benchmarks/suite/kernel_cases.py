@@ -24,6 +24,13 @@ import concurrent.futures
 import dataclasses
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import kernels_bench as kb
+from pallas_kernels import dispatch, hca_attention as hk, indexer as ix, indexer_topk as itk, sparse_attention as sa
+
 V4_SPARSE = dict(H=64, D=512, W=128, K=512, page_size=64, lens=False)
 DRY_SPARSE = dict(H=16, D=128, W=16, K=32, page_size=4)
 V4_INDEXER = dict(HI=64, C=128, k=512, cand=0, block_size=8)
@@ -92,7 +99,6 @@ def plan() -> list[KernelCase]:
 def tuning_plan() -> list[KernelCase]:
   """Section (e): other tilings of the decode rows the step spends its time in (block_k, pipelining depth,
   warps), as many as the time left allows."""
-  from pallas_kernels import sparse_attention as sa
   rows = []
   for fmt, base in (("bf16", sa.BF16_TUNING), ("fp8_paged", sa.FP8_TUNING)):
     for change in (dict(block_k=32), dict(block_k=64), dict(num_stages=2), dict(num_stages=4), dict(num_warps=4),
@@ -109,12 +115,6 @@ def tuning_plan() -> list[KernelCase]:
 
 
 def _sparse_inputs(p, key):
-  import jax
-  import jax.numpy as jnp
-
-  from benchmarks import kernels_bench as kb
-  from pallas_kernels import dispatch
-  from pallas_kernels import sparse_attention as sa
   N, H, D, W, K, ctx = p["N"], p["H"], p["D"], p["W"], p["K"], p["ctx"]
   hca, prefill = p["layer"] == "hca", p["mode"] == "prefill"
   E = ctx // (128 if hca else 4)  # compressed entries per sequence
@@ -144,9 +144,6 @@ def _sparse_inputs(p, key):
 def _hca_inputs(p, key):
   """The invariant step's HCA call: each sequence's entries through its own table (one entry per table block:
   ratio 128), visible count = the live compressed length."""
-  import jax.numpy as jnp
-
-  from pallas_kernels import dispatch
   a = _sparse_inputs(p, key)
   N, K = a.comp_idx_NxK.shape
   nv = jnp.full((N,), K, jnp.int32) if a.comp_len_N is None else a.comp_len_N
@@ -156,11 +153,6 @@ def _hca_inputs(p, key):
 
 
 def _indexer_inputs(p, key):
-  import jax
-  import jax.numpy as jnp
-
-  from benchmarks import kernels_bench as kb
-  from pallas_kernels import dispatch
   B, T, ctx = p["B"], p["T"], p["ctx"]
   M = ctx // 4
   k1, k2 = jax.random.split(key)
@@ -207,11 +199,6 @@ def programs(case: KernelCase, dry: bool, inputs) -> tuple:
   kernel as the model's dispatch calls it (`dispatch._run_*_kernel`, compiled Pallas-Triton, or interpret mode in the
   dry run); for the top-k and the indexer scores the reference gives the scores the check reads (ties make id sets
   ambiguous). `inputs` may be abstract (the tuning reads only types and shapes)."""
-  from pallas_kernels import dispatch
-  from pallas_kernels import hca_attention as hk
-  from pallas_kernels import indexer as ix
-  from pallas_kernels import indexer_topk as itk
-  from pallas_kernels import sparse_attention as sa
   p = case.shapes(dry)
   if case.op == "sparse_attention":
     static = dict(scale=p["D"] ** -0.5)
@@ -243,7 +230,6 @@ def programs(case: KernelCase, dry: bool, inputs) -> tuple:
 
 def prepare(case: KernelCase, dry: bool, seed: int) -> Prepared:
   """Inputs from `seed` on the device, then the kernel and its reference lowered (Python tracing: serial)."""
-  import jax
   p = case.shapes(dry)
   inputs = jax.jit(lambda k: make_inputs(case, p, k))(jax.random.PRNGKey(seed))
   kern, reference, static, tuning = programs(case, dry, inputs)
@@ -267,7 +253,6 @@ def compile_all(prepared: list[Prepared], threads: int) -> dict:
 
 
 def _arrays(record) -> dict:
-  import jax
   out = {}
   for name, value in record._asdict().items():
     for path, leaf in jax.tree_util.tree_leaves_with_path(value):
@@ -286,10 +271,6 @@ def shape_text(case: KernelCase, p: dict) -> str:
 
 def check(pr: Prepared) -> float:
   """max error / tolerance of the compiled kernel against the compiled reference (<= 1 passes)."""
-  import numpy as np
-
-  from benchmarks import kernels_bench as kb
-  from pallas_kernels import dispatch
   got = pr.kernel_exe(*pr.inputs)
   want = pr.ref_exe(*pr.inputs)
   if pr.case.op == "indexer_topk":
@@ -307,8 +288,6 @@ class Flusher:
   """An L2 flush: one compiled `b + 1` over `mb` MB (0 = none: the CPU)."""
 
   def __init__(self, mb: float):
-    import jax
-    import jax.numpy as jnp
     self.buf = None
     if mb > 0:
       self.buf = jnp.zeros((int(mb * 2 ** 20 / 4),), jnp.float32)
@@ -320,8 +299,6 @@ class Flusher:
 
 def time_executable(exe, args, *, iters: int, repeats: int, flush: Flusher | None) -> dict:
   """{hot_ms, kernel_ms (L2 flushed; = hot without a flush), flush_ms} per call of the compiled `exe`."""
-  import jax
-
   def best(with_kernel: bool, with_flush: bool) -> float:
     t = float("inf")
     for _ in range(repeats):
@@ -346,11 +323,6 @@ def time_executable(exe, args, *, iters: int, repeats: int, flush: Flusher | Non
 
 def counts(pr: Prepared) -> tuple[float, float]:
   """(FLOPs, bytes) of the case as run (module docstring)."""
-  import numpy as np
-
-  from benchmarks import kernels_bench as kb
-  from pallas_kernels import indexer_topk as itk
-  from pallas_kernels import sparse_attention as sa
   a, p = pr.inputs, pr.shapes
   if pr.case.op in ("sparse_attention", "hca_attention"):
     D = p["D"]
@@ -377,7 +349,6 @@ def counts(pr: Prepared) -> tuple[float, float]:
 
 def predicted_pct(pr: Prepared) -> float | None:
   """The design's predicted % of HBM for a sparse decode row (docs/kernels.md, Roofline per configuration)."""
-  from benchmarks import kernels_bench as kb
   p = pr.shapes
   if not pr.case.predicted:
     return None
@@ -417,7 +388,6 @@ def topk_variants(dry: bool) -> dict:
   its variants. Reading: `repeat_differs` on `default` = a race; `chunk512` passing while `default` fails = the
   selection / compaction at select_chunk > k, not the scores; `one_chunk` (the first 4096 entries: ids only, no
   merge) failing = not the merge; `warps1` passing = something across warps."""
-  from pallas_kernels import indexer_topk as itk
   T = itk.IndexerTopkTuning
   M = 8192 if dry else 32768
   return {"default": (T(), M), "chunk512": (T(select_chunk=512), M), "one_chunk": (T(), 4096),
@@ -434,10 +404,6 @@ class TopkDiagnosis:
   wrote; 0 proves nothing), with the count of selected lanes per row against the visible entries."""
 
   def __init__(self, dry: bool, seed: int):
-    import jax
-    import numpy as np
-
-    from pallas_kernels import dispatch
     self.dry, self.seed = dry, seed
     self.B, self.M, self.k = self.shape(dry)
     self.static = dict(k=self.k, block_size=8)
@@ -453,10 +419,6 @@ class TopkDiagnosis:
   @staticmethod
   def inputs(dry: bool, key):
     """The decode case's record (64 heads x 128, bf16 keys), from `key`."""
-    import jax.numpy as jnp
-
-    from benchmarks import kernels_bench as kb
-    from pallas_kernels import dispatch
     B, M, _ = TopkDiagnosis.shape(dry)
     q, w, pool, rows, nv = kb.indexer_case(key, B=B, T=1, H=64, C=128, M=M, prefill=False, ctx=4 * M, fp8=False)
     return dispatch.IndexerArgs(q, w, pool, rows, nv, num_keys_B=jnp.full((B,), M, jnp.int32))
@@ -464,9 +426,6 @@ class TopkDiagnosis:
   @staticmethod
   def restrict(full, m: int):
     """The record with only the first `m` entries of every row (the `one_chunk` variant)."""
-    import jax.numpy as jnp
-
-    from pallas_kernels import dispatch
     B, M = full.key_rows_BxM.shape
     if m == M:
       return full
@@ -476,7 +435,6 @@ class TopkDiagnosis:
   @staticmethod
   def variant_fn(tuning, k: int, dry: bool):
     """The fused top-k of one variant as a function of the record."""
-    from pallas_kernels import indexer_topk as itk
     return lambda x: itk.indexer_topk_kernel(x.q_BxTxHxC, x.w_BxTxH, x.key_pool_PxC, x.key_rows_BxM,
                                              x.num_visible_BxT, k, num_keys_B=x.num_keys_B, interpret=dry,
                                              tuning=tuning)
@@ -486,7 +444,6 @@ class TopkDiagnosis:
 
   def compile(self, threads: int) -> dict:
     """name -> future of (executable, compile seconds)."""
-    import jax
     lowered = {}
     for name, (tun, m) in self.variants.items():
       fn = jax.jit(self.variant_fn(tun, self.k, self.dry))
@@ -507,11 +464,6 @@ class TopkDiagnosis:
     return futures
 
   def run_variant(self, name: str, exe, compile_s: float) -> dict:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from pallas_kernels import dispatch
     tun, m = self.variants[name]
     args = self.args_for(m)
     sc = self.scores if m == self.M else self.scores[..., :m]

@@ -9,12 +9,16 @@ before each. Every later section reads what earlier ones measured from `Context`
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import traceback
 from typing import Callable, Iterator
 
+from benchmarks.suite import ceilings, engine_width as ew, kernel_cases as kc, serve_job
 from benchmarks.suite.budget import Budget
+from benchmarks.suite.kernel_cases import TopkDiagnosis
 from benchmarks.suite.report import Report, error_line
+from pallas_kernels import dispatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +59,10 @@ class Item:
 
 
 def _versions(ctx):
-  from benchmarks.suite import ceilings
   yield dict(ceilings.versions(), status="ok")
 
 
 def _copy(ctx):
-  from benchmarks.suite import ceilings
   row = ceilings.copy_bandwidth(16 if ctx.cfg.dry_run else 2048)
   row["pct_datasheet"] = 100 * row["copy_gbps"] / ctx.cfg.hbm_gbps
   ctx.ceilings.update(row)
@@ -68,7 +70,6 @@ def _copy(ctx):
 
 
 def _matmul(ctx):
-  from benchmarks.suite import ceilings
   row = ceilings.matmul_rate(256 if ctx.cfg.dry_run else 8192)
   row["pct_datasheet"] = 100 * row["matmul_tflops"] / ctx.cfg.peak_tflops
   ctx.ceilings.update(row)
@@ -85,7 +86,6 @@ CMP_TABLE = "Comparisons"
 
 
 def _topk_diagnosis(ctx):
-  from benchmarks.suite.kernel_cases import TopkDiagnosis
   diag = TopkDiagnosis(ctx.cfg.dry_run, ctx.cfg.seed)
   futures = diag.compile(ctx.cfg.compile_threads)
   for name, fut in futures.items():
@@ -102,7 +102,6 @@ def _topk_diagnosis(ctx):
 
 
 def _kernel_rows(ctx, cases, prefix, table=KERNEL_TABLE):
-  from benchmarks.suite import kernel_cases as kc
   flush = kc.Flusher(0 if ctx.cfg.dry_run else ctx.cfg.flush_mb)
   iters, repeats = (1, 1) if ctx.cfg.dry_run else (ctx.cfg.iters, ctx.cfg.repeats)
   prepared, failed = [], {}
@@ -131,12 +130,10 @@ def _kernel_rows(ctx, cases, prefix, table=KERNEL_TABLE):
 
 
 def _kernels(ctx):
-  from benchmarks.suite import kernel_cases as kc
   yield from _kernel_rows(ctx, kc.plan(), "b")
 
 
 def _tuning(ctx):
-  from benchmarks.suite import kernel_cases as kc
   yield from _kernel_rows(ctx, kc.tuning_plan(), "e", table="")
 
 
@@ -144,9 +141,6 @@ def _tuning(ctx):
 
 
 def _serve(ctx):
-  import os
-
-  from benchmarks.suite import serve_job
   yield serve_job.run(os.path.join(ctx.cfg.out_dir, "serve"), kernels=ctx.cfg.serve_kernels,
                       compilation_cache_dir=ctx.cfg.cache_dir)
 
@@ -155,7 +149,6 @@ def _serve(ctx):
 
 
 def _engine_setup(ctx):
-  from benchmarks.suite import engine_width as ew
   wl = ew.Workload.dry() if ctx.cfg.dry_run else ew.Workload.real()
   cfg, params = ew.model(ctx.cfg.dry_run, ctx.cfg.seed)
   prompts = wl.prompts(cfg.vocab_size, ctx.cfg.seed)
@@ -171,7 +164,6 @@ def _engine_row(ew, ctx, res, *, kv, kernels) -> dict:
   row.update(table=RUN_TABLE, model=cfg.name, kv=kv, kernels=kernels, requests=len(res["outputs"]),
              decode_roofline_ms=ew.roofline_ms(cfg, "decode", res.get("decode_rows"), context, kv),
              prefill_roofline_ms=ew.roofline_ms(cfg, "prefill", res.get("prefill_tokens"), context, kv))
-  from pallas_kernels import dispatch
   verdicts = dispatch.validation_verdicts()
   if verdicts:
     row["kernels_validated"] = {k[0]: v for k, v in verdicts.items()}
@@ -191,7 +183,6 @@ def _engine_bf16(ctx):
 
 
 def _engine_alone(ctx):
-  from benchmarks.suite import engine_width as ew
   if "bf16" not in ctx.engine:
     yield dict(status="skipped", error="the batched bf16 run did not finish")
     return
@@ -209,7 +200,6 @@ def _engine_alone(ctx):
 
 
 def _engine_xla(ctx):
-  from benchmarks.suite import engine_width as ew
   if "bf16" not in ctx.engine:
     yield dict(status="skipped", error="the batched bf16 run did not finish")
     return
@@ -222,7 +212,6 @@ def _engine_xla(ctx):
 
 
 def _engine_fp8(ctx):
-  from benchmarks.suite import engine_width as ew
   if "cfg" not in ctx.engine:
     _engine_setup(ctx)
   wl, cfg, params, prompts, kernels = (ctx.engine[k] for k in ("wl", "cfg", "params", "prompts", "kernels"))

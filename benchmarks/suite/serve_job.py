@@ -10,10 +10,11 @@ import json
 import os
 import time
 
+from experiments import serve_lib
+from experiments.serve_options import ServeOptions
+
 
 def run(out_dir: str, *, kernels: str, compilation_cache_dir: str, model: str = "v4_retrieval") -> dict:
-  from experiments import serve_lib
-  from experiments.serve_options import ServeOptions
   t0 = time.perf_counter()
   summary = serve_lib.run(ServeOptions(model=model, out_dir=out_dir, kernels=kernels,
                                        compilation_cache_dir=compilation_cache_dir))

@@ -7,6 +7,8 @@ transformers oracle config (tests/dsv4/oracle_util.py), `wide_config()` as this 
 
 from __future__ import annotations
 
+import dataclasses
+
 from dsv4 import config
 
 WIDE_HF = dict(
@@ -22,5 +24,4 @@ WIDE_HF = dict(
 
 def wide_config() -> config.ModelConfig:
   """`config.v4_flash_layers(4)` with the oracle config's top-32 (the transformers model it is compared with)."""
-  import dataclasses
   return dataclasses.replace(config.v4_flash_layers(4), name="wide4", indexer=config.IndexerConfig(topk=32))

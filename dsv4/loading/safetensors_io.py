@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -307,7 +308,6 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
       _check(stored[name], np.empty(e.shape, np.int32 if integer else np.float32), shape, integer, e, hf_of.get(name))
 
   if as_jax:
-    import jax
     put = (lambda x: jax.device_put(x, device)) if device is not None else jax.numpy.asarray
     stack = lambda xs: put(jax.numpy.stack(xs))  # noqa: E731
   else:
