@@ -64,7 +64,6 @@ of every shape): `--small` takes 2-2.5 minutes of CPU, about 1 minute with a war
 
 from __future__ import annotations
 
-import argparse
 import collections
 import copy
 import cProfile
@@ -80,6 +79,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
 from benchmarks.support import vllm_adapter
 from benchmarks.support.vllm_adapter import VllmStep
@@ -89,6 +89,8 @@ from cache.manager import KVCacheManager
 from cache.step import apply_step_packed
 from dsv4.caches import group_specs
 from dsv4.config import v4_flash
+
+FLAGS = flags.FLAGS
 
 CHUNK = 128          # tokens each admitted request computes in its step (its prompt past the warm hit)
 MODEL_DIM = 64       # the minimal model body's width
@@ -472,46 +474,52 @@ def _retention(arg: str):
   return {"engine": 0, "dense": None}[arg] if arg in ("engine", "dense") else int(arg)
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--small", action="store_true", help="8 x 2k at 4k and 65k blocks only")
-  ap.add_argument("--steps", type=int, default=5, help="timed steps per point (two more run first, untimed)")
-  ap.add_argument("--shapes", default="", help="BxL list, e.g. 256x2048,8x32768 (default: the matrix)")
-  ap.add_argument("--pools", default="", help="pool blocks per group, e.g. 65536 (default: the matrix)")
-  ap.add_argument("--profile", type=int, default=0, help="print the N most expensive functions (cProfile of our "
-                  "timed steps, (a) + (b), cumulative time)")
-  ap.add_argument("--device_profile", type=int, default=0, help="print the N most expensive XLA thunks per timed "
-                  "step (jax.profiler trace of our steps)")
-  ap.add_argument("--vllm_src", default="", help="directory holding vLLM 0.33's unpacked `vllm` package "
-                  "(see benchmarks/support/vllm_adapter.py); empty: vLLM is skipped")
-  ap.add_argument("--vllm_retention", default="engine", help="vLLM's prefix_cache_retention_interval: engine (its "
-                  "0.33 engine default, 0), dense (None) or a multiple of 128")
-  ap.add_argument("--compilation_cache_dir", default="", help="persistent XLA compilation cache (opt-in; '' = off): "
-                  "a rerun of the same points skips their compiles, which are most of a point's time")
-  ap.add_argument("--cache_cpu_options", default="", help="JSON object of XLA options for the cache's programs on the "
-                  "CPU instead of `cache.step.CPU_COMPILER_OPTIONS`, e.g. '{\"xla_backend_optimization_level\": 0}' "
-                  "(their compile / runtime trade)")
-  ap.add_argument("--free_chunk_max", type=int, default=0, help="entries per chunk of the step program's release "
-                  "loop, at most (`cache.device_queue.FREE_CHUNK_MAX`; 0 = its default)")
-  ap.add_argument("--call_floor", action="store_true", help="only print what one standalone jitted call with both "
-                  "pools donated and one buffer each way costs here, then exit")
-  bg = ap.add_argument_group("--budget mode: hit tokens of round-robin chat sessions under a fixed KV byte budget, "
-                             "cache v1 vs v2 checkpoint placement")
-  bg.add_argument("--budget", action="store_true", help="run this mode instead of the per-step matrix")
-  bg.add_argument("--budgets_gib", default="1,2,4,8", help="KV byte budgets (GiB), one row each")
-  bg.add_argument("--full_share", type=float, default=0.5, help="fraction of the byte budget given to the full pool")
-  bg.add_argument("--sessions", type=int, default=8)
-  bg.add_argument("--rounds", type=int, default=6)
-  bg.add_argument("--answer", type=int, default=150, help="answer tokens per turn")
-  bg.add_argument("--user", type=int, default=300, help="new user tokens per turn")
-  a = ap.parse_args()
+def define_flags(fv: flags.FlagValues = FLAGS) -> None:
+  f = dict(flag_values=fv)
+  flags.DEFINE_bool("small", False, "8 x 2k at 4k and 65k blocks only", **f)
+  flags.DEFINE_integer("steps", 5, "timed steps per point (two more run first, untimed)", **f)
+  flags.DEFINE_string("shapes", "", "BxL list, e.g. 256x2048,8x32768 (default: the matrix)", **f)
+  flags.DEFINE_string("pools", "", "pool blocks per group, e.g. 65536 (default: the matrix)", **f)
+  flags.DEFINE_integer("profile", 0, "print the N most expensive functions (cProfile of our timed steps, (a) + (b), "
+                       "cumulative time)", **f)
+  flags.DEFINE_integer("device_profile", 0, "print the N most expensive XLA thunks per timed step (jax.profiler "
+                       "trace of our steps)", **f)
+  flags.DEFINE_string("vllm_src", "", "directory holding vLLM 0.33's unpacked `vllm` package (see "
+                      "benchmarks/support/vllm_adapter.py); empty: vLLM is skipped", **f)
+  flags.DEFINE_string("vllm_retention", "engine", "vLLM's prefix_cache_retention_interval: engine (its 0.33 engine "
+                      "default, 0), dense (None) or a multiple of 128", **f)
+  flags.DEFINE_string("compilation_cache_dir", "", "persistent XLA compilation cache (opt-in; '' = off): a rerun of "
+                      "the same points skips their compiles, which are most of a point's time", **f)
+  flags.DEFINE_string("cache_cpu_options", "", "JSON object of XLA options for the cache's programs on the CPU "
+                      "instead of `cache.step.CPU_COMPILER_OPTIONS`, e.g. '{\"xla_backend_optimization_level\": 0}' "
+                      "(their compile / runtime trade)", **f)
+  flags.DEFINE_integer("free_chunk_max", 0, "entries per chunk of the step program's release loop, at most "
+                       "(`cache.device_queue.FREE_CHUNK_MAX`; 0 = its default)", **f)
+  flags.DEFINE_bool("call_floor", False, "only print what one standalone jitted call with both pools donated and one "
+                    "buffer each way costs here, then exit", **f)
+  # --budget mode: hit tokens of round-robin chat sessions under a fixed KV byte budget, cache v1 vs v2 checkpoint
+  # placement
+  flags.DEFINE_bool("budget", False, "run the budget mode (hit tokens of round-robin chat sessions under a fixed KV "
+                    "byte budget) instead of the per-step matrix", **f)
+  flags.DEFINE_string("budgets_gib", "1,2,4,8", "--budget: KV byte budgets (GiB), one row each", **f)
+  flags.DEFINE_float("full_share", 0.5, "--budget: fraction of the byte budget given to the full pool", **f)
+  flags.DEFINE_integer("sessions", 8, "--budget: chat sessions", **f)
+  flags.DEFINE_integer("rounds", 6, "--budget: rounds of turns", **f)
+  flags.DEFINE_integer("answer", 150, "--budget: answer tokens per turn", **f)
+  flags.DEFINE_integer("user", 300, "--budget: new user tokens per turn", **f)
+
+
+def main(argv, fv: flags.FlagValues = FLAGS):
+  del argv
+  a = fv
   if a.cache_cpu_options:
     try:
       cache_step.CPU_COMPILER_OPTIONS = dict(json.loads(a.cache_cpu_options))
     except (ValueError, TypeError) as e:
-      ap.error(f"--cache_cpu_options: a JSON object of XLA options ({e})")
+      raise app.UsageError(f"--cache_cpu_options: a JSON object of XLA options ({e})", exitcode=2)
   if a.free_chunk_max < 0:
-    ap.error(f"--free_chunk_max: a positive entry count, or 0 for the default (got {a.free_chunk_max})")
+    raise app.UsageError(f"--free_chunk_max: a positive entry count, or 0 for the default (got "
+                         f"{a.free_chunk_max})", exitcode=2)
   if a.free_chunk_max:
     device_queue.FREE_CHUNK_MAX = a.free_chunk_max
   if a.compilation_cache_dir:
@@ -604,4 +612,5 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

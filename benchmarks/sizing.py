@@ -26,7 +26,6 @@ only). The AOT compile is of the replicated-pool step.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -35,6 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dsv4 import caches, mesh_context, model, sharding
@@ -44,26 +44,27 @@ from dsv4.layers.compressor import StepContext
 from dsv4.layers.norms import rms_norm
 from pallas_kernels import dispatch
 
+FLAGS = flags.FLAGS
 
-def _parse():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--models", default="v4_flash,v41_flash")
-  ap.add_argument("--meshes", default="data:1,tensor:1,expert:8;data:1,tensor:2,expert:4;data:2,tensor:1,expert:4;"
-                                      "data:1,tensor:8,expert:1")
-  ap.add_argument("--batch", type=int, default=32, help="sequences resident at once")
-  ap.add_argument("--context", type=int, default=131072, help="tokens per sequence")
-  ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per row) compiled for activations")
-  ap.add_argument("--device_gb", type=float, default=141.0, help="memory per device (H200: 141 GB)")
-  ap.add_argument("--reserve_gb", type=float, default=8.0, help="kept free per device (runtime, fragmentation)")
-  ap.add_argument("--kv_dtype", default="bfloat16", help="dtype of the KV pools (bfloat16, float8_e4m3fn)")
-  ap.add_argument("--kv_latent", default="replicated", choices=["replicated", "feature"])
-  ap.add_argument("--aot_layers", default="2,4", help="depths to AOT-compile: one (0 = full depth) or two, "
-                                                       "extrapolated linearly to full depth; -1 = skip")
-  ap.add_argument("--aot_meshes", type=int, default=1, help="AOT-compile on the first N meshes only")
-  ap.add_argument("--devices", type=int, default=8)
-  ap.add_argument("--scan", action="store_true", help="also AOT-compile the full-depth V4 step with a scan over "
-                                                     "the repeating layer groups (first mesh)")
-  return ap.parse_args()
+
+def define_flags():
+  flags.DEFINE_string("models", "v4_flash,v41_flash", "presets to size")
+  flags.DEFINE_string("meshes", "data:1,tensor:1,expert:8;data:1,tensor:2,expert:4;data:2,tensor:1,expert:4;"
+                      "data:1,tensor:8,expert:1", "meshes (data, tensor, expert sizes), ';'-separated")
+  flags.DEFINE_integer("batch", 32, "sequences resident at once")
+  flags.DEFINE_integer("context", 131072, "tokens per sequence")
+  flags.DEFINE_integer("chunk", 512, "prefill chunk (tokens per row) compiled for activations")
+  flags.DEFINE_float("device_gb", 141.0, "memory per device (H200: 141 GB)")
+  flags.DEFINE_float("reserve_gb", 8.0, "kept free per device (runtime, fragmentation)")
+  flags.DEFINE_string("kv_dtype", "bfloat16", "dtype of the KV pools (bfloat16, float8_e4m3fn)")
+  flags.DEFINE_enum("kv_latent", "replicated", ["replicated", "feature"], "the shared K = V latent: replicated over "
+                    "tensor, or its feature dimension split over it")
+  flags.DEFINE_string("aot_layers", "2,4", "depths to AOT-compile: one (0 = full depth) or two, extrapolated "
+                      "linearly to full depth; -1 = skip")
+  flags.DEFINE_integer("aot_meshes", 1, "AOT-compile on the first N meshes only")
+  flags.DEFINE_integer("devices", 8, "host devices on the CPU (--xla_force_host_platform_device_count)")
+  flags.DEFINE_bool("scan", False, "also AOT-compile the full-depth V4 step with a scan over the repeating layer "
+                    "groups (first mesh)")
 
 
 GB = 1e9
@@ -331,11 +332,12 @@ def _last_token_step(params, config, layout, kernel_cfg, tokens_BxT, cache, inde
   return cache, model.lm_logits(params, h_last)
 
 
-def main():
-  args = _parse()
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
+def main(argv):
+  del argv
+  args = FLAGS
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in xla_flags:
+    os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={args.devices}".strip()
   rules = sharding.Rules(kv_latent=args.kv_latent)
   layout = caches.CacheLayout(kv_dtype=jnp.dtype(args.kv_dtype))
   budget = args.device_gb - args.reserve_gb
@@ -410,4 +412,5 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

@@ -22,7 +22,6 @@ candidate blocks) sizes. Identical Triton modules are compiled once.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -36,10 +35,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+from absl import app, flags
 
 from pallas_kernels import hca_attention as hk, indexer as ix, indexer_topk as it, lowering, sparse_attention as sa
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FLAGS = flags.FLAGS
 
 TRITON_VERSION = "3.8.0"  # pinned in pyproject's `sm90` extra
 
@@ -435,13 +437,16 @@ def format_row(r: Row) -> str:
           f"{r.waves:g} | {c.mma} |")
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--only", default="", help="comma-separated substrings of case names")
-  ap.add_argument("--json", default="", help="write the rows here as JSON")
-  ap.add_argument("--ptxas", default=None, help="ptxas binary (default: the one on PATH)")
-  ap.add_argument("--list", action="store_true", help="print the case names and exit")
-  args = ap.parse_args(argv)
+def define_flags():
+  flags.DEFINE_string("only", "", "comma-separated substrings of case names")
+  flags.DEFINE_string("json", "", "write the rows here as JSON")
+  flags.DEFINE_string("ptxas", None, "ptxas binary (default: the one on PATH)")
+  flags.DEFINE_bool("list", False, "print the case names and exit")
+
+
+def main(argv) -> int:
+  del argv
+  args = FLAGS
   subs = [s for s in args.only.split(",") if s]
   cases = [c for c in CASES if not subs or any(s in c.name for s in subs)]
   if args.list:
@@ -467,4 +472,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  app.run(main)

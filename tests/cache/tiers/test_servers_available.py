@@ -78,7 +78,7 @@ def test_the_mooncake_client_import_error_names_the_library():
 def test_the_cli_says_why_it_cannot_start(private_path, capsys):
   for name in ("mooncake_master", "mooncake_client"):
     _exe(private_path, name, LOADER_ERROR.format(name=name))
-  assert servers.main(["mooncake"]) == 1
+  assert servers.serve("mooncake") == 1
   err = capsys.readouterr().err.strip().splitlines()
   assert err == ["servers: cannot start mooncake: mooncake_master cannot start: the system library libibverbs.so.1 "
                  "is missing (apt-get install libibverbs1)"]
