@@ -371,8 +371,7 @@ def hca_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_p
   table_rows_N[n]; None = n, the table then having one row per query); entries 0 .. num_visible_N[n] - 1 are
   visible. The table is passed as it is (e.g. the engine's [slots, max_model_len / block] table): the kernel reads
   each query's row in place, only the words of its visible entries. A query's bits depend only on its own arguments (see `hca_attention.py`
-  for the contract). The XLA reference is `attention.blocked_dense_attention`'s math (`hca_attention_reference`);
-  the model keeps calling that function itself when no kernel is selected."""
+  for the contract). Without a kernel, its XLA reference `hca_attention_reference`: the model's XLA path."""
   args, static = _hca_args(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF,
                            num_visible_N, sink_H, scale=scale, entries_per_block=entries_per_block,
                            table_rows_N=table_rows_N)

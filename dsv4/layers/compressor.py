@@ -60,7 +60,7 @@ class StepContext:
   tap_state: bool = dataclasses.field(default=False, metadata=dict(static=True))
   # The engine's tiled invariant step (caches.StepIndex.invariant): running pools fold in position order within
   # each window (`window_pool_scan`), so an entry's bits do not depend on where a chunk or a tile boundary fell, and
-  # dense compressed attention reads fixed entry blocks (attention.blocked_dense_attention).
+  # dense compressed attention reads fixed entry blocks (hca_attention.hca_attention_reference).
   invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @staticmethod
