@@ -332,12 +332,18 @@ def _last_token_step(params, config, layout, kernel_cfg, tokens_BxT, cache, inde
   return cache, model.lm_logits(params, h_last)
 
 
+def force_host_devices(n: int) -> None:
+  """n host devices on the CPU (XLA reads XLA_FLAGS when JAX makes its backend, so call it before the first
+  device use); a device count already in XLA_FLAGS is kept."""
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in xla_flags:
+    os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def main(argv):
   del argv
   args = FLAGS
-  xla_flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in xla_flags:
-    os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={args.devices}".strip()
+  force_host_devices(args.devices)
   rules = sharding.Rules(kv_latent=args.kv_latent)
   layout = caches.CacheLayout(kv_dtype=jnp.dtype(args.kv_dtype))
   budget = args.device_gb - args.reserve_gb

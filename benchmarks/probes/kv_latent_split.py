@@ -11,7 +11,6 @@ shard ("replicated") or split its feature dimension over `tensor` ("feature")? M
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
@@ -37,9 +36,7 @@ def define_flags():
 def main(argv):
   del argv
   args = FLAGS
-  xla_flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in xla_flags:
-    os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={args.tensor}".strip()
+  sizing.force_host_devices(args.tensor)
 
   mesh = sharding.make_mesh({"tensor": args.tensor})
   flash = config.v4_flash()
