@@ -101,7 +101,6 @@ class KVCacheManager:
                        f"{sorted(sizes)}")
     self._searches = group_searches(specs)
     self._G = specs.hash_tokens
-    self.block_tokens = dict(zip(self.groups, specs.block_tokens))   # the one record of each group's block size
     self.policies = {g.name: CheckpointPolicy(specs.align_tokens, g.block_tokens, g.tail_tokens,
                                               retention_interval, dense_start and not legacy_dense_swa,
                                               0 if legacy_dense_swa else rerender_tokens)
@@ -137,6 +136,7 @@ class KVCacheManager:
                            key_bits=key_bits, prepend_uncached=not legacy_dense_swa, events=EventLog(enable_events),
                            stats=self.stats)
     self.peak_used = self.queue.peak_used
+    self.block_tokens = self.queue.block_tokens      # the one record of each group's block size (by group name)
     self._q_admit = []          # queued admissions (Admission), sent with the next call that runs the queue
     self._admitting = {}        # request id -> Admission, queued or in flight (result not read)
     self._admitted = []         # (request id, PrefixHit) of queued admissions resolved, for take_admitted()

@@ -89,6 +89,9 @@ class _Dispatched:
 
 
 class ModelRunner:
+  """Params, the model's paged cache and the step programs of one engine (module doc). One class over 400 lines:
+  it is the one place that writes the model's cache (the step, on one device or a mesh, and the KV tiers' block
+  writes), and each of those needs the cache's layout and shardings it holds."""
 
   def __init__(self, params, config: ModelConfig, engine_config: EngineConfig, *, mesh=None,
                rules: sharding.Rules = sharding.Rules(), pools_over_data: bool = False, managers=None):
