@@ -66,8 +66,8 @@ class PolicyCacheManager(KVCacheManager):
     enable_events = kw.pop("enable_events", True)
     super().__init__(specs, legacy_dense_swa=policy == "legacy_dense", enable_events=enable_events, **kw)
     self.policy_name = policy
-    self.prepend_uncached = policy not in ("legacy_dense", "append_uncached")
-    self.events = _StampingLog(enable_events)
+    self.queue.prepend_uncached = policy not in ("legacy_dense", "append_uncached")
+    self.queue.events = _StampingLog(enable_events)
     self.stats["fifo_reorders"] = 0
 
   def _queue_frees(self, slot: int, g: str, runs) -> None:

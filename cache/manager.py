@@ -143,20 +143,8 @@ class KVCacheManager:
 
   @property
   def events(self) -> EventLog:
+    """The KV event log (the queue emits into it as results are read)."""
     return self.queue.events
-
-  @events.setter
-  def events(self, log: EventLog) -> None:
-    self.queue.events = log
-
-  @property
-  def prepend_uncached(self) -> bool:
-    """Released blocks that are not cached go to the head of the free queue (reused first)."""
-    return self.queue.prepend_uncached
-
-  @prepend_uncached.setter
-  def prepend_uncached(self, value: bool) -> None:
-    self.queue.prepend_uncached = value
 
   def _memo(self, key, make):
     """A request's checkpoint schedule depends only on a few integers (lengths, run): requests of equal lengths

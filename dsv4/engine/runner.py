@@ -364,13 +364,11 @@ class ModelRunner:
     if ec.model_api == "nnx":
       from flax import nnx
       kw["graphdef"], params = nnx.split(self.net)             # this step's module: edits since the last step count
-    if not self.fused:
+    if not self.fused:                  # no managers (benchmarks, tests): the runner's own tables
       (dev,) = jax.device_put([bufs[0]])
       self.stats["host_bytes_in"] += bufs[0].nbytes
       out = self._one_device_step(params, self.cache, self._tables(), self.prev_tokens, dev, **kw)
-      self.cache, self.prev_tokens = out.cache, out.prev_tokens
-      if self.managers is None:
-        self._own_tables = out.tables
+      self.cache, self.prev_tokens, self._own_tables = out.cache, out.prev_tokens, out.tables
       return _SentCall(call, by_shard, out.results, out.logits, None, None)
     manager = self.managers[0]
     plan = manager.plan()                                        # the cache's bookkeeping, planned on the host
