@@ -706,7 +706,7 @@ class KVCacheManager:
     q = self.queue
     if q.step_widths is None:
       raise CacheError("plan: call set_step_capacity first")
-    regs_or_frees, _ = q.overflows()
+    regs_or_frees, allocs = q.overflows()
     if regs_or_frees:
       # registrations and releases go first in a call of their own (allocations stay queued: they follow the
       # releases either way; queued admissions stay for the step: they follow its allocations)
@@ -714,7 +714,7 @@ class KVCacheManager:
       held = q.hold_allocations()
       self._apply([])
       q.restore_allocations(held)
-    if q.overflows()[1]:
+    if allocs:
       self.stats["step_plan_overflows"] += 1
       self._apply([])
     return q.step_plan(self.device.state, self._take_admits())
