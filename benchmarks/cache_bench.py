@@ -10,15 +10,15 @@ Ours goes through the engine's calls (`dsv4/engine/engine.py`, `runner.py`), the
 it (fixed table rows = max_num_seqs = 3 B: running, admitted, warm-up; width = max_model_len = L,
 `set_step_capacity(B x 128, 2 B)`):
   (a) host planning: commit / append_tokens / free of the retiring batch, `allocate_to(rid, L)` and `slot_of` per
-      request of the running batch, `queue_admissions` of the new batch, `take_step_plan`, `device_state`, and
-      after the step `on_step_result` + `take_admitted` (the new batch's hits);
-  (b) the step: the cache's bookkeeping program (`cache.step.apply_step_packed` on the device pools and tables:
+      request of the running batch, `queue_admissions` of the new batch, `plan`, and after the step
+      `read_results` + `take_admitted` (the new batch's hits);
+  (b) the step: the cache's bookkeeping program (`cache.device_state.apply` on the device pools and tables:
       the queued work, then the admissions' search and claim) then a minimal model program (each row's full and swa
       table rows gathered from the device tables as the runner's `_row_tables` does, summed into a [B, 128, 64]
       activation, one 64 x 64 matmul, an argmax per row), dispatched back to back, their two input buffers in one
       `device_put` and their results read back in one `device_get`, as `ModelRunner._call` / `collect` do;
   (c) the same program (same shapes and statics, an admission region of the same shape: one compilation) with an
-      all-padding plan (`empty_step_plan`: nothing registered, freed, allocated or searched) and no host planning.
+      all-padding plan (`empty_plan`: nothing registered, freed, allocated or searched) and no host planning.
 Reported: marginal bookkeeping per step = (a) + (b) - (c), each step paired with the mean of the two (c) runs made
 right after it (interleaved, back to back with the step program; one more (c) runs untimed before the step, after
 the untimed warm-up), median over the timed steps; (a), the median of each step's own host time; (b) - (c); vLLM's
@@ -83,10 +83,9 @@ from absl import app, flags
 
 from benchmarks.support import vllm_adapter
 from benchmarks.support.vllm_adapter import VllmStep
-from cache import device_queue, pool, step as cache_step
+from cache import device_state, pool, step as cache_step, step_queue
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
-from cache.step import apply_step_packed
 from dsv4.caches import group_specs
 from dsv4.config import v4_flash
 
@@ -124,14 +123,14 @@ def model_body(tables, model_buf, params, *, names, rows, full_w, swa_w):
   return jnp.argmax(jnp.sum(h, 1), -1).astype(jnp.int32)                      # [R]
 
 
-def step_program(pools, tables, kv_buf, model_buf, params, *, kv_statics, names, rows, full_w, swa_w):
-  """The engine's step reduced to what touches the cache, dispatched as `ModelRunner._call` does: the cache's
-  bookkeeping program (`apply_step_packed`: the queued work, which writes the device tables), then the model
-  program reading those tables, back to back with no host read between. Returns (pools, tables, (tokens, the
-  bookkeeping's result counters))."""
-  pools, tables, kv_res = apply_step_packed(pools, tables, kv_buf, **dict(kv_statics))
-  toks = model_body(tables, model_buf, params, names=names, rows=rows, full_w=full_w, swa_w=swa_w)
-  return pools, tables, (toks, kv_res)
+def step_program(state, plan, kv_buf, model_buf, params, *, names, rows, full_w, swa_w):
+  """The engine's step reduced to what touches the cache, one pass over the cache's device state as
+  `ModelRunner._call` makes it: the cache's bookkeeping program (`device_state.apply`: the queued work, which
+  writes the device tables), then the model program reading those tables, back to back with no host read between.
+  Returns (state, (tokens, the bookkeeping's result counters))."""
+  state, kv_res = device_state.apply(state, plan, kv_buf)
+  toks = model_body(state.tables, model_buf, params, names=names, rows=rows, full_w=full_w, swa_w=swa_w)
+  return state, (toks, kv_res)
 
 
 class Ours:
@@ -202,18 +201,16 @@ class Ours:
     buf[2 * B:] = np.stack([p[L - CHUNK:] for p in self.prompts[s]]).reshape(-1) % VOCAB
     self.model_bufs[s] = buf
     if self.empty is None:          # (c): the step's shape with an admission region of batch s's shape, all padding
-      self.empty = m.empty_step_plan(m._admit_dims(self.prompts[s]))
+      self.empty = m.empty_plan(m.queue.admit_dims(self.prompts[s]))
 
   def _run(self, plan, slots, s):
-    """(b) / (c): the step program's dispatch: model input packed, both buffers in one device_put, the call, the
-    state handed back, the one result buffer read."""
+    """(b) / (c): the step program's dispatch: model input packed, both buffers in one device_put, one pass over
+    the cache's device state, the one result buffer read."""
     m = self.m
-    pools, tables = m.device_state()
     buf = self.model_bufs[s].copy()
     buf[:self.B] = slots
     kv, mb = jax.device_put([plan.buf, buf])
-    pools, tables, out = step_program(pools, tables, kv, mb, self.params, kv_statics=plan.statics, **self._shape)
-    m.set_device_state(pools, tables)
+    out = m.device.advance(step_program, plan, kv, mb, self.params, **self._shape)
     toks, kv_res = jax.device_get(out)                       # one device -> host transfer, as `collect` makes
     return np.concatenate([np.asarray(toks), np.asarray(kv_res)])
 
@@ -243,11 +240,11 @@ class Ours:
         raise RuntimeError(f"ours: out of blocks at {B} x {L}")
     slots = np.fromiter((m.slot_of(rid) for rid in self.rows), np.int32, B) if self.rows else self.slots
     m.queue_admissions(reqs)              # the step's admissions: they ride its program
-    plan = m.take_step_plan()
+    plan = m.plan()
     t3 = time.perf_counter()
     out = self._run(plan, slots, max(s - 1, 0))
     t4 = time.perf_counter()
-    m.on_step_result(plan, out[B:])
+    m.read_results(plan, out[B:])
     hits = m.take_admitted()
     t5 = time.perf_counter()
     if profile is not None:
@@ -371,7 +368,7 @@ class DeviceProfile:
 def call_floor(num_blocks: int, calls: int = 200) -> dict:
   """What one jitted call costs on this machine before it does any bookkeeping: both V4-Flash pools donated and
   passed through, (a) nothing else, (b) one 16-id scatter per pool; one int32 buffer in, one out (`device_get`), as
-  `apply_step_packed` does. Median us per call (num_blocks per pool)."""
+  `device_state.apply` does. Median us per call (num_blocks per pool)."""
   specs = group_specs(v4_flash())
   pools = tuple(pool.init_pool(num_blocks, g.block_tokens) for g in specs.groups)
 
@@ -494,7 +491,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
                       "instead of `cache.step.CPU_COMPILER_OPTIONS`, e.g. '{\"xla_backend_optimization_level\": 0}' "
                       "(their compile / runtime trade)", **f)
   flags.DEFINE_integer("free_chunk_max", 0, "entries per chunk of the step program's release loop, at most "
-                       "(`cache.device_queue.FREE_CHUNK_MAX`; 0 = its default)", **f)
+                       "(`cache.step_queue.FREE_CHUNK_MAX`; 0 = its default)", **f)
   flags.DEFINE_bool("call_floor", False, "only print what one standalone jitted call with both pools donated and one "
                     "buffer each way costs here, then exit", **f)
   # --budget mode: hit tokens of round-robin chat sessions under a fixed KV byte budget, cache v1 vs v2 checkpoint
@@ -521,7 +518,7 @@ def main(argv, fv: flags.FlagValues = FLAGS):
     raise app.UsageError(f"--free_chunk_max: a positive entry count, or 0 for the default (got "
                          f"{a.free_chunk_max})", exitcode=2)
   if a.free_chunk_max:
-    device_queue.FREE_CHUNK_MAX = a.free_chunk_max
+    step_queue.FREE_CHUNK_MAX = a.free_chunk_max
   if a.compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(a.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

@@ -16,7 +16,7 @@ Runs, most telling first (each a fresh engine; one compiled step program serves 
 Measured per run: tokens/s, step wall (ms) for decode-only steps and for steps with prefill chunks (an
 `Engine.step` call's wall, counted for the step it read back: with async scheduling a call sends step N and waits
 for step N-1), the host's time per step outside that wait (`Engine.step` wall minus `ModelRunner.collect`), the
-cache's bookkeeping program alone on the device per step (`cache.step.apply_step_packed` re-run on copies of a
+cache's bookkeeping program alone on the device per step (`cache.device_state.apply` re-run on copies of a
 sample of the steps' own inputs), compilations and compile seconds; beside each step kind, the roofline of the
 tiled step at that point (`roofline_ms`).
 """
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.support import step_cost as sc
-from cache import step as cache_step
+from cache import device_state
 from dsv4 import caches, config as C
 from dsv4.engine import runner as runner_mod
 from dsv4.engine.config import EngineConfig
@@ -104,16 +104,16 @@ def engine_config(cfg, wl: Workload, prompts, *, kv: str, kernels: str, record_l
 
 
 class _BookkeepingSampler:
-  """Wraps the runner's `cache_step.apply_step_packed` for one run: copies of the inputs of up to `keep` steps (after
-  `skip` warm-up steps) are kept, then `device_ms` re-runs the same jitted program on fresh copies of each
-  (its pools and tables are donated) and reports the median device wall per call."""
+  """Wraps the runner's `device_state.apply` for one run: copies of the inputs of up to `keep` steps (after `skip`
+  warm-up steps) are kept, then `device_ms` re-runs the same jitted program on fresh copies of each (its state is
+  donated) and reports the median device wall per call."""
 
   def __init__(self, keep: int, skip: int):
     self.keep, self.skip, self.seen, self.samples = keep, skip, 0, []
 
   @contextlib.contextmanager
   def installed(self):
-    real = runner_mod.cache_step
+    real = runner_mod.device_state
     sampler = self
 
     class Proxy:
@@ -121,28 +121,28 @@ class _BookkeepingSampler:
         return getattr(real, name)
 
       @staticmethod
-      def apply_step_packed(pools, tables, buf, **kw):
+      def apply(state, plan, buf=None):
         sampler.seen += 1
         if sampler.skip < sampler.seen <= sampler.skip + sampler.keep:
           copy = lambda t: jax.tree_util.tree_map(lambda x: x.copy(), t)
-          sampler.samples.append((copy(pools), copy(tables), buf, kw))   # buf is not donated
-        return real.apply_step_packed(pools, tables, buf, **kw)
+          sampler.samples.append((copy(state), plan, buf))   # buf is not donated
+        return real.apply(state, plan, buf)
 
-    runner_mod.cache_step = Proxy()
+    runner_mod.device_state = Proxy()
     try:
       yield self
     finally:
-      runner_mod.cache_step = real
+      runner_mod.device_state = real
 
   def device_ms(self, repeats: int = 3) -> float | None:
     times = []
-    for pools, tables, buf, kw in self.samples:
+    for state, plan, buf in self.samples:
       best = float("inf")
       for _ in range(repeats + 1):
-        p, t = jax.tree_util.tree_map(lambda x: x.copy(), (pools, tables))
-        jax.block_until_ready((p, t))
+        st = jax.tree_util.tree_map(lambda x: x.copy(), state)
+        jax.block_until_ready(st)
         t0 = time.perf_counter()
-        jax.block_until_ready(cache_step.apply_step_packed(p, t, buf, **kw))
+        jax.block_until_ready(device_state.apply(st, plan, buf))
         best = min(best, time.perf_counter() - t0)
       times.append(best * 1e3)
     self.samples.clear()

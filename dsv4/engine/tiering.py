@@ -69,6 +69,9 @@ class HandedTail:
 
 
 class Tiering:
+  """The tiers' glue for one engine (module doc). One class over 400 lines: identity, demotion and promotion share
+  one per-engine state (which prefix each device block holds, the tiered store, its cost model and write-behind
+  queue); split, each part would reach into the others' maps."""
 
   def __init__(self, engine, tc: TieringConfig, params=None):
     tc.validate()

@@ -62,22 +62,22 @@ def test_bucket_fill_rules(tiny):
   # stand-ins for requests: the rule reads only whether a row verifies drafts (a decode row, never trimmed)
   a, b, c, d = (types.SimpleNamespace(step_drafts=0) for _ in range(4))
   # 1 + 1 + 64 + 64 = 130 -> 128: the last prefill row gives 2 tokens; decode rows untouched.
-  assert eng._fill_bucket([(a, 1), (b, 64), (c, 1), (d, 64)]) == [(a, 1), (b, 64), (c, 1), (d, 62)]
+  assert eng.scheduler.fill_bucket([(a, 1), (b, 64), (c, 1), (d, 64)]) == [(a, 1), (b, 64), (c, 1), (d, 62)]
   # Excess spread backwards over prefill rows, each keeps >= 1 token: 40 -> 32 (8 deferred <= 25% of 40).
-  assert eng._fill_bucket([(a, 30), (b, 4), (c, 3), (d, 3)]) == [(a, 29), (b, 1), (c, 1), (d, 1)]
+  assert eng.scheduler.fill_bucket([(a, 30), (b, 4), (c, 3), (d, 3)]) == [(a, 29), (b, 1), (c, 1), (d, 1)]
   # Too much to defer (64 + 64 + 64 = 192 -> 128 would defer 64 of 192 > 25%): unchanged.
   s = [(a, 64), (b, 64), (c, 64)]
-  assert eng._fill_bucket(s) == s
+  assert eng.scheduler.fill_bucket(s) == s
   # Only decode rows: nothing to trim.
   s = [(a, 1)] * 4
-  assert eng._fill_bucket(s) == s
+  assert eng.scheduler.fill_bucket(s) == s
   # Exactly a bucket: nothing spills.
   s = [(a, 64), (b, 64)]
-  assert eng._fill_bucket(s) == s
+  assert eng.scheduler.fill_bucket(s) == s
   # Off, or a mesh / batch-invariant runner (no token buckets): unchanged.
   s = [(a, 1), (b, 64), (c, 1), (d, 64)]
-  assert Engine(params, cfg, dataclasses.replace(EC, bucket_fill=0.0))._fill_bucket(s) == s
-  assert Engine(params, cfg, dataclasses.replace(EC, batch_invariant=True))._fill_bucket(s) == s
+  assert Engine(params, cfg, dataclasses.replace(EC, bucket_fill=0.0)).scheduler.fill_bucket(s) == s
+  assert Engine(params, cfg, dataclasses.replace(EC, batch_invariant=True)).scheduler.fill_bucket(s) == s
   with pytest.raises(ValueError, match="bucket_fill"):
     Engine(params, cfg, dataclasses.replace(EC, bucket_fill=1.0))
 

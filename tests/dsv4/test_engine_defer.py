@@ -96,7 +96,7 @@ def test_preempted_leader_releases_its_followers(tiny):
   eng.step()
   lead = eng.requests["chat0"]
   assert eng.running == [lead] and [r.rid for r in eng.waiting] == ["chat1", "chat2"]
-  eng._preempt(lead)
+  eng.scheduler.preempt(lead)
   eng.waiting.rotate(-1)           # [chat1, chat2, chat0]
   eng.step()
   assert [r.rid for r in eng.running] == ["chat1"]

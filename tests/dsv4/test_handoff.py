@@ -96,7 +96,7 @@ def test_a_preempted_decode_request_adopts_its_tail_again(world):
   dec.step()
   dec.step()
   (req,) = dec.running
-  dec._preempt(req)             # as the scheduler does when the pool runs short
+  dec.scheduler.preempt(req)           # as the scheduler does when the pool runs short
   (o,) = dec.run()
   assert first["p181"] + o.output == want["p181"]
   # the re-admission hit the aligned part on the device and adopted the tail again: it recomputed only its own

@@ -1,6 +1,6 @@
 """A request that fits is never refused, with KV tiers under a tight pool.
 
-The admission's rule (`Engine.blocks_alone`, docs/tiers.md): a request whose blocks, run alone, fit every group's
+The admission's rule (`Scheduler.blocks_alone`, docs/tiers.md): a request whose blocks, run alone, fit every group's
 pool is admitted, waits or is preempted, whatever it hits on the device or reloads from a tier; one that does not
 is refused at admission, before anything is searched or loaded, with the same message with tiers or without.
 
@@ -26,6 +26,7 @@ from dsv4 import sharding
 from dsv4.engine.engine import Engine
 from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.sampling import SamplingParams
+from dsv4.engine.scheduler import TOO_SMALL
 from dsv4.engine.tiering_config import TieringConfig
 from tests.dsv4.test_invariance_props import MESH, MESH_POOL, TIGHT, _Alone, _batched, _mesh_child, _model, traces
 from tests.dsv4.test_tiers_reload import mooncake_server, redis_server  # noqa: F401  (fixtures)
@@ -33,7 +34,7 @@ from tests.isolation import run_in_child
 from tests.store_servers import require_server
 
 SP = SamplingParams(max_tokens=3, ignore_eos=True)
-# The tightest pool every request of these traces fits alone in (Engine.blocks_alone: 3 full blocks, at most 5 swa
+# The tightest pool every request of these traces fits alone in (Scheduler.blocks_alone: 3 full blocks, at most 5 swa
 # blocks for a synchronous engine, which an engine with tiers is): admissions wait, preempt and, alone, shorten their
 # rows. Alone runs (no tiers: async, one more swa block past an aligned boundary) use TIGHT's roomier swa pool.
 SNUG = dataclasses.replace(TIGHT, num_swa_blocks=5)
@@ -63,7 +64,7 @@ def _damage(eng: Engine, rng: np.random.Generator, fraction: float) -> int:
 
 
 def _fits_alone(eng: Engine, prompt, sp) -> bool:
-  return eng._fits_alone(Request("probe", list(prompt), sp))
+  return eng.scheduler.fits_alone(Request("probe", list(prompt), sp))
 
 
 @st.composite
@@ -209,9 +210,9 @@ def test_too_big_alone_is_refused_at_admission_with_or_without_tiers(tmp_path):
     eng = Engine(params, cfg, dataclasses.replace(small, tiering=tc))
     assert not _fits_alone(eng, doc, SP) and _fits_alone(eng, doc[:100], SP)
     long = eng.add_request("long", doc, SP)
-    assert eng.blocks_alone(long) == {"full": 3, "swa": 5}
+    assert eng.scheduler.blocks_alone(long) == {"full": 3, "swa": 5}
     eng.step()
-    assert long.error == Engine.TOO_SMALL and long.computed_tokens == 0 and not eng.has_work()
+    assert long.error == TOO_SMALL and long.computed_tokens == 0 and not eng.has_work()
     assert eng.cache_manager.stats["queried_tokens"] == 0          # never searched, claimed or loaded
     errors.append(long.error)
   assert errors[0] == errors[1]
