@@ -64,9 +64,6 @@ from cache.step import unpack
 from cache.step_plan import StepPlan, bucket_width
 from cache.step_queue import StepQueue
 
-# what callers import from here (the types live in cache/api_types.py and cache/step_plan.py)
-__all__ = ["BlockTables", "CacheError", "KVCacheManager", "OutOfBlocks", "PrefixHit", "StepPlan"]
-
 
 class KVCacheManager:
   """The host planner: admission, lookup, allocation, commits, releases and checkpoints, queued (`StepQueue`) as

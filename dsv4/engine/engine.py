@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
+
+import jax.numpy as jnp
 
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
-from dsv4 import caches, dspark
+from dsv4 import caches, dspark, mesh_context, model, sharding
 from dsv4.config import ModelConfig
 from dsv4.engine import compile_stats, speculative_step
-from dsv4.engine.config import EngineConfig  # noqa: F401  (re-exported: dsv4.engine.engine.EngineConfig)
+from dsv4.engine.config import EngineConfig
 from dsv4.engine.prefix_deferral import SharedPrefixDeferral
 from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.request_book import RequestBook
@@ -38,6 +41,7 @@ from dsv4.engine.runner import ModelRunner
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.scheduler import Scheduler
 from dsv4.engine.step_dispatch import StepDispatch
+from dsv4.engine.tiering import Tiering
 from pallas_kernels import dispatch
 
 
@@ -71,7 +75,6 @@ class Engine:
     # layer's attention, say) changes what the following steps compute.
     net = None
     if not isinstance(params, dict):
-      import sys
       flax_nnx = sys.modules.get("flax.nnx")        # a Model exists only once Flax is imported
       if flax_nnx is not None and isinstance(params, flax_nnx.Module):
         if engine_config.model_api != "nnx":
@@ -93,8 +96,7 @@ class Engine:
     self.draft_lookahead = speculative_step.draft_lookahead(config, self.spec)
     if self.spec and mesh is not None:
       raise ValueError("EngineConfig.num_speculative_tokens > 0 runs on one device (no mesh)")
-    from dsv4 import sharding
-    D = sharding.axis_size(mesh, "data") if (mesh is not None and pools_over_data) else 1
+    D = mesh_context.axis_size(mesh, "data") if (mesh is not None and pools_over_data) else 1
     if D > 1:
       sharding.check_pools_over_data(mesh, ec.num_swa_blocks, ec.num_full_blocks, ec.max_num_seqs)
     self.num_shards = D
@@ -108,9 +110,7 @@ class Engine:
     # One device (or pools replicated over data): the one manager, as before.
     self.cache_manager = self.managers[0] if D == 1 else None
     if ec.dtype == "bf16":
-      import jax.numpy as jnp
 
-      from dsv4 import model
       params = model.cast_params(params, jnp.bfloat16)
     self.runner = ModelRunner(params, config, ec, mesh=mesh, pools_over_data=D > 1, managers=self.managers,
                               **({} if rules is None else {"rules": rules}))
@@ -127,9 +127,8 @@ class Engine:
     self.peak_blocks = self.scheduler.peak_blocks
     self.tiering = None                 # KV tiers below the device: all the glue lives in dsv4/engine/tiering.py
     if ec.tiering is not None:
-      from dsv4.engine.tiering import Tiering
       if net is not None:
-        from dsv4 import nnx_model
+        from dsv4 import nnx_model  # local: the default path does not import Flax
         params = nnx_model.params_of(net)             # the model digest of the module's arrays
       self.tiering = self.scheduler.tiering = Tiering(self, ec.tiering, params)
 

@@ -28,9 +28,6 @@ program runs manual over `data` (`jax.shard_map`): data shard s holds num_blocks
 over `data` so every process reads all of them. `pools_over_data=False`: one pool replicated over `data`, one plan.
 On a mesh the managers apply their bookkeeping in their own call before the step and their tables travel with it
 (stacked per shard): the one place block tables still cross the host.
-
-The step program's pieces live in their own modules and are re-exported here (`from dsv4.engine.runner import
-ragged_step, step_body, StepOutput, RaggedShape, result_width, token_bucket, token_buckets, ...` keeps working).
 """
 
 from __future__ import annotations
@@ -45,15 +42,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cache import device_state
-from dsv4 import caches, sharding
+from dsv4 import caches, mesh_context, sharding
 from dsv4.config import ModelConfig
 from dsv4.engine import block_copies, speculative_step
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.sampling import SamplingParams
-# re-exported: the runner's public names from before the step program had modules of its own
-from dsv4.engine.step_plan import (RaggedShape, pack, pow2_at_least, pow4_at_least, result_width,  # noqa: F401
-                                   token_bucket, token_buckets)
-from dsv4.engine.step_program import StepOutput, jitted_ragged_step, ragged_step, step_body, step_compiler_options  # noqa: F401
+from dsv4.engine.step_plan import (RaggedShape, pack, pow2_at_least, pow4_at_least, result_width, token_bucket,
+                                   token_buckets)
+from dsv4.engine.step_program import StepOutput, jitted_ragged_step, step_body, step_compiler_options
 
 
 @dataclasses.dataclass
@@ -136,7 +132,7 @@ class ModelRunner:
     self.shapes_run: set = set()      # distinct step shapes used (a new one means a compile; tiering reads it)
     self.mesh = mesh
     # Data shards that own a slice of the pools and rows (1 = one pool: one device, or replicated over `data`).
-    self.num_shards = sharding.axis_size(mesh, "data") if (mesh is not None and pools_over_data) else 1
+    self.num_shards = mesh_context.axis_size(mesh, "data") if (mesh is not None and pools_over_data) else 1
     if ec.batch_invariant:
       self.invariant_shape = self._invariant_shape()
     num_swa_blocks, num_full_blocks = ec.num_swa_blocks, ec.num_full_blocks
@@ -362,7 +358,7 @@ class ModelRunner:
               record_logits=ec.record_logits, model_api=ec.model_api)
     params = self.params
     if ec.model_api == "nnx":
-      from flax import nnx
+      from flax import nnx  # local: the default path does not import Flax
       kw["graphdef"], params = nnx.split(self.net)             # this step's module: edits since the last step count
     if not self.fused:                  # no managers (benchmarks, tests): the runner's own tables
       (dev,) = jax.device_put([bufs[0]])

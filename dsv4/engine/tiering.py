@@ -18,7 +18,7 @@ when blocks are demoted, and what an admission loads.
   verified). Anything else (tier down, timeout, corrupt or foreign record) just lowers P' down to h1: the request
   recomputes, it never fails.
 
-Its configuration is `tiering_config.TieringConfig` (re-exported here); the device copies of whole blocks (one
+Its configuration is `tiering_config.TieringConfig`; the device copies of whole blocks (one
 device or a mesh) are `block_copies`.
 """
 
@@ -40,8 +40,8 @@ from cache.tiers.tier import Tier, TierPolicy
 from cache.tiers.writeback import WriteBehind
 from dsv4 import caches
 from dsv4.engine.block_copies import ID_BUCKETS, UINT_OF_SIZE, id_bucket
-# re-exported: `from dsv4.engine.tiering import TieringConfig` (serve, tests) predates its module
-from dsv4.engine.tiering_config import DEMOTES, POLICIES, TieringConfig  # noqa: F401
+from dsv4.engine.request import Status
+from dsv4.engine.tiering_config import TieringConfig
 from dsv4.loading.weights_digest import params_digest
 from pallas_kernels import dispatch
 
@@ -186,7 +186,6 @@ class Tiering:
     self._hashed[req.uid] = (h, len(toks) // self.specs.hash_tokens * self.specs.hash_tokens)
 
   def _forget_finished(self) -> None:
-    from dsv4.engine.request import Status
     for uid in list(self._rid_keys):
       r = self._owner[uid]
       if self.engine.requests.get(r.rid) is not r or r.status in (Status.FINISHED, Status.REJECTED):
