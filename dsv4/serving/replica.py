@@ -127,7 +127,7 @@ class Replica:
       self.engine.tiering.warmup()
       self._tees = []
       for m in self.engine.managers:
-        m.events = _Tee(m.events)
+        m.queue.events = _Tee(m.events)       # the queue emits into its log as results are read
         self._tees.append(m.events)
       self.spec = spec
       mgr = self.engine.managers[0]
