@@ -17,7 +17,9 @@ in units of 256), 228 KB of shared memory (1 KB reserved per CTA, at most 227 KB
 
 Cases are the V4-Flash shapes (64 heads, d 512 with 64 RoPE channels, window 128, top-k 512 and 2048, bf16, FP8
 record and FP8 paged pools; HCA at 128k; prefill 4096) and the indexer at V4 (64 heads) and V4.1 (32 heads,
-candidate blocks) sizes. Identical Triton modules are compiled once.
+candidate blocks) sizes, and the batch-invariant matmuls at V4-Flash's projection and expert shapes (hidden 4096,
+q LoRA 1024, grouped output 8192, 256 experts of 4096 -> 2048 and back, expert blocks of 32 rows). Identical Triton
+modules are compiled once.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from pallas_kernels import grouped_dot as gd
 from pallas_kernels import hca_attention as hk, indexer as ix, indexer_topk as it, lowering, sparse_attention as sa
+from pallas_kernels import row_dot as rd
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -259,7 +263,7 @@ HI, CI = 64, 128  # indexer: 64 heads x 128 (V4.1: 32 heads)
 class Case:
   name: str
   family: str  # "sparse" (the attention kernels, sparse MLA and HCA: spills fail the test) | "indexer_scores" |
-  #               "indexer_topk"
+  #               "indexer_topk" | "row_dot" | "grouped_dot" (the batch-invariant matmuls: spills fail the test)
   params: dict
 
   def build(self):
@@ -311,7 +315,23 @@ def _indexer_topk(B, T, M, keys="bf16", heads=HI, cand=0, fp8_query=False, k=512
   return it.indexer_topk_pallas, specs, dict(k=k, tuning=it.IndexerTopkTuning(fp8_query=fp8_query))
 
 
-_BUILDERS = {"sparse": _sparse, "indexer_scores": _indexer_scores, "indexer_topk": _indexer_topk}
+def _row_dot(N, K, M, dtype=jnp.bfloat16, tuning=None):
+  S = jax.ShapeDtypeStruct
+  specs = (S((N, K), dtype), S((K, M), dtype), S((), jnp.int32))
+  return rd.row_dot_pallas, specs, dict(tuning=tuning or rd.RowDotTuning())
+
+
+def _grouped_dot(B, R, E, K, M, dtype=jnp.bfloat16, tuning=None):
+  S = jax.ShapeDtypeStruct
+  specs = (S((B, R, K), dtype), S((B,), jnp.int32), S((), jnp.int32), S((E, K, M), dtype))
+  return gd.grouped_dot_pallas, specs, dict(tuning=tuning or gd.GroupedDotTuning())
+
+
+_BUILDERS = {"sparse": _sparse, "indexer_scores": _indexer_scores, "indexer_topk": _indexer_topk,
+             "row_dot": _row_dot, "grouped_dot": _grouped_dot}
+
+# Families whose register spills fail the slow test and the command's exit status.
+SPILL_FAILS = ("sparse", "row_dot", "grouped_dot")
 
 
 def _cases() -> list[Case]:
@@ -341,6 +361,18 @@ def _cases() -> list[Case]:
                   dict(B=64, T=1, M=131072 // 4, heads=32, cand=64)))
   out.append(Case("indexer_topk_decode_b64_128k_v41_fp8", "indexer_topk",
                   dict(B=64, T=1, M=131072 // 4, keys="fp8", heads=32)))
+  # The batch-invariant matmuls at V4-Flash shapes: hidden 4096 -> q LoRA 1024 and -> 4096 (a square projection),
+  # the grouped output's 8192 -> 4096, the shared expert's 2048 -> 4096; prefill (2048 rows) and decode (64 rows)
+  # compile to the same code (nothing is chosen from N), only the grid differs.
+  for name, N, K, M in (("q_a_4096x1024_n2048", 2048, 4096, 1024), ("square_4096x4096_n2048", 2048, 4096, 4096),
+                        ("o_b_8192x4096_n2048", 2048, 8192, 4096), ("shared_down_2048x4096_n64", 64, 2048, 4096)):
+    out.append(Case(f"row_dot_{name}_bf16", "row_dot", dict(N=N, K=K, M=M)))
+  out.append(Case("row_dot_square_4096x4096_n64_fp32", "row_dot", dict(N=64, K=4096, M=4096, dtype=jnp.float32)))
+  # 2048 tokens x top-6 over 256 experts in blocks of 32 rows: 12288 pairs, at most 12288 / 32 + 256 = 640 blocks.
+  out.append(Case("grouped_dot_gate_up_e256_4096x2048_r32", "grouped_dot", dict(B=640, R=32, E=256, K=4096, M=2048)))
+  out.append(Case("grouped_dot_down_e256_2048x4096_r32", "grouped_dot", dict(B=640, R=32, E=256, K=2048, M=4096)))
+  out.append(Case("grouped_dot_gate_up_e256_4096x2048_r16", "grouped_dot", dict(B=1024, R=16, E=256, K=4096,
+                                                                                M=2048)))
   return out
 
 
@@ -465,7 +497,7 @@ def main(argv) -> int:
   if args.json:
     with open(args.json, "w") as f:
       json.dump([dict(dataclasses.asdict(r), waves=r.waves) for r in rows], f, indent=1)
-  bad = [r for r in rows if r.error or (r.family == "sparse" and r.spills)]
+  bad = [r for r in rows if r.error or (r.family in SPILL_FAILS and r.spills)]
   for r in bad:
     print(f"FAIL {r.case}: {r.error or 'spills'}", file=sys.stderr)
   return 1 if bad else 0

@@ -1,4 +1,4 @@
-"""The one entry point the model uses for attention and indexer math.
+"""The one entry point the model uses for attention, indexer and batch-invariant matmul math.
 
 backend: "auto" (the default), "xla", "pallas", "interpret" (the Pallas kernel in interpret mode, for CPU tests).
 "auto" is the XLA reference off a GPU. On a GPU it validates a kernel the first time an op is dispatched with a new
@@ -34,10 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import grouped_dot as _grouped_dot
 from pallas_kernels import hca_attention as _hca
 from pallas_kernels import indexer as _indexer
 from pallas_kernels import indexer_paged as _indexer_paged
 from pallas_kernels import indexer_topk as _indexer_topk
+from pallas_kernels import row_dot as _row_dot
 from pallas_kernels import sparse_attention as _sparse
 
 Backend = Literal["auto", "xla", "pallas", "interpret"]
@@ -54,6 +56,8 @@ Fp8PagedPool = _sparse.Fp8PagedPool
 Fp8IndexKeys = _indexer_topk.Fp8IndexKeys
 PagedRows = _indexer.PagedRows
 HcaAttentionTuning = _hca.HcaAttentionTuning
+RowDotTuning = _row_dot.RowDotTuning
+GroupedDotTuning = _grouped_dot.GroupedDotTuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,8 @@ class KernelConfig:
   # kernel counts as hung and the XLA reference is used
   validation_timeout_s: float = 180.0
   hca_tuning: HcaAttentionTuning | None = None  # the invariant step's HCA kernel
+  row_dot_tuning: RowDotTuning | None = None  # the row-invariant matmul
+  grouped_dot_tuning: GroupedDotTuning | None = None  # the block-invariant grouped expert matmul
 
 
 def check_backend(cfg: KernelConfig, *, on_device: bool = True) -> None:
@@ -87,7 +93,7 @@ def register_kernel(op: str, fn: Callable) -> None:
   _KERNELS[op] = fn
 
 
-for _mod in (_sparse, _indexer, _indexer_topk, _hca):
+for _mod in (_sparse, _indexer, _indexer_topk, _hca, _row_dot, _grouped_dot):
   for _op, _fn in getattr(_mod, "KERNELS", {}).items():
     register_kernel(_op, _fn)
 
@@ -144,6 +150,23 @@ class HcaArgs(NamedTuple):
   table_rows_N: Any = None
 
 
+class RowDotArgs(NamedTuple):
+  """The array arguments of one `row_dot` call, by name. Its static argument (`out_dtype`, a dtype name) travels
+  beside it in a dict."""
+  x_NxK: Any
+  w_KxM: Any
+  live: Any = None
+
+
+class GroupedDotArgs(NamedTuple):
+  """The array arguments of one `grouped_dot` call, by name. Its static argument (`out_dtype`, a dtype name)
+  travels beside it in a dict."""
+  x_BxRxK: Any
+  block_expert_B: Any
+  live_blocks: Any
+  w_ExKxM: Any
+
+
 class _OpCheck(NamedTuple):
   """How `auto` validates one op's kernel (see `validate`)."""
   random_inputs: Callable   # (abstract args, static, key) -> random args of that structure, shapes and dtypes
@@ -185,7 +208,8 @@ def _abstract(x):
 
 def _tuning(cfg: KernelConfig, op: str):
   return {"sparse_attention": cfg.sparse_tuning, "indexer_scores": cfg.indexer_tuning,
-          "indexer_topk": cfg.topk_tuning, "hca_attention": cfg.hca_tuning}.get(op)
+          "indexer_topk": cfg.topk_tuning, "hca_attention": cfg.hca_tuning, "row_dot": cfg.row_dot_tuning,
+          "grouped_dot": cfg.grouped_dot_tuning}.get(op)
 
 
 def _kernel_name(fn: Callable) -> str:
@@ -381,6 +405,50 @@ def hca_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_p
   return _RUN["hca_attention"](_KERNELS["hca_attention"], args, static, kw)
 
 
+def _row_dot_args(x_NxK, w_KxM, live=None, *, out_dtype=None):
+  return (RowDotArgs(x_NxK, w_KxM, None if live is None else jnp.asarray(live, jnp.int32)),
+          dict(out_dtype=jnp.dtype(out_dtype or x_NxK.dtype).name))
+
+
+def row_dot(x_NxK, w_KxM, live=None, *, out_dtype=None, cfg: KernelConfig = KernelConfig()):
+  """y_NxM = x_NxK @ w_KxM (fp32 accumulation, out_dtype: None = x's), rows >= live (None = N) exact zeros.
+
+  row_dot(x_NxK, w_KxM, live=None, *, out_dtype=None, cfg=KernelConfig())
+
+  The kernel ("row_dot", `row_dot.py`) gives a row the same bits whatever the number of rows, `live` or the other
+  rows (fixed tiles, K reduced in fixed block_k steps, no split-K) and does no work for row blocks past `live`; K
+  and M must be multiples of its block_k and block_cols. Without a kernel, its XLA reference `row_dot_reference`
+  (jnp.dot: the same numbers within rounding, not row invariant on a GPU)."""
+  args, static = _row_dot_args(x_NxK, w_KxM, live, out_dtype=out_dtype)
+  kw = _resolve(cfg, "row_dot", args, static)
+  if kw is None:
+    return _row_dot_reference(args, static)
+  return _RUN["row_dot"](_KERNELS["row_dot"], args, static, kw)
+
+
+def _grouped_dot_args(x_BxRxK, block_expert_B, live_blocks, w_ExKxM, *, out_dtype=None):
+  return (GroupedDotArgs(x_BxRxK, jnp.asarray(block_expert_B, jnp.int32), jnp.asarray(live_blocks, jnp.int32),
+                         w_ExKxM), dict(out_dtype=jnp.dtype(out_dtype or x_BxRxK.dtype).name))
+
+
+def grouped_dot(x_BxRxK, block_expert_B, live_blocks, w_ExKxM, *, out_dtype=None,
+                cfg: KernelConfig = KernelConfig()):
+  """y_BxRxM: y[b] = x_BxRxK[b] @ w_ExKxM[block_expert_B[b]] (fp32 accumulation, out_dtype: None = x's); blocks
+  >= live_blocks, or whose expert id is outside [0, E), exact zeros.
+
+  grouped_dot(x_BxRxK, block_expert_B, live_blocks, w_ExKxM, *, out_dtype=None, cfg=KernelConfig())
+
+  The kernel ("grouped_dot", `grouped_dot.py`): one program per (block, column block), the expert's weights read in
+  place, K reduced in fixed block_k steps; a block's bits depend only on its rows and its expert, and blocks past
+  live_blocks cost nothing. Without a kernel, its XLA reference `grouped_dot_reference` (a loop over the live
+  blocks, one einsum each)."""
+  args, static = _grouped_dot_args(x_BxRxK, block_expert_B, live_blocks, w_ExKxM, out_dtype=out_dtype)
+  kw = _resolve(cfg, "grouped_dot", args, static)
+  if kw is None:
+    return _grouped_dot_reference(args, static)
+  return _RUN["grouped_dot"](_KERNELS["grouped_dot"], args, static, kw)
+
+
 def _scores_args(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None, *,
                  num_keys_B=None):
   return IndexerArgs(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM,
@@ -441,6 +509,15 @@ def indexer_topk(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT
   return _RUN["indexer_topk"](_KERNELS["indexer_topk"], args, static, kw)
 
 
+def _row_dot_reference(a: RowDotArgs, static: dict):
+  return _row_dot.row_dot_reference(a.x_NxK, a.w_KxM, a.live, out_dtype=static["out_dtype"])
+
+
+def _grouped_dot_reference(a: GroupedDotArgs, static: dict):
+  return _grouped_dot.grouped_dot_reference(a.x_BxRxK, a.block_expert_B, a.live_blocks, a.w_ExKxM,
+                                            out_dtype=static["out_dtype"])
+
+
 def _hca_reference(a: HcaArgs, static: dict):
   return _hca.hca_attention_reference(*a, **static)
 
@@ -486,6 +563,14 @@ def _run_hca_kernel(kernel: Callable, a: HcaArgs, static: dict, kw: dict):
   return kernel(*a, **static, **kw)
 
 
+def _run_row_dot_kernel(kernel: Callable, a: RowDotArgs, static: dict, kw: dict):
+  return kernel(a.x_NxK, a.w_KxM, a.live, out_dtype=static["out_dtype"], **kw)
+
+
+def _run_grouped_dot_kernel(kernel: Callable, a: GroupedDotArgs, static: dict, kw: dict):
+  return kernel(a.x_BxRxK, a.block_expert_B, a.live_blocks, a.w_ExKxM, out_dtype=static["out_dtype"], **kw)
+
+
 def _run_scores_kernel(kernel: Callable, a: IndexerArgs, static: dict, kw: dict):
   return kernel(a.q_BxTxHxC, a.w_BxTxH, a.key_pool_PxC, a.key_rows_BxM, a.num_visible_BxT, a.allowed_BxTxM,
                 num_keys_B=a.num_keys_B, **kw)
@@ -498,9 +583,10 @@ def _run_topk_kernel(kernel: Callable, a: IndexerArgs, static: dict, kw: dict):
 
 
 _OP_ARGS = {"sparse_attention": _sparse_args, "indexer_scores": _scores_args, "indexer_topk": _topk_args,
-            "hca_attention": _hca_args}
+            "hca_attention": _hca_args, "row_dot": _row_dot_args, "grouped_dot": _grouped_dot_args}
 _RUN = {"sparse_attention": _run_sparse_kernel, "indexer_scores": _run_scores_kernel,
-        "indexer_topk": _run_topk_kernel, "hca_attention": _run_hca_kernel}
+        "indexer_topk": _run_topk_kernel, "hca_attention": _run_hca_kernel, "row_dot": _run_row_dot_kernel,
+        "grouped_dot": _run_grouped_dot_kernel}
 
 
 # Random inputs with the structure, shapes and dtypes of the call (values inside each argument's contract).
@@ -562,6 +648,22 @@ def _hca_inputs(a: HcaArgs, static: dict, key) -> HcaArgs:
       num_visible_N=_ints(keys[6], a.num_visible_N, 0, F * E + 1),
       sink_H=_normal(keys[7], a.sink_H),
       table_rows_N=None if a.table_rows_N is None else _ints(jax.random.fold_in(keys[5], 1), a.table_rows_N, 0, S))
+
+
+def _row_dot_inputs(a: RowDotArgs, static: dict, key) -> RowDotArgs:
+  keys = jax.random.split(key, 3)
+  K = a.x_NxK.shape[1]
+  return RowDotArgs(x_NxK=_normal(keys[0], a.x_NxK), w_KxM=_normal(keys[1], a.w_KxM, K ** -0.5),
+                    live=None if a.live is None else _ints(keys[2], a.live, 0, a.x_NxK.shape[0] + 1))
+
+
+def _grouped_dot_inputs(a: GroupedDotArgs, static: dict, key) -> GroupedDotArgs:
+  keys = jax.random.split(key, 4)
+  E, K, _ = a.w_ExKxM.shape
+  return GroupedDotArgs(x_BxRxK=_normal(keys[0], a.x_BxRxK),
+                        block_expert_B=_ints(keys[1], a.block_expert_B, -1, E + 1),
+                        live_blocks=_ints(keys[2], a.live_blocks, 0, a.x_BxRxK.shape[0] + 1),
+                        w_ExKxM=_normal(keys[3], a.w_ExKxM, K ** -0.5))
 
 
 def _indexer_inputs(a: IndexerArgs, static: dict, key) -> IndexerArgs:
@@ -672,6 +774,41 @@ def _hca_err(got, want, a: HcaArgs, static: dict):
   return _close(got, want, atol, rtol)
 
 
+def _shrink_to_blocks(n: int, block: int) -> int:
+  """n cut to at most two blocks (kept as it is when not a multiple of the block: the call then fails as it would)."""
+  return n if n % block or n < block else block * min(n // block, 2)
+
+
+def _row_dot_small(a: RowDotArgs, static: dict, tuning) -> SmallCase:
+  """Row-invariant matmul: the compiled code depends on the dtypes, the tuning and whether `live` is given; N, K
+  and M set only the grid and the K loop's trip count. The small case: one row block and three rows, two K steps,
+  two column blocks."""
+  t = tuning or RowDotTuning()
+  (N, K), M = a.x_NxK.shape, a.w_KxM.shape[1]
+  k, m = _shrink_to_blocks(K, t.block_k), _shrink_to_blocks(M, t.block_cols)
+  args = RowDotArgs(jax.ShapeDtypeStruct((min(N, t.block_rows + 3), k), a.x_NxK.dtype),
+                    jax.ShapeDtypeStruct((k, m), a.w_KxM.dtype), a.live)
+  return SmallCase(args, t, ())
+
+
+def _grouped_dot_small(a: GroupedDotArgs, static: dict, tuning) -> SmallCase:
+  """Grouped expert matmul: the compiled code depends on the dtypes, the tuning and the row tile (R padded to a
+  power of two >= 16); B, E, K and M set only the grid, the weights' strides and the K loop's trip count. The small
+  case: 3 blocks of R rows, 4 experts, two K steps, two column blocks."""
+  t = tuning or GroupedDotTuning()
+  B, R, K = a.x_BxRxK.shape
+  E, _, M = a.w_ExKxM.shape
+  k, m, b = _shrink_to_blocks(K, t.block_k), _shrink_to_blocks(M, t.block_cols), min(B, 3)
+  args = GroupedDotArgs(jax.ShapeDtypeStruct((b, R, k), a.x_BxRxK.dtype), _lead(a.block_expert_B, b),
+                        a.live_blocks, jax.ShapeDtypeStruct((min(E, 4), k, m), a.w_ExKxM.dtype))
+  return SmallCase(args, t, (_grouped_dot.row_block(R),))
+
+
+def _dot_err(got, want, a, static: dict):
+  atol, rtol = _tols(static["out_dtype"])
+  return _close(got, want, atol, rtol)
+
+
 def _indexer_small(a: IndexerArgs, static: dict, tuning, *, topk: bool) -> SmallCase:
   """Indexer scores / fused top-k: the compiled code depends on H, C, the dtypes and key format, the tuning, k, the
   candidate count and (top-k) whether the entries span more than one on-chip chunk, not on B, T, the pool rows or
@@ -754,6 +891,8 @@ def _topk_err(got, scores, args: IndexerArgs, static: dict):
 _CHECKS.update({
     "sparse_attention": _OpCheck(_sparse_inputs, _sparse_reference, _sparse_err, _sparse_small),
     "hca_attention": _OpCheck(_hca_inputs, _hca_reference, _hca_err, _hca_small),
+    "row_dot": _OpCheck(_row_dot_inputs, _row_dot_reference, _dot_err, _row_dot_small),
+    "grouped_dot": _OpCheck(_grouped_dot_inputs, _grouped_dot_reference, _dot_err, _grouped_dot_small),
     "indexer_scores": _OpCheck(_indexer_inputs, _scores_reference, _scores_err,
                                lambda a, s, t: _indexer_small(a, s, t, topk=False)),
     "indexer_topk": _OpCheck(_indexer_inputs, _topk_check_scores, _topk_err,

@@ -295,3 +295,24 @@ def test_indexer_kernels_lower_with_paged_rows(name, B, F, cand, keys):
     exp = export_for_cuda(ix.indexer_scores_pallas, S((B, 1, HI, C), jnp.bfloat16), S((B, 1, HI), jnp.float32),
                           pool, paged, S((B, 1), jnp.int32))
     assert TRITON in lowering.custom_call_targets(exp)
+
+
+@pytest.mark.parametrize("name,N,K,M", [("decode_q_a", 1, 4096, 1024), ("prefill_square", 2048, 4096, 4096),
+                                        ("prefill_o_b", 2048, 8192, 4096)])
+def test_row_dot_lowers_for_cuda(name, N, K, M):
+  """The row-invariant matmul at V4-Flash projection shapes: one Triton call, N padded to the row block inside."""
+  from pallas_kernels import row_dot as rd
+  exp = export_for_cuda(rd.row_dot_pallas, S((N, K), jnp.bfloat16), S((K, M), jnp.bfloat16), S((), jnp.int32))
+  assert TRITON in lowering.custom_call_targets(exp)
+  assert exp.out_avals[0].shape == (N, M)
+
+
+@pytest.mark.parametrize("name,K,M", [("gate_up", 4096, 2048), ("down", 2048, 4096)])
+def test_grouped_dot_lowers_for_cuda(name, K, M):
+  """The grouped expert matmul over V4-Flash's 256 experts (2^31 weight elements: the last offset fits 32 bits),
+  640 blocks of 32 rows (2048 tokens x top-6)."""
+  from pallas_kernels import grouped_dot as gd
+  exp = export_for_cuda(gd.grouped_dot_pallas, S((640, 32, K), jnp.bfloat16), S((640,), jnp.int32),
+                        S((), jnp.int32), S((256, K, M), jnp.bfloat16))
+  assert TRITON in lowering.custom_call_targets(exp)
+  assert exp.out_avals[0].shape == (640, 32, M)

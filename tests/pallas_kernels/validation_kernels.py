@@ -5,8 +5,10 @@ that kills its process (a GPU fault's stand-in). Calls in this process are count
 import os
 import time
 
+from pallas_kernels import grouped_dot as gd
 from pallas_kernels import indexer as ix
 from pallas_kernels import indexer_topk as it
+from pallas_kernels import row_dot as rd
 from pallas_kernels import sparse_attention as sa
 
 CALLS: dict[str, int] = {}
@@ -29,6 +31,16 @@ def scores(*a, interpret=False, **k):
 def topk(*a, interpret=False, **k):
   _count("indexer_topk")
   return it.KERNELS["indexer_topk"](*a, interpret=True, **k)
+
+
+def row_dot(*a, interpret=False, **k):
+  _count("row_dot")
+  return rd.row_dot(*a, interpret=True, **k)
+
+
+def grouped_dot(*a, interpret=False, **k):
+  _count("grouped_dot")
+  return gd.grouped_dot(*a, interpret=True, **k)
 
 
 def wrong_sparse(*a, interpret=False, **k):
