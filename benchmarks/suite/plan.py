@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Callable, Iterator
 
-from benchmarks.suite import ceilings, engine_width as ew, kernel_cases as kc, serve_job
+from benchmarks.suite import ceilings, engine_width as ew, invariant_dots, kernel_cases as kc, serve_job
 from benchmarks.suite.budget import Budget
 from benchmarks.suite.kernel_cases import TopkDiagnosis
 from benchmarks.suite.report import Report, error_line
@@ -133,6 +133,12 @@ def _kernels(ctx):
   yield from _kernel_rows(ctx, kc.plan(), "b")
 
 
+def _invariant_dots(ctx):
+  c = ctx.cfg
+  yield from invariant_dots.run(c.dry_run, c.seed, iters=c.iters, repeats=c.repeats, flush_mb=c.flush_mb,
+                                hbm_gbps=c.hbm_gbps, peak_tflops=c.peak_tflops)
+
+
 def _tuning(ctx):
   yield from _kernel_rows(ctx, kc.tuning_plan(), "e", table="")
 
@@ -230,6 +236,8 @@ def items() -> list[Item]:
       Item("a.matmul", 10, _matmul, "bf16 8192^3 matmul rate"),
       Item("b.topk", 40, _topk_diagnosis, "fused top-k diagnosis: repeats, sentinel, selected lanes, tunings"),
       Item("b.kernels", 40, _kernels, "every kernel vs its reference at V4-Flash shapes, timed (same executable)"),
+      Item("b.invariant_dots", 40, _invariant_dots, "row_dot vs jnp.dot (N 1..2048, 4096^2), grouped_dot vs its "
+           "reference (256 experts), a row's bits across row counts"),
       Item("c.serve", 60, _serve, "the main job (experiments.serve, shipped model): 48 graded answers"),
       Item("d.engine.bf16", 90, _engine_bf16, "engine at V4-Flash widths, bf16 KV, kernels"),
       Item("d.engine.alone", 40, _engine_alone, "two requests alone vs batched, bitwise"),
