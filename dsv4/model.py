@@ -235,7 +235,7 @@ class Sublayers(NamedTuple):
   attn: Callable          # (x_NxD, ctx, cache_l, kernel_cfg, collect_aux[, shared]) -> (cache_l, y_NxD, aux[, shared])
   hc_ffn: Callable        # X_BxTxNxD -> (pre, post, comb)
   ffn_norm: jax.Array     # [D]
-  ffn: Callable           # (x_BxTxD, tokens_BxT) -> y_BxTxD     (moe.moe)
+  ffn: Callable           # (x_BxTxD, tokens_BxT, live) -> y_BxTxD     (moe.moe)
   engram: Callable | None = None   # V4.1: (X_BxTxNxD, hash_BxTxH) -> X_BxTxNxD (engram.engram); None = no Engram
 
 
@@ -249,7 +249,7 @@ def layer_sublayers(params_l, config: ModelConfig, plan: LayerPlan) -> Sublayers
       attn=functools.partial(attn, params_l["attn"], config, plan),
       hc_ffn=functools.partial(_hc, params_l["hc_ffn"], config),
       ffn_norm=params_l["ffn_norm"],
-      ffn=lambda x, tokens: moe.moe(params_l["ffn"], x, tokens, config.moe, plan.hash_moe),
+      ffn=lambda x, tokens, live=None: moe.moe(params_l["ffn"], x, tokens, config.moe, plan.hash_moe, live),
       engram=(lambda X, h: engram_mod.engram(params_l["engram"], X, h, eps)) if plan.engram else None)
 
 
@@ -273,7 +273,7 @@ def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, ke
     X = mhc.expand(y[None], X, post, comb)
     pre, post, comb = s.hc_ffn(X)
     u = rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps)
-    y = s.ffn(u, tokens)
+    y = s.ffn(u, tokens, ctx.live)
     return cache_l, mhc.expand(y, X, post, comb), aux
   if s.engram is not None:
     X = s.engram(X, engram_hash)
@@ -286,7 +286,7 @@ def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, ke
   X = mhc.expand(y[None], X, post, comb)
   pre2, post2, comb2 = s.hc_ffn(X)
   u = rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps)
-  y = s.ffn(u, tokens)
+  y = s.ffn(u, tokens, ctx.live)
   return cache_l, mhc.expand(y, X, post2, comb2), pre2, aux, shared
 
 

@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4 import caches
+
+
 def pow2_at_least(n: int, lo: int = 1) -> int:
   n = max(n, lo, 1)
   return 1 << (n - 1).bit_length()
@@ -121,3 +124,10 @@ def pack(arrays: dict, shape: _PackedShape) -> np.ndarray:
     buf[o:o + n] = a.reshape(-1)
     o += n
   return buf
+
+
+def invariant_step_index(p, rows) -> caches.StepIndex:
+  """The invariant step's `StepIndex`: the whole flat axis in one pass, its live tokens (`n_real`: every row's
+  tokens come first) bounding the row-invariant ops' loops."""
+  return caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"],
+                          full_row_R=p.get("full_row"), live_tokens=p["n_real"][0], invariant=True)

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 from dsv4 import caches, model
 from dsv4.engine.sampling import sample_rows_impl
 from dsv4.engine.speculative_step import continue_rows, verify_and_draft
-from dsv4.engine.step_plan import RaggedShape, unpack
-from dsv4.engine.tiles import tiled
+from dsv4.engine.step_plan import RaggedShape, invariant_step_index, unpack
 
 
 class StepOutput(NamedTuple):
@@ -134,7 +133,7 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
     logits = to_logits(h_NxD[jnp.maximum(p["last"], 0)])
     return output(cache, _sample(p, logits), logits)
 
-  cache, h_NxD = tiled(lambda i, toks, step, cache: fwd(toks, cache, step), p, rows, cache, shape)
+  cache, h_NxD = fwd(p["tokens"], cache, invariant_step_index(p, rows))
   # Each row's logits and sample at the fixed [rows, D] / [rows, V] shape of this engine (one matmul whose rows
   # do not see each other: its shape, not its neighbours, decides the summation order).
   logits = to_logits(h_NxD[jnp.maximum(p["last"], 0)])

@@ -58,10 +58,13 @@ class StepContext:
   # row once verification has decided it (the row written here is the state after the row's last, maybe
   # rejected, token).
   tap_state: bool = dataclasses.field(default=False, metadata=dict(static=True))
-  # The engine's tiled invariant step (caches.StepIndex.invariant): running pools fold token by token in position
-  # order (`sequential_pool_scan`), so an entry's bits do not depend on where a chunk or a tile boundary fell, and
-  # dense compressed attention reads fixed entry blocks (attention.blocked_dense_attention).
+  # The engine's invariant step (caches.StepIndex.invariant): running pools fold token by token in position order
+  # (`sequential_pool_scan`), so an entry's bits do not depend on where a chunk boundary fell, and dense compressed
+  # attention reads fixed entry blocks (attention.blocked_dense_attention).
   invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  # int32 scalar or None: leading flat tokens that may be real (caches.StepIndex.live_tokens); per-token loops stop
+  # there.
+  live: jax.Array | None = None
 
   @staticmethod
   def from_step(step: "caches.StepIndex", layout: "caches.CacheLayout", tap_state: bool = False,
@@ -82,7 +85,7 @@ class StepContext:
                        last_N=valid & (pos == end - 1), swa_table_RxS=swa, full_table_RxF=full, full_row_N=full_row,
                        swa_base_R=base,
                        swa_block_tokens=layout.swa_block_tokens, full_block_tokens=layout.full_block_tokens,
-                       tap_state=tap_state, invariant=invariant)
+                       tap_state=tap_state, invariant=invariant, live=step.live_tokens)
 
   def swa_slots(self, row_N_, pos_N_, valid_N_):
     """SWA-group pool row of each (row, position); -1 where invalid or outside the step's swa table."""
@@ -138,20 +141,32 @@ def segmented_pool_scan(reset_N, lse_NxW, mean_NxW, max_segment: int):
   return lse, mean
 
 
-def sequential_pool_scan(reset_N, lse_NxW, mean_NxW):
+def sequential_pool_scan(reset_N, lse_NxW, mean_NxW, live=None):
   """`segmented_pool_scan` as a left fold in flat-axis order: pool_t = merge(pool_{t-1}, token t), restarting
   where reset is set. The fold is what a chunk boundary does too (a row's first token merges the stored fp32 state
   of position start - 1 into its own pair, in the same argument order), so every token's pool has the same bits
-  however its row was split into chunks or tiles; the doubling scan's merge tree depends on the token's offset from
-  its segment start, which a split moves. Cost: N dependent steps of O(width) work (N = a tile of the step)."""
-  def fold(carry, x):
-    reset, l, m = x
-    ml, mm = merge(carry[0], carry[1], l, m)
-    out = (jnp.where(reset, l, ml), jnp.where(reset, m, mm))
-    return out, out
+  however its row was split into chunks; the doubling scan's merge tree depends on the token's offset from its
+  segment start, which a split moves. Cost: one dependent step of O(width) work per live token (live: None = all
+  N; tokens past it keep their own pair)."""
+  if live is None:
+    def fold(carry, x):
+      reset, l, m = x
+      ml, mm = merge(carry[0], carry[1], l, m)
+      out = (jnp.where(reset, l, ml), jnp.where(reset, m, mm))
+      return out, out
 
-  _, (lse, mean) = jax.lax.scan(fold, (lse_NxW[0], mean_NxW[0]), (reset_N, lse_NxW, mean_NxW))
-  return lse, mean
+    _, (lse, mean) = jax.lax.scan(fold, (lse_NxW[0], mean_NxW[0]), (reset_N, lse_NxW, mean_NxW))
+    return lse, mean
+
+  def body(t, acc):
+    lse, mean = acc
+    l, m = lse[t], mean[t]
+    ml, mm = merge(lse[jnp.maximum(t - 1, 0)], mean[jnp.maximum(t - 1, 0)], l, m)
+    keep = reset_N[t] | (t == 0)
+    return lse.at[t].set(jnp.where(keep, l, ml)), mean.at[t].set(jnp.where(keep, m, mm))
+
+  n = jnp.clip(jnp.asarray(live, jnp.int32), 0, lse_NxW.shape[0])
+  return jax.lax.fori_loop(0, n, body, (lse_NxW, mean_NxW))
 
 
 def _emit(ctx: StepContext, entry_N, emitted_N, ratio: int):
@@ -187,7 +202,7 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   reset = ctx.first_N | win_start | ~ctx.valid_N
   if ctx.invariant:
     def scan(reset_N, l, mean, _):
-      return sequential_pool_scan(reset_N, l, mean)
+      return sequential_pool_scan(reset_N, l, mean, ctx.live)
   else:
     scan = segmented_pool_scan
 

@@ -107,14 +107,16 @@ def expert_blocks(ids_NxK, num_experts: int, live=None, *, block: int = BLOCKING
 
 
 def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, live=None, *,
-                    block: int = BLOCKING.expert_rows):
+                    block: int = BLOCKING.expert_rows, uniform_trip_axis: str | None = None):
   """sum_k weights[n, k] * expert_fn(ids[n, k], x[n]) for every live token n, row-invariant and with each expert's
   weights read once per block of its own pairs.
 
   expert_fn(e, x_RxD) -> [R, D]: expert e (a traced int32 scalar) on a fixed block of R = `block` rows (row-local;
   its products then have one shape for every block). The loop runs the live blocks in expert order; a block adds
   its rows into their tokens' outputs, so a token's K results are added in the order of its expert ids (its own
-  choices, whatever shares the step), starting from zeros. Dead tokens (>= live) get zeros."""
+  choices, whatever shares the step), starting from zeros. Dead tokens (>= live) get zeros.
+  uniform_trip_axis: a manual mesh axis over which every shard runs the largest block count (the extra blocks hold
+  no pair and add nothing), so collectives inside `expert_fn` meet."""
   N, K = ids_NxK.shape
   D = x_NxD.shape[1]
   order, sizes, first_block, first_pair = expert_blocks(ids_NxK, num_experts, live, block=block)
@@ -134,7 +136,10 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
     return out.at[jnp.where(ok, tok, N)].add(h.astype(out.dtype), mode="drop")
 
   out = jnp.zeros((N, D), x_NxD.dtype)
-  return jax.lax.fori_loop(0, first_block[num_experts], body, out)
+  trips = first_block[num_experts]
+  if uniform_trip_axis is not None:
+    trips = jax.lax.pmax(trips, uniform_trip_axis)
+  return jax.lax.fori_loop(0, trips, body, out)
 
 
 def grouped_experts_reference(x_NxD, ids_NxK, weights_NxK, expert_fn_all):
