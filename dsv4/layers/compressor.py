@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from dsv4 import caches
 from dsv4.layers.norms import rms_norm
+from dsv4.layers.row_invariant import map_row_blocks
 from dsv4.layers.rope import apply_rope
 
 _HI = jax.lax.Precision.HIGHEST
@@ -182,7 +183,7 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   `ctx.tap_state`, every token's state row [N, state width] is put in `taps[tap_key]` (pooling compressors only)."""
   q_rows = quantize_rows or (lambda r: r)
   m, w = spec.ratio, spec.width
-  a, z = project(p, x_NxD, spec, ctx.pos_N)
+  a, z = map_row_blocks(lambda x, pos: project(p, x, spec, pos), ctx.live, x_NxD, ctx.pos_N)
   pos = ctx.pos_N
 
   if not spec.gated or m == 1:
