@@ -25,3 +25,13 @@ def wide_config() -> config.ModelConfig:
       name="wide4", variant="v4", vocab_size=1024, hidden_size=4096, num_layers=4, compress_ratios=(0, 0, 4, 128),
       attention=config.AttentionConfig(), indexer=config.IndexerConfig(topk=32),
       moe=config.MoEConfig(n_routed_experts=4, num_experts_per_tok=2, intermediate_size=512, num_hash_layers=1))
+
+
+def wide_moe_config() -> config.ModelConfig:
+  """v4_tiny's layers (window, CSA m=4 with its indexer, HCA) at a wide residual and a V4-Flash-shaped router: D 512,
+  64 routed experts, top-6, one shared expert, hash routing in layer 0."""
+  import dataclasses
+  tiny = config.v4_tiny()
+  return dataclasses.replace(tiny, name="v4_wide_moe", hidden_size=512,
+                             moe=config.MoEConfig(n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=6,
+                                                  intermediate_size=128, num_hash_layers=1))

@@ -16,8 +16,8 @@ to the most free blocks, then the fewest running rows. A request stays there whi
 slots [s*R/D, (s+1)*R/D)); preemption frees and picks victims within its shard; re-admission may choose again.
 `cache/` knows nothing of meshes: it just sees D independent managers.
 
-Scheduling policies with state or logic of their own live beside this facade: shard placement (`placement.py`),
-in-batch shared-prefix deferral (`prefix_deferral.py`) and bucket fill (`bucket_fill.py`).
+Scheduling policies with state or logic of their own live beside this facade: shard placement (`placement.py`)
+and in-batch shared-prefix deferral (`prefix_deferral.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
 from dsv4 import caches, dspark
 from dsv4.config import ModelConfig
-from dsv4.engine import bucket_fill, compile_stats, placement, schema, speculative_step
+from dsv4.engine import compile_stats, placement, schema, speculative_step
 from dsv4.engine.config import EngineConfig  # noqa: F401  (re-exported: dsv4.engine.engine.EngineConfig)
 from dsv4.engine.prefix_deferral import SharedPrefixDeferral
 from dsv4.engine.request import Request, RequestOutput, Status
@@ -291,7 +291,7 @@ class Engine:
     elif admit and not preempted:
       self._queue_admissions()
     self._track_usage()
-    return self._fill_bucket(scheduled)
+    return scheduled
 
   def _give_back(self, req: Request) -> Request:
     """An admitted request that has not run returns its claim and goes back to the queue (not a preemption)."""
@@ -391,15 +391,6 @@ class Engine:
     if self.spec and req.inflight:
       end += req.inflight_drafts      # the unread step may accept all its drafts: the row then starts that much later
     return min(end, self.ec.max_model_len)
-
-  def _fill_bucket(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
-    """The step with its last prefill chunks trimmed to fit a smaller token bucket (`bucket_fill`)."""
-    out = bucket_fill.trim_to_bucket(scheduled, self.runner.token_buckets(), self.ec.bucket_fill)
-    trimmed = sum(n for _, n in scheduled) - sum(n for _, n in out)
-    if trimmed:
-      self.stats["bucket_fill_trimmed_tokens"] += trimmed
-      self.stats["bucket_fill_steps"] += 1
-    return out
 
   # ------------------------------------------------------------------------------------------ step
   def _leave(self, req: Request):

@@ -61,9 +61,7 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   it: every step writes its positions before attending, and reads stop at each query's position.
   Returns (cache, results [R, out_width], logits [R, k + 1, V]: column j scored the row's j-th new token)."""
   K, R, N = shape.spec, shape.rows, shape.tokens
-  step = (invariant_step_index(p, rows) if shape.invariant else
-          caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"],
-                           full_row_R=p.get("full_row")))
+  step = invariant_step_index(p, rows)
   ds = dspark.is_dspark(config)
   if ds:    # the backbone taps its DSpark features and writes the stages' context KV at the step's positions
     fwd_ds = functools.partial(model.forward_ragged_aux, params, config, layout=layout, kernel_cfg=kernel_cfg,
@@ -77,7 +75,7 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   else:
     fwd = functools.partial(model.forward_ragged_aux, params, config, layout=layout, kernel_cfg=kernel_cfg,
                             return_stream=True, tap_states=True)
-  # the invariant step: one pass of row-invariant ops, every position's bits as without drafts
+  # one pass of row-invariant ops: every position's bits as without drafts
   cache, h_NxD, auxes, X = fwd(p["tokens"], cache, step)
   last = jnp.maximum(p["last"], 0)
   ndraft = jnp.where(p["num"] > 0, jnp.minimum(p["ndraft"], K), 0)

@@ -4,10 +4,11 @@ gathered on the device at its manager slot, then logits at each row's last token
 plan arrives as one packed int32 buffer (`step_plan`); the outputs come back as a `StepOutput`.
 
 Every mode is this program (the mode is part of its static shape or its static arguments):
-* Batch-invariant (`RaggedShape.invariant`, the default): one shape per engine; the flat axis runs in fixed tiles
-  of `RaggedShape.tile` tokens through the same fixed-shape forward, in order, in a loop over the live tiles
-  (`tiles.tiled`), and logits and sampling at the fixed [rows, ...] shape, so nothing in a token's math depends on
-  what else shares the step or on how its prompt was chunked. Cost: the live tiles and the live context.
+* Batch-invariant, always: one shape per engine; the flat axis runs through each layer once, every op
+  row-invariant (a token's bits never depend on the other tokens of the call; dsv4/layers/row_invariant.py) and
+  looping over the live tokens only, and logits and sampling at the fixed [rows, ...] shape, so nothing in a
+  token's math depends on what else shares the step or on how its prompt was chunked. Cost: the live tokens and
+  the live context.
 * Speculative decoding (`RaggedShape.spec` = k): verification and the MTP block's drafts (`speculative_step`).
 * A mesh: the same body, run by `ModelRunner` under `jax.shard_map` (pools over `data`) or a plain mesh jit.
 * KV precision, kernels (`kernel_cfg`) and the model API (functional or NNX modules) are static arguments.
@@ -57,14 +58,14 @@ def _row_tables(tables, p, shape: RaggedShape):
   """Each row's block tables [R, width], gathered from the device tables [slots, W] at its slot: the full table
   from entry 0 (width follows the live context), the swa table from its base block (the window + chunk).
 
-  The invariant step's full table spans max_model_len: it is not copied per row; the device table itself goes to
+  The step's full table spans max_model_len: it is not copied per row; the device table itself goes to
   the model with each row's slot as its table row (`StepIndex.full_row_R`, `p["full_row"]`), so a lookup reads
   only the blocks it needs and nothing costs the table width."""
   out = {}
   slot = jnp.maximum(p["slot"], 0)
   for g, t in tables.items():
     w = t.shape[1]
-    if g != caches.SWA and shape.invariant and w == shape.full_width:
+    if g != caches.SWA and w == shape.full_width:
       out[g] = t
       p["full_row"] = slot
     elif g == caches.SWA:
@@ -94,10 +95,9 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
   (`nnx.split`); the step runs that module (`Model.ragged`, its blocks calling their own sub-modules), so a changed
   module is a changed graphdef and compiles its own program.
 
-  shape.invariant: the step runs in fixed tiles (`tiles.tiled`: each tile a step of its own through the same
-  fixed-shape forward, in order, in a loop over the live tiles), then each row's logits and sample at the fixed
-  [rows, D] / [rows, V] shape: nothing in a token's math depends on what else shares the step or on how its prompt
-  was chunked."""
+  The step runs its live tokens through each layer once (`step_plan.invariant_step_index`), then each row's logits
+  and sample at the fixed [rows, D] / [rows, V] shape: nothing in a token's math depends on what else shares the
+  step or on how its prompt was chunked."""
   p = unpack(buf, shape)
   if shape.spec:
     p = continue_rows(p, prev_tokens, shape)
@@ -126,12 +126,6 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
       raise ValueError("speculative decoding runs the functional model (model_api='functional')")
     cache, results_RxW, logits = verify_and_draft(params, config, layout, kernel_cfg, shape, p, rows, cache)
     return output(cache, results_RxW, logits)
-
-  if not shape.invariant:
-    step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
-    cache, h_NxD = fwd(p["tokens"], cache, step)
-    logits = to_logits(h_NxD[jnp.maximum(p["last"], 0)])
-    return output(cache, _sample(p, logits), logits)
 
   cache, h_NxD = fwd(p["tokens"], cache, invariant_step_index(p, rows))
   # Each row's logits and sample at the fixed [rows, D] / [rows, V] shape of this engine (one matmul whose rows

@@ -51,8 +51,7 @@ def routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None):
     up = jnp.dot(xb, params["w3"][e], precision=_HI)
     return jnp.dot(swiglu(gate, up, cfg.swiglu_limit).astype(xb.dtype), params["w2"][e], precision=_HI)
 
-  return row_invariant.grouped_experts(x_NxD, ids_NxK, w_NxK, expert, E, live,
-                                       uniform_trip_axis=_manual_data_axis())
+  return row_invariant.grouped_experts(x_NxD, ids_NxK, w_NxK, expert, E, live, uniform_trips=_inside_data_shards())
 
 
 def routed_experts_reference(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
@@ -66,11 +65,11 @@ def routed_experts_reference(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
   return row_invariant.grouped_experts_reference(x_NxD, ids_NxK, w_NxK, all_pairs)
 
 
-def _manual_data_axis():
-  """"data" inside the per-shard-pool step (manual over `data`): the grouped loop then runs the longest shard's
-  block count on every data shard, so the expert / tensor collectives inside it meet (None elsewhere)."""
+def _inside_data_shards() -> bool:
+  """Inside the per-shard-pool step (manual over `data`, every shard with the same live token count): the grouped
+  loop's trip count must not follow one shard's routing, so the expert / tensor collectives inside it meet."""
   mesh = mesh_context.active_mesh()
-  return "data" if mesh is not None and "data" in mesh_context.manual_axes(mesh) else None
+  return mesh is not None and "data" in mesh_context.manual_axes(mesh)
 
 
 def routed_experts_ep(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, mesh):

@@ -107,7 +107,7 @@ def expert_blocks(ids_NxK, num_experts: int, live=None, *, block: int = BLOCKING
 
 
 def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, live=None, *,
-                    block: int = BLOCKING.expert_rows, uniform_trip_axis: str | None = None):
+                    block: int = BLOCKING.expert_rows, uniform_trips: bool = False):
   """sum_k weights[n, k] * expert_fn(ids[n, k], x[n]) for every live token n, row-invariant and with each expert's
   weights read once per block of its own pairs.
 
@@ -115,8 +115,9 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
   its products then have one shape for every block). The loop runs the live blocks in expert order; a block adds
   its rows into their tokens' outputs, so a token's K results are added in the order of its expert ids (its own
   choices, whatever shares the step), starting from zeros. Dead tokens (>= live) get zeros.
-  uniform_trip_axis: a manual mesh axis over which every shard runs the largest block count (the extra blocks hold
-  no pair and add nothing), so collectives inside `expert_fn` meet."""
+  uniform_trips: run the bound ceil(live * K / block) + E on the live block count instead of the count itself (the
+  extra blocks hold no pair and add nothing): the trip count then follows `live` only, not the routing, so shards
+  of a mesh that share `live` run the same trips and collectives inside `expert_fn` meet."""
   N, K = ids_NxK.shape
   D = x_NxD.shape[1]
   order, sizes, first_block, first_pair = expert_blocks(ids_NxK, num_experts, live, block=block)
@@ -137,8 +138,8 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
 
   out = jnp.zeros((N, D), x_NxD.dtype)
   trips = first_block[num_experts]
-  if uniform_trip_axis is not None:
-    trips = jax.lax.pmax(trips, uniform_trip_axis)
+  if uniform_trips:
+    trips = (live_count(live, N) * K + block - 1) // block + num_experts
   return jax.lax.fori_loop(0, trips, body, out)
 
 
