@@ -144,12 +144,11 @@ def invariant(res):
   for name in FLAGS.configs:
     cfg = CONFIGS[name]()
     bf16 = model.cast_params(model.init_params(cfg, jax.random.PRNGKey(0)), jax.numpy.bfloat16)
-    rng = np.random.default_rng(0)
     runs = [make_runner(cfg, bf16, max_model_len=FLAGS.invariant_max_model_len, max_num_seqs=64, chunk_size=2048,
                         max_num_batched_tokens=2048, layout=layout, dtype="bf16") for _ in range(2)]
     runs[0] = make_plain(runs[0])
-    for label, b, n, ctx in INVARIANT_POINTS:
-      sets = [rows_at(r.runner if hasattr(r, "runner") else r, [ctx] * b, [n] * b, rng) for r in runs]
+    for i, (label, b, n, ctx) in enumerate(INVARIANT_POINTS):    # both runners: the same rows and tokens
+      sets = [rows_at(getattr(r, "runner", r), [ctx] * b, [n] * b, np.random.default_rng(i)) for r in runs]
       plain, inv = (1e3 * t for t in timed_alternating(runs, sets, FLAGS.repeats))
       res[f"inv_{name}_{label}"] = [plain, inv, inv / plain]
     del runs

@@ -367,7 +367,7 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
                                            shared=shared, engram_hash=eh, **tap)
       new_layers.append(cache_l)
       auxes.append(aux)
-    h = mhc.collapse(pre, X)
+    h = token_rows(mhc.collapse, ctx.live, pre, X)
   else:
     for block, cache_l in zip(blocks, cache.layers):
       cache_l, X, aux = block(X, tokens, ctx, cache_l, kernel_cfg, collect_aux)

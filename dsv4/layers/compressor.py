@@ -186,10 +186,14 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   a, z = map_row_blocks(lambda x, pos: project(p, x, spec, pos), ctx.live, x_NxD, ctx.pos_N)
   pos = ctx.pos_N
 
+  def finish(raw, entry):
+    # the entry a token closes: normed latent, RoPE'd at the entry's first position (per token, in row blocks)
+    latent = rms_norm(raw, p["norm"], eps)
+    return latent, q_rows(apply_rope(latent, entry * m, inv_freq))
+
   if not spec.gated or m == 1:
     # Ratio 1: every token is its own entry, no pooling state.
-    latent = rms_norm(a, p["norm"], eps)
-    rows = q_rows(apply_rope(latent, pos * m, inv_freq))
+    latent, rows = map_row_blocks(finish, ctx.live, a, pos)
     slots = _emit(ctx, pos, ctx.valid_N, m)
     new_out = caches.write_rows(out_pool, slots, rows)
     return (None, new_out, (latent, pos, slots)) if return_latent else (None, new_out)
@@ -239,8 +243,7 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   state_pool = caches.write_rows(state_pool, ctx.state_slots(pos, keep)[:, None], state_rows[:, None])
 
   entry = pos // m
-  latent = rms_norm(cm, p["norm"], eps)
-  rows = q_rows(apply_rope(latent, entry * m, inv_freq))
+  latent, rows = map_row_blocks(finish, ctx.live, cm, entry)
   slots = _emit(ctx, entry, ctx.valid_N & (phase == m - 1), m)
   new_out = caches.write_rows(out_pool, slots, rows)
   return (state_pool, new_out, (latent, entry, slots)) if return_latent else (state_pool, new_out)

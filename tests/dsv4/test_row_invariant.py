@@ -103,3 +103,39 @@ def test_map_row_blocks_bad_blocking():
   import pytest
   with pytest.raises(ValueError, match="at least one row"):
     row_invariant.RowBlocking(rows=0)
+
+
+def test_forward_bits_ignore_the_flat_width():
+  """The model on one row's live tokens at flat widths 32 and 64 (the step budgets of two engines): the same hidden
+  states and the same cache contents, bit for bit (every per-token op runs in fixed row blocks)."""
+  from dsv4 import caches, config, model
+  cfg = config.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  lay = caches.CacheLayout()
+  ntok, R = 29, 4
+
+  def run(n):
+    toks = np.zeros(n, np.int32)
+    toks[:ntok] = np.arange(2, 2 + ntok)
+    row = np.full(n, -1, np.int32)
+    row[:ntok] = 0
+    pos = np.zeros(n, np.int32)
+    pos[:ntok] = np.arange(ntok)
+    num = np.zeros(R, np.int32)
+    num[0] = ntok
+    swa = np.full((R, 8), -1, np.int32)
+    swa[0, :4] = np.arange(4)
+    full = np.full((R, 4), -1, np.int32)
+    full[0, :2] = np.arange(2)
+    step = caches.StepIndex(jnp.asarray(row), jnp.asarray(pos), jnp.zeros(R, jnp.int32), jnp.asarray(num),
+                            {caches.SWA: jnp.asarray(swa), caches.FULL: jnp.asarray(full)},
+                            swa_base_R=jnp.zeros(R, jnp.int32), live_tokens=jnp.int32(ntok), invariant=True)
+    cache, h = jax.jit(lambda c, t, s: model.forward_ragged(params, cfg, t, c, s, layout=lay))(
+        caches.init_cache(cfg, lay, 16, 8), jnp.asarray(toks), step)
+    return cache, np.asarray(h)[:ntok]
+
+  (c32, h32), (c64, h64) = run(32), run(64)
+  np.testing.assert_array_equal(h32, h64)
+  for a, b in zip(c32.layers, c64.layers):
+    for k in a:
+      np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
