@@ -266,7 +266,7 @@ def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, ke
   `shared` goes from layer to layer: returns (cache_l, X, pre, aux, shared). tap_stream (V4.1): aux["stream_mean"]
   is the mean over streams of the block's input after Engram [N, D] (a DSpark target feature, dsv4/dspark.py)."""
   eps = config.rms_norm_eps
-  live = ctx.live
+  live = None if ctx is None else ctx.live      # no step context: DSpark's draft block (its own fixed rows)
   if not config.single_pass_mhc:
     def pre_attn(X):
       pre, post, comb = s.hc_attn(X)
