@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from dsv4 import caches
 from dsv4.config import LayerPlan, ModelConfig
 from dsv4.layers import cache_quant
-from dsv4.layers.row_invariant import map_row_blocks
 from dsv4.layers.compressor import CompressorSpec, StepContext, compress_step
 from dsv4.layers.norms import rms_norm, unweighted_rms_norm
 from dsv4.layers.rope import apply_rope, inv_freq_for
+from dsv4.layers.row_invariant import map_row_blocks
 from pallas_kernels import dispatch
 
 _HI = jax.lax.Precision.HIGHEST
