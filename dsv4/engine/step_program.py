@@ -82,7 +82,7 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
               record_logits: bool, model_api: str = "functional", graphdef=None):
   """The engine's one step program (unjitted; `ragged_step` is its one-device jit, `ModelRunner` wraps it for a
   mesh): all rows on one flat token axis (`model.forward_ragged`): a decode row costs one token, a prefill row its
-  chunk, padding only up to the token bucket. Logits at each row's last token, then sampling.
+  chunk; the row-invariant ops loop over the live tokens only. Logits at each row's last token, then sampling.
 
   tables: per group the device block tables [slots, W], as the cache's bookkeeping program left them (it runs
   right before this one on the device, `cache.step.apply_step_packed`; no host read between). prev_tokens [S]: the
