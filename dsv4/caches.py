@@ -358,14 +358,9 @@ def row_slots(table_RxS, row_N_, index_N_, rows_per_block: int, valid_N_, base_R
   return jnp.where(ok, block_id * rows_per_block + index_N_ % rows_per_block, -1).astype(jnp.int32)
 
 
-def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_, live=None):
+def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_):
   """Scatter rows into a paged pool; slots of -1 are dropped (mapped out of bounds). An FP8 pool quantizes the
-  rows to its record first (per row scales, so a row's bytes never depend on other rows).
-
-  live: None, or the count of leading entries of the first axis that may hold a slot (the step's live tokens): the
-  scatter then runs in fixed blocks over those only, so its cost follows the live tokens, not the padded axis."""
-  if live is not None:
-    return _write_live_rows(pool_NBxRx_, slots_BxT, rows_BxTx_, live)
+  rows to its record first (per row scales, so a row's bytes never depend on other rows)."""
   if isinstance(pool_NBxRx_, dispatch.Fp8KVPool):
     D = rows_BxTx_.shape[-1]
     q = dispatch.quantize_kv_fp8(rows_BxTx_.reshape(-1, D).astype(jnp.float32), pool_NBxRx_.rope.shape[-1])
@@ -375,23 +370,6 @@ def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_, live=None):
   idx = jnp.where(slots_BxT >= 0, slots_BxT, nb * r).reshape(-1)
   rows = rows_BxTx_.reshape(-1, *pool_NBxRx_.shape[2:]).astype(pool_NBxRx_.dtype)
   return flat.at[idx].set(rows, mode="drop").reshape(pool_NBxRx_.shape)
-
-
-def _write_live_rows(pool, slots_BxT, rows_BxTx_, live):
-  from dsv4.layers import row_invariant     # local: the layers import this module
-  block = row_invariant.BLOCKING.rows
-  n = slots_BxT.shape[0]
-  npad = -(-n // block) * block
-  if npad != n:
-    slots_BxT = jnp.pad(slots_BxT, [(0, npad - n)] + [(0, 0)] * (slots_BxT.ndim - 1), constant_values=-1)
-    rows_BxTx_ = jnp.pad(rows_BxTx_, [(0, npad - n)] + [(0, 0)] * (rows_BxTx_.ndim - 1))
-
-  def body(i, pool):
-    return write_rows(pool, jax.lax.dynamic_slice_in_dim(slots_BxT, i * block, block, 0),
-                      jax.lax.dynamic_slice_in_dim(rows_BxTx_, i * block, block, 0))
-
-  trips = (row_invariant.live_count(live, n) + block - 1) // block
-  return jax.lax.fori_loop(0, trips, body, pool)
 
 
 def read_rows(pool_NBxRx_, slots_BxT):

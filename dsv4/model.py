@@ -217,7 +217,7 @@ def _engram_hashes(params, config: ModelConfig, tokens_N, ctx: StepContext, cach
   e = config.engram
   owner = e.layer_ids[0]
   cl = dict(cache_layers[owner])
-  cl["token_ids"] = caches.write_rows(cl["token_ids"], ctx.token_slots(), tokens_N, ctx.live)
+  cl["token_ids"] = caches.write_rows(cl["token_ids"], ctx.token_slots(), tokens_N)
   P = e.max_ngram_size - 1
   prev_pos = ctx.pos_N[:, None] - P + jnp.arange(P)[None, :]
   slots = ctx.swa_slots(ctx.row_N[:, None], prev_pos, ctx.valid_N[:, None] & (prev_pos >= 0))

@@ -341,7 +341,7 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
 
   # Window: write this step's rows, then read each query's window [max(t - W + 1, 0), t], oldest first and from
   # column 0, so the valid ids lead the row and the window length is min(t + 1, W) (0 for padding).
-  cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], ctx.token_slots(), kv, ctx.live)
+  cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], ctx.token_slots(), kv)
   win_pos = jnp.maximum(pos - (a.window - 1), 0)[:, None] + jnp.arange(a.window)[None, :]
   win_idx = ctx.swa_slots(ctx.row_N[:, None], win_pos, ctx.valid_N[:, None] & (win_pos <= pos[:, None]))
   win_len = jnp.where(ctx.valid_N, jnp.minimum(pos + 1, a.window), 0).astype(jnp.int32)
@@ -365,7 +365,7 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
             keys = cache_quant.mxfp4_index(keys)
           return keys
         keys = map_row_blocks(index_keys, ctx.live, lat, ent)
-        cache_layer["index_keys"] = caches.write_rows(cache_layer["index_keys"], slots, keys, ctx.live)
+        cache_layer["index_keys"] = caches.write_rows(cache_layer["index_keys"], slots, keys)
       shared = {"comp_pool": caches.flat_pool(cache_layer["comp_kv"]), "index_pool": cache_layer["index_keys"],
                 "ids": None, "cand": None}
     if shared is None:

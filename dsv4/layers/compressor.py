@@ -195,64 +195,55 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
     # Ratio 1: every token is its own entry, no pooling state.
     latent, rows = map_row_blocks(finish, ctx.live, a, pos)
     slots = _emit(ctx, pos, ctx.valid_N, m)
-    new_out = caches.write_rows(out_pool, slots, rows, ctx.live)
+    new_out = caches.write_rows(out_pool, slots, rows)
     return (None, new_out, (latent, pos, slots)) if return_latent else (None, new_out)
 
   phase = pos % m
   win_start = phase == 0
   # The state row of position start - 1 (first token of each row only; a window start needs no "cur" state).
   prev_ok = ctx.first_N & (pos > 0)
-  prev_slots = ctx.state_slots(pos - 1, prev_ok)
+  prev_rows, _ = caches.read_rows(state_pool, ctx.state_slots(pos - 1, prev_ok))
+  prev_rows = jnp.where(prev_ok[:, None], prev_rows, 0.0)
   reset = ctx.first_N | win_start | ~ctx.valid_N
-  mid = (ctx.first_N & ~win_start)[:, None]      # a row's first token inside a window: merges the stored state
   if ctx.invariant:
     def scan(reset_N, l, mean, _):
       return sequential_pool_scan(reset_N, l, mean, ctx.live)
   else:
     scan = segmented_pool_scan
 
-  # The per-token parts (the stored state's read and merges) run in row blocks over the live tokens; the folds
-  # between them run token by token.
-  def with_state(slots, ok, mid, z, a):
-    prev, _ = caches.read_rows(state_pool, slots)
-    prev = jnp.where(ok[:, None], prev, 0.0)
-    if not spec.overlap:
-      cl0, cm0 = merge(prev[:, :w], prev[:, w:], z, a)
-      return jnp.where(mid, cl0, z), jnp.where(mid, cm0, a)
-    p_cl, p_cm, p_nl, p_nm = (prev[:, i * w:(i + 1) * w] for i in range(4))
-    l0, m0 = merge(p_nl, p_nm, z[:, :w], a[:, :w])
-    cl0, cm0 = merge(p_cl, p_cm, z[:, w:], a[:, w:])
-    return jnp.where(mid, l0, z[:, :w]), jnp.where(mid, m0, a[:, :w]), cl0, cm0, p_nl, p_nm
-
   if spec.overlap:
+    aA, aB, zA, zB = a[:, :w], a[:, w:], z[:, :w], z[:, w:]
+    p_cl, p_cm, p_nl, p_nm = (prev_rows[:, i * w:(i + 1) * w] for i in range(4))
     # Next-entry pool: A halves of the open window.
-    nl0, nm0, cl0, cm0, p_nl, p_nm = map_row_blocks(with_state, ctx.live, prev_slots, prev_ok, mid, z, a)
-    nl, nm = scan(reset, nl0, nm0, m)
-
+    mid = (ctx.first_N & ~win_start)[:, None]
+    l0, m0 = merge(p_nl, p_nm, zA, aA)
+    nl, nm = scan(reset, jnp.where(mid, l0, zA), jnp.where(mid, m0, aA), m)
     # Current-entry pool: at a window start it begins from the previous window's A halves (the previous token's
     # next-entry pool, or the cached one for a row's first token); entry 0 has no previous window.
-    def entry_start(first, has_base, mid, p_nl, p_nm, prev_nl, prev_nm, z, a, cl0, cm0):
-      base_l = jnp.where(first[:, None], p_nl, prev_nl)
-      base_m = jnp.where(first[:, None], p_nm, prev_nm)
-      sl, sm = merge(base_l, base_m, z[:, w:], a[:, w:])
-      return (jnp.where(has_base[:, None], sl, jnp.where(mid, cl0, z[:, w:])),
-              jnp.where(has_base[:, None], sm, jnp.where(mid, cm0, a[:, w:])))
-    el, em = map_row_blocks(entry_start, ctx.live, ctx.first_N, win_start & (pos > 0), mid, p_nl, p_nm,
-                            jnp.roll(nl, 1, axis=0), jnp.roll(nm, 1, axis=0), z, a, cl0, cm0)
+    base_l = jnp.where(ctx.first_N[:, None], p_nl, jnp.roll(nl, 1, axis=0))
+    base_m = jnp.where(ctx.first_N[:, None], p_nm, jnp.roll(nm, 1, axis=0))
+    has_base = (win_start & (pos > 0))[:, None]
+    sl, sm = merge(base_l, base_m, zB, aB)
+    cl0, cm0 = merge(p_cl, p_cm, zB, aB)
+    el = jnp.where(has_base, sl, jnp.where(mid, cl0, zB))
+    em = jnp.where(has_base, sm, jnp.where(mid, cm0, aB))
     cl, cm = scan(reset, el, em, m)
     state_rows = jnp.concatenate([cl, cm, nl, nm], axis=-1)
   else:
-    cl, cm = scan(reset, *map_row_blocks(with_state, ctx.live, prev_slots, prev_ok, mid, z, a), m)
+    p_cl, p_cm = prev_rows[:, :w], prev_rows[:, w:]
+    mid = (ctx.first_N & ~win_start)[:, None]
+    cl0, cm0 = merge(p_cl, p_cm, z, a)
+    cl, cm = scan(reset, jnp.where(mid, cl0, z), jnp.where(mid, cm0, a), m)
     state_rows = jnp.concatenate([cl, cm], axis=-1)
   if ctx.tap_state and taps is not None:
     taps[tap_key] = state_rows
 
   # Keep the state after the last token of each block touched (a later step reads the row of its start - 1).
   keep = ctx.valid_N & (ctx.last_N | (pos % ctx.swa_block_tokens == ctx.swa_block_tokens - 1))
-  state_pool = caches.write_rows(state_pool, ctx.state_slots(pos, keep)[:, None], state_rows[:, None], ctx.live)
+  state_pool = caches.write_rows(state_pool, ctx.state_slots(pos, keep)[:, None], state_rows[:, None])
 
   entry = pos // m
   latent, rows = map_row_blocks(finish, ctx.live, cm, entry)
   slots = _emit(ctx, entry, ctx.valid_N & (phase == m - 1), m)
-  new_out = caches.write_rows(out_pool, slots, rows, ctx.live)
+  new_out = caches.write_rows(out_pool, slots, rows)
   return (state_pool, new_out, (latent, entry, slots)) if return_latent else (state_pool, new_out)
