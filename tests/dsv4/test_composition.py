@@ -17,6 +17,7 @@ import pytest
 
 from tests.dsv4 import composition_worker
 from tests.dsv4.test_sharding import run_worker
+from tests.isolation import run_in_child
 
 
 def run_mesh_worker(variant, combos, tmp, timeout=3000):
@@ -51,13 +52,19 @@ MESH_PAIRS = [c for c in composition_worker.ALL_PAIRS if c.mesh and c.name not i
 
 
 @pytest.mark.parametrize("combo", ONE_PAIRS, ids=lambda c: c.name)
-def test_all_pairs_one_device_v4(combo, cold_v4, tmp_path):
-  print(composition_worker.check(combo, cold_v4, str(tmp_path)))
+def test_all_pairs_one_device_v4(combo, tmp_path, request):
+  """In a child at XLA's default optimisation level: the row's bitwise check (alone == batched) is about the code
+  users run (at the suite's fast-compile level XLA's CPU code keeps no such property)."""
+  if run_in_child(request, default_xla_opt=True):
+    return
+  print(composition_worker.check(combo, request.getfixturevalue("cold_v4"), str(tmp_path)))
 
 
 @pytest.mark.parametrize("combo", ONE_PAIRS, ids=lambda c: c.name)
-def test_all_pairs_one_device_v41(combo, cold_v41, tmp_path):
-  print(composition_worker.check(combo, cold_v41, str(tmp_path)))
+def test_all_pairs_one_device_v41(combo, tmp_path, request):
+  if run_in_child(request, default_xla_opt=True):
+    return
+  print(composition_worker.check(combo, request.getfixturevalue("cold_v41"), str(tmp_path)))
 
 
 @pytest.mark.parametrize("variant", ["v4", "v41"])
