@@ -21,6 +21,12 @@ MAINTAINED = [
          "python -m benchmarks.step_bench --parts=invariant --repeats=5"),
         ("  mixed step (chunk + 63 decodes) vs the chunk alone, per chunk size",
          "python -m benchmarks.step_bench --parts=mixed --mixed_chunks=64,256,512 --repeats=5")]),
+    ("step_roofline", [
+        ("roofline of one step at V4-Flash / V4.1-Flash width on an H200: tiled invariant vs row-invariant vs "
+         "plain step, weight / KV / activation bytes, FLOPs, ratios; GPU check kernel rows beside the model",
+         "python -m benchmarks.step_roofline"),
+        ("  same on an H100 with FP8 experts and FP8 KV records",
+         "python -m benchmarks.step_roofline --device=h100 --experts=fp8 --kv=fp8")]),
     ("engine_bench", [
         ("TTFT of a resumed session with / without prefix reuse; batched vs one-by-one throughput",
          "python -m benchmarks.engine_bench")]),
@@ -40,13 +46,13 @@ MAINTAINED = [
         ("  CPU interpret-mode smoke run (numbers meaningless)", "python -m benchmarks.kernels_bench --small"),
         ("  the sparse decode's predicted roofline per batch and pool format (docs/kernels.md)",
          "python -m benchmarks.kernels_bench --roofline")]),
-    ("gpu_check.sh", [
-        ("the one GPU check: correctness at V4-Flash shapes, then decode / prefill timing with the roofline "
-         "fraction; one process per case, 400 s budget, rows in $OUT after every case",
-         "bash benchmarks/gpu_check.sh [--out DIR]"),
-        ("  CPU dry run of the same plan and plumbing (tests/pallas_kernels/test_gpu_check.py, ~1.5 min)",
-         "bash benchmarks/gpu_check.sh --dry-run --out OUT_DIR"),
-        ("  the plan, in priority order", "bash benchmarks/gpu_check.sh --list")]),
+    ("gpu_suite.sh", [
+        ("the GPU suite, one process under a 510 s budget: ceilings, the fused top-k diagnosis, every kernel vs its "
+         "reference at V4-Flash shapes (timed), the main job, the engine at V4-Flash widths, tuning rows",
+         "bash benchmarks/gpu_suite.sh OUT_DIR"),
+        ("  CPU dry run of every item (tests/test_gpu_suite.py, slow tier)",
+         "bash benchmarks/gpu_suite.sh OUT_DIR --dry_run"),
+        ("  the items, in order of value", "python -m benchmarks.gpu_suite --list")]),
     ("sm90_compile", [
         ("every Pallas-Triton kernel compiled for sm_90a on the CPU (pip triton + ptxas): registers, spills, shared "
          "memory, CTAs per SM", "python -m benchmarks.sm90_compile [--only SUBSTR,...]")]),

@@ -18,6 +18,12 @@ from absl import app, flags
 import jax
 import numpy as np
 
+from dsv4 import config, model
+from dsv4.engine.api import generate
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
+from dsv4.engine.sampling import SamplingParams
+
 flags.DEFINE_integer("requests", 64, "Requests (all admitted at once: max_num_seqs = requests).")
 flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per request.")
 flags.DEFINE_integer("max_tokens", 256, "Generated tokens per request.")
@@ -27,9 +33,6 @@ FLAGS = flags.FLAGS
 
 
 def run_once(params, cfg, ec, prompts, max_tokens):
-  from dsv4.engine.api import generate
-  from dsv4.engine.engine import Engine
-  from dsv4.engine.sampling import SamplingParams
   eng = Engine(params, cfg, ec)
   sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
   generate(params, cfg, prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), engine=eng)   # compile
@@ -43,9 +46,6 @@ def run_once(params, cfg, ec, prompts, max_tokens):
 
 def main(argv):
   del argv
-  from dsv4 import config
-  from dsv4 import model
-  from dsv4.engine.engine import EngineConfig
   cfg = config.get_preset(FLAGS.preset)
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   n, L, T = FLAGS.requests, FLAGS.prompt_len, FLAGS.max_tokens

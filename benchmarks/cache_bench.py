@@ -10,15 +10,15 @@ Ours goes through the engine's calls (`dsv4/engine/engine.py`, `runner.py`), the
 it (fixed table rows = max_num_seqs = 3 B: running, admitted, warm-up; width = max_model_len = L,
 `set_step_capacity(B x 128, 2 B)`):
   (a) host planning: commit / append_tokens / free of the retiring batch, `allocate_to(rid, L)` and `slot_of` per
-      request of the running batch, `queue_admissions` of the new batch, `take_step_plan`, `device_state`, and
-      after the step `on_step_result` + `take_admitted` (the new batch's hits);
-  (b) the step: the cache's bookkeeping program (`cache.step.apply_step_packed` on the device pools and tables:
+      request of the running batch, `queue_admissions` of the new batch, `plan`, and after the step
+      `read_results` + `take_admitted` (the new batch's hits);
+  (b) the step: the cache's bookkeeping program (`cache.device_state.apply` on the device pools and tables:
       the queued work, then the admissions' search and claim) then a minimal model program (each row's full and swa
       table rows gathered from the device tables as the runner's `_row_tables` does, summed into a [B, 128, 64]
       activation, one 64 x 64 matmul, an argmax per row), dispatched back to back, their two input buffers in one
       `device_put` and their results read back in one `device_get`, as `ModelRunner._call` / `collect` do;
   (c) the same program (same shapes and statics, an admission region of the same shape: one compilation) with an
-      all-padding plan (`empty_step_plan`: nothing registered, freed, allocated or searched) and no host planning.
+      all-padding plan (`empty_plan`: nothing registered, freed, allocated or searched) and no host planning.
 Reported: marginal bookkeeping per step = (a) + (b) - (c), each step paired with the mean of the two (c) runs made
 right after it (interleaved, back to back with the step program; one more (c) runs untimed before the step, after
 the untimed warm-up), median over the timed steps; (a), the median of each step's own host time; (b) - (c); vLLM's
@@ -64,23 +64,32 @@ of every shape): `--small` takes 2-2.5 minutes of CPU, about 1 minute with a war
 
 from __future__ import annotations
 
-import argparse
+import collections
 import copy
+import cProfile
 import functools
 import gc
+import glob
 import json
 import os
+import pstats
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
+from benchmarks.support import vllm_adapter
+from benchmarks.support.vllm_adapter import VllmStep
+from cache import device_state, pool, step as cache_step, step_queue
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
-from cache.step import apply_step_packed
 from dsv4.caches import group_specs
 from dsv4.config import v4_flash
+
+FLAGS = flags.FLAGS
 
 CHUNK = 128          # tokens each admitted request computes in its step (its prompt past the warm hit)
 MODEL_DIM = 64       # the minimal model body's width
@@ -114,14 +123,14 @@ def model_body(tables, model_buf, params, *, names, rows, full_w, swa_w):
   return jnp.argmax(jnp.sum(h, 1), -1).astype(jnp.int32)                      # [R]
 
 
-def step_program(pools, tables, kv_buf, model_buf, params, *, kv_statics, names, rows, full_w, swa_w):
-  """The engine's step reduced to what touches the cache, dispatched as `ModelRunner._call` does: the cache's
-  bookkeeping program (`apply_step_packed`: the queued work, which writes the device tables), then the model
-  program reading those tables, back to back with no host read between. Returns (pools, tables, (tokens, the
-  bookkeeping's result counters))."""
-  pools, tables, kv_res = apply_step_packed(pools, tables, kv_buf, **dict(kv_statics))
-  toks = model_body(tables, model_buf, params, names=names, rows=rows, full_w=full_w, swa_w=swa_w)
-  return pools, tables, (toks, kv_res)
+def step_program(state, plan, kv_buf, model_buf, params, *, names, rows, full_w, swa_w):
+  """The engine's step reduced to what touches the cache, one pass over the cache's device state as
+  `ModelRunner._call` makes it: the cache's bookkeeping program (`device_state.apply`: the queued work, which
+  writes the device tables), then the model program reading those tables, back to back with no host read between.
+  Returns (state, (tokens, the bookkeeping's result counters))."""
+  state, kv_res = device_state.apply(state, plan, kv_buf)
+  toks = model_body(state.tables, model_buf, params, names=names, rows=rows, full_w=full_w, swa_w=swa_w)
+  return state, (toks, kv_res)
 
 
 class Ours:
@@ -192,18 +201,16 @@ class Ours:
     buf[2 * B:] = np.stack([p[L - CHUNK:] for p in self.prompts[s]]).reshape(-1) % VOCAB
     self.model_bufs[s] = buf
     if self.empty is None:          # (c): the step's shape with an admission region of batch s's shape, all padding
-      self.empty = m.empty_step_plan(m._admit_dims(self.prompts[s]))
+      self.empty = m.empty_plan(m.queue.admit_dims(self.prompts[s]))
 
   def _run(self, plan, slots, s):
-    """(b) / (c): the step program's dispatch: model input packed, both buffers in one device_put, the call, the
-    state handed back, the one result buffer read."""
+    """(b) / (c): the step program's dispatch: model input packed, both buffers in one device_put, one pass over
+    the cache's device state, the one result buffer read."""
     m = self.m
-    pools, tables = m.device_state()
     buf = self.model_bufs[s].copy()
     buf[:self.B] = slots
     kv, mb = jax.device_put([plan.buf, buf])
-    pools, tables, out = step_program(pools, tables, kv, mb, self.params, kv_statics=plan.statics, **self._shape)
-    m.set_device_state(pools, tables)
+    out = m.device.advance(step_program, plan, kv, mb, self.params, **self._shape)
     toks, kv_res = jax.device_get(out)                       # one device -> host transfer, as `collect` makes
     return np.concatenate([np.asarray(toks), np.asarray(kv_res)])
 
@@ -233,11 +240,11 @@ class Ours:
         raise RuntimeError(f"ours: out of blocks at {B} x {L}")
     slots = np.fromiter((m.slot_of(rid) for rid in self.rows), np.int32, B) if self.rows else self.slots
     m.queue_admissions(reqs)              # the step's admissions: they ride its program
-    plan = m.take_step_plan()
+    plan = m.plan()
     t3 = time.perf_counter()
     out = self._run(plan, slots, max(s - 1, 0))
     t4 = time.perf_counter()
-    m.on_step_result(plan, out[B:])
+    m.read_results(plan, out[B:])
     hits = m.take_admitted()
     t5 = time.perf_counter()
     if profile is not None:
@@ -272,7 +279,6 @@ def bench(B: int, L: int, pool: int, steps: int, seed: int = 0, vllm_src: str = 
   ours = Ours(B, L, pool, prompts)
   v = None
   if vllm_src:
-    from benchmarks.support.vllm_adapter import VllmStep
     v = VllmStep(vllm_src, pool, L, retention_interval=vllm_retention)
     vreqs = [[v.request(f"r{s}.{i}", p) for i, p in enumerate(batch)] for s, batch in enumerate(prompts)]  # hashing
   rows, vrows = [], []
@@ -324,7 +330,6 @@ class DeviceProfile:
   interface as cProfile.Profile, so `bench` treats both alike."""
 
   def __init__(self):
-    import tempfile
     self._tmp = tempfile.mkdtemp(prefix="cache_bench_prof")
     self.dirs = []
     self._on = False
@@ -340,8 +345,6 @@ class DeviceProfile:
       self._on = False
 
   def report(self, top: int):
-    import collections
-    import glob
     per, cnt = collections.Counter(), collections.Counter()
     for d in self.dirs:
       path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
@@ -365,8 +368,7 @@ class DeviceProfile:
 def call_floor(num_blocks: int, calls: int = 200) -> dict:
   """What one jitted call costs on this machine before it does any bookkeeping: both V4-Flash pools donated and
   passed through, (a) nothing else, (b) one 16-id scatter per pool; one int32 buffer in, one out (`device_get`), as
-  `apply_step_packed` does. Median us per call (num_blocks per pool)."""
-  from cache import pool
+  `device_state.apply` does. Median us per call (num_blocks per pool)."""
   specs = group_specs(v4_flash())
   pools = tuple(pool.init_pool(num_blocks, g.block_tokens) for g in specs.groups)
 
@@ -469,50 +471,54 @@ def _retention(arg: str):
   return {"engine": 0, "dense": None}[arg] if arg in ("engine", "dense") else int(arg)
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--small", action="store_true", help="8 x 2k at 4k and 65k blocks only")
-  ap.add_argument("--steps", type=int, default=5, help="timed steps per point (two more run first, untimed)")
-  ap.add_argument("--shapes", default="", help="BxL list, e.g. 256x2048,8x32768 (default: the matrix)")
-  ap.add_argument("--pools", default="", help="pool blocks per group, e.g. 65536 (default: the matrix)")
-  ap.add_argument("--profile", type=int, default=0, help="print the N most expensive functions (cProfile of our "
-                  "timed steps, (a) + (b), cumulative time)")
-  ap.add_argument("--device_profile", type=int, default=0, help="print the N most expensive XLA thunks per timed "
-                  "step (jax.profiler trace of our steps)")
-  ap.add_argument("--vllm_src", default="", help="directory holding vLLM 0.33's unpacked `vllm` package "
-                  "(see benchmarks/support/vllm_adapter.py); empty: vLLM is skipped")
-  ap.add_argument("--vllm_retention", default="engine", help="vLLM's prefix_cache_retention_interval: engine (its "
-                  "0.33 engine default, 0), dense (None) or a multiple of 128")
-  ap.add_argument("--compilation_cache_dir", default="", help="persistent XLA compilation cache (opt-in; '' = off): "
-                  "a rerun of the same points skips their compiles, which are most of a point's time")
-  ap.add_argument("--cache_cpu_options", default="", help="JSON object of XLA options for the cache's programs on the "
-                  "CPU instead of `cache.step.CPU_COMPILER_OPTIONS`, e.g. '{\"xla_backend_optimization_level\": 0}' "
-                  "(their compile / runtime trade)")
-  ap.add_argument("--free_chunk_max", type=int, default=0, help="entries per chunk of the step program's release "
-                  "loop, at most (`cache.device_queue.FREE_CHUNK_MAX`; 0 = its default)")
-  ap.add_argument("--call_floor", action="store_true", help="only print what one standalone jitted call with both "
-                  "pools donated and one buffer each way costs here, then exit")
-  bg = ap.add_argument_group("--budget mode: hit tokens of round-robin chat sessions under a fixed KV byte budget, "
-                             "cache v1 vs v2 checkpoint placement")
-  bg.add_argument("--budget", action="store_true", help="run this mode instead of the per-step matrix")
-  bg.add_argument("--budgets_gib", default="1,2,4,8", help="KV byte budgets (GiB), one row each")
-  bg.add_argument("--full_share", type=float, default=0.5, help="fraction of the byte budget given to the full pool")
-  bg.add_argument("--sessions", type=int, default=8)
-  bg.add_argument("--rounds", type=int, default=6)
-  bg.add_argument("--answer", type=int, default=150, help="answer tokens per turn")
-  bg.add_argument("--user", type=int, default=300, help="new user tokens per turn")
-  a = ap.parse_args()
+def define_flags(fv: flags.FlagValues = FLAGS) -> None:
+  f = dict(flag_values=fv)
+  flags.DEFINE_bool("small", False, "8 x 2k at 4k and 65k blocks only", **f)
+  flags.DEFINE_integer("steps", 5, "timed steps per point (two more run first, untimed)", **f)
+  flags.DEFINE_string("shapes", "", "BxL list, e.g. 256x2048,8x32768 (default: the matrix)", **f)
+  flags.DEFINE_string("pools", "", "pool blocks per group, e.g. 65536 (default: the matrix)", **f)
+  flags.DEFINE_integer("profile", 0, "print the N most expensive functions (cProfile of our timed steps, (a) + (b), "
+                       "cumulative time)", **f)
+  flags.DEFINE_integer("device_profile", 0, "print the N most expensive XLA thunks per timed step (jax.profiler "
+                       "trace of our steps)", **f)
+  flags.DEFINE_string("vllm_src", "", "directory holding vLLM 0.33's unpacked `vllm` package (see "
+                      "benchmarks/support/vllm_adapter.py); empty: vLLM is skipped", **f)
+  flags.DEFINE_string("vllm_retention", "engine", "vLLM's prefix_cache_retention_interval: engine (its 0.33 engine "
+                      "default, 0), dense (None) or a multiple of 128", **f)
+  flags.DEFINE_string("compilation_cache_dir", "", "persistent XLA compilation cache (opt-in; '' = off): a rerun of "
+                      "the same points skips their compiles, which are most of a point's time", **f)
+  flags.DEFINE_string("cache_cpu_options", "", "JSON object of XLA options for the cache's programs on the CPU "
+                      "instead of `cache.step.CPU_COMPILER_OPTIONS`, e.g. '{\"xla_backend_optimization_level\": 0}' "
+                      "(their compile / runtime trade)", **f)
+  flags.DEFINE_integer("free_chunk_max", 0, "entries per chunk of the step program's release loop, at most "
+                       "(`cache.step_queue.FREE_CHUNK_MAX`; 0 = its default)", **f)
+  flags.DEFINE_bool("call_floor", False, "only print what one standalone jitted call with both pools donated and one "
+                    "buffer each way costs here, then exit", **f)
+  # --budget mode: hit tokens of round-robin chat sessions under a fixed KV byte budget, cache v1 vs v2 checkpoint
+  # placement
+  flags.DEFINE_bool("budget", False, "run the budget mode (hit tokens of round-robin chat sessions under a fixed KV "
+                    "byte budget) instead of the per-step matrix", **f)
+  flags.DEFINE_string("budgets_gib", "1,2,4,8", "--budget: KV byte budgets (GiB), one row each", **f)
+  flags.DEFINE_float("full_share", 0.5, "--budget: fraction of the byte budget given to the full pool", **f)
+  flags.DEFINE_integer("sessions", 8, "--budget: chat sessions", **f)
+  flags.DEFINE_integer("rounds", 6, "--budget: rounds of turns", **f)
+  flags.DEFINE_integer("answer", 150, "--budget: answer tokens per turn", **f)
+  flags.DEFINE_integer("user", 300, "--budget: new user tokens per turn", **f)
+
+
+def main(argv, fv: flags.FlagValues = FLAGS):
+  del argv
+  a = fv
   if a.cache_cpu_options:
-    from cache import step as cache_step
     try:
       cache_step.CPU_COMPILER_OPTIONS = dict(json.loads(a.cache_cpu_options))
     except (ValueError, TypeError) as e:
-      ap.error(f"--cache_cpu_options: a JSON object of XLA options ({e})")
+      raise app.UsageError(f"--cache_cpu_options: a JSON object of XLA options ({e})", exitcode=2)
   if a.free_chunk_max < 0:
-    ap.error(f"--free_chunk_max: a positive entry count, or 0 for the default (got {a.free_chunk_max})")
+    raise app.UsageError(f"--free_chunk_max: a positive entry count, or 0 for the default (got "
+                         f"{a.free_chunk_max})", exitcode=2)
   if a.free_chunk_max:
-    from cache import device_queue
-    device_queue.FREE_CHUNK_MAX = a.free_chunk_max
+    step_queue.FREE_CHUNK_MAX = a.free_chunk_max
   if a.compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(a.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
@@ -536,7 +542,6 @@ def main():
   vllm_src = ""
   if a.vllm_src:
     try:
-      from benchmarks.support import vllm_adapter
       print(f"vLLM KVCacheManager from {vllm_adapter.load(a.vllm_src).__file__}")
       vllm_src = a.vllm_src
     except Exception as e:  # any import failure: report it, never fail the benchmark
@@ -569,7 +574,6 @@ def main():
         continue
       prof = None
       if a.profile:
-        import cProfile
         prof = cProfile.Profile()
       elif a.device_profile:
         prof = DeviceProfile()
@@ -577,7 +581,6 @@ def main():
       if isinstance(prof, DeviceProfile):
         prof.report(a.device_profile)
       elif prof is not None:
-        import pstats
         print(f"cProfile {B}x{L} pool {pool} (timed steps):")
         pstats.Stats(prof).sort_stats("cumulative").print_stats(a.profile)
       res[(B, L, pool)] = r["marginal"]
@@ -606,4 +609,5 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

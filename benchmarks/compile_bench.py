@@ -11,7 +11,12 @@ import os
 import resource
 import tempfile
 
+import jax
+import numpy as np
 from absl import app, flags
+
+from benchmarks.support.table import print_table
+from dsv4 import config, model
 
 flags.DEFINE_integer("layers", 2, "v4_tiny layers")
 flags.DEFINE_integer("tokens", 32, "prompt tokens (2 rows)")
@@ -26,10 +31,6 @@ def _cpu_s() -> float:
 def main(_):
   dump = tempfile.mkdtemp(prefix="dsv4-hlo-")
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_pass_re=^$"
-  import jax
-  import numpy as np
-  from dsv4 import config
-  from dsv4 import model
   cfg = config.v4_tiny(num_layers=FLAGS.layers, vocab_size=64)
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   tokens = np.ones((2, FLAGS.tokens), np.int32)
@@ -41,7 +42,6 @@ def main(_):
   second = _cpu_s() - t0
   opt = [f for f in os.listdir(dump) if "forward_jit" in f and f.endswith("cpu_after_optimizations.txt")]
   lines = sum(open(os.path.join(dump, f)).read().count("\n") for f in opt)
-  from benchmarks.support.table import print_table
   print_table(["config", "layers", "tokens (x 2 rows)", "first forward_full CPU s (trace + compile)",
                "second call CPU s", "optimized HLO lines (forward_jit)"],
               [["v4_tiny", FLAGS.layers, FLAGS.tokens, round(first, 1), round(second, 2), lines]])

@@ -22,7 +22,8 @@ from benchmarks.support.table import print_table
 from dsv4 import config
 from dsv4 import model
 from dsv4.engine.api import generate
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
 
 flags.DEFINE_integer("history", 1500, "Tokens of the long session before the resumed turn.")

@@ -1,12 +1,12 @@
 """Check, then time, the Pallas kernels against the XLA references; report TFLOP/s, GB/s and the split count.
 
-  python benchmarks/kernels_bench.py --jsonl out.jsonl          # GPU: the gpu_check case list (defaults below)
+  python benchmarks/kernels_bench.py --jsonl out.jsonl          # GPU: the default case list (below)
   python benchmarks/kernels_bench.py --small --jsonl out.jsonl  # CPU interpret-mode smoke run (CI)
 
 Defaults: decode batch 64 and 256 at 8k and 128k (csa: 128 window + top-512; hca: 128 + ctx/128), bf16 and FP8
 (paged layout) rows, prefill 4096 queries at 32k, the indexer (scores; fused top-512 with bf16 and FP8 keys); the
-All cases run in this one process: benchmarks/gpu_check.sh is the GPU check
-(one process per case, timeouts, a budget, results streamed); it uses this module's inputs, timing and checks.
+All cases run in this one process. benchmarks/gpu_suite.sh is what runs on a GPU (its kernel rows use this module's
+inputs and counting).
 
 Order per case: build inputs, run kernel and reference once and compare (correctness first: a failing case is
 recorded and not timed), then time. Each result is appended to the JSONL file as soon as it exists.
@@ -27,7 +27,6 @@ Counting (BUILD_NOTES.md, Kernels has the roofline; docs/kernels.md the reasonin
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -39,10 +38,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 from pallas_kernels import indexer as ix  # noqa: E402
 from pallas_kernels import indexer_topk as itk  # noqa: E402
 from pallas_kernels import sparse_attention as sa  # noqa: E402
+
+FLAGS = flags.FLAGS
 
 
 @dataclasses.dataclass
@@ -344,38 +346,37 @@ def bench_indexer(name, args, *, interpret, tuning, timing, hbm, peak, topk, k):
 # ------------------------------------------------------------------------------------------------ driver
 
 
-def parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--small", action="store_true", help="tiny shapes, interpret mode on CPU (CI smoke run)")
-  p.add_argument("--batches", default="64,256")
-  p.add_argument("--contexts", default="8192,131072")
-  p.add_argument("--prefill_queries", type=int, default=4096)
-  p.add_argument("--prefill_contexts", default="32768")
-  p.add_argument("--formats", default="bf16,fp8")
-  p.add_argument("--ops", default="sparse_decode,sparse_prefill,indexer_decode,indexer_prefill")
-  p.add_argument("--kinds", default="csa,hca", help="decode layer kinds: csa (128 + top-512), hca (128 + ctx/128)")
-  p.add_argument("--iters", type=int, default=20)
-  p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--flush_mb", type=float, default=256.0)
-  p.add_argument("--hbm_gbps", type=float, default=4800.0, help="H200 HBM3e")
-  p.add_argument("--peak_tflops", type=float, default=989.0, help="H100/H200 dense bf16")
-  p.add_argument("--page_size", type=int, default=64)
-  p.add_argument("--block_h", type=int, default=0, help="0: the pool format's shipped tuning (default_tuning)")
-  p.add_argument("--block_k", type=int, default=0, help="0: the pool format's shipped tuning")
-  p.add_argument("--roofline", action="store_true", help="print the predicted decode roofline table and exit")
-  p.add_argument("--num_splits", type=int, default=0)
-  p.add_argument("--num_warps", type=int, default=8)
-  p.add_argument("--num_stages", type=int, default=3)
-  p.add_argument("--no_time", action="store_true", help="correctness only")
-  p.add_argument("--time_xla", action="store_true",
-                 help="also time the XLA references (3 more compiles per case; off in the GPU check's budget)")
-  p.add_argument("--jsonl", default="", help="append each result here as soon as it exists")
-  p.add_argument("--json", default="", help="also write all results as one JSON list at the end")
-  return p.parse_args(argv)
+def define_flags():
+  flags.DEFINE_bool("small", False, "tiny shapes, interpret mode on CPU (CI smoke run)")
+  flags.DEFINE_string("batches", "64,256", "decode batch sizes")
+  flags.DEFINE_string("contexts", "8192,131072", "decode contexts (tokens)")
+  flags.DEFINE_integer("prefill_queries", 4096, "prefill queries per case")
+  flags.DEFINE_string("prefill_contexts", "32768", "prefill contexts (tokens)")
+  flags.DEFINE_string("formats", "bf16,fp8", "KV pool formats")
+  flags.DEFINE_string("ops", "sparse_decode,sparse_prefill,indexer_decode,indexer_prefill", "kernels to run")
+  flags.DEFINE_string("kinds", "csa,hca", "decode layer kinds: csa (128 + top-512), hca (128 + ctx/128)")
+  flags.DEFINE_integer("iters", 20, "timed iterations per repeat")
+  flags.DEFINE_integer("repeats", 3, "timed repeats (best reported)")
+  flags.DEFINE_float("flush_mb", 256.0, "L2 flush buffer (MB) between iterations")
+  flags.DEFINE_float("hbm_gbps", 4800.0, "H200 HBM3e")
+  flags.DEFINE_float("peak_tflops", 989.0, "H100/H200 dense bf16")
+  flags.DEFINE_integer("page_size", 64, "paged pool: tokens per page")
+  flags.DEFINE_integer("block_h", 0, "0: the pool format's shipped tuning (default_tuning)")
+  flags.DEFINE_integer("block_k", 0, "0: the pool format's shipped tuning")
+  flags.DEFINE_bool("roofline", False, "print the predicted decode roofline table and exit")
+  flags.DEFINE_integer("num_splits", 0, "split-K partitions of the decode kernel")
+  flags.DEFINE_integer("num_warps", 8, "Triton warps")
+  flags.DEFINE_integer("num_stages", 3, "Triton pipeline stages")
+  flags.DEFINE_bool("no_time", False, "correctness only")
+  flags.DEFINE_bool("time_xla", False, "also time the XLA references (3 more compiles per case; off in the GPU "
+                    "check's budget)")
+  flags.DEFINE_string("jsonl", "", "append each result here as soon as it exists")
+  flags.DEFINE_string("json", "", "also write all results as one JSON list at the end")
 
 
-def main(argv=None):
-  a = parse_args(argv)
+def main(argv):
+  del argv
+  a = FLAGS
   if a.roofline:
     print(roofline_table())
     return
@@ -474,4 +475,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  app.run(main)

@@ -33,9 +33,9 @@ from benchmarks.support.configs import WIDE_HF, wide_config
 from benchmarks.support.table import print_table
 from benchmarks.support.timing import best_time, median_time, xla_cost
 from dsv4 import caches, model
-from dsv4.layers import moe
 from dsv4 import config
-from dsv4.loading import load_checkpoint
+from dsv4.layers import moe
+from dsv4.loading.safetensors_io import load_checkpoint
 from tests.dsv4 import oracle_util
 
 flags.DEFINE_list("configs", ["tiny", "wide"], "Which configurations to run.")
@@ -51,7 +51,7 @@ flags.DEFINE_bool("roofline", True, "Measure read bandwidth and matmul rates (JA
 FLAGS = flags.FLAGS
 
 def run_one(name: str, cfg: config.ModelConfig, overrides: dict | None, T: int, steps: int, repeats: int) -> dict:
-  import torch
+  import torch  # local: torch and transformers are test extras, needed only for the HF side
   from transformers import DynamicCache
   hf = oracle_util.build_oracle(seed=0, overrides=overrides)
   with tempfile.TemporaryDirectory() as d:
@@ -163,7 +163,7 @@ def _decode_time(params, cfg, tokens, T, steps, layout, tabs, cache_fn, moe_path
 def roofline(T: int) -> dict:
   """This machine's read bandwidth and both frameworks' matmul rates at the wide model's largest projection
   (wq_b / wo_a / wo_b are [4096 x 32768]-sized), fp32 and bf16. Best of 5 each."""
-  import torch
+  import torch  # local: a test extra, needed only for the HF side
   out = {}
   big = jnp.ones((1 << 28,), jnp.float32)                       # 1 GiB
   total = jax.jit(jnp.sum)

@@ -26,32 +26,45 @@ only). The AOT compile is of the replicated-pool step.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from jax.sharding import NamedSharding, PartitionSpec
 
-def _parse():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--models", default="v4_flash,v41_flash")
-  ap.add_argument("--meshes", default="data:1,tensor:1,expert:8;data:1,tensor:2,expert:4;data:2,tensor:1,expert:4;"
-                                      "data:1,tensor:8,expert:1")
-  ap.add_argument("--batch", type=int, default=32, help="sequences resident at once")
-  ap.add_argument("--context", type=int, default=131072, help="tokens per sequence")
-  ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per row) compiled for activations")
-  ap.add_argument("--device_gb", type=float, default=141.0, help="memory per device (H200: 141 GB)")
-  ap.add_argument("--reserve_gb", type=float, default=8.0, help="kept free per device (runtime, fragmentation)")
-  ap.add_argument("--kv_dtype", default="bfloat16", help="dtype of the KV pools (bfloat16, float8_e4m3fn)")
-  ap.add_argument("--kv_latent", default="replicated", choices=["replicated", "feature"])
-  ap.add_argument("--aot_layers", default="2,4", help="depths to AOT-compile: one (0 = full depth) or two, "
-                                                       "extrapolated linearly to full depth; -1 = skip")
-  ap.add_argument("--aot_meshes", type=int, default=1, help="AOT-compile on the first N meshes only")
-  ap.add_argument("--devices", type=int, default=8)
-  ap.add_argument("--scan", action="store_true", help="also AOT-compile the full-depth V4 step with a scan over "
-                                                     "the repeating layer groups (first mesh)")
-  return ap.parse_args()
+from dsv4 import caches, mesh_context, model, sharding
+from dsv4.config import get_preset
+from dsv4.layers import mhc
+from dsv4.layers.compressor import StepContext
+from dsv4.layers.norms import rms_norm
+from pallas_kernels import dispatch
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  flags.DEFINE_string("models", "v4_flash,v41_flash", "presets to size")
+  flags.DEFINE_string("meshes", "data:1,tensor:1,expert:8;data:1,tensor:2,expert:4;data:2,tensor:1,expert:4;"
+                      "data:1,tensor:8,expert:1", "meshes (data, tensor, expert sizes), ';'-separated")
+  flags.DEFINE_integer("batch", 32, "sequences resident at once")
+  flags.DEFINE_integer("context", 131072, "tokens per sequence")
+  flags.DEFINE_integer("chunk", 512, "prefill chunk (tokens per row) compiled for activations")
+  flags.DEFINE_float("device_gb", 141.0, "memory per device (H200: 141 GB)")
+  flags.DEFINE_float("reserve_gb", 8.0, "kept free per device (runtime, fragmentation)")
+  flags.DEFINE_string("kv_dtype", "bfloat16", "dtype of the KV pools (bfloat16, float8_e4m3fn)")
+  flags.DEFINE_enum("kv_latent", "replicated", ["replicated", "feature"], "the shared K = V latent: replicated over "
+                    "tensor, or its feature dimension split over it")
+  flags.DEFINE_string("aot_layers", "2,4", "depths to AOT-compile: one (0 = full depth) or two, extrapolated "
+                      "linearly to full depth; -1 = skip")
+  flags.DEFINE_integer("aot_meshes", 1, "AOT-compile on the first N meshes only")
+  flags.DEFINE_integer("devices", 8, "host devices on the CPU (--xla_force_host_platform_device_count)")
+  flags.DEFINE_bool("scan", False, "also AOT-compile the full-depth V4 step with a scan over the repeating layer "
+                    "groups (first mesh)")
 
 
 GB = 1e9
@@ -60,7 +73,6 @@ GB = 1e9
 def stored_bytes_per_param(names: list[str], variant: str, dtype) -> float:
   """Bytes per parameter as the released checkpoints store them (FP4 e2m1 routed experts with an e8m0 scale per
   32, FP8 e4m3 projections with one scale per block, bf16 embeddings / compressor / gates, the rest as `dtype`)."""
-  import numpy as np
   last, parent = names[-1], (names[-2] if len(names) > 1 else "")
   fp8_block = 128 if variant == "v4" else 32
   fp8 = 1.0 + 1.0 / (fp8_block * fp8_block)          # e4m3 + one e8m0 scale per block
@@ -79,10 +91,6 @@ def stored_bytes_per_param(names: list[str], variant: str, dtype) -> float:
 
 def param_table(cfg, mesh, rules):
   """(total stored bytes, per-device stored bytes, bytes per category per device)."""
-  import jax
-  import numpy as np
-
-  from dsv4 import model, sharding
   shapes = model.param_shapes(cfg)
   specs = sharding.param_specs(cfg, mesh, rules)
   total = per_dev = 0.0
@@ -95,7 +103,7 @@ def param_table(cfg, mesh, rules):
     div = 1
     for entry in spec:
       for a in ((entry,) if isinstance(entry, str) else (entry or ())):
-        div *= sharding.axis_size(mesh, a)
+        div *= mesh_context.axis_size(mesh, a)
     if names[-2:] == ["engram", "embed"] and div == 1:
       # A table whose row count does not divide the devices is padded to a multiple (padding rows are never
       # hashed to), then split like the others.
@@ -111,7 +119,6 @@ def param_table(cfg, mesh, rules):
 def pool_blocks(cfg, layout, batch: int, context: int, chunk: int) -> tuple[int, int]:
   """Blocks resident for `batch` sequences of `context` tokens: every full-group block, and the SWA blocks of the
   window / compressor-state tail plus one chunk (older SWA blocks are freed as the window moves, docs/kv_cache.md)."""
-  from dsv4 import caches
   full = batch * caches.blocks_for(context, layout.full_block_tokens)
   tail = caches.state_tail_tokens(cfg) + chunk
   swa = batch * (caches.blocks_for(tail, layout.swa_block_tokens) + 1)
@@ -124,7 +131,6 @@ def handoff_state_bytes(cfg, layout, num_tokens: int) -> int:
   partially filled), the sliding-window tail of the aligned point P <= L and every swa block from P up to L (window
   rows, compressor state rows, Engram ids), as the pools store them (a partially filled block travels whole).
   Record headers and checksums come on top (docs/cluster.md)."""
-  from dsv4 import caches
   specs = caches.group_specs(cfg, layout)
   L = num_tokens - 1
   P = L // specs.align_tokens * specs.align_tokens
@@ -137,11 +143,8 @@ def handoff_state_bytes(cfg, layout, num_tokens: int) -> int:
 def pool_bytes(cfg, layout, mesh, rules, n_swa: int, n_full: int, over_data: bool = False) -> tuple[float, float]:
   """(total pool bytes, per-device pool bytes) under the rules: pools replicated over `data`, or with over_data
   split over it by their block axis (block counts rounded up to a multiple of the data size)."""
-  import numpy as np
-
-  from dsv4 import caches, sharding
   if over_data:
-    d = sharding.axis_size(mesh, "data")
+    d = mesh_context.axis_size(mesh, "data")
     n_swa, n_full = -(-n_swa // d) * d, -(-n_full // d) * d
     rules = sharding.pools_over_data_rules(rules)
   total = per_dev = 0.0
@@ -149,7 +152,7 @@ def pool_bytes(cfg, layout, mesh, rules, n_swa: int, n_full: int, over_data: boo
     n = n_swa if s.group == caches.SWA else n_full
     b = float(n) * s.bytes_per_block
     spec = sharding.spec_for(sharding.cache_logical_axes(s), (n, *s.block_shape), mesh, rules)
-    div = np.prod([sharding.axis_size(mesh, a) for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))])
+    div = np.prod([mesh_context.axis_size(mesh, a) for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))])
     total += b
     per_dev += b / div
   return total, per_dev
@@ -175,10 +178,6 @@ def reduced_depth(cfg, n: int):
 
 def aot_step(cfg, mesh, rules, layout, batch: int, T: int, context: int):
   """Lower + compile the sharded step on abstract inputs. Returns (compile seconds, memory analysis or None)."""
-  import jax
-  import jax.numpy as jnp
-
-  from dsv4 import caches, model, sharding
   n_swa, n_full = pool_blocks(cfg, layout, batch, context, T)
   call, sh = sharding.jit_forward(cfg, mesh, rules, layout=layout, batch=batch, num_swa_blocks=n_swa,
                                   num_full_blocks=n_full, logits_replicated=True,
@@ -240,22 +239,14 @@ def stack_groups(layers: list, s: int, g: int, n: int, stack):
 
 
 def jax_tree_map_stack(trees, stack):
-  import jax
   return jax.tree_util.tree_map(lambda *xs: stack(xs), *trees)
 
 
 def scanned_step(params, config, layout, kernel_cfg, tokens_BxT, cache, index):
   """The engine's last-token step for a V4 model whose params / cache layers come as (head, groups, tail)."""
-  import jax
-  import jax.numpy as jnp
-
-  from dsv4 import caches, model
-  from dsv4.layers import mhc
-  from dsv4.layers.norms import rms_norm
   assert config.variant == "v4", "the scanned step covers V4 (V4.1 hands CSA2 state from layer to layer)"
   s, g, n = layer_groups(config)
   plans = config.layer_plan()
-  from dsv4.layers.compressor import StepContext
   B, T = tokens_BxT.shape
   # As model.forward_aux: the padded [B, T] step is a ragged step of B*T tokens riding as a batch of one.
   ctx = StepContext.from_step(caches.step_index_from_batch(index, T), layout)
@@ -291,11 +282,6 @@ def scanned_step(params, config, layout, kernel_cfg, tokens_BxT, cache, index):
 
 def aot_scanned(cfg, mesh, rules, layout, batch: int, T: int, context: int):
   """AOT compile of `scanned_step` at full depth on abstract inputs: (compile seconds, memory analysis, groups)."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec
-
-  from dsv4 import caches, model, sharding
   s, g, n = layer_groups(cfg)
   n_swa, n_full = pool_blocks(cfg, layout, batch, context, T)
   psh = sharding.param_shardings(cfg, mesh, rules)
@@ -323,7 +309,6 @@ def aot_scanned(cfg, mesh, rules, layout, batch: int, T: int, context: int):
                             jax.ShapeDtypeStruct((batch, nS), i32, sharding=ish.swa_table_BxS),
                             jax.ShapeDtypeStruct((batch, nF), i32, sharding=ish.full_table_BxF))
   tokens = jax.ShapeDtypeStruct((batch, T), i32, sharding=sharding.batch_sharding(mesh, batch, 2, rules))
-  from pallas_kernels import dispatch
   fn = jax.jit(lambda p, t, c, i: scanned_step(p, cfg, layout, dispatch.KernelConfig(), t, c, i),
                out_shardings=(shard_of(cache), sharding.replicated(mesh)), donate_argnums=(2,))
   t0 = time.perf_counter()
@@ -340,10 +325,6 @@ def aot_scanned(cfg, mesh, rules, layout, batch: int, T: int, context: int):
 def _last_token_step(params, config, layout, kernel_cfg, tokens_BxT, cache, index):
   """A [B, T] step with logits at each row's last computed token (the padded layout `model.forward_aux` turns into
   a ragged step of B * T flat tokens): what the sizing compiles at Flash shapes."""
-  import jax
-  import jax.numpy as jnp
-
-  from dsv4 import model
   cache, h_BxTxD, _ = model.forward_aux(params, config, tokens_BxT, cache, index, layout=layout,
                                         kernel_cfg=kernel_cfg, return_hidden=True)
   last = jnp.maximum(index.num_tokens_B - 1, 0)
@@ -351,16 +332,18 @@ def _last_token_step(params, config, layout, kernel_cfg, tokens_BxT, cache, inde
   return cache, model.lm_logits(params, h_last)
 
 
-def main():
-  args = _parse()
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
-  import jax
-  import jax.numpy as jnp
+def force_host_devices(n: int) -> None:
+  """n host devices on the CPU (XLA reads XLA_FLAGS when JAX makes its backend, so call it before the first
+  device use); a device count already in XLA_FLAGS is kept."""
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in xla_flags:
+    os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={n}".strip()
 
-  from dsv4 import caches, sharding
-  from dsv4.config import get_preset
+
+def main(argv):
+  del argv
+  args = FLAGS
+  force_host_devices(args.devices)
   rules = sharding.Rules(kv_latent=args.kv_latent)
   layout = caches.CacheLayout(kv_dtype=jnp.dtype(args.kv_dtype))
   budget = args.device_gb - args.reserve_gb
@@ -376,7 +359,7 @@ def main():
           f"fits? / fits/D? (budget {budget:.0f} GB)")
     for mi, mspec in enumerate(args.meshes.split(";")):
       mesh = sharding.make_mesh(mspec)
-      shape = tuple(sharding.axis_size(mesh, a) for a in sharding.AXES)
+      shape = tuple(mesh_context.axis_size(mesh, a) for a in sharding.AXES)
       total_p, dev_p, cats = param_table(cfg, mesh, rules)
       total_kv, dev_kv = pool_bytes(cfg, layout, mesh, rules, n_swa, n_full)
       _, dev_p_d, _ = param_table(cfg, mesh, sharding.pools_over_data_rules(rules))
@@ -435,4 +418,5 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

@@ -22,7 +22,6 @@ candidate blocks) sizes. Identical Triton modules are compiled once.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -34,7 +33,15 @@ import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from pallas_kernels import hca_attention as hk, indexer as ix, indexer_topk as it, lowering, sparse_attention as sa
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FLAGS = flags.FLAGS
 
 TRITON_VERSION = "3.8.0"  # pinned in pyproject's `sm90` extra
 
@@ -137,9 +144,7 @@ def capture_triton_modules(fn, *arg_specs, **static_kw) -> list[TritonModule]:
   the backend config; 0.11: compiled by a registered handler). Wrapping that one function sees the module on both;
   num_warps / num_stages / the kernel name are the caller's locals at that point (the same names in 0.10 and 0.11),
   read from its frame because neither is an argument."""
-  from jax._src.pallas.triton import lowering as triton_lowering
-
-  from pallas_kernels import lowering
+  from jax._src.pallas.triton import lowering as triton_lowering  # local: JAX's private Triton lowering, only here
 
   found: list[TritonModule] = []
   original = triton_lowering.lower_jaxpr_to_triton_module
@@ -173,7 +178,7 @@ class ToolMissing(RuntimeError):
 def find_tools(ptxas: str | None = None) -> tuple[str, str]:
   """(triton version, ptxas path); raises ToolMissing with the reason."""
   try:
-    import triton
+    import triton  # local: the optional [sm90] extra
   except ImportError as e:
     raise ToolMissing(f"pip triton is not installed (pip install -e '.[sm90]'): {e}") from e
   path = ptxas or shutil.which("ptxas")
@@ -205,7 +210,7 @@ def compile_sm90(module: TritonModule, workdir: str, ptxas: str, lim: Sm90Limits
   that accumulates in place; without it the PV product lands in a second [64, 512] fp32 tile (128 more registers a
   thread at 8 warps). So they run here first (`make_ttir`), and the compile continues from their output."""
   os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(workdir, "triton_cache"))
-  import triton
+  import triton  # local: the optional [sm90] extra (after TRITON_CACHE_DIR is set)
   from triton._C.libtriton import ir
   from triton.backends.compiler import GPUTarget
   from triton.compiler.compiler import make_backend
@@ -265,10 +270,6 @@ class Case:
 def _sparse(N, K, fmt, ctx=131072, lens=True, tuning=None, hca_table=0):
   """Sparse MLA over window W + K ids; with hca_table = F, the invariant step's HCA kernel instead (window W, then
   the visible entries through [N, F] block tables, one entry per table block: ratio 128)."""
-  import jax
-  import jax.numpy as jnp
-
-  from pallas_kernels import sparse_attention as sa
   S = jax.ShapeDtypeStruct
 
   def pool(rows):
@@ -283,7 +284,6 @@ def _sparse(N, K, fmt, ctx=131072, lens=True, tuning=None, hca_table=0):
   # the batch; pool sizes change the code only through 32- vs 64-bit offsets.
   window_rows, comp_rows = 256 * W, 64 * ctx // 4
   if hca_table:
-    from pallas_kernels import hca_attention as hk
     specs = (S((N, H, D), jnp.bfloat16), pool(window_rows), S((N, W), jnp.int32), S((N,), jnp.int32),
              pool(64 * hca_table), S((N, hca_table), jnp.int32), S((N,), jnp.int32), S((H,), jnp.float32))
     return hk.hca_attention_pallas, specs, dict(scale=D ** -0.5, entries_per_block=1, tuning=tuning)
@@ -295,10 +295,6 @@ def _sparse(N, K, fmt, ctx=131072, lens=True, tuning=None, hca_table=0):
 
 
 def _indexer_scores(B, T, M, heads=HI, allowed=False):
-  import jax
-  import jax.numpy as jnp
-
-  from pallas_kernels import indexer as ix
   S = jax.ShapeDtypeStruct
   specs = (S((B, T, heads, CI), jnp.bfloat16), S((B, T, heads), jnp.float32), S((B * M, CI), jnp.bfloat16),
            S((B, M), jnp.int32), S((B, T), jnp.int32), S((B, T, M), jnp.bool_) if allowed else None)
@@ -306,10 +302,6 @@ def _indexer_scores(B, T, M, heads=HI, allowed=False):
 
 
 def _indexer_topk(B, T, M, keys="bf16", heads=HI, cand=0, fp8_query=False, k=512):
-  import jax
-  import jax.numpy as jnp
-
-  from pallas_kernels import indexer_topk as it
   S = jax.ShapeDtypeStruct
   P = B * M
   pool = (it.Fp8IndexKeys(S((P, CI), jnp.float8_e4m3fn), S((P,), jnp.float32)) if keys == "fp8"
@@ -445,13 +437,16 @@ def format_row(r: Row) -> str:
           f"{r.waves:g} | {c.mma} |")
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--only", default="", help="comma-separated substrings of case names")
-  ap.add_argument("--json", default="", help="write the rows here as JSON")
-  ap.add_argument("--ptxas", default=None, help="ptxas binary (default: the one on PATH)")
-  ap.add_argument("--list", action="store_true", help="print the case names and exit")
-  args = ap.parse_args(argv)
+def define_flags():
+  flags.DEFINE_string("only", "", "comma-separated substrings of case names")
+  flags.DEFINE_string("json", "", "write the rows here as JSON")
+  flags.DEFINE_string("ptxas", None, "ptxas binary (default: the one on PATH)")
+  flags.DEFINE_bool("list", False, "print the case names and exit")
+
+
+def main(argv) -> int:
+  del argv
+  args = FLAGS
   subs = [s for s in args.only.split(",") if s]
   cases = [c for c in CASES if not subs or any(s in c.name for s in subs)]
   if args.list:
@@ -463,7 +458,6 @@ def main(argv=None) -> int:
     print(f"sm90_compile: {e}", file=sys.stderr)
     return 2
   ptxas_version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
-  import jax
   print(f"jax {jax.__version__}, triton {version}, {ptxas_version[-1] if ptxas_version else ptxas}; "
         f"target sm_90a, H200 limits {dataclasses.asdict(H200)}\n")
   print(HEADER)
@@ -478,4 +472,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  app.run(main)

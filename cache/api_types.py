@@ -5,12 +5,9 @@ read from the device lazily), the all-or-nothing refusal `OutOfBlocks` (a value,
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import numpy as np
-
-if TYPE_CHECKING:
-  from cache.manager import KVCacheManager
 
 
 class CacheError(ValueError):
@@ -45,16 +42,17 @@ class PrefixHit:
 
 
 class BlockTables:
-  """Per-group block tables of one request (dict by group name; `.full` / `.swa` for today's engine). Read from
-  the device tables lazily, on first access (tests, tiers, debugging: the engine's step never reads them)."""
+  """Per-group block tables of one request (dict by group name; `.full` / `.swa` for today's engine): the tables
+  themselves, or `read` (no arguments) that reads them from the device on first access (tests, tiers, debugging:
+  the engine's step never reads them)."""
 
-  def __init__(self, mgr: "KVCacheManager | None", rid: str | None, tables: dict[str, np.ndarray] | None = None):
-    self._mgr, self._rid, self._tables = mgr, rid, tables
+  def __init__(self, tables: dict[str, np.ndarray] | None = None, read: Callable[[], dict] | None = None):
+    self._tables, self._read = tables, read
 
   @property
   def tables(self) -> dict[str, np.ndarray]:
     if self._tables is None:
-      self._tables = self._mgr._tables_now(self._rid)
+      self._tables = self._read()
     return self._tables
 
   def __getitem__(self, name: str) -> np.ndarray:

@@ -124,3 +124,23 @@ class CheckpointPolicy:
     keep_from = min(num_computed - self.tail_tokens,
                     self.floor_align(num_computed) - self.need_blocks * self.block_tokens)
     return max(0, keep_from // self.block_tokens)
+
+  def peak_blocks(self, prompt_len: int, total_tokens: int, extra_tokens: int = 0, lag: int = 0,
+                  cap: int | None = None) -> int:
+    """The most blocks of this group a request holds when it computes positions [0, total_tokens) one row of one
+    position at a time: the row at p holds the blocks up to p + 1 + extra_tokens (capped at cap) from
+    `releasable_blocks(commit)` on, its commit standing at p, or p - lag past the prompt (a decode row planned
+    before the previous step's token is read). The least any schedule needs: every position is computed in some
+    row, and a longer row or a later commit only holds more. A hit or a reload starts a request inside this
+    schedule (at an aligned point, holding the tail there), so it needs no more either.
+    Past one alignment (and the tail) the count repeats every `align_tokens`: the positions looked at are a few
+    periods after 0 and after the prompt."""
+    span = 2 * self.align_tokens + self.need_blocks * self.block_tokens + lag + 1
+    cap = total_tokens + extra_tokens if cap is None else cap
+    best = 0
+    for lo in (0, prompt_len):
+      for p in range(lo, min(total_tokens, lo + span)):
+        end = min(p + 1 + extra_tokens, cap)
+        commit = p - lag if p > prompt_len else p
+        best = max(best, -(-end // self.block_tokens) - self.releasable_blocks(max(commit, 0)))
+    return best

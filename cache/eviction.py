@@ -24,6 +24,8 @@ again in stamp order (`free` appends cached blocks in list order). The uncached 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from cache import pool
@@ -64,8 +66,8 @@ class PolicyCacheManager(KVCacheManager):
     enable_events = kw.pop("enable_events", True)
     super().__init__(specs, legacy_dense_swa=policy == "legacy_dense", enable_events=enable_events, **kw)
     self.policy_name = policy
-    self.prepend_uncached = policy not in ("legacy_dense", "append_uncached")
-    self.events = _StampingLog(enable_events)
+    self.queue.prepend_uncached = policy not in ("legacy_dense", "append_uncached")
+    self.queue.events = _StampingLog(enable_events)
     self.stats["fifo_reorders"] = 0
 
   def _queue_frees(self, slot: int, g: str, runs) -> None:
@@ -80,8 +82,7 @@ class PolicyCacheManager(KVCacheManager):
       self._fifo_reorder(g)
 
   def _fifo_reorder(self, name: str) -> None:
-    self.flush()     # the release above is queued; apply it, then re-sort (reference and free counts unchanged)
-    st = self._pools[name]
+    st = self.pools[name]     # the release above is queued: applied first, then re-sorted (counts unchanged)
     cached = np.asarray(st.cached_N)
     queue = pool.free_queue(st)
     tail = [b for b in queue if cached[b]]
@@ -91,11 +92,9 @@ class PolicyCacheManager(KVCacheManager):
       return
     self.stats["fifo_reorders"] += 1
     for chunk in _chunks(tail):
-      self._pools[name], ok = pool.touch(self._pools[name], chunk)
-      assert bool(ok)
+      assert bool(self.update_pool(name, pool.touch, chunk))
     for chunk in _chunks(want):
-      self._pools[name], ok = pool.free(self._pools[name], chunk, prepend_uncached=True)
-      assert bool(ok)
+      assert bool(self.update_pool(name, functools.partial(pool.free, prepend_uncached=True), chunk))
 
 
 def _chunks(ids, width=256):

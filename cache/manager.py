@@ -1,6 +1,6 @@
-"""KVCacheManager: the host-side planner of the paged KV cache. The DEVICE owns the state: one block pool per
-cache group (jitted, donated arrays) and every request's block tables (`[slots, table blocks]` int32 per group).
-The host keeps counts (blocks per request and group, which table entries a request holds, exact-or-conservative
+"""KVCacheManager: the host-side planner of the paged KV cache. The state lives on the device as one value,
+`cache.device_state.DeviceState`: one block pool per cache group and every request's block tables (`[slots, table
+blocks]` int32 per group), kept in a `DeviceCell` the planner is given (or makes, standalone). The host keeps counts (blocks per request and group, which table entries a request holds, exact-or-conservative
 free counts) and hashes, and never needs a block id: every queued operation names table positions
 (slot, entry), which the device resolves.
 
@@ -20,11 +20,11 @@ Lifecycle of a request (all token counts are absolute positions in the request):
     mgr.take_events()                          # BlockStored / BlockRemoved / AllBlocksCleared
 
 **No host round trip of its own per step.** `commit`, `free` and `allocate_for` only queue work. The engine takes
-the queue (`take_step_plan`: one int32 buffer of fixed widths) and runs it on the device state
-(`apply_step_packed`) right before the model program, with no host read between; the host reads back a few
-counters with the sampled tokens (`on_step_result`, possibly one step late). Standalone calls (`flush`,
-`add_requests`, lookups, reading tables) apply the queue in their own jitted call (`apply_step_packed`, one
-transfer in, one out).
+the queue as a plan (`plan`: one int32 buffer of fixed widths) and runs it on the device state
+(`device_state.apply`) right before the model program, in one pass over the state (`DeviceCell.advance`), with no
+host read between; the host reads back a few counters with the sampled tokens (`read_results`, possibly one step
+late). Standalone calls (`flush`, `add_requests`, lookups, reading tables) run a plan in their own jitted call (the
+same `device_state.apply` through the same cell, one transfer in, one out).
 
 Free counts: allocations are decided on the host against a count that is exact after every read of the device's
 counters and lowers by every allocation since; releases only raise it when the device confirms them (siblings
@@ -36,48 +36,52 @@ Errors: unknown / duplicate request ids, commits beyond allocated or known token
 `legacy_dense_swa=True` reproduces vLLM <= 0.22 (every sliding block hashed, every freed block appended) for the
 session-switch regression test only.
 
-Layout: this file is the host planner (the public API). Its device half, the device state, the queue of bookkeeping,
-carving it into one buffer, applying it and reading the results back, is the mixin `cache.device_queue.DeviceQueue`.
-What callers get back is in `cache.api_types`, a request's host state in `cache.request_state`, the step plan and
-its static widths in `cache.step_plan`.
+Layout: this file is the host planner (the public API). The queue of bookkeeping, carving it into one buffer and
+reading the results back is `cache.step_queue.StepQueue` (a part it holds, host only); the device state and the
+pure functions over it are `cache.device_state`. What callers get back is in `cache.api_types`, a request's host
+state in `cache.request_state`, the step plan and its static widths in `cache.step_plan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cache import pool
+from cache import device_state, pool
 from cache.api_types import BlockTables, CacheError, OutOfBlocks, PrefixHit
 from cache.checkpoints import CheckpointPolicy
-from cache.device_queue import DeviceQueue
+from cache.device_state import DeviceCell
 from cache.events import AllBlocksCleared, EventLog, KVEvent
 from cache.hashing import ExtraKeys, RequestHasher, device_key, digest_words, key_int
 from cache.prefix import find_hits, group_searches
 from cache.request_state import HOST_HELD, Admission, HeldEntries, Int32Buffer, RequestState
 from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs
+from cache.step import unpack
 from cache.step_plan import StepPlan, bucket_width
-
-# what callers import from here (the types live in cache/api_types.py and cache/step_plan.py)
-__all__ = ["BlockTables", "CacheError", "KVCacheManager", "OutOfBlocks", "PrefixHit", "StepPlan"]
+from cache.step_queue import StepQueue
 
 
-class KVCacheManager(DeviceQueue):
-  """The host planner: admission, lookup, allocation, commits, releases and checkpoints, queued for the device
-  half it inherits (`DeviceQueue`: device state, packing, results)."""
+class KVCacheManager:
+  """The host planner: admission, lookup, allocation, commits, releases and checkpoints, queued (`StepQueue`) as
+  plans for the device state it runs them on (`DeviceCell`). One class over 400 lines: it is the cache's public
+  API, each method one planner decision; what is not a decision lives beside it (the queue and its packing in
+  `cache.step_queue`, request state in `cache.request_state`, the device half in `cache.device_state`)."""
 
   def __init__(self, specs: CacheSpecs, *, num_blocks: dict[str, int] | None = None,
                num_full_blocks: int | None = None, num_swa_blocks: int | None = None, retention_interval: int = 0,
                model_id: str = "", key_bits: int = 64, max_probe: int = pool.DEFAULT_MAX_PROBE,
                enable_events: bool = True, legacy_dense_swa: bool = False, dense_start: bool = True,
                rerender_tokens: int = 64, junction_checkpoints: bool = True, num_slots: int | None = None,
-               max_tokens: int | None = None):
+               max_tokens: int | None = None, device: DeviceCell | None = None):
     """num_slots / max_tokens: rows of the device block tables (requests held at once) and the longest request
     (table width). The engine fixes both (max_num_seqs, max_model_len), so its step program has one shape; left
-    None (standalone use), the tables start small and grow on demand."""
+    None (standalone use), the tables start small and grow on demand.
+    device: where the device state this planner's plans run on lives (`cache.device_state.DeviceCell`, holding a
+    `DeviceState` of these specs, sizes and table shape); None = a cell of its own (standalone use)."""
     if not isinstance(specs, CacheSpecs):
       raise TypeError("KVCacheManager: pass cache.specs.CacheSpecs (the model side builds them: "
                       "dsv4.caches.group_specs(config, layout))")
@@ -94,9 +98,6 @@ class KVCacheManager(DeviceQueue):
                        f"{sorted(sizes)}")
     self._searches = group_searches(specs)
     self._G = specs.hash_tokens
-    self._bt_of = {g.name: g.block_tokens for g in specs.groups}
-    self._kind = {g.name: g.kind for g in specs.groups}
-    self._bt = tuple(g.block_tokens for g in specs.groups)
     self.policies = {g.name: CheckpointPolicy(specs.align_tokens, g.block_tokens, g.tail_tokens,
                                               retention_interval, dense_start and not legacy_dense_swa,
                                               0 if legacy_dense_swa else rerender_tokens)
@@ -107,21 +108,40 @@ class KVCacheManager(DeviceQueue):
     self._pol0 = next(iter(self.policies.values()), None)    # the policy that places boundaries (all agree)
     self._memos = {}
     self._align = specs.align_tokens
-    self._group_bt = tuple(zip(self.groups, self._bt))
     # a hit holds every full-history block before it and, in sliding groups, the tail before it (prefix.search)
-    self._hit_tails = tuple((g, p.block_tokens, p.need_blocks) for g, p in self.policies.items())
-    self._hit_full = tuple((g, bt) for g, bt in self._group_bt if g not in self.policies)
+    self._hit_tails = tuple((g, p.need_blocks) for g, p in self.policies.items())
+    self._hit_full = tuple(g for g in self.groups if g not in self.policies)
     # groups whose blocks are registered as they are computed (sliding groups only at checkpoints)
-    self._registered_bt = tuple((g, bt) for g, bt in self._group_bt
-                                if self._kind[g] == FULL_HISTORY or legacy_dense_swa)
+    self._registered = tuple(g.name for g in specs.groups if g.kind == FULL_HISTORY or legacy_dense_swa)
     self.model_id, self.key_bits = model_id, key_bits
     self.legacy = legacy_dense_swa
-    self.prepend_uncached = not legacy_dense_swa
-    self.events = EventLog(enable_events)
     self._requests: dict[str, RequestState] = {}
-    self._init_device_state(sizes, max_probe, num_slots, max_tokens)
     self.stats = {"table_full": 0, "duplicate": 0, "queried_tokens": 0, "hit_tokens": 0, "device_calls": 0,
                   "syncs": 0, "step_plans": 0, "step_plan_overflows": 0}
+    # the device tables: fixed by the engine (one step shape), else starting small and growing on demand
+    self._fixed = num_slots is not None and max_tokens is not None
+    if device is None:
+      device = DeviceCell(device_state.init(specs, sizes, slots=num_slots or 8, max_tokens=max_tokens or 2048,
+                                            max_probe=max_probe))
+    self.device = device
+    st = device.state
+    if (tuple(int(p.num_blocks) for p in st.pools) != tuple(sizes[g] for g in self.groups)
+        or len(st.tables) != len(self.groups)):
+      raise ValueError("KVCacheManager: the device state was made for other groups or pool sizes")
+    self.num_blocks = {g: sizes[g] for g in self.groups}
+    self.queue = StepQueue(specs, sizes, slots=st.tables[0].shape[0], widths=tuple(t.shape[1] for t in st.tables),
+                           key_bits=key_bits, prepend_uncached=not legacy_dense_swa, events=EventLog(enable_events),
+                           stats=self.stats)
+    self.peak_used = self.queue.peak_used
+    self.block_tokens = self.queue.block_tokens      # the one record of each group's block size (by group name)
+    self._q_admit = []          # queued admissions (Admission), sent with the next call that runs the queue
+    self._admitting = {}        # request id -> Admission, queued or in flight (result not read)
+    self._admitted = []         # (request id, PrefixHit) of queued admissions resolved, for take_admitted()
+
+  @property
+  def events(self) -> EventLog:
+    """The KV event log (the queue emits into it as results are read)."""
+    return self.queue.events
 
   def _memo(self, key, make):
     """A request's checkpoint schedule depends only on a few integers (lengths, run): requests of equal lengths
@@ -153,9 +173,8 @@ class KVCacheManager(DeviceQueue):
     toks = [np.asarray(t, np.int32) for t, _ in requests]
     hashers = [self._hasher(t, e) for t, (_, e) in zip(toks, requests)]
     self.flush()
-    plan = self._pack(toks, hashers)
-    pools = tuple(self._pools[n] for n in self.groups)
-    hit, ids = find_hits(pools, plan.key_BxUx2, plan.par_BxUx4, plan.tok_BxUxG, plan.max_len_B,
+    plan = self.queue.pack_admissions(toks, hashers)
+    hit, ids = find_hits(self.device.state.pools, plan.key_BxUx2, plan.par_BxUx4, plan.tok_BxUxG, plan.max_len_B,
                          groups=self._searches, align_tokens=self.specs.align_tokens,
                          hash_tokens=self.specs.hash_tokens)
     hit, ids = jax.device_get((hit, ids))
@@ -168,7 +187,7 @@ class KVCacheManager(DeviceQueue):
 
     def blocks():
       out = {}
-      for name, gid, bt, srch in zip(self.groups, ids, self._bt, self._searches):
+      for (name, bt), gid, srch in zip(self.block_tokens.items(), ids, self._searches):
         e = n // bt
         if compact and srch.kind != FULL_HISTORY:
           tab = np.full(e, -1, np.int32)
@@ -211,16 +230,17 @@ class KVCacheManager(DeviceQueue):
     if not admits:
       return []
     tgts = [a.target for a in admits if a.target is not None]
-    widths = tuple(bucket_width(sum(-(-int(t) // bt) for t in tgts)) for bt in self._bt)
-    if self._step_widths is not None:
-      # an engine's manager: at least the step's allocation width (one admission program, see _group_dims)
-      widths = tuple(max(w, bucket_width(sw[2])) for w, sw in zip(widths, self._step_widths))
-    self._apply(self._q_admit + admits, widths)
+    widths = tuple(bucket_width(sum(-(-int(t) // bt) for t in tgts)) for bt in self.block_tokens.values())
+    if self.queue.step_widths is not None:
+      # an engine's manager: at least the step's allocation width (one admission program, see
+      # StepQueue._group_dims)
+      widths = tuple(max(w, bucket_width(sw[2])) for w, sw in zip(widths, self.queue.step_widths))
+    self._apply(self._take_admits() + admits, widths)
     return [a.hit for a in admits]
 
   def queue_admissions(self, requests) -> None:
     """Queue admissions of (request id, prompt, ExtraKeys): their search, claim and table row ride the next
-    device call that runs the queue, normally the engine's step program (`take_step_plan`), so an admission is no
+    device call that runs the queue, normally the engine's step program (`plan`), so an admission is no
     call of its own. Their hits are known once that call's results are read: `take_admitted()`. Until then a
     request exists only as an admission: `free(rid)` withdraws it (a queued one at once, one in flight when its
     result arrives); every other call on it raises."""
@@ -258,10 +278,10 @@ class KVCacheManager(DeviceQueue):
     if not reqs:
       return []
     longest = max([len(t) for _, t, _ in reqs] + [t or 0 for t in (allocate_tokens or [])])
-    for g, bt in zip(self.groups, self._bt):
+    for g, bt in self.block_tokens.items():
       self._ensure_width(g, -(-longest // bt))
-    if self._fixed and len(self._free_slots) < len(reqs):
-      raise CacheError(f"add_requests: {len(reqs)} requests but {len(self._free_slots)} free table rows")
+    if self._fixed and len(self.queue.free_slots) < len(reqs):
+      raise CacheError(f"add_requests: {len(reqs)} requests but {len(self.queue.free_slots)} free table rows")
     out = []
     for i, (rid, toks, extra) in enumerate(reqs):
       a = Admission(rid, toks, extra.tenant, self._hasher(toks, extra), self._take_slot(),
@@ -293,10 +313,11 @@ class KVCacheManager(DeviceQueue):
         # dense start over what nobody computed before it (past its run): a later request sharing part of it hits
         # more than half, so its junction falls inside that rule (a document after a cached system prompt)
         junction += self._memo(("dense", len(toks), rn), lambda: self._pol0.dense_points(len(toks), after=rn))
-      tables = {g: HeldEntries(0, n // bt) for g, bt in full}
+      bts = self.block_tokens
+      tables = {g: HeldEntries(0, n // bts[g]) for g in full}
       released = {}
-      for g, bt, need in tails:
-        e = n // bt
+      for g, need in tails:
+        e = n // bts[g]
         released[g] = max(0, e - need)
         tables[g] = HeldEntries(released[g], e)
       self._requests[a.rid] = RequestState(a.rid, Int32Buffer(toks), a.hasher, a.tenant, len(toks), n, tables,
@@ -304,7 +325,7 @@ class KVCacheManager(DeviceQueue):
                                            slot=a.slot)
       del self._admitting[a.rid]
     if "admit_ok" in res and res["admit_ok"]:
-      for g, bt in self._group_bt:
+      for g, bt in self.block_tokens.items():
         for a in admits:
           if a.target is not None:
             tab = self._requests[a.rid].tables[g]
@@ -338,10 +359,11 @@ class KVCacheManager(DeviceQueue):
     device fills the table entries in the next call (the engine's step program). The returned tables are read
     from the device on first access (not by the engine)."""
     r = self._req(request_id)
-    tables, nfree = r.tables, self._nfree
-    need = [(g, max(0, -(-total_tokens // bt) - tables[g].n)) for g, bt in self._group_bt]
+    q = self.queue
+    tables, nfree = r.tables, q.nfree
+    need = [(g, max(0, -(-total_tokens // bt) - tables[g].n)) for g, bt in self.block_tokens.items()]
     short = next((g for g, k in need if k > nfree[g]), None)
-    if short is not None and (self._free_seen < self._free_seq or self._admitting):
+    if short is not None and (q.free_seen < q.free_seq or self._admitting):
       # releases not confirmed yet, or admissions whose hits are counted at the most they can take: read the exact
       # counts, then decide
       self.sync_counts()
@@ -351,25 +373,25 @@ class KVCacheManager(DeviceQueue):
     for g, k in need:
       if k:
         tab = tables[g]
-        if tab.n + k > self._width[g]:
+        if tab.n + k > q.width[g]:
           self._ensure_width(g, tab.n + k)
         start = tab.grow(k)
-        self._q_alloc[g].append((r.slot, start, start + k))
-        self._q_nalloc[g] += k
+        q.alloc[g].append((r.slot, start, start + k))
+        q.nalloc[g] += k
         nfree[g] -= k
-        self._alloc_total[g] += k
-        self._q_rids.add(r.rid)
-    return BlockTables(self, request_id)
+        q.alloc_total[g] += k
+        q.rids.add(r.rid)
+    return BlockTables(read=functools.partial(self._tables_now, request_id))
 
   def _tables_now(self, request_id: str) -> dict[str, np.ndarray]:
     """The request's block ids per group, read from the device (tests, tiers, debugging)."""
     r = self._req(request_id)
     self.flush()
-    rows = jax.device_get({g: self._tab[g][r.slot] for g in self.groups})
+    rows = jax.device_get(device_state.table_rows(self.device.state, r.slot))
     out = {}
-    for g in self.groups:
+    for g, row in zip(self.groups, rows):
       held = r.tables[g].view()
-      ids = np.asarray(rows[g])[:len(held)].copy()
+      ids = np.asarray(row)[:len(held)].copy()
       if not np.array_equal(ids >= 0, held >= 0):
         raise RuntimeError(f"group {g}: device table of {request_id!r} disagrees with the host's counts")
       out[g] = ids
@@ -377,7 +399,7 @@ class KVCacheManager(DeviceQueue):
 
   def block_tables(self, request_id: str) -> BlockTables:
     """The request's tables now (applies what is queued first; one device read)."""
-    return BlockTables(None, None, self._tables_now(request_id))
+    return BlockTables(self._tables_now(request_id))
 
   # ------------------------------------------------------------------------------------------ register
   def _register(self, r: RequestState, g: str, a: int, b: int, all_held: bool = False) -> None:
@@ -387,15 +409,16 @@ class KVCacheManager(DeviceQueue):
     if a >= b:
       return
     runs = [(a, b)] if all_held else r.tables[g].held_runs(a, b)
-    bt = self._bt_of[g]
+    bt = self.block_tokens[g]
+    q = self.queue
     for a, b in runs:
       infos = None
       if self.events.enabled:
         upb = bt // self._G
         infos = [(key_int(device_key(r.hasher.digests[j * upb - 1], self.key_bits)) if j else None, r.tenant, bt)
                  for j in range(a, b)]
-      self._q_reg[g].append((r.slot, a, b, r.hasher, r.tokens.buf, infos))
-      self._q_nreg[g] += b - a
+      q.reg[g].append((r.slot, a, b, r.hasher, r.tokens.buf, infos))
+      q.nreg[g] += b - a
 
   def _checkpoint(self, r: RequestState, boundary: int) -> None:
     for g, pol in self.policies.items():
@@ -407,7 +430,7 @@ class KVCacheManager(DeviceQueue):
     """The model has written KV for positions [0, num_computed_tokens): cache what is reusable, release what the
     request no longer reads (both queued for the next device call)."""
     r = self._req(request_id)
-    if r.rid in self._q_rids:
+    if r.rid in self.queue.rids:
       self.flush()              # its allocation is still queued (the engine's step program applied it already)
     n = num_computed_tokens
     if n < r.num_computed:
@@ -415,15 +438,16 @@ class KVCacheManager(DeviceQueue):
     if n > len(r.tokens):
       raise CacheError(f"commit: {n} computed tokens but only {len(r.tokens)} tokens known (append_tokens first)")
     tables = r.tables
-    for g, bt in self._group_bt:
+    bts = self.block_tokens
+    for g, bt in bts.items():
       if -(-n // bt) > tables[g].n:
         raise CacheError(f"commit: {n} tokens exceed the blocks allocated in group {g}")
     start = len(r.hasher.digests) * self._G     # hash only the new units: O(new tokens)
     if n > start:
       r.hasher.update(r.tokens.buf[start:n], offset=start)
     prev, r.num_computed = r.num_computed, n
-    for g, bt in self._registered_bt:           # full-history groups (every group in legacy mode)
-      done, upto = r.num_registered[g], n // bt
+    for g in self._registered:                  # full-history groups (every group in legacy mode)
+      done, upto = r.num_registered[g], n // bts[g]
       if upto > done:
         self._register(r, g, done, upto)
         r.num_registered[g] = upto
@@ -457,18 +481,18 @@ class KVCacheManager(DeviceQueue):
       if a in self._q_admit:          # not sent yet: nothing on the device to release
         self._q_admit.remove(a)
         del self._admitting[request_id]
-        self._free_slots.append(a.slot)
+        self.queue.free_slots.append(a.slot)
       else:                           # in flight: released when its result is read (`_resolve_admissions`)
         a.withdrawn = True
       return
     r = self._req(request_id)
-    if r.rid in self._q_rids:
+    if r.rid in self.queue.rids:
       self.flush()
     if not self.legacy and self.policies:
       self._checkpoint(r, r.num_computed // self._align * self._align)
     for g in self.groups:
       self._queue_frees(r.slot, g, r.tables[g].held_runs(0, r.tables[g].n))
-    self._free_slots.append(r.slot)
+    self.queue.free_slots.append(r.slot)
     del self._requests[request_id]
 
   def checkpoint_boundaries(self, request_id: str, lo: int, hi: int) -> list[int]:
@@ -494,7 +518,8 @@ class KVCacheManager(DeviceQueue):
     self.sync_counts()
     wanted = set(int(j) for j in tail_blocks)
     new = {}
-    for g, bt in zip(self.groups, self._bt):
+    q = self.queue
+    for g, bt in self.block_tokens.items():
       lo, hi = len(r.tables[g]), num_tokens // bt
       if self.specs.group(g).kind != SLIDING_WINDOW:
         new[g] = list(range(lo, hi))
@@ -502,18 +527,18 @@ class KVCacheManager(DeviceQueue):
         new[g] = [j for j in range(lo, hi) if j in wanted]
       else:   # other sliding groups: the tail a resume at num_tokens reads
         new[g] = [j for j in self.policies[g].tail_blocks(num_tokens) if j >= lo]
-      if len(new[g]) > self._nfree[g]:
-        return OutOfBlocks(g, len(new[g]), self._nfree[g])
-    for g, bt in zip(self.groups, self._bt):
+      if len(new[g]) > q.nfree[g]:
+        return OutOfBlocks(g, len(new[g]), q.nfree[g])
+    for g, bt in self.block_tokens.items():
       lo, hi = len(r.tables[g]), num_tokens // bt
       self._ensure_width(g, hi)
       want = set(new[g])
       r.tables[g].extend([HOST_HELD if j in want else -1 for j in range(lo, hi)])
       for j in new[g]:
-        self._q_alloc[g].append((r.slot, j, j + 1))
-      self._q_nalloc[g] += len(new[g])
-      self._nfree[g] -= len(new[g])
-      self._alloc_total[g] += len(new[g])
+        q.alloc[g].append((r.slot, j, j + 1))
+      q.nalloc[g] += len(new[g])
+      q.nfree[g] -= len(new[g])
+      q.alloc_total[g] += len(new[g])
     self.flush()
     return self.block_tables(request_id)
 
@@ -542,22 +567,46 @@ class KVCacheManager(DeviceQueue):
     if self._requests:
       return False
     self.flush()
-    for g in self.groups:
-      self._pools[g], ok = pool.reset(self._pools[g])
-      assert bool(ok)
-    self._identity.clear()
+    assert self.device.advance(device_state.reset_pools)
+    self.queue.identity.clear()
     self.events.emit(AllBlocksCleared())
     return True
 
   def num_free_blocks(self, group: str) -> int:
     """Exact free blocks now (reads the device when releases are not confirmed yet)."""
-    if self._free_seen < self._free_seq or self._queued():
+    if self.queue.unconfirmed() or self._queued():
       self.sync_counts()
-    return self._nfree[group]
+    return self.queue.nfree[group]
+
+  def blocks_to_run(self, prompt_len: int, total_tokens: int, extra_tokens: int = 0, lag: int = 0,
+                    cap: int | None = None) -> dict[str, int]:
+    """Blocks per group a request of prompt_len tokens that computes positions [0, total_tokens) needs to run
+    alone, at the least: every full-history block up to its last row's end and, in a sliding group, the peak of
+    its tail and window (`CheckpointPolicy.peak_blocks`: rows of one position, each allocating extra_tokens past it,
+    commits lagging `lag` positions past the prompt). A pool of at least this many blocks per group serves it
+    whatever it hits or reloads (rows shortened when it runs alone); a smaller one never can."""
+    end = min(total_tokens + extra_tokens, total_tokens + extra_tokens if cap is None else cap)
+    out = {}
+    for g, bt in self.block_tokens.items():
+      pol = self.policies.get(g)
+      if pol is None:
+        out[g] = -(-end // bt)
+      else:
+        out[g] = self._memo(("peak", g, prompt_len, total_tokens, extra_tokens, lag, cap),
+                            lambda: pol.peak_blocks(prompt_len, total_tokens, extra_tokens, lag, cap))
+    return out
+
+  def room_for(self, request_id: str) -> int:
+    """The most positions `allocate_to` can cover for the request now (its blocks plus the free ones, the fewest
+    over the groups). Exact: reads the device's counts."""
+    r = self._req(request_id)
+    self.sync_counts()
+    nfree = self.queue.nfree
+    return min((r.tables[g].n + nfree[g]) * bt for g, bt in self.block_tokens.items())
 
   def free_blocks_estimate(self, group: str) -> int:
     """Free blocks as the host knows them without reading the device: never more than the truth."""
-    return self._nfree[group]
+    return self.queue.nfree[group]
 
   def usage(self, group: str) -> float:
     """Fraction of blocks held by requests (cached-but-free blocks count as free, as in vLLM)."""
@@ -575,3 +624,148 @@ class KVCacheManager(DeviceQueue):
     par = digest_words(h.parent(block * upb))[None]
     tok = toks[block * bt:(block + 1) * bt][None]
     return int(pool.lookup(self.pools[group], jnp.asarray(key), jnp.asarray(par), jnp.asarray(tok))[0]) >= 0
+
+  # ------------------------------------------------------------------------------ the device state it plans for
+  # Every call below that changes the state goes through `self.device.advance` (`cache.device_state`); the engine's
+  # step program runs the same plans (`plan`, then `read_results`) inside its own pass over the state.
+  @property
+  def num_slots(self) -> int:
+    return self.queue.num_slots
+
+  def table_width(self, group: str) -> int:
+    return self.queue.width[group]
+
+  @property
+  def device_tables(self) -> dict:
+    """The device block tables per group, [slots, width] (read only; the next program donates them)."""
+    return dict(zip(self.groups, self.device.state.tables))
+
+  @property
+  def pools(self) -> dict:
+    """The pool states, with everything queued applied first (tests, debugging, eviction policies; read only:
+    `update_pool` changes one)."""
+    self.flush()
+    return dict(zip(self.groups, self.device.state.pools))
+
+  def update_pool(self, group: str, fn, *args):
+    """Apply a `cache.pool` operation fn(pool, *args) -> (pool, ...) to one group's pool (after what is queued);
+    returns its other outputs."""
+    self.flush()
+    return self.device.advance(device_state.update_pool, self.groups.index(group), fn, *args)
+
+  def _take_slot(self) -> int:
+    q = self.queue
+    if not q.free_slots:
+      if self._fixed:
+        raise CacheError(f"no free table row: {self.num_slots} requests are held (num_slots)")
+      self.flush()
+      n = q.num_slots
+      self.device.advance(device_state.grow, slots=2 * n)
+      q.num_slots = 2 * n
+      q.free_slots = list(range(2 * n - 1, n - 1, -1))
+    return q.free_slots.pop()
+
+  def _ensure_width(self, g: str, blocks: int) -> None:
+    w = self.queue.width[g]
+    if blocks <= w:
+      return
+    if self._fixed:
+      raise CacheError(f"group {g}: {blocks} blocks exceed the table width {w} (max_tokens)")
+    self.flush()
+    nw = w
+    while nw < blocks:
+      nw *= 2
+    # queued refs are (slot, entry) pairs, resolved against the width when packed: growing is safe
+    self.queue.width[g] = nw
+    self.device.advance(device_state.grow, widths=tuple(self.queue.width.values()))
+
+  def _queue_frees(self, slot: int, g: str, runs) -> None:
+    """Queue the release of these table runs of one slot, tail first (`StepQueue.queue_frees`)."""
+    self.queue.queue_frees(slot, g, runs)
+
+  def _queued(self) -> bool:
+    return bool(self._q_admit) or self.queue.queued()
+
+  def _take_admits(self) -> list:
+    admits, self._q_admit = self._q_admit, []
+    return admits
+
+  def set_step_capacity(self, tokens: int, rows: int) -> None:
+    """Fix the widths of the bookkeeping the engine's step program carries (one compiled shape): at most `tokens`
+    new tokens over `rows` requests per step (`StepQueue.set_step_capacity`)."""
+    self.queue.set_step_capacity(tokens, rows)
+
+  def plan(self) -> StepPlan:
+    """Everything queued (admissions included), as the step program's bookkeeping at its fixed widths: run it with
+    `cache.device_state.apply` inside the pass that writes `self.device`, then hand its results to `read_results`
+    (in any order after the step). What does not fit the widths (more runs, a table loaded from a tier with gaps)
+    runs first in a call of its own."""
+    q = self.queue
+    if q.step_widths is None:
+      raise CacheError("plan: call set_step_capacity first")
+    regs_or_frees, allocs = q.overflows()
+    if regs_or_frees:
+      # registrations and releases go first in a call of their own (allocations stay queued: they follow the
+      # releases either way; queued admissions stay for the step: they follow its allocations)
+      self.stats["step_plan_overflows"] += 1
+      held = q.hold_allocations()
+      self._apply([])
+      q.restore_allocations(held)
+    if allocs:
+      self.stats["step_plan_overflows"] += 1
+      self._apply([])
+    return q.step_plan(self.device.state, self._take_admits())
+
+  def empty_plan(self, admit_dims=None) -> StepPlan:
+    """A plan of the step's widths with nothing in it (`StepQueue.empty_plan`; benchmarks): not to be read."""
+    if self.queue.step_widths is None:
+      raise CacheError("empty_plan: call set_step_capacity first")
+    return self.queue.empty_plan(self.device.state, admit_dims)
+
+  def read_results(self, plan: StepPlan, buf) -> None:
+    """The results of a plan's bookkeeping (its packed int32 result buffer, on the host), in any order after the
+    call; the free counts only move forward."""
+    layout, seq = plan.sent.layout
+    res = unpack(np.asarray(buf), *layout)
+    self.queue.read(res, plan.sent, seq)
+    if plan.sent.admits:
+      self._resolve_admissions(res, plan.sent.admits)
+
+  def _run(self, plan: StepPlan) -> None:
+    """A plan run now, alone: applied to the state (one transfer in), its results read (one transfer out)."""
+    out = self.device.advance(device_state.apply, plan)
+    self.stats["device_calls"] += 1
+    self.read_results(plan, jax.device_get(out))
+
+  def _apply(self, admits=None, admit_widths=None) -> None:
+    """One call of its own: the queued work plus the admissions (a list of Admission; None = the queued ones), at
+    the widths of what is queued."""
+    admits = self._take_admits() if admits is None else admits
+    self._run(self.queue.standalone_plan(self.device.state, admits, admit_widths))
+
+  def flush(self) -> None:
+    """Apply every queued operation in one device call (no-op when nothing is queued)."""
+    if self._queued():
+      self._apply(None)
+
+  def run_queue(self) -> None:
+    """Run what is queued (admissions included) now and read its results: in the engine's own bookkeeping program
+    once the step's widths are fixed (the step program's first part, so no other shape compiles), else in a
+    standalone call."""
+    if not self._queued():
+      return
+    if self.queue.step_widths is not None:
+      self._run(self.plan())
+    else:
+      self._apply(None)
+
+  def sync_counts(self) -> None:
+    """Apply what is queued and read the device's free counts (waits for every call sent): exact counts."""
+    self.stats["syncs"] += 1
+    self.run_queue()
+    q = self.queue
+    if q.unconfirmed() or self._admitting:     # (admissions in flight: counted at their most)
+      for g, n in zip(self.groups, device_state.num_free(self.device.state)):
+        q.nfree[g] = n
+      q.free_seen = q.free_seq
+      q.count_seq = q.calls

@@ -80,6 +80,11 @@ class CacheSpecs:
   def names(self) -> tuple[str, ...]:
     return tuple(g.name for g in self.groups)
 
+  @property
+  def block_tokens(self) -> tuple[int, ...]:
+    """Tokens per block of each group, in group order."""
+    return tuple(g.block_tokens for g in self.groups)
+
   def group(self, name: str) -> GroupSpec:
     for g in self.groups:
       if g.name == name:

@@ -24,7 +24,7 @@ class SentCall:
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
   """The queued bookkeeping of one engine step, as the step program takes it: `buf` (one int32 host buffer) plus
-  the static arguments of `cache.step.step_packed` (`statics`, hashable). Results: `KVCacheManager.on_step_result`."""
+  the static arguments of `cache.step.step_packed` (`statics`, hashable). Results: `KVCacheManager.read_results`."""
   buf: np.ndarray
   statics: tuple
   sent: SentCall

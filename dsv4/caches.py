@@ -211,9 +211,9 @@ class StepIndex:
   # int32 scalar or None (= all N): the count of leading flat tokens that may be real (the engine packs every row's
   # tokens first); the row-invariant ops loop over the row blocks holding them only (dsv4/layers/row_invariant.py).
   live_tokens: jax.Array | None = None
-  # The engine's invariant step: compressor pools fold in position order (`compressor.sequential_pool_scan`) and
-  # dense compressed attention runs over fixed entry blocks, so neither a chunk boundary nor the table width
-  # changes a token's bits.
+  # The engine's invariant step: compressor pools fold in position order (`compressor.window_pool_scan`) and dense
+  # compressed attention runs over fixed entry blocks, so neither a chunk boundary nor the table width changes a
+  # token's bits.
   invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 

@@ -436,10 +436,31 @@ def v4_tiny(num_layers: int = 4, window: int = 16, hca_ratio: int = 16, vocab_si
       max_position_embeddings=1048576)
 
 
-PRESETS = {"v4_flash": v4_flash, "v41_flash": v41_flash, "v4_tiny": v4_tiny, "v41_tiny": v41_tiny}
+def v4_flash_layers(num_layers: int = 4, vocab_size: int = 1024) -> ModelConfig:
+  """V4-Flash's attention at its real widths in a few layers (random weights: no checkpoint of this shape exists):
+  hidden 4096, 64 heads x 512 (64 RoPE), q_lora 1024, 8 x 1024 output groups, window 128, indexer 64 x 128 top-512,
+  V4-Flash's layer rule (two window layers, then CSA m=4 / HCA m=128 alternating). What is small is what the
+  attention kernels never see: the vocabulary and the MoE (4 experts of 512, top-2, one hash-routed layer). Named
+  `v4_flash_layers:N` (`get_preset`), e.g. `--model=random --preset=v4_flash_layers:4`."""
+  _require(num_layers >= 1, "num_layers", f"v4_flash_layers: at least 1 layer, got {num_layers}")
+  return ModelConfig(
+      name=f"v4_flash_layers{num_layers}", variant="v4", vocab_size=vocab_size, hidden_size=4096,
+      num_layers=num_layers, compress_ratios=v4_schedule(num_layers),
+      moe=MoEConfig(n_routed_experts=4, num_experts_per_tok=2, intermediate_size=512, num_hash_layers=1))
+
+
+PRESETS = {"v4_flash": v4_flash, "v41_flash": v41_flash, "v4_tiny": v4_tiny, "v41_tiny": v41_tiny,
+           "v4_flash_layers": v4_flash_layers}
 
 
 def get_preset(name: str) -> ModelConfig:
-  if name not in PRESETS:
-    raise ConfigError(f"preset: unknown preset {name!r}; known: {sorted(PRESETS)}")
-  return PRESETS[name]()
+  """A preset by name; `name:N` passes N as the preset's first argument (`v4_flash_layers:4`: four layers)."""
+  base, _, arg = name.partition(":")
+  if base not in PRESETS:
+    raise ConfigError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))} (v4_flash_layers:N for N "
+                      "layers)")
+  if not arg:
+    return PRESETS[base]()
+  if base != "v4_flash_layers" or not arg.isdigit():
+    raise ConfigError(f"preset {name!r}: only v4_flash_layers takes an argument, a layer count (v4_flash_layers:4)")
+  return PRESETS[base](int(arg))

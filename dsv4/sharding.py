@@ -38,8 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dsv4 import caches, model
 from dsv4.config import ModelConfig
-# the model's mesh hooks, here too so one module holds the whole mesh API
-from dsv4.mesh_context import active_mesh, axis_size, constrain_batch, manual_axes  # noqa: F401
+from dsv4.mesh_context import axis_size
+from pallas_kernels import dispatch
 
 AXES = ("data", "tensor", "expert")
 
@@ -276,7 +276,6 @@ def jit_forward(config: ModelConfig, mesh, rules: Rules = Rules(), *, layout: ca
   over `data` only (tensor / expert stay automatic; the MoE then takes its GSPMD path, see moe.py): data shard
   s sees rows [s*B/D, (s+1)*B/D) and its own n = num_blocks / D blocks, so the index's block ids are SHARD-LOCAL
   (0..n-1) and no pool byte crosses devices."""
-  from pallas_kernels import dispatch
   kernel_cfg = kernel_cfg or dispatch.KernelConfig()
   local = pools_over_data and axis_size(mesh, "data") > 1
   if local:

@@ -46,13 +46,20 @@ import dataclasses
 import time
 from typing import Callable
 
+import jax
 import numpy as np
 from absl import app, flags, logging
 
 from cache.hashing import ExtraKeys
+from cache.manager import KVCacheManager
 from dsv4.caches import group_specs
 from dsv4.config import PRESETS, v4_tiny
-from experiments import plotting
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
+from dsv4.engine.request import RequestOutput
+from dsv4.engine.sampling import SamplingParams
+from dsv4.model import init_params
+from experiments import plotting, train_lib
 
 FLAGS = flags.FLAGS
 SCRIPT = "ablate_retention"
@@ -315,22 +322,16 @@ def workloads(vocab: int, small: bool, seed: int, names=("doc_branch", "chat_for
 def load_model(note=print):
   """(config, params, source): the trained model when shipped, else random tiny V4 weights."""
   try:
-    from experiments import train_lib
     config, params = train_lib.load_trained("v4_retrieval")
     return config, params, "trained v4_retrieval"
   except (ImportError, FileNotFoundError, OSError, AttributeError) as e:
     note(f"note: trained model unavailable ({type(e).__name__}: {e}); using random v4_tiny weights")
-    import jax
-    from dsv4.model import init_params
     config = v4_tiny()
     return config, init_params(config, jax.random.PRNGKey(0)), "random v4_tiny"
 
 
 def verify_engine(intervals=(0, 128), seed: int = 0) -> list[dict]:
   """Runs a small doc_branch trace through the real Engine; the manager replay (same answers) must agree."""
-  from cache.manager import KVCacheManager
-  from dsv4.engine.engine import Engine, EngineConfig
-  from dsv4.engine.sampling import SamplingParams
   config, params, source = load_model(logging.info)
   V = config.vocab_size
   trace = doc_branch(V, docs=1, doc_len=640, branches=3, turns=2, q_len=(16, 40), a_len=(8, 16), seed=seed)
@@ -357,7 +358,6 @@ def verify_engine(intervals=(0, 128), seed: int = 0) -> list[dict]:
       except StopIteration:
         break
     wall = time.time() - t0
-    from dsv4.engine.request import RequestOutput
     eng_hits = {rid: RequestOutput.of(eng.requests[rid]).hit_tokens for rid in answers}
     m = KVCacheManager(group_specs(config), num_full_blocks=64, num_swa_blocks=128, retention_interval=R,
                        model_id=ec.model_id)
@@ -375,7 +375,6 @@ def verify_engine(intervals=(0, 128), seed: int = 0) -> list[dict]:
 # ------------------------------------------------------------------------------------------ main
 def run(config_name: str, intervals, small: bool, out_dir: str, seed: int = 0, check_engine: bool = False,
         stem: str = "retention", names=("doc_branch", "chat_fork"), swa_pool_blocks: int = 0) -> dict:
-  from cache.manager import KVCacheManager
   config = PRESETS[config_name]()
   answer = synthetic_answer(config.vocab_size, seed)
   wl = workloads(config.vocab_size, small, seed, names)

@@ -39,7 +39,8 @@ from typing import NamedTuple
 
 from absl import app, flags, logging
 
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
 from experiments import plotting
 from experiments import tasks

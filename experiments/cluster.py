@@ -13,12 +13,18 @@ configuration; greedy tokens are checked against a single engine. Prints a table
 from __future__ import annotations
 
 import functools
+import json
 import os
 import tempfile
 
-from absl import app, flags
+import numpy as np
+from absl import app, flags, logging
+from tqdm import tqdm
 
-from experiments import plotting
+from dsv4.engine.config import EngineConfig
+from dsv4.loading import orbax_io
+from dsv4.serving import cluster, matrix, simulation, workloads
+from experiments import plotting, train_lib
 
 FLAGS = flags.FLAGS
 SCRIPT = "cluster"
@@ -39,10 +45,6 @@ def define_flags():
 
 def loader(model: str):
   """(config, params) of a shipped trained model, as experiments.serve loads it (without its flags)."""
-  import json
-
-  from dsv4.loading import orbax_io
-  from experiments import train_lib
   d = os.path.join(train_lib.CHECKPOINT_ROOT, model)
   with open(os.path.join(d, "config.json")) as f:
     cfg = train_lib.config_from_dict(json.load(f)["config"])
@@ -50,7 +52,6 @@ def loader(model: str):
 
 
 def engine_config():
-  from dsv4.engine.engine import EngineConfig
   return EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, chunk_size=128, max_model_len=1024,
                       num_full_blocks=24, num_swa_blocks=64)
 
@@ -67,7 +68,6 @@ def print_table(rows):
 
 
 def plot(rows, out_dir):
-  import numpy as np
   groups = list(dict.fromkeys(r["group"] for r in rows))
   configs = list(dict.fromkeys(r["config"] for r in rows))
   fig, axes = plotting.new_figure(2, width=6.0)
@@ -86,16 +86,10 @@ def plot(rows, out_dir):
 
 def main(argv):
   del argv
-  from absl import logging
-  from tqdm import tqdm
   logging.set_verbosity(logging.WARNING)      # orbax's per-restore lines would bury the progress bar
 
-  from dsv4.serving import cluster
-  from dsv4.serving import matrix
-  from dsv4.serving import workloads
   out_dir = plotting.output_dir("cluster")
   if FLAGS.predict:
-    from dsv4.serving import simulation
     rows = simulation.predict_matrix(groups=FLAGS.groups)
     cols = ("config", "group", "requests", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "hit_tokens", "prompt_tokens",
             "transfer_bytes_mean")

@@ -35,6 +35,12 @@ import os
 
 import numpy as np
 from absl import app, flags, logging
+from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
+
+from dsv4.loading.config_json import config_to_dict
+from dsv4.loading.safetensors_write import save_checkpoint
+from dsv4.loading.tokenizer import Tokenizer
+from experiments import tasks, train_lib
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% set ns = namespace(doc=false, sep=false) %}{% for m in messages %}"
@@ -46,7 +52,6 @@ CHAT_TEMPLATE = (
 
 def token_names(vocab_size: int, spec=None, eos_token_id: int = 1) -> list[str]:
   """Readable word per id of the task vocabulary (see the module doc)."""
-  from experiments import tasks
   spec = spec if spec is not None else tasks.KVRecallSpec()
   names = []
   for i in range(vocab_size):
@@ -70,9 +75,6 @@ def token_names(vocab_size: int, spec=None, eos_token_id: int = 1) -> list[str]:
 def task_tokenizer(vocab_size: int, spec=None, eos_token_id: int = 1):
   """dsv4.loading.Tokenizer for the task vocabulary: WordLevel over `token_names`, whitespace pre-tokenizer,
   "<bos>" / "<eos>" / "<sep>" as special tokens, BOS added by the post-processor, the chat template above."""
-  from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
-
-  from dsv4.loading.tokenizer import Tokenizer
   names = token_names(vocab_size, spec, eos_token_id)
   b = Backend(models.WordLevel({w: i for i, w in enumerate(names)}, unk_token=None))
   b.pre_tokenizer = pre_tokenizers.WhitespaceSplit()   # "<sep>" etc. stay whole words even when not special
@@ -87,9 +89,6 @@ def task_tokenizer(vocab_size: int, spec=None, eos_token_id: int = 1):
 def export(model: str, out: str, *, force: bool = False, shard_bytes: int | None = None) -> str:
   """Write the release-format directory `out` for the shipped model `model` (a name under experiments/checkpoints
   or a directory written by experiments.train). Returns `out`."""
-  from dsv4.loading.config_json import config_to_dict
-  from dsv4.loading.safetensors_io import save_checkpoint
-  from experiments import tasks, train_lib
   directory = model if os.path.isdir(model) else os.path.join(train_lib.CHECKPOINT_ROOT, model)
   if not os.path.isdir(directory):
     shipped = sorted(os.listdir(train_lib.CHECKPOINT_ROOT))

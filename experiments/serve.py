@@ -39,6 +39,8 @@ import sys
 from absl import app, flags, logging
 
 from experiments import serve_lib, serve_options
+from experiments.serve_checks import ServeError
+from experiments.serve_model import ModelLoadError
 
 FLAGS = flags.FLAGS
 serve_options.define_flags(FLAGS)
@@ -63,9 +65,9 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)      # orbax logs INFO lines on every restore; --verbosity=0 shows them
   try:
     serve_lib.run(serve_options.options_from_flags(FLAGS))
-  except serve_lib.ModelLoadError as e:
+  except ModelLoadError as e:
     _die(f"cannot load the model: {e}", e.exit_code)
-  except serve_lib.ServeError as e:
+  except ServeError as e:
     _die(str(e), e.exit_code)
 
 

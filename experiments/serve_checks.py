@@ -13,6 +13,13 @@ import os
 import re
 import sys
 
+from cache.tiers.backends import SHARED_KINDS, check_tier_places, make_backend
+from dsv4 import sharding
+from dsv4.config import ConfigError, get_preset
+from dsv4.loading.config_json import read_config
+from dsv4.loading.pretrained import declared_mtp_blocks_stored
+from dsv4.loading.safetensors_file import CheckpointError
+from experiments import train_lib
 from experiments.serve_options import SHIPPED_MODELS, ServeOptions, flag_name
 
 
@@ -75,7 +82,6 @@ def _check_checkpoint(d: str) -> None:
 
 
 def _check_tiers(o: ServeOptions, kinds: list[str]) -> None:
-  from cache.tiers.backends import SHARED_KINDS, check_tier_places
   try:   # the same rules (and words) as TieringConfig.from_flags
     check_tier_places(tuple(kinds), o.kv_disk_dir, o.kv_store_url,
                       {"tiers": "--kv_tiers", "disk_dir": "--kv_disk_dir", "store_url": "--kv_store_url"})
@@ -109,7 +115,6 @@ def _check_drafts(o: ServeOptions) -> None:
   if min(ec.chunk_size, ec.max_num_batched_tokens) < 1 + k:
     raise FlagError(f"--num_speculative_tokens={k}: --chunk_size and --max_num_batched_tokens must be >= {1 + k}")
   if not o.checkpoint and o.model in SHIPPED_MODELS:
-    from experiments import train_lib
     try:
       with open(os.path.join(train_lib.CHECKPOINT_ROOT, o.model, "config.json")) as f:
         mtp = json.load(f)["config"].get("num_mtp_layers", 0)
@@ -119,10 +124,6 @@ def _check_drafts(o: ServeOptions) -> None:
       raise FlagError(f"--num_speculative_tokens={k}: --model={o.model} has no MTP block (try "
                       "--model=v4_retrieval_mtp, or train one with experiments/train_mtp.py)")
   if o.checkpoint and os.path.isdir(o.checkpoint) and is_pretrained_dir(o.checkpoint):
-    from dsv4.config import ConfigError
-    from dsv4.loading.config_json import read_config
-    from dsv4.loading.pretrained import declared_mtp_blocks_stored
-    from dsv4.loading.safetensors_io import CheckpointError
     try:                             # config.json and the shards' headers only
       cfg, info = read_config(o.checkpoint, strict=False)
       stored = declared_mtp_blocks_stored(o.checkpoint, cfg, info)
@@ -160,7 +161,6 @@ def check_options(o: ServeOptions) -> list[str]:
   if not 0 <= o.process_id < o.num_processes:
     raise FlagError(f"--process_id={o.process_id}: must be in [0, --num_processes={o.num_processes})")
   if o.mesh:
-    from dsv4 import sharding
     try:
       sharding.parse_mesh_spec(o.mesh)
     except ValueError as e:
@@ -176,9 +176,10 @@ def check_options(o: ServeOptions) -> list[str]:
   if o.checkpoint:
     _check_checkpoint(o.checkpoint)
   if o.model == "random" or (o.checkpoint and not config_file(o.checkpoint)):
-    from dsv4.config import PRESETS
-    if o.preset not in PRESETS:
-      raise FlagError(f"--preset={o.preset}: unknown; known: {', '.join(sorted(PRESETS))}")
+    try:
+      get_preset(o.preset)             # a config only: no weights are made here
+    except ConfigError as e:
+      raise FlagError(f"--preset={o.preset}: {str(e).replace('unknown preset', 'unknown', 1)}") from None
   kinds = o.tier_kinds
   _check_tiers(o, kinds)
   return kinds
@@ -187,7 +188,6 @@ def check_options(o: ServeOptions) -> list[str]:
 def probe_tiers(o: ServeOptions, kinds: list[str]) -> list[str]:
   """One cheap round trip to each tier that lives outside this process, before the model loads. A tier that does not
   answer is one warning line and is left out (fatal with --kv_tiers_strict). Returns the tiers to serve with."""
-  from cache.tiers.backends import make_backend
   usable = []
   for kind in kinds:
     why = None

@@ -11,6 +11,11 @@ import json
 import math
 import os
 
+from dsv4.engine import schema
+from dsv4.engine.api import WorkloadReport, grade
+from dsv4.engine.request import RequestOutput
+from dsv4.engine.workloads import Turn, Workload
+
 
 def read_requests(path: str, vocab_size: int, tokenizer=None):
   """JSONL -> (Workload of the valid requests, [(line, id, error)] of the refused ones, order, stops, lines).
@@ -20,8 +25,6 @@ def read_requests(path: str, vocab_size: int, tokenizer=None):
   id) is refused on its own and the rest are served. Turns of one (tenant, session) run in file order, one wave
   each; requests without a session are independent. `order` lists ("ok", id) / ("refused", k) per non-blank line,
   in file order; `stops` maps ids to stop strings; `lines` maps the served ids to their line."""
-  from dsv4.engine import schema
-  from dsv4.engine.workloads import Turn, Workload
   refused, order, seen, stops = [], [], {}, {}
   waves: list[list[Turn]] = []
   turns_of: dict[tuple[str, str], int] = {}
@@ -65,7 +68,6 @@ def read_requests(path: str, vocab_size: int, tokenizer=None):
 
 def refused_output(rid: str, error: str):
   """The RequestOutput of a request refused before it reached the engine."""
-  from dsv4.engine.request import RequestOutput
   return RequestOutput(rid, [], [], "error", error, 0, 0, 0, 0, None, None)
 
 
@@ -79,7 +81,6 @@ class Recorder:
                            for t in wave}
 
   def __call__(self, o, expected, line=None) -> dict:
-    from dsv4.engine.api import grade
     rec = {"id": o.rid, "prompt_len": len(o.prompt), "output": o.output,
            "expected": None if expected is None else list(expected),
            "correct": None if o.error is not None else grade(o.output, expected),
@@ -128,7 +129,6 @@ class OutputsFile:
 def in_input_order(report, records: dict[str, dict], order, refused, refused_records):
   """(report, records) in the order of the --requests file, refused requests in their place; without a file
   (order None) the engine's order as it is."""
-  from dsv4.engine.api import WorkloadReport
   rows = list(zip(report.outputs, report.expected))
   if order is None:
     return report, [records[o.rid] for o, _ in rows]

@@ -19,14 +19,24 @@ import json
 import math
 import os
 
-from experiments import serve_io
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from dsv4 import caches, sharding
+from dsv4.engine import workloads
+from dsv4.engine.api import StopStrings, run_workload
+from dsv4.engine.engine import Engine
+from dsv4.engine.tiering_config import TieringConfig
+from experiments import serve_io, task_workloads
 from experiments.serve_checks import FlagError, ServeError, check_options, probe_tiers, warn
 from experiments.serve_model import ModelLoadError, load_model, load_tokenizer, params_dtype, \
     quiet_closed_loop_callbacks
 from experiments.serve_options import ServeOptions
+from experiments.tasks import KVRecallSpec
+from pallas_kernels import dispatch
 
-__all__ = ["run", "ServeError", "FlagError", "ModelLoadError", "TierFatal", "TierWatch", "engine_config",
-           "init_devices", "make_workload"]
+__all__ = ["run", "TierFatal", "TierWatch", "engine_config", "init_devices", "make_workload"]
 
 
 class TierFatal(ServeError):
@@ -55,10 +65,8 @@ class TierWatch:
 
 def init_devices(o: ServeOptions) -> None:
   """CPU device count and jax.distributed must be set up before JAX touches a backend."""
-  import jax
   n_cpu = o.num_cpu_devices
   if o.mesh and not n_cpu and not o.coordinator:
-    from dsv4 import sharding
     n_cpu = math.prod(sharding.parse_mesh_spec(o.mesh).values())  # only the CPU backend reads this
   if n_cpu:
     jax.config.update("jax_num_cpu_devices", n_cpu)
@@ -72,24 +80,26 @@ def init_devices(o: ServeOptions) -> None:
 
 def engine_config(o: ServeOptions, model_name: str, params, tier_kinds: list[str]):
   """o.engine with what serve sets from the loaded model and its own options (serve_options.ENGINE_NOT_FLAGS)."""
-  import jax.numpy as jnp
-
-  from dsv4 import caches
-  from dsv4.engine.tiering import TieringConfig
   ec = o.engine
   kv_dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp8": caches.FP8}[o.kv_dtype]
   return dataclasses.replace(
       ec, model_id=model_name, layout=dataclasses.replace(ec.layout, kv_dtype=kv_dtype),
+      kernel=dataclasses.replace(ec.kernel, backend=o.kernels),
       dtype=params_dtype(params),      # what was loaded: --dtype=fp32 really computes in fp32
       tiering=TieringConfig.from_flags(",".join(tier_kinds), o.kv_disk_dir, o.kv_store_url, demote=o.kv_tier_write))
+
+
+def _check_kernels(o: ServeOptions) -> None:
+  """--kernels=pallas off a GPU is a flag mistake, found before the model loads (the devices are up by now)."""
+  try:
+    dispatch.check_backend(dispatch.KernelConfig(backend=o.kernels))
+  except ValueError as e:
+    raise FlagError(f"--kernels={o.kernels}: {e}") from None
 
 
 def make_workload(o: ServeOptions, cfg, spec, tokenizer):
   """(workload, refused, order, stops, line_of): the --requests file (serve_io.read_requests), else the model's own
   graded task, else a synthetic workload of random tokens."""
-  from dsv4.engine import workloads
-  from experiments import task_workloads
-  from experiments.tasks import KVRecallSpec
   if o.requests:
     return serve_io.read_requests(o.requests, cfg.vocab_size, tokenizer)
   if o.workload == "task":
@@ -103,9 +113,6 @@ def make_workload(o: ServeOptions, cfg, spec, tokenizer):
 def _serve_all(engine, wl, out: serve_io.OutputsFile, record, refused, line_of, stopper, watch, name):
   """Every request through the engine behind a progress bar, each record written as it ends. Returns the report,
   the records by id and the refused requests' records."""
-  from tqdm import tqdm
-
-  from dsv4.engine.api import run_workload
   records: dict[str, dict] = {}
   refused_records = []
   for line, rid, err in refused:    # they never reach the engine
@@ -154,8 +161,7 @@ def run(o: ServeOptions) -> dict:
   """One run of the main job (see the module docstring); returns the summary the table shows. Raises ServeError."""
   tier_kinds = probe_tiers(o, check_options(o))
   init_devices(o)
-  from dsv4.engine.api import StopStrings
-  from dsv4.engine.engine import Engine
+  _check_kernels(o)
 
   quiet_closed_loop_callbacks()
   cfg, params, spec = load_model(o.model, o.checkpoint, o.preset, o.seed, o.dtype,
@@ -170,7 +176,6 @@ def run(o: ServeOptions) -> dict:
   wl, refused, order, stops, line_of = make_workload(o, cfg, spec, tok)
   mesh = rules = None
   if o.mesh:
-    from dsv4 import sharding
     mesh, rules = sharding.make_mesh(o.mesh), sharding.Rules(kv_latent=o.kv_latent)
   engine = Engine(params, cfg, ec, mesh=mesh, rules=rules, pools_over_data=o.pools_over_data)
   watch = TierWatch(o.kv_tiers_strict)

@@ -6,10 +6,23 @@ asked for. Defines no flags: other scripts load models through here too.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from dsv4.config import ConfigError, get_preset
+from dsv4.loading import orbax_io
+from dsv4.loading.pretrained import load_pretrained
+from dsv4.loading.safetensors_file import CheckpointError
+from dsv4.loading.tokenizer import Tokenizer, TokenizerError
+from dsv4.model import cast_params, init_params
+from experiments import train_lib
 from experiments.serve_checks import FlagError, ServeError, config_file, is_pretrained_dir
 
 _LOAD_DTYPES = ("auto", "fp32", "bf16")
@@ -35,9 +48,6 @@ def quiet_closed_loop_callbacks() -> None:
 
 def params_dtype(params) -> str:
   """The float dtype holding most of the params' elements, "bf16" or "fp32": what the engine computes in."""
-  import jax
-  import ml_dtypes
-  import numpy as np
   counts = {}
   for x in jax.tree_util.tree_leaves(params):
     dt = np.dtype(x.dtype)
@@ -53,18 +63,6 @@ def load_model(model: str, checkpoint: str = "", preset: str = "v4_tiny", seed: 
   """(config, params, task spec or None). Any failure is a ModelLoadError naming the file: never random weights
   in place of a model that was asked for. dtype: "auto" (as stored), "fp32" or "bf16"; quantized_cache: None = the
   checkpoint's default; mtp: a release directory's MTP blocks (`load_pretrained`; None = those it stores)."""
-  import dataclasses
-
-  import jax
-  import jax.numpy as jnp
-  import ml_dtypes
-  import numpy as np
-
-  from dsv4.config import ConfigError, get_preset
-  from dsv4.loading.safetensors_io import CheckpointError
-  from dsv4.loading.tokenizer import TokenizerError
-  from dsv4.model import cast_params, init_params
-  from experiments import train_lib
   if dtype not in _LOAD_DTYPES:
     raise ValueError(f"load_model: dtype {dtype!r}, expected one of {_LOAD_DTYPES}")
 
@@ -85,7 +83,6 @@ def load_model(model: str, checkpoint: str = "", preset: str = "v4_tiny", seed: 
   info_path = os.path.join(directory, "config.json")
   try:
     if checkpoint and is_pretrained_dir(checkpoint):       # a config + safetensors (any naming) + tokenizer
-      from dsv4.loading.pretrained import load_pretrained
       try:
         pre = load_pretrained(checkpoint, dtype={"auto": "auto", "fp32": np.float32, "bf16": ml_dtypes.bfloat16}[dtype],
                               quantized_cache=quantized_cache, mtp=mtp)
@@ -97,7 +94,6 @@ def load_model(model: str, checkpoint: str = "", preset: str = "v4_tiny", seed: 
       raise ModelLoadError(f"{os.path.join(checkpoint, 'config.json')}: no such file (a release checkpoint has it "
                            "beside its *.safetensors shards)")
     if checkpoint and not os.path.isdir(os.path.join(checkpoint, "params")):   # a bare orbax params directory
-      from dsv4.loading import orbax_io
       return finish(get_preset(preset), orbax_io.restore_params(checkpoint, get_preset(preset)), None)
     if not os.path.isdir(directory):
       raise ModelLoadError(f"{directory}: no such checkpoint directory")
@@ -107,7 +103,6 @@ def load_model(model: str, checkpoint: str = "", preset: str = "v4_tiny", seed: 
       cfg = train_lib.config_from_dict(info["config"])
     except (OSError, ValueError, KeyError, TypeError) as e:
       raise ModelLoadError(f"{info_path}: unreadable checkpoint config ({type(e).__name__}: {e})") from e
-    from dsv4.loading import orbax_io
     params = orbax_io.restore_params(os.path.join(directory, "params"), cfg)
     spec = train_lib.task_spec_from_info(info) if "task" in info else None
     return finish(cfg, params, spec)
@@ -119,5 +114,4 @@ def load_tokenizer(checkpoint: str):
   """The checkpoint dir's tokenizer (tokenizer.json + tokenizer_config.json chat template), or None."""
   if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
     return None
-  from dsv4.loading.tokenizer import Tokenizer
   return Tokenizer.from_dir(checkpoint)

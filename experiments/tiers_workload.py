@@ -31,9 +31,18 @@ import shutil
 import tempfile
 import time
 
+import jax
 import numpy as np
 from absl import app, flags
 
+from cache.tiers.backends import MooncakeBackend
+from cache.tiers.servers import MooncakeServer, RedisServer
+from dsv4 import config, model
+from dsv4.caches import group_specs
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
+from dsv4.engine.sampling import SamplingParams
+from dsv4.engine.tiering_config import TieringConfig
 from experiments import plotting
 
 FLAGS = flags.FLAGS
@@ -56,7 +65,6 @@ def _pct(a, q):
 
 
 def _submit(eng, rid, prompt, max_tokens):
-  from dsv4.engine.sampling import SamplingParams
   eng.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
   eng.run()
   r = eng.requests[rid]
@@ -65,9 +73,6 @@ def _submit(eng, rid, prompt, max_tokens):
 
 
 def part_a(cfg, params, redis_url, tmp):
-  from dsv4.engine.engine import Engine, EngineConfig
-  from dsv4.engine.tiering import TieringConfig
-  from dsv4.caches import group_specs
   ec = EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, chunk_size=256, max_model_len=4096,
                     num_full_blocks=24, num_swa_blocks=64, record_logits=False)
   sp = group_specs(cfg, ec.layout)
@@ -134,8 +139,6 @@ def part_a(cfg, params, redis_url, tmp):
 
 
 def part_b(cfg, params, redis_url, mooncake_url, tmp, lengths):
-  from dsv4.engine.engine import Engine, EngineConfig
-  from dsv4.engine.tiering import TieringConfig
   rows = []
   for L in lengths:
     ec = EngineConfig(max_num_seqs=1, max_num_batched_tokens=2048, chunk_size=2048, max_model_len=L + 256,
@@ -157,8 +160,7 @@ def part_b(cfg, params, redis_url, mooncake_url, tmp, lengths):
     p2 = r1.all_tokens + [int(t) for t in rng.integers(2, V, 64)]
     A.tiering.drop_device_cache()
     if mooncake_url:
-      import redis
-      from cache.tiers.backends import MooncakeBackend
+      import redis  # local: the Redis client, needed only with a Mooncake store
       src, mc = redis.Redis.from_url(url), MooncakeBackend(mooncake_url)
       for k in src.scan_iter("dsv4kv:*"):
         mc.put(k.decode(), src.get(k))
@@ -209,11 +211,6 @@ def main(argv):
     print("wrote", plotting.save_figure(plot(plotting.read_table(out_dir, "tiers_workload")[0]), out_dir,
                                         "tiers_workload"))
     return
-  import jax
-
-  from cache.tiers.servers import MooncakeServer, RedisServer
-  from dsv4 import config
-  from dsv4 import model
   cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   tmp = tempfile.mkdtemp(prefix="dsv4-tiers-bench-")

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import os
+import typing
 from typing import Any
 
 import jax
@@ -22,7 +23,8 @@ import numpy as np
 import optax
 
 from dsv4 import caches
-from dsv4.config import AttentionConfig, IndexerConfig, ModelConfig, v4_tiny
+from dsv4.config import AttentionConfig, IndexerConfig, ModelConfig, v41_tiny, v4_tiny
+from dsv4.loading.orbax_io import restore_params, save_params
 from dsv4.model import count_params, forward_aux, init_params
 from experiments import tasks
 
@@ -48,7 +50,6 @@ def retrieval_config(variant: str = "v4", *, num_layers: int = 2, window: int = 
     # KV-source ("full") layer with its own indexer, layers 2.. ratio-2 "reuse" layers (they read layer 1's
     # compressed KV with layer 1's top-k). No Engram, no candidate source, no ratio-1 layers: like the V4 model's
     # missing HCA, anything that reads the compressed entries without the top-k would make a top-k ablation moot.
-    from dsv4.config import v41_tiny
     base = v41_tiny(engram=False, vocab_size=vocab_size)
     ratios = (0,) + (2,) * (num_layers - 1)
     return dataclasses.replace(
@@ -79,7 +80,6 @@ def config_to_dict(config: ModelConfig) -> dict:
 
 def _from_dict(cls, d: dict):
   """Rebuild a (nested, frozen) config dataclass from `dataclasses.asdict` output; lists become tuples."""
-  import typing
   hints = typing.get_type_hints(cls)
   kw = {}
   names = {f.name for f in dataclasses.fields(cls)}
@@ -329,7 +329,6 @@ def attention_cost(config: ModelConfig, seq_len: int, k: int | None = None) -> d
 
 def save_checkpoint(params, config: ModelConfig, directory: str, meta: dict[str, Any] | None = None,
                     force: bool = True):
-  from dsv4.loading.orbax_io import save_params
   os.makedirs(directory, exist_ok=True)
   save_params(jax.device_get(params), os.path.join(directory, "params"), force=force)
   info = dict(config=config_to_dict(config), num_params=count_params(params), **(meta or {}))
@@ -338,7 +337,6 @@ def save_checkpoint(params, config: ModelConfig, directory: str, meta: dict[str,
 
 
 def load_checkpoint_dir(directory: str):
-  from dsv4.loading.orbax_io import restore_params
   with open(os.path.join(directory, "config.json")) as f:
     info = json.load(f)
   config = config_from_dict(info["config"])

@@ -28,6 +28,12 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags
 
+from dsv4 import caches, config, model
+from dsv4.layers import cache_quant, engram
+from dsv4.loading import safetensors_file
+from dsv4.loading.safetensors_io import load_checkpoint
+from tests.dsv4 import v41_oracle
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("T", 160, "Sequence length.")
 flags.DEFINE_integer("B", 2, "Batch rows.")
@@ -74,16 +80,9 @@ def near_ties(values: np.ndarray, fmt: str, block: int, near: float) -> np.ndarr
 
 def main(argv):
   del argv
-  from dsv4 import caches
-  from dsv4 import config
-  from dsv4 import model
-  from dsv4.layers import engram
-  from dsv4.loading import load_checkpoint
-  from dsv4.loading import safetensors_io
-  from tests.dsv4 import v41_oracle
   root = v41_oracle.ensure_nemo()
   sys.path.insert(0, root)
-  from nemo_automodel.components.models.deepseek_v41 import attention
+  from nemo_automodel.components.models.deepseek_v41 import attention  # local: on sys.path only from here
   from nemo_automodel.components.models.deepseek_v41 import quantization
 
   records = []
@@ -99,7 +98,7 @@ def main(argv):
   fd, path = tempfile.mkstemp(suffix=".safetensors")   # own file: concurrent runs never share one
   os.close(fd)
   try:
-    safetensors_io.write_file(v41_oracle.state_dict_np(ref), path)
+    safetensors_file.write_file(v41_oracle.state_dict_np(ref), path)
     params = load_checkpoint(path, cfg)
   finally:
     os.remove(path)
@@ -129,7 +128,6 @@ def main(argv):
   aux_box = []
 
   # record our own quantizer inputs too (trace-time ids give program order, the same order as NeMo's calls)
-  from dsv4.layers import cache_quant
   ours_in, counter = {}, [0]
 
   def wrap(fmt, fn):

@@ -41,6 +41,7 @@ from pallas_kernels import indexer_topk as _indexer_topk
 from pallas_kernels import sparse_attention as _sparse
 
 Backend = Literal["auto", "xla", "pallas", "interpret"]
+BACKENDS = ("auto", "xla", "pallas", "interpret")
 
 
 Fp8KVPool = _sparse.Fp8KVPool
@@ -65,6 +66,17 @@ class KernelConfig:
   # kernel counts as hung and the XLA reference is used
   validation_timeout_s: float = 180.0
   hca_tuning: HcaAttentionTuning | None = None  # the invariant step's HCA kernel
+
+
+def check_backend(cfg: KernelConfig, *, on_device: bool = True) -> None:
+  """ValueError (one line) for a backend that cannot serve here: not one of BACKENDS, or (on_device: asks JAX for
+  its backend) "pallas" off a GPU, where the compiled Triton kernels cannot run ("interpret" runs them on any
+  device; "auto" serves the XLA reference there)."""
+  if cfg.backend not in BACKENDS:
+    raise ValueError(f"kernel backend {cfg.backend!r}: one of {', '.join(BACKENDS)}")
+  if on_device and cfg.backend == "pallas" and not _on_gpu():
+    raise ValueError(f"kernel backend 'pallas' needs a GPU (JAX's backend here is {jax.default_backend()}); 'auto' "
+                     "serves the XLA reference off a GPU, 'interpret' runs the kernels in interpret mode")
 
 
 # op name -> callable(*args, interpret: bool, tuning=..., **kw). Filled by kernel modules.
@@ -359,8 +371,7 @@ def hca_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_p
   table_rows_N[n]; None = n, the table then having one row per query); entries 0 .. num_visible_N[n] - 1 are
   visible. The table is passed as it is (e.g. the engine's [slots, max_model_len / block] table): the kernel reads
   each query's row in place, only the words of its visible entries. A query's bits depend only on its own arguments (see `hca_attention.py`
-  for the contract). The XLA reference is `attention.blocked_dense_attention`'s math (`hca_attention_reference`);
-  the model keeps calling that function itself when no kernel is selected."""
+  for the contract). Without a kernel, its XLA reference `hca_attention_reference`: the model's XLA path."""
   args, static = _hca_args(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF,
                            num_visible_N, sink_H, scale=scale, entries_per_block=entries_per_block,
                            table_rows_N=table_rows_N)

@@ -20,9 +20,9 @@ Pools are plain arrays, `Fp8KVPool` or `Fp8PagedPool` (sparse_attention.py has t
 Order (what makes it batch invariant): an online softmax over the window rows first, then over the entries in
 position order, a block at a time; each query's loops stop at its own window length and its own visible count, so
 nothing a neighbour brings (its count, its place in the batch, the number of queries) reaches its reduction. The
-reference (`hca_attention_reference`) is `attention.blocked_dense_attention`'s math on these arguments: blocks of
-DENSE_BLOCK_ENTRIES = 64 entries, looped over the blocks some query of the call can see, a block a query cannot see
-leaving its running (max, sum, accumulator) untouched.
+reference (`hca_attention_reference`, the model's XLA path too: `dispatch.hca_attention` without a kernel) runs
+blocks of DENSE_BLOCK_ENTRIES = 64 entries, looped over the blocks some query of the call can see, a block a query
+cannot see leaving its running (max, sum, accumulator) untouched.
 
 The Pallas kernel (`hca_attention_pallas`, Pallas-Triton like the sparse kernel): grid (query token, head block),
 no key split (a split would change the order). A program keeps block_h heads of one query in registers, reads its
@@ -46,7 +46,8 @@ from pallas_kernels import sparse_attention as _sa
 
 _pl_triton = _sa._pl_triton
 
-# Entries per block of the reference's online softmax (= attention.DENSE_BLOCK_ENTRIES).
+# Entries per block of the reference's online softmax: a fixed shape, so a token's reduction never depends on the
+# table width or on its neighbours; small enough that a short context reads little past its live entries.
 DENSE_BLOCK_ENTRIES = 64
 
 

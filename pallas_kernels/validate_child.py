@@ -8,10 +8,11 @@ import json
 import pickle
 import sys
 
+from pallas_kernels import dispatch
+
 
 def main() -> int:
   payload = pickle.loads(sys.stdin.buffer.read())
-  from pallas_kernels import dispatch
   try:
     res = {"err": dispatch.child_check(payload)}
   except Exception as e:  # noqa: BLE001 - any failure is the verdict, reported in one line

@@ -25,6 +25,9 @@ SLOW = {
     "tests/dsv4/test_engine_spec.py::test_prefix_hit_carries_the_mtp_window":
         "test_trained_drafts_give_the_same_greedy_tokens (prefix hits with drafts)",
     # the default tier's 8-minute budget: each has a sibling that exercises the same code in the default tier
+    "tests/dsv4/test_tiers_admission.py::test_a_request_that_fits_is_never_refused[local]":
+        "test_a_request_that_fits_is_never_refused[redis] (host + disk + Redis: the same traces, the disk tier "
+        "included)",
     "tests/dsv4/test_dspark_engine.py::test_drafts_never_change_greedy_tokens[False]":
         "test_drafts_never_change_greedy_tokens[True] (async) and test_served_drafts_equal_drafts_from_scratch "
         "(synchronous steps, greedy tokens equal the engine without drafts)",

@@ -9,7 +9,7 @@ Nothing is imported: the checks read files and parse Python source.
   link targets alike, so `--out_dir=experiments/checkpoints/x` names `experiments/checkpoints/x`, while
   `out/serve/outputs.jsonl` or `/tmp/kv` are not paths and a quoted string such as `"dsv4/kv/1"` is a literal.
   It must exist. `*` is a glob that must match something; `{a,b}` expands to both. Output that commands write
-  (`out/`, `ckpt/`, `/tmp/`, `.oracle/`, `gpu_check_out/`, `<out_dir>/`) never starts with a top-level
+  (`out/`, `ckpt/`, `/tmp/`, `.oracle/`, `<out_dir>/`) never starts with a top-level
   directory, so it is never checked (`GENERATED` lists those roots).
 * **Test ids.** `path::name` (with an optional `[params]`) also needs `def name` or `class name` in that file.
 * **Bare test files.** Inline code holding only `test_x.py` (the lists in `docs/references.md`) must name a file
@@ -19,6 +19,9 @@ Nothing is imported: the checks read files and parse Python source.
   (`cache.tiers.cost.CostModel.load_seconds`, optionally followed by `(...)`) must resolve to a module plus at
   most two attribute levels: the first defined, assigned or imported at the module's top level (or a submodule of
   a package), the second, when the first is a class, defined in its body. Deeper names are not checked.
+* **Class members.** Inline code holding only `Class.member` (optionally followed by `(...)`), where `Class` is a
+  top-level class of a package module (tests left out), must name something its body defines or assigns, or its
+  methods assign on `self`, in that class or a base class of the packages.
 * **Relative links** (`[x](model.md)`) must name a file relative to the page.
 """
 
@@ -34,7 +37,7 @@ PACKAGES = ("cache", "dsv4", "pallas_kernels", "experiments", "benchmarks", "tes
 
 # Where commands write their output. None of these starts with a top-level directory, so the path pattern never
 # matches them; an output directory under one (none today) would be added here and skipped.
-GENERATED = ("out/", "ckpt/", "/tmp/", ".oracle/", "gpu_check_out/")
+GENERATED = ("out/", "ckpt/", "/tmp/", ".oracle/")
 
 _TOP = "|".join(re.escape(d) for d in TOP_DIRS)
 _PATH_IN_TEXT = re.compile(
@@ -185,6 +188,53 @@ def _check_dotted(ref):
   return None
 
 
+_CLASS_MEMBER = re.compile(r"^([A-Z]\w*)\.([A-Za-z_]\w*)(?:\(.*\))?$")
+
+
+@functools.lru_cache(maxsize=None)
+def _repo_classes():
+  """Class name -> [(members, base names)] of every top-level class of the packages' modules (tests left out).
+  Members: what the body defines or assigns, plus `self.x = ...` in its methods."""
+  out = {}
+  for pkg in PACKAGES:
+    if pkg == "tests":
+      continue
+    for path in glob.glob(os.path.join(ROOT, pkg, "**", "*.py"), recursive=True):
+      with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+      for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+          continue
+        members = _class_members(node)
+        for n in ast.walk(node):
+          if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" and isinstance(
+              n.ctx, ast.Store):
+            members.add(n.attr)
+        bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+        out.setdefault(node.name, []).append((members, bases))
+  return out
+
+
+def _check_class_member(ref):
+  """`Class.member` for a class of the packages: None if some class of that name (or a base of it named in the
+  packages) has the member, else why not; None for a name that is no class of the packages."""
+  m = _CLASS_MEMBER.match(ref)
+  classes = _repo_classes()
+  if not m or m.group(1) not in classes:
+    return None
+  todo, seen = [m.group(1)], set()
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in classes:
+      continue
+    seen.add(name)
+    for members, bases in classes[name]:
+      if m.group(2) in members:
+        return None
+      todo += bases
+  return f"no class {m.group(1)} of the packages has {m.group(2)}"
+
+
 def find_problems():
   problems = []
   for doc in _docs():
@@ -222,6 +272,10 @@ def find_problems():
         why = _check_dotted(bare)
         if why:
           report(line, "name", bare, why)
+      for ref in re.split(r"\s*/\s*", bare):       # `A.x` / `A.y` names two
+        why = _check_class_member(ref)
+        if why:
+          report(line, "member", ref, why)
     for m in _LINK.finditer(blanked):
       target = m.group(1).split("#", 1)[0]
       if not target or re.match(r"^[a-z]+:", target) or target.startswith("/"):
@@ -249,6 +303,10 @@ def test_the_checker_tells_present_from_missing():
   assert _module_file("tests.test_docs") == "tests/test_docs.py"
   assert _check_dotted("tests.test_docs.find_problems") is None
   assert _check_dotted("tests.test_docs.no_such_name") is not None
+  assert _check_class_member("KVCacheManager.plan") is None
+  assert _check_class_member("KVCacheManager.no_such_method") is not None
+  assert _check_class_member("Engine.async_active") is None          # assigned on self in a method
+  assert _check_class_member("NotAClassHere.anything") is None
   found = [m.group(1) for m in _PATH_IN_TEXT.finditer(
       "`--out_dir=experiments/checkpoints/v4_retrieval` (docs/README.md), `out/serve/outputs.jsonl`, /tmp/kv,"
       ' "dsv4/kv/1", `tests/a.py::test_b[v4]`, experiments/results/topk.{csv,png}')]

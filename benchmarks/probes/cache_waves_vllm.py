@@ -18,11 +18,16 @@ every model, DeepSeek-V4 included), `dense` (None: a tail at every aligned bound
 
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
+from absl import app, flags
 
 from benchmarks.support.vllm_adapter import VllmStep
+from cache.manager import KVCacheManager
+from dsv4.caches import group_specs
+from dsv4.config import v4_flash
+
+FLAGS = flags.FLAGS
 
 OURS_SETTINGS = "KVCacheManager defaults (retention_interval=0, dense_start, rerender_tokens=64, junction checkpoints)"
 
@@ -85,9 +90,6 @@ def fanout_vllm(src: str, prompts, retention: int | None = 0, chunk: int = 512):
 
 
 def fanout_ours(prompts, chunk: int = 512):
-  from cache.manager import KVCacheManager
-  from dsv4.caches import group_specs
-  from dsv4.config import v4_flash
   m = KVCacheManager(group_specs(v4_flash()), num_full_blocks=128, num_swa_blocks=128)
   out = []
   for i, p in enumerate(prompts):
@@ -102,14 +104,19 @@ def fanout_ours(prompts, chunk: int = 512):
   return out
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--vllm_src", required=True, help="directory holding vLLM 0.33's unpacked `vllm` package")
-  ap.add_argument("--trace", choices=("waves", "fanout"), default="waves")
-  ap.add_argument("--retention", default="engine", help="vLLM prefix_cache_retention_interval: engine (0), dense "
-                  "(None) or a multiple of 128")
-  ap.add_argument("--q0", type=int, default=200, help="fanout: question lengths q0 + 37 i")
-  args = ap.parse_args()
+def define_flags():
+  flags.DEFINE_string("vllm_src", None, "directory holding vLLM 0.33's unpacked `vllm` package")
+  flags.mark_flag_as_required("vllm_src")
+  flags.DEFINE_enum("trace", "waves", ["waves", "fanout"], "the cold concurrent waves, or the fan-out over one "
+                    "document")
+  flags.DEFINE_string("retention", "engine", "vLLM prefix_cache_retention_interval: engine (0), dense (None) or a "
+                      "multiple of 128")
+  flags.DEFINE_integer("q0", 200, "fanout: question lengths q0 + 37 i")
+
+
+def main(argv):
+  del argv
+  args = FLAGS
   ret = _retention(args.retention)
   print(f"vLLM 0.33 KVCacheManager: prefix_cache_retention_interval={ret} ({args.retention}); V4-Flash geometry "
         f"(full 128-token blocks, swa 32-token blocks, window 128, hit alignment 128), 8192 blocks, junction pinned")
@@ -127,4 +134,5 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

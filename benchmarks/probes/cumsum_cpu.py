@@ -8,14 +8,21 @@ Compiled with the cache's own CPU options (`cache.step.CPU_COMPILER_OPTIONS`). P
 of `jnp.cumsum`, of `lax.associative_scan(add)` (log-depth) and of an elementwise add (the call floor). Read: if
 the cumsum grew with n^2 it would be 16x per 4x of n."""
 
-import argparse
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
 from cache import step as cache_step
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  flags.DEFINE_string("sizes", "256,1024,4096", "running-sum lengths")
+  flags.DEFINE_integer("iters", 200, "timed calls per length")
 
 
 def _us_per_call(f, x, iters: int) -> float:
@@ -27,11 +34,9 @@ def _us_per_call(f, x, iters: int) -> float:
   return (time.perf_counter() - t) / iters * 1e6
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--sizes", default="256,1024,4096", help="running-sum lengths")
-  ap.add_argument("--iters", type=int, default=200)
-  a = ap.parse_args()
+def main(argv):
+  del argv
+  a = FLAGS
   opts = dict(cache_step.CPU_COMPILER_OPTIONS or {}) if jax.default_backend() == "cpu" else {}
   jit = lambda f: jax.jit(f, compiler_options=opts or None)
   cumsum, scan, floor = jit(jnp.cumsum), jit(lambda x: jax.lax.associative_scan(jnp.add, x)), jit(lambda x: x + 1)
@@ -44,4 +49,5 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

@@ -8,15 +8,18 @@ and off, on the same trace and config (tiny V4 model, CPU).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import jax
+from absl import app, flags
 
 from dsv4 import config
 from dsv4 import model
 from dsv4.engine import workloads
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
+
+FLAGS = flags.FLAGS
 
 
 def run(params, cfg, ec, wl):
@@ -32,15 +35,18 @@ def run(params, cfg, ec, wl):
   return eng, admitted
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--sessions", type=int, default=3)
-  ap.add_argument("--system_len", type=int, default=256)
-  ap.add_argument("--user_len", type=int, default=300)
-  ap.add_argument("--chunk", type=int, default=64)
-  ap.add_argument("--budget", type=int, default=192)
-  ap.add_argument("--seed", type=int, default=4)
-  a = ap.parse_args(argv)
+def define_flags():
+  flags.DEFINE_integer("sessions", 3, "sessions in the cold wave")
+  flags.DEFINE_integer("system_len", 256, "shared system-prompt tokens")
+  flags.DEFINE_integer("user_len", 300, "own user tokens per session (about)")
+  flags.DEFINE_integer("chunk", 64, "prefill chunk (EngineConfig.chunk_size)")
+  flags.DEFINE_integer("budget", 192, "token budget per step (EngineConfig.max_num_batched_tokens)")
+  flags.DEFINE_integer("seed", 4, "workload seed")
+
+
+def main(argv):
+  del argv
+  a = FLAGS
   cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   wl = workloads.chat(cfg.vocab_size, sessions=a.sessions, turns=1, system_len=a.system_len,
@@ -62,4 +68,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

@@ -11,30 +11,32 @@ shard ("replicated") or split its feature dimension over `tensor` ("feature")? M
 
 from __future__ import annotations
 
-import argparse
-import os
 import re
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--tensor", type=int, default=8)
-  ap.add_argument("--iters", type=int, default=5)
-  ap.add_argument("--batch", type=int, default=32)
-  ap.add_argument("--context", type=int, default=131072)
-  args = ap.parse_args()
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.tensor}".strip()
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
+from benchmarks import sizing
+from dsv4 import caches, config, model, sharding
+from tests.dsv4.sharding_worker import wide
 
-  from benchmarks import sizing
-  from dsv4 import caches, model, sharding
-  from dsv4 import config
-  from tests.dsv4.sharding_worker import wide
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  flags.DEFINE_integer("tensor", 8, "tensor-parallel size (host devices on the CPU)")
+  flags.DEFINE_integer("iters", 5, "timed steps per placement")
+  flags.DEFINE_integer("batch", 32, "V4-Flash pools: sequences")
+  flags.DEFINE_integer("context", 131072, "V4-Flash pools: tokens per sequence")
+
+
+def main(argv):
+  del argv
+  args = FLAGS
+  sizing.force_host_devices(args.tensor)
 
   mesh = sharding.make_mesh({"tensor": args.tensor})
   flash = config.v4_flash()
@@ -85,4 +87,5 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

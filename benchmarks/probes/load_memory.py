@@ -24,8 +24,17 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 
+import jax
+import ml_dtypes
+import numpy as np
 from absl import app, flags
+
+from dsv4 import config, model
+from dsv4.loading import safetensors_write
+from dsv4.loading.safetensors_io import load_checkpoint
+from dsv4.loading.safetensors_write import Quant
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("shards", 4, "Number of shard files.")
@@ -35,7 +44,6 @@ flags.DEFINE_string("child", "", "internal: run one measurement on this dir ('di
 
 
 def bench_config():
-  from dsv4 import config
   return config.ModelConfig(
       name="load_bench", variant="v4", vocab_size=8192, hidden_size=1024, num_layers=4,
       compress_ratios=config.v4_schedule(4, num_window_layers=1, hca_ratio=16),
@@ -47,13 +55,6 @@ def bench_config():
 
 
 def write_checkpoint(path: str, shards: int, quant: str, naming: str) -> list[str]:
-  import jax
-  import ml_dtypes
-  import numpy as np
-
-  from dsv4 import model
-  from dsv4.loading import Quant
-  from dsv4.loading import safetensors_io
   cfg = bench_config()
   rng = np.random.default_rng(0)
 
@@ -67,8 +68,8 @@ def write_checkpoint(path: str, shards: int, quant: str, naming: str) -> list[st
   total = sum(np.asarray(x).size for x in jax.tree_util.tree_leaves(params))
   bytes_per = {"none": 2, "fp8": 1.6, "fp8_fp4": 0.8}[quant]
   q = None if quant == "none" else Quant(fp8_block=128, fp4_experts=quant == "fp8_fp4")
-  return safetensors_io.save_checkpoint(params, cfg, path, naming=naming, quant=q, dtype=ml_dtypes.bfloat16,
-                                        shard_bytes=int(1.1 * total * bytes_per / shards))
+  return safetensors_write.save_checkpoint(params, cfg, path, naming=naming, quant=q, dtype=ml_dtypes.bfloat16,
+                                           shard_bytes=int(1.1 * total * bytes_per / shards))
 
 
 def _rss() -> int:
@@ -77,13 +78,6 @@ def _rss() -> int:
 
 
 def child(arg: str) -> dict:
-  import tracemalloc
-
-  import jax
-  import ml_dtypes
-  import numpy as np
-
-  from dsv4.loading import load_checkpoint
   path, mode = arg.split("|")
   cfg = bench_config()
   jax.numpy.zeros(1).block_until_ready()   # backend up before the baseline

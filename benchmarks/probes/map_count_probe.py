@@ -9,10 +9,13 @@ gets high (tests/conftest.py).
     python -m benchmarks.probes.map_count_probe [--programs=200] [--to_limit]
 """
 
+import gc
 import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 from absl import app, flags
 
 flags.DEFINE_integer("programs", 200, "programs compiled and kept alive in the measuring run")
@@ -32,8 +35,6 @@ def max_map_count() -> int:
 
 
 def _compile_distinct(i: int):
-  import jax
-  import jax.numpy as jnp
   fn = jax.jit(lambda x: jnp.sin(x * i) + jnp.cumsum(x) * i)
   fn(jnp.ones(16 + i)).block_until_ready()  # a new shape and constant per i: a new executable
   return fn
@@ -53,8 +54,6 @@ def main(_):
   if FLAGS.child:
     _to_limit_child()
     return
-  import gc
-  import jax
   base = map_count()
   print(f"vm.max_map_count = {max_map_count()}; maps at start (after importing jax) = {base}")
   keep = []

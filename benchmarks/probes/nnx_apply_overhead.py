@@ -13,22 +13,27 @@ run, same inputs:
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
+from absl import app, flags
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--variant", choices=["v4", "v41"], default="v4")
-  ap.add_argument("--iters", type=int, default=5)
-  ap.add_argument("--tokens", type=int, default=64)
-  args = ap.parse_args()
-  import jax
-  import jax.numpy as jnp
+from dsv4 import caches, config, model, nnx_model
 
-  from dsv4 import caches, model, nnx_model
-  from dsv4 import config
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  flags.DEFINE_enum("variant", "v4", ["v4", "v41"], "tiny model variant")
+  flags.DEFINE_integer("iters", 5, "timed runs per path (median reported)")
+  flags.DEFINE_integer("tokens", 64, "prefill tokens per row")
+
+
+def main(argv):
+  del argv
+  args = FLAGS
 
   cfg = config.v4_tiny() if args.variant == "v4" else config.v41_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
@@ -71,4 +76,5 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

@@ -7,6 +7,8 @@ transformers oracle config (tests/dsv4/oracle_util.py), `wide_config()` as this 
 
 from __future__ import annotations
 
+import dataclasses
+
 from dsv4 import config
 
 WIDE_HF = dict(
@@ -21,17 +23,13 @@ WIDE_HF = dict(
 
 
 def wide_config() -> config.ModelConfig:
-  return config.ModelConfig(
-      name="wide4", variant="v4", vocab_size=1024, hidden_size=4096, num_layers=4, compress_ratios=(0, 0, 4, 128),
-      attention=config.AttentionConfig(), indexer=config.IndexerConfig(topk=32),
-      moe=config.MoEConfig(n_routed_experts=4, num_experts_per_tok=2, intermediate_size=512, num_hash_layers=1))
+  """`config.v4_flash_layers(4)` with the oracle config's top-32 (the transformers model it is compared with)."""
+  return dataclasses.replace(config.v4_flash_layers(4), name="wide4", indexer=config.IndexerConfig(topk=32))
 
 
 def wide_moe_config() -> config.ModelConfig:
   """v4_tiny's layers (window, CSA m=4 with its indexer, HCA) at a wide residual and a V4-Flash-shaped router: D 512,
   64 routed experts, top-6, one shared expert, hash routing in layer 0."""
-  import dataclasses
-  tiny = config.v4_tiny()
-  return dataclasses.replace(tiny, name="v4_wide_moe", hidden_size=512,
+  return dataclasses.replace(config.v4_tiny(), name="v4_wide_moe", hidden_size=512,
                              moe=config.MoEConfig(n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=6,
                                                   intermediate_size=128, num_hash_layers=1))

@@ -41,7 +41,7 @@ class VllmStep:
     """`retention_interval` is vLLM's prefix_cache_retention_interval for the sliding group: 0 (vLLM 0.33's engine
     default, CacheConfig: replay boundary + pinned junctions only), None (dense: a tail at every aligned boundary;
     what this adapter passed before it took the setting) or a multiple of 128."""
-    import torch
+    import torch  # local: vLLM and its torch come from --vllm_src, only when a comparison asks
     load(src)
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256

@@ -221,7 +221,7 @@ class MooncakeBackend:
     master, meta = parse_mooncake_url(url)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     try:
-      from mooncake.store import MooncakeDistributedStore
+      from mooncake.store import MooncakeDistributedStore  # local: the optional Mooncake client
     except ImportError as e:      # a setup error, not a store that is down: never a silently missing tier
       raise ImportError(mooncake_client_unavailable(e)) from e
     self.store = MooncakeDistributedStore()

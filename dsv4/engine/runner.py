@@ -3,12 +3,14 @@ manager's bookkeeping program then ONE step program (`step_program.step_body`, j
 back, with one host->device transfer (the packed step plan and the queued bookkeeping) and one device->host
 transfer (the sampled tokens and the cache's counters).
 
-Block tables never visit the host: the cache manager keeps them on the device ([slots, width] per group, next to
-its pools), each row of a step names its manager slot, and the program gathers the row's tables there (the full
-table from entry 0 at a width that follows the live context, the swa table from the row's base block: window +
-chunk). On one device the manager's queued work (registrations, releases, allocations that write the tables) runs
-right before the model on the device (`cache.step.apply_step_packed`, a fixed shape per engine: compiled once,
-not inside every step shape's program), with no host read between, and the host plans with counts only.
+Block tables never visit the host: they live on the device in the cache's `DeviceState` ([slots, width] per group,
+next to its pools, in the manager's `DeviceCell`), each row of a step names its manager slot, and the program
+gathers the row's tables there (the full table from entry 0 at a width that follows the live context, the swa table
+from the row's base block: window + chunk). On one device a step is ONE pass over that state (`_call`:
+`DeviceCell.advance`): the manager's plan (registrations, releases, allocations that write the tables) runs right
+before the model on the device (`cache.device_state.apply`, a fixed shape per engine: compiled once, not inside
+every step shape's program), the model reads the tables it left, and the new state is kept; no host read between,
+and the host plans with counts only.
 
 The runner packs a step's rows into the program's plan (`step_plan`), always at the engine's one shape
 (`_step_shape`): the whole token budget, every row slot, the full table at max_model_len (read in place) and the swa
@@ -26,9 +28,6 @@ program runs manual over `data` (`jax.shard_map`): data shard s holds num_blocks
 over `data` so every process reads all of them. `pools_over_data=False`: one pool replicated over `data`, one plan.
 On a mesh the managers apply their bookkeeping in their own call before the step and their tables travel with it
 (stacked per shard): the one place block tables still cross the host.
-
-The step program's pieces live in their own modules and are re-exported here (`from dsv4.engine.runner import
-ragged_step, step_body, StepOutput, RaggedShape, result_width, ...` keeps working).
 """
 
 from __future__ import annotations
@@ -42,16 +41,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from cache import step as cache_step
-from dsv4 import caches, sharding
+from cache import device_state
+from dsv4 import caches, mesh_context, sharding
 from dsv4.config import ModelConfig
 from dsv4.engine import block_copies, speculative_step
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.sampling import SamplingParams
+from dsv4.engine.step_plan import RaggedShape, pack, pow2_at_least, result_width
+from dsv4.engine.step_program import StepOutput, jitted_ragged_step, step_body, step_compiler_options
 from dsv4.layers import row_invariant
-# re-exported: the runner's public names from before the step program had modules of its own
-from dsv4.engine.step_plan import RaggedShape, pack, pow2_at_least, result_width  # noqa: F401
-from dsv4.engine.step_program import StepOutput, jitted_ragged_step, ragged_step, step_body, step_compiler_options  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -87,10 +85,13 @@ class _Dispatched:
 
 
 class ModelRunner:
+  """Params, the model's paged cache and the step programs of one engine (module doc). One class over 400 lines:
+  it is the one place that writes the model's cache (the step, on one device or a mesh, and the KV tiers' block
+  writes), and each of those needs the cache's layout and shardings it holds."""
 
   def __init__(self, params, config: ModelConfig, engine_config: EngineConfig, *, mesh=None,
                rules: sharding.Rules = sharding.Rules(), pools_over_data: bool = False, managers=None):
-    """engine_config: the engine's settings, read whole (pools, rows, buckets, layout, kernels, modes); the runner
+    """engine_config: the engine's settings, read whole (pools, rows, layout, kernels, modes); the runner
     does not cast params (EngineConfig.dtype is the engine's business).
     mesh / rules: run the step sharded on a device mesh (dsv4.sharding); None = one device.
     pools_over_data (mesh only): every pool's block axis split over `data`, one manager per data shard.
@@ -127,7 +128,7 @@ class ModelRunner:
     self.shapes_run: set = set()      # distinct step shapes used (a new one means a compile; tiering reads it)
     self.mesh = mesh
     # Data shards that own a slice of the pools and rows (1 = one pool: one device, or replicated over `data`).
-    self.num_shards = sharding.axis_size(mesh, "data") if (mesh is not None and pools_over_data) else 1
+    self.num_shards = mesh_context.axis_size(mesh, "data") if (mesh is not None and pools_over_data) else 1
     self.step_shape = self._step_shape()
     num_swa_blocks, num_full_blocks = ec.num_swa_blocks, ec.num_full_blocks
     if mesh is None:
@@ -185,7 +186,7 @@ class ModelRunner:
     return {g: self.managers[shard].device_tables[g] for g in (caches.SWA, caches.FULL)
             if g in self.managers[shard].device_tables}
 
-  # ------------------------------------------------------------------------------------------ buckets
+  # ------------------------------------------------------------------------------------------ shape
   @staticmethod
   def _sampling(a, i, r: Row):
     sp = r.params
@@ -265,7 +266,7 @@ class ModelRunner:
       self.stats["host_bytes_out"] += sum(np.asarray(x).nbytes
                                           for x in jax.tree_util.tree_leaves((results, call_logits, plan_results)))
       if sent.plan is not None:
-        self.managers[0].on_step_result(sent.plan, plan_results)
+        self.managers[0].read_results(sent.plan, plan_results)
       results = np.asarray(results)
       D = len(sent.by_shard)
       # [D * rows] or, gathered over a mesh's data axis, [D, rows]; with drafts each row has a result vector
@@ -318,29 +319,30 @@ class ModelRunner:
               record_logits=ec.record_logits, model_api=ec.model_api)
     params = self.params
     if ec.model_api == "nnx":
-      from flax import nnx
+      from flax import nnx  # local: the default path does not import Flax
       kw["graphdef"], params = nnx.split(self.net)             # this step's module: edits since the last step count
-    plan, plan_results = None, None
-    if self.fused:
-      manager = self.managers[0]
-      plan = manager.take_step_plan()
-      pools, tabs = manager.device_state()
-      (dev, kvbuf) = jax.device_put([bufs[0], plan.buf])        # the step plan: one host->device transfer
-      self.stats["host_bytes_in"] += bufs[0].nbytes + plan.buf.nbytes
-      # the cache's bookkeeping program, then the model's, back to back on the device (no host read between):
-      # its shape is fixed per engine, so it compiles once, not inside every step shape's program
-      pools, tabs, plan_results = cache_step.apply_step_packed(pools, tabs, kvbuf, **plan.kwargs())
-      tables = dict(zip(manager.groups, tabs))
-    else:
+    if not self.fused:                  # no managers (benchmarks, tests): the runner's own tables
       (dev,) = jax.device_put([bufs[0]])
       self.stats["host_bytes_in"] += bufs[0].nbytes
-      tables = self._tables()
-    out = self._one_device_step(params, self.cache, tables, self.prev_tokens, dev, **kw)
+      out = self._one_device_step(params, self.cache, self._tables(), self.prev_tokens, dev, **kw)
+      self.cache, self.prev_tokens, self._own_tables = out.cache, out.prev_tokens, out.tables
+      return _SentCall(call, by_shard, out.results, out.logits, None, None)
+    manager = self.managers[0]
+    plan = manager.plan()                                        # the cache's bookkeeping, planned on the host
+    (dev, kvbuf) = jax.device_put([bufs[0], plan.buf])           # the step plan: one host->device transfer
+    self.stats["host_bytes_in"] += bufs[0].nbytes + plan.buf.nbytes
+
+    def one_pass(state):
+      """The step over the cache's device state and the model's cache: the bookkeeping program, then the model's,
+      back to back on the device (no host read between; the bookkeeping's shape is fixed per engine, so it
+      compiles once, not inside every step shape's program)."""
+      state, plan_results = device_state.apply(state, plan, kvbuf)
+      out = self._one_device_step(params, self.cache, dict(zip(manager.groups, state.tables)), self.prev_tokens,
+                                  dev, **kw)
+      return state._replace(tables=tuple(out.tables[g] for g in manager.groups)), (out, plan_results)
+
+    out, plan_results = manager.device.advance(one_pass)
     self.cache, self.prev_tokens = out.cache, out.prev_tokens
-    if self.fused:
-      manager.set_device_state(pools, tuple(out.tables[g] for g in manager.groups))
-    elif self.managers is None:
-      self._own_tables = out.tables
     return _SentCall(call, by_shard, out.results, out.logits, plan, plan_results)
 
   def mesh_inputs(self, bufs):

@@ -85,7 +85,7 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
   chunk; the row-invariant ops loop over the live tokens only. Logits at each row's last token, then sampling.
 
   tables: per group the device block tables [slots, W], as the cache's bookkeeping program left them (it runs
-  right before this one on the device, `cache.step.apply_step_packed`; no host read between). prev_tokens [S]: the
+  right before this one on the device, `cache.device_state.apply`; no host read between). prev_tokens [S]: the
   previous step's sampled tokens, which a token id -(1 + j) refers to.
 
   Returns a `StepOutput`: the cache, the tables, each row's sampled token (or speculative results) padded to S,

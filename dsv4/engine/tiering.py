@@ -18,7 +18,7 @@ when blocks are demoted, and what an admission loads.
   verified). Anything else (tier down, timeout, corrupt or foreign record) just lowers P' down to h1: the request
   recomputes, it never fails.
 
-Its configuration is `tiering_config.TieringConfig` (re-exported here); the device copies of whole blocks (one
+Its configuration is `tiering_config.TieringConfig`; the device copies of whole blocks (one
 device or a mesh) are `block_copies`.
 """
 
@@ -40,8 +40,8 @@ from cache.tiers.tier import Tier, TierPolicy
 from cache.tiers.writeback import WriteBehind
 from dsv4 import caches
 from dsv4.engine.block_copies import ID_BUCKETS, UINT_OF_SIZE, id_bucket
-# re-exported: `from dsv4.engine.tiering import TieringConfig` (serve, tests) predates its module
-from dsv4.engine.tiering_config import DEMOTES, POLICIES, TieringConfig  # noqa: F401
+from dsv4.engine.request import Status
+from dsv4.engine.tiering_config import TieringConfig
 from dsv4.loading.weights_digest import params_digest
 from pallas_kernels import dispatch
 
@@ -69,6 +69,9 @@ class HandedTail:
 
 
 class Tiering:
+  """The tiers' glue for one engine (module doc). One class over 400 lines: identity, demotion and promotion share
+  one per-engine state (which prefix each device block holds, the tiered store, its cost model and write-behind
+  queue); split, each part would reach into the others' maps."""
 
   def __init__(self, engine, tc: TieringConfig, params=None):
     tc.validate()
@@ -130,8 +133,10 @@ class Tiering:
                              write_behind=WriteBehind(tc.write_queue) if tc.write_queue else None)
     self.cost = CostModel(tc.prefill_tokens_per_s, max_load_s=tc.load_timeout_s)
     self._ident: dict[tuple[str, int], _Ident] = {}
+    # per request (Request.uid: a later request reusing an id starts afresh): its identities' keys, its hasher
     self._rid_keys: dict[str, set] = {}
     self._hashed: dict[str, tuple[RequestHasher, int]] = {}
+    self._owner: dict[str, object] = {}          # uid -> the Request
     self._resident: dict[tuple[int, str, int], _Ident] = {}      # (shard, group, block id) -> identity
     self._resident_by_key: dict[str, tuple[int, str, int]] = {}  # record key -> (shard, group, device block id)
     self._step_t0 = None
@@ -163,13 +168,14 @@ class Tiering:
     """Identities of the blocks req has computed, so BlockStored events can be mapped to prefixes."""
     extra = req.cache_salt(self.engine.ec.enable_prefix_caching)
     toks = req.all_tokens[:req.num_computed]
-    prev = self._hashed.get(req.rid)
+    self._owner[req.uid] = req
+    prev = self._hashed.get(req.uid)
     if prev is None or prev[1] > len(toks):
       prev = (self._hasher(extra, []), 0)
     h, done = prev
     h.update(np.asarray(toks, np.int32))
     fp = self._fingerprint(extra)
-    keys = self._rid_keys.setdefault(req.rid, set())
+    keys = self._rid_keys.setdefault(req.uid, set())
     for g, spec in self.groups.items():
       bt = spec.block_tokens
       for j in range(done // bt, len(toks) // bt):
@@ -177,16 +183,16 @@ class Tiering:
         k = (g, key_int(device_key(ident.digest, self.mgr.key_bits)))
         self._ident[k] = ident
         keys.add(k)
-    self._hashed[req.rid] = (h, len(toks) // self.specs.hash_tokens * self.specs.hash_tokens)
+    self._hashed[req.uid] = (h, len(toks) // self.specs.hash_tokens * self.specs.hash_tokens)
 
   def _forget_finished(self) -> None:
-    from dsv4.engine.request import Status
-    for rid in list(self._rid_keys):
-      r = self.engine.requests.get(rid)
-      if r is None or r.status in (Status.FINISHED, Status.REJECTED):
-        for k in self._rid_keys.pop(rid):
+    for uid in list(self._rid_keys):
+      r = self._owner[uid]
+      if self.engine.requests.get(r.rid) is not r or r.status in (Status.FINISHED, Status.REJECTED):
+        for k in self._rid_keys.pop(uid):
           self._ident.pop(k, None)
-        self._hashed.pop(rid, None)
+        self._hashed.pop(uid, None)
+        del self._owner[uid]
     for rid, tail in list(self.handed_tails.items()):
       r = self.engine.requests.get(rid)
       if (r is None and tail.adopted) or (r is not None and r.status in (Status.FINISHED, Status.REJECTED)):
@@ -427,12 +433,16 @@ class Tiering:
       self.stats["degraded"] += 1
     if P2 == h1:
       return h1
-    nfull, nswa = self._required(h1, P2, len(toks))
+    nfull, own = self._required(h1, P2, len(toks))
+    nswa = set(own)
     for t in self._optional(req, h1, P2):     # optional tails that arrived whole
       if all(swa_ids[j].key in arrays for j in t):
         nswa |= t
     mgr = self.mgrs[req.shard]
     tables = mgr.extend_for_load(req.rid, P2, nswa)
+    if not tables and nswa != own:          # no room for the optional tails too: P2's own tail is enough
+      nswa = own
+      tables = mgr.extend_for_load(req.rid, P2, nswa)
     if not tables:
       self.stats["no_room"] += 1
       return h1

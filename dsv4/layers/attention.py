@@ -8,8 +8,6 @@ The same code serves full prefill, chunked prefill and decode; a contiguous cach
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
@@ -183,61 +181,6 @@ def candidate_mask(scores_BxTxM, num_visible_BxT, visible_BxTxM, block_size: int
   return jnp.repeat(keep, block_size, axis=-1)[..., :M] & visible_BxTxM
 
 
-# Compressed entries per block of `blocked_dense_attention`: a fixed shape, so a token's reduction never depends on
-# the table width or on its neighbours; small enough that a short context reads little past its live entries.
-DENSE_BLOCK_ENTRIES = 64
-
-
-def _masked_scores(q_NxHxD, pool, rows_NxK, ok_NxK, scale: float):
-  kv = jnp.where(ok_NxK[..., None], caches.gather_flat(pool, rows_NxK).astype(jnp.float32), 0.0)
-  s = jnp.einsum("nhd,nkd->nhk", q_NxHxD, kv, precision=_HI) * scale
-  return jnp.where(ok_NxK[:, None, :], s, -jnp.inf), kv
-
-
-def blocked_dense_attention(q_NxHxD, window_pool, win_idx_NxW, win_len_N, comp_pool, ctx: StepContext, ratio: int,
-                            sink_H, scale: float, block: int = DENSE_BLOCK_ENTRIES):
-  """Window + every visible compressed entry (HCA) for the invariant step: an online softmax over the window, then
-  over fixed blocks of `block` entries in position order, in a loop over the blocks some query of the call can see
-  (the cost follows the live context, never the table width). A block a query cannot see leaves its running
-  (max, sum, accumulator) untouched, so the trip count its neighbours set does not change its bits. Same math as
-  `dispatch.sparse_attention` over the window and entries 0..nv-1 (sink in the denominator, 0 for a padding token),
-  up to fp32 summation order. Returns out [N, H, D] in q's dtype."""
-  q = q_NxHxD.astype(jnp.float32)
-  W = win_idx_NxW.shape[1]
-  s, kv = _masked_scores(q, window_pool, win_idx_NxW,
-                         (jnp.arange(W)[None, :] < win_len_N[:, None]) & (win_idx_NxW >= 0), scale)
-  m = jnp.max(s, axis=-1)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)         # padding tokens (no window row): any finite anchor
-  p = jnp.exp(s - m[..., None])
-  l = jnp.sum(p, axis=-1)
-  acc = jnp.einsum("nhk,nkd->nhd", p, kv, precision=_HI)
-  nv = num_visible(ctx, ratio)
-  rpb = ctx.full_block_tokens // ratio
-
-  def body(b, carry):
-    m, l, acc = carry
-    ids = b * block + jnp.arange(block, dtype=jnp.int32)[None, :]
-    ok = ids < nv[:, None]
-    rows = caches.row_slots(ctx.full_table_RxF, ctx.full_row_N[:, None], ids, rpb, ctx.valid_N[:, None] & ok)
-    ok = ok & (rows >= 0)
-    s, kv = _masked_scores(q, comp_pool, rows, ok, scale)
-    m2 = jnp.maximum(m, jnp.max(s, axis=-1))
-    corr = jnp.exp(m - m2)
-    p = jnp.exp(s - m2[..., None])
-    l2 = l * corr + jnp.sum(p, axis=-1)
-    acc2 = acc * corr[..., None] + jnp.einsum("nhk,nkd->nhd", p, kv, precision=_HI)
-    seen = jnp.any(ok, axis=-1)
-    return (jnp.where(seen[:, None], m2, m), jnp.where(seen[:, None], l2, l),
-            jnp.where(seen[:, None, None], acc2, acc))
-
-  live = (jnp.max(nv, initial=0) + block - 1) // block
-  m, l, acc = jax.lax.fori_loop(0, live, body, (m, l, acc))
-  denom = l + jnp.exp(sink_H.astype(jnp.float32)[None, :] - m)
-  ok = (denom > 0) & jnp.isfinite(denom)
-  out = jnp.where(ok[..., None], acc / jnp.where(ok, denom, 1.0)[..., None], 0.0)
-  return out.astype(q_NxHxD.dtype)
-
-
 def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: StepContext, cache_layer: dict,
                     kernel_cfg: dispatch.KernelConfig, collect_aux: bool = False):
   """Returns (new cache_layer, out_NxD, aux dict)."""
@@ -348,7 +291,6 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
 
   comp_pool, comp_idx, comp_len = None, None, None
   if plan.kind in ("full", "reindex", "reuse"):
-    ix = config.indexer
     if plan.has_compressor:
       state, cache_layer["comp_kv"], (lat, ent, slots) = compress_step(
           p["compressor"], x_NxD, kv_compressor_spec(config, plan), ctx, cache_layer.get("comp_state"),
@@ -404,21 +346,21 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
 
   window_pool = caches.flat_pool(cache_layer["window_kv"])
   if plan.dense_compressed and ctx.invariant:
-    # The same block order on the HCA kernel when `kernel_cfg` sends "hca_attention" to one; else the XLA function.
-    nv = num_visible(ctx, plan.ratio)
+    # Window + every visible compressed entry in fixed blocks of entries, in position order (online softmax): the
+    # HCA kernel when `kernel_cfg` sends "hca_attention" to one, else its XLA reference (pallas_kernels/
+    # hca_attention.py), the same block order, each query on its own in fixed query blocks over the live tokens.
     # The engine's table as it is, with each token's row: the kernel reads only the words of its visible entries.
-    hca = (q, window_pool, win_idx, win_len, comp_pool, ctx.full_table_RxF, nv, p["sink"])
-    hca_static = dict(scale=d ** -0.5, entries_per_block=ctx.full_block_tokens // plan.ratio,
-                      table_rows_N=ctx.full_row_N)
-    if dispatch.uses_kernel(kernel_cfg, "hca_attention", *hca, **hca_static):
-      out = dispatch.hca_attention(*hca, **hca_static, cfg=kernel_cfg)
+    def hca(q, win_idx, win_len, nv, full_row):
+      return dispatch.hca_attention(q, window_pool, win_idx, win_len, comp_pool, ctx.full_table_RxF, nv, p["sink"],
+                                    scale=d ** -0.5, entries_per_block=ctx.full_block_tokens // plan.ratio,
+                                    table_rows_N=full_row, cfg=kernel_cfg)
+    nv = num_visible(ctx, plan.ratio)
+    if dispatch.uses_kernel(kernel_cfg, "hca_attention", q, window_pool, win_idx, win_len, comp_pool,
+                            ctx.full_table_RxF, nv, p["sink"], scale=d ** -0.5,
+                            entries_per_block=ctx.full_block_tokens // plan.ratio, table_rows_N=ctx.full_row_N):
+      out = hca(q, win_idx, win_len, nv, ctx.full_row_N)
     else:
-      # each query on its own (its row's table, its visible count): fixed query blocks over the live tokens
-      def hca_rows(q, win_idx, win_len, valid, pos, full_row):
-        c = dataclasses.replace(ctx, valid_N=valid, pos_N=pos, full_row_N=full_row)
-        return blocked_dense_attention(q, window_pool, win_idx, win_len, comp_pool, c, plan.ratio, p["sink"],
-                                       d ** -0.5)
-      out = map_row_blocks(hca_rows, ctx.live, q, win_idx, win_len, ctx.valid_N, pos, ctx.full_row_N)
+      out = map_row_blocks(hca, ctx.live, q, win_idx, win_len, nv, ctx.full_row_N)
   else:
     # Per-query valid lengths: the kernels stop their loops there (O(live ids), not O(W + K)).
     def sparse(q, win_idx, comp_idx, win_len, comp_len):

@@ -59,9 +59,9 @@ class StepContext:
   # row once verification has decided it (the row written here is the state after the row's last, maybe
   # rejected, token).
   tap_state: bool = dataclasses.field(default=False, metadata=dict(static=True))
-  # The engine's invariant step (caches.StepIndex.invariant): running pools fold token by token in position order
-  # (`sequential_pool_scan`), so an entry's bits do not depend on where a chunk boundary fell, and dense compressed
-  # attention reads fixed entry blocks (attention.blocked_dense_attention).
+  # The engine's invariant step (caches.StepIndex.invariant): running pools fold in position order within each
+  # window (`window_pool_scan`), so an entry's bits do not depend on where a chunk boundary fell, and dense
+  # compressed attention reads fixed entry blocks (hca_attention.hca_attention_reference).
   invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
   # int32 scalar or None: leading flat tokens that may be real (caches.StepIndex.live_tokens); per-token loops stop
   # there.
@@ -142,32 +142,32 @@ def segmented_pool_scan(reset_N, lse_NxW, mean_NxW, max_segment: int):
   return lse, mean
 
 
-def sequential_pool_scan(reset_N, lse_NxW, mean_NxW, live=None):
-  """`segmented_pool_scan` as a left fold in flat-axis order: pool_t = merge(pool_{t-1}, token t), restarting
-  where reset is set. The fold is what a chunk boundary does too (a row's first token merges the stored fp32 state
-  of position start - 1 into its own pair, in the same argument order), so every token's pool has the same bits
-  however its row was split into chunks; the doubling scan's merge tree depends on the token's offset from its
-  segment start, which a split moves. Cost: one dependent step of O(width) work per live token (live: None = all
-  N; tokens past it keep their own pair)."""
-  if live is None:
-    def fold(carry, x):
-      reset, l, m = x
-      ml, mm = merge(carry[0], carry[1], l, m)
-      out = (jnp.where(reset, l, ml), jnp.where(reset, m, mm))
-      return out, out
+def window_pool_scan(reset_N, lse_NxW, mean_NxW):
+  """`segmented_pool_scan` as a left fold in position order within each segment: pool_t = merge(pool_{t-1}, token
+  t), restarting where reset is set, so every token's pool is the same chain of merges (same arguments, same order)
+  however its row was split into chunks or tiles and whatever shares the step: a chunk boundary does exactly this
+  too (a row's first token merges the stored fp32 state of position start - 1 into its own pair, in the same
+  argument order). The doubling scan's merge tree instead depends on the token's offset from its segment start,
+  which a split moves.
 
-    _, (lse, mean) = jax.lax.scan(fold, (lse_NxW[0], mean_NxW[0]), (reset_N, lse_NxW, mean_NxW))
-    return lse, mean
+  A segment never spans more than one pooling window (every window start resets), so the segments run in parallel:
+  step j merges every token that sits j places after its segment start with its predecessor's finished pool. The
+  chain is as long as the step's longest segment (at most ratio - 1 steps: 0 for a decode step, 3 for CSA, 127 for
+  HCA's full windows), not as long as the step's token axis; each step is O(N x width) elementwise work."""
+  n = reset_N.shape[0]
+  idx_N = jnp.arange(n, dtype=jnp.int32)
+  start_N = jax.lax.cummax(jnp.where(reset_N | (idx_N == 0), idx_N, 0))
+  offset_N = idx_N - start_N            # places after the segment's first token
 
-  def body(t, acc):
-    lse, mean = acc
-    l, m = lse[t], mean[t]
-    ml, mm = merge(lse[jnp.maximum(t - 1, 0)], mean[jnp.maximum(t - 1, 0)], l, m)
-    keep = reset_N[t] | (t == 0)
-    return lse.at[t].set(jnp.where(keep, l, ml)), mean.at[t].set(jnp.where(keep, m, mm))
+  def step(carry):
+    j, lse, mean = carry
+    ml, mm = merge(jnp.roll(lse, 1, axis=0), jnp.roll(mean, 1, axis=0), lse_NxW, mean_NxW)
+    now = (offset_N == j)[:, None]      # the predecessor (offset j - 1) finished at the previous step
+    return j + 1, jnp.where(now, ml, lse), jnp.where(now, mm, mean)
 
-  n = jnp.clip(jnp.asarray(live, jnp.int32), 0, lse_NxW.shape[0])
-  return jax.lax.fori_loop(0, n, body, (lse_NxW, mean_NxW))
+  last = jnp.max(offset_N)
+  _, lse, mean = jax.lax.while_loop(lambda c: c[0] <= last, step, (jnp.int32(1), lse_NxW, mean_NxW))
+  return lse, mean
 
 
 def _emit(ctx: StepContext, entry_N, emitted_N, ratio: int):
@@ -207,7 +207,7 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   reset = ctx.first_N | win_start | ~ctx.valid_N
   if ctx.invariant:
     def scan(reset_N, l, mean, _):
-      return sequential_pool_scan(reset_N, l, mean, ctx.live)
+      return window_pool_scan(reset_N, l, mean)
   else:
     scan = segmented_pool_scan
 

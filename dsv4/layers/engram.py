@@ -27,6 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tokenizers import Regex, normalizers
 
 from dsv4.config import EngramConfig, ModelConfig
 
@@ -154,7 +155,6 @@ def engram(params, X_BxTxNxD, hash_BxTxH, eps: float):
 
 def compressed_token_map(tokenizer) -> tuple[np.ndarray, int]:
   """The released normalised-vocabulary map of a HF fast tokenizer (NeMo `_compressed_token_map`)."""
-  from tokenizers import Regex, normalizers
   sentinel = "\ue000"
   norm = normalizers.Sequence([
       normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),

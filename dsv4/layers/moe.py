@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from dsv4 import mesh_context
 from dsv4.layers import expert_quant, row_invariant
@@ -76,7 +77,6 @@ def routed_experts_ep(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, mesh):
   """Expert-parallel `routed_experts` (same result up to fp32 summation order). Exact: the all-to-all buffers hold
   every pair a device could send to one shard (capacity n*K per destination, no token is ever dropped), which costs
   ep x the minimal buffer; a capacity factor would trade exactness for memory."""
-  from jax.sharding import PartitionSpec
   N, K = ids_NxK.shape
   D = x_NxD.shape[1]
   E, I = cfg.n_routed_experts, params["w1"].shape[-1]

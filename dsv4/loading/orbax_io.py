@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 
 from dsv4.config import ModelConfig
 from dsv4.loading import weights_digest
-from dsv4.loading.safetensors_io import CheckpointError
+from dsv4.loading.safetensors_file import CheckpointError
 from dsv4.model import abstract_params
 
 

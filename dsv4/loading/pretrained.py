@@ -18,11 +18,15 @@ import dataclasses
 import json
 import os
 
+import jax.numpy as jnp
 import numpy as np
 
 from dsv4.config import ConfigError, ModelConfig
+from dsv4.layers.engram import compressed_token_map
+from dsv4.loading.checkpoint_naming import stored_mtp_blocks
 from dsv4.loading.config_json import CheckpointInfo, read_config, with_draft
-from dsv4.loading.safetensors_io import CheckpointError, load_checkpoint, resolve_dtype, stored_mtp_blocks
+from dsv4.loading.safetensors_file import CheckpointError
+from dsv4.loading.safetensors_io import load_checkpoint, resolve_dtype
 from dsv4.loading.tokenizer import TOKENIZER_FILE, Tokenizer
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -96,14 +100,12 @@ def load_pretrained(path: str, *, dtype="auto", strict: bool = True, device=None
   params = load_checkpoint(path, config, fp8_block=fp8_block or info.fp8_block, dtype=dt, strict=strict,
                            device=device, keep_quantized=keep_quantized)
   if config.engram.layer_ids and tok is not None:
-    from dsv4.layers.engram import compressed_token_map
     tm, n = compressed_token_map(tok)
     if n != config.engram.compressed_vocab_size:
       raise CheckpointError(f"{path}: the tokenizer's normalised vocabulary has {n} entries but config.json "
                             f"engram_compressed_vocab_size is {config.engram.compressed_vocab_size}")
     full = np.arange(config.vocab_size, dtype=np.int32)
     full[: len(tm)] = tm
-    import jax.numpy as jnp
     params["engram_token_map"] = jnp.asarray(full)
   eos = list(info.eos_token_ids or (config.eos_token_id,)) + list(_generation_eos(path))
   if tok is not None and tok.eos_token_id is not None:

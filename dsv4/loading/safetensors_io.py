@@ -1,7 +1,8 @@
 """Load DeepSeek-V4 safetensors checkpoints (original, HF, save_pretrained or NeMo naming, plain or FP8/FP4-
-quantized) into the param tree, and the package's checkpoint API in one import.
+quantized) into the param tree.
 
     params = load_checkpoint("ckpt_dir_or_file", config)        # numpy float32 / int32 leaves
+    # the writers, in safetensors_write:
     save_hf_safetensors(params, config, "out_dir", shard_bytes=..., quant=Quant(fp8_block=128, fp4_experts=True))
     save_original_safetensors(params, config, "out_dir", quant=...)
 
@@ -25,24 +26,15 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import jax
 import ml_dtypes
 import numpy as np
 
 from dsv4.config import ModelConfig
 from dsv4.loading import names, weights_digest
-from dsv4.loading.checkpoint_naming import (NAMINGS, beyond_config_mtp, detect_naming, native_mtp, scale_pairs,
-                                            stored_mtp_blocks)
+from dsv4.loading.checkpoint_naming import beyond_config_mtp, detect_naming, native_mtp, scale_pairs
 from dsv4.loading.quant import FP4_GROUP, FP8_BLOCK, QuantError, dequant_fp4, dequant_fp8_block
-from dsv4.loading.safetensors_file import (FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE, CheckpointError, Entry, read_entries,
-                                           read_header, read_tensor, write_file)
-from dsv4.loading.safetensors_write import (Quant, hf_state_dict, save_checkpoint, save_hf_safetensors,
-                                            save_original_safetensors)
-
-# The checkpoint API of the split modules, importable from here as before the split.
-__all__ = ["CheckpointError", "Entry", "INDEX_FILE", "NAMINGS", "Quant", "SINGLE_FILE", "detect_naming",
-           "hf_state_dict", "load_checkpoint", "read_entries", "read_header", "read_tensor", "resolve_dtype",
-           "save_checkpoint", "save_hf_safetensors", "save_original_safetensors", "storage_dtype",
-           "stored_mtp_blocks", "write_file"]
+from dsv4.loading.safetensors_file import FLOAT_DTYPES, CheckpointError, Entry, read_entries, read_tensor
 
 _SCALE_DTYPES = {"F8_E8M0", "U8", "F32", "BF16", "F16"}
 
@@ -316,7 +308,6 @@ def load_checkpoint(path: str, config: ModelConfig, *, fp8_block: int | None = N
       _check(stored[name], np.empty(e.shape, np.int32 if integer else np.float32), shape, integer, e, hf_of.get(name))
 
   if as_jax:
-    import jax
     put = (lambda x: jax.device_put(x, device)) if device is not None else jax.numpy.asarray
     stack = lambda xs: put(jax.numpy.stack(xs))  # noqa: E731
   else:

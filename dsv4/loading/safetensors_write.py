@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import jax
 import numpy as np
 
 from dsv4.config import ModelConfig
@@ -67,7 +68,6 @@ def _quantize_dict(tensors: dict[str, np.ndarray], config: ModelConfig, quant: Q
 
 
 def _np_params(params):
-  import jax
   return jax.tree_util.tree_map(lambda x: np.asarray(x), params)
 
 

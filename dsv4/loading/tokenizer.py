@@ -27,6 +27,10 @@ import json
 import os
 from typing import Any, Sequence
 
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer as _Backend, processors
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"   # legacy: special tokens missing from tokenizer_config.json
@@ -79,7 +83,6 @@ class Tokenizer:
     added = {str(t.content) for t in backend.get_added_tokens_decoder().values()}
     missing = [t for t in dict.fromkeys((bos_token, eos_token, pad_token)) if t is not None and t not in added]
     if missing:
-      from tokenizers import AddedToken
       backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
     if add_bos_token is not None or add_eos_token is not None:
       self._set_post_processor(bool(add_bos_token), bool(add_eos_token))
@@ -88,7 +91,6 @@ class Tokenizer:
   def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
     """transformers' TokenizersBackend.update_post_processor: TemplateProcessing with the chosen specials (a flag
     whose token is unset is dropped)."""
-    from tokenizers import processors
     bos = self.bos_token if add_bos and self.bos_token is not None else None
     eos = self.eos_token if add_eos and self.eos_token is not None else None
     single = f"{(bos + ':0 ') if bos else ''}$A:0{(' ' + eos + ':0') if eos else ''}"
@@ -103,7 +105,6 @@ class Tokenizer:
                add_eos_token: bool | None = None) -> "Tokenizer":
     """tokenizer.json (+ tokenizer_config.json, chat_template.jinja, special_tokens_map.json) of `path`. BOS / EOS
     insertion is tokenizer.json's post-processor unless add_bos_token / add_eos_token are given (module doc)."""
-    from tokenizers import Tokenizer as _Backend
     tj = os.path.join(path, TOKENIZER_FILE)
     if not os.path.isfile(tj):
       raise TokenizerError(f"{tj}: no such file (a checkpoint's fast tokenizer is required)")
@@ -193,8 +194,6 @@ class Tokenizer:
       if self.chat_template is None:
         raise TokenizerError(f"{self.source}: the tokenizer has no chat template (tokenizer_config.json "
                              f"'chat_template' or {CHAT_TEMPLATE_FILE})")
-      import jinja2
-      from jinja2.sandbox import ImmutableSandboxedEnvironment
 
       def raise_exception(message):
         raise TokenizerError(f"chat template: {message}")
@@ -216,7 +215,6 @@ class Tokenizer:
   def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                           tokenize: bool = False, **kwargs) -> str | list[int]:
     """Render `messages` ([{"role", "content"}, ...]) with the checkpoint's template; ids when `tokenize`."""
-    import jinja2
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) and "role" in m for m in messages):
       raise TokenizerError("chat messages must be a list of dicts with a 'role' (and usually 'content')")
     try:

@@ -17,6 +17,10 @@ import time
 import numpy as np
 
 from cache.tiers.cost import CostModel
+from cache.tiers.directory import RedisDirectory
+from cache.tiers.servers import RedisServer
+from dsv4 import caches
+from dsv4.loading.weights_digest import params_digest
 from dsv4.serving import directory
 from dsv4.serving import workloads
 from dsv4.serving.cost import RouteCostModel, RouteCosts
@@ -83,10 +87,7 @@ class Cluster:
 
   def __init__(self, loader, engine_config, num_replicas: int = 4, ray_address: str = "", num_cpus: int = 4,
                compile_cache_dir: str = "", transfer_slots: int = 16, progress=None):
-    import ray
-
-    from cache.tiers.servers import RedisServer
-    from dsv4 import caches
+    import ray  # local: Ray is heavy to import and only a running cluster needs it
     self.ray = ray
     self.loader, self.ec, self.n = loader, engine_config, num_replicas
     self.compile_cache_dir = compile_cache_dir
@@ -101,7 +102,6 @@ class Cluster:
     if self._own_ray:
       ray.init(address=ray_address or None, num_cpus=None if ray_address else num_cpus,
                include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    from dsv4.loading.weights_digest import params_digest
     self.model_digest = params_digest(self.params)
     self.actor_cls = ray.remote(Replica)
     self.handles: list = [None] * num_replicas
@@ -154,14 +154,13 @@ class Cluster:
     return out
 
   def configure(self, cfg: ClusterConfig):
-    import redis
+    import redis  # local: the Redis client, needed only where a cluster runs
     for db in (self.directory_url, self.store_url):
       redis.Redis.from_url(db).flushdb()
     self.cfg = cfg
     self.rspecs = self._specs(cfg)
     infos = self.ray.get([h.configure.remote(s) for h, s in zip(self.handles, self.rspecs)])
     self.space = directory.KeySpace(**infos[0]["space"])
-    from cache.tiers.directory import RedisDirectory
     client = redis.Redis.from_url(self.directory_url, socket_timeout=0.5, socket_connect_timeout=0.5)
     self.prefixes = directory.PrefixDirectory(RedisDirectory(client), self.space)
     speeds = CostModel(prefill_tokens_per_s=infos[0]["prefill_tokens_per_s"])

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from cache.hashing import ExtraKeys
+from dsv4.engine.engine import Engine
+from dsv4.engine.sampling import SamplingParams
 from dsv4.serving import metrics, workloads
 # names, not the module: run_matrix's `cluster` argument is a Cluster
 from dsv4.serving.cluster import MATRIX, SLO, Cluster
@@ -12,9 +15,6 @@ from dsv4.serving.cluster import MATRIX, SLO, Cluster
 
 def reference_outputs(config, params, engine_config, sessions: list[workloads.Session]) -> dict[str, list[int]]:
   """Each turn on one engine, in session order (a turn's prompt is built from the reference's own answers)."""
-  from cache.hashing import ExtraKeys
-  from dsv4.engine.engine import Engine
-  from dsv4.engine.sampling import SamplingParams
   eng = Engine(params, config, engine_config)
   out = {}
   for s in sessions:

@@ -23,8 +23,18 @@ import time
 import traceback
 from typing import NamedTuple
 
+import jax
+
 from cache.events import EventLog
 from cache.hashing import ExtraKeys
+from cache.tiers.directory import RedisDirectory
+from dsv4.engine import handoff
+from dsv4.engine.engine import Engine
+from dsv4.engine.request import Status
+from dsv4.engine.sampling import SamplingParams
+from dsv4.engine.tiering_config import TieringConfig
+from dsv4.serving import directory
+from dsv4.serving.transfer import TransferEndpoint, TransferError
 
 ROLES = ("combined", "prefill", "decode")
 
@@ -79,7 +89,6 @@ class Replica:
   def __init__(self, loader, transfer_slots: int = 0, slot_bytes: int = 0, compile_cache_dir: str = ""):
     """loader: () -> (config, params), run here (a Ray actor loads its own weights). transfer_slots > 0: open a
     Mooncake transfer endpoint (prefill / decode roles)."""
-    import jax
     if compile_cache_dir:       # replicas share compiled programs through the persistent cache
       jax.config.update("jax_compilation_cache_dir", compile_cache_dir)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -87,7 +96,6 @@ class Replica:
     self.config, self.params = loader()
     self.transfer = None
     if transfer_slots:
-      from dsv4.serving.transfer import TransferEndpoint
       self.transfer = TransferEndpoint(transfer_slots, slot_bytes)
     self._lock = threading.RLock()
     self._stop = False
@@ -105,11 +113,6 @@ class Replica:
 
   def configure(self, spec: ReplicaSpec) -> dict:
     """(Re)build the engine for a role and tiers: an empty device cache, fresh tiers and counters."""
-    import dataclasses as dc
-
-    from dsv4.engine.engine import Engine
-    from dsv4.engine.tiering import TieringConfig
-    from dsv4.serving import directory
     spec.validate()
     with self._lock:
       self._close_engine()
@@ -117,14 +120,14 @@ class Replica:
                          capacity_bytes=tuple(spec.host_capacity_bytes if t == "host" else 1 << 30
                                               for t in spec.tiers),
                          engine_id=f"r{spec.index}", model_digest=spec.model_digest, write_queue=0)
-      self.engine = Engine(self.params, self.config, dc.replace(spec.engine_config, tiering=tc))
+      self.engine = Engine(self.params, self.config, dataclasses.replace(spec.engine_config, tiering=tc))
       self.engine.clock = time.time          # one clock for every process on the host: TTFT across replicas
       if self.engine.tiering.unavailable():
         raise RuntimeError(f"replica {spec.index}: tiers down at start: {self.engine.tiering.unavailable()}")
       self.engine.tiering.warmup()
       self._tees = []
       for m in self.engine.managers:
-        m.events = _Tee(m.events)
+        m.queue.events = _Tee(m.events)       # the queue emits into its log as results are read
         self._tees.append(m.events)
       self.spec = spec
       mgr = self.engine.managers[0]
@@ -132,9 +135,7 @@ class Replica:
                                       mgr.specs.full.block_tokens, mgr.key_bits)
       self.feed = None
       if spec.directory_url:
-        import redis
-
-        from cache.tiers.directory import RedisDirectory
+        import redis  # local: the Redis client, needed only where a directory is configured
         client = redis.Redis.from_url(spec.directory_url, socket_timeout=0.5, socket_connect_timeout=0.5)
         shared = next((t for t in spec.tiers if t in ("redis", "mooncake")), "")
         self.feed = directory.DirectoryFeed(RedisDirectory(client), spec.index, self.space,
@@ -161,7 +162,6 @@ class Replica:
   # ------------------------------------------------------------------------------------------ requests
   def submit(self, rid: str, prompt, max_tokens: int, tenant: str, arrival: float, send_to=None) -> None:
     """send_to (prefill role): the `TransferTarget` of the decode replica's reserved slot."""
-    from dsv4.engine.sampling import SamplingParams
     with self._lock:
       if self.spec.role == "prefill":
         max_tokens = 1
@@ -174,8 +174,6 @@ class Replica:
               lengths: list[int]) -> dict:
     """Decode role: read the handed-off state from `slot`, verify all of it, then admit prompt + first token for
     the remaining tokens. On any failure nothing is stored and the request is NOT admitted (the caller falls back)."""
-    from dsv4.engine import handoff
-    from dsv4.serving.transfer import TransferError
     with self._lock:
       t0 = time.time()
       try:
@@ -191,7 +189,6 @@ class Replica:
       self.counters["imports"] += 1
       self._pending[rid] = {"send_to": None, "tenant": tenant, "expect_hit": plan.point}
       self._times[rid] = []
-      from dsv4.engine.sampling import SamplingParams
       self.engine.add_request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                               ExtraKeys(tenant=tenant), arrival=arrival)
       return {"ok": True, "point": plan.point, "verify_s": time.time() - t0}
@@ -263,7 +260,6 @@ class Replica:
 
   def _sweep_rejected(self):
     """Requests the engine refused (at the door or while scheduling) are reported like finished ones."""
-    from dsv4.engine.request import Status
     bad = [r for rid in list(self._pending) if (r := self.engine.requests.get(rid)) is not None
            and r.status is Status.REJECTED]
     for r in bad:
@@ -272,7 +268,6 @@ class Replica:
 
   def _capture_state(self, r):
     """Engine.on_finish of a prefill replica: the state of a request to hand off, read while it holds its blocks."""
-    from dsv4.engine import handoff
     info = self._pending.get(r.rid)
     if info is None or info.get("send_to") is None:
       return
@@ -284,8 +279,6 @@ class Replica:
       self._exports[r.rid] = e
 
   def _finished(self, r):
-    from dsv4.engine import handoff
-    from dsv4.serving.transfer import TransferError
     info = self._pending.pop(r.rid, {})
     out = {"rid": r.rid, "output": list(r.output), "error": r.error, "arrival": r.arrival,
            "first_token_time": r.first_token_time, "token_times": self._times.pop(r.rid, []),

@@ -16,11 +16,13 @@ import collections
 import dataclasses
 import heapq
 
+import jax.numpy as jnp
 import numpy as np
 
 from cache.events import BlockRemoved, BlockStored
 from cache.tiers.cost import CostModel
 from cache.tiers.directory import LocalDirectory
+from dsv4 import caches, config
 from dsv4.serving import directory
 from dsv4.serving import workloads
 from dsv4.serving.cluster import MATRIX, ClusterConfig
@@ -178,10 +180,6 @@ def simulate(cfg: ClusterConfig, sessions: list[workloads.Session], block_bytes:
 def predict_matrix(model_preset: str = "v4_flash", groups=workloads.GROUPS, nc: NodeConstants = NodeConstants(),
                    sizes: workloads.WorkloadSizes | None = None) -> list[dict]:
   """The five configurations x the groups at node scale (bf16 KV records of the named preset)."""
-  import jax.numpy as jnp
-
-  from dsv4 import caches
-  from dsv4 import config
   cfg = config.get_preset(model_preset)
   specs = caches.group_specs(cfg, caches.CacheLayout(kv_dtype=jnp.bfloat16))
   sizes = sizes or node_sizes()

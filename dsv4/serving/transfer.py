@@ -21,7 +21,7 @@ class TransferEndpoint:
   def __init__(self, slots: int, slot_bytes: int, host: str = "127.0.0.1", protocol: str = "tcp"):
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
     try:
-      from mooncake.engine import TransferEngine
+      from mooncake.engine import TransferEngine  # local: the optional Mooncake transfer engine
     except ImportError as e:
       raise TransferError(f"the Mooncake transfer engine is not installed: pip install "
                           f"mooncake-transfer-engine-non-cuda ({e})") from e

@@ -91,7 +91,8 @@ indexer top-k (8 -> 2): the next request's logits change; putting the original m
     ("code", """import dataclasses
 from dsv4 import nnx_model
 from dsv4.engine.api import generate
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
 
 net = nnx_model.merge(config, params)

@@ -272,7 +272,7 @@ def _base(retention, seed=21):
 
 
 def _evict(m, group, ids):
-  m.pools[group], ev = pool.evict(m.pools[group], _pad(ids))
+  ev = m.update_pool(group, pool.evict, _pad(ids))
   assert np.asarray(ev)[:len(ids)].all()
 
 

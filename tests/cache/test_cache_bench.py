@@ -3,17 +3,16 @@ admission hits L - 128, the device tables agree with the host's counts, no step 
 the empty plan of the (c) runs changes nothing, and the command line prints its table (vLLM skipped). One test, so
 the command line reuses the driver's compiled programs (about 20 s on 2 cores: slow tier)."""
 
-import sys
-
 import jax
 import numpy as np
+from absl import flags
 
 from benchmarks import cache_bench
 
 B, L, POOL = 2, 512, 128
 
 
-def test_cache_bench_tiny(monkeypatch, capsys):
+def test_cache_bench_tiny(capsys):
   prompts = cache_bench.make_prompts(B, L, 2)
   o = cache_bench.Ours(B, L, POOL, prompts)
   for s in range(len(prompts)):
@@ -31,8 +30,10 @@ def test_cache_bench_tiny(monkeypatch, capsys):
   o.check()                     # device tables == host counts for the requests still held
   assert m.stats["step_plan_overflows"] == 0
   # the command line, same sizes (same compiled programs)
-  monkeypatch.setattr(sys, "argv", ["cache_bench", "--shapes", f"{B}x{L}", "--pools", f"{POOL}", "--steps", "1"])
-  cache_bench.main()
+  fv = flags.FlagValues()
+  cache_bench.define_flags(fv)
+  fv(["cache_bench", "--shapes", f"{B}x{L}", "--pools", f"{POOL}", "--steps", "1"])
+  cache_bench.main([], fv)
   out = capsys.readouterr().out
   assert "vLLM skipped (no --vllm_src)" in out
   row = next(line for line in out.splitlines() if line.startswith(f"| {B} | {L} | {POOL} |"))

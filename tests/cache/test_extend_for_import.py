@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from cache.api_types import CacheError
 from cache.hashing import ExtraKeys
-from cache.manager import CacheError, KVCacheManager
+from cache.manager import KVCacheManager
 from dsv4.caches import group_specs
 from dsv4.config import v4_flash
 

@@ -5,7 +5,7 @@ list of HOST_HELD / -1 entries. Pure numpy: cheap."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from cache.manager import KVCacheManager
+from cache.step_queue import StepQueue
 from cache.request_state import HOST_HELD, HeldEntries
 
 OPS = st.lists(st.one_of(
@@ -48,8 +48,8 @@ def test_held_matches_a_plain_mask(ops, lo, n):
 def test_queued_runs_expand_to_refs_in_order(runs, reverse):
   runs = [(s, a, a + k) for s, a, k in runs]
   width = 16
-  mgr = KVCacheManager.__new__(KVCacheManager)        # only the width is read
-  mgr._tab = {"g": np.zeros((4, width), np.int32)}
+  mgr = StepQueue.__new__(StepQueue)        # only the width is read
+  mgr.width = {"g": width}
   want = [s * width + j for s, a, b in runs for j in (range(b - 1, a - 1, -1) if reverse else range(a, b))]
   assert mgr._refs("g", runs, reverse=reverse).tolist() == want
   # registrations carry more fields after (slot, a, b)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cache import device_queue, pool
+from cache import device_state, pool
 from cache import step as cache_step
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
@@ -59,13 +59,14 @@ def test_single_ops_update_in_place():
 def test_apply_step_updates_in_place(monkeypatch):
   specs = CacheSpecs((GroupSpec("full", FULL_HISTORY, 128, 1, 0), GroupSpec("swa", SLIDING_WINDOW, 32, 1, 127)))
   seen = []
-  real = device_queue.apply_step_packed     # what the manager calls: one buffer in, one out
+  real = device_state.apply     # what the manager calls: one buffer in, one out
 
-  def spy(pools, tables, buf, **kw):
-    seen.append(cache_step.jitted_step_packed().lower(pools, tables, buf, **kw).compile().as_text())
-    return real(pools, tables, buf, **kw)
+  def spy(state, plan, buf=None):
+    seen.append(cache_step.jitted_step_packed().lower(state.pools, state.tables, plan.buf, **plan.kwargs())
+                .compile().as_text())
+    return real(state, plan, buf)
 
-  monkeypatch.setattr(device_queue, "apply_step_packed", spy)
+  monkeypatch.setattr(device_state, "apply", spy)
   # block tables larger than the pool (64 rows x 128 / 512 entries), so a copy of them would be caught too
   m = KVCacheManager(specs, num_blocks={"full": N, "swa": N}, enable_events=False, num_slots=64,
                      max_tokens=128 * 128)

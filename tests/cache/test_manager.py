@@ -4,11 +4,12 @@ checkpoints, out-of-blocks, bad input, events."""
 import numpy as np
 import pytest
 
-from dsv4.caches import group_specs
-from dsv4.config import v4_flash, v41_flash
+from cache.api_types import CacheError, OutOfBlocks
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from cache.hashing import ExtraKeys
-from cache.manager import CacheError, KVCacheManager, OutOfBlocks
+from cache.manager import KVCacheManager
+from dsv4.caches import group_specs
+from dsv4.config import v4_flash, v41_flash
 
 CFG = v4_flash()
 # one pool shape for every test: each jitted op compiles once per group. swa 32-token blocks, full 128, tail 127

@@ -79,7 +79,7 @@ def test_hybrid_search_matches_reference(d):
       cached = np.flatnonzero(np.asarray(m.pools[name].cached_N))
       if len(cached):
         drop = d.draw(st.lists(st.sampled_from(list(cached)), max_size=3))
-        m.pools[name], _ = pool.evict(m.pools[name], jnp.asarray(drop + [-1] * (16 - len(drop)), jnp.int32))
+        m.update_pool(name, pool.evict, jnp.asarray(drop + [-1] * (16 - len(drop)), jnp.int32))
     check_against_reference(m, full, extra)
     check_against_reference(m, toks, d.draw(st.sampled_from(tenants)))
   for name in m.groups:
@@ -131,7 +131,7 @@ def test_search_in_row_chunks_equals_one_batch():
   m.free("r")
   qs = [toks, toks[:700], toks[:50], toks[:1000], toks[:1], toks[:300]] + [toks[:129], toks[:640]] * 4
   hashers = [m._hasher(np.asarray(t, np.int32), ExtraKeys()) for t in qs]
-  plan = m._pack([np.asarray(t, np.int32) for t in qs], hashers)
+  plan = m.queue.pack_admissions([np.asarray(t, np.int32) for t in qs], hashers)
   max_len = np.asarray(plan.max_len_B).copy()
   max_len[[6, 9]] = 0                        # padding rows between live ones (rows 14, 15 are padding already)
   pools = tuple(m.pools[g] for g in m.groups)

@@ -1,4 +1,4 @@
-"""Admissions queued into the step program (`queue_admissions`: search + claim ride the next `take_step_plan`, hits
+"""Admissions queued into the step program (`queue_admissions`: search + claim ride the next `plan`, hits
 read with the step's results, possibly a step late) leave exactly the device state (pools and block tables) and
 give exactly the hits of the same admissions made by the manager's own standalone call (`add_requests`) at the same
 point of the queue. Random traces with shared prefixes, allocations, commits with checkpoints, frees, and
@@ -49,7 +49,7 @@ def test_queued_admissions_match_the_standalone_call(d, late):
     commit_and_finish(d, live, (fused, plain))
   if pending:
     pm, pp, pr = pending.pop()
-    pm.on_step_result(pp, np.asarray(pr))
+    pm.read_results(pp, np.asarray(pr))
   for rid, h in fused.take_admitted():
     assert h.num_tokens == waiting.pop(rid)[1]
   assert not waiting
@@ -69,14 +69,13 @@ def test_an_admission_withdrawn_in_flight_is_released_when_its_result_arrives():
     m.free("a")
     m.flush()
   fused.queue_admissions([("b", prompt, ExtraKeys())])
-  plan = fused.take_step_plan()
-  pools, tables, res = program(*fused.device_state(), plan.buf, plan.statics)
-  fused.set_device_state(pools, tables)
+  plan = fused.plan()
+  res = fused.device.advance(program, plan.buf, plan.statics)
   fused.free("b")                     # in flight: nothing known on the host yet
   assert fused.is_admitting("b")
   with pytest.raises(CacheError):
     fused.commit("b", 1)
-  fused.on_step_result(plan, np.asarray(res))
+  fused.read_results(plan, np.asarray(res))
   assert not fused.is_admitting("b") and fused.take_admitted() == []
   hit = plain.add_requests([("b", prompt, ExtraKeys())])[0]
   assert hit.num_tokens > 0           # the claim really happened before the release

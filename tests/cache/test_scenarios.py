@@ -191,7 +191,7 @@ def test_pressure_does_not_multiply_checkpoints():
   at384, at640 = m.lookup(hist[:400]), m.lookup(hist)
   assert at384.num_tokens == 384 and at640.num_tokens == 640
   drop = [int(at384.swa[j]) for j in range(8, 12)] + [int(at640.swa[j]) for j in range(16, 20)]   # their tails
-  m.pools["swa"], ev = pool.evict(m.pools["swa"], jnp.asarray(drop + [-1] * 8, jnp.int32))
+  ev = m.update_pool("swa", pool.evict, jnp.asarray(drop + [-1] * 8, jnp.int32))
   assert np.asarray(ev)[:8].all()
   t2 = conv[:1005]
   assert serve(m, "t2", t2) == 256

@@ -1,5 +1,5 @@
-"""The engine's path through the cache: the queued work handed to a step program (`take_step_plan`, run by
-`cache.step.step_packed` inside a jitted program, results read back with `on_step_result`, possibly a step late)
+"""The engine's path through the cache: the queued work handed to a step program (`plan`, run by
+`cache.step.step_packed` inside a jitted program, results read back with `read_results`, possibly a step late)
 leaves exactly the device state (pools AND block tables) of the same operations applied by the manager's own
 calls; every request's device table agrees with the host's counts; and the pools satisfy the plain reference's
 invariants after every step. Random admissions with shared prefixes (hits, claims), allocations, commits with
@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from cache.device_state import DeviceState
 from cache.hashing import ExtraKeys
 from cache.manager import KVCacheManager
 from cache.reference import RefPool
@@ -21,10 +22,11 @@ SPECS = CacheSpecs((GroupSpec("full", FULL_HISTORY, 16, 1, 0), GroupSpec("swa", 
 SLOTS, MAX_TOKENS = 4, 256
 
 
-@functools.partial(jax.jit, static_argnames=("statics",), donate_argnums=(0, 1))
-def program(pools, tables, buf, statics):
+@functools.partial(jax.jit, static_argnames=("statics",), donate_argnums=(0,))
+def program(state, buf, statics):
   """What the engine's step program does with the cache (the model part left out)."""
-  return step_packed(pools, tables, buf, **dict(statics))
+  pools, tables, res = step_packed(state.pools, state.tables, buf, **dict(statics))
+  return DeviceState(pools, tables), res
 
 
 def make(num_blocks):
@@ -36,17 +38,15 @@ def make(num_blocks):
 
 def run_step(m, late, pending):
   """One step program on manager m; its results are read now, or (late) at the next step."""
-  plan = m.take_step_plan()
-  pools, tables = m.device_state()
-  pools, tables, res = program(pools, tables, plan.buf, plan.statics)
-  m.set_device_state(pools, tables)
+  plan = m.plan()
+  res = m.device.advance(program, plan.buf, plan.statics)
   if pending:
     pm, pp, pr = pending.pop()
-    pm.on_step_result(pp, np.asarray(pr))
+    pm.read_results(pp, np.asarray(pr))
   if late:
     pending.append((m, plan, res))
   else:
-    m.on_step_result(plan, np.asarray(res))
+    m.read_results(plan, np.asarray(res))
 
 
 def same_state(a, b):

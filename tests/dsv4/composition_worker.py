@@ -29,12 +29,13 @@ import time
 import jax
 import numpy as np
 
-from dsv4 import caches, model, sharding
+from dsv4 import caches, mesh_context, model, sharding
 from dsv4.config import ModelConfig, v4_tiny, v41_tiny
 from dsv4.engine.api import generate
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
-from dsv4.engine.tiering import TieringConfig
+from dsv4.engine.tiering_config import TieringConfig
 from pallas_kernels import dispatch
 
 MESH = (2, 2, 2)
@@ -189,7 +190,7 @@ def check(combo: Combo, cold: Cold, tmp: str, mesh=None) -> str:
   # On a mesh: the mesh default, pools split over data (batch invariance included: every data shard's token loop
   # runs the longest shard's count, padding tokens writing nothing).
   over_data = mesh is not None
-  D = sharding.axis_size(mesh, "data") if over_data else 1
+  D = mesh_context.axis_size(mesh, "data") if over_data else 1
   eng = Engine(params, cfg, engine_config(combo, D, tmp), mesh=mesh, pools_over_data=over_data)
   try:
     outs = run_trace(eng, cfg, cold.trace)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4 import caches, model, sharding
+from dsv4 import caches, mesh_context, model, sharding
 from dsv4 import config
 
 MESHES = [(8, 1, 1), (1, 1, 8), (2, 2, 2), (1, 8, 1)]   # (data, tensor, expert)
@@ -85,7 +85,7 @@ def chat_workload(vocab: int):
 
 
 def engine_config():
-  from dsv4.engine.engine import EngineConfig
+  from dsv4.engine.config import EngineConfig
   return EngineConfig(max_num_seqs=4, max_num_batched_tokens=96, chunk_size=32, max_model_len=1024,
                       num_full_blocks=48, num_swa_blocks=160, record_logits=True)
 
@@ -188,7 +188,7 @@ def step_collectives(engine):
   with jax.set_mesh(r.mesh):
     hlo = r._mesh_step(shape).lower(r.params, r.cache, tables, r.prev_tokens, plan).compile().as_text()
   # Partition i runs on the mesh's i-th device (row-major over data, tensor, expert).
-  per_data = r.mesh.devices.size // sharding.axis_size(r.mesh, "data")
+  per_data = r.mesh.devices.size // mesh_context.axis_size(r.mesh, "data")
   return collectives(hlo, lambda i: i // per_data)
 
 
@@ -196,7 +196,8 @@ def check_pools(variant: str, shape=(2, 2, 2)) -> None:
   """Engine with one KV pool per data shard (pools split over `data`): same tokens as one device, prefix hits kept
   by affinity, per-device pool bytes = total / D, preemption inside a shard, no pool-sized collective."""
   from dsv4.engine.api import run_workload
-  from dsv4.engine.engine import Engine, EngineConfig
+  from dsv4.engine.config import EngineConfig
+  from dsv4.engine.engine import Engine
   cfg = config_for(variant)
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   mesh = sharding.make_mesh(shape)

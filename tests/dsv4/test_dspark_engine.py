@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from dsv4 import config, dspark, model
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
 
 EC = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, max_model_len=256, num_full_blocks=24,
@@ -101,7 +102,7 @@ def test_k_beyond_the_block_is_refused(drafter):
 def test_tier_reloads_carry_the_draft_state(drafter, tmp_path):
   """Host + disk tiers under a pool that evicts the first wave's blocks: the second wave reloads them from the tiers
   (the stages' context KV is part of every SWA block) and every proposal still equals the one from scratch."""
-  from dsv4.engine.tiering import TieringConfig
+  from dsv4.engine.tiering_config import TieringConfig
   cfg, params = drafter
   prompts = _prompts(cfg, 3, [30, 45, 20, 38], shared=140)
   tc = TieringConfig(tiers=("host", "disk"), disk_dir=str(tmp_path / "disk"), policy="load", write_queue=0)
@@ -127,7 +128,7 @@ def test_handoff_carries_the_draft_state(drafter):
   first proposals (read from the imported context KV of the draft stages) equal the ones from scratch."""
   from cache.hashing import ExtraKeys
   from dsv4.engine import handoff
-  from dsv4.engine.tiering import TieringConfig
+  from dsv4.engine.tiering_config import TieringConfig
   cfg, params = drafter
   tenant = ExtraKeys(tenant="t")
   tiered = lambda ec, name: Engine(params, cfg, dataclasses.replace(

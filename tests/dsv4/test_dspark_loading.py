@@ -12,8 +12,12 @@ import pytest
 
 from dsv4 import config
 from dsv4.config import ConfigError, DSparkConfig
-from dsv4.loading import CheckpointError, Quant, load_checkpoint, load_pretrained, safetensors_io, with_draft
-from dsv4.loading.config_json import config_from_dict, config_to_dict
+from dsv4.loading import checkpoint_naming, safetensors_file, safetensors_write
+from dsv4.loading.config_json import config_from_dict, config_to_dict, with_draft
+from dsv4.loading.pretrained import load_pretrained
+from dsv4.loading.safetensors_file import CheckpointError
+from dsv4.loading.safetensors_io import load_checkpoint
+from dsv4.loading.safetensors_write import Quant
 from tests.dsv4.test_loading import _fake_quant_params, _max_diff, _random_params
 
 # 4 backbone layers (window, ratio 2, ratio 1 ...) with a three-stage draft on features of layers 1-3
@@ -51,15 +55,15 @@ def params():
   return _random_params(CFG, 21)
 
 
-@pytest.mark.parametrize("naming", safetensors_io.NAMINGS)
+@pytest.mark.parametrize("naming", checkpoint_naming.NAMINGS)
 def test_dspark_round_trips_in_every_naming(params, tmp_path, naming):
   """The draft saves and loads bitwise in every naming (FP8 projections incl. main_proj, FP4 routed experts, scale
   companions spelled `.scale` as in the released checkpoint; NeMo's names unquantized); a config without the draft
   reads the backbone alone; one that wants it and finds none names the missing tensor."""
   quant = None if naming == "nemo" else Quant(fp8_block=FP8_BLOCK)
   ck = str(tmp_path / "ck")
-  safetensors_io.save_checkpoint(params, CFG, ck, naming=naming, shard_bytes=80_000, quant=quant)
-  hdr = safetensors_io.read_entries(ck)
+  safetensors_write.save_checkpoint(params, CFG, ck, naming=naming, shard_bytes=80_000, quant=quant)
+  hdr = safetensors_file.read_entries(ck)
   assert set(NAMES[naming]) <= set(hdr), sorted(set(NAMES[naming]) - set(hdr))
   assert not any(n.startswith(("mtp.layers.", "layers.4.", "model.layers.4.")) for n in hdr)
   if quant is not None:
@@ -67,7 +71,7 @@ def test_dspark_round_trips_in_every_naming(params, tmp_path, naming):
     assert hdr[main].dtype == "F8_E4M3" and tuple(hdr[main.replace(".weight", ".scale")].shape) == (2, 6)
     expert = [n for n in hdr if n.endswith("mtp.1.ffn.experts.3.w2.weight")][0]
     assert hdr[expert].dtype == "I8" and tuple(hdr[expert].shape) == (64, 16)
-  assert safetensors_io.stored_mtp_blocks(ck, CFG.num_layers) == 3
+  assert checkpoint_naming.stored_mtp_blocks(ck, CFG.num_layers) == 3
   want = params if quant is None else _fake_quant_params(params, CFG, FP8_BLOCK)
   got = load_checkpoint(ck, CFG, as_jax=False)
   assert _max_diff(want, got) == 0.0
@@ -83,8 +87,8 @@ def test_dspark_round_trips_in_every_naming(params, tmp_path, naming):
   plain = load_checkpoint(ck, BASE, as_jax=False)
   assert "mtp" not in plain and _max_diff({k: v for k, v in want.items() if k != "mtp"}, plain) == 0.0
   no = str(tmp_path / "no")
-  safetensors_io.save_checkpoint({k: v for k, v in params.items() if k != "mtp"}, BASE, no, naming=naming)
-  assert safetensors_io.stored_mtp_blocks(no, CFG.num_layers) == 0
+  safetensors_write.save_checkpoint({k: v for k, v in params.items() if k != "mtp"}, BASE, no, naming=naming)
+  assert checkpoint_naming.stored_mtp_blocks(no, CFG.num_layers) == 0
   with pytest.raises(CheckpointError, match=r"tensor '(model\.)?mtp\.0\.[^']*' is missing"):
     load_checkpoint(no, CFG)
 
@@ -93,12 +97,12 @@ def test_stage_parts_on_the_wrong_stage_fail(params, tmp_path):
   """Stage 0 owns main_proj / main_norm, the last stage the norm and heads: a draft with them elsewhere names the
   missing tensor."""
   ck = str(tmp_path / "orig")
-  safetensors_io.save_checkpoint(params, CFG, ck, naming="original")
-  t = {k: safetensors_io.read_tensor(e) for k, e in safetensors_io.read_entries(ck).items()}
+  safetensors_write.save_checkpoint(params, CFG, ck, naming="original")
+  t = {k: safetensors_file.read_tensor(e) for k, e in safetensors_file.read_entries(ck).items()}
   t["mtp.1.main_proj.weight"] = t.pop("mtp.0.main_proj.weight")
   bad = str(tmp_path / "bad")
   os.makedirs(bad)
-  safetensors_io.write_file(t, os.path.join(bad, safetensors_io.SINGLE_FILE))
+  safetensors_file.write_file(t, os.path.join(bad, safetensors_file.SINGLE_FILE))
   with pytest.raises(CheckpointError, match=r"tensor 'mtp\.0\.main_proj\.weight' is missing"):
     load_checkpoint(bad, CFG)
 
@@ -129,7 +133,7 @@ def test_config_declares_the_draft_and_load_pretrained_opts_in(params, tmp_path)
     with_draft(cfg, info)
 
   ck = str(tmp_path / "pre")
-  safetensors_io.save_checkpoint(params, CFG, ck, naming="original", quant=Quant(fp8_block=FP8_BLOCK))
+  safetensors_write.save_checkpoint(params, CFG, ck, naming="original", quant=Quant(fp8_block=FP8_BLOCK))
   with open(os.path.join(ck, "config.json"), "w") as f:
     json.dump(d, f)
   want = _fake_quant_params(params, CFG, FP8_BLOCK)
@@ -141,7 +145,7 @@ def test_config_declares_the_draft_and_load_pretrained_opts_in(params, tmp_path)
     assert _max_diff(want, jax.tree_util.tree_map(np.asarray, pre.params)) == 0.0
   # a directory storing the backbone only (declared draft, no stage stored): None reads the backbone, True refuses
   no = str(tmp_path / "backbone_only")
-  safetensors_io.save_checkpoint({k: v for k, v in params.items() if k != "mtp"}, BASE, no, naming="original")
+  safetensors_write.save_checkpoint({k: v for k, v in params.items() if k != "mtp"}, BASE, no, naming="original")
   with open(os.path.join(no, "config.json"), "w") as f:
     json.dump(d, f)
   pre = load_pretrained(no, dtype="fp32", tokenizer=False)

@@ -29,7 +29,8 @@ import pytest
 
 from dsv4 import caches, config, dspark, model
 from dsv4.config import DSparkConfig
-from dsv4.loading import load_checkpoint, safetensors_io
+from dsv4.loading import safetensors_file
+from dsv4.loading.safetensors_io import load_checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))
 import v41_oracle  # noqa: E402
@@ -53,7 +54,7 @@ def oracle(tmp_path_factory):
   tensors = v41_oracle.state_dict_np(ref)
   tensors.update({k: v for k, v in v41_oracle.state_dict_np(draft).items() if k.startswith("mtp.")})
   path = str(tmp_path_factory.mktemp("nemo_dspark") / "model.safetensors")
-  safetensors_io.write_file(tensors, path)
+  safetensors_file.write_file(tensors, path)
   params = load_checkpoint(path, CFG)
   tokens = np.random.default_rng(5).integers(0, CFG.vocab_size, (B, S))
   return ref, draft, params, tokens
@@ -101,7 +102,7 @@ def test_target_features_match_nemo(tmp_path):
   assert set(cfg.engram.layer_ids) <= set(cfg.dspark.target_layer_ids)
   ref, tokenizer = v41_oracle.build(cfg, seed=3)
   path = str(tmp_path / "model.safetensors")
-  safetensors_io.write_file(v41_oracle.state_dict_np(ref), path)
+  safetensors_file.write_file(v41_oracle.state_dict_np(ref), path)
   params = load_checkpoint(path, cfg)
   params["engram_token_map"] = jnp.asarray(engram.compressed_token_map(tokenizer)[0])
   tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (B, S))
@@ -193,7 +194,8 @@ def test_released_names_match_nemos_draft_adapter(oracle):
   of the adapter's quantized load targets (the released on-disk layout)."""
   import ml_dtypes
   import torch
-  from dsv4.loading import Quant, names, safetensors_write
+  from dsv4.loading import names, safetensors_write
+  from dsv4.loading.safetensors_write import Quant
   _, draft, params, _ = oracle
   adapter = draft.state_dict_adapter
   np_params = jax.tree_util.tree_map(np.asarray, params)
@@ -223,7 +225,7 @@ def test_nemo_config_declares_the_same_draft(oracle):
   as the backbone plus a declared draft that `with_draft` turns into exactly CFG."""
   import json
   from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
-  from dsv4.loading import with_draft
+  from dsv4.loading.config_json import with_draft
   from dsv4.loading.config_json import config_from_dict
   nested = json.loads(json.dumps(DeepseekV41Config(text_config=v41_oracle.nemo_text_kwargs(CFG)).to_dict()))
   cfg, info = config_from_dict(nested)

@@ -10,7 +10,8 @@ import pytest
 from dsv4 import config, model
 from dsv4.engine import workloads
 from dsv4.engine.api import generate, run_workload
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
 
 ALIGN = 128  # lcm of the group block sizes for the default layout

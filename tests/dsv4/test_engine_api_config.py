@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from dsv4.engine.engine import EngineConfig
-from dsv4.engine.tiering import TieringConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.tiering_config import TieringConfig
 
 
 @pytest.mark.parametrize("kw, msg", [

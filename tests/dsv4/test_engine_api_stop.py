@@ -10,7 +10,8 @@ import pytest
 
 from dsv4 import config, model
 from dsv4.engine.api import generate
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.request import RequestOutput, Status
 from dsv4.engine.sampling import SamplingParams
 

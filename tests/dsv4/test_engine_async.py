@@ -65,7 +65,7 @@ def test_a_long_job_leaves_no_host_state_behind(tiny):
     assert eng.requests == {} and not eng.waiting and not eng.running and eng._inflight is None
     assert eng.deferral.is_empty()
     mgr = eng.cache_manager
-    assert mgr._requests == {} and len(mgr._free_slots) == mgr.num_slots
+    assert mgr._requests == {} and len(mgr.queue.free_slots) == mgr.num_slots
 
 
 def test_stop_token_seen_one_step_late_is_not_emitted(tiny):

@@ -17,7 +17,8 @@ import pytest
 from dsv4 import config, model
 from dsv4.engine import workloads
 from dsv4.engine.api import run_workload
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 
 EC = EngineConfig(max_num_seqs=4, max_num_batched_tokens=192, chunk_size=64, max_model_len=1024,
                   num_full_blocks=48, num_swa_blocks=160, record_logits=True)
@@ -95,7 +96,7 @@ def test_preempted_leader_releases_its_followers(tiny):
   eng.step()
   lead = eng.requests["chat0"]
   assert eng.running == [lead] and [r.rid for r in eng.waiting] == ["chat1", "chat2"]
-  eng._preempt(lead)
+  eng.scheduler.preempt(lead)
   eng.waiting.rotate(-1)           # [chat1, chat2, chat0]
   eng.step()
   assert [r.rid for r in eng.running] == ["chat1"]

@@ -13,7 +13,8 @@ import pytest
 from dsv4 import config, model
 from dsv4.engine import sampling
 from dsv4.engine.api import WorkloadReport
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
 from experiments import train_lib
 

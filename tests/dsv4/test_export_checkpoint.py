@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from dsv4.engine.api import generate_text
-from dsv4.engine.engine import EngineConfig
+from dsv4.engine.config import EngineConfig
 from dsv4.engine.sampling import SamplingParams
-from dsv4.loading import load_pretrained
-from dsv4.loading import safetensors_io
+from dsv4.loading import checkpoint_naming, safetensors_file
+from dsv4.loading.pretrained import load_pretrained
 from experiments import export_checkpoint
 from experiments import tasks, train_lib
 
@@ -31,7 +31,7 @@ def exported(tmp_path_factory):
 def test_round_trip_is_bit_for_bit(exported):
   out, pre = exported
   assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-  assert safetensors_io.detect_naming(safetensors_io.read_entries(out)) == "hf"
+  assert checkpoint_naming.detect_naming(safetensors_file.read_entries(out)) == "hf"
   assert pre.info.format == "transformers" and pre.dtype == np.float32  # dtype "auto" of an fp32 save
   cfg, params = train_lib.load_trained("v4_retrieval")
   assert pre.config.layer_plan() == cfg.layer_plan() and not pre.config.quantized_cache
@@ -91,7 +91,7 @@ def test_v41_exports_as_nemo_and_loads_with_the_quantized_cache_switch(tmp_path)
   import dataclasses
   export_checkpoint.export("v41_retrieval", str(tmp_path))
   cfg, params = train_lib.load_trained("v41_retrieval")
-  assert safetensors_io.detect_naming(safetensors_io.read_entries(str(tmp_path))) == "nemo"
+  assert checkpoint_naming.detect_naming(safetensors_file.read_entries(str(tmp_path))) == "nemo"
   pre = load_pretrained(str(tmp_path))
   assert pre.info.format == "nemo" and pre.config.quantized_cache and pre.dtype == np.float32
   exact = load_pretrained(str(tmp_path), quantized_cache=False)

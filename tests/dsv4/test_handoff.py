@@ -15,9 +15,10 @@ from benchmarks.sizing import handoff_state_bytes
 from cache.hashing import ExtraKeys
 from dsv4 import config, model
 from dsv4.engine import handoff
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
-from dsv4.engine.tiering import TieringConfig
+from dsv4.engine.tiering_config import TieringConfig
 
 # the engine shapes of the other fast engine tests (tests/dsv4/test_api.py): their step programs are shared
 EC = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, chunk_size=32, max_model_len=1024,
@@ -95,7 +96,7 @@ def test_a_preempted_decode_request_adopts_its_tail_again(world):
   dec.step()
   dec.step()
   (req,) = dec.running
-  dec._preempt(req)             # as the scheduler does when the pool runs short
+  dec.scheduler.preempt(req)           # as the scheduler does when the pool runs short
   (o,) = dec.run()
   assert first["p181"] + o.output == want["p181"]
   # the re-admission hit the aligned part on the device and adopted the tail again: it recomputed only its own

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from dsv4 import caches, config, model
-from dsv4.loading import load_checkpoint, names, quant
+from dsv4.loading import names, quant
+from dsv4.loading.safetensors_io import load_checkpoint
 from tests.dsv4 import oracle_util
 
 T = 300

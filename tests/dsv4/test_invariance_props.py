@@ -27,7 +27,8 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from dsv4 import caches, config, model, sharding
 from dsv4.engine.api import generate
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
 from tests.dsv4.tiers_precision_worker import widen
 from tests.isolation import run_in_child
@@ -120,11 +121,14 @@ class _Alone:
     return self.memo[key]
 
 
-def _batched(cfg, params, ec, reqs, waves: int, mesh=None):
-  """All requests through one engine, submitted in `waves` groups (each after the previous group's first steps)."""
+def _batched(cfg, params, ec, reqs, waves: int, mesh=None, before_wave=None):
+  """All requests through one engine, submitted in `waves` groups (each after the previous group's first steps);
+  before_wave(engine, w), if given, runs before each later group w is submitted."""
   eng = Engine(params, cfg, ec, mesh=mesh)
   groups = np.array_split(np.arange(len(reqs)), waves)
-  for g in groups:
+  for w, g in enumerate(groups):
+    if w and before_wave is not None:
+      before_wave(eng, w)
     for i in g:
       eng.add_request(f"r{i}", reqs[i][0], reqs[i][1])
     for _ in range(2):
@@ -149,7 +153,7 @@ def _check(variant: str, kv: str, examples: int, drafts: bool = False, tiers: bo
     reqs, run = trace
     tc = None
     if run["tiers"]:
-      from dsv4.engine.tiering import TieringConfig
+      from dsv4.engine.tiering_config import TieringConfig
       tc = TieringConfig(tiers=("host",), policy="load", write_queue=0)
     ec = dataclasses.replace(tight if run["tight"] else roomy, layout=layout, chunk_size=run["chunk_size"],
                              enable_prefix_caching=run["enable_prefix_caching"],

@@ -11,11 +11,14 @@ import pytest
 
 from dsv4 import config
 from dsv4 import model
-from dsv4.loading import CheckpointError, Quant, load_checkpoint, restore_params, save_hf_safetensors, save_params
 from dsv4.loading import names
 from dsv4.loading import quant
-from dsv4.loading import safetensors_io
+from dsv4.loading import safetensors_file, safetensors_write
 from dsv4.loading import safetensors_write
+from dsv4.loading.orbax_io import restore_params, save_params
+from dsv4.loading.safetensors_file import CheckpointError
+from dsv4.loading.safetensors_io import load_checkpoint
+from dsv4.loading.safetensors_write import Quant, save_hf_safetensors
 
 
 def _v41_tiny():
@@ -177,9 +180,9 @@ def test_hf_round_trip_single_file(tiny, tmp_path):
 
 def test_original_round_trip_sharded(tiny, tmp_path):
   cfg, params = tiny
-  files = safetensors_io.save_original_safetensors(params, cfg, str(tmp_path), shard_bytes=60_000)
-  assert len(files) > 3 and os.path.exists(tmp_path / safetensors_io.INDEX_FILE)
-  wmap = json.load(open(tmp_path / safetensors_io.INDEX_FILE))["weight_map"]
+  files = safetensors_write.save_original_safetensors(params, cfg, str(tmp_path), shard_bytes=60_000)
+  assert len(files) > 3 and os.path.exists(tmp_path / safetensors_file.INDEX_FILE)
+  wmap = json.load(open(tmp_path / safetensors_file.INDEX_FILE))["weight_map"]
   assert "layers.2.ffn.experts.3.w1.weight" in wmap
   got = load_checkpoint(str(tmp_path), cfg, as_jax=False)
   assert _max_diff(params, got) == 0.0
@@ -200,12 +203,12 @@ def _fake_quant_params(params, cfg, block):
 @pytest.mark.parametrize("naming", ["original", "hf"])
 def test_quantized_round_trip(tiny, tmp_path, naming):
   cfg, params = tiny
-  save = safetensors_io.save_original_safetensors if naming == "original" else save_hf_safetensors
+  save = safetensors_write.save_original_safetensors if naming == "original" else save_hf_safetensors
   save(params, cfg, str(tmp_path), quant=Quant(fp8_block=128, fp4_experts=True), shard_bytes=40_000)
   hdr = {}
   for f in os.listdir(tmp_path):
     if f.endswith(".safetensors"):
-      hdr.update(safetensors_io.read_header(str(tmp_path / f)))
+      hdr.update(safetensors_file.read_header(str(tmp_path / f)))
   if naming == "original":
     assert hdr["layers.1.attn.wq_a.weight"].dtype == "F8_E4M3"
     assert hdr["layers.1.attn.wq_a.scale"].dtype == "F8_E8M0" and hdr["layers.1.attn.wq_a.scale"].shape == (1, 1)
@@ -225,8 +228,8 @@ def test_quantized_round_trip(tiny, tmp_path, naming):
 def test_v41_quantized_round_trip_32x32_blocks(tmp_path):
   cfg = _v41_tiny()
   params = _random_params(cfg, 3)
-  safetensors_io.save_original_safetensors(params, cfg, str(tmp_path / "o"), quant=Quant(fp8_block=32))
-  h = safetensors_io.read_header(str(tmp_path / "o" / safetensors_io.SINGLE_FILE))
+  safetensors_write.save_original_safetensors(params, cfg, str(tmp_path / "o"), quant=Quant(fp8_block=32))
+  h = safetensors_file.read_header(str(tmp_path / "o" / safetensors_file.SINGLE_FILE))
   assert h["layers.1.attn.wq_b.scale"].shape == (8, 1)  # stored [256, 32] in 32x32 blocks
   got = load_checkpoint(str(tmp_path / "o"), cfg, as_jax=False)  # default block for v41 is 32
   assert _max_diff(_fake_quant_params(params, cfg, 32), got) == 0.0
@@ -241,13 +244,13 @@ def test_v41_quantized_round_trip_32x32_blocks(tmp_path):
 
 def _write(tmp_path, tensors, name="bad.safetensors"):
   p = str(tmp_path / name)
-  safetensors_io.write_file(tensors, p)
+  safetensors_file.write_file(tensors, p)
   return p
 
 
 def test_missing_unexpected_shape_dtype(tiny, tmp_path):
   cfg, params = tiny
-  sd = safetensors_io.hf_state_dict(params, cfg)
+  sd = safetensors_write.hf_state_dict(params, cfg)
   t = dict(sd)
   del t["model.layers.2.self_attn.compressor.position_bias"]
   with pytest.raises(CheckpointError, match=r"model\.layers\.2\.self_attn\.compressor\.position_bias.*missing"):
@@ -304,7 +307,7 @@ def test_truncated_and_garbage_files(tiny, tmp_path):
   cfg, params = tiny
   (f,) = save_hf_safetensors(params, cfg, str(tmp_path / "ok"))
   data = open(f, "rb").read()
-  hdr = safetensors_io.read_header(f)
+  hdr = safetensors_file.read_header(f)
   last = max(hdr.values(), key=lambda e: e.start)
   cut = tmp_path / "cut.safetensors"
   cut.write_bytes(data[: last.start + 10])
@@ -327,7 +330,7 @@ def test_truncated_and_garbage_files(tiny, tmp_path):
 def test_sharded_index_inconsistencies(tiny, tmp_path):
   cfg, params = tiny
   files = save_hf_safetensors(params, cfg, str(tmp_path), shard_bytes=50_000)
-  idx = tmp_path / safetensors_io.INDEX_FILE
+  idx = tmp_path / safetensors_file.INDEX_FILE
   good = json.load(open(idx))
   bad = json.loads(json.dumps(good))
   name = "model.layers.3.self_attn.compressor.indexer.q_b_proj.weight"

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from dsv4 import config
-from dsv4.loading import CheckpointError, Quant, load_checkpoint
-from dsv4.loading import safetensors_io
+from dsv4.loading import checkpoint_naming, safetensors_file, safetensors_io, safetensors_write
+from dsv4.loading.safetensors_file import CheckpointError
+from dsv4.loading.safetensors_io import load_checkpoint
+from dsv4.loading.safetensors_write import Quant
 from tests.dsv4.test_loading import _fake_quant_params, _max_diff, _random_params, _v41_tiny
 
 
@@ -21,8 +23,8 @@ def _leaves(t):
 
 
 def _read_single_file(directory):
-  return {k: safetensors_io.read_tensor(e)
-          for k, e in safetensors_io.read_header(os.path.join(directory, safetensors_io.SINGLE_FILE)).items()}
+  return {k: safetensors_file.read_tensor(e)
+          for k, e in safetensors_file.read_header(os.path.join(directory, safetensors_file.SINGLE_FILE)).items()}
 
 
 def test_transformers_save_pretrained_loads_like_the_parity_checkpoint(tmp_path):
@@ -33,11 +35,12 @@ def test_transformers_save_pretrained_loads_like_the_parity_checkpoint(tmp_path)
   hf = oracle_util.build_oracle(seed=0)
   hf.save_pretrained(str(tmp_path / "saved"))
   oracle_util.save_oracle_weights(hf, str(tmp_path / "conv"))
-  names = safetensors_io.read_header(str(tmp_path / "saved" / "model.safetensors"))
+  names = safetensors_file.read_header(str(tmp_path / "saved" / "model.safetensors"))
   assert {"head.weight", "model.hc_head.hc_fn", "model.layers.1.attn.norm.weight",
           "model.layers.0.attn.wq_a.weight"} <= set(names)
-  assert safetensors_io.detect_naming(names) == "saved"
-  assert safetensors_io.detect_naming(safetensors_io.read_header(str(tmp_path / "conv" / "model.safetensors"))) == "hf"
+  assert checkpoint_naming.detect_naming(names) == "saved"
+  conv_header = safetensors_file.read_header(str(tmp_path / "conv" / "model.safetensors"))
+  assert checkpoint_naming.detect_naming(conv_header) == "hf"
   cfg = config.v4_tiny()
   got = load_checkpoint(str(tmp_path / "saved"), cfg, as_jax=False)
   want = load_checkpoint(str(tmp_path / "conv"), cfg, as_jax=False)
@@ -51,8 +54,8 @@ def test_transformers_save_pretrained_loads_like_the_parity_checkpoint(tmp_path)
 def test_every_naming_round_trips_sharded_and_quantized(tmp_path, naming):
   cfg = config.v4_tiny()
   params = _random_params(cfg, 1)
-  safetensors_io.save_checkpoint(params, cfg, str(tmp_path), naming=naming, shard_bytes=60_000,
-                                 quant=Quant(fp8_block=128))
+  safetensors_write.save_checkpoint(params, cfg, str(tmp_path), naming=naming, shard_bytes=60_000,
+                                    quant=Quant(fp8_block=128))
   assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) >= 4
   got = load_checkpoint(str(tmp_path), cfg, as_jax=False)
   assert _max_diff(_fake_quant_params(params, cfg, 128), got) == 0.0
@@ -61,16 +64,16 @@ def test_every_naming_round_trips_sharded_and_quantized(tmp_path, naming):
 def test_nemo_naming_round_trip(tmp_path):
   cfg = _v41_tiny()
   params = _random_params(cfg, 2)
-  safetensors_io.save_checkpoint(params, cfg, str(tmp_path), naming="nemo", shard_bytes=200_000)
-  assert safetensors_io.detect_naming(safetensors_io.read_entries(str(tmp_path))) == "nemo"
+  safetensors_write.save_checkpoint(params, cfg, str(tmp_path), naming="nemo", shard_bytes=200_000)
+  assert checkpoint_naming.detect_naming(safetensors_file.read_entries(str(tmp_path))) == "nemo"
   assert _max_diff(params, load_checkpoint(str(tmp_path), cfg, as_jax=False)) == 0.0
 
 
 def test_bf16_streaming_load_equals_cast_of_f32_load(tmp_path):
   cfg = config.v4_tiny()
   params = _random_params(cfg, 3)
-  safetensors_io.save_checkpoint(params, cfg, str(tmp_path), naming="saved", shard_bytes=80_000,
-                                 dtype=ml_dtypes.bfloat16)
+  safetensors_write.save_checkpoint(params, cfg, str(tmp_path), naming="saved", shard_bytes=80_000,
+                                    dtype=ml_dtypes.bfloat16)
   f32 = load_checkpoint(str(tmp_path), cfg, as_jax=False)
   bf = load_checkpoint(str(tmp_path), cfg, dtype=ml_dtypes.bfloat16)  # jax arrays
   for a, b in zip(_leaves(f32), _leaves(bf)):
@@ -84,28 +87,29 @@ def test_saved_naming_errors_name_the_stored_tensor(tmp_path):
   cfg = config.v4_tiny()
   params = _random_params(cfg, 4)
   d = str(tmp_path / "a")
-  safetensors_io.save_checkpoint(params, cfg, d, naming="saved")
+  safetensors_write.save_checkpoint(params, cfg, d, naming="saved")
   t = _read_single_file(d)
   t["model.layers.2.attn.wkv.weight"] = t["model.layers.2.attn.wkv.weight"][:, :32]
-  safetensors_io.write_file(t, os.path.join(d, safetensors_io.SINGLE_FILE))
+  safetensors_file.write_file(t, os.path.join(d, safetensors_file.SINGLE_FILE))
   with pytest.raises(CheckpointError,
                      match=r"'model\.layers\.2\.attn\.wkv\.weight'.*shape \[64, 32\], expected \[64, 64\]"):
     load_checkpoint(d, cfg)
   # mixing save_pretrained names with converted HF names is refused
   t = _read_single_file(d)
   t["model.layers.0.mlp.experts.down_proj"] = np.zeros((8, 64, 32), np.float32)
-  safetensors_io.write_file(t, os.path.join(d, safetensors_io.SINGLE_FILE))
+  safetensors_file.write_file(t, os.path.join(d, safetensors_file.SINGLE_FILE))
   with pytest.raises(CheckpointError, match="mixes transformers save_pretrained names"):
     load_checkpoint(d, cfg)
 
 
 def test_missing_shard_is_named(tmp_path):
   cfg = config.v4_tiny()
-  files = safetensors_io.save_checkpoint(_random_params(cfg, 5), cfg, str(tmp_path), naming="saved", shard_bytes=80_000)
+  files = safetensors_write.save_checkpoint(_random_params(cfg, 5), cfg, str(tmp_path), naming="saved",
+                                            shard_bytes=80_000)
   os.remove(files[1])
   with pytest.raises(CheckpointError, match=f"shard '{os.path.basename(files[1])}'.*does not exist"):
     load_checkpoint(str(tmp_path), cfg)
-  with open(tmp_path / safetensors_io.INDEX_FILE) as f:
+  with open(tmp_path / safetensors_file.INDEX_FILE) as f:
     assert os.path.basename(files[1]) in json.load(f)["weight_map"].values()
 
 
@@ -116,8 +120,8 @@ def test_fp4_experts_kept_quantized(tmp_path, naming):
   import jax.numpy as jnp
   from dsv4.layers import expert_quant, moe
   cfg = config.v4_tiny()
-  safetensors_io.save_checkpoint(_random_params(cfg, 6), cfg, str(tmp_path), naming=naming, shard_bytes=60_000,
-                    quant=Quant(fp8_block=128))
+  safetensors_write.save_checkpoint(_random_params(cfg, 6), cfg, str(tmp_path), naming=naming,
+                                    shard_bytes=60_000, quant=Quant(fp8_block=128))
   dense = load_checkpoint(str(tmp_path), cfg)
   kept = load_checkpoint(str(tmp_path), cfg, keep_quantized=True)
   for i in range(cfg.num_layers):
@@ -138,7 +142,7 @@ def test_fp4_experts_kept_quantized(tmp_path, naming):
 MTP = dataclasses.replace(config.v4_tiny(num_layers=2), num_mtp_layers=1)
 
 
-@pytest.mark.parametrize("naming", safetensors_io.NAMINGS)
+@pytest.mark.parametrize("naming", checkpoint_naming.NAMINGS)
 def test_mtp_blocks_round_trip_in_every_naming(tmp_path, naming):
   """An MTP block saves and loads in every naming (FP8 / FP4 like a layer where the naming is quantized; HF writes
   it as layer N + K in DeepSeek's spelling); a config without MTP ignores it, one that wants it and finds none
@@ -146,8 +150,8 @@ def test_mtp_blocks_round_trip_in_every_naming(tmp_path, naming):
   params = _random_params(MTP, 9)
   quant = None if naming == "nemo" else Quant(fp8_block=128)
   ck = str(tmp_path / "ck")
-  safetensors_io.save_checkpoint(params, MTP, ck, naming=naming, shard_bytes=60_000, quant=quant)
-  hdr = safetensors_io.read_entries(ck)
+  safetensors_write.save_checkpoint(params, MTP, ck, naming=naming, shard_bytes=60_000, quant=quant)
+  hdr = safetensors_file.read_entries(ck)
   e_proj = {"original": "mtp.0.e_proj.weight", "hf": "layers.2.e_proj.weight", "saved": "model.mtp.0.e_proj.weight",
             "nemo": "mtp.layers.0.e_proj.weight"}[naming]
   assert e_proj in hdr and safetensors_io.storage_dtype(ck) == np.float32
@@ -170,7 +174,7 @@ def test_mtp_blocks_round_trip_in_every_naming(tmp_path, naming):
   base = dataclasses.replace(MTP, num_mtp_layers=0)
   plain = load_checkpoint(ck, base, as_jax=False)
   assert "mtp" not in plain and _max_diff({k: v for k, v in want.items() if k != "mtp"}, plain) == 0.0
-  safetensors_io.save_checkpoint(_random_params(base, 9), base, str(tmp_path / "no"), naming=naming)
+  safetensors_write.save_checkpoint(_random_params(base, 9), base, str(tmp_path / "no"), naming=naming)
   with pytest.raises(CheckpointError, match=r"tensor 'mtp\.(layers\.)?0\.[^']*' is missing"):
     load_checkpoint(str(tmp_path / "no"), MTP)
 
@@ -180,20 +184,20 @@ def test_hf_directory_with_deepseek_spelled_mtp(tmp_path):
   companions) loads like the layer N + K form; a block stored both ways at once is refused."""
   params = _random_params(MTP, 10)
   quant = Quant(fp8_block=128)
-  safetensors_io.save_checkpoint(params, MTP, str(tmp_path / "hf"), naming="hf", quant=quant)
-  safetensors_io.save_checkpoint(params, MTP, str(tmp_path / "orig"), naming="original", quant=quant)
-  hf = {k: safetensors_io.read_tensor(e) for k, e in safetensors_io.read_entries(str(tmp_path / "hf")).items()}
+  safetensors_write.save_checkpoint(params, MTP, str(tmp_path / "hf"), naming="hf", quant=quant)
+  safetensors_write.save_checkpoint(params, MTP, str(tmp_path / "orig"), naming="original", quant=quant)
+  hf = {k: safetensors_file.read_tensor(e) for k, e in safetensors_file.read_entries(str(tmp_path / "hf")).items()}
   t = {k: v for k, v in hf.items() if ".layers.2." not in "." + k}
-  t.update({k: safetensors_io.read_tensor(e) for k, e in safetensors_io.read_entries(str(tmp_path / "orig")).items()
+  t.update({k: safetensors_file.read_tensor(e) for k, e in safetensors_file.read_entries(str(tmp_path / "orig")).items()
             if k.startswith("mtp.")})
   assert "mtp.0.attn.wq_a.scale" in t and "mtp.0.ffn.experts.0.w2.scale" in t
   os.makedirs(tmp_path / "hub")
-  safetensors_io.write_file(t, str(tmp_path / "hub" / safetensors_io.SINGLE_FILE))
-  assert safetensors_io.detect_naming(t) == "hf"
+  safetensors_file.write_file(t, str(tmp_path / "hub" / safetensors_file.SINGLE_FILE))
+  assert checkpoint_naming.detect_naming(t) == "hf"
   got = load_checkpoint(str(tmp_path / "hub"), MTP, as_jax=False)
   assert _max_diff(_fake_quant_params(params, MTP, 128), got) == 0.0
   t["model.layers.2.attn.wq_a.weight"] = hf["model.layers.2.attn.wq_a.weight"]
   t["layers.2.e_proj.weight"] = hf["layers.2.e_proj.weight"]
-  safetensors_io.write_file(t, str(tmp_path / "hub" / safetensors_io.SINGLE_FILE))
+  safetensors_file.write_file(t, str(tmp_path / "hub" / safetensors_file.SINGLE_FILE))
   with pytest.raises(CheckpointError, match=r"both MTP tensor 'mtp\.0\.(attn\.wq_a|e_proj)\.weight'"):
     load_checkpoint(str(tmp_path / "hub"), MTP)

@@ -14,10 +14,11 @@ import pytest
 
 from dsv4 import config
 from dsv4.config import ConfigError
-from dsv4.loading import CheckpointError, Quant
 from dsv4.loading import quant
-from dsv4.loading import safetensors_io
+from dsv4.loading import checkpoint_naming, safetensors_file, safetensors_io, safetensors_write
 from dsv4.loading.pretrained import load_pretrained
+from dsv4.loading.safetensors_file import CheckpointError
+from dsv4.loading.safetensors_write import Quant
 from tests.dsv4 import oracle_util
 from tests.dsv4 import v41_oracle
 from tests.dsv4.test_loading import _max_diff, _random_params, _v41_tiny
@@ -39,8 +40,8 @@ def make_checkpoint_dir(path, naming: str, seed: int = 0, *, shard_bytes: int = 
             "num_nextn_predict_layers": max(mtp, int(mtp_declared))}
   params = _random_params(cfg, seed)
   os.makedirs(path, exist_ok=True)
-  safetensors_io.save_checkpoint(params, cfg, str(path), naming=naming, shard_bytes=shard_bytes,
-                                 dtype=ml_dtypes.bfloat16)
+  safetensors_write.save_checkpoint(params, cfg, str(path), naming=naming, shard_bytes=shard_bytes,
+                                    dtype=ml_dtypes.bfloat16)
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(conf, f)
   make_tokenizer(cfg.vocab_size).save(str(path))
@@ -76,7 +77,7 @@ def test_the_mtp_block_config_json_declares(tmp_path, naming):
   if naming != "original":
     return
   make_checkpoint_dir(tmp_path / "without", naming, mtp_declared=True)
-  assert safetensors_io.stored_mtp_blocks(str(tmp_path / "without"), cfg.num_layers) == 0
+  assert checkpoint_naming.stored_mtp_blocks(str(tmp_path / "without"), cfg.num_layers) == 0
   assert load_pretrained(str(tmp_path / "without")).config.num_mtp_layers == 0
   with pytest.raises(CheckpointError, match="mtp.0"):
     load_pretrained(str(tmp_path / "without"), mtp=True)
@@ -89,7 +90,7 @@ def test_dtype_auto_is_the_checkpoint_storage_dtype(tmp_path, stored, quant, wan
   """dtype="auto": the dtype of the checkpoint's plain float tensors; FP8 / FP4 tensors (and their F32 / E8M0
   scales) do not count and dequantize into it."""
   cfg = config.v4_tiny()
-  safetensors_io.save_checkpoint(_random_params(cfg, 7), cfg, str(tmp_path), naming="hf", dtype=stored, quant=quant)
+  safetensors_write.save_checkpoint(_random_params(cfg, 7), cfg, str(tmp_path), naming="hf", dtype=stored, quant=quant)
   (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", **oracle_util.HF_TINY_KWARGS}))
   assert safetensors_io.storage_dtype(str(tmp_path)) == want
   pre = load_pretrained(str(tmp_path), tokenizer=False)
@@ -101,21 +102,21 @@ def test_dtype_auto_is_the_checkpoint_storage_dtype(tmp_path, stored, quant, wan
 
 def test_dtype_auto_counts_elements_and_refuses_other_dtypes(tmp_path):
   cfg = config.v4_tiny()
-  safetensors_io.save_checkpoint(_random_params(cfg, 8), cfg, str(tmp_path), naming="hf", dtype=ml_dtypes.bfloat16)
-  fp = os.path.join(tmp_path, safetensors_io.SINGLE_FILE)
-  t = {k: safetensors_io.read_tensor(e) for k, e in safetensors_io.read_header(fp).items()}
+  safetensors_write.save_checkpoint(_random_params(cfg, 8), cfg, str(tmp_path), naming="hf", dtype=ml_dtypes.bfloat16)
+  fp = os.path.join(tmp_path, safetensors_file.SINGLE_FILE)
+  t = {k: safetensors_file.read_tensor(e) for k, e in safetensors_file.read_header(fp).items()}
   for k in t:  # released checkpoints keep a few small tensors (norms, router biases) in F32: still bf16
     if k.endswith(("norm.weight", "e_score_correction_bias")):
       t[k] = t[k].astype(np.float32)
-  safetensors_io.write_file(t, fp)
-  assert {e.dtype for e in safetensors_io.read_header(fp).values()} >= {"F32", "BF16"}
+  safetensors_file.write_file(t, fp)
+  assert {e.dtype for e in safetensors_file.read_header(fp).values()} >= {"F32", "BF16"}
   assert safetensors_io.storage_dtype(str(tmp_path)) == ml_dtypes.bfloat16
   # nothing but quantized tensors and scales: bfloat16
   q = tmp_path / "q"
   q.mkdir()
   w, sc = quant.quantize_fp8_block(np.ones((128, 128), np.float32), 128)
-  safetensors_io.write_file({"layers.0.attn.wq_a.weight": w, "layers.0.attn.wq_a.scale": sc},
-                            str(q / safetensors_io.SINGLE_FILE))
+  safetensors_file.write_file({"layers.0.attn.wq_a.weight": w, "layers.0.attn.wq_a.scale": sc},
+                            str(q / safetensors_file.SINGLE_FILE))
   assert safetensors_io.storage_dtype(str(q)) == ml_dtypes.bfloat16
   (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", **oracle_util.HF_TINY_KWARGS}))
   for bad in (np.float16, "fp16", np.int32):
@@ -221,7 +222,7 @@ def test_v41_engram_token_map_comes_from_the_tokenizer(tmp_path):
   from dsv4.layers import engram
   cfg = config.v41_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
-  safetensors_io.save_checkpoint(params, cfg, str(tmp_path), naming="nemo", shard_bytes=300_000)
+  safetensors_write.save_checkpoint(params, cfg, str(tmp_path), naming="nemo", shard_bytes=300_000)
   with open(tmp_path / "config.json", "w") as f:
     json.dump({"model_type": "deepseek_v41_text", **v41_oracle.nemo_text_kwargs(cfg)}, f)
   hf_tok = v41_oracle.tiny_tokenizer(cfg.vocab_size)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from dsv4.engine.api import generate_text
-from dsv4.engine.engine import EngineConfig
+from dsv4.engine.config import EngineConfig
 from dsv4.engine.sampling import SamplingParams
-from dsv4.loading import load_pretrained
+from dsv4.loading.pretrained import load_pretrained
 from tests.dsv4 import oracle_util
 from tests.dsv4.test_tokenizer import save_hf_bpe_tokenizer
 

@@ -13,7 +13,8 @@ import pytest
 
 from dsv4 import caches, config, model
 from dsv4.layers import compressor as comp
-from dsv4.layers.rope import inv_freq_for
+from dsv4.layers.norms import rms_norm
+from dsv4.layers.rope import apply_rope, inv_freq_for
 
 TOL = 1e-5
 
@@ -181,8 +182,8 @@ def test_hca_running_pool_equals_repool():
     zz, aa = z[n * m:(n + 1) * m], a[n * m:(n + 1) * m]
     pw = np.exp(zz - zz.max(0))
     pooled = (pw / pw.sum(0) * aa).sum(0)
-    ref = comp.apply_rope(comp.rms_norm(jnp.asarray(pooled, jnp.float32), params["norm"], cfg.rms_norm_eps),
-                          jnp.asarray(n * m), inv)
+    ref = apply_rope(rms_norm(jnp.asarray(pooled, jnp.float32), params["norm"], cfg.rms_norm_eps),
+                     jnp.asarray(n * m), inv)
     np.testing.assert_allclose(got[n], np.asarray(ref), rtol=1e-6, atol=1e-6)
 
 

@@ -16,8 +16,9 @@ import pytest
 
 from dsv4 import caches, model, nnx_model
 from dsv4.config import ConfigError, v4_tiny, v41_tiny
-from dsv4.loading import load_checkpoint, safetensors_io
+from dsv4.loading import safetensors_file, safetensors_write
 from dsv4.loading.names import nemo_specs
+from dsv4.loading.safetensors_io import load_checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))
 import v41_oracle  # noqa: E402
@@ -90,7 +91,7 @@ def nemo(tmp_path_factory):
   original = DeepSeekV4StateDictAdapter(config, ref.model.moe_config, backend).to_hf(ref.state_dict())
   assert "mtp.0.e_proj.weight" in original and "mtp.0.hc_head_fn" in original
   path = str(tmp_path_factory.mktemp("nemo_v4_mtp") / "model.safetensors")
-  safetensors_io.write_file({k: v.detach().numpy().copy() for k, v in original.items()}, path)
+  safetensors_file.write_file({k: v.detach().numpy().copy() for k, v in original.items()}, path)
   return ref, path, DeepSeekV4StateDictAdapter(config, ref.model.moe_config, backend)
 
 
@@ -130,7 +131,7 @@ def test_nemo_naming_is_nemos_state_dict(nemo, tmp_path):
   assert {k: v.shape for k, v in sd.items()} == {k: s.shape for k, s in specs.items()}
   assert any(k.startswith("mtp.layers.0.mlp.experts.") for k in specs)
   assert all(s.integer == np.issubdtype(sd[k].dtype, np.integer) for k, s in specs.items())
-  safetensors_io.write_file(sd, str(tmp_path / "model.safetensors"))
+  safetensors_file.write_file(sd, str(tmp_path / "model.safetensors"))
   got, want = load_checkpoint(str(tmp_path), CFG, as_jax=False), load_checkpoint(path, CFG, as_jax=False)
   for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_array_equal(x, y)
@@ -145,7 +146,7 @@ def _torch(x):
   return torch.from_numpy(np.ascontiguousarray(x))
 
 
-@pytest.mark.parametrize("quant", [None, safetensors_io.Quant(fp8_block=128)], ids=["plain", "fp8_fp4"])
+@pytest.mark.parametrize("quant", [None, safetensors_write.Quant(fp8_block=128)], ids=["plain", "fp8_fp4"])
 def test_hf_layer_form_reads_through_nemos_adapter(nemo, tmp_path, quant):
   """What the HF writers store for the block (layer N + K in DeepSeek's spelling, `.scale` companions) goes through
   NeMo's `from_hf` to the same `mtp.layers.0.*` tensors as the original names, after NeMo's own dequantization and
@@ -154,9 +155,9 @@ def test_hf_layer_form_reads_through_nemos_adapter(nemo, tmp_path, quant):
   params = load_checkpoint(path, CFG, as_jax=False)
   out = {}
   for naming in ("original", "hf"):
-    safetensors_io.save_checkpoint(params, CFG, str(tmp_path / naming), naming=naming, quant=quant)
-    entries = safetensors_io.read_entries(str(tmp_path / naming))
-    t = {k: _torch(safetensors_io.read_tensor(e)) for k, e in entries.items()}
+    safetensors_write.save_checkpoint(params, CFG, str(tmp_path / naming), naming=naming, quant=quant)
+    entries = safetensors_file.read_entries(str(tmp_path / naming))
+    t = {k: _torch(safetensors_file.read_tensor(e)) for k, e in entries.items()}
     out[naming] = {k: v for k, v in adapter.from_hf(t).items() if k.startswith("mtp.")}
   assert "model.layers.2.attn.wq_a.weight" in t and "layers.2.e_proj.weight" in t
   assert sorted(out["hf"]) == sorted(out["original"]) and "mtp.layers.0.mlp.experts.gate_and_up_projs" in out["hf"]
@@ -198,8 +199,8 @@ def test_chunked_and_nnx_equal_the_whole_sequence():
 
 def test_loader_names_and_refusals(tmp_path):
   params = model.init_params(CFG, jax.random.PRNGKey(2))
-  safetensors_io.save_original_safetensors(params, CFG, str(tmp_path / "ck"))
-  names = safetensors_io.read_entries(str(tmp_path / "ck"))
+  safetensors_write.save_original_safetensors(params, CFG, str(tmp_path / "ck"))
+  names = safetensors_file.read_entries(str(tmp_path / "ck"))
   assert {"mtp.0.e_proj.weight", "mtp.0.hnorm.weight", "mtp.0.hc_head_fn", "mtp.0.attn.wq_a.weight",
           "mtp.0.ffn.experts.7.w2.weight", "mtp.0.hc_attn_fn"} <= set(names)
   back = load_checkpoint(str(tmp_path / "ck"), CFG, as_jax=False)
@@ -209,8 +210,8 @@ def test_loader_names_and_refusals(tmp_path):
   base = dataclasses.replace(CFG, num_mtp_layers=0)
   plain = load_checkpoint(str(tmp_path / "ck"), base, as_jax=False)
   assert "mtp" not in plain
-  safetensors_io.save_original_safetensors(model.init_params(base, jax.random.PRNGKey(2)), base, str(tmp_path / "no"))
-  with pytest.raises(safetensors_io.CheckpointError, match="mtp.0"):
+  safetensors_write.save_original_safetensors(model.init_params(base, jax.random.PRNGKey(2)), base, str(tmp_path / "no"))
+  with pytest.raises(safetensors_file.CheckpointError, match="mtp.0"):
     load_checkpoint(str(tmp_path / "no"), CFG)
   # V4.1's draft stages are DSpark's: they need its target layers
   with pytest.raises(ConfigError, match="dspark.target_layer_ids"):

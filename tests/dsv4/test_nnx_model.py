@@ -163,7 +163,8 @@ def test_engine_through_the_modules_gives_the_same_tokens():
 
   from dsv4.engine import workloads
   from dsv4.engine.api import run_workload
-  from dsv4.engine.engine import Engine, EngineConfig
+  from dsv4.engine.config import EngineConfig
+  from dsv4.engine.engine import Engine
   cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   # 8-token chunks and budget: every step is one token bucket, so each path compiles one step program.
@@ -286,7 +287,8 @@ def test_engine_runs_the_modules_so_edits_change_its_output():
   import dataclasses
 
   from dsv4.engine.api import generate
-  from dsv4.engine.engine import Engine, EngineConfig
+  from dsv4.engine.config import EngineConfig
+  from dsv4.engine.engine import Engine
   from dsv4.engine.sampling import SamplingParams
   cfg = config.v4_tiny(num_layers=2)            # a window layer and a CSA layer: half the compile of v4_tiny
   params = model.init_params(cfg, jax.random.PRNGKey(0))

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from dsv4 import config, model
-from dsv4.loading import CheckpointError, restore_params, save_params
 from dsv4.loading import orbax_io
+from dsv4.loading.orbax_io import restore_params, save_params
+from dsv4.loading.safetensors_file import CheckpointError
 
 
 @pytest.fixture(scope="module")

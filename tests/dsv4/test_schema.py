@@ -12,7 +12,8 @@ from cache.hashing import ExtraKeys
 from dsv4 import config, model
 from dsv4.engine import schema
 from dsv4.engine.api import generate
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.request import Request
 from dsv4.engine.sampling import SamplingParams
 from tests.dsv4.schema_cases import BAD, GOOD_PROMPT

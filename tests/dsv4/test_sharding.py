@@ -83,7 +83,8 @@ def test_mesh_step_tables_travel_device_to_device():
 def test_engine_table_rows_are_per_data_shard():
   """Each data shard's cache manager owns max_num_seqs / D table rows (shard-local slots); on one device the one
   manager owns them all, and the runner reads the tables from it."""
-  from dsv4.engine.engine import Engine, EngineConfig
+  from dsv4.engine.config import EngineConfig
+  from dsv4.engine.engine import Engine
   cfg = config.v4_tiny(num_layers=2)
   eng = Engine(model.init_params(cfg, jax.random.PRNGKey(0)), cfg,
                EngineConfig(max_num_seqs=4, max_model_len=256, num_full_blocks=4, num_swa_blocks=8))

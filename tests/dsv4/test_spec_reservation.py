@@ -38,7 +38,8 @@ import pytest
 
 from dsv4 import caches, config, model
 from dsv4.engine import step_program
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.request import Status
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.step_plan import result_width

@@ -19,8 +19,9 @@ import pytest
 from cache.hashing import ExtraKeys
 from cache.tiers import record
 from dsv4 import caches, model
-from dsv4.engine.engine import Engine, EngineConfig
-from dsv4.engine.tiering import TieringConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
+from dsv4.engine.tiering_config import TieringConfig
 from tests.dsv4 import tiers_precision_worker
 from tests.dsv4.test_sharding import run_worker
 

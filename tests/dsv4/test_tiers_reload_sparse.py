@@ -21,9 +21,10 @@ import numpy as np
 
 from dsv4 import config, model
 from dsv4.engine.api import generate
-from dsv4.engine.engine import Engine, EngineConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
-from dsv4.engine.tiering import TieringConfig
+from dsv4.engine.tiering_config import TieringConfig
 
 EC = EngineConfig(max_num_seqs=2, max_num_batched_tokens=128, chunk_size=64, max_model_len=640, num_full_blocks=12,
                   num_swa_blocks=48, record_logits=True)

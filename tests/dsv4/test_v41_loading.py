@@ -6,9 +6,10 @@ import numpy as np
 
 from dsv4 import config
 from dsv4 import model
-from dsv4.loading import Quant, load_checkpoint, save_original_safetensors
 from dsv4.loading import names
-from dsv4.loading import safetensors_io
+from dsv4.loading import safetensors_file
+from dsv4.loading.safetensors_io import load_checkpoint
+from dsv4.loading.safetensors_write import Quant, save_original_safetensors
 
 
 def _params(cfg, seed=0):
@@ -33,7 +34,7 @@ def test_v41_original_names_quantized_round_trip(tmp_path):
   cfg = config.v41_tiny()
   params = _params(cfg)
   save_original_safetensors(params, cfg, str(tmp_path), quant=Quant(fp8_block=32, fp4_experts=True))
-  entries = safetensors_io.read_entries(str(tmp_path))
+  entries = safetensors_file.read_entries(str(tmp_path))
   assert entries["layers.1.attn.wq_a.weight"].dtype == "F8_E4M3"
   assert entries["layers.1.attn.wq_a.scale"].shape == (1, 2)                 # [32, 64] in 32x32 blocks
   assert entries["layers.1.engram.embed.scale"].shape == (1100, 1)           # per row / 32 columns
@@ -55,7 +56,7 @@ def test_v41_nemo_names_round_trip(tmp_path):
   assert {"model.layers.4.attn.sinks_param.weight", "model.layers.4.attn_hc.fn", "model.layers.1.engram.wkv.weight",
           "model.layers.0.ffn.gate.e_score_correction_bias", "model.layers.0.ffn.gate.bias_vl",
           "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(nemo)
-  safetensors_io.write_file({k: np.asarray(v, np.float32) for k, v in nemo.items()},
-                            str(tmp_path / "model.safetensors"))
+  safetensors_file.write_file({k: np.asarray(v, np.float32) for k, v in nemo.items()},
+                              str(tmp_path / "model.safetensors"))
   back = load_checkpoint(str(tmp_path), cfg, as_jax=False)
   assert _max_rel(params, back) == 0.0

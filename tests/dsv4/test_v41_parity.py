@@ -18,7 +18,8 @@ import pytest
 
 from dsv4 import config, model
 from dsv4.layers import engram
-from dsv4.loading import load_checkpoint, safetensors_io
+from dsv4.loading import safetensors_file
+from dsv4.loading.safetensors_io import load_checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))
 import v41_oracle  # noqa: E402
@@ -35,7 +36,7 @@ def oracle(tmp_path_factory):
   cfg = config.v41_tiny()
   ref, tokenizer = v41_oracle.build(cfg, seed=0)
   path = str(tmp_path_factory.mktemp("nemo_ckpt") / "model.safetensors")
-  safetensors_io.write_file(v41_oracle.state_dict_np(ref), path)
+  safetensors_file.write_file(v41_oracle.state_dict_np(ref), path)
   params = load_checkpoint(path, cfg)
   token_map, n = engram.compressed_token_map(tokenizer)
   assert n == cfg.engram.compressed_vocab_size

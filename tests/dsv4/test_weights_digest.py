@@ -8,10 +8,11 @@ import pytest
 from cache.hashing import ExtraKeys
 from dsv4 import config
 from dsv4 import model
-from dsv4.engine.engine import Engine, EngineConfig
-from dsv4.engine.tiering import TieringConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
+from dsv4.engine.tiering_config import TieringConfig
 from dsv4.loading import orbax_io
-from dsv4.loading import safetensors_io
+from dsv4.loading import safetensors_io, safetensors_write
 from dsv4.loading import weights_digest
 
 
@@ -64,7 +65,7 @@ def test_loading_streams_the_digest_of_every_leaf(tmp_path, naming):
   of the loaded leaf, so params_digest re-reads nothing and still covers every byte."""
   cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(2))
-  safetensors_io.save_checkpoint(params, cfg, str(tmp_path / "ckpt"), naming=naming)
+  safetensors_write.save_checkpoint(params, cfg, str(tmp_path / "ckpt"), naming=naming)
   loaded = safetensors_io.load_checkpoint(str(tmp_path / "ckpt"), cfg)
   flat = weights_digest.flat(loaded)
   known = {k: weights_digest.known_digest(v) for k, v in flat.items()}

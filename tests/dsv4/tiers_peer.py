@@ -11,7 +11,7 @@ from dsv4 import config, model
 from dsv4.engine.api import generate
 from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
-from dsv4.engine.tiering import TieringConfig
+from dsv4.engine.tiering_config import TieringConfig
 from tests.dsv4.test_tiers_reload import EC
 
 

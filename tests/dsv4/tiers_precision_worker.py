@@ -19,10 +19,11 @@ import jax
 import numpy as np
 
 from cache.hashing import ExtraKeys
-from dsv4 import caches, model, sharding
+from dsv4 import caches, mesh_context, model, sharding
 from dsv4.config import ModelConfig, v4_tiny
-from dsv4.engine.engine import Engine, EngineConfig
-from dsv4.engine.tiering import TieringConfig
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine
+from dsv4.engine.tiering_config import TieringConfig
 
 MESH = (2, 2, 2)
 KV = {"fp32": caches.KV_DTYPES["fp32"], "bf16": caches.KV_DTYPES["bf16"], "fp8": caches.FP8}
@@ -147,7 +148,7 @@ def check_engine(kv: str, tmp: str, mesh=None) -> str:
   cfg = config(mesh is not None)
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   layout = caches.CacheLayout(kv_dtype=KV[kv])
-  D = sharding.axis_size(mesh, "data") if mesh is not None else 1
+  D = mesh_context.axis_size(mesh, "data") if mesh is not None else 1
   ec = EngineConfig(max_num_seqs=2, max_num_batched_tokens=128, chunk_size=64, max_model_len=512,
                     num_full_blocks=3 * D, num_swa_blocks=16 * D, layout=layout, record_logits=True)
   tc = TieringConfig(tiers=("host", "disk"), disk_dir=os.path.join(tmp, f"engine_{kv}_{D}"), policy="load")

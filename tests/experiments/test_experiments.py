@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from dsv4 import model
 from experiments import tasks
 from experiments import train_lib
 
@@ -210,7 +211,7 @@ def test_shipped_headline_accuracy(name):
 
 def test_shipped_checkpoint_loads_and_is_small():
   config, params = train_lib.load_trained("v4_retrieval")
-  assert config.variant == "v4" and train_lib.count_params(params) > 100_000
+  assert config.variant == "v4" and model.count_params(params) > 100_000
   size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(CKPT) for f in fs)
   assert size <= 20 * 2**20
 

@@ -219,13 +219,13 @@ def test_stop_strings_stop_generation_at_the_token_that_completes_them():
 
 
 def test_dtype_and_quantized_cache_at_load(tmp_path):
-  from experiments import serve_lib, serve_model
+  from experiments import serve_checks, serve_model
   from tests.dsv4.test_loading_pretrained import make_checkpoint_dir
   cfg, params, _ = serve_model.load_model("v4_retrieval")
   assert serve_model.params_dtype(params) == "fp32"              # auto: the trained models store fp32
   _, params, _ = serve_model.load_model("v4_retrieval", dtype="bf16")
   assert serve_model.params_dtype(params) == "bf16"
-  with pytest.raises(serve_lib.FlagError, match="--quantized_cache=on: .*V4.1-only"):
+  with pytest.raises(serve_checks.FlagError, match="--quantized_cache=on: .*V4.1-only"):
     serve_model.load_model("v4_retrieval", quantized_cache=True)
   make_checkpoint_dir(tmp_path / "v4", "saved")                 # bf16 shards
   _, params, _ = serve_model.load_model("v4_retrieval", checkpoint=str(tmp_path / "v4"))
@@ -237,3 +237,29 @@ def test_dtype_and_quantized_cache_at_load(tmp_path):
   assert cfg.quantized_cache
   cfg, _, _ = serve_model.load_model("v4_retrieval", checkpoint=str(tmp_path / "nemo"), quantized_cache=False)
   assert not cfg.quantized_cache
+
+
+def test_kernels_flag_sets_the_engines_backend_and_pallas_needs_a_gpu(tmp_path):
+  """--kernels=xla|pallas|auto is EngineConfig.kernel.backend; 'pallas' off a GPU is a flag error found before the
+  model loads (and an Engine refuses it at construction); the preset v4_flash_layers:N passes the checks."""
+  import jax
+
+  from dsv4.config import get_preset
+  from dsv4.engine.config import EngineConfig
+  from dsv4.engine.engine import Engine
+  from experiments import serve_checks, serve_lib
+  from experiments.serve_options import ServeOptions
+  from pallas_kernels import dispatch
+  for k in ("auto", "xla", "pallas"):
+    assert serve_lib.engine_config(ServeOptions(kernels=k), "m", {}, []).kernel.backend == k
+  serve_checks.check_options(ServeOptions(model="random", preset="v4_flash_layers:4", out_dir=str(tmp_path)))
+  assert get_preset("v4_flash_layers:4").attention.num_heads == 64
+  with pytest.raises(ValueError, match="EngineConfig.kernel: kernel backend 'mosaic'"):
+    EngineConfig(kernel=dispatch.KernelConfig(backend="mosaic")).validate()
+  if jax.default_backend() == "gpu":
+    pytest.skip("a GPU is here: 'pallas' is allowed")
+  with pytest.raises(serve_checks.FlagError, match="--kernels=pallas: kernel backend 'pallas' needs a GPU"):
+    serve_lib.run(ServeOptions(kernels="pallas", out_dir=str(tmp_path / "out")))
+  assert not (tmp_path / "out").exists()
+  with pytest.raises(ValueError, match="needs a GPU"):
+    Engine({}, get_preset("v4_tiny"), EngineConfig(kernel=dispatch.KernelConfig(backend="pallas")))

@@ -104,9 +104,10 @@ def test_kernel_matches_reference_fp8_paged():
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "fp8"])
-def test_reference_is_blocked_dense_attention(fmt):
-  """The op's XLA reference on (table of the token's row, its visible count) is the model's
-  `blocked_dense_attention` on the step context, bit for bit: the fallback the engine keeps calling."""
+def test_model_hca_call_is_the_reference_on_per_token_tables(fmt):
+  """The model's HCA call on the step context (the engine's table with each token's row, its visible count;
+  `attention.attention_layer_shared`, no kernel selected) is the op's XLA reference on a per-token copy of the
+  table, bit for bit: the model's XLA path is that reference."""
   from dsv4.layers import attention
   from dsv4.layers.compressor import StepContext
   ratio, R = 4, 3
@@ -123,8 +124,9 @@ def test_reference_is_blocked_dense_attention(fmt):
                     swa_table_RxS=jnp.zeros((R, 1), jnp.int32), full_table_RxF=table_RxF, full_row_N=row,
                     swa_base_R=jnp.zeros((R,), jnp.int32), swa_block_tokens=16, full_block_tokens=E * ratio,
                     invariant=True)
-  want = attention.blocked_dense_attention(q, wp, wi, wl, cp, ctx, ratio, sink, D ** -0.5)
   nv = attention.num_visible(ctx, ratio)
+  want = dispatch.hca_attention(q, wp, wi, wl, cp, ctx.full_table_RxF, nv, sink, **STATIC,
+                                table_rows_N=ctx.full_row_N, cfg=dispatch.KernelConfig("xla"))
   assert int(nv.max()) > 2 * hk.DENSE_BLOCK_ENTRIES
   got = hk.hca_attention_reference(q, wp, wi, wl, cp, table_RxF[row], nv, sink, **STATIC)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -249,7 +251,8 @@ def test_invariant_engine_hca_kernel_tokens_and_bits(monkeypatch):
   alone are bitwise its logits batched with others."""
   from dsv4 import config, model
   from dsv4.engine.api import generate
-  from dsv4.engine.engine import Engine, EngineConfig
+  from dsv4.engine.config import EngineConfig
+  from dsv4.engine.engine import Engine
   from dsv4.engine.sampling import SamplingParams
 
   cfg = config.v4_tiny(num_layers=3)

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from cache.manager import CacheError, KVCacheManager, OutOfBlocks
+from cache.api_types import CacheError, OutOfBlocks
+from cache.manager import KVCacheManager
 from dsv4.caches import CacheLayout, group_specs
 from dsv4.config import v4_flash
 

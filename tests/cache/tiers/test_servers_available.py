@@ -2,10 +2,13 @@
 one line before anything starts (checked with stand-in executables on a private PATH)."""
 
 import stat
+import subprocess
+import time
 
 import pytest
 
 from cache.tiers import servers
+from tests.store_servers import require_server
 
 
 def _exe(folder, name, body):
@@ -75,7 +78,25 @@ def test_the_mooncake_client_import_error_names_the_library():
 def test_the_cli_says_why_it_cannot_start(private_path, capsys):
   for name in ("mooncake_master", "mooncake_client"):
     _exe(private_path, name, LOADER_ERROR.format(name=name))
-  assert servers.main(["mooncake"]) == 1
+  assert servers.serve("mooncake") == 1
   err = capsys.readouterr().err.strip().splitlines()
   assert err == ["servers: cannot start mooncake: mooncake_master cannot start: the system library libibverbs.so.1 "
                  "is missing (apt-get install libibverbs1)"]
+
+
+def test_a_server_that_exits_before_listening_is_reported_at_once_with_its_log(tmp_path):
+  log = tmp_path / "master.log"
+  proc = subprocess.Popen(["sh", "-c", f"echo 'I1206 starting' > {log}; "
+                                       f"echo 'E1206 04:00:14 x.cpp:1] Address already in use' >> {log}; "
+                                       f"echo 'I1206 stopped' >> {log}; exit 3"])
+  t0 = time.monotonic()
+  with pytest.raises(RuntimeError, match=r"exited \(code 3\) before listening.*Address already in use"):
+    servers._wait_port(servers.free_port(), timeout_s=15.0, proc=proc, log=str(log))
+  assert time.monotonic() - t0 < 5.0
+
+
+def test_two_mooncake_masters_run_side_by_side():
+  """Each master's admin server on a private port (its default 0.0.0.0:9003 would stop the second one)."""
+  require_server("mooncake")
+  with servers.MooncakeServer() as a, servers.MooncakeServer() as b:
+    assert a.alive() and b.alive() and a.url != b.url

@@ -1,0 +1,89 @@
+"""Roofline cost of one engine step at real width: today's tiled invariant step, a row-invariant single-pass step
+and a plain (non-invariant) step, for V4-Flash and V4.1-Flash on an H200 (or H100), from the bytes and FLOPs each
+must move and do. A model, not a measurement: the rows where the GPU check measured a kernel print the measurement
+beside the model's figure. The model and its assumptions: benchmarks/support/step_cost.py; how to read the table:
+docs/engine.md (Cost at real width).
+
+    python -m benchmarks.step_roofline
+    python -m benchmarks.step_roofline --models=v4_flash --device=h100 --experts=fp8 --kv=fp8
+
+Columns: weight / KV / activation bytes and FLOPs of the plain step (c) (the row-invariant step (b) reads the same
+weights), the tiled step's (a) weight bytes, each design's roofline ms, and the ratios to (c). "(b)" cuts matmul
+reductions into fixed 256-wide pieces (parallel or serial per call, same bits); "(b) no split-K" never splits them.
+"scan floor" is each design's dependent compressor fold steps times an assumed 5 us each (latency the roofline
+leaves out): (a) and (b) fold each pooling window's tokens in position order (up to ratio - 1 steps a pass), (c)
+with the doubling scan (log2 of the window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl import app, flags
+
+from benchmarks.support import step_cost
+from benchmarks.support.table import print_table
+from dsv4.config import get_preset
+
+flags.DEFINE_list("models", ["v4_flash", "v41_flash"], "Model presets (dsv4.config).")
+flags.DEFINE_enum("device", "h200", sorted(step_cost.DEVICES), "Device description.")
+flags.DEFINE_enum("experts", "mxfp4", ["mxfp4", "fp8", "bf16"], "Routed expert weight format.")
+flags.DEFINE_enum("kv", "bf16", ["bf16", "fp8"], "KV pool format (bf16 rows or 584-byte FP8 records).")
+flags.DEFINE_enum("compute", "bf16", ["bf16", "fp8"], "Tensor-core rate the matmuls run at.")
+flags.DEFINE_integer("tile", 64, "Tokens per tile of the tiled step (EngineConfig.tile_tokens).")
+FLAGS = flags.FLAGS
+
+GB = 1e9
+
+
+def step_rows(cfg, dev, fmt, tiling) -> list[list]:
+  w = step_cost.model_weights(cfg, fmt)
+  rows = []
+  for pt in step_cost.default_points():
+    r = {d: step_cost.step_cost(cfg, pt, d, dev, fmt, tiling, w) for d in step_cost.DESIGNS}
+    c, a, b, b0 = r["plain"], r["tiled"], r["invariant_splitk"], r["invariant"]
+    rows.append([pt.label, c.tally.weight_bytes / GB, a.tally.weight_bytes / GB, c.tally.kv_bytes / GB,
+                 c.tally.act_bytes / GB, c.tally.flops / 1e12, c.time_s * 1e3, c.bound, a.time_s * 1e3,
+                 b.time_s * 1e3, b0.time_s * 1e3, a.time_s / c.time_s, b.time_s / c.time_s, b0.time_s / c.time_s,
+                 " / ".join(f"{x.scan_steps * dev.dependent_step_s * 1e3:.3g}" for x in (a, b, c))])
+  return rows
+
+
+STEP_HEADERS = ["point", "weights GB (c, b)", "weights GB (a)", "KV GB", "act GB", "TFLOP", "(c) ms", "bound",
+                "(a) ms", "(b) ms", "(b) no split-K ms", "(a)/(c)", "(b)/(c)", "(b) no split-K/(c)",
+                "scan floor ms (a / b / c)"]
+
+
+def measured_rows(dev, fmt, tiling) -> list[list]:
+  cfg = get_preset("v4_flash")
+  rows = []
+  for m in step_cost.MEASURED_H200:
+    f = dataclasses.replace(fmt, kv=m.kv)
+    model_ms = step_cost.layer_op_seconds(cfg, m.layer_kind, m.point, m.part, m.design, dev, f, tiling) * 1e3
+    rows.append([m.case, f"{m.point.label}, one {m.layer_kind.upper()} layer's {m.part}", m.design, model_ms,
+                 m.measured_ms, model_ms / m.measured_ms])
+  return rows
+
+
+MEASURED_HEADERS = ["GPU check row (H200)", "model op", "design", "model ms", "measured ms", "model / measured"]
+
+
+def main(argv):
+  del argv
+  dev = step_cost.DEVICES[FLAGS.device]
+  fmt = step_cost.Formats(experts=FLAGS.experts, kv=FLAGS.kv, compute=FLAGS.compute)
+  tiling = step_cost.Tiling(tile_tokens=FLAGS.tile)
+  print(f"{dev.name}: HBM {dev.hbm_bytes_per_s / 1e12:.2f} TB/s, {fmt.compute} matmuls at "
+        f"{dev.peak(fmt.compute) / 1e12:.0f} TFLOP/s ({dev.matmul_efficiency:.0%} of spec), {dev.num_sms} SMs; "
+        f"experts {fmt.experts}, KV {fmt.kv}, tile {tiling.tile_tokens}. (a) tiled step, (b) row-invariant step "
+        f"(fixed split-K), (c) plain step.")
+  for name in FLAGS.models:
+    cfg = get_preset(name)
+    print_table(STEP_HEADERS, step_rows(cfg, dev, fmt, tiling), title=f"{name}: one step, roofline")
+  if dev is step_cost.H200:
+    print_table(MEASURED_HEADERS, measured_rows(dev, fmt, tiling),
+                title="GPU check kernel rows (BUILD_NOTES.md, GPU check) beside the model's op (v4_flash, one layer)")
+
+
+if __name__ == "__main__":
+  app.run(main)
