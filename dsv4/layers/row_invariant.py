@@ -117,7 +117,8 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
   choices, whatever shares the step), starting from zeros. Dead tokens (>= live) get zeros.
   uniform_trips: run the bound ceil(live * K / block) + E on the live block count instead of the count itself (the
   extra blocks hold no pair and add nothing): the trip count then follows `live` only, not the routing, so shards
-  of a mesh that share `live` run the same trips and collectives inside `expert_fn` meet."""
+  of a mesh that share `live` run the same trips and collectives inside `expert_fn` meet. live None: a static
+  bound (every row may be real; the loop is then differentiable)."""
   N, K = ids_NxK.shape
   D = x_NxD.shape[1]
   order, sizes, first_block, first_pair = expert_blocks(ids_NxK, num_experts, live, block=block)
@@ -137,9 +138,14 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
     return out.at[jnp.where(ok, tok, N)].add(h.astype(out.dtype), mode="drop")
 
   out = jnp.zeros((N, D), x_NxD.dtype)
-  trips = first_block[num_experts]
-  if uniform_trips:
+  if live is None:
+    # no engine step (training, a plain forward): a static bound, so the loop is a scan and differentiable; the
+    # blocks past the live ones hold no pair and add nothing
+    trips = -(-N * K // block) + min(num_experts, N * K)
+  elif uniform_trips:
     trips = (live_count(live, N) * K + block - 1) // block + num_experts
+  else:
+    trips = first_block[num_experts]
   return jax.lax.fori_loop(0, trips, body, out)
 
 
