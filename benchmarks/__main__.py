@@ -15,8 +15,10 @@ MAINTAINED = [
          "python -m benchmarks.model_vs_hf --configs=wide --decode_steps=4 --repeats=2"),
         ("  same, tiny oracle config too", "python -m benchmarks.model_vs_hf")]),
     ("step_bench", [
-        ("engine step cost vs live context and real tokens (decode, mixed, memory, invariant)",
+        ("engine step cost vs live context and real tokens (decode, mixed, memory), and beside a plain step",
          "python -m benchmarks.step_bench --repeats=3"),
+        ("  the step (batch invariant) vs a plain step, v4_tiny and a wide MoE config",
+         "python -m benchmarks.step_bench --parts=invariant --repeats=5"),
         ("  mixed step (chunk + 63 decodes) vs the chunk alone, per chunk size",
          "python -m benchmarks.step_bench --parts=mixed --mixed_chunks=64,256,512 --repeats=5")]),
     ("step_roofline", [
@@ -65,7 +67,6 @@ MAINTAINED = [
 
 # name -> one-line question (benchmarks/probes/README.md has the commands with their flags)
 PROBES = [
-    ("bucket_fill_bench", "EngineConfig.bucket_fill on vs off: steps, padded token slots, wall time"),
     ("cache_waves_vllm", "the hits vLLM 0.33 gives the cold waves / document fan-out of tests/cache/test_scenarios.py"),
     ("cumsum_cpu", "whether a running sum costs O(n^2) in the cache's CPU programs (why release chunk width matters little)"),
     ("decode_bench", "model decode step vs context with three indexer paths (paged, dense reference, no score)"),

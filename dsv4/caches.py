@@ -208,9 +208,12 @@ class StepIndex:
   # passes the engine's device table [slots, W] with each row's slot here, so no per-row copy of a table spanning
   # max_model_len is made: a table lookup reads only the blocks it needs.
   full_row_R: jax.Array | None = None
-  # The engine's tiled invariant step: compressor pools fold in position order (`compressor.window_pool_scan`)
-  # and dense compressed attention runs over fixed entry blocks, so neither a chunk or tile boundary nor the
-  # table width changes a token's bits.
+  # int32 scalar or None (= all N): the count of leading flat tokens that may be real (the engine packs every row's
+  # tokens first); the row-invariant ops loop over the row blocks holding them only (dsv4/layers/row_invariant.py).
+  live_tokens: jax.Array | None = None
+  # The engine's invariant step: compressor pools fold in position order (`compressor.window_pool_scan`) and dense
+  # compressed attention runs over fixed entry blocks, so neither a chunk boundary nor the table width changes a
+  # token's bits.
   invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from dsv4 import caches, mesh_context
 from dsv4.config import LayerPlan, ModelConfig
 from dsv4.layers import engram as engram_mod
-from dsv4.layers import mhc, moe
+from dsv4.layers import mhc, moe, row_invariant
 from dsv4.layers.attention import attention_layer, attention_layer_shared
 from dsv4.layers.compressor import StepContext
 from dsv4.layers.norms import rms_norm
@@ -235,7 +235,7 @@ class Sublayers(NamedTuple):
   attn: Callable          # (x_NxD, ctx, cache_l, kernel_cfg, collect_aux[, shared]) -> (cache_l, y_NxD, aux[, shared])
   hc_ffn: Callable        # X_BxTxNxD -> (pre, post, comb)
   ffn_norm: jax.Array     # [D]
-  ffn: Callable           # (x_BxTxD, tokens_BxT) -> y_BxTxD     (moe.moe)
+  ffn: Callable           # (x_BxTxD, tokens_BxT, live) -> y_BxTxD     (moe.moe)
   engram: Callable | None = None   # V4.1: (X_BxTxNxD, hash_BxTxH) -> X_BxTxNxD (engram.engram); None = no Engram
 
 
@@ -249,7 +249,7 @@ def layer_sublayers(params_l, config: ModelConfig, plan: LayerPlan) -> Sublayers
       attn=functools.partial(attn, params_l["attn"], config, plan),
       hc_ffn=functools.partial(_hc, params_l["hc_ffn"], config),
       ffn_norm=params_l["ffn_norm"],
-      ffn=lambda x, tokens: moe.moe(params_l["ffn"], x, tokens, config.moe, plan.hash_moe),
+      ffn=lambda x, tokens, live=None: moe.moe(params_l["ffn"], x, tokens, config.moe, plan.hash_moe, live),
       engram=(lambda X, h: engram_mod.engram(params_l["engram"], X, h, eps)) if plan.engram else None)
 
 
@@ -266,28 +266,50 @@ def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, ke
   `shared` goes from layer to layer: returns (cache_l, X, pre, aux, shared). tap_stream (V4.1): aux["stream_mean"]
   is the mean over streams of the block's input after Engram [N, D] (a DSpark target feature, dsv4/dspark.py)."""
   eps = config.rms_norm_eps
+  live = None if ctx is None else ctx.live      # no step context: DSpark's draft block (its own fixed rows)
   if not config.single_pass_mhc:
-    pre, post, comb = s.hc_attn(X)
-    u = rms_norm(mhc.collapse(pre, X), s.attn_norm, eps)
+    def pre_attn(X):
+      pre, post, comb = s.hc_attn(X)
+      return rms_norm(mhc.collapse(pre, X), s.attn_norm, eps), post, comb
+    u, post, comb = token_rows(pre_attn, live, X)
     cache_l, y, aux = s.attn(u[0], ctx, cache_l, kernel_cfg, collect_aux)
-    X = mhc.expand(y[None], X, post, comb)
-    pre, post, comb = s.hc_ffn(X)
-    u = rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps)
-    y = s.ffn(u, tokens)
-    return cache_l, mhc.expand(y, X, post, comb), aux
-  if s.engram is not None:
-    X = s.engram(X, engram_hash)
-  stream_mean = jnp.mean(X.astype(jnp.float32), axis=2).astype(X.dtype)[0] if tap_stream else None
-  pre, post, comb = s.hc_attn(X)
-  u = rms_norm(mhc.collapse(pre_prev, X), s.attn_norm, eps)
+
+    def pre_ffn(y, X, post, comb):
+      X = mhc.expand(y, X, post, comb)
+      pre, post, comb = s.hc_ffn(X)
+      return X, rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps), post, comb
+    X, u, post, comb = token_rows(pre_ffn, live, y[None], X, post, comb)
+    y = s.ffn(u, tokens, live)
+    return cache_l, token_rows(mhc.expand, live, y, X, post, comb), aux
+
+  def pre_attn_single_pass(X, pre_prev, engram_hash):
+    if s.engram is not None:
+      X = s.engram(X, engram_hash)
+    stream_mean = jnp.mean(X.astype(jnp.float32), axis=2).astype(X.dtype) if tap_stream else None
+    pre, post, comb = s.hc_attn(X)
+    return X, stream_mean, rms_norm(mhc.collapse(pre_prev, X), s.attn_norm, eps), pre, post, comb
+  X, stream_mean, u, pre, post, comb = token_rows(pre_attn_single_pass, live, X, pre_prev, engram_hash)
   cache_l, y, aux, shared = s.attn(u[0], ctx, cache_l, kernel_cfg, collect_aux, shared)
   if tap_stream:
-    aux = dict(aux, stream_mean=stream_mean)
-  X = mhc.expand(y[None], X, post, comb)
-  pre2, post2, comb2 = s.hc_ffn(X)
-  u = rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps)
-  y = s.ffn(u, tokens)
-  return cache_l, mhc.expand(y, X, post2, comb2), pre2, aux, shared
+    aux = dict(aux, stream_mean=stream_mean[0])
+
+  def pre_ffn_single_pass(y, X, pre, post, comb):
+    X = mhc.expand(y, X, post, comb)
+    pre2, post2, comb2 = s.hc_ffn(X)
+    return X, rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps), pre2, post2, comb2
+  X, u, pre2, post2, comb2 = token_rows(pre_ffn_single_pass, live, y[None], X, pre, post, comb)
+  y = s.ffn(u, tokens, live)
+  return cache_l, token_rows(mhc.expand, live, y, X, post2, comb2), pre2, aux, shared
+
+
+def token_rows(fn, live, *xs):
+  """`row_invariant.map_row_blocks` for the per-token parts of a block, whose arrays carry the flat tokens as T of
+  a batch of one ([1, N, ...]; None leaves pass through): fn runs on [1, rows, ...] blocks of the live tokens."""
+  def on_block(*blocks):
+    got = fn(*jax.tree_util.tree_map(lambda a: a[None], blocks))
+    return jax.tree_util.tree_map(lambda a: a[0], got)
+  out = row_invariant.map_row_blocks(on_block, live, *jax.tree_util.tree_map(lambda a: a[0], xs))
+  return jax.tree_util.tree_map(lambda a: a[None], out)
 
 
 def _block(params_l, config: ModelConfig, plan: LayerPlan, X, tokens, ctx, cache_l, kernel_cfg, collect_aux):
@@ -345,15 +367,15 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
                                            shared=shared, engram_hash=eh, **tap)
       new_layers.append(cache_l)
       auxes.append(aux)
-    h = mhc.collapse(pre, X)
+    h = token_rows(mhc.collapse, ctx.live, pre, X)
   else:
     for block, cache_l in zip(blocks, cache.layers):
       cache_l, X, aux = block(X, tokens, ctx, cache_l, kernel_cfg, collect_aux)
       new_layers.append(cache_l)
       auxes.append(aux)
-    h = (hc_head(X) if hc_head is not None
-         else mhc.hc_head(params["hc_head"], X, config.mhc, config.rms_norm_eps))
-  h = rms_norm(h, params["norm"], config.rms_norm_eps)[0]
+    h = token_rows(hc_head if hc_head is not None
+                   else lambda X: mhc.hc_head(params["hc_head"], X, config.mhc, config.rms_norm_eps), ctx.live, X)
+  h = token_rows(lambda h: rms_norm(h, params["norm"], config.rms_norm_eps), ctx.live, h)[0]
   # the MTP blocks' cache layers (after the backbone's) pass through untouched: `mtp_forward` writes them
   new_cache = caches.ModelCache(tuple(new_layers) + tuple(cache.layers[len(new_layers):]))
   if return_stream:
@@ -423,12 +445,15 @@ def mtp_block_forward(parts: MTPParts, config: ModelConfig, plan: LayerPlan, emb
   eps = config.rms_norm_eps
   ctx = StepContext.from_step(step, layout)
   tokens = jnp.clip(next_tokens_N.astype(jnp.int32), 0, config.vocab_size - 1)[None]
-  e = jnp.dot(rms_norm(embed_VxD[tokens], parts.enorm, eps), parts.e_proj)
-  X = e[:, :, None, :] + jnp.dot(rms_norm(X_1xNxnxD, parts.hnorm, eps), parts.h_proj)
+
+  def fuse(emb, X):
+    e = jnp.dot(rms_norm(emb, parts.enorm, eps), parts.e_proj)
+    return e[:, :, None, :] + jnp.dot(rms_norm(X, parts.hnorm, eps), parts.h_proj)
+  X = token_rows(fuse, ctx.live, embed_VxD[tokens], X_1xNxnxD)
   layers = list(cache.layers)
   layers[plan.index], X, _ = block_forward(parts.block, config, X, tokens, ctx, layers[plan.index], kernel_cfg,
                                            False)
-  h = rms_norm(parts.hc_head(X), parts.norm, eps)[0]
+  h = token_rows(lambda X: rms_norm(parts.hc_head(X), parts.norm, eps), ctx.live, X)[0]
   return caches.ModelCache(tuple(layers)), X, h
 
 

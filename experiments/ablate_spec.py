@@ -135,12 +135,10 @@ def _row(checkpoint, config, name, k, prompts, outs, eng, secs, ref):
 
 def run_checkpoint(checkpoint: str, config, params, spec, ks, requests: int, free_tokens: int, max_num_seqs: int,
                    repeats: int, skipped: dict) -> list[dict]:
-  # Fine token buckets (growth 2, 4 steps per interval): a decode step of R rows runs R (1 + k) tokens, and with
-  # the default 4x buckets its padding alone (8 -> 32 slots at k = 1..3) would decide the comparison on a CPU,
-  # where a step's time follows its padded tokens.
+  # A decode step of R rows runs R (1 + k) tokens; the step's row-invariant ops loop over those only.
   base = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, chunk_size=128,
                       max_model_len=spec.seq_len + free_tokens + 16, num_full_blocks=8 * max_num_seqs,
-                      num_swa_blocks=32 * max_num_seqs, token_bucket_growth=2, token_bucket_steps=4)
+                      num_swa_blocks=32 * max_num_seqs)
   rows = []
   for name, (prompts, max_tokens) in workloads(spec, requests, free_tokens).items():
     ecs, runs = {}, {}
@@ -189,8 +187,7 @@ def run(checkpoints, ks, requests: int, free_tokens: int, max_num_seqs: int, out
   if not rows:
     raise ValueError(f"ablate_spec: nothing to run ({skipped})")
   engine = {f: getattr(base, f) for f in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "num_full_blocks",
-                                          "num_swa_blocks", "token_bucket_growth", "token_bucket_steps",
-                                          "async_scheduling", "batch_invariant")}
+                                          "num_swa_blocks", "async_scheduling")}
   meta = dict(checkpoints=list(names), config_names=names, skipped=skipped, engine=engine, repeats=repeats,
               requests=requests, free_tokens=free_tokens,
               note="greedy; wall time: the median of the timed runs on fresh engines (round the ks in turn) after "

@@ -147,8 +147,6 @@ def _check_engine(o: ServeOptions) -> None:
                       ("num_processes", o.num_processes)]:
     if value < 1:
       raise FlagError(f"{flag_name(name)}={value}: must be >= 1")
-  if not 1 <= ec.token_bucket_steps <= 8:
-    raise FlagError(f"--token_bucket_steps={ec.token_bucket_steps}: must be in 1..8")
   _check_drafts(o)
   try:        # whatever else EngineConfig refuses, worded with the flag (the tiers are checked on their own)
     dataclasses.replace(ec, tiering=None).validate()

@@ -34,8 +34,8 @@ SLOW = {
     "tests/experiments/test_train_mtp.py::test_recursive_passes_are_the_engines_recursion":
         "test_train_mtp.py::test_train_mtp_small_cli (the recursion objective runs) and test_engine_spec.py (the "
         "engine's recursion drafts)",
-    "tests/dsv4/test_composition.py::test_all_pairs_one_device_v4[one-bf16-tiers-noinv-interpret]":
-        "test_composition.py::test_all_pairs_one_device_v4[one-fp8-notiers-inv-interpret] (interpret kernels), "
+    "tests/dsv4/test_composition.py::test_all_pairs_one_device_v4[one-bf16-tiers-interpret]":
+        "test_composition.py::test_all_pairs_one_device_v4[one-fp8-notiers-interpret] (interpret kernels), "
         "test_tiers_reload.py (tier reloads)",
     "tests/dsv4/test_engine_step.py::test_compile_counts_belong_to_their_engine":
         "test_engine_step.py::test_compilation_is_bounded_and_counted (the counts of one engine)",
@@ -94,9 +94,9 @@ SLOW = {
         "test_async_equals_sync[0-preempting]",
     "tests/dsv4/test_engine_step.py::test_host_bytes_per_step_do_not_grow_with_context":
         "test_one_transfer_each_way_per_step (one plan buffer in, one token buffer out, under a transfer guard)",
-    # batch invariance: the tiled step program, in a child at XLA's default level
+    # batch invariance: the step program, in a child at XLA's default level
     "tests/dsv4/test_engine_step.py::test_batch_invariant_mode_is_bitwise":
-        "test_composition.py::test_all_pairs_one_device_v4 (the invariant row)",
+        "test_composition.py::test_all_pairs_one_device_v4 (every row: a request alone == batched)",
     "tests/dsv4/test_engine_step.py::test_engine_equals_forward_full[v41]":
         "the [v4] variant (same engine code; V4.1's model: tests/dsv4/test_v41_parity.py)",
     # KV tiers end to end: every tier, Mooncake, Redis across processes, the V4.1 variants
@@ -144,8 +144,6 @@ SLOW = {
     "tests/dsv4/test_engine.py::test_cache_never_changes_the_answer[0]": "[1]",
     "tests/dsv4/test_cache_quant.py::test_model_switch_quantizes_the_cache_where_nemo_does":
         "test_cache_quant.py::test_bit_exact_with_nemo_random (the quantizers themselves)",
-    "tests/dsv4/test_bucket_fill.py::test_bucket_fill_same_answers_fewer_slots":
-        "test_token_bucket_steps_same_answers_fewer_slots",
     "tests/dsv4/test_api.py::test_progress_counts_requests_rejected_mid_run":
         "test_schema.py::test_generate_refuses_each_bad_request_alone_and_keeps_serving",
     # kernels: whole-model interpret runs
@@ -185,8 +183,6 @@ SLOW = {
         "test_schema.py's per-field checks",
     "tests/dsv4/test_api.py::test_tenants_and_sessionless_turns_keep_separate_histories":
         "tests/cache/test_specs_hashing.py (a tenant salts every block key), test_manager.py",
-    "tests/dsv4/test_bucket_fill.py::test_token_bucket_steps_same_answers_fewer_slots":
-        "test_engine_step.py::test_compilation_is_bounded_and_counted (the buckets)",
     "tests/dsv4/test_tiers_reload.py": "test_tiers_reload_sparse.py (disk reload through the engine), "
                                       "tests/cache/tiers (faults and corrupt records per backend)",
     "tests/dsv4/test_tiers_reload_sparse.py::test_reload_needs_only_the_resume_points_tail":
@@ -263,10 +259,10 @@ SLOW = {
         "test_composition.py::test_all_pairs_one_device_v4 (interpret-kernel rows: greedy tokens == a cold XLA "
         "engine, logits vs forward_full)",
     "tests/dsv4/test_engine_step.py::test_batch_invariant_alone_equals_batched":
-        "test_composition.py::test_all_pairs_one_device_v4 (the invariant row: a request alone == batched, bit for bit)",
+        "test_composition.py::test_all_pairs_one_device_v4 (every row: a request alone == batched, bit for bit)",
     # measured to hold README command 2 under 8 minutes on 2 cores (each: what stays in the default tier)
-    "tests/dsv4/test_composition.py::test_all_pairs_one_device_v4[one-fp32-notiers-noinv-xla]":
-        "the two other one-device all-pairs rows (bf16 + tiers, FP8 + invariant), test_engine_step.py::"
+    "tests/dsv4/test_composition.py::test_all_pairs_one_device_v4[one-fp32-notiers-xla]":
+        "the two other one-device all-pairs rows (bf16 + tiers, FP8 + interpret kernels), test_engine_step.py::"
         "test_engine_equals_forward_full[v4] (fp32 XLA engine == forward_full)",
     "tests/experiments/test_serve_tiers.py::test_a_second_process_reloads_the_first_ones_disk_records":
         "tests/dsv4/test_tiers_reload_sparse.py (disk records reloaded through the engine, same tokens), "

@@ -25,3 +25,11 @@ WIDE_HF = dict(
 def wide_config() -> config.ModelConfig:
   """`config.v4_flash_layers(4)` with the oracle config's top-32 (the transformers model it is compared with)."""
   return dataclasses.replace(config.v4_flash_layers(4), name="wide4", indexer=config.IndexerConfig(topk=32))
+
+
+def wide_moe_config() -> config.ModelConfig:
+  """v4_tiny's layers (window, CSA m=4 with its indexer, HCA) at a wide residual and a V4-Flash-shaped router: D 512,
+  64 routed experts, top-6, one shared expert, hash routing in layer 0."""
+  return dataclasses.replace(config.v4_tiny(), name="v4_wide_moe", hidden_size=512,
+                             moe=config.MoEConfig(n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=6,
+                                                  intermediate_size=128, num_hash_layers=1))

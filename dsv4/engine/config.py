@@ -39,29 +39,6 @@ class EngineConfig:
   layout: caches.CacheLayout = flag_field(caches.CacheLayout(), "KV pool layout and storage dtype "
                                           "(caches.CacheLayout).")
   kernel: dispatch.KernelConfig = flag_field(dispatch.KernelConfig(), "Attention kernel dispatch.")
-  # On by default: a request's logits are bitwise the same whatever shares its step, however its prompt is chunked,
-  # whether it hit the prefix cache or was preempted. The step runs its tokens in fixed tiles of `tile_tokens`
-  # through one fixed-shape program (docs/engine.md). False = the bucketed step (one program per token bucket and
-  # table width).
-  batch_invariant: bool = flag_field(True, "Bitwise-reproducible logits whatever shares a step and however a prompt is "
-                                     "chunked (fixed-shape tiles of tile_tokens in a device loop, one step program); "
-                                     "false = the bucketed step.")
-  # Tokens per tile of the invariant step: every token's matmuls have this many rows whatever the step holds.
-  # Smaller = less padding for small steps, more loop trips (weights re-read) for large ones. 64: the best worst
-  # case of step_bench's points on the CPU (BUILD_NOTES.md, Invariant step cost).
-  tile_tokens: int = flag_field(64, "Tokens per fixed-shape tile of the batch-invariant step (a power of two).")
-  # Smallest block-table width (tokens) of a step; tables grow in powers of two with the live context up to
-  # max_model_len, so a step's attention cost follows its context, not the configured limit.
-  min_table_tokens: int = flag_field(4096, "Smallest block-table width (tokens) of a step; tables grow in powers of "
-                                     "two with the live context.")
-  # Token buckets of the flat step axis grow 8, 8g, 8g^2, ... (g = 2 or 4): 4 compiles half as many step programs
-  # (a compile of the whole model each; they dominate short jobs on CPU) for up to 4x padding of a step's tokens.
-  token_bucket_growth: int = flag_field(4, "Token buckets of the ragged step grow by this factor: 4 = half as many "
-                                        "compiled step programs, 2 = less padding.", (2, 4))
-  # Buckets per growth interval (1..8): 4 with growth 2 pads a step to within 1.25x of its tokens (256, 320, 384,
-  # ...) so a chunk plus many decodes costs about its real tokens, for more compiled programs. 1 = powers only.
-  token_bucket_steps: int = flag_field(1, "Buckets per growth interval, 1..8: more = less padding of mixed steps, more "
-                                       "compiled programs.")
   # Compute dtype of params / activations: "fp32" (bit for bit today's) or "bf16" (fp32 norms, softmaxes, logits;
   # model.cast_params). The KV pools' dtype is layout.kv_dtype (fp32, bf16 or caches.FP8).
   dtype: str = flag_field("fp32", "Compute dtype of params / activations (bf16 keeps fp32 norms, softmaxes and "
@@ -70,11 +47,6 @@ class EngineConfig:
   # "functional" (dsv4.model, the default) or "nnx" (the Flax modules of dsv4.nnx_model, on one device)
   model_api: str = flag_field("functional", "Run the model step through dsv4.model's functions (default) or through "
                               "the Flax NNX modules of dsv4.nnx_model (one device, same math).", ("functional", "nnx"))
-  # Bucket fill: a ragged step runs padded to its token bucket (8 * g^k), so a step that spills a few tokens past a
-  # bucket pays for the next one (up to g x the work). When deferring at most this fraction of the step's prefill
-  # tokens to the next step keeps it in the smaller bucket, the last prefill chunks are trimmed. 0 = off.
-  bucket_fill: float = flag_field(0.25, "Trim the last prefill chunks of a step by up to this fraction of its prefill "
-                                  "tokens when that keeps it in a smaller token bucket (0 = off).")
   # In-batch shared-prefix deferral: a waiting request that shares at least one resume boundary of prefix with a
   # running request that has not yet computed that part waits until the leader commits past the boundary, then hits
   # it instead of computing the same KV alongside it (a cold wave of siblings sharing a system prompt). False =
@@ -106,24 +78,19 @@ class EngineConfig:
 
   def validate(self):
     for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_model_len", "num_full_blocks",
-                 "num_swa_blocks", "min_table_tokens"):
+                 "num_swa_blocks"):
       v = getattr(self, name)
       if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
         raise ValueError(f"EngineConfig.{name}: an integer >= 1, got {v!r}")
     if not isinstance(self.retention_interval, (int, np.integer)) or self.retention_interval < 0:
       raise ValueError(f"EngineConfig.retention_interval: an integer >= 0 (0 = off), got {self.retention_interval!r}")
-    for f in dataclasses.fields(self):      # dtype, model_api, token_bucket_growth: a closed set each
+    for f in dataclasses.fields(self):      # dtype, model_api: a closed set each
       choices = f.metadata.get("choices")
       if choices is not None and getattr(self, f.name) not in choices:
         raise ValueError(f"EngineConfig.{f.name}: {' or '.join(map(repr, choices))}, got {getattr(self, f.name)!r}")
-    t = self.tile_tokens
-    if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or t < 1 or t & (t - 1):
-      raise ValueError(f"EngineConfig.tile_tokens: a power of two >= 1, got {t!r}")
     lvl = self.cpu_step_opt_level
     if not isinstance(lvl, (int, np.integer)) or isinstance(lvl, bool) or not -1 <= lvl <= 3:
       raise ValueError(f"EngineConfig.cpu_step_opt_level: an integer in -1..3 (-1 = XLA's default), got {lvl!r}")
-    if not 1 <= self.token_bucket_steps <= 8:
-      raise ValueError(f"EngineConfig.token_bucket_steps: 1..8, got {self.token_bucket_steps}")
     if not isinstance(self.async_scheduling, bool):
       raise ValueError(f"EngineConfig.async_scheduling: True or False, got {self.async_scheduling!r}")
     k = self.num_speculative_tokens
@@ -137,8 +104,6 @@ class EngineConfig:
         if bad:
           raise ValueError(f"EngineConfig: num_speculative_tokens > 0 with {name} is not supported (the speculative "
                            f"step is the functional model's, one verified row per request)")
-    if not 0.0 <= self.bucket_fill < 1.0:
-      raise ValueError(f"EngineConfig.bucket_fill: a fraction in [0, 1), got {self.bucket_fill}")
     try:                                # the backend's name only: whether a GPU is here is the engine's check
       dispatch.check_backend(self.kernel, on_device=False)
     except ValueError as e:

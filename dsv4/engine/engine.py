@@ -120,8 +120,7 @@ class Engine:
     self.deferral = SharedPrefixDeferral(self.managers[0].specs.align_tokens, self.stats)
     self.book = RequestBook(ec, config.vocab_size, self.managers, self.deferral)
     self.scheduler = Scheduler(ec, self.book, self.managers, self.deferral, self.stats, spec=self.spec,
-                               draft_lookahead=self.draft_lookahead, async_active=self.async_active,
-                               token_buckets=self.runner.token_buckets())
+                               draft_lookahead=self.draft_lookahead, async_active=self.async_active)
     self.dispatcher = StepDispatch(config, self.runner, self.book, self.managers, self.stats, spec=self.spec,
                                    record_logits=ec.record_logits)
     self.peak_blocks = self.scheduler.peak_blocks

@@ -12,10 +12,10 @@ before the model on the device (`cache.device_state.apply`, a fixed shape per en
 every step shape's program), the model reads the tables it left, and the new state is kept; no host read between,
 and the host plans with counts only.
 
-The runner packs a step's rows into the program's plan (`step_plan`) and picks its static shape: tokens to the
-token buckets, rows to max_num_seqs (4x buckets from 64 beyond 64), the full table to a power-of-two width that
-covers the live context of the step, the swa table to the window + chunk (`swa_base`); the bookkeeping has fixed
-widths per engine. Batch-invariant mode has one shape per engine (`_invariant_shape`): tiles of `tile_tokens`.
+The runner packs a step's rows into the program's plan (`step_plan`), always at the engine's one shape
+(`_step_shape`): the whole token budget, every row slot, the full table at max_model_len (read in place) and the swa
+table at the widest window + chunk a row can touch. The model's ops are row-invariant and loop over the live tokens
+only (docs/engine.md, the invariant step), so one shape costs what the step holds.
 
 Async scheduling: `dispatch` sends a step and returns at once; `collect` waits for it. The sampled tokens also
 stay on the device (`prev_tokens`), and a token id -(1 + j) in the next plan means "row j's sample of the
@@ -47,9 +47,9 @@ from dsv4.config import ModelConfig
 from dsv4.engine import block_copies, speculative_step
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.sampling import SamplingParams
-from dsv4.engine.step_plan import (RaggedShape, pack, pow2_at_least, pow4_at_least, result_width, token_bucket,
-                                   token_buckets)
+from dsv4.engine.step_plan import RaggedShape, pack, pow2_at_least, result_width
 from dsv4.engine.step_program import StepOutput, jitted_ragged_step, step_body, step_compiler_options
+from dsv4.layers import row_invariant
 
 
 @dataclasses.dataclass
@@ -91,7 +91,7 @@ class ModelRunner:
 
   def __init__(self, params, config: ModelConfig, engine_config: EngineConfig, *, mesh=None,
                rules: sharding.Rules = sharding.Rules(), pools_over_data: bool = False, managers=None):
-    """engine_config: the engine's settings, read whole (pools, rows, buckets, layout, kernels, modes); the runner
+    """engine_config: the engine's settings, read whole (pools, rows, layout, kernels, modes); the runner
     does not cast params (EngineConfig.dtype is the engine's business).
     mesh / rules: run the step sharded on a device mesh (dsv4.sharding); None = one device.
     pools_over_data (mesh only): every pool's block axis split over `data`, one manager per data shard.
@@ -124,17 +124,12 @@ class ModelRunner:
     sb, fb = layout.swa_block_tokens, layout.full_block_tokens
     self.max_full_width = caches.blocks_for(ec.max_model_len, fb)
     self.max_swa_width = caches.blocks_for(ec.max_model_len, sb)
-    # Smallest table bucket: enough entries for every top-k (so a short context selects exactly as a long one) and
-    # at least min_table_tokens, so small engines compile a single width.
-    need = max([config.indexer.topk * p.ratio for p in config.layer_plan() if p.has_index_query] + [1])
-    self.min_full_width = min(self.max_full_width, caches.blocks_for(max(need, ec.min_table_tokens), fb))
     self._swa_tail = caches.state_tail_tokens(config)   # swa rows before a step's start that it reads
     self.shapes_run: set = set()      # distinct step shapes used (a new one means a compile; tiering reads it)
     self.mesh = mesh
     # Data shards that own a slice of the pools and rows (1 = one pool: one device, or replicated over `data`).
     self.num_shards = mesh_context.axis_size(mesh, "data") if (mesh is not None and pools_over_data) else 1
-    if ec.batch_invariant:
-      self.invariant_shape = self._invariant_shape()
+    self.step_shape = self._step_shape()
     num_swa_blocks, num_full_blocks = ec.num_swa_blocks, ec.num_full_blocks
     if mesh is None:
       self.cache = caches.init_cache_on_device(config, layout, num_swa_blocks, num_full_blocks)
@@ -174,14 +169,6 @@ class ModelRunner:
     self.stats = {"steps": 0, "calls": 0, "device_puts": 0, "device_gets": 0, "step_tokens": 0, "step_slots": 0,
                   "host_bytes_in": 0, "host_bytes_out": 0}
 
-  def token_buckets(self) -> list[int] | None:
-    """The flat-axis sizes a step can be padded to (module `token_buckets`); None where a step's shape does not
-    follow the step's total token count (batch-invariant mode, pools split over data shards)."""
-    ec = self.engine_config
-    if ec.batch_invariant or self.num_shards > 1:
-      return None
-    return token_buckets(ec.token_bucket_growth, ec.max_num_batched_tokens, ec.token_bucket_steps)
-
   # ------------------------------------------------------------------------------------------ tables
   def set_tables(self, slot: int, swa_ids, full_ids) -> None:
     """Write one slot's block tables (runner without managers: benchmarks, tests)."""
@@ -199,12 +186,7 @@ class ModelRunner:
     return {g: self.managers[shard].device_tables[g] for g in (caches.SWA, caches.FULL)
             if g in self.managers[shard].device_tables}
 
-  # ------------------------------------------------------------------------------------------ buckets
-  def _full_width(self, end_tokens: int) -> int:
-    """Full-table width (blocks) for a step whose rows end by `end_tokens`: a power of two >= min_full_width."""
-    fb = self.engine_config.layout.full_block_tokens
-    return min(self.max_full_width, pow2_at_least(caches.blocks_for(end_tokens, fb), self.min_full_width))
-
+  # ------------------------------------------------------------------------------------------ shape
   @staticmethod
   def _sampling(a, i, r: Row):
     sp = r.params
@@ -221,32 +203,18 @@ class ModelRunner:
     to k positions later than planned (async scheduling), and V4's MTP recursion writes up to k - 1 more."""
     return self.spec + speculative_step.draft_lookahead(self.config, self.spec) if self.spec else 0
 
-  def _swa_width(self, rows: list[Row]) -> int:
-    """Swa table width: a power of two >= 8 covering every row from its base block to the block of its last token,
-    so the swa table follows the window + chunk, not the context."""
-    sb = self.engine_config.layout.swa_block_tokens
-    extra = self._draft_extra()
-    need = max(-(-(r.start + len(r.tokens) + extra) // sb) - self._swa_base(r) for r in rows)
-    return min(self.max_swa_width, pow2_at_least(need, 8))
-
-  def _invariant_shape(self) -> RaggedShape:
-    """The batch-invariant step's one shape: the whole token budget in tiles of `tile_tokens` (the device loop runs
-    only the live tiles), every row slot, the full table at max_model_len (the tables are gathered, and the
-    attention and indexer reductions are over fixed key blocks, so the width never enters a token's math) and the
-    swa table at the widest window + chunk a row can touch."""
+  def _step_shape(self) -> RaggedShape:
+    """The step program's one shape: the whole token budget (rounded up to whole row blocks of the row-invariant
+    ops), every row slot, the full table at max_model_len (the tables are read in place, and the attention and
+    indexer reductions are over fixed key blocks, so the width never enters a token's math) and the swa table at
+    the widest window + chunk a row can touch."""
     ec = self.engine_config
-    T = ec.tile_tokens
+    T = row_invariant.BLOCKING.rows
     N = -(-ec.max_num_batched_tokens // T) * T
     sb = ec.layout.swa_block_tokens
     longest = min(max(ec.chunk_size, 1 + self.spec), ec.max_num_batched_tokens) + self._draft_extra()
     swa = min(self.max_swa_width, pow2_at_least(-(-(longest + self._swa_tail) // sb) + 2, 8))
-    return RaggedShape(N, ec.max_num_seqs // self.num_shards, swa, self.max_full_width, True, self.spec, T)
-
-  def _rows_bucket(self, n: int) -> int:
-    # All of a shard's slots up to 64 (tables are [R, width] int32, cheap; one row bucket = fewer compiles), beyond
-    # that 4x buckets from 64.
-    cap = self.engine_config.max_num_seqs // self.num_shards
-    return cap if cap <= 64 else min(cap, pow4_at_least(n, 64))
+    return RaggedShape(N, ec.max_num_seqs // self.num_shards, swa, self.max_full_width, self.spec)
 
   def _pack_rows(self, rows: list[Row], shape: RaggedShape) -> np.ndarray:
     N, R = shape.tokens, shape.rows
@@ -326,22 +294,15 @@ class ModelRunner:
     for i, r in enumerate(rows):
       by_shard[r.shard].append(i)
     totals = [sum(len(rows[i].tokens) for i in b) for b in by_shard]
-    if ec.batch_invariant:
-      shape = self.invariant_shape
-    else:
-      N = token_bucket(max(totals), ec.token_bucket_growth, ec.max_num_batched_tokens, ec.token_bucket_steps)
-      wf = self._full_width(max(r.start + len(r.tokens) for r in rows) + (2 * self.spec if self.spec else 0))
-      shape = RaggedShape(N, self._rows_bucket(max(len(b) for b in by_shard)), self._swa_width(rows), wf,
-                          False, self.spec)
+    shape = self.step_shape
     self.shapes_run.add(shape)
     self.stats["step_tokens"] += sum(totals)
     self.stats["step_slots"] += shape.tokens * D
     bufs = [self._pack_rows([rows[i] for i in b], shape) for b in by_shard]
-    if ec.batch_invariant:
-      # The tile loop's trip count: the same on every data shard (shorter shards run padding tiles, which write
-      # nothing), so the tensor / expert collectives inside it meet on every shard.
-      for b in bufs:
-        b[0] = max(totals)
+    # The live token count: the same on every data shard (a shorter shard's extra tokens are padding, which writes
+    # nothing), so the row-invariant ops' loops run the same trips and the tensor / expert collectives inside meet.
+    for b in bufs:
+      b[0] = max(totals)
     self.stats["calls"] += 1
     self.stats["device_puts"] += 1
     if self.mesh is not None:

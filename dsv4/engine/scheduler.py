@@ -5,13 +5,13 @@ cache manager (their prefix search and claim ride the step's program, their hits
 the pool cannot serve even alone is refused at admission (`TOO_SMALL`), before anything is searched or loaded.
 
 Policies with state or logic of their own live beside it: shard placement (`placement.py`), in-batch shared-prefix
-deferral (`prefix_deferral.py`) and bucket fill (`bucket_fill.py`). The requests themselves are the request book's
+deferral (`prefix_deferral.py`). The requests themselves are the request book's
 (`request_book.py`); running the step is the step dispatch's (`step_dispatch.py`)."""
 
 from __future__ import annotations
 
 from cache.manager import KVCacheManager
-from dsv4.engine import bucket_fill, placement
+from dsv4.engine import placement
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.prefix_deferral import SharedPrefixDeferral
 from dsv4.engine.request import Request, Status
@@ -24,14 +24,11 @@ TOO_SMALL = "the KV block pool is too small for this request even when it runs a
 class Scheduler:
 
   def __init__(self, ec: EngineConfig, book: RequestBook, managers: list[KVCacheManager],
-               deferral: SharedPrefixDeferral, stats, *, spec: int, draft_lookahead: int, async_active: bool,
-               token_buckets: list[int] | None):
+               deferral: SharedPrefixDeferral, stats, *, spec: int, draft_lookahead: int, async_active: bool):
     """spec: drafts per row (0 = off); draft_lookahead: positions a drafting row's MTP block runs past its
-    frontier; async_active: steps are read one step late; token_buckets: the runner's flat-axis sizes (None: the
-    step's shape does not follow its token count)."""
+    frontier; async_active: steps are read one step late."""
     self.ec, self.book, self.managers, self.deferral, self.stats = ec, book, managers, deferral, stats
     self.spec, self.draft_lookahead, self.async_active = spec, draft_lookahead, async_active
-    self.token_buckets = token_buckets
     self.num_shards = len(managers)
     self.peak_blocks = {g: 0 for g in managers[0].groups}
     self.tiering = None     # the engine's KV tiers (`dsv4.engine.tiering`): they extend a device hit at admission
@@ -111,7 +108,7 @@ class Scheduler:
     elif admit and not preempted:
       self._queue_admissions()
     self._track_usage()
-    return self.fill_bucket(scheduled)
+    return scheduled
 
   def take_admitted(self) -> None:
     """Admissions whose hits were read (with a step's results, or a call that ran the queue): in queue order,
@@ -281,15 +278,6 @@ class Scheduler:
   def fits_alone(self, req: Request) -> bool:
     mgr = self.managers[0]                   # (every shard's pool has as many blocks)
     return all(n <= mgr.num_blocks[g] for g, n in self.blocks_alone(req).items())
-
-  def fill_bucket(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
-    """The step with its last prefill chunks trimmed to fit a smaller token bucket (`bucket_fill`)."""
-    out = bucket_fill.trim_to_bucket(scheduled, self.token_buckets, self.ec.bucket_fill)
-    trimmed = sum(n for _, n in scheduled) - sum(n for _, n in out)
-    if trimmed:
-      self.stats["bucket_fill_trimmed_tokens"] += trimmed
-      self.stats["bucket_fill_steps"] += 1
-    return out
 
   def _track_usage(self):
     for g in self.peak_blocks:

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 
 from dsv4 import caches, dspark, model
 from dsv4.layers.compressor import StepContext
 from dsv4.engine.sampling import verify_drafts
-from dsv4.engine.step_plan import RaggedShape
-from dsv4.engine.tiles import tiled
+from dsv4.engine.step_plan import RaggedShape, invariant_step_index
 
 
 def draft_lookahead(config, k: int) -> int:
@@ -62,8 +60,7 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   it: every step writes its positions before attending, and reads stop at each query's position.
   Returns (cache, results [R, out_width], logits [R, k + 1, V]: column j scored the row's j-th new token)."""
   K, R, N = shape.spec, shape.rows, shape.tokens
-  step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"],
-                          full_row_R=p.get("full_row"))
+  step = invariant_step_index(p, rows)
   ds = dspark.is_dspark(config)
   if ds:    # the backbone taps its DSpark features and writes the stages' context KV at the step's positions
     fwd_ds = functools.partial(model.forward_ragged_aux, params, config, layout=layout, kernel_cfg=kernel_cfg,
@@ -77,16 +74,8 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   else:
     fwd = functools.partial(model.forward_ragged_aux, params, config, layout=layout, kernel_cfg=kernel_cfg,
                             return_stream=True, tap_states=True)
-  if shape.invariant:   # the backbone in fixed tiles (tiles.py): every position's bits as without drafts
-    def backbone(i, toks, tile_step, cache):
-      cache, h, auxes, X = fwd(toks, cache, tile_step)
-      taps = [{k: a[k] for k in model.STATE_TAP_KEYS if k in a} for a in auxes]
-      return cache, (h, taps) if ds else (h, taps, X[0])
-    cache, outs = tiled(backbone, p, rows, cache, shape)
-    h_NxD, auxes = outs[:2]
-    X = None if ds else outs[2][None]
-  else:
-    cache, h_NxD, auxes, X = fwd(p["tokens"], cache, step)
+  # one pass of row-invariant ops: every position's bits as without drafts
+  cache, h_NxD, auxes, X = fwd(p["tokens"], cache, step)
   last = jnp.maximum(p["last"], 0)
   ndraft = jnp.where(p["num"] > 0, jnp.minimum(p["ndraft"], K), 0)
   base = last - ndraft                                  # flat index of the input whose logits score draft 1
@@ -122,18 +111,7 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   shifted = jnp.concatenate([p["tokens"][1:], jnp.zeros((1,), p["tokens"].dtype)])
   nxt_N = jnp.where(at_frontier, after_frontier[row_N], shifted)
   mtp = functools.partial(model.mtp_forward, params, config, 0, layout=layout, kernel_cfg=kernel_cfg)
-  if shape.invariant:
-    T = shape.tile
-
-    def catch_up(i, toks, tile_step, cache):
-      del toks
-      X_t = jax.lax.dynamic_slice_in_dim(X, i * T, T, axis=1)
-      cache, Xm, hm = mtp(X_t, jax.lax.dynamic_slice_in_dim(nxt_N, i * T, T), cache, tile_step)
-      return cache, (Xm[0], hm)
-    cache, (Xm_NxnxD, hm) = tiled(catch_up, p, rows, cache, shape)
-    Xm = Xm_NxnxD[None]
-  else:
-    cache, Xm, hm = mtp(X, nxt_N, cache, step)
+  cache, Xm, hm = mtp(X, nxt_N, cache, step)
   draft = jnp.argmax(model.lm_logits(params, hm[frontier]), axis=-1).astype(jnp.int32)
   drafts = [draft]
   # The recursion: position frontier + i, the block's own stream, the previous draft. Only rows that sampled draft.

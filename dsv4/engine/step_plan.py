@@ -1,7 +1,6 @@
-"""The step program's plan: its static shape (`RaggedShape`, part of the jit key) and the one int32 buffer that carries
-it host -> device (`pack` on the host, `unpack` inside the program), with the buckets the shape is padded to so
-compilation stays bounded: tokens to 8 * g^k (g = `token_bucket_growth`, 2 or 4; `token_bucket_steps` > 1 adds
-equal steps inside each interval), rows to powers of four, tables to powers of two (the runner picks the widths)."""
+"""The step program's plan: its static shape (`RaggedShape`, part of the jit key: one per engine, the runner's
+`_step_shape`) and the one int32 buffer that carries it host -> device (`pack` on the host, `unpack` inside the
+program)."""
 
 from __future__ import annotations
 
@@ -11,40 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4 import caches
+
+
 def pow2_at_least(n: int, lo: int = 1) -> int:
   n = max(n, lo, 1)
   return 1 << (n - 1).bit_length()
-
-
-def pow4_at_least(n: int, lo: int = 1) -> int:
-  """Row buckets grow 4x (1, 4, 16, 64, 256): few programs, at most 4x padding of the (cheap) row axis."""
-  b = max(lo, 1)
-  while b < n:
-    b *= 4
-  return b
-
-
-def token_buckets(growth: int, max_tokens: int, steps: int = 1) -> list[int]:
-  """Flat-axis sizes a ragged step can be padded to, ascending: 8 * growth^k below the step budget's power of two,
-  then that power of two; with `steps` > 1 each interval [a, growth * a] is split into `steps` equal parts (rounded
-  up to a multiple of 8), so a step's padding is at most 1 + (growth - 1) / steps of its tokens above the first
-  interval (growth 2, steps 4: 256, 320, 384, 448, 512, ...) at the price of more step programs."""
-  out, cap, n = [], pow2_at_least(max_tokens), 8
-  while n < cap:
-    out.append(n)
-    n *= growth
-  coarse = out + [cap]
-  if steps <= 1:
-    return coarse
-  fine = set(coarse)
-  for a, b in zip(coarse[:-1], coarse[1:]):
-    fine.update(-(-(a + i * (b - a) // steps) // 8) * 8 for i in range(1, steps))
-  return sorted(fine)
-
-
-def token_bucket(total: int, growth: int, max_tokens: int, steps: int = 1) -> int:
-  """Flat-axis size for a step of `total` tokens: the smallest of `token_buckets` that holds it."""
-  return next((b for b in token_buckets(growth, max_tokens, steps) if b >= total), pow2_at_least(total))
 
 
 class _PackedShape:
@@ -66,18 +37,16 @@ def result_width(spec: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RaggedShape(_PackedShape):
-  """Static shape of the step program (part of the jit key): N flat tokens (every row's tokens packed, decode rows
-  1 each, prefill rows their chunk), R rows, block tables [R, width] (gathered in the program from the rows'
-  slots of the device tables). `invariant`: the tiled body (the flat axis cut into fixed tiles of `tile` tokens,
-  each through the same fixed-shape forward, in order). A token id < 0 is -(1 + j): the token sampled by row j of the previous step program, still
-  on the device (async scheduling)."""
+  """Static shape of the step program (part of the jit key): N flat tokens (every row's tokens packed first, decode
+  rows 1 each, prefill rows their chunk; `n_real` of them live), R rows, block tables [R, width] (the full table is
+  the engine's device table read in place, the swa table gathered in the program from the rows' slots). A token id
+  < 0 is -(1 + j): the token sampled by row j of the previous step program, still on the device (async
+  scheduling)."""
   tokens: int
   rows: int
   swa_width: int
   full_width: int
-  invariant: bool = False
   spec: int = 0      # speculative decoding: drafts per row (k); the MTP block drafts, rows carry their drafts
-  tile: int = 0      # invariant: tokens per fixed-shape tile of the device loop (tokens is a multiple of it)
 
   def fields(self):
     N, R = self.tokens, self.rows
@@ -121,3 +90,10 @@ def pack(arrays: dict, shape: _PackedShape) -> np.ndarray:
     buf[o:o + n] = a.reshape(-1)
     o += n
   return buf
+
+
+def invariant_step_index(p, rows) -> caches.StepIndex:
+  """The invariant step's `StepIndex`: the whole flat axis in one pass, its live tokens (`n_real`: every row's
+  tokens come first) bounding the row-invariant ops' loops."""
+  return caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"],
+                          full_row_R=p.get("full_row"), live_tokens=p["n_real"][0], invariant=True)

@@ -4,10 +4,11 @@ gathered on the device at its manager slot, then logits at each row's last token
 plan arrives as one packed int32 buffer (`step_plan`); the outputs come back as a `StepOutput`.
 
 Every mode is this program (the mode is part of its static shape or its static arguments):
-* Batch-invariant (`RaggedShape.invariant`, the default): one shape per engine; the flat axis runs in fixed tiles
-  of `RaggedShape.tile` tokens through the same fixed-shape forward, in order, in a loop over the live tiles
-  (`tiles.tiled`), and logits and sampling at the fixed [rows, ...] shape, so nothing in a token's math depends on
-  what else shares the step or on how its prompt was chunked. Cost: the live tiles and the live context.
+* Batch-invariant, always: one shape per engine; the flat axis runs through each layer once, every op
+  row-invariant (a token's bits never depend on the other tokens of the call; dsv4/layers/row_invariant.py) and
+  looping over the live tokens only, and logits and sampling at the fixed [rows, ...] shape, so nothing in a
+  token's math depends on what else shares the step or on how its prompt was chunked. Cost: the live tokens and
+  the live context.
 * Speculative decoding (`RaggedShape.spec` = k): verification and the MTP block's drafts (`speculative_step`).
 * A mesh: the same body, run by `ModelRunner` under `jax.shard_map` (pools over `data`) or a plain mesh jit.
 * KV precision, kernels (`kernel_cfg`) and the model API (functional or NNX modules) are static arguments.
@@ -25,8 +26,7 @@ import jax.numpy as jnp
 from dsv4 import caches, model
 from dsv4.engine.sampling import sample_rows_impl
 from dsv4.engine.speculative_step import continue_rows, verify_and_draft
-from dsv4.engine.step_plan import RaggedShape, unpack
-from dsv4.engine.tiles import tiled
+from dsv4.engine.step_plan import RaggedShape, invariant_step_index, unpack
 
 
 class StepOutput(NamedTuple):
@@ -58,14 +58,14 @@ def _row_tables(tables, p, shape: RaggedShape):
   """Each row's block tables [R, width], gathered from the device tables [slots, W] at its slot: the full table
   from entry 0 (width follows the live context), the swa table from its base block (the window + chunk).
 
-  The invariant step's full table spans max_model_len: it is not copied per row; the device table itself goes to
+  The step's full table spans max_model_len: it is not copied per row; the device table itself goes to
   the model with each row's slot as its table row (`StepIndex.full_row_R`, `p["full_row"]`), so a lookup reads
   only the blocks it needs and nothing costs the table width."""
   out = {}
   slot = jnp.maximum(p["slot"], 0)
   for g, t in tables.items():
     w = t.shape[1]
-    if g != caches.SWA and shape.invariant and w == shape.full_width:
+    if g != caches.SWA and w == shape.full_width:
       out[g] = t
       p["full_row"] = slot
     elif g == caches.SWA:
@@ -82,7 +82,7 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
               record_logits: bool, model_api: str = "functional", graphdef=None):
   """The engine's one step program (unjitted; `ragged_step` is its one-device jit, `ModelRunner` wraps it for a
   mesh): all rows on one flat token axis (`model.forward_ragged`): a decode row costs one token, a prefill row its
-  chunk, padding only up to the token bucket. Logits at each row's last token, then sampling.
+  chunk; the row-invariant ops loop over the live tokens only. Logits at each row's last token, then sampling.
 
   tables: per group the device block tables [slots, W], as the cache's bookkeeping program left them (it runs
   right before this one on the device, `cache.device_state.apply`; no host read between). prev_tokens [S]: the
@@ -95,10 +95,9 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
   (`nnx.split`); the step runs that module (`Model.ragged`, its blocks calling their own sub-modules), so a changed
   module is a changed graphdef and compiles its own program.
 
-  shape.invariant: the step runs in fixed tiles (`tiles.tiled`: each tile a step of its own through the same
-  fixed-shape forward, in order, in a loop over the live tiles), then each row's logits and sample at the fixed
-  [rows, D] / [rows, V] shape: nothing in a token's math depends on what else shares the step or on how its prompt
-  was chunked."""
+  The step runs its live tokens through each layer once (`step_plan.invariant_step_index`), then each row's logits
+  and sample at the fixed [rows, D] / [rows, V] shape: nothing in a token's math depends on what else shares the
+  step or on how its prompt was chunked."""
   p = unpack(buf, shape)
   if shape.spec:
     p = continue_rows(p, prev_tokens, shape)
@@ -128,13 +127,7 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
     cache, results_RxW, logits = verify_and_draft(params, config, layout, kernel_cfg, shape, p, rows, cache)
     return output(cache, results_RxW, logits)
 
-  if not shape.invariant:
-    step = caches.StepIndex(p["row"], p["pos"], p["start"], p["num"], rows, swa_base_R=p["swa_base"])
-    cache, h_NxD = fwd(p["tokens"], cache, step)
-    logits = to_logits(h_NxD[jnp.maximum(p["last"], 0)])
-    return output(cache, _sample(p, logits), logits)
-
-  cache, h_NxD = tiled(lambda i, toks, step, cache: fwd(toks, cache, step), p, rows, cache, shape)
+  cache, h_NxD = fwd(p["tokens"], cache, invariant_step_index(p, rows))
   # Each row's logits and sample at the fixed [rows, D] / [rows, V] shape of this engine (one matmul whose rows
   # do not see each other: its shape, not its neighbours, decides the summation order).
   logits = to_logits(h_NxD[jnp.maximum(p["last"], 0)])

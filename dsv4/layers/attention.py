@@ -17,6 +17,7 @@ from dsv4.layers import cache_quant
 from dsv4.layers.compressor import CompressorSpec, StepContext, compress_step
 from dsv4.layers.norms import rms_norm, unweighted_rms_norm
 from dsv4.layers.rope import apply_rope, inv_freq_for
+from dsv4.layers.row_invariant import map_row_blocks
 from pallas_kernels import dispatch
 
 _HI = jax.lax.Precision.HIGHEST
@@ -54,13 +55,15 @@ def num_visible(ctx: StepContext, ratio: int):
 def _indexer_qw(p, config: ModelConfig, x_NxD, cq_NxR, ctx: StepContext, inv_freq):
   """Indexer queries [N, H, C] (RoPE'd) and head weights [N, H] (fp32, scales folded in)."""
   ix = config.indexer
-  N = x_NxD.shape[0]
-  q = jnp.dot(cq_NxR, p["wq_b"], precision=_HI).reshape(N, ix.num_heads, ix.head_dim)
-  q = apply_rope(q, ctx.pos_N[:, None], inv_freq)
-  if config.quantized_cache:  # NeMo: MXFP4 index queries (32 channels) after RoPE
-    q = cache_quant.mxfp4_index(q)
-  w = jnp.dot(x_NxD, p["weights_proj"], precision=_HI).astype(jnp.float32)
-  return q, w * (ix.head_dim ** -0.5) * (ix.num_heads ** -0.5)
+
+  def qw(x, cq, pos):
+    q = jnp.dot(cq, p["wq_b"], precision=_HI).reshape(x.shape[0], ix.num_heads, ix.head_dim)
+    q = apply_rope(q, pos[:, None], inv_freq)
+    if config.quantized_cache:  # NeMo: MXFP4 index queries (32 channels) after RoPE
+      q = cache_quant.mxfp4_index(q)
+    w = jnp.dot(x, p["weights_proj"], precision=_HI).astype(jnp.float32)
+    return q, w * (ix.head_dim ** -0.5) * (ix.num_heads ** -0.5)
+  return map_row_blocks(qw, ctx.live, x_NxD, cq_NxR, ctx.pos_N)
 
 
 def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool, rows_NxM,
@@ -265,18 +268,22 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
   aux = {}
   pos = ctx.pos_N
 
-  # Query path: low-rank, q_a norm, optional weightless per-head norm, RoPE.
-  cq = rms_norm(jnp.dot(x_NxD, p["wq_a"], precision=_HI), p["q_norm"], eps)
-  q = jnp.dot(cq, p["wq_b"], precision=_HI).reshape(N, H, d)
-  if plan.q_head_norm:
-    q = unweighted_rms_norm(q, eps)
-  q = apply_rope(q, pos[:, None], inv_freq)
+  def project(x, pos):
+    # Query path: low-rank, q_a norm, optional weightless per-head norm, RoPE.
+    cq = rms_norm(jnp.dot(x, p["wq_a"], precision=_HI), p["q_norm"], eps)
+    q = jnp.dot(cq, p["wq_b"], precision=_HI).reshape(x.shape[0], H, d)
+    if plan.q_head_norm:
+      q = unweighted_rms_norm(q, eps)
+    q = apply_rope(q, pos[:, None], inv_freq)
+    # Window KV (K = V), RoPE'd at the token's position.
+    kv = apply_rope(rms_norm(jnp.dot(x, p["wkv"], precision=_HI), p["kv_norm"], eps), pos, inv_freq)
+    if config.quantized_cache:  # NeMo: FP8 window KV (32 channels) after RoPE
+      kv = cache_quant.fp8_window_kv(kv)
+    return cq, q, kv
+  cq, q, kv = map_row_blocks(project, ctx.live, x_NxD, pos)
 
-  # Window KV (K = V): write this step's rows, then read each query's window [max(t - W + 1, 0), t], oldest first
-  # and from column 0, so the valid ids lead the row and the window length is min(t + 1, W) (0 for padding).
-  kv = apply_rope(rms_norm(jnp.dot(x_NxD, p["wkv"], precision=_HI), p["kv_norm"], eps), pos, inv_freq)
-  if config.quantized_cache:  # NeMo: FP8 window KV (32 channels) after RoPE
-    kv = cache_quant.fp8_window_kv(kv)
+  # Window: write this step's rows, then read each query's window [max(t - W + 1, 0), t], oldest first and from
+  # column 0, so the valid ids lead the row and the window length is min(t + 1, W) (0 for padding).
   cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], ctx.token_slots(), kv)
   win_pos = jnp.maximum(pos - (a.window - 1), 0)[:, None] + jnp.arange(a.window)[None, :]
   win_idx = ctx.swa_slots(ctx.row_N[:, None], win_pos, ctx.valid_N[:, None] & (win_pos <= pos[:, None]))
@@ -284,7 +291,6 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
 
   comp_pool, comp_idx, comp_len = None, None, None
   if plan.kind in ("full", "reindex", "reuse"):
-    ix = config.indexer
     if plan.has_compressor:
       state, cache_layer["comp_kv"], (lat, ent, slots) = compress_step(
           p["compressor"], x_NxD, kv_compressor_spec(config, plan), ctx, cache_layer.get("comp_state"),
@@ -294,10 +300,13 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
       if state is not None:
         cache_layer["comp_state"] = state
       if plan.has_index_keys:
-        keys = rms_norm(jnp.dot(lat, p["indexer"]["wk"], precision=_HI), p["indexer"]["k_norm"], eps)
-        keys = apply_rope(keys, ent * plan.ratio, inv_freq)
-        if config.quantized_cache:  # NeMo: MXFP4 index keys (32 channels) after RoPE
-          keys = cache_quant.mxfp4_index(keys)
+        def index_keys(lat, ent):
+          keys = rms_norm(jnp.dot(lat, p["indexer"]["wk"], precision=_HI), p["indexer"]["k_norm"], eps)
+          keys = apply_rope(keys, ent * plan.ratio, inv_freq)
+          if config.quantized_cache:  # NeMo: MXFP4 index keys (32 channels) after RoPE
+            keys = cache_quant.mxfp4_index(keys)
+          return keys
+        keys = map_row_blocks(index_keys, ctx.live, lat, ent)
         cache_layer["index_keys"] = caches.write_rows(cache_layer["index_keys"], slots, keys)
       shared = {"comp_pool": caches.flat_pool(cache_layer["comp_kv"]), "index_pool": cache_layer["index_keys"],
                 "ids": None, "cand": None}
@@ -339,17 +348,32 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
   if plan.dense_compressed and ctx.invariant:
     # Window + every visible compressed entry in fixed blocks of entries, in position order (online softmax): the
     # HCA kernel when `kernel_cfg` sends "hca_attention" to one, else its XLA reference (pallas_kernels/
-    # hca_attention.py), the same block order. The engine's table as it is, with each token's row: the kernel reads
-    # only the words of its visible entries.
-    out = dispatch.hca_attention(q, window_pool, win_idx, win_len, comp_pool, ctx.full_table_RxF,
-                                 num_visible(ctx, plan.ratio), p["sink"], scale=d ** -0.5,
-                                 entries_per_block=ctx.full_block_tokens // plan.ratio, table_rows_N=ctx.full_row_N,
-                                 cfg=kernel_cfg)
+    # hca_attention.py), the same block order, each query on its own in fixed query blocks over the live tokens.
+    # The engine's table as it is, with each token's row: the kernel reads only the words of its visible entries.
+    def hca(q, win_idx, win_len, nv, full_row):
+      return dispatch.hca_attention(q, window_pool, win_idx, win_len, comp_pool, ctx.full_table_RxF, nv, p["sink"],
+                                    scale=d ** -0.5, entries_per_block=ctx.full_block_tokens // plan.ratio,
+                                    table_rows_N=full_row, cfg=kernel_cfg)
+    nv = num_visible(ctx, plan.ratio)
+    if dispatch.uses_kernel(kernel_cfg, "hca_attention", q, window_pool, win_idx, win_len, comp_pool,
+                            ctx.full_table_RxF, nv, p["sink"], scale=d ** -0.5,
+                            entries_per_block=ctx.full_block_tokens // plan.ratio, table_rows_N=ctx.full_row_N):
+      out = hca(q, win_idx, win_len, nv, ctx.full_row_N)
+    else:
+      out = map_row_blocks(hca, ctx.live, q, win_idx, win_len, nv, ctx.full_row_N)
   else:
     # Per-query valid lengths: the kernels stop their loops there (O(live ids), not O(W + K)).
-    out, _ = dispatch.sparse_attention(q, window_pool, win_idx, comp_pool, comp_idx, p["sink"], scale=d ** -0.5,
-                                       cfg=kernel_cfg, window_len_N=win_len, comp_len_N=comp_len)
-  return cache_layer, output_projection(p, config, out.reshape(N, H, d), pos, inv_freq), aux, shared
+    def sparse(q, win_idx, comp_idx, win_len, comp_len):
+      return dispatch.sparse_attention(q, window_pool, win_idx, comp_pool, comp_idx, p["sink"], scale=d ** -0.5,
+                                        cfg=kernel_cfg, window_len_N=win_len, comp_len_N=comp_len)[0]
+    if dispatch.uses_kernel(kernel_cfg, "sparse_attention", q, window_pool, win_idx, comp_pool, comp_idx, p["sink"],
+                            scale=d ** -0.5, window_len_N=win_len, comp_len_N=comp_len):
+      out = sparse(q, win_idx, comp_idx, win_len, comp_len)
+    else:   # the XLA reference, each query on its own: fixed query blocks over the live tokens
+      out = map_row_blocks(sparse, ctx.live, q, win_idx, comp_idx, win_len, comp_len)
+  out = map_row_blocks(lambda o, ps: output_projection(p, config, o, ps, inv_freq), ctx.live, out.reshape(N, H, d),
+                       pos)
+  return cache_layer, out, aux, shared
 
 
 def output_projection(p, config: ModelConfig, out_NxHxD, pos_N, inv_freq):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from dsv4 import caches
 from dsv4.layers.norms import rms_norm
+from dsv4.layers.row_invariant import map_row_blocks
 from dsv4.layers.rope import apply_rope
 
 _HI = jax.lax.Precision.HIGHEST
@@ -58,10 +59,13 @@ class StepContext:
   # row once verification has decided it (the row written here is the state after the row's last, maybe
   # rejected, token).
   tap_state: bool = dataclasses.field(default=False, metadata=dict(static=True))
-  # The engine's tiled invariant step (caches.StepIndex.invariant): running pools fold in position order within
-  # each window (`window_pool_scan`), so an entry's bits do not depend on where a chunk or a tile boundary fell, and
-  # dense compressed attention reads fixed entry blocks (hca_attention.hca_attention_reference).
+  # The engine's invariant step (caches.StepIndex.invariant): running pools fold in position order within each
+  # window (`window_pool_scan`), so an entry's bits do not depend on where a chunk boundary fell, and dense
+  # compressed attention reads fixed entry blocks (hca_attention.hca_attention_reference).
   invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  # int32 scalar or None: leading flat tokens that may be real (caches.StepIndex.live_tokens); per-token loops stop
+  # there.
+  live: jax.Array | None = None
 
   @staticmethod
   def from_step(step: "caches.StepIndex", layout: "caches.CacheLayout", tap_state: bool = False,
@@ -82,7 +86,7 @@ class StepContext:
                        last_N=valid & (pos == end - 1), swa_table_RxS=swa, full_table_RxF=full, full_row_N=full_row,
                        swa_base_R=base,
                        swa_block_tokens=layout.swa_block_tokens, full_block_tokens=layout.full_block_tokens,
-                       tap_state=tap_state, invariant=invariant)
+                       tap_state=tap_state, invariant=invariant, live=step.live_tokens)
 
   def swa_slots(self, row_N_, pos_N_, valid_N_):
     """SWA-group pool row of each (row, position); -1 where invalid or outside the step's swa table."""
@@ -179,13 +183,17 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   `ctx.tap_state`, every token's state row [N, state width] is put in `taps[tap_key]` (pooling compressors only)."""
   q_rows = quantize_rows or (lambda r: r)
   m, w = spec.ratio, spec.width
-  a, z = project(p, x_NxD, spec, ctx.pos_N)
+  a, z = map_row_blocks(lambda x, pos: project(p, x, spec, pos), ctx.live, x_NxD, ctx.pos_N)
   pos = ctx.pos_N
+
+  def finish(raw, entry):
+    # the entry a token closes: normed latent, RoPE'd at the entry's first position (per token, in row blocks)
+    latent = rms_norm(raw, p["norm"], eps)
+    return latent, q_rows(apply_rope(latent, entry * m, inv_freq))
 
   if not spec.gated or m == 1:
     # Ratio 1: every token is its own entry, no pooling state.
-    latent = rms_norm(a, p["norm"], eps)
-    rows = q_rows(apply_rope(latent, pos * m, inv_freq))
+    latent, rows = map_row_blocks(finish, ctx.live, a, pos)
     slots = _emit(ctx, pos, ctx.valid_N, m)
     new_out = caches.write_rows(out_pool, slots, rows)
     return (None, new_out, (latent, pos, slots)) if return_latent else (None, new_out)
@@ -235,8 +243,7 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   state_pool = caches.write_rows(state_pool, ctx.state_slots(pos, keep)[:, None], state_rows[:, None])
 
   entry = pos // m
-  latent = rms_norm(cm, p["norm"], eps)
-  rows = q_rows(apply_rope(latent, entry * m, inv_freq))
+  latent, rows = map_row_blocks(finish, ctx.live, cm, entry)
   slots = _emit(ctx, entry, ctx.valid_N & (phase == m - 1), m)
   new_out = caches.write_rows(out_pool, slots, rows)
   return (state_pool, new_out, (latent, entry, slots)) if return_latent else (state_pool, new_out)

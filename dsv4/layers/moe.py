@@ -1,7 +1,7 @@
 """Mixture of experts: sqrt-softplus scores, bias-corrected (or hash) choice, clamped SwiGLU experts, shared
-expert. Routed experts run as one grouped matmul (`lax.ragged_dot`) over token-expert pairs sorted by expert; with
-no more pairs than experts (decode) each pair gathers its expert's weights instead (`routed_experts_gathered`).
-See docs/model.md, MoE.
+expert. Routed experts run as one grouped formulation for every batch size (`routed_experts`: token-expert pairs
+sorted by expert, fixed blocks of an expert's pairs, `dsv4.layers.row_invariant`), so a token's result never
+depends on the other tokens of the step. See docs/model.md, MoE.
 
 On a mesh with an `expert` axis (under `jax.set_mesh`), routed experts run expert-parallel instead
 (`routed_experts_ep`): tokens split over (data, expert), each device ships its token-expert pairs to the expert
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from dsv4 import mesh_context
-from dsv4.layers import expert_quant
+from dsv4.layers import expert_quant, row_invariant
 from dsv4.config import MoEConfig
 
 _HI = jax.lax.Precision.HIGHEST
@@ -40,43 +40,37 @@ def route(params, x_NxD, token_ids_N, cfg: MoEConfig, hashed: bool):
   return ids, w
 
 
-def routed_experts_gathered(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
-  """Few token-expert pairs (decode): each pair reads only its own expert's weights (a gather of N*K expert
-  matrices, at most E of them, so never more weight traffic than one pass over all experts). Same math as
-  `routed_experts`; `lax.ragged_dot` on CPU instead transposes every expert's weights and multiplies every token by
-  every expert, each step."""
-  N, K = ids_NxK.shape
-  flat = ids_NxK.reshape(-1)
-  xs = jnp.repeat(x_NxD, K, axis=0)                                        # [P, D], pair p = token p // K
-  gate = jnp.einsum("pd,pdi->pi", xs, params["w1"][flat], precision=_HI)
-  up = jnp.einsum("pd,pdi->pi", xs, params["w3"][flat], precision=_HI)
-  h = jnp.einsum("pi,pid->pd", swiglu(gate, up, cfg.swiglu_limit).astype(x_NxD.dtype), params["w2"][flat],
-                 precision=_HI)
-  h = h * w_NxK.reshape(-1)[:, None].astype(h.dtype)
-  return jnp.sum(h.reshape(N, K, -1), axis=1).astype(x_NxD.dtype)
-
-
-def routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
-  N, K = ids_NxK.shape
-  if N * K <= cfg.n_routed_experts:   # static: decided per compiled shape
-    return routed_experts_gathered(params, x_NxD, ids_NxK, w_NxK, cfg)
-  return routed_experts_sorted(params, x_NxD, ids_NxK, w_NxK, cfg)
-
-
-def routed_experts_sorted(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
-  N, K = ids_NxK.shape
+def routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None):
+  """The routed experts of every live token (rows >= live: zeros) as one grouped formulation for every batch size
+  (`row_invariant.grouped_experts`): pairs sorted by expert, one [rows, D] x [D, I] product per live block of an
+  expert's pairs with that expert's weights, so a token's result ignores how many tokens share its experts and
+  each expert's weights are read once per block of its own pairs."""
   E = cfg.n_routed_experts
-  flat_ids = ids_NxK.reshape(-1)
-  order = jnp.argsort(flat_ids, stable=True)
-  token_of = order // K
-  xs = x_NxD[token_of]
-  sizes = jnp.bincount(flat_ids, length=E).astype(jnp.int32)
-  gate = jax.lax.ragged_dot(xs, params["w1"], sizes, precision=_HI)
-  up = jax.lax.ragged_dot(xs, params["w3"], sizes, precision=_HI)
-  h = jax.lax.ragged_dot(swiglu(gate, up, cfg.swiglu_limit).astype(x_NxD.dtype), params["w2"], sizes,
-                         precision=_HI)
-  h = h * w_NxK.reshape(-1)[order][:, None].astype(h.dtype)
-  return jnp.zeros_like(x_NxD).at[token_of].add(h.astype(x_NxD.dtype))
+
+  def expert(e, xb):
+    gate = jnp.dot(xb, params["w1"][e], precision=_HI)
+    up = jnp.dot(xb, params["w3"][e], precision=_HI)
+    return jnp.dot(swiglu(gate, up, cfg.swiglu_limit).astype(xb.dtype), params["w2"][e], precision=_HI)
+
+  return row_invariant.grouped_experts(x_NxD, ids_NxK, w_NxK, expert, E, live, uniform_trips=_inside_data_shards())
+
+
+def routed_experts_reference(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
+  """Plain reference of `routed_experts`: each pair gathers its own expert's weights (same math, up to fp32
+  summation order)."""
+  def all_pairs(ids_P, xs):
+    gate = jnp.einsum("pd,pdi->pi", xs, params["w1"][ids_P], precision=_HI)
+    up = jnp.einsum("pd,pdi->pi", xs, params["w3"][ids_P], precision=_HI)
+    return jnp.einsum("pi,pid->pd", swiglu(gate, up, cfg.swiglu_limit).astype(xs.dtype), params["w2"][ids_P],
+                      precision=_HI)
+  return row_invariant.grouped_experts_reference(x_NxD, ids_NxK, w_NxK, all_pairs)
+
+
+def _inside_data_shards() -> bool:
+  """Inside the per-shard-pool step (manual over `data`, every shard with the same live token count): the grouped
+  loop's trip count must not follow one shard's routing, so the expert / tensor collectives inside it meet."""
+  mesh = mesh_context.active_mesh()
+  return mesh is not None and "data" in mesh_context.manual_axes(mesh)
 
 
 def routed_experts_ep(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, mesh):
@@ -146,10 +140,15 @@ def shared_expert(params, x_NxD, cfg: MoEConfig):
   return jnp.dot(swiglu(gate, up, cfg.swiglu_limit), params["w2"], precision=_HI)
 
 
-def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool):
+def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool, live=None):
+  """The MoE sublayer on the flat tokens (B * T of them). live: None, or the count of leading flat tokens that may
+  be real (the rest are padding: zeros out, no work). The router and the shared expert run in fixed row blocks
+  over the live rows (`row_invariant.map_row_blocks`), the routed experts grouped (`routed_experts`): a token's
+  bits never depend on the other tokens of the call."""
   B, T, D = x_BxTxD.shape
   x = x_BxTxD.reshape(B * T, D)
-  ids, w = route(params, x, token_ids_BxT.reshape(-1), cfg, hashed)
+  ids, w = row_invariant.map_row_blocks(lambda xb, tb: route(params, xb, tb, cfg, hashed), live, x,
+                                        token_ids_BxT.reshape(-1))
   experts = params["experts"]
   if any(expert_quant.is_quantized(v) for v in experts.values()):  # FP4 kept from the checkpoint: dequant here
     experts = expert_quant.dense_experts(experts, params["shared"]["w1"].dtype if "shared" in params else x.dtype)
@@ -162,6 +161,6 @@ def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool):
       and cfg.n_routed_experts % mesh_context.axis_size(mesh, "expert") == 0):
     routed = routed_experts_ep(experts, x, ids, w, cfg, mesh)
   else:
-    routed = routed_experts(experts, x, ids, w, cfg)
-  out = routed + shared_expert(params["shared"], x, cfg)
+    routed = routed_experts(experts, x, ids, w, cfg, live)
+  out = routed + row_invariant.map_row_blocks(lambda xb: shared_expert(params["shared"], xb, cfg), live, x)
   return out.reshape(B, T, D)

@@ -4,18 +4,18 @@ host devices (the host device count is fixed when JAX starts):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.dsv4.composition_worker v4 ROW,ROW DIR
 
-(ROW: a `Combo.name`, e.g. mesh-fp32-tiers-inv-interpret.) Exits non-zero on any mismatch; prints one line per row
+(ROW: a `Combo.name`, e.g. mesh-fp32-tiers-interpret.) Exits non-zero on any mismatch; prints one line per row
 and OK at the end.
 
 Factors: {one device, mesh (2, 2, 2)} x {fp32, bf16, FP8 KV} x {no tiers, host + disk with a small pool} x
-{batch-invariant off, on} x {XLA, interpret kernels}. Each row runs one trace (below) and checks
-* greedy tokens equal to a cold one-device engine (no tiers, no prefix caching, XLA, invariant off) at the same KV
-  precision, request by request;
+{XLA, interpret kernels} (every step is batch invariant). Each row runs one trace (below) and checks
+* greedy tokens equal to a cold one-device engine (no tiers, no prefix caching, XLA) at the same KV precision,
+  request by request;
 * recorded logits within `TOL[kv]` of `model.forward_full` over the same tokens, its cache at the row's KV
   precision (see TOL);
 * prefix hits > 0 (caching is on in every row), and tier hits > 0 with demoted blocks where tiers are on;
-* invariant rows: the request that shared its steps with another gives bitwise the same logits when run alone on
-  a fresh engine of the same combo.
+* the request that shared its steps with another gives bitwise the same logits when run alone on a fresh engine of
+  the same combo.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ MESH = (2, 2, 2)
 MAX_LEN = 128
 KV = {"fp32": caches.KV_DTYPES["fp32"], "bf16": caches.KV_DTYPES["bf16"], "fp8": caches.FP8}
 FACTORS = {"mesh": (False, True), "kv": ("fp32", "bf16", "fp8"), "tiers": (False, True),
-           "invariant": (False, True), "kernels": ("xla", "interpret")}
+           "kernels": ("xla", "interpret")}
 # Max |engine logits - forward_full logits| / max |forward_full logits|, forward_full's contiguous cache storing K/V
 # at the row's precision (so both round every cached entry the same way). fp32: only the summation order differs
 # (measured <= 1.5e-6). bf16 / FP8: an entry whose fp32 value differs in its last bits between the two paths (paged
@@ -60,24 +60,22 @@ class Combo:
   mesh: bool
   kv: str
   tiers: bool
-  invariant: bool
   kernels: str
 
   @property
   def name(self) -> str:
-    return "-".join(("mesh" if self.mesh else "one", self.kv, "tiers" if self.tiers else "notiers",
-                     "inv" if self.invariant else "noinv", self.kernels))
+    return "-".join(("mesh" if self.mesh else "one", self.kv, "tiers" if self.tiers else "notiers", self.kernels))
 
   @staticmethod
   def parse(name: str) -> "Combo":
-    m, kv, t, i, k = name.split("-")
-    return Combo(m == "mesh", kv, t == "tiers", i == "inv", k)
+    m, kv, t, k = name.split("-")
+    return Combo(m == "mesh", kv, t == "tiers", k)
 
 
 # Every pair of values of any two factors is in at least one row (tests/dsv4/test_composition.py checks it).
-ALL_PAIRS = [Combo(False, "fp32", False, False, "xla"), Combo(True, "fp32", True, True, "interpret"),
-             Combo(False, "bf16", True, False, "interpret"), Combo(True, "bf16", False, True, "xla"),
-             Combo(False, "fp8", False, True, "interpret"), Combo(True, "fp8", True, False, "xla")]
+ALL_PAIRS = [Combo(False, "fp32", False, "xla"), Combo(True, "fp32", True, "interpret"),
+             Combo(False, "bf16", True, "interpret"), Combo(True, "bf16", False, "xla"),
+             Combo(False, "fp8", False, "interpret"), Combo(True, "fp8", True, "xla")]
 FULL = [Combo(*v) for v in itertools.product(*FACTORS.values())]
 REFUSED: dict[str, str] = {}      # matrix rows excluded: none
 
@@ -101,12 +99,11 @@ def engine_config(combo: Combo, D: int, tmp: str, tag: str = "") -> EngineConfig
   layout = caches.CacheLayout(swa_block_tokens=32, full_block_tokens=32, kv_dtype=KV[combo.kv])
   return EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, chunk_size=8, max_model_len=MAX_LEN,
                       num_full_blocks=(3 if combo.tiers else 8) * D, num_swa_blocks=16 * D, record_logits=True,
-                      min_table_tokens=MAX_LEN, layout=layout, batch_invariant=combo.invariant,
-                      kernel=dispatch.KernelConfig(combo.kernels), tiering=tc)
+                      layout=layout, kernel=dispatch.KernelConfig(combo.kernels), tiering=tc)
 
 
 def cold_config(kv: str) -> EngineConfig:
-  return dataclasses.replace(engine_config(Combo(False, kv, False, False, "xla"), 1, ""), enable_prefix_caching=False)
+  return dataclasses.replace(engine_config(Combo(False, kv, False, "xla"), 1, ""), enable_prefix_caching=False)
 
 
 @dataclasses.dataclass
@@ -224,20 +221,18 @@ def check(combo: Combo, cold: Cold, tmp: str, mesh=None) -> str:
         f"{combo.name}: tier hit {tier_hit}, stats {st}"
   else:
     assert tier_hit == 0
-  extra = ""
-  if combo.invariant:   # B shared its steps with A: alone on a fresh engine of the same combo, the same bits
-    solo = Engine(params, cfg, engine_config(combo, D, tmp, tag="-alone"), mesh=mesh, pools_over_data=over_data)
-    try:
-      (ob,) = generate(None, cfg, [cold.trace.b], SP, engine=solo)
-    finally:
-      if solo.tiering is not None:
-        solo.tiering.close()
-    lb = np.stack(ob.token_logits)
-    assert ob.output == outs[1].output and np.array_equal(lb.view(np.uint32), got[1].view(np.uint32)), \
-        f"{combo.name}: B alone is not bitwise B batched (max diff {np.max(np.abs(lb - got[1])):.2e})"
-    extra = ", B alone == batched bit for bit"
+  # B shared its steps with A: alone on a fresh engine of the same combo, the same bits
+  solo = Engine(params, cfg, engine_config(combo, D, tmp, tag="-alone"), mesh=mesh, pools_over_data=over_data)
+  try:
+    (ob,) = generate(None, cfg, [cold.trace.b], SP, engine=solo)
+  finally:
+    if solo.tiering is not None:
+      solo.tiering.close()
+  lb = np.stack(ob.token_logits)
+  assert ob.output == outs[1].output and np.array_equal(lb.view(np.uint32), got[1].view(np.uint32)), \
+      f"{combo.name}: B alone is not bitwise B batched (max diff {np.max(np.abs(lb - got[1])):.2e})"
   return (f"{combo.name}: tokens == cold, logits {err:.2e} of forward_full (tol {TOL[combo.kv]:.0e}), hit {hit} "
-          f"(tier {tier_hit}){extra} ({time.time() - t0:.1f} s)")
+          f"(tier {tier_hit}), B alone == batched bit for bit ({time.time() - t0:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -179,14 +179,11 @@ def collectives(hlo: str, data_of=None) -> list[tuple[str, str, int, bool]]:
   return out
 
 
-def step_collectives(engine, tokens: int):
-  """Collectives of the engine's compiled step program for `tokens` flat tokens per data shard, one row bucket and
-  the narrowest tables (compiled from abstract plan values; no pool needed on the host)."""
-  from dsv4.engine.step_plan import RaggedShape, token_bucket
+def step_collectives(engine):
+  """Collectives of the engine's compiled step program (its one shape; compiled from abstract plan values, no pool
+  needed on the host)."""
   r = engine.runner
-  ec = r.engine_config
-  shape = RaggedShape(token_bucket(tokens, ec.token_bucket_growth, ec.max_num_batched_tokens), r._rows_bucket(1), 8,
-                      r.min_full_width)
+  shape = r.step_shape
   tables, plan = r.mesh_inputs([np.zeros(shape.size, np.int32) for _ in range(r.num_shards)])
   with jax.set_mesh(r.mesh):
     hlo = r._mesh_step(shape).lower(r.params, r.cache, tables, r.prev_tokens, plan).compile().as_text()
@@ -252,8 +249,8 @@ def check_pools(variant: str, shape=(2, 2, 2)) -> None:
   largest = max(max(sh.data.nbytes for sh in l.addressable_shards) for l in leaves)
   logits_bytes = e2.ec.max_num_seqs * cfg.vocab_size * 4
   e3 = Engine(params, cfg, engine_config(), mesh=mesh, pools_over_data=False)
-  for T in (1, e2.ec.chunk_size):
-    got, rep = step_collectives(e2, T), step_collectives(e3, T)
+  for T in (e2.runner.step_shape.tokens,):
+    got, rep = step_collectives(e2), step_collectives(e3)
     bad = [c for c in got if c[2] >= largest or c[2] // 4 in pool_counts or c[2] in pool_counts]
     cross = [c for c in got if c[3]]
     cross_rep = [c for c in rep if c[3]]

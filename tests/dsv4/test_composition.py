@@ -1,14 +1,14 @@
 """The composition matrix on tiny V4 and V4.1: {one device, mesh (2, 2, 2) on 8 host devices} x {fp32, bf16, FP8
-KV} x {no tiers, host + disk tiers with a small pool that forces demotion and reload} x {batch-invariant off, on} x
-{XLA, interpret kernels}. Every row: greedy tokens equal to a cold one-device engine at the same KV precision,
-logits within a stated tolerance of `forward_full`, prefix hits, tier hits where tiers are on, and in invariant rows
-a batched request's logits bitwise equal to its run alone (the checks: tests/dsv4/composition_worker.py).
+KV} x {no tiers, host + disk tiers with a small pool that forces demotion and reload} x {XLA, interpret kernels}.
+Every row: greedy tokens equal to a cold one-device engine at the same KV precision, logits within a stated
+tolerance of `forward_full`, prefix hits, tier hits where tiers are on, and a batched request's logits bitwise
+equal to its run alone (the checks: tests/dsv4/composition_worker.py).
 
 The all-pairs covering set has 6 rows (every pair of factor values in some row). Default tier: its one-device V4 rows,
 in this process. Slow tier (tests/slow_tier.py): its mesh rows (one child process per variant) and V4.1 rows. The
-full product (48 rows per variant, 30-100 s a row) is marked `matrix` and runs on demand (`pytest -n 2 -m matrix
+full product (24 rows per variant, 30-100 s a row) is marked `matrix` and runs on demand (`pytest -n 2 -m matrix
 tests`): in CI's slow tier it would take longer than the whole CI budget. Mesh rows split the pools over data shards (the engine's default on a
-mesh), batch-invariant rows included."""
+mesh)."""
 
 import dataclasses
 import itertools
@@ -17,6 +17,7 @@ import pytest
 
 from tests.dsv4 import composition_worker
 from tests.dsv4.test_sharding import run_worker
+from tests.isolation import run_in_child
 
 
 def run_mesh_worker(variant, combos, tmp, timeout=3000):
@@ -41,7 +42,7 @@ def test_all_pairs_rows_cover_every_pair_of_factor_values():
   for (i, a), (j, b) in itertools.combinations(enumerate(names), 2):
     for va, vb in itertools.product(composition_worker.FACTORS[a], composition_worker.FACTORS[b]):
       assert any(r[i] == va and r[j] == vb for r in rows), (a, va, b, vb)
-  assert len(composition_worker.FULL) == 48 and len(set(composition_worker.FULL)) == 48
+  assert len(composition_worker.FULL) == 24 and len(set(composition_worker.FULL)) == 24
   assert all(c in composition_worker.FULL for c in composition_worker.ALL_PAIRS)
   assert all(composition_worker.Combo.parse(c.name) == c for c in composition_worker.FULL)
 
@@ -51,13 +52,19 @@ MESH_PAIRS = [c for c in composition_worker.ALL_PAIRS if c.mesh and c.name not i
 
 
 @pytest.mark.parametrize("combo", ONE_PAIRS, ids=lambda c: c.name)
-def test_all_pairs_one_device_v4(combo, cold_v4, tmp_path):
-  print(composition_worker.check(combo, cold_v4, str(tmp_path)))
+def test_all_pairs_one_device_v4(combo, tmp_path, request):
+  """In a child at XLA's default optimisation level: the row's bitwise check (alone == batched) is about the code
+  users run (at the suite's fast-compile level XLA's CPU code keeps no such property)."""
+  if run_in_child(request, default_xla_opt=True):
+    return
+  print(composition_worker.check(combo, request.getfixturevalue("cold_v4"), str(tmp_path)))
 
 
 @pytest.mark.parametrize("combo", ONE_PAIRS, ids=lambda c: c.name)
-def test_all_pairs_one_device_v41(combo, cold_v41, tmp_path):
-  print(composition_worker.check(combo, cold_v41, str(tmp_path)))
+def test_all_pairs_one_device_v41(combo, tmp_path, request):
+  if run_in_child(request, default_xla_opt=True):
+    return
+  print(composition_worker.check(combo, request.getfixturevalue("cold_v41"), str(tmp_path)))
 
 
 @pytest.mark.parametrize("variant", ["v4", "v41"])

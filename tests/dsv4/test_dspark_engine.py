@@ -177,7 +177,7 @@ def test_drafts_on_or_off_same_bits(drafter, kind, kv):
   if kind == "mtp" or kv == "fp8":
     params = model.init_params(cfg, jax.random.PRNGKey(0))
   prompts = _prompts(cfg, 5, [45, 90, 17, 30])
-  ec = dataclasses.replace(EC, dtype="bf16", record_logits=True, tile_tokens=16,
+  ec = dataclasses.replace(EC, dtype="bf16", record_logits=True,
                            layout=caches.CacheLayout(kv_dtype=caches.FP8 if kv == "fp8" else jax.numpy.bfloat16))
   alone = {}
   for i, p in enumerate(prompts):

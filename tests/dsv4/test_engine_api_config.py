@@ -68,11 +68,10 @@ def test_from_flags_builds_what_was_asked():
     ("chunk_size", 0, r"EngineConfig\.chunk_size: an integer >= 1, got 0"),
     ("max_model_len", 0, r"EngineConfig\.max_model_len"),
     ("num_swa_blocks", 2.5, r"EngineConfig\.num_swa_blocks: an integer >= 1, got 2\.5"),
-    ("min_table_tokens", 0, r"EngineConfig\.min_table_tokens"),
     ("retention_interval", -1, r"EngineConfig\.retention_interval: an integer >= 0"),
     ("dtype", "fp16", r"EngineConfig\.dtype: 'fp32' or 'bf16', got 'fp16'"),
     ("model_api", "flax", r"EngineConfig\.model_api: 'functional' or 'nnx', got 'flax'"),
-    ("token_bucket_growth", 3, r"EngineConfig\.token_bucket_growth: 2 or 4, got 3"),
+    ("num_speculative_tokens", 9, r"EngineConfig\.num_speculative_tokens: an integer in 0\.\.8"),
     ("cpu_step_opt_level", 4, r"EngineConfig\.cpu_step_opt_level: an integer in -1\.\.3"),
 ])
 def test_engine_config_names_the_bad_field(field, value, msg):

@@ -16,9 +16,9 @@ from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
 from pallas_kernels import dispatch
 
-# Small tables (64-token minimum, 128-token limit) keep the interpret-mode indexer to at most 128 entries per query.
+# Small tables (a 128-token limit) keep the interpret-mode indexer to at most 128 entries per query.
 EC = EngineConfig(max_num_seqs=3, max_num_batched_tokens=32, chunk_size=16, max_model_len=128, num_full_blocks=8,
-                  num_swa_blocks=32, record_logits=True, min_table_tokens=64, bucket_fill=0.0)
+                  num_swa_blocks=32, record_logits=True)
 
 
 def _spy(monkeypatch, ops=("sparse_attention", "indexer_scores", "indexer_topk")):

@@ -210,7 +210,7 @@ def test_drafts_compose_with_tiers_and_kv_precision(kv, dtype, tmp_path):
   params = model.init_params(cfg, jax.random.PRNGKey(4))
   tr = composition_worker.Trace.make(cfg, 2)
   outs = {}
-  combo = composition_worker.Combo(False, kv, True, False, "xla")
+  combo = composition_worker.Combo(False, kv, True, "xla")
   for k in (0, 2):
     ec = dataclasses.replace(composition_worker.engine_config(combo, 1, str(tmp_path), f"k{k}"),
                              record_logits=False, dtype=dtype, num_speculative_tokens=k)

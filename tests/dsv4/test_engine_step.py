@@ -1,7 +1,7 @@
 """The engine's step: equals `forward_full` on random mixes of prefill chunks and decodes (prefix hits resuming from
 SWA checkpoints, released window blocks, preemption), makes one host->device and one device->host transfer per
-step, compiles a bounded number of programs, and in batch-invariant mode gives bitwise-identical logits whatever
-shares the step and however the prompt is chunked."""
+step, compiles one step program, and gives bitwise-identical logits whatever shares the step and however the
+prompt is chunked."""
 
 import dataclasses
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dsv4 import config, model
-from dsv4.engine import step_plan, workloads
+from dsv4.engine import workloads
 from dsv4.engine.api import generate, run_workload
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.engine import Engine
@@ -143,28 +143,17 @@ def test_host_bytes_per_step_do_not_grow_with_context():
 
 
 def test_compilation_is_bounded_and_counted():
-  """The invariant step (the default) is one program per engine, whatever the workload; the bucketed step
-  compiles at most its bucket count. A second engine with the same shapes compiles no step program at all and runs
-  the same programs; the report counts what really compiled."""
+  """The step is one program per engine, whatever the workload. A second engine with the same shapes compiles no
+  step program at all and runs the same program; the report counts what really compiled."""
   cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   wl = workloads.random_prompts(cfg.vocab_size, requests=6, prompt_len=(20, 150), seed=4)
-  tiled = Engine(params, cfg, dataclasses.replace(BASE, batch_invariant=True))
-  run_workload(tiled, wl)
-  rep = tiled.compile_report()
-  assert rep["step_programs"] == {"ragged_step": 1}, rep
-  assert rep["compilations_by_function"].get("jit(ragged_step)", 0) <= 1, rep
-  first = Engine(params, cfg, dataclasses.replace(BASE, batch_invariant=False))
+  first = Engine(params, cfg, BASE)
   run_workload(first, wl)
   rep = first.compile_report()
-  # one flat token axis: token buckets 8, 32, 128 (max_num_batched_tokens 96), one row bucket (4 = max_num_seqs),
-  # one table width (1024 < min_table_tokens)
-  buckets = len({step_plan.token_bucket(n, BASE.token_bucket_growth, BASE.max_num_batched_tokens)
-                 for n in range(1, BASE.max_num_batched_tokens + 1)})
-  assert buckets == 3
-  assert rep["compilations_by_function"].get("jit(ragged_step)", 0) <= buckets, rep
-  assert 2 <= rep["step_programs"]["ragged_step"] <= buckets, rep   # prefill chunks and decodes: two buckets at least
-  second = Engine(params, cfg, dataclasses.replace(BASE, batch_invariant=False))
+  assert rep["step_programs"] == {"ragged_step": 1}, rep
+  assert rep["compilations_by_function"].get("jit(ragged_step)", 0) <= 1, rep
+  second = Engine(params, cfg, BASE)
   run_workload(second, wl)
   rep2 = second.compile_report()
   assert rep2["compilations_by_function"].get("jit(ragged_step)", 0) == 0, rep2
@@ -222,7 +211,7 @@ def test_batch_invariant_alone_equals_batched():
   logits. In the suite's process (its fast-compile level): the mechanism, not the code generator, is under test."""
   cfg = config.v4_tiny()
   params = model.init_params(cfg, jax.random.PRNGKey(0))
-  ec = dataclasses.replace(BASE, batch_invariant=True, max_model_len=128, num_full_blocks=8, num_swa_blocks=24,
+  ec = dataclasses.replace(BASE, max_model_len=128, num_full_blocks=8, num_swa_blocks=24,
                            max_num_batched_tokens=48)
   rng = np.random.default_rng(11)
   prompts = [[int(t) for t in rng.integers(2, cfg.vocab_size, n)] for n in (21, 9)]
@@ -247,7 +236,7 @@ def test_batch_invariant_mode_is_bitwise(tiny, request):
     return
   cfg, params = tiny
   temperature = 0.0 if cfg.variant == "v4" else 0.9
-  ec = dataclasses.replace(BASE, batch_invariant=True, max_model_len=384, num_full_blocks=16, num_swa_blocks=48,
+  ec = dataclasses.replace(BASE, max_model_len=384, num_full_blocks=16, num_swa_blocks=48,
                            max_num_batched_tokens=64)
   rng = np.random.default_rng(7)
   prompts = [[int(t) for t in rng.integers(2, cfg.vocab_size, n)] for n in (70, 33, 140)]

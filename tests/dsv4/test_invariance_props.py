@@ -33,10 +33,9 @@ from dsv4.engine.sampling import SamplingParams
 from tests.dsv4.tiers_precision_worker import widen
 from tests.isolation import run_in_child
 
-# The one step shape of these tests: 4 rows, 64 tokens in tiles of 16, tables at max_model_len 384.
+# The one step shape of these tests: 4 rows, 64 tokens, tables at max_model_len 384.
 ROOMY = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, max_model_len=384,
-                     num_full_blocks=12, num_swa_blocks=40, record_logits=True, batch_invariant=True, dtype="bf16",
-                     tile_tokens=16)
+                     num_full_blocks=12, num_swa_blocks=40, record_logits=True, dtype="bf16")
 # Same step program, a pool that preempts when four requests run (cache shapes differ: a second compile).
 TIGHT = dataclasses.replace(ROOMY, num_full_blocks=3, num_swa_blocks=9)
 PREFIXES = 3          # shared document prefixes the prompts draw from (prefix hits)

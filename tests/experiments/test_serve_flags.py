@@ -63,7 +63,7 @@ def _cases(tmp):
       ("retention", ["--retention_interval=100"], "multiple of 128"),
       ("nnx_mesh", ["--model_api=nnx", "--mesh=tensor:2"], "--model_api=nnx runs on one device"),
       ("zero_rows", ["--max_num_seqs=0"], "--max_num_seqs=0: must be >= 1"),
-      ("engine_validate", ["--bucket_fill=1.5"], "--bucket_fill: a fraction in [0, 1), got 1.5"),
+      ("engine_validate", ["--cpu_step_opt_level=7"], "--cpu_step_opt_level: an integer in -1..3"),
       ("bad_preset", ["--model=random", "--preset=v9"], "--preset=v9: unknown"),
       ("drafts_without_mtp", ["--model=v4_retrieval", "--num_speculative_tokens=2"], "has no MTP block"),
       ("drafts_release_without_mtp", [f"--checkpoint={tmp / 'no_mtp'}", "--num_speculative_tokens=2"],

@@ -53,13 +53,13 @@ def test_flag_defaults_round_trip_to_the_engine_serve_runs():
 def test_readme_spellings_parse_to_the_fields_they_mean():
   o = serve_options.options_from_flags(_parsed(
       "--prefix_caching=false", "--retention_interval=128", "--mesh=data:2,tensor:2,expert:2", "--num_cpu_devices=8",
-      "--token_bucket_growth=2", "--token_bucket_steps=4", "--model=v4_retrieval_mtp", "--num_speculative_tokens=2",
+      "--model_api=nnx", "--model=v4_retrieval_mtp", "--num_speculative_tokens=2",
       "--requests=reqs.jsonl", "--checkpoint=ckpt/v4_release", "--kv_tiers=host,disk", "--kv_disk_dir=/tmp/kv",
-      "--bucket_fill=0", "--nodefer_shared_prefix"))
+      "--nodefer_shared_prefix"))
   ec = o.engine
-  assert not ec.enable_prefix_caching and ec.retention_interval == 128 and ec.token_bucket_steps == 4
-  assert ec.token_bucket_growth == 2 and type(ec.token_bucket_growth) is int      # an enum flag, an int field
-  assert ec.num_speculative_tokens == 2 and ec.bucket_fill == 0.0 and not ec.defer_shared_prefix
+  assert not ec.enable_prefix_caching and ec.retention_interval == 128
+  assert ec.model_api == "nnx" and type(ec.model_api) is str                      # an enum flag, a str field
+  assert ec.num_speculative_tokens == 2 and not ec.defer_shared_prefix
   assert (o.mesh, o.num_cpu_devices, o.model, o.requests, o.checkpoint) == (
       "data:2,tensor:2,expert:2", 8, "v4_retrieval_mtp", "reqs.jsonl", "ckpt/v4_release")
   assert o.tier_kinds == ["host", "disk"] and o.kv_disk_dir == "/tmp/kv"

@@ -259,8 +259,7 @@ def test_invariant_engine_hca_kernel_tokens_and_bits(monkeypatch):
   assert any(p.dense_compressed for p in cfg.layer_plan())
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   ec = EngineConfig(max_num_seqs=3, max_num_batched_tokens=16, chunk_size=8, max_model_len=128, num_full_blocks=8,
-                    num_swa_blocks=32, record_logits=True, min_table_tokens=64, bucket_fill=0.0, batch_invariant=True,
-                    tile_tokens=8)
+                    num_swa_blocks=32, record_logits=True)
   rng = np.random.default_rng(0)
   prompts = [[int(t) for t in rng.integers(2, cfg.vocab_size, n)] for n in (70, 21, 9)]
   sp = SamplingParams(max_tokens=3, ignore_eos=True)

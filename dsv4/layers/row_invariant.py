@@ -1,0 +1,158 @@
+"""Row-invariant operations: a row's result has the same bits whatever the other rows of the call hold, however many
+there are and wherever the row sits among them (docs/engine.md, the invariant step).
+
+XLA's CPU dot changes its summation order with the number of rows of the call, but at one shape a row's result does
+not depend on the other rows or on its place among them (`python -m benchmarks.probes.dot_row_bits`). So every op
+here runs its rows in fixed blocks of `RowBlocking` rows, each block one call at that one shape, in a device loop
+whose trip count is the number of blocks holding live rows: a row's bits follow the block shape only, and the cost
+follows the live rows, never the padded width of the call. Row-local work between the dots (norms, softmaxes,
+elementwise maths) rides in the same loop (`map_row_blocks`), so a whole per-token segment of the model is one
+loop.
+
+The routed experts are one grouped formulation for every batch size (`grouped_experts`): token-expert pairs sorted
+by expert, each expert's pairs cut into blocks of `RowBlocking.expert_rows`, one [rows, D] x [D, I] product per live
+block with that block's expert's weights (each expert's weights read once per block of its own pairs, never per
+token), and each token's K results summed in the order of its expert ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBlocking:
+  """Row blocks of the row-invariant ops (static: a row's bits depend on them, so one engine keeps them fixed).
+
+  rows: rows per block of the projections and per-token segments (more = fewer weight re-reads at prefill, more
+    padding work for a step with few live tokens).
+  expert_rows: pairs per block of the grouped expert matmul (an expert with one pair in the step still pays a
+    whole block; decode steps hold about one pair per expert)."""
+  rows: int = 32
+  expert_rows: int = 8
+
+  def __post_init__(self):
+    if self.rows < 1 or self.expert_rows < 1:
+      raise ValueError(f"RowBlocking: blocks of at least one row, got {self}")
+
+
+BLOCKING = RowBlocking()
+
+
+def live_count(live, n: int):
+  """The live row count as an int32 scalar clipped to [0, n] (None = all n rows)."""
+  if live is None:
+    return jnp.int32(n)
+  return jnp.clip(jnp.asarray(live, jnp.int32), 0, n)
+
+
+def map_row_blocks(fn, live, *xs, block: int = BLOCKING.rows):
+  """`fn` over fixed [block, ...] slices (axis 0) of the pytrees `xs`, for the blocks holding a row < live, in
+  order, in a device loop. Returns fn's outputs (a pytree of [block, ...] arrays) assembled over all N rows; rows
+  of blocks past the live ones are zeros. `fn` must be row-local (row i of its outputs from row i of its inputs):
+  then a row's result depends on the block shape only. live: None (all rows, a static trip count) or an int
+  scalar."""
+  N = jax.tree_util.tree_leaves(xs)[0].shape[0]
+  Np = -(-N // block) * block
+  if Np != N:
+    xs = jax.tree_util.tree_map(lambda a: jnp.pad(a, [(0, Np - N)] + [(0, 0)] * (a.ndim - 1)), xs)
+
+  def sl(i):
+    return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, 0), xs)
+
+  shapes = jax.eval_shape(lambda *a: fn(*a), *sl(0))
+  outs = jax.tree_util.tree_map(lambda s: jnp.zeros((Np, *s.shape[1:]), s.dtype), shapes)
+
+  def body(i, outs):
+    got = fn(*sl(i))
+    return jax.tree_util.tree_map(
+        lambda o, g: jax.lax.dynamic_update_slice_in_dim(o, g.astype(o.dtype), i * block, 0), outs, got)
+
+  nb = Np // block if live is None else (live_count(live, N) + block - 1) // block
+  outs = jax.lax.fori_loop(0, nb, body, outs)
+  return jax.tree_util.tree_map(lambda o: o[:N], outs)
+
+
+def rows_dot(x_NxK, w_KxM, live=None, *, block: int = BLOCKING.rows, precision=None, preferred_element_type=None):
+  """`jnp.dot(x, w)` whose row n has the same bits for any row count and any other rows: fixed [block, K] x [K, M]
+  products over the live row blocks (`map_row_blocks`)."""
+  return map_row_blocks(lambda xb: jnp.dot(xb, w_KxM, precision=precision,
+                                           preferred_element_type=preferred_element_type), live, x_NxK, block=block)
+
+
+def rows_dot_reference(x_NxK, w_KxM, *, precision=None, preferred_element_type=None):
+  """Plain reference of `rows_dot` (equal up to fp32 summation order; a row's bits follow the call's row count)."""
+  return jnp.dot(x_NxK, w_KxM, precision=precision, preferred_element_type=preferred_element_type)
+
+
+def expert_blocks(ids_NxK, num_experts: int, live=None, *, block: int = BLOCKING.expert_rows):
+  """The grouped layout of `grouped_experts`: pairs (token n, choice k) of live tokens sorted by expert (stable, so
+  by flat pair index within an expert), each expert's pairs padded to whole blocks.
+
+  Returns (order [P] pair indices sorted by expert (dead pairs last), sizes [E] pairs per expert, first_block [E + 1]
+  each expert's first block (exclusive cumsum; first_block[E] = the live block count), first_pair [E] each expert's
+  first position in `order`)."""
+  N, K = ids_NxK.shape
+  live_tok = jnp.arange(N) < live_count(live, N)
+  flat = jnp.where(jnp.repeat(live_tok, K), ids_NxK.reshape(-1).astype(jnp.int32), num_experts)
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  nblk = (sizes + block - 1) // block
+  first_block = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nblk).astype(jnp.int32)])
+  first_pair = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
+  return order, sizes, first_block, first_pair
+
+
+def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, live=None, *,
+                    block: int = BLOCKING.expert_rows, uniform_trips: bool = False):
+  """sum_k weights[n, k] * expert_fn(ids[n, k], x[n]) for every live token n, row-invariant and with each expert's
+  weights read once per block of its own pairs.
+
+  expert_fn(e, x_RxD) -> [R, D]: expert e (a traced int32 scalar) on a fixed block of R = `block` rows (row-local;
+  its products then have one shape for every block). The loop runs the live blocks in expert order; a block adds
+  its rows into their tokens' outputs, so a token's K results are added in the order of its expert ids (its own
+  choices, whatever shares the step), starting from zeros. Dead tokens (>= live) get zeros.
+  uniform_trips: run the bound ceil(live * K / block) + E on the live block count instead of the count itself (the
+  extra blocks hold no pair and add nothing): the trip count then follows `live` only, not the routing, so shards
+  of a mesh that share `live` run the same trips and collectives inside `expert_fn` meet. live None: a static
+  bound (every row may be real; the loop is then differentiable)."""
+  N, K = ids_NxK.shape
+  D = x_NxD.shape[1]
+  order, sizes, first_block, first_pair = expert_blocks(ids_NxK, num_experts, live, block=block)
+  w_flat = weights_NxK.reshape(-1)
+  lane = jnp.arange(block, dtype=jnp.int32)
+
+  def body(b, out):
+    e = jnp.clip(jnp.searchsorted(first_block, b, side="right").astype(jnp.int32) - 1, 0, num_experts - 1)
+    j = first_pair[e] + (b - first_block[e]) * block + lane           # positions in `order`
+    ok = j < first_pair[e] + sizes[e]
+    pair = order[jnp.minimum(j, order.shape[0] - 1)]
+    tok = pair // K
+    xb = jnp.where(ok[:, None], x_NxD[tok], 0).astype(x_NxD.dtype)
+    h = expert_fn(e, xb)
+    h = h * jnp.where(ok, w_flat[pair], 0)[:, None].astype(h.dtype)
+    # a token has at most one pair per expert, so a block's rows go to distinct tokens (no order inside the add)
+    return out.at[jnp.where(ok, tok, N)].add(h.astype(out.dtype), mode="drop")
+
+  out = jnp.zeros((N, D), x_NxD.dtype)
+  if live is None:
+    # no engine step (training, a plain forward): a static bound, so the loop is a scan and differentiable; the
+    # blocks past the live ones hold no pair and add nothing
+    trips = -(-N * K // block) + min(num_experts, N * K)
+  elif uniform_trips:
+    trips = (live_count(live, N) * K + block - 1) // block + num_experts
+  else:
+    trips = first_block[num_experts]
+  return jax.lax.fori_loop(0, trips, body, out)
+
+
+def grouped_experts_reference(x_NxD, ids_NxK, weights_NxK, expert_fn_all):
+  """Plain reference of `grouped_experts`: expert_fn_all(ids_P, x_PxD) -> [P, D] on each pair's own expert (a
+  gather of its weights), weighted and summed over k."""
+  N, K = ids_NxK.shape
+  h = expert_fn_all(ids_NxK.reshape(-1), jnp.repeat(x_NxD, K, axis=0))
+  h = h * weights_NxK.reshape(-1)[:, None].astype(h.dtype)
+  return jnp.sum(h.reshape(N, K, -1), axis=1).astype(x_NxD.dtype)

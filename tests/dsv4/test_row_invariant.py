@@ -1,0 +1,145 @@
+"""dsv4.layers.row_invariant: a row's bits are the same for every live row count and any permutation of the other
+rows, on fresh random inputs at small real-shaped widths; the results equal the plain references up to fp32
+summation order."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from dsv4.layers import row_invariant
+from tests.isolation import run_in_child
+
+N, K_IN, M_OUT = 96, 128, 80
+E, D, I, TOPK = 12, 64, 32, 3
+_HI = jax.lax.Precision.HIGHEST
+
+
+@jax.jit
+def _rows_dot(x, w, live):
+  return row_invariant.rows_dot(x, w, live, block=16, precision=_HI, preferred_element_type=jnp.float32)
+
+
+def _expert_weights(key, dtype):
+  k1, k2, k3 = jax.random.split(key, 3)
+  return (jax.random.normal(k1, (E, D, I), dtype) / 8, jax.random.normal(k2, (E, D, I), dtype) / 8,
+          jax.random.normal(k3, (E, I, D), dtype) / 6)
+
+
+def _expert_fn(w1, w3, w2):
+  def f(e, xb):
+    g = jnp.dot(xb, w1[e], precision=_HI, preferred_element_type=jnp.float32)
+    u = jnp.dot(xb, w3[e], precision=_HI, preferred_element_type=jnp.float32)
+    return jnp.dot((jax.nn.silu(g) * u).astype(xb.dtype), w2[e], precision=_HI, preferred_element_type=jnp.float32)
+  return f
+
+
+@jax.jit
+def _grouped(x, ids, wts, w1, w3, w2, live):
+  return row_invariant.grouped_experts(x, ids, wts, _expert_fn(w1, w3, w2), E, live, block=4)
+
+
+def _routes(rng, n):
+  ids = np.stack([rng.permutation(E)[:TOPK] for _ in range(n)]).astype(np.int32)
+  return jnp.asarray(ids), jnp.asarray(rng.uniform(0.1, 1.0, (n, TOPK)).astype(np.float32))
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), live=st.integers(1, N), place=st.integers(0, N - 1),
+       bf16=st.booleans())
+def test_rows_dot_row_bits_ignore_row_count_and_neighbours(seed, live, place, bf16):
+  dt = jnp.bfloat16 if bf16 else jnp.float32
+  kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+  x = jax.random.normal(kx, (N, K_IN), dt)
+  w = jax.random.normal(kw, (K_IN, M_OUT), dt)
+  alone = np.asarray(_rows_dot(jnp.zeros_like(x).at[0].set(x[0]), w, 1))[0]
+  place = place % live
+  rng = np.random.default_rng(seed)
+  others = np.asarray(x)[1:][rng.permutation(N - 1)]
+  mixed = np.insert(others, place, np.asarray(x)[0], axis=0)
+  got = np.asarray(_rows_dot(jnp.asarray(mixed), w, live))
+  np.testing.assert_array_equal(got[place], alone)
+  assert not np.any(got[-(-live // 16) * 16:])          # rows of dead blocks stay zero
+  ref = np.asarray(row_invariant.rows_dot_reference(jnp.asarray(mixed[:live]), w, precision=_HI,
+                                                    preferred_element_type=jnp.float32))
+  np.testing.assert_allclose(got[:live], ref, rtol=2e-5, atol=2e-4)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), live=st.integers(1, N), place=st.integers(0, N - 1))
+def test_grouped_experts_row_bits_ignore_batch(seed, live, place):
+  rng = np.random.default_rng(seed)
+  kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+  x = jax.random.normal(kx, (N, D), jnp.float32)
+  w1, w3, w2 = _expert_weights(kw, jnp.float32)
+  ids, wts = _routes(rng, N)
+  alone = np.asarray(_grouped(x, ids, wts, w1, w3, w2, 1))[0]
+  place = place % live
+  perm = np.insert(1 + rng.permutation(N - 1), place, 0)    # token 0 at `place`, the others shuffled
+  got = np.asarray(_grouped(x[perm], ids[perm], wts[perm], w1, w3, w2, live))
+  np.testing.assert_array_equal(got[place], alone)
+  assert not np.any(got[live:])                              # dead tokens: zeros
+
+  def all_pairs(ids_P, x_PxD):
+    g = jnp.einsum("pd,pdi->pi", x_PxD, w1[ids_P], precision=_HI)
+    u = jnp.einsum("pd,pdi->pi", x_PxD, w3[ids_P], precision=_HI)
+    return jnp.einsum("pi,pid->pd", jax.nn.silu(g) * u, w2[ids_P], precision=_HI)
+  ref = np.asarray(row_invariant.grouped_experts_reference(x[perm][:live], ids[perm][:live], wts[perm][:live],
+                                                           all_pairs))
+  np.testing.assert_allclose(got[:live], ref, rtol=2e-5, atol=2e-5)
+
+
+def test_grouped_experts_runs_only_live_blocks():
+  """The loop's trip count is the live blocks: each expert's live pairs rounded up to whole blocks."""
+  rng = np.random.default_rng(0)
+  ids, _ = _routes(rng, N)
+  for live in (1, 7, N):
+    _, sizes, first_block, _ = row_invariant.expert_blocks(ids, E, live, block=4)
+    counts = np.bincount(np.asarray(ids[:live]).reshape(-1), minlength=E)
+    np.testing.assert_array_equal(np.asarray(sizes), counts)
+    assert int(first_block[E]) == int(np.sum(-(-counts // 4)))
+
+
+def test_map_row_blocks_bad_blocking():
+  import pytest
+  with pytest.raises(ValueError, match="at least one row"):
+    row_invariant.RowBlocking(rows=0)
+
+
+def test_forward_bits_ignore_the_flat_width(request):
+  """The model on one row's live tokens at flat widths 32 and 64 (the step budgets of two engines): the same hidden
+  states and the same cache contents, bit for bit (every per-token op runs in fixed row blocks). In a child process
+  at XLA's default optimisation level, like the engine's bitwise checks: the claim is about the code users run."""
+  if run_in_child(request, default_xla_opt=True):
+    return
+  from dsv4 import caches, config, model
+  cfg = config.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  lay = caches.CacheLayout()
+  ntok, R = 29, 4
+
+  def run(n):
+    toks = np.zeros(n, np.int32)
+    toks[:ntok] = np.arange(2, 2 + ntok)
+    row = np.full(n, -1, np.int32)
+    row[:ntok] = 0
+    pos = np.zeros(n, np.int32)
+    pos[:ntok] = np.arange(ntok)
+    num = np.zeros(R, np.int32)
+    num[0] = ntok
+    swa = np.full((R, 8), -1, np.int32)
+    swa[0, :4] = np.arange(4)
+    full = np.full((R, 4), -1, np.int32)
+    full[0, :2] = np.arange(2)
+    step = caches.StepIndex(jnp.asarray(row), jnp.asarray(pos), jnp.zeros(R, jnp.int32), jnp.asarray(num),
+                            {caches.SWA: jnp.asarray(swa), caches.FULL: jnp.asarray(full)},
+                            swa_base_R=jnp.zeros(R, jnp.int32), live_tokens=jnp.int32(ntok), invariant=True)
+    cache, h = jax.jit(lambda c, t, s: model.forward_ragged(params, cfg, t, c, s, layout=lay))(
+        caches.init_cache(cfg, lay, 16, 8), jnp.asarray(toks), step)
+    return cache, np.asarray(h)[:ntok]
+
+  (c32, h32), (c64, h64) = run(32), run(64)
+  np.testing.assert_array_equal(h32, h64)
+  for a, b in zip(c32.layers, c64.layers):
+    for k in a:
+      np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
