@@ -368,6 +368,9 @@ def _cases() -> list[Case]:
                         ("o_b_8192x4096_n2048", 2048, 8192, 4096), ("shared_down_2048x4096_n64", 64, 2048, 4096)):
     out.append(Case(f"row_dot_{name}_bf16", "row_dot", dict(N=N, K=K, M=M)))
   out.append(Case("row_dot_square_4096x4096_n64_fp32", "row_dot", dict(N=64, K=4096, M=4096, dtype=jnp.float32)))
+  # decode with the fixed split of K: 32 column blocks x 8 splits = 256 programs instead of 32
+  out.append(Case("row_dot_square_4096x4096_n64_ksplit8_bf16", "row_dot",
+                  dict(N=64, K=4096, M=4096, tuning=rd.RowDotTuning(k_splits=8))))
   # 2048 tokens x top-6 over 256 experts in blocks of 32 rows: 12288 pairs, at most 12288 / 32 + 256 = 640 blocks.
   out.append(Case("grouped_dot_gate_up_e256_4096x2048_r32", "grouped_dot", dict(B=640, R=32, E=256, K=4096, M=2048)))
   out.append(Case("grouped_dot_down_e256_2048x4096_r32", "grouped_dot", dict(B=640, R=32, E=256, K=2048, M=4096)))

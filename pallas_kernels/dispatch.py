@@ -781,11 +781,11 @@ def _shrink_to_blocks(n: int, block: int) -> int:
 
 def _row_dot_small(a: RowDotArgs, static: dict, tuning) -> SmallCase:
   """Row-invariant matmul: the compiled code depends on the dtypes, the tuning and whether `live` is given; N, K
-  and M set only the grid and the K loop's trip count. The small case: one row block and three rows, two K steps,
-  two column blocks."""
+  and M set only the grid and the K loop's trip count. The small case: one row block and three rows, two K steps
+  per K split (all of the tuning's k_splits kept: they set the partials' sum), two column blocks."""
   t = tuning or RowDotTuning()
   (N, K), M = a.x_NxK.shape, a.w_KxM.shape[1]
-  k, m = _shrink_to_blocks(K, t.block_k), _shrink_to_blocks(M, t.block_cols)
+  k, m = _shrink_to_blocks(K, t.block_k * t.k_splits), _shrink_to_blocks(M, t.block_cols)
   args = RowDotArgs(jax.ShapeDtypeStruct((min(N, t.block_rows + 3), k), a.x_NxK.dtype),
                     jax.ShapeDtypeStruct((k, m), a.w_KxM.dtype), a.live)
   return SmallCase(args, t, ())

@@ -9,10 +9,18 @@ Returns y_NxM.
 
 Why a kernel: XLA's GPU dot goes to cuBLAS, which picks its kernel (tiles, split-K) from the row count, so a row's
 bits change with the batch it sits in (benchmarks/probes/dot_row_bits.py shows it). Here nothing is chosen from N:
-every program owns a fixed block_rows x block_cols tile and reduces over K in block_k steps in ascending order
-(no split-K), so an output element sees the same products in the same order whatever N, `live` or its neighbours
-are. One launch covers every row; the programs of one column block read the same weight tiles, shared through L2,
-so the weights cross HBM about once (the cost of a plain GEMM). A program whose row block starts at or past `live`
+every program owns a fixed block_rows x block_cols tile and reduces over K in block_k steps in ascending order,
+so an output element sees the same products in the same order whatever N, `live` or its neighbours are.
+
+Fixed split-K (`RowDotTuning.k_splits` = S > 1): a third grid axis of S programs per output tile; program s reduces
+K range [s K/S, (s+1) K/S) in ascending block_k steps into an fp32 partial of a [S, N, M] buffer, and the wrapper
+adds the partials left to right, ((p0 + p1) + p2) + ..., as unrolled elementwise adds (a jnp.sum's tree is XLA's
+choice), then casts. S comes from the tuning, never from N, so the bits still depend on (block_k, k_splits) only.
+It exists for decode: with few rows there are only M / block_cols output tiles (32 at M = 4096), too few programs
+to stream the weights at HBM rate; S multiplies them. Its price: the fp32 buffer written once and read once.
+
+One launch covers every row; the programs of one column block read the same weight tiles, shared through L2, so
+the weights cross HBM about once (the cost of a plain GEMM). A program whose row block starts at or past `live`
 does no dot and writes zeros: the shapes stay fixed while the work follows the live rows.
 
 Shapes: N is padded to a multiple of block_rows in the wrapper (rows are cheap, and padding rows never touch a live
@@ -95,12 +103,21 @@ class RowDotTuning:
   """Static tiling of the row-invariant matmul. Nothing here is chosen from the row count: that is the invariance.
 
   block_rows / block_cols: the output tile of one program (powers of two >= 16).
-  block_k: the K step; each program sums its K / block_k partial dots in ascending order (power of two >= 16).
+  block_k: the K step; each program sums its partial dots in ascending order (power of two >= 16).
+  k_splits: S, the fixed split of K (a power of two; K / block_k must be a multiple of it). S > 1 launches S
+    programs per output tile, each over K / S, and adds their fp32 partials in the fixed order p0 + p1 + ... At
+    decode (N <= 64 rows, one row block) the grid is M / block_cols x S programs: for V4-Flash's K = M = 4096 with
+    block_cols 128 that is 32 x S, so S = 4 or 8 (128 or 256 programs on 132 SMs, 16 or 8 K steps of 64 each)
+    fills the machine, at the cost of an S x N_padded x M fp32 buffer (8 MiB for S = 8, N <= 64, M = 4096) written
+    and read once; the buffer grows with N (256 MiB at 2048 rows), which prefill pays. A change of k_splits (or
+    block_k) changes the bits, so one engine keeps one tuning for every step, decode and prefill alike; never pick
+    S from the row count.
   num_warps / num_stages: Triton launch and software-pipelining depth of the K loop.
   debug: print the kernel jaxpr and Triton module when lowering."""
   block_rows: int = 64
   block_cols: int = 128
   block_k: int = 64
+  k_splits: int = 1
   num_warps: int = 4
   num_stages: int = 3
   debug: bool = False
@@ -108,13 +125,17 @@ class RowDotTuning:
   def __post_init__(self):
     for name in ("block_rows", "block_cols", "block_k"):
       check_block(name, getattr(self, name))
+    if self.k_splits < 1 or self.k_splits & (self.k_splits - 1):
+      raise ValueError(f"k_splits must be a power of two >= 1, got {self.k_splits}")
     check_launch(self.num_warps, self.num_stages)
 
 
-def check_divides(K: int, M: int, block_k: int, block_cols: int) -> None:
+def check_divides(K: int, M: int, block_k: int, block_cols: int, k_splits: int = 1) -> None:
   if K % block_k or M % block_cols:
     raise ValueError(f"K={K} and M={M} must be multiples of block_k={block_k} and block_cols={block_cols} (pad the "
                      "weights once at load time, or pick a tuning whose blocks divide them)")
+  if (K // block_k) % k_splits:
+    raise ValueError(f"K / block_k = {K // block_k} K steps do not split into k_splits={k_splits} equal parts")
 
 
 def _pick0(ref):
@@ -133,7 +154,8 @@ def k_loop(x_tile, w_tile, acc, num_k: int, block_k: int, cdtype):
 
 
 def _row_dot_kernel(live_ref, x_ref, w_ref, o_ref, *, block_k: int):
-  """One program: rows i*block_rows .., columns j*block_cols ..; refs x [block_rows, K], w [K, block_cols]."""
+  """One program: rows i*block_rows .., columns j*block_cols .., K split s; refs x [block_rows, K / S],
+  w [K / S, block_cols] (S = k_splits), o the tile of the output (S = 1) or of split s's fp32 partial."""
   br, bc = o_ref.shape
   row0 = pl.program_id(0) * br
   live = _pick0(live_ref)
@@ -154,28 +176,36 @@ def _row_dot_kernel(live_ref, x_ref, w_ref, o_ref, *, block_k: int):
 def row_dot_pallas(x_NxK, w_KxM, live=None, *, tuning: RowDotTuning = RowDotTuning(), interpret: bool = False,
                    out_dtype=None):
   """Pallas (Triton-GPU) kernel with the contract of `row_dot_reference`; grid (cdiv(N, block_rows),
-  M / block_cols)."""
+  M / block_cols, k_splits)."""
   t = tuning
   check_operands(x_NxK, w_KxM, "x_NxK", "w_KxM", 0)
   (N, K), M = x_NxK.shape, w_KxM.shape[1]
-  check_divides(K, M, t.block_k, t.block_cols)
+  check_divides(K, M, t.block_k, t.block_cols, t.k_splits)
   out_dtype = jnp.dtype(out_dtype or x_NxK.dtype)
-  br, bc = t.block_rows, t.block_cols
+  br, bc, S = t.block_rows, t.block_cols, t.k_splits
   Np = max(1, -(-N // br)) * br
+  nrb, ks = Np // br, K // S
   x = x_NxK if Np == N else jnp.pad(x_NxK, ((0, Np - N), (0, 0)))
   live_1 = jnp.reshape(jnp.clip(jnp.asarray(N if live is None else live, jnp.int32), 0, N), (1,))
   compiler_params = None
   if _pl_triton is not None:
     compiler_params = _pl_triton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
   y = pl.pallas_call(
-      functools.partial(_row_dot_kernel, block_k=t.block_k), grid=(Np // br, M // bc),
-      in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)),
-                pl.BlockSpec((br, K), lambda i, j: (i, 0)),
-                pl.BlockSpec((K, bc), lambda i, j: (0, j))],
-      out_specs=pl.BlockSpec((br, bc), lambda i, j: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((Np, M), out_dtype),
+      functools.partial(_row_dot_kernel, block_k=t.block_k), grid=(nrb, M // bc, S),
+      in_specs=[pl.BlockSpec((1,), lambda i, j, s: (0,)),
+                pl.BlockSpec((br, ks), lambda i, j, s: (i, s)),
+                pl.BlockSpec((ks, bc), lambda i, j, s: (s, j))],
+      # the partials as [S * Np, M] (split s's rows at s * Np): 2-D blocks, no squeezed axis
+      out_specs=pl.BlockSpec((br, bc), lambda i, j, s: (s * nrb + i, j)),
+      out_shape=jax.ShapeDtypeStruct((S * Np, M), out_dtype if S == 1 else jnp.float32),
       compiler_params=compiler_params, interpret=interpret, debug=t.debug, name="dsv4_row_dot")(live_1, x, w_KxM)
-  return y if Np == N else y[:N]
+  if S == 1:
+    return y if Np == N else y[:N]
+  parts_SxNxM = y.reshape(S, Np, M)[:, :N]
+  acc = parts_SxNxM[0]
+  for s in range(1, S):  # left to right, one elementwise add each: the order is ours, not a reduction tree's
+    acc = acc + parts_SxNxM[s]
+  return acc.astype(out_dtype)
 
 
 def row_dot(x_NxK, w_KxM, live=None, *, tuning: RowDotTuning = RowDotTuning(), interpret: bool = False,

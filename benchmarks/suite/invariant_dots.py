@@ -1,7 +1,8 @@
 """(b) The batch-invariant matmuls on the device: time and row bits.
 
 Timing: `row_dot` (pallas_kernels/row_dot.py) against the plain XLA dot the model would otherwise run
-(jnp.dot, fp32 accumulation, cast to bf16) at N = 1, 64, 512, 2048 rows of a 4096 x 4096 bf16 projection; then
+(jnp.dot, fp32 accumulation, cast to bf16) at N = 1, 64, 512, 2048 rows of a 4096 x 4096 bf16 projection, and at
+the decode rows (N = 1, 64) also with the fixed split of K (`RowDotTuning(k_splits=8)`: 32 x 8 programs); then
 `grouped_dot` (pallas_kernels/grouped_dot.py) against its XLA reference at 2048 tokens x top-6 over 256 experts
 (4096 -> 2048, expert blocks of 32 rows, random routing). Each kernel is checked against the XLA result first, then
 timed with `kernel_cases.time_executable` (L2 flushed before each call: a 32 MB weight would sit in the H200's
@@ -9,10 +10,11 @@ timed with `kernel_cases.time_executable` (L2 flushed before each call: a 32 MB 
 rate (bytes: x + the weights read + y once; FLOPs: 2 N K M, for the grouped matmul over the live blocks' rows).
 
 Row bits: a fixed row's output at N = 1, 7, 64, 2048 rows (and at the last place of 2048 shuffled rows) from
-row_dot, bitwise equal to the row alone; the same for the XLA dot as the contrast (cuBLAS picks its kernel from
-N, so it is expected to differ).
+row_dot, with and without the split of K, bitwise equal to the row alone; the same for the XLA dot as the contrast
+(cuBLAS picks its kernel from N, so it is expected to differ).
 
-The dry run (CPU): K = M = 256, 16 experts of 256 -> 128, interpret-mode kernels, no flush.
+The dry run (CPU): K = 1024 (8 splits of two 64-wide K steps), M = 256, 16 experts of 256 -> 128, interpret-mode
+kernels, no flush.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class Shapes:
   K: int = 4096
   M: int = 4096
   rows: tuple = (1, 64, 512, 2048)
+  split_rows: tuple = (1, 64)   # decode: few row blocks, so the split of K multiplies the programs
+  k_splits: int = 8
   bit_rows: tuple = (1, 7, 64, 2048)
   tokens: int = 2048
   top_k: int = 6
@@ -46,7 +50,7 @@ class Shapes:
 
   @classmethod
   def dry(cls):
-    return cls(K=256, M=256, rows=(1, 16, 64), bit_rows=(1, 7, 64), tokens=64, top_k=2, experts=16, expert_K=256,
+    return cls(K=1024, M=256, rows=(1, 16, 64), bit_rows=(1, 7, 64), tokens=64, top_k=2, experts=16, expert_K=256,
                expert_M=128, block_rows=16)
 
 
@@ -89,6 +93,8 @@ def run(dry: bool, seed: int, *, iters: int, repeats: int, flush_mb: float, hbm_
   x = jax.random.normal(kx, (n_max, s.K), jnp.bfloat16)
   w = (jax.random.normal(kw, (s.K, s.M), jnp.float32) * s.K ** -0.5).astype(jnp.bfloat16)
   kernel = jax.jit(lambda x, w: rd.row_dot(x, w, interpret=dry))
+  split_tuning = rd.RowDotTuning(k_splits=s.k_splits)
+  split_kernel = jax.jit(lambda x, w: rd.row_dot(x, w, tuning=split_tuning, interpret=dry))
   exes = {}
 
   def compiled(fn, name, *args):
@@ -96,16 +102,17 @@ def run(dry: bool, seed: int, *, iters: int, repeats: int, flush_mb: float, hbm_
       exes[name] = jax.jit(fn).lower(*args).compile()
     return exes[name]
 
-  for n in s.rows:
+  cases = ([("row_dot", "row_dot", kernel, rd.RowDotTuning(), n) for n in s.rows] +
+           [(f"row_dot_ksplit{s.k_splits}", "ksplit", split_kernel, split_tuning, n) for n in s.split_rows])
+  for name, tag, fn, tuning, n in cases:
     xn = x[:n]
-    k_exe, x_exe = compiled(kernel, f"row_dot{n}", xn, w), compiled(xla_dot, f"xla{n}", xn, w)
+    k_exe, x_exe = compiled(fn, f"{tag}{n}", xn, w), compiled(xla_dot, f"xla{n}", xn, w)
     got, want = k_exe(xn, w), x_exe(xn, w)
     err = kb.tol_ratio(got, want, 2e-2, 2e-2)
-    row = dict(table=TABLE, item=f"b.invariant_dots.row_dot.n{n}", kernel="row_dot",
-               shapes=f"N={n} K={s.K} M={s.M} bf16", err_over_tol=err,
-               tuning=dataclasses.asdict(rd.RowDotTuning()))
+    row = dict(table=TABLE, item=f"b.invariant_dots.{name}.n{n}", kernel="row_dot",
+               shapes=f"N={n} K={s.K} M={s.M} bf16", err_over_tol=err, tuning=dataclasses.asdict(tuning))
     if not err <= 1.0:
-      yield dict(row, status="mismatch", error=f"max |row_dot - jnp.dot| / tol = {err:.3g} (> 1)")
+      yield dict(row, status="mismatch", error=f"max |{name} - jnp.dot| / tol = {err:.3g} (> 1)")
       continue
     k_ms, x_ms = _time(k_exe, (xn, w), iters, repeats, flush), _time(x_exe, (xn, w), iters, repeats, flush)
     flops, nbytes = 2.0 * n * s.K * s.M, 2.0 * (n * s.K + s.K * s.M + n * s.M)
@@ -115,7 +122,7 @@ def run(dry: bool, seed: int, *, iters: int, repeats: int, flush_mb: float, hbm_
                status="ok")
 
   yield _grouped_row(s, ke, kr, dry, iters, repeats, flush, hbm_gbps, peak_tflops)
-  yield _bits_row(s, x, w, kernel, compiled, seed)
+  yield _bits_row(s, x, w, kernel, split_kernel, compiled, seed)
 
 
 def _grouped_row(s: Shapes, ke, kr, dry, iters, repeats, flush, hbm_gbps, peak_tflops) -> dict:
@@ -145,14 +152,16 @@ def _grouped_row(s: Shapes, ke, kr, dry, iters, repeats, flush, hbm_gbps, peak_t
               status="ok")
 
 
-def _bits_row(s: Shapes, x, w, kernel, compiled, seed) -> dict:
+def _bits_row(s: Shapes, x, w, kernel, split_kernel, compiled, seed) -> dict:
   """Row 0 at every row count in bit_rows (and at the last place of the largest, the other rows shuffled) against
-  row 0 alone: row_dot and, as the contrast, the XLA dot."""
+  row 0 alone: row_dot without and with the split of K and, as the contrast, the XLA dot."""
   n_max = max(s.bit_rows)
   order = np.random.default_rng(seed).permutation(np.arange(1, n_max))
   moved = x[:n_max][np.append(order, 0)]   # row 0 last
   out = {}
-  for name, tag, fn in (("row_dot", "row_dot", kernel), ("xla_dot", "xla", xla_dot)):
+  split_name = f"row_dot_ksplit{s.k_splits}"
+  for name, tag, fn in (("row_dot", "row_dot", kernel), (split_name, "ksplit", split_kernel),
+                        ("xla_dot", "xla", xla_dot)):
     run = lambda xs: np.asarray(compiled(fn, f"{tag}{xs.shape[0]}", xs, w)(xs, w))  # timing's executables reused
     alone = run(x[:1])[0].view(np.uint16)
     same = {}
@@ -162,10 +171,14 @@ def _bits_row(s: Shapes, x, w, kernel, compiled, seed) -> dict:
     same[f"n{n_max}_last"] = bool(np.array_equal(y[-1].view(np.uint16), alone))
     out[name] = same
   ok = all(out["row_dot"].values())
+  split_ok = all(out[split_name].values())
   row = dict(table=TABLE, item="b.invariant_dots.row_bits", kernel="row_dot",
              shapes=f"row 0 at N={','.join(map(str, s.bit_rows))} (+ last of {n_max}) K={s.K} M={s.M} bf16",
-             row_dot_bitwise=ok, row_dot_bits=out["row_dot"], xla_dot_bitwise=all(out["xla_dot"].values()),
-             xla_dot_bits=out["xla_dot"], status="ok" if ok else "mismatch")
-  if not ok:
-    row["error"] = "row_dot gave a row other bits at another row count or place"
+             row_dot_bitwise=ok, row_dot_bits=out["row_dot"],
+             **{f"{split_name}_bitwise": split_ok, f"{split_name}_bits": out[split_name]},
+             xla_dot_bitwise=all(out["xla_dot"].values()), xla_dot_bits=out["xla_dot"],
+             status="ok" if ok and split_ok else "mismatch")
+  if not (ok and split_ok):
+    bad = [n for n, good in (("row_dot", ok), (split_name, split_ok)) if not good]
+    row["error"] = f"{' and '.join(bad)} gave a row other bits at another row count or place"
   return row

@@ -236,8 +236,8 @@ def items() -> list[Item]:
       Item("a.matmul", 10, _matmul, "bf16 8192^3 matmul rate"),
       Item("b.topk", 40, _topk_diagnosis, "fused top-k diagnosis: repeats, sentinel, selected lanes, tunings"),
       Item("b.kernels", 40, _kernels, "every kernel vs its reference at V4-Flash shapes, timed (same executable)"),
-      Item("b.invariant_dots", 40, _invariant_dots, "row_dot vs jnp.dot (N 1..2048, 4096^2), grouped_dot vs its "
-           "reference (256 experts), a row's bits across row counts"),
+      Item("b.invariant_dots", 40, _invariant_dots, "row_dot vs jnp.dot (N 1..2048, 4096^2; k_splits 8 at N 1, "
+           "64), grouped_dot vs its reference (256 experts), a row's bits across row counts"),
       Item("c.serve", 60, _serve, "the main job (experiments.serve, shipped model): 48 graded answers"),
       Item("d.engine.bf16", 90, _engine_bf16, "engine at V4-Flash widths, bf16 KV, kernels"),
       Item("d.engine.alone", 40, _engine_alone, "two requests alone vs batched, bitwise"),

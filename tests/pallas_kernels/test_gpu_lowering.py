@@ -297,12 +297,16 @@ def test_indexer_kernels_lower_with_paged_rows(name, B, F, cand, keys):
     assert TRITON in lowering.custom_call_targets(exp)
 
 
-@pytest.mark.parametrize("name,N,K,M", [("decode_q_a", 1, 4096, 1024), ("prefill_square", 2048, 4096, 4096),
-                                        ("prefill_o_b", 2048, 8192, 4096)])
-def test_row_dot_lowers_for_cuda(name, N, K, M):
-  """The row-invariant matmul at V4-Flash projection shapes: one Triton call, N padded to the row block inside."""
+@pytest.mark.parametrize("name,N,K,M,k_splits", [("decode_q_a", 1, 4096, 1024, 1),
+                                                 ("decode_square_ksplit8", 64, 4096, 4096, 8),
+                                                 ("prefill_square", 2048, 4096, 4096, 1),
+                                                 ("prefill_o_b", 2048, 8192, 4096, 1)])
+def test_row_dot_lowers_for_cuda(name, N, K, M, k_splits):
+  """The row-invariant matmul at V4-Flash projection shapes: one Triton call, N padded to the row block inside (with
+  the fixed split of K: the same one call, its partials added after it)."""
   from pallas_kernels import row_dot as rd
-  exp = export_for_cuda(rd.row_dot_pallas, S((N, K), jnp.bfloat16), S((K, M), jnp.bfloat16), S((), jnp.int32))
+  exp = export_for_cuda(rd.row_dot_pallas, S((N, K), jnp.bfloat16), S((K, M), jnp.bfloat16), S((), jnp.int32),
+                        tuning=rd.RowDotTuning(k_splits=k_splits))
   assert TRITON in lowering.custom_call_targets(exp)
   assert exp.out_avals[0].shape == (N, M)
 

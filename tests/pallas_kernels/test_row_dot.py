@@ -1,6 +1,10 @@
 """The row-invariant matmul (interpret mode) against its reference on fresh random inputs, and its invariance: a
 row's bits do not depend on the number of rows, `live`, its place in the call or the other rows; rows >= live are
-exact zeros; dispatch routes "xla" to the reference and "interpret" to the kernel."""
+exact zeros; dispatch routes "xla" to the reference and "interpret" to the kernel. All of it with and without the
+fixed split of K (k_splits)."""
+
+import dataclasses
+import functools
 
 import hypothesis
 import hypothesis.strategies as st
@@ -16,6 +20,7 @@ from pallas_kernels import row_dot as rd
 SETTINGS = dict(max_examples=4, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
 TUNE = rd.RowDotTuning(block_rows=16, block_cols=32, block_k=16)  # small tiles: several of each in small shapes
 K, M = 64, 64
+K_SPLIT = 128  # 8 K steps: 2 per split at k_splits 4 (at one step per split the fixed sum is the serial one)
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 
 
@@ -24,8 +29,12 @@ def bits(y):
   return y.view({2: np.uint16, 4: np.uint32}[y.dtype.itemsize])
 
 
-def kernel(x, w, live=None, **kw):
-  return rd.row_dot(x, w, live, tuning=TUNE, interpret=True, **kw)
+def split(k_splits):
+  return dataclasses.replace(TUNE, k_splits=k_splits)
+
+
+def kernel(x, w, live=None, *, tuning=TUNE, **kw):
+  return rd.row_dot(x, w, live, tuning=tuning, interpret=True, **kw)
 
 
 def operands(seed, N, K, M, dtype):
@@ -56,6 +65,21 @@ def test_kernel_matches_reference(seed, N, k_steps, m_blocks, dtype, live):
     assert not np.asarray(got[live:], np.float32).any()
 
 
+@hypothesis.settings(**SETTINGS)
+@hypothesis.given(seed=st.integers(0, 2 ** 31 - 1), N=st.integers(1, 40), k_splits=st.sampled_from([2, 4]),
+                  steps_per_split=st.integers(1, 2), dtype=st.sampled_from(sorted(DTYPES)), live=st.integers(-1, 41))
+def test_split_kernel_matches_reference(seed, N, k_splits, steps_per_split, dtype, live):
+  """The fixed split of K: the same contract (rows >= live exact zeros, out dtype x's)."""
+  dt = DTYPES[dtype]
+  x, w = operands(seed, N, 16 * k_splits * steps_per_split, 64, dt)
+  lv = None if live < 0 else jnp.int32(live)
+  got = kernel(x, w, lv, tuning=split(k_splits))
+  assert got.shape == (N, 64) and got.dtype == dt
+  assert_close(got, rd.row_dot_reference(x, w, lv), dt)
+  if lv is not None:
+    assert not np.asarray(got[live:], np.float32).any()
+
+
 def test_out_dtype():
   x, w = operands(1, 5, K, M, jnp.bfloat16)
   got = kernel(x, w, out_dtype=jnp.float32)
@@ -64,38 +88,53 @@ def test_out_dtype():
                              rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("k_splits", [1, 2, 4])
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_a_row_keeps_its_bits_whatever_the_batch(dtype):
+def test_a_row_keeps_its_bits_whatever_the_batch(dtype, k_splits):
   """The same row alone, among 6, 16, 17 and 40 rows, at any place, among permuted neighbours, under any live that
-  keeps it: identical bits (the kernel chooses nothing from the row count)."""
+  keeps it: identical bits (the kernel chooses nothing from the row count, the split of K included)."""
   dt = DTYPES[dtype]
-  x, w = operands(7, 40, K, M, dt)
+  tune = split(k_splits)
+  run = functools.partial(kernel, tuning=tune)
+  x, w = operands(7, 40, K_SPLIT, M, dt)
   row = x[0]
-  alone = bits(kernel(row[None], w))[0]
+  alone = bits(run(row[None], w))[0]
   for n in (6, 16, 17, 40):
-    assert np.array_equal(bits(kernel(x[:n], w))[0], alone), n
+    assert np.array_equal(bits(run(x[:n], w))[0], alone), n
   rng = np.random.default_rng(0)
   for place in (0, 5, 15, 16, 39):                  # its place in the call: first, inside, block edges, last
     for _ in range(2):                               # and the other rows shuffled around it
       others = rng.permutation(np.arange(1, 40))
       order = np.insert(others, place, 0)
-      y = bits(kernel(x[order], w, jnp.int32(40)))
+      y = bits(run(x[order], w, jnp.int32(40)))
       assert np.array_equal(y[place], alone), place
   for live in (1, 2, 16, 17, 33):
-    assert np.array_equal(bits(kernel(x, w, jnp.int32(live)))[0], alone), live
+    assert np.array_equal(bits(run(x, w, jnp.int32(live)))[0], alone), live
   # the check sees a change of summation order: another block_k gives the row other fp32 bits
-  other = rd.row_dot(row[None], w, tuning=rd.RowDotTuning(block_rows=16, block_cols=32, block_k=32), interpret=True,
+  other = rd.row_dot(row[None], w, tuning=dataclasses.replace(tune, block_k=32), interpret=True,
                      out_dtype=jnp.float32)
-  assert not np.array_equal(bits(other), bits(kernel(row[None], w, out_dtype=jnp.float32)))
+  assert not np.array_equal(bits(other), bits(run(row[None], w, out_dtype=jnp.float32)))
 
 
+def test_the_split_is_there():
+  """k_splits 1 and 4 sum one row's products in different orders (serial vs four partials added left to right):
+  different fp32 bits, each stable across row counts."""
+  x, w = operands(11, 17, K_SPLIT, M, jnp.float32)
+  serial, parts = (bits(kernel(x[:1], w, tuning=split(s)))[0] for s in (1, 4))
+  assert not np.array_equal(serial, parts)
+  for s, alone in ((1, serial), (4, parts)):
+    assert np.array_equal(bits(kernel(x, w, tuning=split(s)))[0], alone), s
+
+
+@pytest.mark.parametrize("k_splits", [1, 4])
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_rows_at_or_past_live_are_zero(dtype):
+def test_rows_at_or_past_live_are_zero(dtype, k_splits):
   dt = DTYPES[dtype]
+  run = functools.partial(kernel, tuning=split(k_splits))
   x, w = operands(3, 37, K, M, dt)
-  full = bits(kernel(x, w))
+  full = bits(run(x, w))
   for live in (0, 1, 15, 16, 17, 37):
-    y = kernel(x, w, jnp.int32(live))
+    y = run(x, w, jnp.int32(live))
     assert not np.asarray(y[live:], np.float32).any() and not np.signbit(np.asarray(y[live:], np.float32)).any()
     assert np.array_equal(bits(y)[:live], full[:live])  # the live rows are untouched by the cut
 
@@ -108,9 +147,24 @@ def test_bad_shapes_and_tunings_are_one_line_errors():
     rd.row_dot(x, w.astype(jnp.float32), tuning=TUNE, interpret=True)
   with pytest.raises(ValueError, match="disagree on K"):
     rd.row_dot(x[:, :32], w, tuning=TUNE, interpret=True)
-  for bad in (dict(block_rows=8), dict(block_cols=48), dict(block_k=0), dict(num_warps=3), dict(num_stages=0)):
-    with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match="do not split into k_splits=2 equal parts"):
+    rd.row_dot(x, w, tuning=split(2), interpret=True)     # 48 / 16 = 3 K steps
+  for bad in (dict(block_rows=8), dict(block_cols=48), dict(block_k=0), dict(num_warps=3), dict(num_stages=0),
+              dict(k_splits=0), dict(k_splits=3), dict(k_splits=-2)):
+    with pytest.raises(ValueError) as e:
       rd.RowDotTuning(**bad)
+    assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match="k_splits must be a power of two >= 1, got 3"):
+    rd.RowDotTuning(k_splits=3)
+
+
+def test_auto_small_case_keeps_the_split():
+  """`auto`'s validation case keeps two K steps per split (all k_splits of them: they set the partials' sum)."""
+  S = jax.ShapeDtypeStruct
+  a = dispatch.RowDotArgs(S((64, 4096), jnp.bfloat16), S((4096, 4096), jnp.bfloat16))
+  case = dispatch._row_dot_small(a, {}, rd.RowDotTuning(k_splits=8))
+  assert case.args.x_NxK.shape == (64, 1024) and case.args.w_KxM.shape == (1024, 256)
+  assert case.tuning.k_splits == 8
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
