@@ -132,7 +132,8 @@ def draft_hidden(params, config: ModelConfig, ctx_kv, ctx_ok_RxC, anchor_tok_R, 
         attn=lambda x, ctx, cache_l, kcfg, aux, shared, attn=attn: (cache_l, attn(x), {}, shared),
         hc_ffn=functools.partial(mhc.hc_coefficients, pm["hc_ffn"], cfg=config.mhc, norm_eps=eps),
         ffn_norm=pm["ffn_norm"],
-        ffn=lambda x, tokens, live=None, pm=pm: moe.moe(pm["ffn"], x, tokens, config.dspark_moe, False, live))
+        ffn=lambda x, tokens, live=None, kernel_cfg=None, pm=pm: moe.moe(pm["ffn"], x, tokens, config.dspark_moe,
+                                                                          False, live, kernel_cfg))
     _, X, pre, _, _ = model.block_forward(parts, config, X, ids, None, None, None, False, pre_prev=pre)
   h = rms_norm(mhc.collapse(pre, X), params["mtp"][-1]["norm"], eps)[0]
   return h.reshape(R, B, -1)

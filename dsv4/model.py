@@ -235,7 +235,7 @@ class Sublayers(NamedTuple):
   attn: Callable          # (x_NxD, ctx, cache_l, kernel_cfg, collect_aux[, shared]) -> (cache_l, y_NxD, aux[, shared])
   hc_ffn: Callable        # X_BxTxNxD -> (pre, post, comb)
   ffn_norm: jax.Array     # [D]
-  ffn: Callable           # (x_BxTxD, tokens_BxT, live) -> y_BxTxD     (moe.moe)
+  ffn: Callable           # (x_BxTxD, tokens_BxT, live, kernel_cfg) -> y_BxTxD     (moe.moe)
   engram: Callable | None = None   # V4.1: (X_BxTxNxD, hash_BxTxH) -> X_BxTxNxD (engram.engram); None = no Engram
 
 
@@ -249,7 +249,8 @@ def layer_sublayers(params_l, config: ModelConfig, plan: LayerPlan) -> Sublayers
       attn=functools.partial(attn, params_l["attn"], config, plan),
       hc_ffn=functools.partial(_hc, params_l["hc_ffn"], config),
       ffn_norm=params_l["ffn_norm"],
-      ffn=lambda x, tokens, live=None: moe.moe(params_l["ffn"], x, tokens, config.moe, plan.hash_moe, live),
+      ffn=lambda x, tokens, live=None, kernel_cfg=None: moe.moe(params_l["ffn"], x, tokens, config.moe,
+                                                                plan.hash_moe, live, kernel_cfg),
       engram=(lambda X, h: engram_mod.engram(params_l["engram"], X, h, eps)) if plan.engram else None)
 
 
@@ -279,7 +280,7 @@ def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, ke
       pre, post, comb = s.hc_ffn(X)
       return X, rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps), post, comb
     X, u, post, comb = token_rows(pre_ffn, live, y[None], X, post, comb)
-    y = s.ffn(u, tokens, live)
+    y = s.ffn(u, tokens, live, kernel_cfg)
     return cache_l, token_rows(mhc.expand, live, y, X, post, comb), aux
 
   def pre_attn_single_pass(X, pre_prev, engram_hash):
@@ -298,7 +299,7 @@ def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, ke
     pre2, post2, comb2 = s.hc_ffn(X)
     return X, rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps), pre2, post2, comb2
   X, u, pre2, post2, comb2 = token_rows(pre_ffn_single_pass, live, y[None], X, pre, post, comb)
-  y = s.ffn(u, tokens, live)
+  y = s.ffn(u, tokens, live, kernel_cfg)
   return cache_l, token_rows(mhc.expand, live, y, X, post2, comb2), pre2, aux, shared
 
 

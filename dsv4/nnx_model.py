@@ -157,8 +157,8 @@ class MoE(_ParamTree):
   """Router (gate + bias, or hash table tid2eid) and experts; the call is `moe.moe`."""
   _children = {"experts": RoutedExperts, "shared": SharedExpert}
 
-  def __call__(self, x_BxTxD, token_ids_BxT, live=None):
-    return moe.moe(self.param_dict(), x_BxTxD, token_ids_BxT, self.config.moe, self.plan.hash_moe, live)
+  def __call__(self, x_BxTxD, token_ids_BxT, live=None, kernel_cfg=None):
+    return moe.moe(self.param_dict(), x_BxTxD, token_ids_BxT, self.config.moe, self.plan.hash_moe, live, kernel_cfg)
 
 
 class Engram(_ParamTree):

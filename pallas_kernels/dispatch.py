@@ -334,6 +334,15 @@ def _resolve(cfg: KernelConfig, op: str, args: tuple | None = None, static: dict
   return kw
 
 
+def may_use_kernel(cfg: KernelConfig, op: str) -> bool:
+  """Whether `cfg` can send `op` to a kernel here at all (no arguments, nothing validated): False where the op always
+  runs its XLA reference (backend "xla", "auto" off a GPU, an op without a kernel). A caller that lays its inputs
+  out for the kernel asks this first; `auto` on a GPU may still serve the reference after validation."""
+  if op not in _KERNELS or cfg.backend == "xla":
+    return False
+  return cfg.backend != "auto" or _on_gpu()
+
+
 def uses_kernel(cfg: KernelConfig, op: str, *args, **static) -> bool:
   """Whether `cfg` sends `op` called with these arguments (the op's own signature, without cfg) to a Pallas
   kernel (or its interpret mode) rather than the XLA reference. `auto` on a GPU validates the kernel at these

@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec
 from dsv4 import mesh_context
 from dsv4.layers import expert_quant, row_invariant
 from dsv4.config import MoEConfig
+from pallas_kernels import dispatch
+from pallas_kernels.grouped_dot import GroupedDotTuning
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -40,12 +42,23 @@ def route(params, x_NxD, token_ids_N, cfg: MoEConfig, hashed: bool):
   return ids, w
 
 
-def routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None):
+def routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
+                   kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
   """The routed experts of every live token (rows >= live: zeros) as one grouped formulation for every batch size
   (`row_invariant.grouped_experts`): pairs sorted by expert, one [rows, D] x [D, I] product per live block of an
   expert's pairs with that expert's weights, so a token's result ignores how many tokens share its experts and
-  each expert's weights are read once per block of its own pairs."""
+  each expert's weights are read once per block of its own pairs. Where `kernel_cfg` can send "grouped_dot" to the
+  grouped expert kernel and its tiles divide the expert's shapes, every live block runs in one kernel call per
+  product (`row_invariant.grouped_experts_kernel`); not inside a mesh that splits the experts (GSPMD cannot split
+  a Pallas call: the loop runs there)."""
   E = cfg.n_routed_experts
+  D, I = params["w1"].shape[1], params["w1"].shape[2]
+  tuning = kernel_cfg.grouped_dot_tuning or GroupedDotTuning()
+  if (dispatch.may_use_kernel(kernel_cfg, "grouped_dot") and row_invariant.grouped_kernel_fits(D, I, tuning)
+      and not _experts_split()):
+    return row_invariant.grouped_experts_kernel(
+        x_NxD, ids_NxK, w_NxK, params["w1"], params["w3"], params["w2"],
+        lambda gate, up: swiglu(gate, up, cfg.swiglu_limit), live, kernel_cfg)
 
   def expert(e, xb):
     gate = jnp.dot(xb, params["w1"][e], precision=_HI)
@@ -64,6 +77,12 @@ def routed_experts_reference(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
     return jnp.einsum("pi,pid->pd", swiglu(gate, up, cfg.swiglu_limit).astype(xs.dtype), params["w2"][ids_P],
                       precision=_HI)
   return row_invariant.grouped_experts_reference(x_NxD, ids_NxK, w_NxK, all_pairs)
+
+
+def _experts_split() -> bool:
+  """Under a mesh whose `expert` or `tensor` axis splits the experts' weights."""
+  mesh = mesh_context.active_mesh()
+  return mesh is not None and (mesh_context.axis_size(mesh, "expert") > 1 or mesh_context.axis_size(mesh, "tensor") > 1)
 
 
 def _inside_data_shards() -> bool:
@@ -140,7 +159,8 @@ def shared_expert(params, x_NxD, cfg: MoEConfig):
   return jnp.dot(swiglu(gate, up, cfg.swiglu_limit), params["w2"], precision=_HI)
 
 
-def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool, live=None):
+def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool, live=None,
+        kernel_cfg: dispatch.KernelConfig | None = None):
   """The MoE sublayer on the flat tokens (B * T of them). live: None, or the count of leading flat tokens that may
   be real (the rest are padding: zeros out, no work). The router and the shared expert run in fixed row blocks
   over the live rows (`row_invariant.map_row_blocks`), the routed experts grouped (`routed_experts`): a token's
@@ -161,6 +181,6 @@ def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool, live=None)
       and cfg.n_routed_experts % mesh_context.axis_size(mesh, "expert") == 0):
     routed = routed_experts_ep(experts, x, ids, w, cfg, mesh)
   else:
-    routed = routed_experts(experts, x, ids, w, cfg, live)
+    routed = routed_experts(experts, x, ids, w, cfg, live, kernel_cfg or dispatch.KernelConfig())
   out = routed + row_invariant.map_row_blocks(lambda xb: shared_expert(params["shared"], xb, cfg), live, x)
   return out.reshape(B, T, D)

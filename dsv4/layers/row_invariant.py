@@ -12,7 +12,9 @@ loop.
 The routed experts are one grouped formulation for every batch size (`grouped_experts`): token-expert pairs sorted
 by expert, each expert's pairs cut into blocks of `RowBlocking.expert_rows`, one [rows, D] x [D, I] product per live
 block with that block's expert's weights (each expert's weights read once per block of its own pairs, never per
-token), and each token's K results summed in the order of its expert ids.
+token), and each token's K results summed in the order of its expert ids. Where the kernel configuration sends
+"grouped_dot" to the grouped expert kernel, the same grouping runs every live block in one kernel call per product
+instead of a loop (`grouped_experts_kernel`, `pallas_kernels/grouped_dot.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import dispatch
+
 
 @dataclasses.dataclass(frozen=True)
 class RowBlocking:
@@ -30,12 +34,15 @@ class RowBlocking:
   rows: rows per block of the projections and per-token segments (more = fewer weight re-reads at prefill, more
     padding work for a step with few live tokens).
   expert_rows: pairs per block of the grouped expert matmul (an expert with one pair in the step still pays a
-    whole block; decode steps hold about one pair per expert)."""
+    whole block; decode steps hold about one pair per expert).
+  kernel_expert_rows: the same on the grouped expert kernel (`grouped_experts_kernel`; a Triton dot tile: a power
+    of two >= 16)."""
   rows: int = 32
   expert_rows: int = 8
+  kernel_expert_rows: int = 16
 
   def __post_init__(self):
-    if self.rows < 1 or self.expert_rows < 1:
+    if self.rows < 1 or self.expert_rows < 1 or self.kernel_expert_rows < 1:
       raise ValueError(f"RowBlocking: blocks of at least one row, got {self}")
 
 
@@ -147,6 +154,58 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
   else:
     trips = first_block[num_experts]
   return jax.lax.fori_loop(0, trips, body, out)
+
+
+def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
+                           kernel_cfg, *, block: int = BLOCKING.kernel_expert_rows):
+  """`grouped_experts` of a gated MLP (act(x @ w_gate, x @ w_up) @ w_down) with its products on the grouped
+  expert kernel (`dispatch.grouped_dot`): the same grouping (pairs sorted by expert, blocks of `block` pairs of one
+  expert) laid out once as [B, block, D] rows, every live block in one call per product instead of a loop, blocks
+  past the live ones doing no work. A block's bits depend on its own rows and its expert only (the kernel's fixed
+  tiles and K order), and each token adds its K results from zeros in the order of its expert ids, as
+  `grouped_experts` does: a token's bits ignore the other tokens. Dead tokens (>= live) get zeros.
+
+  B is static: ceil(N * K / block) blocks of pairs plus one partial block per expert at most. Where the kernel
+  config serves the XLA reference (`dispatch.grouped_dot`'s fallback: a loop over the live blocks, one product
+  each), the bits stay row-invariant the same way."""
+  N, K = ids_NxK.shape
+  D = x_NxD.shape[1]
+  E = w_gate_ExDxI.shape[0]
+  P = N * K
+  order, _, first_block, first_pair = expert_blocks(ids_NxK, E, live, block=block)
+  nb = -(-P // block) + min(E, P)
+  dead = nb * block                                                     # the slot of no row: a zero row below
+  live_tok = jnp.arange(N) < live_count(live, N)
+  flat = jnp.where(jnp.repeat(live_tok, K), ids_NxK.reshape(-1).astype(jnp.int32), E)
+  e_sorted = flat[order]
+  ec = jnp.minimum(e_sorted, E - 1)
+  slot = jnp.where(e_sorted < E, first_block[ec] * block + jnp.arange(P, dtype=jnp.int32) - first_pair[ec], dead)
+  tok_of_slot = jnp.full((dead,), N, jnp.int32).at[slot].set((order // K).astype(jnp.int32), mode="drop")
+  blocks = jnp.arange(nb, dtype=jnp.int32)
+  live_blocks = first_block[E]
+  block_expert = jnp.where(blocks < live_blocks,
+                           jnp.searchsorted(first_block, blocks, side="right").astype(jnp.int32) - 1, E)
+  xs = jnp.where((tok_of_slot < N)[:, None], x_NxD[jnp.minimum(tok_of_slot, N - 1)], 0).astype(x_NxD.dtype)
+  xs = xs.reshape(nb, block, D)
+  gate = dispatch.grouped_dot(xs, block_expert, live_blocks, w_gate_ExDxI, cfg=kernel_cfg)
+  up = dispatch.grouped_dot(xs, block_expert, live_blocks, w_up_ExDxI, cfg=kernel_cfg)
+  h = dispatch.grouped_dot(act(gate, up).astype(x_NxD.dtype), block_expert, live_blocks, w_down_ExIxD,
+                           cfg=kernel_cfg).reshape(dead, D)
+  h = jnp.concatenate([h, jnp.zeros((1, D), h.dtype)])
+  slot_of_pair = jnp.full((P,), dead, jnp.int32).at[order].set(slot)    # token-major pair -> its row in h
+  by_expert = jnp.argsort(ids_NxK, axis=1, stable=True)                 # each token's choices in expert order
+  w_flat = weights_NxK.reshape(-1)
+  out = jnp.zeros((N, D), x_NxD.dtype)
+  for k in range(K):                                                    # a fixed order of K adds per token
+    pair = jnp.arange(N, dtype=jnp.int32) * K + by_expert[:, k].astype(jnp.int32)
+    hk = h[slot_of_pair[pair]] * w_flat[pair][:, None].astype(h.dtype)
+    out = out + hk.astype(out.dtype)
+  return out
+
+
+def grouped_kernel_fits(D: int, I: int, tuning) -> bool:
+  """Whether the grouped expert kernel's tiles divide an expert's shapes ([D, I] in, [I, D] out)."""
+  return all(n % tuning.block_k == 0 and n % tuning.block_cols == 0 for n in (D, I))
 
 
 def grouped_experts_reference(x_NxD, ids_NxK, weights_NxK, expert_fn_all):

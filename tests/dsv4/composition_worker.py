@@ -37,10 +37,14 @@ from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.tiering_config import TieringConfig
 from pallas_kernels import dispatch
+from pallas_kernels.grouped_dot import GroupedDotTuning
 
 MESH = (2, 2, 2)
 MAX_LEN = 128
 KV = {"fp32": caches.KV_DTYPES["fp32"], "bf16": caches.KV_DTYPES["bf16"], "fp8": caches.FP8}
+# The interpret rows' grouped expert tiles divide the tiny experts' shapes, so their routed experts take the kernel
+# (one device; a mesh that splits the experts runs the loop).
+SMALL_EXPERT_TILES = GroupedDotTuning(block_cols=16, block_k=16)
 FACTORS = {"mesh": (False, True), "kv": ("fp32", "bf16", "fp8"), "tiers": (False, True),
            "kernels": ("xla", "interpret")}
 # Max |engine logits - forward_full logits| / max |forward_full logits|, forward_full's contiguous cache storing K/V
@@ -99,7 +103,7 @@ def engine_config(combo: Combo, D: int, tmp: str, tag: str = "") -> EngineConfig
   layout = caches.CacheLayout(swa_block_tokens=32, full_block_tokens=32, kv_dtype=KV[combo.kv])
   return EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, chunk_size=8, max_model_len=MAX_LEN,
                       num_full_blocks=(3 if combo.tiers else 8) * D, num_swa_blocks=16 * D, record_logits=True,
-                      layout=layout, kernel=dispatch.KernelConfig(combo.kernels), tiering=tc)
+                      layout=layout, kernel=dispatch.KernelConfig(combo.kernels, grouped_dot_tuning=SMALL_EXPERT_TILES), tiering=tc)
 
 
 def cold_config(kv: str) -> EngineConfig:

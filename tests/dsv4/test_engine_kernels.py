@@ -1,6 +1,6 @@
 """The Pallas kernels inside the engine: a short trace (prefill chunks next to decodes) with
 `KernelConfig("interpret")` (sparse MLA with per-query window / compressed lengths, the fused indexer top-k, the
-score kernel for the V4.1 candidate source) gives the XLA backend's greedy tokens and logits, and the model's indexer
+score kernel for the V4.1 candidate source, the grouped expert kernel) gives the XLA backend's greedy tokens and logits, and the model's indexer
 really goes through the fused top-k kernel when kernels are on."""
 
 import dataclasses
@@ -15,13 +15,17 @@ from dsv4.engine.config import EngineConfig
 from dsv4.engine.engine import Engine
 from dsv4.engine.sampling import SamplingParams
 from pallas_kernels import dispatch
+from pallas_kernels.grouped_dot import GroupedDotTuning
 
 # Small tables (a 128-token limit) keep the interpret-mode indexer to at most 128 entries per query.
 EC = EngineConfig(max_num_seqs=3, max_num_batched_tokens=32, chunk_size=16, max_model_len=128, num_full_blocks=8,
                   num_swa_blocks=32, record_logits=True)
 
 
-def _spy(monkeypatch, ops=("sparse_attention", "indexer_scores", "indexer_topk")):
+SMALL = GroupedDotTuning(block_cols=16, block_k=16)
+
+
+def _spy(monkeypatch, ops=("sparse_attention", "indexer_scores", "indexer_topk", "grouped_dot")):
   """Count the calls (at trace time) of the registered kernels."""
   calls = {op: 0 for op in ops}
   for op in ops:
@@ -36,7 +40,8 @@ def _spy(monkeypatch, ops=("sparse_attention", "indexer_scores", "indexer_topk")
 
 
 def _run(cfg, params, backend, prompts, max_tokens, ec):
-  eng = Engine(params, cfg, dataclasses.replace(ec, kernel=dispatch.KernelConfig(backend)))
+  # grouped expert tiles that divide the tiny experts' shapes (D 64, I 32), so the routed experts take the kernel
+  eng = Engine(params, cfg, dataclasses.replace(ec, kernel=dispatch.KernelConfig(backend, grouped_dot_tuning=SMALL)))
   outs = generate(params, cfg, prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), engine=eng)
   assert all(o.error is None for o in outs), [o.error for o in outs]
   return [list(o.output) for o in outs], [np.stack(o.token_logits) for o in outs]
@@ -61,7 +66,7 @@ def test_engine_interpret_kernels_give_the_xla_tokens(monkeypatch):
   prefill chunk and decode rows in one step."""
   ec = dataclasses.replace(EC, max_num_batched_tokens=8, chunk_size=8)
   calls = _compare(config.v4_tiny(num_layers=3), monkeypatch, (36, 21, 5), 3, ec)
-  assert calls["sparse_attention"] > 0 and calls["indexer_topk"] > 0
+  assert calls["sparse_attention"] > 0 and calls["indexer_topk"] > 0 and calls["grouped_dot"] > 0
   assert calls["indexer_scores"] == 0  # V4 has no candidate source: every indexer goes through the fused top-k
 
 

@@ -8,6 +8,8 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from dsv4.layers import row_invariant
+from pallas_kernels import dispatch
+from pallas_kernels.grouped_dot import GroupedDotTuning
 from tests.isolation import run_in_child
 
 N, K_IN, M_OUT = 96, 128, 80
@@ -87,6 +89,40 @@ def test_grouped_experts_row_bits_ignore_batch(seed, live, place):
   ref = np.asarray(row_invariant.grouped_experts_reference(x[perm][:live], ids[perm][:live], wts[perm][:live],
                                                            all_pairs))
   np.testing.assert_allclose(got[:live], ref, rtol=2e-5, atol=2e-5)
+
+
+# The grouped expert kernel in interpret mode, with tiles that divide the small expert shapes (D 64, I 32).
+KERNELS = dispatch.KernelConfig("interpret", grouped_dot_tuning=GroupedDotTuning(block_cols=16, block_k=16))
+
+
+@jax.jit
+def _grouped_kernel(x, ids, wts, w1, w3, w2, live):
+  return row_invariant.grouped_experts_kernel(x, ids, wts, w1, w3, w2, lambda g, u: jax.nn.silu(g) * u, live,
+                                              KERNELS)
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), live=st.integers(1, N), place=st.integers(0, N - 1),
+       bf16=st.booleans())
+def test_grouped_experts_kernel_row_bits_ignore_batch(seed, live, place, bf16):
+  """The grouped expert kernel's layout: a token's bits are the same alone and among any other tokens at any live
+  count, dead tokens are zeros, and the result is the loop's up to fp32 summation order."""
+  dt = jnp.bfloat16 if bf16 else jnp.float32
+  rng = np.random.default_rng(seed)
+  kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+  x = jax.random.normal(kx, (N, D), dt)
+  w1, w3, w2 = _expert_weights(kw, dt)
+  ids, wts = _routes(rng, N)
+  alone = np.asarray(_grouped_kernel(x, ids, wts, w1, w3, w2, 1))[0]
+  place = place % live
+  perm = np.insert(1 + rng.permutation(N - 1), place, 0)
+  got = np.asarray(_grouped_kernel(x[perm], ids[perm], wts[perm], w1, w3, w2, live))
+  np.testing.assert_array_equal(got[place], alone)
+  assert not np.any(got[live:])
+  loop = np.asarray(_grouped(x[perm].astype(jnp.float32), ids[perm], wts[perm], *(w.astype(jnp.float32)
+                                                                                  for w in (w1, w3, w2)), live))
+  tol = 3e-2 if bf16 else 2e-5
+  np.testing.assert_allclose(got[:live].astype(np.float32), loop[:live], rtol=tol, atol=tol)
 
 
 def test_grouped_experts_runs_only_live_blocks():
