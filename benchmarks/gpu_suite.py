@@ -4,9 +4,10 @@
     bash benchmarks/gpu_suite.sh OUT_DIR --dry_run                  # CPU: interpret-mode kernels, small shapes
     python -m benchmarks.gpu_suite --out_dir=OUT_DIR --list         # the items in order
 
-Order (benchmarks/suite/plan.py): (a) versions and the measured ceilings (device-to-device copy, bf16 matmul);
-(b) the fused top-k diagnosis, then every kernel against its reference at V4-Flash shapes, timed with the same
-compiled executable, then the batch-invariant matmuls (time against XLA, a row's bits across row counts); (c) the
+Order (benchmarks/suite/plan.py): (a) versions and the measured ceilings (device-to-device copy, bf16 matmul), then
+which of the model's per-token ops keep a row's bits at any row count on this device (a.row_bits); (b) the fused
+top-k diagnosis, then every kernel against its reference at V4-Flash shapes, timed with the same compiled
+executable, then the batch-invariant matmuls (time against XLA, a row's bits across row counts); (c) the
 main job (experiments.serve as a library call, the shipped model, 48 graded answers); (d) the engine at V4-Flash
 attention widths (v4_flash_layers:4, random bf16 weights; bf16 and FP8 KV; kernels vs XLA; a request alone vs
 batched, bitwise); (e) kernel tuning rows while time is left.

@@ -32,7 +32,7 @@ def test_items_in_order_of_value():
   names = [it.name for it in plan.items()]
   assert len(set(names)) == len(names)
   assert [n[0] for n in names] == sorted(n[0] for n in names)      # sections a..e in order
-  assert names[:3] == ["a.versions", "a.copy", "a.matmul"] and names[3] == "b.topk"
+  assert names[:4] == ["a.versions", "a.copy", "a.matmul", "a.row_bits"] and names[4] == "b.topk"
   assert names.index("c.serve") < names.index("d.engine.bf16") < names.index("e.tuning")
 
 
@@ -127,7 +127,7 @@ def test_suite_modules_use_no_jax_api_removed_in_0_11():
   GPU image has 0.11.2. Nothing the suite runs (its modules, the engine, the cache, the kernels, the main job) may
   use them or jax internals."""
   dirs = ["benchmarks/suite", "dsv4", "cache", "pallas_kernels"]
-  files = [os.path.join(ROOT, "benchmarks", "gpu_suite.py")]
+  files = [os.path.join(ROOT, "benchmarks", f) for f in ("gpu_suite.py", os.path.join("probes", "dot_row_bits.py"))]
   files += [os.path.join(ROOT, "experiments", f) for f in os.listdir(os.path.join(ROOT, "experiments"))
             if f.startswith("serve") and f.endswith(".py")]
   for d in dirs:

@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Callable, Iterator
 
-from benchmarks.suite import ceilings, engine_width as ew, invariant_dots, kernel_cases as kc, serve_job
+from benchmarks.suite import ceilings, engine_width as ew, invariant_dots, kernel_cases as kc, row_bits, serve_job
 from benchmarks.suite.budget import Budget
 from benchmarks.suite.kernel_cases import TopkDiagnosis
 from benchmarks.suite.report import Report, error_line
@@ -74,6 +74,10 @@ def _matmul(ctx):
   row["pct_datasheet"] = 100 * row["matmul_tflops"] / ctx.cfg.peak_tflops
   ctx.ceilings.update(row)
   yield dict(row, status="ok")
+
+
+def _row_bits(ctx):
+  yield from row_bits.run(ctx.cfg.dry_run, ctx.cfg.seed, ctx.cfg.compile_threads)
 
 
 # ------------------------------------------------------------------------------------------------ (b), (e)
@@ -234,6 +238,8 @@ def items() -> list[Item]:
       Item("a.versions", 5, _versions, "jax, jaxlib, triton, driver, GPU"),
       Item("a.copy", 10, _copy, "device-to-device copy bandwidth (2 GiB)"),
       Item("a.matmul", 10, _matmul, "bf16 8192^3 matmul rate"),
+      Item("a.row_bits", 25, _row_bits, "which per-token ops (norms, softmax, mHC, router, RoPE, row_dot) keep a "
+           "row's bits at 1..2048 rows: can the step run them at a width that follows the live rows"),
       Item("b.topk", 40, _topk_diagnosis, "fused top-k diagnosis: repeats, sentinel, selected lanes, tunings"),
       Item("b.kernels", 40, _kernels, "every kernel vs its reference at V4-Flash shapes, timed (same executable)"),
       Item("b.invariant_dots", 40, _invariant_dots, "row_dot vs jnp.dot (N 1..2048, 4096^2; k_splits 8 at N 1, "

@@ -13,7 +13,7 @@ import math
 import os
 
 SECTIONS = {
-    "a": "Versions and measured ceilings",
+    "a": "Versions, measured ceilings, a row's bits across row counts",
     "b": "Kernels at V4-Flash shapes: fused top-k diagnosis, correctness, time (same executable)",
     "c": "Main job on this device (experiments.serve, shipped model)",
     "d": "Engine at V4-Flash attention widths",
