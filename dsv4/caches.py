@@ -358,6 +358,21 @@ def row_slots(table_RxS, row_N_, index_N_, rows_per_block: int, valid_N_, base_R
   return jnp.where(ok, block_id * rows_per_block + index_N_ % rows_per_block, -1).astype(jnp.int32)
 
 
+UINT_OF_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}   # itemsize -> same-width unsigned
+
+
+def as_bits(a):
+  """A float array as same-width unsigned integers (a bitcast); other arrays as they are."""
+  if jnp.issubdtype(a.dtype, jnp.floating):
+    return jax.lax.bitcast_convert_type(a, UINT_OF_SIZE[a.dtype.itemsize])
+  return a
+
+
+def from_bits(b, dtype):
+  """`as_bits` undone."""
+  return b if b.dtype == dtype else jax.lax.bitcast_convert_type(b, dtype)
+
+
 def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_):
   """Scatter rows into a paged pool; slots of -1 are dropped (mapped out of bounds). An FP8 pool quantizes the
   rows to its record first (per row scales, so a row's bytes never depend on other rows)."""
@@ -369,7 +384,9 @@ def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_):
   flat = pool_NBxRx_.reshape(nb * r, *pool_NBxRx_.shape[2:])
   idx = jnp.where(slots_BxT >= 0, slots_BxT, nb * r).reshape(-1)
   rows = rows_BxTx_.reshape(-1, *pool_NBxRx_.shape[2:]).astype(pool_NBxRx_.dtype)
-  return flat.at[idx].set(rows, mode="drop").reshape(pool_NBxRx_.shape)
+  # As bits: XLA's CPU scatter of a 16-bit float upcasts the whole pool to fp32 and back (work that follows the
+  # pool's size, not the rows written); a bit pattern scatters in place.
+  return from_bits(as_bits(flat).at[idx].set(as_bits(rows), mode="drop"), flat.dtype).reshape(pool_NBxRx_.shape)
 
 
 def read_rows(pool_NBxRx_, slots_BxT):

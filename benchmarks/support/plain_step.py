@@ -29,11 +29,11 @@ def _whole(fn, live, *xs, block: int = 0):
   return fn(*xs)
 
 
-def plain_routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg, live=None):
+def plain_routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg, live=None, kernel_cfg=None):
   """The routed experts as plain XLA: a gather of each pair's expert weights when there are no more pairs than
   experts (decode), else `lax.ragged_dot` over the pairs sorted by expert (its result for a token follows the other
   tokens' expert counts)."""
-  del live
+  del live, kernel_cfg
   N, K = ids_NxK.shape
   if N * K <= cfg.n_routed_experts:
     return moe.routed_experts_reference(params, x_NxD, ids_NxK, w_NxK, cfg)
@@ -84,8 +84,9 @@ class PlainRunner:
   def __init__(self, run: ModelRunner):
     self.runner = run
     self.base_shape = run.step_shape
+    opts = step_program.step_compiler_options(run.engine_config.cpu_step_opt_level)   # the engine step's options
     jitted = jax.jit(_plain_ragged_step, static_argnames=step_program._STEP_STATICS,
-                     donate_argnames=("cache", "tables"))
+                     donate_argnames=("cache", "tables"), compiler_options=dict(opts) or None)
 
     def one_device_step(*a, **k):
       with plain_ops():

@@ -25,23 +25,9 @@ def component(cache, layer: int, name: str, part: int):
   return x if part < 0 else x[part]
 
 
-UINT_OF_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}   # itemsize -> same-width unsigned
-
-
-def _bits(a):
-  """A float array as same-width unsigned integers (a bitcast); other arrays as they are."""
-  if jnp.issubdtype(a.dtype, jnp.floating):
-    return jax.lax.bitcast_convert_type(a, UINT_OF_SIZE[a.dtype.itemsize])
-  return a
-
-
-def _unbits(b, dtype):
-  return b if b.dtype == dtype else jax.lax.bitcast_convert_type(b, dtype)
-
-
 def _gather(cache, names, ids_N):
-  """Rows of the named components at block ids (clamped), as bits (`_bits`)."""
-  return tuple(_bits(component(cache, *c))[ids_N] for c in names)
+  """Rows of the named components at block ids (clamped), as bits (`caches.as_bits`)."""
+  return tuple(caches.as_bits(component(cache, *c))[ids_N] for c in names)
 
 
 def _set_blocks(cache, names, ids_N, rows):
@@ -50,8 +36,8 @@ def _set_blocks(cache, names, ids_N, rows):
   for (l, n, p), r in zip(names, rows):
     x = layers[l][n]
     a = x if p < 0 else x[p]
-    r = r if r.dtype == _bits(a).dtype else _bits(r.astype(a.dtype))
-    a = _unbits(_bits(a).at[ids_N].set(r, mode="drop"), a.dtype)
+    r = r if r.dtype == caches.as_bits(a).dtype else caches.as_bits(r.astype(a.dtype))
+    a = caches.from_bits(caches.as_bits(a).at[ids_N].set(r, mode="drop"), a.dtype)
     if p < 0:
       layers[l][n] = a
     else:

@@ -155,14 +155,26 @@ def jitted_ragged_step(compiler_options: tuple):
                  compiler_options=dict(compiler_options) or None)
 
 
-ragged_step = jitted_ragged_step(())   # at XLA's defaults
+ragged_step = jitted_ragged_step(())   # at XLA's defaults (benchmarks lowering the step for its memory)
+
+
+# XLA's while-loop invariant code motion hoists a loop body's elementwise work on a loop-invariant operand out of
+# the loop, on the whole operand: the row-invariant ops' loops slice their live row blocks out of [budget, ...]
+# arrays, so a convert of one block became a convert of the step's whole token budget on every such loop (on the
+# CPU, wide MoE decode at a 2,048-token budget: 289 -> 158 ms a step without it, the plain step 97 -> 67 ms; BUILD_NOTES
+# Invariant step cost). The pass only moves work: the same arithmetic, the same bits.
+NO_LOOP_HOISTING = ("xla_disable_hlo_passes", "while-loop-invariant-code-motion")
 
 
 def step_compiler_options(cpu_opt_level: int) -> tuple:
-  """The step program's XLA options for the default backend: on the CPU, LLVM's optimisation level
-  `cpu_opt_level` (EngineConfig.cpu_step_opt_level; -1 = XLA's default). A level set in XLA_FLAGS wins (the test
-  suite's, a user's). Other backends: XLA's defaults."""
-  if (cpu_opt_level < 0 or jax.default_backend() != "cpu"
-      or "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")):
+  """The step program's XLA options for the default backend: on the CPU, no while-loop invariant code motion
+  (`NO_LOOP_HOISTING`, unless XLA_FLAGS disables passes itself) and LLVM's optimisation level `cpu_opt_level`
+  (EngineConfig.cpu_step_opt_level; -1 = XLA's default; a level set in XLA_FLAGS wins: the test suite's, a
+  user's). Other backends: XLA's defaults (not measured there)."""
+  if jax.default_backend() != "cpu":
     return ()
-  return (("xla_backend_optimization_level", int(cpu_opt_level)),)
+  flags = os.environ.get("XLA_FLAGS", "")
+  opts = [] if "xla_disable_hlo_passes" in flags else [NO_LOOP_HOISTING]
+  if cpu_opt_level >= 0 and "xla_backend_optimization_level" not in flags:
+    opts.append(("xla_backend_optimization_level", int(cpu_opt_level)))
+  return tuple(sorted(opts))

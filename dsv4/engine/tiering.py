@@ -39,7 +39,7 @@ from cache.tiers.store import TieredStore
 from cache.tiers.tier import Tier, TierPolicy
 from cache.tiers.writeback import WriteBehind
 from dsv4 import caches
-from dsv4.engine.block_copies import ID_BUCKETS, UINT_OF_SIZE, id_bucket
+from dsv4.engine.block_copies import ID_BUCKETS, id_bucket
 from dsv4.engine.request import Status
 from dsv4.engine.tiering_config import TieringConfig
 from dsv4.loading.weights_digest import params_digest
@@ -254,7 +254,7 @@ class Tiering:
 
   def _dev_write(self, g, shard_N, ids_N, rows) -> None:
     """rows: host arrays of the stored dtypes, sent to the device as their bits."""
-    rows = tuple(jnp.asarray(r.view(UINT_OF_SIZE[r.dtype.itemsize]) if jnp.issubdtype(r.dtype, jnp.floating) else r)
+    rows = tuple(jnp.asarray(r.view(caches.UINT_OF_SIZE[r.dtype.itemsize]) if jnp.issubdtype(r.dtype, jnp.floating) else r)
                  for r in rows)
     self.runner.write_kv_blocks(self.names[g], shard_N, ids_N, rows)
 

@@ -121,7 +121,7 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
   expert_fn(e, x_RxD) -> [R, D]: expert e (a traced int32 scalar) on a fixed block of R = `block` rows (row-local;
   its products then have one shape for every block). The loop runs the live blocks in expert order; a block adds
   its rows into their tokens' outputs, so a token's K results are added in the order of its expert ids (its own
-  choices, whatever shares the step), starting from zeros. Dead tokens (>= live) get zeros.
+  choices, whatever shares the step), starting from zeros, in fp32 (cast to x's dtype at the end). Dead tokens (>= live) get zeros.
   uniform_trips: run the bound ceil(live * K / block) + E on the live block count instead of the count itself (the
   extra blocks hold no pair and add nothing): the trip count then follows `live` only, not the routing, so shards
   of a mesh that share `live` run the same trips and collectives inside `expert_fn` meet. live None: a static
@@ -144,7 +144,9 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
     # a token has at most one pair per expert, so a block's rows go to distinct tokens (no order inside the add)
     return out.at[jnp.where(ok, tok, N)].add(h.astype(out.dtype), mode="drop")
 
-  out = jnp.zeros((N, D), x_NxD.dtype)
+  # fp32 sums (cast once at the end): XLA's CPU scatter-add of a 16-bit float converts the whole [N, D] buffer to
+  # fp32 and back on every block
+  out = jnp.zeros((N, D), jnp.float32)
   if live is None:
     # no engine step (training, a plain forward): a static bound, so the loop is a scan and differentiable; the
     # blocks past the live ones hold no pair and add nothing
@@ -153,7 +155,7 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
     trips = (live_count(live, N) * K + block - 1) // block + num_experts
   else:
     trips = first_block[num_experts]
-  return jax.lax.fori_loop(0, trips, body, out)
+  return jax.lax.fori_loop(0, trips, body, out).astype(x_NxD.dtype)
 
 
 def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
@@ -195,12 +197,12 @@ def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI
   slot_of_pair = jnp.full((P,), dead, jnp.int32).at[order].set(slot)    # token-major pair -> its row in h
   by_expert = jnp.argsort(ids_NxK, axis=1, stable=True)                 # each token's choices in expert order
   w_flat = weights_NxK.reshape(-1)
-  out = jnp.zeros((N, D), x_NxD.dtype)
+  out = jnp.zeros((N, D), jnp.float32)                                  # fp32 sums, as the loop's
   for k in range(K):                                                    # a fixed order of K adds per token
     pair = jnp.arange(N, dtype=jnp.int32) * K + by_expert[:, k].astype(jnp.int32)
     hk = h[slot_of_pair[pair]] * w_flat[pair][:, None].astype(h.dtype)
     out = out + hk.astype(out.dtype)
-  return out
+  return out.astype(x_NxD.dtype)
 
 
 def grouped_kernel_fits(D: int, I: int, tuning) -> bool:

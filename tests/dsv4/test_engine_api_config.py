@@ -80,15 +80,19 @@ def test_engine_config_names_the_bad_field(field, value, msg):
   EngineConfig().validate()
 
 
-def test_cpu_step_opt_level_reaches_the_step_program_unless_xla_flags_set_one(monkeypatch):
+def test_cpu_step_options_reach_the_step_program_unless_xla_flags_set_them(monkeypatch):
   import jax
   from dsv4.engine import step_program
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
   on_cpu = jax.default_backend() == "cpu"
-  assert step_program.step_compiler_options(1) == ((("xla_backend_optimization_level", 1),) if on_cpu else ())
-  assert step_program.step_compiler_options(-1) == ()
+  hoist = (step_program.NO_LOOP_HOISTING,) if on_cpu else ()
+  assert step_program.step_compiler_options(1) == (
+      tuple(sorted(hoist + (("xla_backend_optimization_level", 1),))) if on_cpu else ())
+  assert step_program.step_compiler_options(-1) == hoist
   monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")      # the user's (or the suite's) level wins
-  assert step_program.step_compiler_options(1) == ()
+  assert step_program.step_compiler_options(1) == hoist
+  monkeypatch.setenv("XLA_FLAGS", "--xla_disable_hlo_passes=fusion")         # so do the user's disabled passes
+  assert step_program.step_compiler_options(-1) == ()
   # one jitted program per distinct option set, named as compile logs show it
   assert step_program.jitted_ragged_step(()) is step_program.ragged_step
   assert step_program.jitted_ragged_step((("xla_backend_optimization_level", 1),)) is not step_program.ragged_step
