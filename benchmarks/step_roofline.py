@@ -1,6 +1,6 @@
-"""Roofline cost of one engine step at real width: today's tiled invariant step, a row-invariant single-pass step
-and a plain (non-invariant) step, for V4-Flash and V4.1-Flash on an H200 (or H100), from the bytes and FLOPs each
-must move and do. A model, not a measurement: the rows where the GPU check measured a kernel print the measurement
+"""Roofline cost of one engine step at real width: the dropped tiled invariant step, a row-invariant single-pass
+step on fixed-tile kernels, a plain (non-invariant) step and the row-invariant step as the engine builds it today on
+a GPU, for V4-Flash and V4.1-Flash on an H200 (or H100), from the bytes and FLOPs each must move and do. A model, not a measurement: the rows where the GPU check measured a kernel print the measurement
 beside the model's figure. The model and its assumptions: benchmarks/support/step_cost.py; how to read the table:
 docs/engine.md (Cost at real width).
 
@@ -10,7 +10,10 @@ docs/engine.md (Cost at real width).
 Columns: weight / KV / activation bytes and FLOPs of the plain step (c) (the row-invariant step (b) reads the same
 weights), the tiled step's (a) weight bytes, each design's roofline ms, and the ratios to (c). "(b)" cuts matmul
 reductions into fixed 256-wide pieces (parallel or serial per call, same bits); "(b) no split-K" never splits them.
-"scan floor" is each design's dependent compressor fold steps times an assumed 5 us each (latency the roofline
+"(d)" is the engine's step as built: each dense projection in fixed 32-row blocks, one call (and one read of its
+weights) per block, the routed experts once per step on the grouped expert kernel; "(d) call floor" is its
+projection calls in sequence times the same assumed 5 us (launch gaps the roofline leaves out). "scan floor" is each
+design's dependent compressor fold steps times an assumed 5 us each (latency the roofline
 leaves out): (a) and (b) fold each pooling window's tokens in position order (up to ratio - 1 steps a pass), (c)
 with the doubling scan (log2 of the window).
 """
@@ -30,7 +33,8 @@ flags.DEFINE_enum("device", "h200", sorted(step_cost.DEVICES), "Device descripti
 flags.DEFINE_enum("experts", "mxfp4", ["mxfp4", "fp8", "bf16"], "Routed expert weight format.")
 flags.DEFINE_enum("kv", "bf16", ["bf16", "fp8"], "KV pool format (bf16 rows or 584-byte FP8 records).")
 flags.DEFINE_enum("compute", "bf16", ["bf16", "fp8"], "Tensor-core rate the matmuls run at.")
-flags.DEFINE_integer("tile", 64, "Tokens per tile of the tiled step (EngineConfig.tile_tokens).")
+flags.DEFINE_integer("tile", 64, "Tokens per tile of the dropped tiled step (a).")
+flags.DEFINE_integer("row_block", 32, "Rows per projection call of the step as built (d) (RowBlocking.rows).")
 FLAGS = flags.FLAGS
 
 GB = 1e9
@@ -41,17 +45,27 @@ def step_rows(cfg, dev, fmt, tiling) -> list[list]:
   rows = []
   for pt in step_cost.default_points():
     r = {d: step_cost.step_cost(cfg, pt, d, dev, fmt, tiling, w) for d in step_cost.DESIGNS}
-    c, a, b, b0 = r["plain"], r["tiled"], r["invariant_splitk"], r["invariant"]
-    rows.append([pt.label, c.tally.weight_bytes / GB, a.tally.weight_bytes / GB, c.tally.kv_bytes / GB,
-                 c.tally.act_bytes / GB, c.tally.flops / 1e12, c.time_s * 1e3, c.bound, a.time_s * 1e3,
-                 b.time_s * 1e3, b0.time_s * 1e3, a.time_s / c.time_s, b.time_s / c.time_s, b0.time_s / c.time_s,
-                 " / ".join(f"{x.scan_steps * dev.dependent_step_s * 1e3:.3g}" for x in (a, b, c))])
+    c, a, b, b0, d = r["plain"], r["tiled"], r["invariant_splitk"], r["invariant"], r["blocked"]
+    rows.append([pt.label, c.tally.weight_bytes / GB, a.tally.weight_bytes / GB, d.tally.weight_bytes / GB,
+                 c.tally.kv_bytes / GB, c.tally.act_bytes / GB, c.tally.flops / 1e12, c.time_s * 1e3, c.bound,
+                 a.time_s * 1e3, b.time_s * 1e3, b0.time_s * 1e3, d.time_s * 1e3, a.time_s / c.time_s,
+                 b.time_s / c.time_s, b0.time_s / c.time_s, d.time_s / c.time_s,
+                 " / ".join(f"{x.scan_steps * dev.dependent_step_s * 1e3:.3g}" for x in (a, b, c)),
+                 projection_calls(w, pt, tiling) * dev.dependent_step_s * 1e3])
   return rows
 
 
-STEP_HEADERS = ["point", "weights GB (c, b)", "weights GB (a)", "KV GB", "act GB", "TFLOP", "(c) ms", "bound",
-                "(a) ms", "(b) ms", "(b) no split-K ms", "(a)/(c)", "(b)/(c)", "(b) no split-K/(c)",
-                "scan floor ms (a / b / c)"]
+def projection_calls(w, pt, tiling) -> int:
+  """(d)'s dense projection calls in one step, one after another: a call per block of `row_block` live rows per
+  projection (the roofline leaves their launch gaps out)."""
+  tokens = pt.batch                          # decode: a token per row; prefill: the chunk
+  per_pass = sum(len(lw.matmuls) for lw in w.layers) + len(w.top_matmuls)
+  return per_pass * -(-tokens // tiling.row_block)
+
+
+STEP_HEADERS = ["point", "weights GB (c, b)", "weights GB (a)", "weights GB (d)", "KV GB", "act GB", "TFLOP",
+                "(c) ms", "bound", "(a) ms", "(b) ms", "(b) no split-K ms", "(d) ms", "(a)/(c)", "(b)/(c)",
+                "(b) no split-K/(c)", "(d)/(c)", "scan floor ms (a / b / c)", "(d) call floor ms"]
 
 
 def measured_rows(dev, fmt, tiling) -> list[list]:
@@ -72,11 +86,12 @@ def main(argv):
   del argv
   dev = step_cost.DEVICES[FLAGS.device]
   fmt = step_cost.Formats(experts=FLAGS.experts, kv=FLAGS.kv, compute=FLAGS.compute)
-  tiling = step_cost.Tiling(tile_tokens=FLAGS.tile)
+  tiling = step_cost.Tiling(tile_tokens=FLAGS.tile, row_block=FLAGS.row_block)
   print(f"{dev.name}: HBM {dev.hbm_bytes_per_s / 1e12:.2f} TB/s, {fmt.compute} matmuls at "
         f"{dev.peak(fmt.compute) / 1e12:.0f} TFLOP/s ({dev.matmul_efficiency:.0%} of spec), {dev.num_sms} SMs; "
-        f"experts {fmt.experts}, KV {fmt.kv}, tile {tiling.tile_tokens}. (a) tiled step, (b) row-invariant step "
-        f"(fixed split-K), (c) plain step.")
+        f"experts {fmt.experts}, KV {fmt.kv}, tile {tiling.tile_tokens}. (a) tiled step (dropped), (b) row-invariant "
+        f"step on fixed-tile kernels (fixed split-K), (c) plain step, (d) the row-invariant step as built "
+        f"({tiling.row_block}-row projection blocks, grouped expert kernel).")
   for name in FLAGS.models:
     cfg = get_preset(name)
     print_table(STEP_HEADERS, step_rows(cfg, dev, fmt, tiling), title=f"{name}: one step, roofline")

@@ -1,10 +1,16 @@
 """A roofline cost model of one engine step at real width (V4-Flash, V4.1-Flash) on a described GPU.
 
-Three step designs, each costed from the bytes it must move and the FLOPs it must do:
+Five step designs, each costed from the bytes it must move and the FLOPs it must do:
 
-* `tiled`: the invariant step the engine runs today (dsv4/engine/tiles.py): the step's flat token axis in tiles of
-  64 tokens, each tile a pass of its own through the whole model, so every tile reads every weight it touches
-  again, and the KV a row's queries share (index keys, HCA entries, a prefill's compressed rows) once per tile.
+* `tiled`: the invariant step the engine ran before its row-invariant ops (BUILD_NOTES, Tried and dropped): the
+  step's flat token axis in tiles of 64 tokens, each tile a pass of its own through the whole model, so every tile
+  reads every weight it touches again, and the KV a row's queries share (index keys, HCA entries, a prefill's
+  compressed rows) once per tile.
+* `blocked`: the step the engine runs on a GPU today (dsv4/layers/row_invariant.py as built): every token through
+  each layer once, but each dense projection in fixed blocks of `Tiling.row_block` rows one after another (a
+  fixed-shape dot per block: its split, if any, is the same every step), so a projection's weights are read once
+  per block of live rows; the routed experts once per step on the grouped expert kernel (fixed 16-row blocks, no
+  split-K); attention and the indexer as `invariant`.
 * `invariant_splitk` and `invariant`: a row-invariant step: every token through each layer once (weights read
   once per step) with kernels whose per-row reduction order does not depend on the row count: matmuls with one
   tiling per weight, a grouped expert matmul with fixed 16-row blocks (each expert's rows padded up to the block:
@@ -48,8 +54,8 @@ from benchmarks.sizing import stored_bytes_per_param
 from dsv4 import model
 from dsv4.config import LayerPlan, ModelConfig
 
-Design = Literal["tiled", "invariant", "invariant_splitk", "plain"]
-DESIGNS: tuple[Design, ...] = ("tiled", "invariant", "invariant_splitk", "plain")
+Design = Literal["tiled", "blocked", "invariant", "invariant_splitk", "plain"]
+DESIGNS: tuple[Design, ...] = ("tiled", "blocked", "invariant", "invariant_splitk", "plain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +107,8 @@ class Tiling:
   (also the grouped experts' fixed row block); `plain_block_k`: the finest reduction piece a plain split-K uses;
   `fixed_k_split`: the invariant split-K's fixed piece; `key_split` / `plain_key_block`: keys per attention piece
   (invariant: fixed by position; plain: the finest split-KV); `index_chunk` / `plain_index_chunk`: index keys per
-  indexer piece; `tile_tokens`: the tiled step's tile."""
+  indexer piece; `tile_tokens`: the tiled step's tile; `row_block`: the blocked step's rows per projection call
+  (`RowBlocking.rows`)."""
   block_m: int = 64
   block_n: int = 128
   expert_block_m: int = 16
@@ -112,6 +119,7 @@ class Tiling:
   index_chunk: int = 256
   plain_index_chunk: int = 128
   tile_tokens: int = 64
+  row_block: int = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +246,11 @@ class Tally:
   time_s: float = 0.0
   mem_bound_s: float = 0.0
   parts: dict = dataclasses.field(default_factory=dict)   # seconds per op kind (matmul, experts, attention, ...)
+
+  def times(self, k: float) -> "Tally":
+    """k calls of the op this tally counts."""
+    return Tally(*(getattr(self, f.name) * k for f in dataclasses.fields(self) if f.name != "parts"),
+                 parts={p: v * k for p, v in self.parts.items()})
 
   def add(self, t: "Tally", part: str | None = None) -> None:
     for f in dataclasses.fields(self):
@@ -416,18 +429,25 @@ def pass_cost(cfg: ModelConfig, w: ModelWeights, dev: DeviceSpec, fmt: Formats, 
   D = cfg.hidden_size
   n = cfg.mhc.hc_mult
   out = Tally(act_bytes=tokens * w.embed_row_bytes)
+
+  def projection(m):
+    if design == "blocked":    # one fixed-shape call per block of live rows, each reading the weights
+      return _matmul(dev, fmt, tiling, "plain", m, tiling.row_block).times(math.ceil(M / tiling.row_block))
+    return _matmul(dev, fmt, tiling, design, m, M)
+
+  inner = "invariant" if design == "blocked" else design
   for lw in w.layers:
     for m in lw.matmuls:
-      out.add(_matmul(dev, fmt, tiling, design, m, M), "projections")
-    out.add(_experts(dev, fmt, tiling, design, lw, tokens, D), "experts")
-    out.add(_attention_layer(dev, fmt, tiling, design, cfg, lw.plan, rows, pos))
+      out.add(projection(m), "projections")
+    out.add(_experts(dev, fmt, tiling, inner, lw, tokens, D), "experts")
+    out.add(_attention_layer(dev, fmt, tiling, inner, cfg, lw.plan, rows, pos))
     # norms, biases etc. once per pass; lookups per token; the mHC streams (fp32) read and written per sublayer
     misc = lw.other_bytes + tokens * lw.lookup_row_bytes
     act = tokens * 2 * 2 * n * D * 4
     t, _, _ = op_time(dev, fmt.compute, misc + act, 0.0, dev.num_sms)     # elementwise: spread over the machine
     out.add(Tally(weight_bytes=misc, act_bytes=act, time_s=t, mem_bound_s=t), "streams")
   for m in w.top_matmuls:
-    out.add(_matmul(dev, fmt, tiling, design, m, M), "projections")
+    out.add(projection(m), "projections")
   return out
 
 
@@ -476,7 +496,8 @@ def step_cost(cfg: ModelConfig, point: Point, design: Design, dev: DeviceSpec = 
       passes = [(1, point.batch)]
       total.add(pass_cost(cfg, w, dev, fmt, tiling, design, 1, np.arange(start, point.context)))
   # logits once per step at each row's last token (the fixed [rows, D] shape in every design)
-  total.add(_matmul(dev, fmt, tiling, "plain" if design == "tiled" else design, w.lm_head, point.logit_rows),
+  total.add(_matmul(dev, fmt, tiling, "plain" if design in ("tiled", "blocked") else design, w.lm_head,
+                    point.logit_rows),
             "lm head")
   scan = sum(fold_chain_steps(cfg, tokens, doubling=design == "plain") for _, tokens in passes)
   return StepCost(design, point, total, len(passes), scan)
