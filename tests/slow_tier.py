@@ -270,6 +270,10 @@ SLOW = {
     "tests/experiments/test_serve.py::test_every_bad_jsonl_request_is_refused_alone_and_tenants_never_share":
         "tests/dsv4/test_engine.py::test_bad_input_gets_a_clear_error_and_the_batch_goes_on, test_serve.py's "
         "other refusals, test_serve_flags.py",
+    "tests/test_row_bits_probe.py::test_the_probe_shows_what_the_cpu_does":
+        "tests/dsv4/test_row_invariant.py (rows_dot: a row's bits at every live count and place), "
+        "tests/pallas_kernels/test_row_dot.py (the row_dot kernel's row bits), test_row_bits_probe.py's verdict "
+        "and suite-row checks",
     "tests/dsv4/test_nnx_model.py::test_engine_runs_the_modules_so_edits_change_its_output":
         "test_module_ragged_step_traces_to_the_functional_program (the engine's NNX step is the functional program)",
     "tests/cache/test_scenarios.py::test_concurrent_siblings_sharing_only_a_system_prompt":

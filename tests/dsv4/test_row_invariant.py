@@ -149,7 +149,7 @@ def test_forward_bits_ignore_the_flat_width(request):
   if run_in_child(request, default_xla_opt=True):
     return
   from dsv4 import caches, config, model
-  cfg = config.v4_tiny()
+  cfg = config.v4_tiny(num_layers=3)          # one layer of each kind: window, CSA, HCA
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   lay = caches.CacheLayout()
   ntok, R = 29, 4
