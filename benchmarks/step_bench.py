@@ -9,12 +9,15 @@
    step with plain XLA ops, at a flat axis padded to a power of two of its tokens) in bf16 (compute and KV), on
    v4_tiny and on a wide MoE config (D 512, 64 experts, top-6): decode batch 8 / 64 at contexts 1k / 8k / 32k,
    prefill chunks of 512 / 2048 tokens; each point timed alternately.
+5. (`--parts=budget`) Decode batch 8 through the step at token budgets 64 / 512 / 2048 beside the plain step: what
+   the budget's width costs a step that holds 8 tokens.
 
 The runner is driven directly with synthetic block tables (block contents do not change the work). Prints one
 markdown table per part (`--json`: also every number as JSON).
 
     python -m benchmarks.step_bench [--repeats=5] [--parts=decode,mixed,memory,invariant] [--json]
     python -m benchmarks.step_bench --parts=invariant --repeats=5
+    python -m benchmarks.step_bench --parts=budget --repeats=5
     python -m benchmarks.step_bench --parts=decode --repeats=3
     python -m benchmarks.step_bench --parts=mixed --mixed_chunks=64,256,512 --repeats=5
 """
@@ -40,7 +43,7 @@ from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.step_program import ragged_step
 
 flags.DEFINE_integer("repeats", 5, "Timed repeats per point (median reported).")
-flags.DEFINE_list("parts", ["decode", "mixed", "memory", "invariant"], "Which measurements to run.")
+flags.DEFINE_list("parts", ["decode", "mixed", "memory", "invariant"], "Which measurements to run (also: budget).")
 flags.DEFINE_list("mixed_chunks", ["64"], "Prefill chunk sizes for part 2 (each: 1 chunk + 63 decodes vs the chunk "
                   "alone).")
 flags.DEFINE_list("configs", ["v4_tiny", "wide_moe"], "Model configs of part 4 (v4_tiny, wide_moe).")
@@ -154,6 +157,27 @@ def invariant(res):
     del runs
 
 
+BUDGETS = (64, 512, 2048)
+
+
+def budget(res):
+  """5. What the step's token budget costs when the step holds few tokens: decode batch 8 at context 1k, bf16, the
+  same rows through the step at budgets 64 / 512 / 2048 and through the plain step (its shape follows the 8 tokens),
+  timed alternately. The live-block loops make the step's arithmetic follow the 8 tokens; what grows with the budget
+  is its work at the budget's width (buffers, their copies, the expert pairs' sort)."""
+  layout = caches.CacheLayout(kv_dtype=jax.numpy.bfloat16)
+  for name in FLAGS.configs:
+    cfg = CONFIGS[name]()
+    bf16 = model.cast_params(model.init_params(cfg, jax.random.PRNGKey(0)), jax.numpy.bfloat16)
+    kw = dict(max_model_len=FLAGS.invariant_max_model_len, max_num_seqs=64, layout=layout, dtype="bf16")
+    runs = [make_plain(make_runner(cfg, bf16, chunk_size=64, max_num_batched_tokens=64, **kw))]
+    runs += [make_runner(cfg, bf16, chunk_size=min(b, 2048), max_num_batched_tokens=b, **kw) for b in BUDGETS]
+    sets = [rows_at(getattr(r, "runner", r), [1024] * 8, [1] * 8, np.random.default_rng(0)) for r in runs]
+    ts = [1e3 * t for t in timed_alternating(runs, sets, FLAGS.repeats)]
+    res[f"budget_{name}"] = [ts[0], *ts[1:], *(t / ts[0] for t in ts[1:])]
+    del runs
+
+
 def main(argv):
   del argv
   cfg = config.v4_tiny()
@@ -168,6 +192,8 @@ def main(argv):
     memory(cfg, params, rng, res)
   if "invariant" in FLAGS.parts:
     invariant(res)
+  if "budget" in FLAGS.parts:
+    budget(res)
   if FLAGS.json:
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}, indent=1))
   print_tables(res, FLAGS.parts)
@@ -193,6 +219,11 @@ def print_tables(res: dict, parts) -> None:
     print_table(["config", "point", "plain ms", "invariant ms", "invariant / plain"], rows,
                 title=f"4. The step (batch invariant) vs a plain step, bf16 compute and KV, max_model_len "
                       f"{FLAGS.invariant_max_model_len} (median of {FLAGS.repeats}, timed alternately)")
+  if "budget" in parts:
+    rows = [[name, *res[f"budget_{name}"]] for name in FLAGS.configs]
+    print_table(["config", "plain ms", *(f"budget {b} ms" for b in BUDGETS), *(f"{b} / plain" for b in BUDGETS)],
+                rows, title=f"5. Decode batch 8 at context 1k through the step at three token budgets beside the "
+                            f"plain step, bf16 (median of {FLAGS.repeats}, timed alternately)")
 
 
 if __name__ == "__main__":
