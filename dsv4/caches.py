@@ -196,7 +196,8 @@ class StepIndex:
 
   full_row_R:       int32 [R] or None: see the field.
 
-  Shapes are static per compile: N (bucketed), R and each S_g. `make_step_index` builds one on the host.
+  Shapes are static per compile: N (the engine's token budget), R and each S_g. `make_step_index` builds one on
+  the host.
   """
   token_row_N: jax.Array
   token_pos_N: jax.Array

@@ -1,8 +1,7 @@
 """Model decode step vs live context, with a breakdown of where the time goes (one run, CPU; read the ratios).
 
 Decode step (`model.forward_ragged_jit`, batch 8, one token per row) at contexts 2k / 8k / 32k / 64k; block tables
-bucketed to the live context (as the runner does at max_model_len 1M: the pool and max_model_len do not enter the
-step), three indexer paths in the same run:
+sized to the live context (the pool and max_model_len do not enter the step), three indexer paths in the same run:
   paged     the model's path: keys read block-wise from the pool, chunked running top-k (indexer_paged.py);
   reference the previous path: per-entry row lists, [N, M, C] key gather, dense [N, H, M] scores, top-k;
   no_score  the indexer's score pass removed (the first k visible entries picked): the floor of the step, i.e.
