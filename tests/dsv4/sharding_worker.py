@@ -196,7 +196,6 @@ def check_pools(variant: str, shape=(2, 2, 2)) -> None:
   """Engine with one KV pool per data shard (pools split over `data`): same tokens as one device, prefix hits kept
   by affinity, per-device pool bytes = total / D, preemption inside a shard, no pool-sized collective."""
   from dsv4.engine.api import run_workload
-  from dsv4.engine.config import EngineConfig
   from dsv4.engine.engine import Engine
   cfg = config_for(variant)
   params = model.init_params(cfg, jax.random.PRNGKey(0))
