@@ -344,6 +344,9 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
   the top-level arrays (embed, norm, engram_token_map)."""
   ctx = StepContext.from_step(step, layout, tap_state=tap_states, invariant=step.invariant)
   tokens = jnp.clip(tokens_N.astype(jnp.int32), 0, config.vocab_size - 1)[None]  # range is checked by the callers
+  # Host (numpy) params, as an eager call from a notebook passes them: the row-invariant ops index them with
+  # traced values inside their loops. Under jit (the engine) the leaves are tracers already: nothing happens.
+  params = jax.tree_util.tree_map(jnp.asarray, params)
   plans = config.layer_plan()
   if blocks is None:
     blocks = [functools.partial(block_forward, layer_sublayers(params_l, config, plan), config)

@@ -34,7 +34,7 @@ def route(params, x_NxD, token_ids_N, cfg: MoEConfig, hashed: bool):
   logits = jnp.dot(x_NxD.astype(jnp.float32), params["gate"].astype(jnp.float32), precision=_HI)
   scores = jnp.sqrt(jax.nn.softplus(logits))
   if hashed:
-    ids = params["tid2eid"][token_ids_N].astype(jnp.int32)
+    ids = jnp.asarray(params["tid2eid"])[token_ids_N].astype(jnp.int32)   # host params too (traced ids)
   else:
     _, ids = jax.lax.top_k(scores + params["bias"].astype(jnp.float32), cfg.num_experts_per_tok)
   w = jnp.take_along_axis(scores, ids, axis=-1)
@@ -60,10 +60,12 @@ def routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
         x_NxD, ids_NxK, w_NxK, params["w1"], params["w3"], params["w2"],
         lambda gate, up: swiglu(gate, up, cfg.swiglu_limit), live, kernel_cfg)
 
+  w1, w3, w2 = (jnp.asarray(params[k]) for k in ("w1", "w3", "w2"))   # host (numpy) params too: e is traced
+
   def expert(e, xb):
-    gate = jnp.dot(xb, params["w1"][e], precision=_HI)
-    up = jnp.dot(xb, params["w3"][e], precision=_HI)
-    return jnp.dot(swiglu(gate, up, cfg.swiglu_limit).astype(xb.dtype), params["w2"][e], precision=_HI)
+    gate = jnp.dot(xb, w1[e], precision=_HI)
+    up = jnp.dot(xb, w3[e], precision=_HI)
+    return jnp.dot(swiglu(gate, up, cfg.swiglu_limit).astype(xb.dtype), w2[e], precision=_HI)
 
   return row_invariant.grouped_experts(x_NxD, ids_NxK, w_NxK, expert, E, live, uniform_trips=_inside_data_shards())
 
