@@ -321,11 +321,11 @@ def _resolve(cfg: KernelConfig, op: str, args: tuple | None = None, static: dict
 
   `auto`: XLA off a GPU; on a GPU the kernel once it has matched its reference at these shapes (validated here the
   first time; without `args` nothing can be validated and the answer is XLA)."""
-  backend = cfg.backend
-  if op not in _KERNELS or backend == "xla":
+  if not may_use_kernel(cfg, op):
     return None
+  backend = cfg.backend
   if backend == "auto":
-    if not _on_gpu() or args is None or not validate(cfg, op, args, static or {}):
+    if args is None or not validate(cfg, op, args, static or {}):
       return None
     backend = "pallas"
   kw = dict(interpret=(backend == "interpret"))
