@@ -25,6 +25,7 @@ import dataclasses
 from absl import app, flags
 
 from benchmarks.support import step_cost
+from benchmarks.support.budget_width import budget_bytes
 from benchmarks.support.table import print_table
 from dsv4.config import get_preset
 
@@ -35,6 +36,8 @@ flags.DEFINE_enum("kv", "bf16", ["bf16", "fp8"], "KV pool format (bf16 rows or 5
 flags.DEFINE_enum("compute", "bf16", ["bf16", "fp8"], "Tensor-core rate the matmuls run at.")
 flags.DEFINE_integer("tile", 64, "Tokens per tile of the dropped tiled step (a).")
 flags.DEFINE_integer("row_block", 32, "Rows per projection call of the step as built (d) (RowBlocking.rows).")
+flags.DEFINE_list("budgets", ["512", "2048", "8192"], "Engine token budgets of the budget-width table (what (d) "
+                  "writes at its budget's width, traced from the step program; about 20 s per model); empty: none.")
 FLAGS = flags.FLAGS
 
 GB = 1e9
@@ -79,6 +82,38 @@ def measured_rows(dev, fmt, tiling) -> list[list]:
   return rows
 
 
+BUDGET_POINTS = (step_cost.Point("decode", 1, 8192), step_cost.Point("decode", 64, 8192),
+                 step_cost.Point("decode", 256, 8192), step_cost.Point("prefill", 512, 8192),
+                 step_cost.Point("prefill", 2048, 8192), step_cost.Point("prefill", 8192, 8192))
+
+
+def budget_rows(cfg, dev, fmt, tiling, budgets) -> list[list]:
+  """(d) in an engine with token budget B: its step also writes the arrays spanning B (`budget_width`): the loop
+  buffers (allocated unwritten on a GPU: 0 bytes; zero-filled on a CPU) and the other whole-budget ops, taken as
+  written once and read once (an upper estimate: traced before fusion). A point needs B >= its tokens."""
+  bb = budget_bytes(cfg)
+  w = step_cost.model_weights(cfg, fmt)
+  rows = []
+  for B in budgets:
+    moved = 2 * bb.other_ops * B
+    extra = moved / dev.hbm_bytes_per_s
+    ratios = []
+    for pt in BUDGET_POINTS:
+      if pt.batch > B:
+        ratios.append("-")
+        continue
+      c = step_cost.step_cost(cfg, pt, "plain", dev, fmt, tiling, w).time_s
+      d = step_cost.step_cost(cfg, pt, "blocked", dev, fmt, tiling, w).time_s
+      ratios.append(f"{(d + extra) / c:.2f}")
+    rows.append([B, bb.loop_buffers * B / GB, bb.other_ops * B / GB, extra * 1e3, *ratios])
+  return rows
+
+
+def budget_headers():
+  return (["budget B", "loop buffers GB (CPU only)", "other ops GB (written)", "added ms"]
+          + [f"(d)+B / (c), {pt.label}" for pt in BUDGET_POINTS])
+
+
 MEASURED_HEADERS = ["GPU check row (H200)", "model op", "design", "model ms", "measured ms", "model / measured"]
 
 
@@ -95,6 +130,12 @@ def main(argv):
   for name in FLAGS.models:
     cfg = get_preset(name)
     print_table(STEP_HEADERS, step_rows(cfg, dev, fmt, tiling), title=f"{name}: one step, roofline")
+    if FLAGS.budgets:
+      bb = budget_bytes(cfg)
+      print_table(budget_headers(), budget_rows(cfg, dev, fmt, tiling, [int(b) for b in FLAGS.budgets]),
+                  title=f"{name}: (d) at an engine budget B: arrays spanning B ({bb.budget_loops} row-block loops "
+                        f"with a buffer of B rows; per budget token {bb.loop_buffers / 1e6:.2f} MB of loop buffers, "
+                        f"{bb.other_ops / 1e6:.2f} MB of other ops)")
   if dev is step_cost.H200:
     print_table(MEASURED_HEADERS, measured_rows(dev, fmt, tiling),
                 title="GPU check kernel rows (BUILD_NOTES.md, GPU check) beside the model's op (v4_flash, one layer)")

@@ -374,6 +374,15 @@ def from_bits(b, dtype):
   return b if b.dtype == dtype else jax.lax.bitcast_convert_type(b, dtype)
 
 
+def updates_through_bits(dtype) -> bool:
+  """Whether an in-place update of a `dtype` array goes through its bit pattern: XLA's CPU updates a slice of a
+  float array narrower than 32 bits through fp32 over the WHOLE array (work that follows the array's size, not the
+  rows written), while an unsigned word array is updated in place; GPUs update narrow floats in place, where the
+  bitcasts would only add passes over the array."""
+  dtype = jnp.dtype(dtype)
+  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 and jax.default_backend() == "cpu"
+
+
 def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_):
   """Scatter rows into a paged pool; slots of -1 are dropped (mapped out of bounds). An FP8 pool quantizes the
   rows to its record first (per row scales, so a row's bytes never depend on other rows)."""
@@ -385,9 +394,11 @@ def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_):
   flat = pool_NBxRx_.reshape(nb * r, *pool_NBxRx_.shape[2:])
   idx = jnp.where(slots_BxT >= 0, slots_BxT, nb * r).reshape(-1)
   rows = rows_BxTx_.reshape(-1, *pool_NBxRx_.shape[2:]).astype(pool_NBxRx_.dtype)
-  # As bits: XLA's CPU scatter of a 16-bit float upcasts the whole pool to fp32 and back (work that follows the
-  # pool's size, not the rows written); a bit pattern scatters in place.
-  return from_bits(as_bits(flat).at[idx].set(as_bits(rows), mode="drop"), flat.dtype).reshape(pool_NBxRx_.shape)
+  if updates_through_bits(flat.dtype):
+    flat = from_bits(as_bits(flat).at[idx].set(as_bits(rows), mode="drop"), flat.dtype)
+  else:
+    flat = flat.at[idx].set(rows, mode="drop")
+  return flat.reshape(pool_NBxRx_.shape)
 
 
 def read_rows(pool_NBxRx_, slots_BxT):

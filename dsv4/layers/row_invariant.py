@@ -24,6 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dsv4 import caches
 from pallas_kernels import dispatch
 
 
@@ -59,9 +60,9 @@ def live_count(live, n: int):
 def map_row_blocks(fn, live, *xs, block: int = BLOCKING.rows):
   """`fn` over fixed [block, ...] slices (axis 0) of the pytrees `xs`, for the blocks holding a row < live, in
   order, in a device loop. Returns fn's outputs (a pytree of [block, ...] arrays) assembled over all N rows; rows
-  of blocks past the live ones are zeros. `fn` must be row-local (row i of its outputs from row i of its inputs):
-  then a row's result depends on the block shape only. live: None (all rows, a static trip count) or an int
-  scalar."""
+  of blocks past the live ones are unspecified (`_unfilled`: zeros on the CPU). `fn` must be row-local (row i of
+  its outputs from row i of its inputs): then a row's result depends on the block shape only. live: None (all
+  rows, a static trip count) or an int scalar."""
   N = jax.tree_util.tree_leaves(xs)[0].shape[0]
   Np = -(-N // block) * block
   if Np != N:
@@ -71,16 +72,32 @@ def map_row_blocks(fn, live, *xs, block: int = BLOCKING.rows):
     return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, 0), xs)
 
   shapes = jax.eval_shape(lambda *a: fn(*a), *sl(0))
-  outs = jax.tree_util.tree_map(lambda s: jnp.zeros((Np, *s.shape[1:]), s.dtype), shapes)
+  # On the CPU a narrow float output is carried as its bit pattern (`caches.updates_through_bits`): a block's
+  # update in place instead of a pass over all N rows per block. Bits in, the same bits out.
+  outs = jax.tree_util.tree_map(lambda s: _carried(_unfilled((Np, *s.shape[1:]), s.dtype)), shapes)
 
   def body(i, outs):
     got = fn(*sl(i))
     return jax.tree_util.tree_map(
-        lambda o, g: jax.lax.dynamic_update_slice_in_dim(o, g.astype(o.dtype), i * block, 0), outs, got)
+        lambda o, g, s: jax.lax.dynamic_update_slice_in_dim(o, _carried(g.astype(s.dtype)), i * block, 0),
+        outs, got, shapes)
 
   nb = Np // block if live is None else (live_count(live, N) + block - 1) // block
   outs = jax.lax.fori_loop(0, nb, body, outs)
-  return jax.tree_util.tree_map(lambda o: o[:N], outs)
+  return jax.tree_util.tree_map(lambda o, s: caches.from_bits(o[:N], s.dtype), outs, shapes)
+
+
+def _unfilled(shape, dtype):
+  """A loop's output buffer before its blocks are written: `jax.lax.empty`, which a GPU allocates without writing
+  it (so a buffer spanning the token budget costs nothing for its dead rows) and the CPU fills with zeros. Rows of
+  blocks past the live ones keep whatever it holds: no live row ever reads them (tests/dsv4/test_row_invariant.py
+  fills them with NaN)."""
+  return jax.lax.empty(shape, dtype)
+
+
+def _carried(a):
+  """How `map_row_blocks` carries an output array (see `caches.updates_through_bits`)."""
+  return caches.as_bits(a) if caches.updates_through_bits(a.dtype) else a
 
 
 def rows_dot(x_NxK, w_KxM, live=None, *, block: int = BLOCKING.rows, precision=None, preferred_element_type=None):

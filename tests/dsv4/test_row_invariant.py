@@ -61,7 +61,7 @@ def test_rows_dot_row_bits_ignore_row_count_and_neighbours(seed, live, place, bf
   mixed = np.insert(others, place, np.asarray(x)[0], axis=0)
   got = np.asarray(_rows_dot(jnp.asarray(mixed), w, live))
   np.testing.assert_array_equal(got[place], alone)
-  assert not np.any(got[-(-live // 16) * 16:])          # rows of dead blocks stay zero
+  assert not np.any(got[-(-live // 16) * 16:])          # dead blocks: the CPU's unfilled buffer is zeros
   ref = np.asarray(row_invariant.rows_dot_reference(jnp.asarray(mixed[:live]), w, precision=_HI,
                                                     preferred_element_type=jnp.float32))
   np.testing.assert_allclose(got[:live], ref, rtol=2e-5, atol=2e-4)
@@ -179,3 +179,62 @@ def test_forward_bits_ignore_the_flat_width(request):
   for a, b in zip(c32.layers, c64.layers):
     for k in a:
       np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+
+
+def _forward_bits(layout, n=128, ntok=37):
+  """The bf16 model (one layer of each kind; head_dim - RoPE = 64, so FP8 KV fits) on one row's `ntok` tokens at a
+  flat width of `n`: (every cache array as bits, the live tokens' hidden states as bits)."""
+  import dataclasses
+  from dsv4 import caches, config, model
+  cfg = config.v4_tiny(num_layers=3)
+  cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, head_dim=80, rope_head_dim=16))
+  params = model.cast_params(model.init_params(cfg, jax.random.PRNGKey(1)), jnp.bfloat16)
+  tokens = jnp.asarray(np.r_[np.arange(3, 3 + ntok), np.zeros(n - ntok)].astype(np.int32))
+  row = jnp.asarray(np.r_[np.zeros(ntok), -np.ones(n - ntok)].astype(np.int32))
+  pos = jnp.asarray(np.r_[np.arange(ntok), np.zeros(n - ntok)].astype(np.int32))
+  step = caches.StepIndex(row, pos, jnp.zeros(2, jnp.int32), jnp.asarray([ntok, 0], jnp.int32),
+                          {caches.SWA: jnp.asarray([[0, 1, 2, 3], [-1] * 4], jnp.int32),
+                           caches.FULL: jnp.asarray([[0, 1], [-1, -1]], jnp.int32)},
+                          swa_base_R=jnp.zeros(2, jnp.int32), live_tokens=jnp.int32(ntok), invariant=True)
+  cache, h = jax.jit(lambda c: model.forward_ragged(params, cfg, tokens, c, step, layout=layout))(
+      caches.init_cache(cfg, layout, 8, 4))
+  return [np.asarray(caches.as_bits(a)) for a in jax.tree_util.tree_leaves(cache)], np.asarray(h)[:ntok].view(np.uint16)
+
+
+def _assert_same(a, b):
+  (pools_a, h_a), (pools_b, h_b) = a, b
+  np.testing.assert_array_equal(h_a, h_b)
+  for x, y in zip(pools_a, pools_b):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_bit_pattern_updates_equal_in_place_updates(monkeypatch):
+  """On the CPU, 16-bit pools and loop outputs are updated through their bit patterns (`caches.updates_through_bits`);
+  other backends update them in place. Both forms give the same bits: the bf16 model (bf16 and FP8 KV) run both
+  ways on the CPU, hidden states and every pool compared bit for bit."""
+  from dsv4 import caches
+  assert caches.updates_through_bits(jnp.bfloat16)
+  for kv in (jnp.bfloat16, caches.FP8):
+    lay = caches.CacheLayout(kv_dtype=kv)
+    through_bits = _forward_bits(lay)
+    with monkeypatch.context() as m:
+      m.setattr(caches, "updates_through_bits", lambda dtype: False)
+      _assert_same(through_bits, _forward_bits(lay))
+
+
+def test_dead_rows_of_loop_buffers_reach_no_live_row(monkeypatch):
+  """A row-block loop's buffer is `jax.lax.empty` (a GPU leaves it unwritten): filled with NaN and all-ones integers
+  instead of the CPU's zeros, the live tokens' hidden states and every pool keep their bits (the flat width spans
+  dead blocks: 37 live tokens of 128)."""
+  from dsv4 import caches
+
+  def garbage(shape, dtype):
+    if jnp.issubdtype(dtype, jnp.floating):
+      return jnp.full(shape, jnp.nan, dtype)
+    return jnp.full(shape, -1 if jnp.issubdtype(dtype, jnp.signedinteger) else 1, dtype)
+
+  lay = caches.CacheLayout(kv_dtype=jnp.bfloat16)
+  zeros = _forward_bits(lay)
+  with monkeypatch.context() as m:
+    m.setattr(row_invariant, "_unfilled", garbage)
+    _assert_same(zeros, _forward_bits(lay))
