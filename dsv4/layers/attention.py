@@ -190,9 +190,21 @@ def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: StepCon
 
 
 def _entry_ids_to_pool_rows(ctx: StepContext, ratio: int, ids_NxK):
-  """Pool rows of the picked entry ids through each token's block table (O(k), no [N, M] row list)."""
-  return caches.row_slots(ctx.full_table_RxF, ctx.full_row_N[:, None], ids_NxK, ctx.full_block_tokens // ratio,
-                          ctx.valid_N[:, None] & (ids_NxK >= 0))
+  """(pool rows [N, k], their `live_length` [N]) of the picked entry ids through each token's block table (O(k), no
+  [N, M] row list), over the live tokens; tokens past them get length 0 (their rows are unspecified)."""
+  def rows(ids, full_row, valid):
+    r = caches.row_slots(ctx.full_table_RxF, full_row[:, None], ids, ctx.full_block_tokens // ratio,
+                         valid[:, None] & (ids >= 0))
+    return r, live_length(r)
+  r, n = map_row_blocks(rows, ctx.live, ids_NxK, ctx.full_row_N, ctx.valid_N)
+  return r, jnp.where(_live_tokens(ctx), n, 0)
+
+
+def _live_tokens(ctx: StepContext):
+  """[N] valid tokens inside the live count (`StepContext.live`)."""
+  if ctx.live is None:
+    return ctx.valid_N
+  return ctx.valid_N & (jnp.arange(ctx.valid_N.shape[0]) < ctx.live)
 
 
 def _select(p_ix, config: ModelConfig, plan: LayerPlan, x_NxD, cq, ctx: StepContext, key_pool, inv_freq, kernel_cfg,
@@ -285,9 +297,13 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
   # Window: write this step's rows, then read each query's window [max(t - W + 1, 0), t], oldest first and from
   # column 0, so the valid ids lead the row and the window length is min(t + 1, W) (0 for padding).
   cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], ctx.token_slots(), kv)
-  win_pos = jnp.maximum(pos - (a.window - 1), 0)[:, None] + jnp.arange(a.window)[None, :]
-  win_idx = ctx.swa_slots(ctx.row_N[:, None], win_pos, ctx.valid_N[:, None] & (win_pos <= pos[:, None]))
-  win_len = jnp.where(ctx.valid_N, jnp.minimum(pos + 1, a.window), 0).astype(jnp.int32)
+  # The id lists over the live tokens only; the lengths ([N] ints) for every token: a kernel's program of a token
+  # past the live rows finds length 0 and reads none of its (unspecified) ids.
+  def window(pos, row, valid):
+    win_pos = jnp.maximum(pos - (a.window - 1), 0)[:, None] + jnp.arange(a.window)[None, :]
+    return ctx.swa_slots(row[:, None], win_pos, valid[:, None] & (win_pos <= pos[:, None]))
+  win_idx = map_row_blocks(window, ctx.live, pos, ctx.row_N, ctx.valid_N)
+  win_len = jnp.where(_live_tokens(ctx), jnp.minimum(pos + 1, a.window), 0).astype(jnp.int32)
 
   comp_pool, comp_idx, comp_len = None, None, None
   if plan.kind in ("full", "reindex", "reuse"):
@@ -321,8 +337,7 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
       shared = dict(shared, ids=ids)
       if plan.candidate_source:
         shared["cand"] = cand
-    comp_idx = _entry_ids_to_pool_rows(ctx, plan.ratio, shared["ids"])
-    comp_len = live_length(comp_idx)
+    comp_idx, comp_len = _entry_ids_to_pool_rows(ctx, plan.ratio, shared["ids"])
   elif plan.has_compressor:
     state, cache_layer["comp_kv"] = compress_step(
         p["compressor"], x_NxD, kv_compressor_spec(config, plan), ctx, cache_layer.get("comp_state"),
@@ -336,8 +351,7 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
         cache_layer["index_keys"], inv_freq, eps, taps=aux, tap_key="index_state_rows")
     ids, _ = _select(p["indexer"], config, plan, x_NxD, cq, ctx, cache_layer["index_keys"], inv_freq, kernel_cfg,
                      None, False, q, comp_pool, collect_aux, aux)
-    comp_idx = _entry_ids_to_pool_rows(ctx, plan.ratio, ids)
-    comp_len = live_length(comp_idx)
+    comp_idx, comp_len = _entry_ids_to_pool_rows(ctx, plan.ratio, ids)
   elif plan.dense_compressed and not ctx.invariant:
     rows = entry_rows(ctx, plan.ratio)
     nv = num_visible(ctx, plan.ratio)

@@ -161,7 +161,9 @@ def window_pool_scan(reset_N, lse_NxW, mean_NxW):
 
   def step(carry):
     j, lse, mean = carry
-    ml, mm = merge(jnp.roll(lse, 1, axis=0), jnp.roll(mean, 1, axis=0), lse_NxW, mean_NxW)
+    # a token still holds its own pair until its step (j = its offset), so the carry is both operands: the loop
+    # reads no copy of its inputs
+    ml, mm = merge(jnp.roll(lse, 1, axis=0), jnp.roll(mean, 1, axis=0), lse, mean)
     now = (offset_N == j)[:, None]      # the predecessor (offset j - 1) finished at the previous step
     return j + 1, jnp.where(now, ml, lse), jnp.where(now, mm, mean)
 
@@ -180,10 +182,13 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   `return_latent`, (pre-RoPE latent [N,w], entry ids [N], full-group slots [N] (-1: not emitted)) of the entry each
   token would close: V4.1 derives its index keys from that latent (docs/model.md, Lightning indexer).
   `quantize_rows` (V4.1 quantized cache) is applied to the post-RoPE rows before they are stored. With
-  `ctx.tap_state`, every token's state row [N, state width] is put in `taps[tap_key]` (pooling compressors only)."""
+  `ctx.tap_state`, every token's state row [N, state width] is put in `taps[tap_key]` (pooling compressors only).
+
+  Every per-token part (projections, the merges with the cached state row, the entry rows) runs in row blocks over
+  the live tokens (`map_row_blocks`); only the fold across a window's tokens (`window_pool_scan`, none at decode)
+  spans the flat axis."""
   q_rows = quantize_rows or (lambda r: r)
   m, w = spec.ratio, spec.width
-  a, z = map_row_blocks(lambda x, pos: project(p, x, spec, pos), ctx.live, x_NxD, ctx.pos_N)
   pos = ctx.pos_N
 
   def finish(raw, entry):
@@ -193,7 +198,7 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
 
   if not spec.gated or m == 1:
     # Ratio 1: every token is its own entry, no pooling state.
-    latent, rows = map_row_blocks(finish, ctx.live, a, pos)
+    latent, rows = map_row_blocks(lambda x, pos: finish(project(p, x, spec, pos)[0], pos), ctx.live, x_NxD, pos)
     slots = _emit(ctx, pos, ctx.valid_N, m)
     new_out = caches.write_rows(out_pool, slots, rows)
     return (None, new_out, (latent, pos, slots)) if return_latent else (None, new_out)
@@ -202,39 +207,58 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   win_start = phase == 0
   # The state row of position start - 1 (first token of each row only; a window start needs no "cur" state).
   prev_ok = ctx.first_N & (pos > 0)
-  prev_rows, _ = caches.read_rows(state_pool, ctx.state_slots(pos - 1, prev_ok))
-  prev_rows = jnp.where(prev_ok[:, None], prev_rows, 0.0)
+  prev_slots = ctx.state_slots(pos - 1, prev_ok)
   reset = ctx.first_N | win_start | ~ctx.valid_N
+  mid = ctx.first_N & ~win_start                  # a row's first token inside a window: merges the cached pools
+  has_base = win_start & (pos > 0)                # a window start of overlapping CSA: pools from the previous one
   if ctx.invariant:
     def scan(reset_N, l, mean, _):
       return window_pool_scan(reset_N, l, mean)
   else:
     scan = segmented_pool_scan
 
-  if spec.overlap:
+  def opening(x, pos, slot, first, mid, has_base):
+    """A token's projections and the pairs its pools start from (merged with the cached state row where it is its
+    row's first token)."""
+    a, z = project(p, x, spec, pos)
+    prev, ok = caches.read_rows(state_pool, slot)
+    prev = jnp.where(ok[:, None], prev, 0.0)
+    mid = mid[:, None]
+    if not spec.overlap:
+      cl0, cm0 = merge(prev[:, :w], prev[:, w:], z, a)
+      return jnp.where(mid, cl0, z), jnp.where(mid, cm0, a)
     aA, aB, zA, zB = a[:, :w], a[:, w:], z[:, :w], z[:, w:]
-    p_cl, p_cm, p_nl, p_nm = (prev_rows[:, i * w:(i + 1) * w] for i in range(4))
+    p_cl, p_cm, p_nl, p_nm = (prev[:, i * w:(i + 1) * w] for i in range(4))
     # Next-entry pool: A halves of the open window.
-    mid = (ctx.first_N & ~win_start)[:, None]
     l0, m0 = merge(p_nl, p_nm, zA, aA)
-    nl, nm = scan(reset, jnp.where(mid, l0, zA), jnp.where(mid, m0, aA), m)
-    # Current-entry pool: at a window start it begins from the previous window's A halves (the previous token's
-    # next-entry pool, or the cached one for a row's first token); entry 0 has no previous window.
-    base_l = jnp.where(ctx.first_N[:, None], p_nl, jnp.roll(nl, 1, axis=0))
-    base_m = jnp.where(ctx.first_N[:, None], p_nm, jnp.roll(nm, 1, axis=0))
-    has_base = (win_start & (pos > 0))[:, None]
-    sl, sm = merge(base_l, base_m, zB, aB)
+    # Current-entry pool: at a window start it begins from the previous window's A halves (for a row's first token
+    # the cached next-entry pool; for the others the previous token's, `middle`); entry 0 has no previous window.
+    sl, sm = merge(p_nl, p_nm, zB, aB)
     cl0, cm0 = merge(p_cl, p_cm, zB, aB)
-    el = jnp.where(has_base, sl, jnp.where(mid, cl0, zB))
-    em = jnp.where(has_base, sm, jnp.where(mid, cm0, aB))
+    from_cache = (first & has_base)[:, None]
+    return (jnp.where(mid, l0, zA), jnp.where(mid, m0, aA), zB, aB,
+            jnp.where(from_cache, sl, jnp.where(mid, cl0, zB)), jnp.where(from_cache, sm, jnp.where(mid, cm0, aB)))
+
+  opened = map_row_blocks(opening, ctx.live, x_NxD, pos, prev_slots, ctx.first_N, mid, has_base)
+  if spec.overlap:
+    nl0, nm0, zB, aB, el0, em0 = opened
+    nl, nm = scan(reset, nl0, nm0, m)
+
+    def middle(zB, aB, el, em, from_prev, prev_nl, prev_nm):
+      sl, sm = merge(prev_nl, prev_nm, zB, aB)
+      return jnp.where(from_prev[:, None], sl, el), jnp.where(from_prev[:, None], sm, em)
+    el, em = map_row_blocks(middle, ctx.live, zB, aB, el0, em0, has_base & ~ctx.first_N, prev=(nl, nm))
     cl, cm = scan(reset, el, em, m)
-    state_rows = jnp.concatenate([cl, cm, nl, nm], axis=-1)
+    pools = (cl, cm, nl, nm)
   else:
-    p_cl, p_cm = prev_rows[:, :w], prev_rows[:, w:]
-    mid = (ctx.first_N & ~win_start)[:, None]
-    cl0, cm0 = merge(p_cl, p_cm, z, a)
-    cl, cm = scan(reset, jnp.where(mid, cl0, z), jnp.where(mid, cm0, a), m)
-    state_rows = jnp.concatenate([cl, cm], axis=-1)
+    cl, cm = scan(reset, *opened, m)
+    pools = (cl, cm)
+
+  entry = pos // m
+
+  def closing(entry, *pools):
+    return (jnp.concatenate(pools, axis=-1), *finish(pools[1], entry))
+  state_rows, latent, rows = map_row_blocks(closing, ctx.live, entry, *pools)
   if ctx.tap_state and taps is not None:
     taps[tap_key] = state_rows
 
@@ -242,8 +266,6 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   keep = ctx.valid_N & (ctx.last_N | (pos % ctx.swa_block_tokens == ctx.swa_block_tokens - 1))
   state_pool = caches.write_rows(state_pool, ctx.state_slots(pos, keep)[:, None], state_rows[:, None])
 
-  entry = pos // m
-  latent, rows = map_row_blocks(finish, ctx.live, cm, entry)
   slots = _emit(ctx, entry, ctx.valid_N & (phase == m - 1), m)
   new_out = caches.write_rows(out_pool, slots, rows)
   return (state_pool, new_out, (latent, entry, slots)) if return_latent else (state_pool, new_out)

@@ -44,17 +44,17 @@ def route(params, x_NxD, token_ids_N, cfg: MoEConfig, hashed: bool):
 
 def routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
                    kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
-  """The routed experts of every live token (rows >= live: zeros) as one grouped formulation for every batch size
-  (`row_invariant.grouped_experts`): pairs sorted by expert, one [rows, D] x [D, I] product per live block of an
-  expert's pairs with that expert's weights, so a token's result ignores how many tokens share its experts and
-  each expert's weights are read once per block of its own pairs. Where `kernel_cfg` can send "grouped_dot" to the
-  grouped expert kernel and its tiles divide the expert's shapes, every live block runs in one kernel call per
-  product (`row_invariant.grouped_experts_kernel`); not inside a mesh that splits the experts (GSPMD cannot split
-  a Pallas call: the loop runs there)."""
+  """The routed experts of every live token (rows >= live: zeros or unspecified) as one grouped formulation for every
+  batch size (`row_invariant.grouped_experts`): pairs sorted by expert, one [rows, D] x [D, I] product per live
+  block of an expert's pairs with that expert's weights, so a token's result ignores how many tokens share its
+  experts and each expert's weights are read once per block of its own pairs. Where `kernel_cfg` can send
+  "grouped_dot" to the grouped expert kernel and the kernel can take the experts (`grouped_kernel_fits`), every
+  live block runs in one kernel call per product (`row_invariant.grouped_experts_kernel`); not inside a mesh that
+  splits the experts (GSPMD cannot split a Pallas call: the loop runs there)."""
   E = cfg.n_routed_experts
   D, I = params["w1"].shape[1], params["w1"].shape[2]
   tuning = kernel_cfg.grouped_dot_tuning or GroupedDotTuning()
-  if (dispatch.may_use_kernel(kernel_cfg, "grouped_dot") and row_invariant.grouped_kernel_fits(D, I, tuning)
+  if (dispatch.may_use_kernel(kernel_cfg, "grouped_dot") and row_invariant.grouped_kernel_fits(E, D, I, tuning)
       and not _experts_split()):
     return row_invariant.grouped_experts_kernel(
         x_NxD, ids_NxK, w_NxK, params["w1"], params["w3"], params["w2"],
@@ -184,5 +184,6 @@ def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool, live=None,
     routed = routed_experts_ep(experts, x, ids, w, cfg, mesh)
   else:
     routed = routed_experts(experts, x, ids, w, cfg, live, kernel_cfg or dispatch.KernelConfig())
-  out = routed + row_invariant.map_row_blocks(lambda xb: shared_expert(params["shared"], xb, cfg), live, x)
+  # the add rides in the shared expert's loop: over the live rows only, not an op over the whole flat axis
+  out = row_invariant.map_row_blocks(lambda xb, rb: rb + shared_expert(params["shared"], xb, cfg), live, x, routed)
   return out.reshape(B, T, D)

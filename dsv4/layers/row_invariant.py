@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4 import caches
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, grouped_dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,9 @@ class RowBlocking:
 
 
 BLOCKING = RowBlocking()
+# Slots per iteration of the grouped expert kernel's layout loops (row gathers and the activation: row-local, so
+# their bits do not depend on it).
+LAYOUT_ROWS = 256
 
 
 def live_count(live, n: int):
@@ -57,19 +60,29 @@ def live_count(live, n: int):
   return jnp.clip(jnp.asarray(live, jnp.int32), 0, n)
 
 
-def map_row_blocks(fn, live, *xs, block: int = BLOCKING.rows):
+def map_row_blocks(fn, live, *xs, block: int = BLOCKING.rows, prev=()):
   """`fn` over fixed [block, ...] slices (axis 0) of the pytrees `xs`, for the blocks holding a row < live, in
   order, in a device loop. Returns fn's outputs (a pytree of [block, ...] arrays) assembled over all N rows; rows
   of blocks past the live ones are unspecified (`_unfilled`: zeros on the CPU). `fn` must be row-local (row i of
   its outputs from row i of its inputs): then a row's result depends on the block shape only. live: None (all
-  rows, a static trip count) or an int scalar."""
+  rows, a static trip count) or an int scalar.
+
+  prev: further [N, ...] arrays handed to `fn` after `xs`, each shifted one row back (row i of a block holds row
+  i - 1 of the array; the first row of block 0 is unspecified): a row's predecessor, without a shifted copy of
+  the whole array."""
   N = jax.tree_util.tree_leaves(xs)[0].shape[0]
   Np = -(-N // block) * block
   if Np != N:
-    xs = jax.tree_util.tree_map(lambda a: jnp.pad(a, [(0, Np - N)] + [(0, 0)] * (a.ndim - 1)), xs)
+    pad = lambda a: jnp.pad(a, [(0, Np - N)] + [(0, 0)] * (a.ndim - 1))
+    xs, prev = jax.tree_util.tree_map(pad, xs), jax.tree_util.tree_map(pad, prev)
+
+  def shifted(a, i):
+    b = jax.lax.dynamic_slice_in_dim(a, jnp.maximum(i * block - 1, 0), block, 0)
+    return jnp.where(i == 0, jnp.roll(b, 1, axis=0), b)
 
   def sl(i):
-    return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, 0), xs)
+    return (*jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, 0), xs),
+            *jax.tree_util.tree_map(lambda a: shifted(a, i), prev))
 
   shapes = jax.eval_shape(lambda *a: fn(*a), *sl(0))
   # On the CPU a narrow float output is carried as its bit pattern (`caches.updates_through_bits`): a block's
@@ -138,7 +151,8 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
   expert_fn(e, x_RxD) -> [R, D]: expert e (a traced int32 scalar) on a fixed block of R = `block` rows (row-local;
   its products then have one shape for every block). The loop runs the live blocks in expert order; a block adds
   its rows into their tokens' outputs, so a token's K results are added in the order of its expert ids (its own
-  choices, whatever shares the step), starting from zeros, in fp32 (cast to x's dtype at the end). Dead tokens (>= live) get zeros.
+  choices, whatever shares the step), starting from zeros, in fp32 (cast to x's dtype at the end). Dead tokens
+  (>= live) get zeros, or unspecified values past the live row blocks (`map_row_blocks`).
   uniform_trips: run the bound ceil(live * K / block) + E on the live block count instead of the count itself (the
   extra blocks hold no pair and add nothing): the trip count then follows `live` only, not the routing, so shards
   of a mesh that share `live` run the same trips and collectives inside `expert_fn` meet. live None: a static
@@ -163,16 +177,18 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
 
   # fp32 sums (cast once at the end): XLA's CPU scatter-add of a 16-bit float converts the whole [N, D] buffer to
   # fp32 and back on every block
-  out = jnp.zeros((N, D), jnp.float32)
   if live is None:
     # no engine step (training, a plain forward): a static bound, so the loop is a scan and differentiable; the
     # blocks past the live ones hold no pair and add nothing
     trips = -(-N * K // block) + min(num_experts, N * K)
-  elif uniform_trips:
+    return jax.lax.fori_loop(0, trips, body, jnp.zeros((N, D), jnp.float32)).astype(x_NxD.dtype)
+  if uniform_trips:
     trips = (live_count(live, N) * K + block - 1) // block + num_experts
   else:
     trips = first_block[num_experts]
-  return jax.lax.fori_loop(0, trips, body, out).astype(x_NxD.dtype)
+  # zeros, and the final cast, over the live rows only (rows past them: unspecified)
+  out = map_row_blocks(lambda xb: jnp.zeros((xb.shape[0], D), jnp.float32), live, x_NxD)
+  return map_row_blocks(lambda o: o.astype(x_NxD.dtype), live, jax.lax.fori_loop(0, trips, body, out))
 
 
 def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
@@ -182,9 +198,11 @@ def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI
   expert) laid out once as [B, block, D] rows, every live block in one call per product instead of a loop, blocks
   past the live ones doing no work. A block's bits depend on its own rows and its expert only (the kernel's fixed
   tiles and K order), and each token adds its K results from zeros in the order of its expert ids, as
-  `grouped_experts` does: a token's bits ignore the other tokens. Dead tokens (>= live) get zeros.
+  `grouped_experts` does: a token's bits ignore the other tokens. Dead tokens (>= live) get zeros, or unspecified
+  values past the live row blocks.
 
-  B is static: ceil(N * K / block) blocks of pairs plus one partial block per expert at most. Where the kernel
+  B is static: ceil(N * K / block) blocks of pairs plus one partial block per expert at most, rounded up to whole
+  `LAYOUT_ROWS` slots. Where the kernel
   config serves the XLA reference (`dispatch.grouped_dot`'s fallback: a loop over the live blocks, one product
   each), the bits stay row-invariant the same way."""
   N, K = ids_NxK.shape
@@ -192,8 +210,9 @@ def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI
   E = w_gate_ExDxI.shape[0]
   P = N * K
   order, _, first_block, first_pair = expert_blocks(ids_NxK, E, live, block=block)
-  nb = -(-P // block) + min(E, P)
-  dead = nb * block                                                     # the slot of no row: a zero row below
+  per_layout = max(1, LAYOUT_ROWS // block)
+  nb = -(-(-(-P // block) + min(E, P)) // per_layout) * per_layout        # whole layout blocks of slots
+  dead = nb * block                                                     # the slot of no row
   live_tok = jnp.arange(N) < live_count(live, N)
   flat = jnp.where(jnp.repeat(live_tok, K), ids_NxK.reshape(-1).astype(jnp.int32), E)
   e_sorted = flat[order]
@@ -204,27 +223,38 @@ def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI
   live_blocks = first_block[E]
   block_expert = jnp.where(blocks < live_blocks,
                            jnp.searchsorted(first_block, blocks, side="right").astype(jnp.int32) - 1, E)
-  xs = jnp.where((tok_of_slot < N)[:, None], x_NxD[jnp.minimum(tok_of_slot, N - 1)], 0).astype(x_NxD.dtype)
-  xs = xs.reshape(nb, block, D)
+  # The layout and the activation in loops over the live slots (`LAYOUT_ROWS` a time): their cost follows the live
+  # pairs, not the budget's N * K (the kernels skip the dead blocks themselves).
+  live_slots = live_blocks * block
+  xs = map_row_blocks(lambda t: jnp.where((t < N)[:, None], x_NxD[jnp.minimum(t, N - 1)], 0).astype(x_NxD.dtype),
+                      live_slots, tok_of_slot, block=LAYOUT_ROWS).reshape(nb, block, D)
   gate = dispatch.grouped_dot(xs, block_expert, live_blocks, w_gate_ExDxI, cfg=kernel_cfg)
   up = dispatch.grouped_dot(xs, block_expert, live_blocks, w_up_ExDxI, cfg=kernel_cfg)
-  h = dispatch.grouped_dot(act(gate, up).astype(x_NxD.dtype), block_expert, live_blocks, w_down_ExIxD,
-                           cfg=kernel_cfg).reshape(dead, D)
-  h = jnp.concatenate([h, jnp.zeros((1, D), h.dtype)])
+  I = gate.shape[-1]
+  a = map_row_blocks(lambda g, u: act(g, u).astype(x_NxD.dtype), live_slots, gate.reshape(dead, I),
+                     up.reshape(dead, I), block=LAYOUT_ROWS).reshape(nb, block, I)
+  h = dispatch.grouped_dot(a, block_expert, live_blocks, w_down_ExIxD, cfg=kernel_cfg).reshape(dead, D)
   slot_of_pair = jnp.full((P,), dead, jnp.int32).at[order].set(slot)    # token-major pair -> its row in h
-  by_expert = jnp.argsort(ids_NxK, axis=1, stable=True)                 # each token's choices in expert order
   w_flat = weights_NxK.reshape(-1)
-  out = jnp.zeros((N, D), jnp.float32)                                  # fp32 sums, as the loop's
-  for k in range(K):                                                    # a fixed order of K adds per token
-    pair = jnp.arange(N, dtype=jnp.int32) * K + by_expert[:, k].astype(jnp.int32)
-    hk = h[slot_of_pair[pair]] * w_flat[pair][:, None].astype(h.dtype)
-    out = out + hk.astype(out.dtype)
-  return out.astype(x_NxD.dtype)
+
+  def combine(ids_RxK, tok_R):
+    """A block of tokens' K results added from zeros in fp32 (as the loop's), each token's in expert-id order."""
+    by_expert = jnp.argsort(ids_RxK, axis=1, stable=True)
+    out = jnp.zeros((tok_R.shape[0], D), jnp.float32)
+    for k in range(K):
+      pair = tok_R * K + by_expert[:, k].astype(jnp.int32)
+      sp = slot_of_pair[pair]
+      hk = jnp.where((sp < dead)[:, None], h[jnp.minimum(sp, dead - 1)], 0) * w_flat[pair][:, None].astype(h.dtype)
+      out = out + hk.astype(out.dtype)
+    return out.astype(x_NxD.dtype)
+  return map_row_blocks(combine, live, ids_NxK, jnp.arange(N, dtype=jnp.int32))
 
 
-def grouped_kernel_fits(D: int, I: int, tuning) -> bool:
-  """Whether the grouped expert kernel's tiles divide an expert's shapes ([D, I] in, [I, D] out)."""
-  return all(n % tuning.block_k == 0 and n % tuning.block_cols == 0 for n in (D, I))
+def grouped_kernel_fits(E: int, D: int, I: int, tuning) -> bool:
+  """Whether the grouped expert kernel can take E experts of [D, I] in and [I, D] out: its tiles divide the shapes
+  and its 32-bit offsets reach every weight (V4.1-Flash's 384 x 5120 x 2304 do not: the loop serves it)."""
+  return (all(n % tuning.block_k == 0 and n % tuning.block_cols == 0 for n in (D, I))
+          and E * D * I <= grouped_dot.MAX_WEIGHT_ELEMENTS)
 
 
 def grouped_experts_reference(x_NxD, ids_NxK, weights_NxK, expert_fn_all):

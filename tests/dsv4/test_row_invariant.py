@@ -5,6 +5,7 @@ summation order."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from dsv4.layers import row_invariant
@@ -181,7 +182,7 @@ def test_forward_bits_ignore_the_flat_width(request):
       np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
 
 
-def _forward_bits(layout, n=128, ntok=37):
+def _forward_bits(layout, n=128, ntok=37, kernel_cfg=dispatch.KernelConfig()):
   """The bf16 model (one layer of each kind; head_dim - RoPE = 64, so FP8 KV fits) on one row's `ntok` tokens at a
   flat width of `n`: (every cache array as bits, the live tokens' hidden states as bits)."""
   import dataclasses
@@ -196,8 +197,8 @@ def _forward_bits(layout, n=128, ntok=37):
                           {caches.SWA: jnp.asarray([[0, 1, 2, 3], [-1] * 4], jnp.int32),
                            caches.FULL: jnp.asarray([[0, 1], [-1, -1]], jnp.int32)},
                           swa_base_R=jnp.zeros(2, jnp.int32), live_tokens=jnp.int32(ntok), invariant=True)
-  cache, h = jax.jit(lambda c: model.forward_ragged(params, cfg, tokens, c, step, layout=layout))(
-      caches.init_cache(cfg, layout, 8, 4))
+  cache, h = jax.jit(lambda c: model.forward_ragged(params, cfg, tokens, c, step, layout=layout,
+                                                     kernel_cfg=kernel_cfg))(caches.init_cache(cfg, layout, 8, 4))
   return [np.asarray(caches.as_bits(a)) for a in jax.tree_util.tree_leaves(cache)], np.asarray(h)[:ntok].view(np.uint16)
 
 
@@ -222,10 +223,12 @@ def test_bit_pattern_updates_equal_in_place_updates(monkeypatch):
       _assert_same(through_bits, _forward_bits(lay))
 
 
-def test_dead_rows_of_loop_buffers_reach_no_live_row(monkeypatch):
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_dead_rows_of_loop_buffers_reach_no_live_row(monkeypatch, backend):
   """A row-block loop's buffer is `jax.lax.empty` (a GPU leaves it unwritten): filled with NaN and all-ones integers
   instead of the CPU's zeros, the live tokens' hidden states and every pool keep their bits (the flat width spans
-  dead blocks: 37 live tokens of 128)."""
+  dead blocks: 37 live tokens of 128), on the XLA ops and on the Pallas kernels (interpret mode), which run over
+  every token of the flat axis and must find nothing to read for a token past the live ones."""
   from dsv4 import caches
 
   def garbage(shape, dtype):
@@ -234,7 +237,8 @@ def test_dead_rows_of_loop_buffers_reach_no_live_row(monkeypatch):
     return jnp.full(shape, -1 if jnp.issubdtype(dtype, jnp.signedinteger) else 1, dtype)
 
   lay = caches.CacheLayout(kv_dtype=jnp.bfloat16)
-  zeros = _forward_bits(lay)
+  kcfg = dispatch.KernelConfig(backend=backend, grouped_dot_tuning=GroupedDotTuning(block_cols=16, block_k=16))
+  zeros = _forward_bits(lay, kernel_cfg=kcfg)
   with monkeypatch.context() as m:
     m.setattr(row_invariant, "_unfilled", garbage)
-    _assert_same(zeros, _forward_bits(lay))
+    _assert_same(zeros, _forward_bits(lay, kernel_cfg=kcfg))
