@@ -121,10 +121,11 @@ def indexer_select_paged(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR,
   nv = num_visible(ctx, plan.ratio)
   k = config.indexer.topk
   # Each query reads its row's table (ctx.full_row_N; padding tokens: row 0's, but nv = 0 hides every entry).
-  if candidate_blocks_NxCb is not None:
-    ids, _ = dispatch.indexer_topk_candidates(q, w, key_pool, ctx.full_table_RxF, nv, k, candidate_blocks_NxCb,
-                                              config.indexer.candidate_block_size, table_rows_N=ctx.full_row_N)
-    return ids, None
+  if candidate_blocks_NxCb is not None:   # each query on its own candidates: in row blocks over the live tokens
+    def picks(q, w, nv, cand, rows):
+      return dispatch.indexer_topk_candidates(q, w, key_pool, ctx.full_table_RxF, nv, k, cand,
+                                              config.indexer.candidate_block_size, table_rows_N=rows)[0]
+    return map_row_blocks(picks, ctx.live, q, w, nv, candidate_blocks_NxCb, ctx.full_row_N), None
   # The invariant step's tables span max_model_len: smaller chunks keep a short context from scoring a whole
   # default chunk of invisible entries (the loop runs only the chunks some query can see).
   chunk = {"chunk_entries": INVARIANT_INDEX_CHUNK, "query_block": INVARIANT_INDEX_QUERIES} if ctx.invariant else {}
