@@ -121,6 +121,7 @@ class SparseArgs(NamedTuple):
   sink_H: Any
   window_len_N: Any = None
   comp_len_N: Any = None
+  live: Any = None          # queries at or past it: outputs unspecified (a kernel skips them)
 
 
 class IndexerArgs(NamedTuple):
@@ -148,6 +149,7 @@ class HcaArgs(NamedTuple):
   num_visible_N: Any
   sink_H: Any
   table_rows_N: Any = None
+  live: Any = None          # queries at or past it: outputs unspecified (a kernel skips them)
 
 
 class RowDotArgs(NamedTuple):
@@ -360,25 +362,27 @@ def _call_kernel(cfg, op, inputs, static, interpret):
 
 
 def _sparse_args(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, *, scale: float,
-                 window_len_N=None, comp_len_N=None):
+                 window_len_N=None, comp_len_N=None, live=None):
   return (SparseArgs(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H,
-                     window_len_N=window_len_N, comp_len_N=comp_len_N), dict(scale=float(scale)))
+                     window_len_N=window_len_N, comp_len_N=comp_len_N, live=live), dict(scale=float(scale)))
 
 
 def sparse_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, *,
-                     scale: float, cfg: KernelConfig = KernelConfig(), window_len_N=None, comp_len_N=None):
+                     scale: float, cfg: KernelConfig = KernelConfig(), window_len_N=None, comp_len_N=None,
+                     live=None):
   """Sparse MLA over a window pool and a compressed pool with a per-head sink -> (out_NxHxD, lse_NxH).
 
   sparse_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD | None, comp_idx_NxK | None, sink_H, *,
-                   scale, cfg=KernelConfig(), window_len_N=None, comp_len_N=None)
+                   scale, cfg=KernelConfig(), window_len_N=None, comp_len_N=None, live=None)
 
   window_len_N / comp_len_N: optional int32 [N], the number of valid *leading* ids of each query's window /
   compressed id row (like FlashMLA's topk_length). Ids at positions >= len are ignored exactly like -1, whatever
   they hold, and kernels stop their loops there (cost O(live ids), not O(W + K)). None = the whole row counts
-  (ids < 0 or >= pool rows are always invalid). See `sparse_attention.py` for the full contract.
+  (ids < 0 or >= pool rows are always invalid). live: optional int scalar; queries at or past it may hold anything
+  (the kernel's programs for them return without writing). See `sparse_attention.py` for the full contract.
   """
   args, static = _sparse_args(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H,
-                              scale=scale, window_len_N=window_len_N, comp_len_N=comp_len_N)
+                              scale=scale, window_len_N=window_len_N, comp_len_N=comp_len_N, live=live)
   kw = _resolve(cfg, "sparse_attention", args, static)
   if kw is None:
     return _sparse_reference(args, static)
@@ -386,14 +390,14 @@ def sparse_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, co
 
 
 def _hca_args(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF, num_visible_N,
-              sink_H, *, scale: float, entries_per_block: int, table_rows_N=None):
+              sink_H, *, scale: float, entries_per_block: int, table_rows_N=None, live=None):
   return (HcaArgs(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF, num_visible_N,
-                  sink_H, table_rows_N), dict(scale=float(scale), entries_per_block=int(entries_per_block)))
+                  sink_H, table_rows_N, live), dict(scale=float(scale), entries_per_block=int(entries_per_block)))
 
 
 def hca_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF, num_visible_N,
                   sink_H, *, scale: float, entries_per_block: int, cfg: KernelConfig = KernelConfig(),
-                  table_rows_N=None):
+                  table_rows_N=None, live=None):
   """HCA attention in the invariant step's order (the window, then every visible entry in position order, blocks
   of 64 entries) -> out_NxHxD in q's dtype.
 
@@ -403,11 +407,13 @@ def hca_attention(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_p
   Entry e of query n's row lives at pool row table_SxF[r, e // E] * E + e % E (E = entries_per_block, r =
   table_rows_N[n]; None = n, the table then having one row per query); entries 0 .. num_visible_N[n] - 1 are
   visible. The table is passed as it is (e.g. the engine's [slots, max_model_len / block] table): the kernel reads
-  each query's row in place, only the words of its visible entries. A query's bits depend only on its own arguments (see `hca_attention.py`
-  for the contract). Without a kernel, its XLA reference `hca_attention_reference`: the model's XLA path."""
+  each query's row in place, only the words of its visible entries. A query's bits depend only on its own
+  arguments (see `hca_attention.py` for the contract). live: optional int scalar; queries at or past it may hold
+  anything (the kernel's programs for them return without writing). Without a kernel, its XLA reference
+  `hca_attention_reference`: the model's XLA path."""
   args, static = _hca_args(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF,
                            num_visible_N, sink_H, scale=scale, entries_per_block=entries_per_block,
-                           table_rows_N=table_rows_N)
+                           table_rows_N=table_rows_N, live=live)
   kw = _resolve(cfg, "hca_attention", args, static)
   if kw is None:
     return _hca_reference(args, static)
@@ -565,7 +571,7 @@ def _topk_check_scores(a: IndexerArgs, static: dict):
 
 def _run_sparse_kernel(kernel: Callable, a: SparseArgs, static: dict, kw: dict):
   return kernel(a.q_NxHxD, a.window_pool_PxD, a.window_idx_NxW, a.comp_pool_QxD, a.comp_idx_NxK, a.sink_H,
-                scale=static["scale"], window_len_N=a.window_len_N, comp_len_N=a.comp_len_N, **kw)
+                scale=static["scale"], window_len_N=a.window_len_N, comp_len_N=a.comp_len_N, live=a.live, **kw)
 
 
 def _run_hca_kernel(kernel: Callable, a: HcaArgs, static: dict, kw: dict):

@@ -12,6 +12,8 @@ Contract (shared by the reference and the kernel):
                    query; a row outside the table sees nothing). Entry e of query n lives at pool row
                    table[rows[n], e // E] * E + e % E, E = `entries_per_block` (full_block_tokens // ratio).
   num_visible_N    the query's visible entries 0 .. nv-1 (its causal prefix; 0 for padding).
+  live             optional int scalar: queries n >= live may hold anything in the output (the kernel's programs of
+                   those queries return at once, writing nothing; the reference computes them). None = all N.
   sink_H           one logit per head, added to the softmax denominator only.
 Returns out_NxHxD = sum_j p_j v_j, p = exp(s_j) / (sum_j exp(s_j) + exp(sink)), in q's dtype (fp32 accumulation);
 0 for a query with no window row. K = V (one shared latent). Ids / blocks outside the pools are invalid like -1.
@@ -89,8 +91,8 @@ def _masked_scores(q_NxHxD, pool, rows_NxK, ok_NxK, scale: float):
 
 
 def hca_attention_reference(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF,
-                            num_visible_N, sink_H, table_rows_N=None, *, scale: float, entries_per_block: int,
-                            block: int = DENSE_BLOCK_ENTRIES):
+                            num_visible_N, sink_H, table_rows_N=None, live=None, *, scale: float,
+                            entries_per_block: int, block: int = DENSE_BLOCK_ENTRIES):
   """Plain-JAX reference: the window's softmax, then blocks of `block` entries in position order (online softmax,
   fp32), looped over the blocks some query can see; a block a query cannot see leaves its carry untouched."""
   q = q_NxHxD.astype(jnp.float32)
@@ -169,7 +171,14 @@ def default_tuning(pools) -> HcaAttentionTuning:
   return FP8_TUNING if any(_sa.is_fp8_pool(p) for p in pools if p is not None) else BF16_TUNING
 
 
-def _hca_kernel(*refs, plan, Dn, wmeta, cmeta, block_k, epb, F, qk_scale2, cdtype):
+def _hca_kernel(live_ref, *refs, **kw):
+  """A query at or past `live` (the step's dead tokens): the program returns, reading and writing nothing more."""
+  @pl.when(pl.program_id(0) < _sa._pick(live_ref[...], 0))
+  def _():
+    _hca_program(*refs, **kw)
+
+
+def _hca_program(*refs, plan, Dn, wmeta, cmeta, block_k, epb, F, qk_scale2, cdtype):
   """One program: one query token, block_h heads; the window, then the entries 0..nv-1 in order.
 
   refs: q, sink, lens [win_len, nv, table row], window ids [nblk, block_k], table [S * F] (whole, flat, read in
@@ -248,9 +257,10 @@ def _hca_kernel(*refs, plan, Dn, wmeta, cmeta, block_k, epb, F, qk_scale2, cdtyp
 
 @functools.partial(jax.jit, static_argnames=("scale", "entries_per_block", "interpret", "tuning"))
 def hca_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF,
-                         num_visible_N, sink_H, table_rows_N=None, *, scale: float, entries_per_block: int,
+                         num_visible_N, sink_H, table_rows_N=None, live=None, *, scale: float, entries_per_block: int,
                          interpret: bool = False, tuning: HcaAttentionTuning | None = None):
-  """Pallas (Triton-GPU) kernel with the contract of `hca_attention_reference`."""
+  """Pallas (Triton-GPU) kernel with the contract of `hca_attention_reference` (`live`: queries at or past it are
+  skipped, their outputs unspecified)."""
   t = tuning or default_tuning([window_pool_PxD, comp_pool_QxD])
   N, H, D = q_NxHxD.shape
   for name, x in (("window_len_N", window_len_N), ("num_visible_N", num_visible_N)):
@@ -283,8 +293,10 @@ def hca_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N,
                         jnp.where(in_table, num_visible_N.astype(jnp.int32), 0),
                         jnp.where(in_table, rows_N, 0) * F, jnp.zeros_like(rows_N)], axis=1)
 
-  args = [q, sink, lens_Nx4, widx, table]
-  in_specs = [pl.BlockSpec((None, bh, D), lambda n, h: (n, h, 0)),
+  live_1 = jnp.reshape(jnp.clip(jnp.asarray(N if live is None else live, jnp.int32), 0, N), (1,))
+  args = [live_1, q, sink, lens_Nx4, widx, table]
+  in_specs = [pl.BlockSpec((1,), lambda n, h: (0,)),
+              pl.BlockSpec((None, bh, D), lambda n, h: (n, h, 0)),
               pl.BlockSpec((bh,), lambda n, h: (h,)),
               pl.BlockSpec((None, 4), lambda n, h: (n, 0)),
               pl.BlockSpec((None,) + widx.shape[1:], lambda n, h: (n, 0, 0)),
@@ -317,11 +329,11 @@ def hca_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N,
 
 
 def hca_attention_kernel(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF,
-                         num_visible_N, sink_H, table_rows_N=None, *, scale: float, entries_per_block: int,
+                         num_visible_N, sink_H, table_rows_N=None, live=None, *, scale: float, entries_per_block: int,
                          interpret: bool = False, tuning: HcaAttentionTuning | None = None):
   """Dispatcher entry point (registered as "hca_attention")."""
   return hca_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, window_len_N, comp_pool_QxD, table_SxF,
-                              num_visible_N, sink_H, table_rows_N, scale=float(scale),
+                              num_visible_N, sink_H, table_rows_N, live, scale=float(scale),
                               entries_per_block=int(entries_per_block), interpret=interpret, tuning=tuning)
 
 

@@ -7,6 +7,8 @@ Contract (shared by the reference and every kernel):
   sink_H         one logit per head, added to the softmax denominator only.
   window_len_N, comp_len_N   optional int [N]: valid leading ids per query (ids at positions >= len are ignored
                  like -1 and never read; the kernel's loops stop there). None = the whole row.
+  live           optional int scalar: queries n >= live may hold anything in both outputs (the kernel's programs
+                 of those queries return at once, writing nothing; the reference computes them). None = all N.
 Returns out_NxHxD = sum_j p_j v_j with p = exp(s_j) / (sum_j exp(s_j) + exp(sink)), and lse_NxH = log sum_j exp(s_j)
 over the real keys only (the sink is not included; -inf when a row has no valid key). K = V (one shared latent).
 
@@ -381,7 +383,16 @@ def _pick(vec, i):
   return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, vec.shape, 0) == i, vec, 0))
 
 
-def _sparse_kernel(*refs, plan, Dn, pools_meta, block_k, num_splits, qk_scale2, cdtype, id_row_max):
+def _sparse_kernel(live_ref, *refs, **kw):
+  """A query at or past `live` (the step's dead tokens): the program returns, reading and writing nothing more."""
+  split = pl.program_id(2)         # read here: interpret mode has no program ids inside the conditional
+
+  @pl.when(pl.program_id(0) < _pick(live_ref[...], 0))
+  def _():
+    _sparse_program(split, *refs, **kw)
+
+
+def _sparse_program(split, *refs, plan, Dn, pools_meta, block_k, num_splits, qk_scale2, cdtype, id_row_max):
   """One program: one query token, block_h heads, one split of the query's live key blocks.
 
   refs: q, sink, lens (valid leading ids per pool for this query), then per pool (ids [nblk, block_k], pool
@@ -408,7 +419,7 @@ def _sparse_kernel(*refs, plan, Dn, pools_meta, block_k, num_splits, qk_scale2, 
   live = [(ln + block_k - 1) // block_k for ln in lens]
   total = sum(live[1:], live[0])
   per_split = (total + num_splits - 1) // num_splits
-  lo = pl.program_id(2) * per_split
+  lo = split * per_split
   hi = jnp.minimum(lo + per_split, total)
   base = 0
   for (idx_ref, arrs, kind_meta, P), nb, ln in zip(pool_refs, live, lens):
@@ -536,9 +547,10 @@ def chosen_num_splits(N: int, H: int, id_widths, tuning: SparseAttentionTuning |
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "tuning"))
 def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H,
-                            window_len_N=None, comp_len_N=None, *,
-                            scale: float, interpret: bool = False, tuning: SparseAttentionTuning | None = None):
-  """Pallas (Triton-GPU) kernel with the contract of `sparse_attention_reference` (same optional lengths)."""
+                            window_len_N=None, comp_len_N=None, *, scale: float, live=None, interpret: bool = False,
+                            tuning: SparseAttentionTuning | None = None):
+  """Pallas (Triton-GPU) kernel with the contract of `sparse_attention_reference` (same optional lengths; `live`:
+  queries at or past it are skipped, their outputs unspecified)."""
   t = tuning or default_tuning([window_pool_PxD, comp_pool_QxD])
   N, H, D = q_NxHxD.shape
   check_len("window_len_N", window_len_N, window_idx_NxW, N)
@@ -571,8 +583,10 @@ def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_
   S = chosen_num_splits(N, H, [idx.shape[1] for _, idx, _ in pools], t, row_bytes=row_bytes,
                         out_bytes=jnp.dtype(q_NxHxD.dtype).itemsize, D=D)
 
-  args = [q, sink, lens_Nx2]
-  in_specs = [pl.BlockSpec((None, bh, D), lambda n, h, s: (n, h, 0)),
+  live_1 = jnp.reshape(jnp.clip(jnp.asarray(N if live is None else live, jnp.int32), 0, N), (1,))
+  args = [live_1, q, sink, lens_Nx2]
+  in_specs = [pl.BlockSpec((1,), lambda n, h, s: (0,)),
+              pl.BlockSpec((None, bh, D), lambda n, h, s: (n, h, 0)),
               pl.BlockSpec((bh,), lambda n, h, s: (h,)),
               pl.BlockSpec((None, 2), lambda n, h, s: (n, 0))]
   meta = []
@@ -615,11 +629,12 @@ def sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_
 
 
 def sparse_attention_kernel(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H, *,
-                            scale: float, window_len_N=None, comp_len_N=None, interpret: bool = False,
+                            scale: float, window_len_N=None, comp_len_N=None, live=None, interpret: bool = False,
                             tuning: SparseAttentionTuning | None = None):
   """Dispatcher entry point (registered as "sparse_attention")."""
   return sparse_attention_pallas(q_NxHxD, window_pool_PxD, window_idx_NxW, comp_pool_QxD, comp_idx_NxK, sink_H,
-                                 window_len_N, comp_len_N, scale=float(scale), interpret=interpret, tuning=tuning)
+                                 window_len_N, comp_len_N, scale=float(scale), live=live, interpret=interpret,
+                                 tuning=tuning)
 
 
 KERNELS = {"sparse_attention": sparse_attention_kernel}

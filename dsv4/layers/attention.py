@@ -365,25 +365,28 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
     # HCA kernel when `kernel_cfg` sends "hca_attention" to one, else its XLA reference (pallas_kernels/
     # hca_attention.py), the same block order, each query on its own in fixed query blocks over the live tokens.
     # The engine's table as it is, with each token's row: the kernel reads only the words of its visible entries.
-    def hca(q, win_idx, win_len, nv, full_row):
+    def hca(q, win_idx, win_len, nv, full_row, live=None):
       return dispatch.hca_attention(q, window_pool, win_idx, win_len, comp_pool, ctx.full_table_RxF, nv, p["sink"],
                                     scale=d ** -0.5, entries_per_block=ctx.full_block_tokens // plan.ratio,
-                                    table_rows_N=full_row, cfg=kernel_cfg)
+                                    table_rows_N=full_row, cfg=kernel_cfg, live=live)
     nv = num_visible(ctx, plan.ratio)
     if dispatch.uses_kernel(kernel_cfg, "hca_attention", q, window_pool, win_idx, win_len, comp_pool,
                             ctx.full_table_RxF, nv, p["sink"], scale=d ** -0.5,
-                            entries_per_block=ctx.full_block_tokens // plan.ratio, table_rows_N=ctx.full_row_N):
-      out = hca(q, win_idx, win_len, nv, ctx.full_row_N)
+                            entries_per_block=ctx.full_block_tokens // plan.ratio, table_rows_N=ctx.full_row_N,
+                            live=ctx.live):
+      # one call over the flat axis; the programs of tokens past the live ones return without writing
+      out = hca(q, win_idx, win_len, nv, ctx.full_row_N, ctx.live)
     else:
       out = map_row_blocks(hca, ctx.live, q, win_idx, win_len, nv, ctx.full_row_N)
   else:
     # Per-query valid lengths: the kernels stop their loops there (O(live ids), not O(W + K)).
-    def sparse(q, win_idx, comp_idx, win_len, comp_len):
+    def sparse(q, win_idx, comp_idx, win_len, comp_len, live=None):
       return dispatch.sparse_attention(q, window_pool, win_idx, comp_pool, comp_idx, p["sink"], scale=d ** -0.5,
-                                        cfg=kernel_cfg, window_len_N=win_len, comp_len_N=comp_len)[0]
+                                        cfg=kernel_cfg, window_len_N=win_len, comp_len_N=comp_len, live=live)[0]
     if dispatch.uses_kernel(kernel_cfg, "sparse_attention", q, window_pool, win_idx, comp_pool, comp_idx, p["sink"],
-                            scale=d ** -0.5, window_len_N=win_len, comp_len_N=comp_len):
-      out = sparse(q, win_idx, comp_idx, win_len, comp_len)
+                            scale=d ** -0.5, window_len_N=win_len, comp_len_N=comp_len, live=ctx.live):
+      # one call over the flat axis; the programs of tokens past the live ones return without writing
+      out = sparse(q, win_idx, comp_idx, win_len, comp_len, ctx.live)
     else:   # the XLA reference, each query on its own: fixed query blocks over the live tokens
       out = map_row_blocks(sparse, ctx.live, q, win_idx, comp_idx, win_len, comp_len)
   out = map_row_blocks(lambda o, ps: output_projection(p, config, o, ps, inv_freq), ctx.live, out.reshape(N, H, d),

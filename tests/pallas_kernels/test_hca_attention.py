@@ -345,3 +345,15 @@ def test_kernel_path_builds_no_per_query_table():
   # the check can fail: the per-query copy the model used to pass
   copy = lambda *a: dispatch.hca_attention(*a[:5], a[5][a[8]], *a[6:8], **STATIC, cfg=cfg)
   assert per_query_table_shapes(copy, *args, spec((n,), jnp.int32), n=n, widths=(f,))
+
+
+@pytest.mark.parametrize("live", [0, 3, N])
+def test_live_bound_keeps_the_live_queries_bits(live):
+  """With `live`, the programs of queries at or past it return without writing (the engine's dead tokens); the
+  queries below it give the same bits as with every query live (one compiled program for both, as in the sparse
+  kernel's test)."""
+  args = make_case(11, "bf16")
+  run = lambda n: np.asarray(hk.hca_attention_pallas(*args, None, jnp.int32(n), **STATIC, interpret=True,
+                                                     tuning=TUNE)).view(np.uint16)
+  full, got = run(N), run(live)
+  np.testing.assert_array_equal(got[:live], full[:live])
