@@ -182,9 +182,10 @@ def test_forward_bits_ignore_the_flat_width(request):
       np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
 
 
-def _forward_bits(layout, n=128, ntok=37, kernel_cfg=dispatch.KernelConfig()):
+def _forward_bits(layout, n=64, ntok=20, kernel_cfg=dispatch.KernelConfig()):
   """The bf16 model (one layer of each kind; head_dim - RoPE = 64, so FP8 KV fits) on one row's `ntok` tokens at a
-  flat width of `n`: (every cache array as bits, the live tokens' hidden states as bits)."""
+  flat width of `n` (a live row block and a dead one): (every cache array as bits, the live tokens' hidden states
+  as bits)."""
   import dataclasses
   from dsv4 import caches, config, model
   cfg = config.v4_tiny(num_layers=3)
@@ -209,36 +210,38 @@ def _assert_same(a, b):
     np.testing.assert_array_equal(x, y)
 
 
-def test_bit_pattern_updates_equal_in_place_updates(monkeypatch):
-  """On the CPU, 16-bit pools and loop outputs are updated through their bit patterns (`caches.updates_through_bits`);
-  other backends update them in place. Both forms give the same bits: the bf16 model with FP8 KV (e4m3 and UE8M0
-  record parts, bf16 RoPE channels and index keys) run both ways on the CPU, hidden states and every pool compared
-  bit for bit."""
+def _garbage(shape, dtype):
+  """A loop buffer as a GPU may leave it: NaN floats, all-ones integers (instead of the CPU's zeros)."""
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.full(shape, jnp.nan, dtype)
+  return jnp.full(shape, -1 if jnp.issubdtype(dtype, jnp.signedinteger) else 1, dtype)
+
+
+def test_in_place_updates_and_unwritten_buffers_keep_the_bits(monkeypatch):
+  """The two things a GPU does differently from the CPU, on the CPU, bit for bit:
+  * 16-bit pools and loop outputs: the CPU updates them through their bit patterns (`caches.updates_through_bits`),
+    a GPU in place (the bf16 model with FP8 KV: e4m3 and UE8M0 record parts, bf16 RoPE channels and index keys);
+  * a row-block loop's buffer is `jax.lax.empty`: zeros on the CPU, unwritten on a GPU; filled with NaN instead,
+    the dead rows (20 live tokens of 64) reach no live token.
+  Hidden states and every pool compared."""
   from dsv4 import caches
   assert caches.updates_through_bits(jnp.bfloat16) and caches.updates_through_bits(jnp.float8_e4m3fn)
   lay = caches.CacheLayout(kv_dtype=caches.FP8)
-  through_bits = _forward_bits(lay)
+  as_on_the_cpu = _forward_bits(lay)
   with monkeypatch.context() as m:
     m.setattr(caches, "updates_through_bits", lambda dtype: False)
-    _assert_same(through_bits, _forward_bits(lay))
+    m.setattr(row_invariant, "_unfilled", _garbage)
+    _assert_same(as_on_the_cpu, _forward_bits(lay))
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
-def test_dead_rows_of_loop_buffers_reach_no_live_row(monkeypatch, backend):
-  """A row-block loop's buffer is `jax.lax.empty` (a GPU leaves it unwritten): filled with NaN and all-ones integers
-  instead of the CPU's zeros, the live tokens' hidden states and every pool keep their bits (the flat width spans
-  dead blocks: 37 live tokens of 128), on the XLA ops and on the Pallas kernels (interpret mode), which run over
-  every token of the flat axis and must find nothing to read for a token past the live ones."""
+def test_dead_rows_of_loop_buffers_reach_no_live_row_on_the_kernels(monkeypatch):
+  """The Pallas kernels (interpret mode) run over every token of the flat axis: with the loop buffers filled with
+  NaN and all-ones integers instead of zeros, a kernel's program of a token past the live ones finds nothing to
+  read and writes nothing a live token reads: the live tokens' hidden states and every pool keep their bits."""
   from dsv4 import caches
-
-  def garbage(shape, dtype):
-    if jnp.issubdtype(dtype, jnp.floating):
-      return jnp.full(shape, jnp.nan, dtype)
-    return jnp.full(shape, -1 if jnp.issubdtype(dtype, jnp.signedinteger) else 1, dtype)
-
   lay = caches.CacheLayout(kv_dtype=jnp.bfloat16)
-  kcfg = dispatch.KernelConfig(backend=backend, grouped_dot_tuning=GroupedDotTuning(block_cols=16, block_k=16))
+  kcfg = dispatch.KernelConfig(backend="interpret", grouped_dot_tuning=GroupedDotTuning(block_cols=16, block_k=16))
   zeros = _forward_bits(lay, kernel_cfg=kcfg)
   with monkeypatch.context() as m:
-    m.setattr(row_invariant, "_unfilled", garbage)
+    m.setattr(row_invariant, "_unfilled", _garbage)
     _assert_same(zeros, _forward_bits(lay, kernel_cfg=kcfg))

@@ -1,0 +1,25 @@
+"""benchmarks.support.budget_width: what the step program writes at its token budget's width, traced (no timing).
+The counts guard the step's structure: per-token work stays in the loops over the live tokens, and a kernel's
+programs of dead tokens write nothing."""
+
+import pytest
+
+from benchmarks.support.budget_width import budget_bytes
+from dsv4 import config
+
+
+def test_the_tiny_step_keeps_its_per_token_work_in_the_live_loops():
+  """v4_tiny on the XLA ops: its loops' buffers span the budget (zero-filled on a CPU, unwritten on a GPU), the rest
+  of the program writes little per budget token (4.7 KB when written: integer work, the pair sort; the compressors'
+  merges at the budget's width alone were more than the whole of it)."""
+  b = budget_bytes(config.v4_tiny(), kernels=False)
+  assert b.budget_loops > 0 and b.loop_buffers > 0
+  assert b.other_ops < 8_000, b.by_primitive
+
+
+@pytest.mark.slow
+def test_v4_flash_with_kernels_writes_little_past_its_live_tokens():
+  """V4-Flash with its kernels (interpret mode, traced only): 0.20 MB per budget token when written, against
+  3.0 MB while the attention kernels wrote their dead tokens' outputs (BUILD_NOTES.md, Step cost at real width)."""
+  b = budget_bytes(config.v4_flash(), kernels=True)
+  assert b.other_ops < 0.4e6, b.by_primitive
