@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

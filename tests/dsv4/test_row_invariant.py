@@ -138,7 +138,6 @@ def test_grouped_experts_runs_only_live_blocks():
 
 
 def test_map_row_blocks_bad_blocking():
-  import pytest
   with pytest.raises(ValueError, match="at least one row"):
     row_invariant.RowBlocking(rows=0)
 

@@ -1,6 +1,5 @@
 """Sparse MLA kernel (interpret mode) vs the XLA reference on fresh random inputs."""
 
-import functools
 
 import hypothesis
 import hypothesis.strategies as st
