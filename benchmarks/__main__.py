@@ -68,6 +68,7 @@ MAINTAINED = [
 # name -> one-line question (benchmarks/probes/README.md has the commands with their flags)
 PROBES = [
     ("cache_waves_vllm", "the hits vLLM 0.33 gives the cold waves / document fan-out of tests/cache/test_scenarios.py"),
+    ("cpu_inplace", "what writing rows into a 16-bit pool costs on XLA's CPU (why the CPU goes through bit patterns)"),
     ("cumsum_cpu", "whether a running sum costs O(n^2) in the cache's CPU programs (why release chunk width matters little)"),
     ("decode_bench", "model decode step vs context with three indexer paths (paged, dense reference, no score)"),
     ("decode_profile", "where a wide-config decode step spends its time, per XLA CPU thunk"),
