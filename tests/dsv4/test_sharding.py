@@ -20,9 +20,11 @@ from tests import xla_test_flags
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_worker(*args, timeout=1500, module="tests.dsv4.sharding_worker"):
-  """Runs a worker module in a child process with 8 host devices; it must print OK last."""
-  env = dict(xla_test_flags.child_env("--xla_force_host_platform_device_count=8"), PYTHONPATH=ROOT)
+def run_worker(*args, timeout=1500, module="tests.dsv4.sharding_worker", default_xla_opt=False):
+  """Runs a worker module in a child process with 8 host devices; it must print OK last. default_xla_opt: XLA's
+  default optimisation level (`tests/xla_test_flags.py`), for checks whose claim is about the code users run."""
+  env = dict(xla_test_flags.child_env("--xla_force_host_platform_device_count=8", default_xla_opt=default_xla_opt),
+             PYTHONPATH=ROOT)
   r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                      capture_output=True, text=True, timeout=timeout)
   print(r.stdout)
