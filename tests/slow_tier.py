@@ -28,6 +28,13 @@ SLOW = {
     "tests/dsv4/test_tiers_admission.py::test_a_request_that_fits_is_never_refused[local]":
         "test_a_request_that_fits_is_never_refused[redis] (host + disk + Redis: the same traces, the disk tier "
         "included)",
+    "tests/dsv4/test_tiers_admission.py::test_a_request_that_fits_is_never_refused[mooncake]":
+        "test_a_request_that_fits_is_never_refused[redis] (the same traces through a remote tier), "
+        "tests/cache/tiers/test_tiers.py::test_mooncake_tier_roundtrip_and_server_gone (the Mooncake tier itself)",
+    "tests/dsv4/test_row_invariant.py::test_dead_rows_of_loop_buffers_reach_no_live_row_on_the_kernels":
+        "test_row_invariant.py::test_in_place_updates_and_unwritten_buffers_keep_the_bits (NaN loop buffers on the "
+        "XLA ops), the kernels' live-bound tests in tests/pallas_kernels/test_sparse_attention.py and "
+        "test_hca_attention.py",
     "tests/dsv4/test_dspark_engine.py::test_drafts_never_change_greedy_tokens[False]":
         "test_drafts_never_change_greedy_tokens[True] (async) and test_served_drafts_equal_drafts_from_scratch "
         "(synchronous steps, greedy tokens equal the engine without drafts)",
