@@ -383,12 +383,21 @@ def updates_through_bits(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 and jax.default_backend() == "cpu"
 
 
-def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_):
-  """Scatter rows into a paged pool; slots of -1 are dropped (mapped out of bounds). An FP8 pool quantizes the
-  rows to its record first (per row scales, so a row's bytes never depend on other rows)."""
+def stored_rows(pool_NBxRx_, rows_Nx_):
+  """Rows [N, ...] as `pool` stores them: cast to its dtype, or for an FP8 pool quantized to its records (per row
+  scales, so a row's bytes never depend on other rows). Row-local: the loop that makes the rows calls it on its
+  row blocks, so the conversion follows the live tokens, not the token budget (`write_rows` takes the result)."""
   if isinstance(pool_NBxRx_, dispatch.Fp8KVPool):
-    D = rows_BxTx_.shape[-1]
-    q = dispatch.quantize_kv_fp8(rows_BxTx_.reshape(-1, D).astype(jnp.float32), pool_NBxRx_.rope.shape[-1])
+    D = rows_Nx_.shape[-1]
+    return dispatch.quantize_kv_fp8(rows_Nx_.reshape(-1, D).astype(jnp.float32), pool_NBxRx_.rope.shape[-1])
+  return rows_Nx_.astype(pool_NBxRx_.dtype)
+
+
+def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_):
+  """Scatter rows into a paged pool; slots of -1 are dropped (mapped out of bounds). Rows not yet as the pool
+  stores them are converted here (`stored_rows`), over every row given."""
+  if isinstance(pool_NBxRx_, dispatch.Fp8KVPool):
+    q = rows_BxTx_ if isinstance(rows_BxTx_, dispatch.Fp8KVPool) else stored_rows(pool_NBxRx_, rows_BxTx_)
     return dispatch.Fp8KVPool(*(write_rows(p, slots_BxT, r) for p, r in zip(pool_NBxRx_, q)))
   nb, r = pool_NBxRx_.shape[:2]
   flat = pool_NBxRx_.reshape(nb * r, *pool_NBxRx_.shape[2:])

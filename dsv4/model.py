@@ -354,7 +354,9 @@ def forward_ragged_aux(params, config: ModelConfig, tokens_N, cache: caches.Mode
   if len(blocks) != len(plans):
     raise ValueError(f"forward_ragged_aux: {len(blocks)} blocks for {len(plans)} layers")
   # The flat axis rides as T of a batch of one through the per-token layers (mHC, MoE, Engram).
-  h = mesh_context.constrain_batch(params["embed"][tokens])  # no-op without a mesh (dsv4/mesh_context.py)
+  # the embedding rows of the live tokens only (a row-block loop), not of the whole token budget
+  h = token_rows(lambda t: params["embed"][t], ctx.live, tokens)
+  h = mesh_context.constrain_batch(h)  # no-op without a mesh (dsv4/mesh_context.py)
   X = jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], config.mhc.hc_mult, h.shape[-1]))
   new_layers, auxes = [], []
   if config.single_pass_mhc:

@@ -135,6 +135,7 @@ class IndexerArgs(NamedTuple):
   allowed_BxTxM: Any = None
   num_keys_B: Any = None
   candidate_blocks_BxTxC: Any = None
+  live: Any = None          # top-k: sequences at or past it: outputs unspecified (a kernel skips them)
 
 
 class HcaArgs(NamedTuple):
@@ -493,20 +494,21 @@ def indexer_scores(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_B
 
 
 def _topk_args(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k: int, allowed_BxTxM=None, *,
-               num_keys_B=None, candidate_blocks_BxTxC=None, block_size: int = 8):
+               num_keys_B=None, candidate_blocks_BxTxC=None, block_size: int = 8, live=None):
   return (IndexerArgs(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, allowed_BxTxM,
-                      num_keys_B=num_keys_B, candidate_blocks_BxTxC=candidate_blocks_BxTxC),
+                      num_keys_B=num_keys_B, candidate_blocks_BxTxC=candidate_blocks_BxTxC,
+                      live=None if live is None else jnp.asarray(live, jnp.int32)),
           dict(k=int(k), block_size=int(block_size)))
 
 
 def indexer_topk(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k: int, allowed_BxTxM=None, *,
                  cfg: KernelConfig = KernelConfig(), num_keys_B=None, candidate_blocks_BxTxC=None,
-                 block_size: int = 8):
+                 block_size: int = 8, live=None):
   """Top-k entry ids [B, T, min(k, M)] int32 (-1 for picks that are not visible; only the set matters).
 
   indexer_topk(q_BxTxHxC, w_BxTxH, key_pool_PxC | Fp8IndexKeys, key_rows_BxM, num_visible_BxT, k,
                allowed_BxTxM=None, *, cfg=KernelConfig(), num_keys_B=None, candidate_blocks_BxTxC=None,
-               block_size=8)
+               block_size=8, live=None)
 
   Same arguments as `indexer_scores` plus k; the pool may be FP8 (`Fp8IndexKeys`); V4.1 candidate blocks
   (`candidate_blocks_BxTxC`, block ids of `block_size` entries, -1 = none) restrict the picks to those blocks. The
@@ -514,10 +516,11 @@ def indexer_topk(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT
   IndexerTopkTuning.select_chunk entries) and scores only the candidate blocks' entries when given; the XLA
   reference is the reference scores (FP8 keys dequantized, candidates as a mask) and `topk_from_scores`. With
   key_rows_BxM a `PagedRows` the kernel reads each sequence's row of the table in place, only up to the visible
-  entries, so nothing is built or read at the table's width."""
+  entries, so nothing is built or read at the table's width. live: optional int scalar; sequences b >= live may
+  hold anything (the kernel's programs of those rows return at once: the engine's dead tokens, one per row)."""
   args, static = _topk_args(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num_visible_BxT, k, allowed_BxTxM,
                             num_keys_B=num_keys_B, candidate_blocks_BxTxC=candidate_blocks_BxTxC,
-                            block_size=block_size)
+                            block_size=block_size, live=live)
   kw = _resolve(cfg, "indexer_topk", args, static)
   if kw is None:
     return _topk_reference(args, static)
@@ -594,7 +597,7 @@ def _run_scores_kernel(kernel: Callable, a: IndexerArgs, static: dict, kw: dict)
 def _run_topk_kernel(kernel: Callable, a: IndexerArgs, static: dict, kw: dict):
   return kernel(a.q_BxTxHxC, a.w_BxTxH, a.key_pool_PxC, a.key_rows_BxM, a.num_visible_BxT, static["k"],
                 a.allowed_BxTxM, num_keys_B=a.num_keys_B, candidate_blocks_BxTxC=a.candidate_blocks_BxTxC,
-                block_size=static["block_size"], **kw)
+                block_size=static["block_size"], live=a.live, **kw)
 
 
 _OP_ARGS = {"sparse_attention": _sparse_args, "indexer_scores": _scores_args, "indexer_topk": _topk_args,

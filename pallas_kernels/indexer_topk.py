@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import fp8 as _fp8
 from pallas_kernels import indexer as _ix
+from pallas_kernels import sparse_attention as _sa
 
 try:  # Pallas-Triton (deprecated in JAX 0.11, still shipped); see BUILD_NOTES.md, Kernels.
   from jax.experimental.pallas import triton as _pl_triton
@@ -151,7 +152,18 @@ def _gather(ref, r, c, m, other):
   return _pl_triton.load(ref.at[r, c], mask=m, other=jnp.asarray(other, ref.dtype))
 
 
-def _kernel(*refs, H, C, P, bt, bm, nblk, k, kout, per_query, has_allowed, fp8, write_scores, cdtype, prec, epb):
+def _topk_kernel(live_ref, *refs, **kw):
+  """A sequence (batch row) at or past `live` (the step's dead tokens, one per row in the engine's call): the
+  program returns, reading and writing nothing more."""
+  chunk = pl.program_id(2)         # read here: interpret mode has no program ids inside the conditional
+
+  @pl.when(pl.program_id(0) < _sa._pick(live_ref[...], 0))
+  def _():
+    _kernel(chunk, *refs, **kw)
+
+
+def _kernel(chunk, *refs, H, C, P, bt, bm, nblk, k, kout, per_query, has_allowed, fp8, write_scores, cdtype, prec,
+            epb):
   """epb > 0: the entry list is a block table (refs after the entry ids: the sequence's row [1], the whole table
   [S, F]); entry m's pool row is table[row, m // epb] * epb + m % epb, read a block of words per step."""
   it = iter(refs)
@@ -229,7 +241,7 @@ def _kernel(*refs, H, C, P, bt, bm, nblk, k, kout, per_query, has_allowed, fp8, 
   if per_query:
     stop = nblk
   else:  # the chunk's entries are first, first + 1, ...: stop at the tile's largest visible count
-    first = pl.program_id(2) * MC
+    first = chunk * MC
     stop = jnp.clip((live - first + bm - 1) // bm, 0, nblk)
   s_all = jax.lax.fori_loop(0, stop, body, jnp.full((bt, nblk, bm), -jnp.inf, jnp.float32))
   s_all = s_all.reshape(bt, MC)
@@ -288,9 +300,10 @@ def _fp8_words(keys_PxC):
 @functools.partial(jax.jit, static_argnames=("k", "block_size", "interpret", "tuning"))
 def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_BxT, allowed_BxTxM=None,
                         num_keys_B=None, candidate_blocks_BxTxC=None, *, k: int, block_size: int = 8,
-                        interpret: bool = False, tuning: IndexerTopkTuning | None = None):
+                        live=None, interpret: bool = False, tuning: IndexerTopkTuning | None = None):
   """Fused indexer + top-k with the contract of `indexer_topk_reference` (compare as sets; ties at the k-th score
-  may be broken differently)."""
+  may be broken differently). live: optional int scalar; sequences b >= live may hold anything (their programs
+  neither read nor write)."""
   t = tuning or IndexerTopkTuning()
   B, T, H, C = q_BxTxHxC.shape
   M = key_rows_BxM.shape[1]
@@ -341,8 +354,10 @@ def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_
   wf = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0))).reshape(B, Tp * H)
   nvp = jnp.pad(nv, ((0, 0), (0, Tp - T)))
 
-  args = [qf, wf, nvp]
-  in_specs = [pl.BlockSpec((None, bt * H, C), lambda b, i, c: (b, i, 0)),
+  live_1 = jnp.reshape(jnp.clip(jnp.asarray(B if live is None else live, jnp.int32), 0, B), (1,))
+  args = [live_1, qf, wf, nvp]
+  in_specs = [pl.BlockSpec((1,), lambda b, i, c: (0,)),
+              pl.BlockSpec((None, bt * H, C), lambda b, i, c: (b, i, 0)),
               pl.BlockSpec((None, bt * H), lambda b, i, c: (b, i)),
               pl.BlockSpec((None, bt), lambda b, i, c: (b, i))]
   args.append(ent)
@@ -381,7 +396,7 @@ def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_
   if write_scores:
     out_shape.append(jax.ShapeDtypeStruct((B, Tp, nchunks * W), jnp.float32))
     out_specs.append(pl.BlockSpec((None, bt, W), lambda b, i, c: (b, i, c)))
-  kernel = functools.partial(_kernel, H=H, C=C, P=P, bt=bt, bm=bm, nblk=nblk, k=kk, kout=kout, per_query=per_query,
+  kernel = functools.partial(_topk_kernel, H=H, C=C, P=P, bt=bt, bm=bm, nblk=nblk, k=kk, kout=kout, per_query=per_query,
                              has_allowed=has_allowed, fp8=fp8, write_scores=write_scores, cdtype=cdtype, prec=prec,
                              epb=key_rows_BxM.entries_per_block if paged else 0)
   compiler_params = None
@@ -401,14 +416,14 @@ def indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_
 
 
 def indexer_topk_kernel(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_BxT, k, allowed_BxTxM=None, *,
-                        num_keys_B=None, candidate_blocks_BxTxC=None, block_size: int = 8, interpret: bool = False,
-                        tuning=None):
+                        num_keys_B=None, candidate_blocks_BxTxC=None, block_size: int = 8, live=None,
+                        interpret: bool = False, tuning=None):
   """Dispatcher entry point (registered as "indexer_topk"). `tuning` may be an IndexerTuning (ignored fields) or an
   IndexerTopkTuning."""
   if not isinstance(tuning, IndexerTopkTuning):
     tuning = None
   return indexer_topk_pallas(q_BxTxHxC, w_BxTxH, key_pool, key_rows_BxM, num_visible_BxT, allowed_BxTxM,
-                             num_keys_B, candidate_blocks_BxTxC, k=int(k), block_size=int(block_size),
+                             num_keys_B, candidate_blocks_BxTxC, k=int(k), block_size=int(block_size), live=live,
                              interpret=interpret, tuning=tuning)
 
 

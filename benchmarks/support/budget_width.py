@@ -41,8 +41,9 @@ from pallas_kernels import dispatch
 _INLINE = {"pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
            "remat", "checkpoint", "jit"}
 # Kernels whose programs past the live rows return without writing (pallas_kernels/row_dot.py, grouped_dot.py,
-# sparse_attention.py, hca_attention.py: their `live`); the other kernels' outputs count as written whole.
-_SKIP_DEAD_ROWS = {"dsv4_row_dot", "dsv4_grouped_dot", "dsv4_sparse_mla", "dsv4_hca"}
+# sparse_attention.py, hca_attention.py, indexer_topk.py: their `live`); the other kernels' outputs count as
+# written whole.
+_SKIP_DEAD_ROWS = {"dsv4_row_dot", "dsv4_grouped_dot", "dsv4_sparse_mla", "dsv4_hca", "dsv4_indexer_topk"}
 # Arrays no GPU kernel writes: views XLA folds into their users, and `jax.lax.empty` (a loop buffer's allocation).
 _UNWRITTEN = {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "bitcast_convert_type", "empty"}
 

@@ -98,6 +98,7 @@ def indexer_select_fused(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR,
   None when `kernel_cfg` does not send "indexer_topk" at these shapes to a kernel (the caller then takes the paged
   XLA path). The index keys are read as the cache stores them (float; an FP8 KV cache keeps them in bf16)."""
   args, kw = _fused_topk_call(p, config, plan, x_NxD, cq_NxR, ctx, key_pool, inv_freq, candidate_blocks_NxCb)
+  kw = dict(kw, live=ctx.live)      # the kernel's programs of tokens past the live ones return at once
   if not dispatch.uses_kernel(kernel_cfg, "indexer_topk", *args, **kw):
     return None
   return dispatch.indexer_topk(*args, cfg=kernel_cfg, **kw)[:, 0]
@@ -292,7 +293,7 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
     kv = apply_rope(rms_norm(jnp.dot(x, p["wkv"], precision=_HI), p["kv_norm"], eps), pos, inv_freq)
     if config.quantized_cache:  # NeMo: FP8 window KV (32 channels) after RoPE
       kv = cache_quant.fp8_window_kv(kv)
-    return cq, q, kv
+    return cq, q, caches.stored_rows(cache_layer["window_kv"], kv)
   cq, q, kv = map_row_blocks(project, ctx.live, x_NxD, pos)
 
   # Window: write this step's rows, then read each query's window [max(t - W + 1, 0), t], oldest first and from
@@ -322,7 +323,7 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
           keys = apply_rope(keys, ent * plan.ratio, inv_freq)
           if config.quantized_cache:  # NeMo: MXFP4 index keys (32 channels) after RoPE
             keys = cache_quant.mxfp4_index(keys)
-          return keys
+          return caches.stored_rows(cache_layer["index_keys"], keys)
         keys = map_row_blocks(index_keys, ctx.live, lat, ent)
         cache_layer["index_keys"] = caches.write_rows(cache_layer["index_keys"], slots, keys)
       shared = {"comp_pool": caches.flat_pool(cache_layer["comp_kv"]), "index_pool": cache_layer["index_keys"],

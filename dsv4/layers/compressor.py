@@ -192,9 +192,10 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   pos = ctx.pos_N
 
   def finish(raw, entry):
-    # the entry a token closes: normed latent, RoPE'd at the entry's first position (per token, in row blocks)
+    # the entry a token closes: normed latent, RoPE'd at the entry's first position, as the pool stores it (per
+    # token, in row blocks)
     latent = rms_norm(raw, p["norm"], eps)
-    return latent, q_rows(apply_rope(latent, entry * m, inv_freq))
+    return latent, caches.stored_rows(out_pool, q_rows(apply_rope(latent, entry * m, inv_freq)))
 
   if not spec.gated or m == 1:
     # Ratio 1: every token is its own entry, no pooling state.

@@ -162,6 +162,27 @@ def test_topk_v41_candidate_blocks():
   assert_ids_match(ref, want, 8, 1e-4)
 
 
+@pytest.mark.parametrize("live", [0, 3, 7])
+@pytest.mark.parametrize("chunk,cand", [(4096, False), (16, False), (4096, True)],
+                         ids=["one_chunk", "chunks_merged", "candidates"])
+def test_live_bound_keeps_the_live_sequences_ids(live, chunk, cand):
+  """As the engine calls it (one flat token per sequence, T = 1): with `live`, the programs of sequences at or past
+  it return without writing; the ids below it are bit for bit those of the call with every sequence live. (Both
+  calls are one compiled program: in interpret mode XLA compiles the kernel's maths.)"""
+  B, T, H, C, P, M, bs = 7, 1, 16, 32, 200, 45, 8
+  q, w, kp, rows, nv, _ = make_case(11, B, T, H, C, P, M, jnp.float32, False)
+  cb = jnp.asarray(np.random.default_rng(11).integers(-1, 6, (B, T, 4)), jnp.int32) if cand else None
+  tun = it.IndexerTopkTuning(block_m=16, select_chunk=chunk)
+  call = jax.jit(lambda n: it.indexer_topk_pallas(q, w, kp, rows, nv, None, None, cb, k=8, block_size=bs, live=n,
+                                                  interpret=True, tuning=tun))
+  full, got = np.asarray(call(jnp.int32(B))), np.asarray(call(jnp.int32(live)))
+  np.testing.assert_array_equal(got[:live], full[:live])
+  if chunk >= M:       # one chunk: the kernel's ids are the result; dead rows never written (interpret mode's fill)
+    assert np.all(got[live:] < -1)
+  allowed = None if cb is None else ix.candidate_blocks_to_allowed(cb, M, bs)
+  assert_ids_match(full, ix.indexer_scores_reference(q, w, kp, rows, nv, allowed), 8, 1e-4)
+
+
 def test_dispatch_indexer_topk_interpret():
   B, T, H, C, P, M = 2, 2, 16, 32, 90, 30
   q, w, kp, rows, nv, al = make_case(9, B, T, H, C, P, M, jnp.float32, True)
