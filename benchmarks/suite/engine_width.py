@@ -17,8 +17,10 @@ Measured per run: tokens/s, step wall (ms) for decode-only steps and for steps w
 `Engine.step` call's wall, counted for the step it read back: with async scheduling a call sends step N and waits
 for step N-1), the host's time per step outside that wait (`Engine.step` wall minus `ModelRunner.collect`), the
 cache's bookkeeping program alone on the device per step (`cache.device_state.apply` re-run on copies of a
-sample of the steps' own inputs), compilations and compile seconds; beside each step kind, the roofline of the
-tiled step at that point (`roofline_ms`).
+sample of the steps' own inputs), compilations and compile seconds; beside each step kind, the roofline at that
+point of the step as built and of a plain step (`roofline_ms`: designs (d) `blocked` and (c) `plain` of
+`benchmarks/support/step_cost.py`), so a measured step far above (d) shows what the model leaves out (launches,
+device loops' trip tests, the host).
 """
 
 from __future__ import annotations
@@ -217,14 +219,14 @@ def serve(params, cfg, ec, prompts, max_tokens: int, *, bookkeeping_samples: int
   return res
 
 
-def roofline_ms(cfg, kind: str, batch: float | None, context: int, kv: str) -> float | None:
-  """The tiled step's roofline at this point (benchmarks/support/step_cost.py; None where it cannot cost the point):
-  random bf16 weights, so experts stored bf16."""
+def roofline_ms(cfg, kind: str, batch: float | None, context: int, kv: str, design: str = "blocked") -> float | None:
+  """The roofline of `design` at this point (benchmarks/support/step_cost.py: "blocked" is the step as built, "plain"
+  a non-invariant step; None where it cannot cost the point): random bf16 weights, so experts stored bf16."""
   if not batch:
     return None
   try:
     point = sc.Point(kind, int(round(batch)), int(context))
-    cost = sc.step_cost(cfg, point, "tiled", sc.H200, sc.Formats(experts="bf16", kv=kv))
+    cost = sc.step_cost(cfg, point, design, sc.H200, sc.Formats(experts="bf16", kv=kv))
     return cost.time_s * 1e3
   except Exception:  # noqa: BLE001 - a cost model that cannot cost this config leaves the column empty
     return None

@@ -173,7 +173,10 @@ def _engine_row(ew, ctx, res, *, kv, kernels) -> dict:
   row = {k: v for k, v in res.items() if k != "outputs"}
   row.update(table=RUN_TABLE, model=cfg.name, kv=kv, kernels=kernels, requests=len(res["outputs"]),
              decode_roofline_ms=ew.roofline_ms(cfg, "decode", res.get("decode_rows"), context, kv),
-             prefill_roofline_ms=ew.roofline_ms(cfg, "prefill", res.get("prefill_tokens"), context, kv))
+             decode_plain_roofline_ms=ew.roofline_ms(cfg, "decode", res.get("decode_rows"), context, kv, "plain"),
+             prefill_roofline_ms=ew.roofline_ms(cfg, "prefill", res.get("prefill_tokens"), context, kv),
+             prefill_plain_roofline_ms=ew.roofline_ms(cfg, "prefill", res.get("prefill_tokens"), context, kv,
+                                                      "plain"))
   verdicts = dispatch.validation_verdicts()
   if verdicts:
     row["kernels_validated"] = {k[0]: v for k, v in verdicts.items()}
