@@ -229,13 +229,15 @@ def _engram_hashes(params, config: ModelConfig, tokens_N, ctx: StepContext, cach
 class Sublayers(NamedTuple):
   """One layer's parts as the block wiring (`block_forward`) calls them. The functional model builds them from a
   layer's param dict (`layer_sublayers`); `nnx_model.Block` hands over its own sub-modules, so the wiring exists
-  once and whatever a sub-module computes is what the block runs."""
+  once and whatever a sub-module computes is what the block runs. `attn` and `ffn` take a `tail`
+  (`row_invariant.RowFn`): the block's row-local work on their output rows, which they run in their last row-block
+  loop and whose outputs ([N, ...]) they return in place of y."""
   hc_attn: Callable       # X_BxTxNxD -> (pre, post, comb)      (mhc.hc_coefficients)
   attn_norm: jax.Array    # [D]
-  attn: Callable          # (x_NxD, ctx, cache_l, kernel_cfg, collect_aux[, shared]) -> (cache_l, y_NxD, aux[, shared])
+  attn: Callable          # (x_NxD, ctx, cache_l, kernel_cfg, collect_aux[, shared], tail=) -> (cache_l, y_NxD, aux[, shared])
   hc_ffn: Callable        # X_BxTxNxD -> (pre, post, comb)
   ffn_norm: jax.Array     # [D]
-  ffn: Callable           # (x_BxTxD, tokens_BxT, live, kernel_cfg) -> y_BxTxD     (moe.moe)
+  ffn: Callable           # (x_BxTxD, tokens_BxT, live, kernel_cfg, tail=) -> y_BxTxD     (moe.moe)
   engram: Callable | None = None   # V4.1: (X_BxTxNxD, hash_BxTxH) -> X_BxTxNxD (engram.engram); None = no Engram
 
 
@@ -249,8 +251,8 @@ def layer_sublayers(params_l, config: ModelConfig, plan: LayerPlan) -> Sublayers
       attn=functools.partial(attn, params_l["attn"], config, plan),
       hc_ffn=functools.partial(_hc, params_l["hc_ffn"], config),
       ffn_norm=params_l["ffn_norm"],
-      ffn=lambda x, tokens, live=None, kernel_cfg=None: moe.moe(params_l["ffn"], x, tokens, config.moe,
-                                                                plan.hash_moe, live, kernel_cfg),
+      ffn=lambda x, tokens, live=None, kernel_cfg=None, tail=None: moe.moe(params_l["ffn"], x, tokens, config.moe,
+                                                                           plan.hash_moe, live, kernel_cfg, tail),
       engram=(lambda X, h: engram_mod.engram(params_l["engram"], X, h, eps)) if plan.engram else None)
 
 
@@ -268,20 +270,23 @@ def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, ke
   is the mean over streams of the block's input after Engram [N, D] (a DSpark target feature, dsv4/dspark.py)."""
   eps = config.rms_norm_eps
   live = None if ctx is None else ctx.live      # no step context: DSpark's draft block (its own fixed rows)
+  # The mHC work after each sublayer rides in the sublayer's last row-block loop as its tail (`token_tail`): one
+  # loop, no [N, D] buffer for the sublayer's output.
   if not config.single_pass_mhc:
     def pre_attn(X):
       pre, post, comb = s.hc_attn(X)
       return rms_norm(mhc.collapse(pre, X), s.attn_norm, eps), post, comb
     u, post, comb = token_rows(pre_attn, live, X)
-    cache_l, y, aux = s.attn(u[0], ctx, cache_l, kernel_cfg, collect_aux)
 
     def pre_ffn(y, X, post, comb):
       X = mhc.expand(y, X, post, comb)
       pre, post, comb = s.hc_ffn(X)
       return X, rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps), post, comb
-    X, u, post, comb = token_rows(pre_ffn, live, y[None], X, post, comb)
-    y = s.ffn(u, tokens, live, kernel_cfg)
-    return cache_l, token_rows(mhc.expand, live, y, X, post, comb), aux
+    cache_l, got, aux = s.attn(u[0], ctx, cache_l, kernel_cfg, collect_aux,
+                               tail=token_tail(pre_ffn, X, post, comb))
+    X, u, post, comb = _batch_of_one(got)
+    X = _batch_of_one(s.ffn(u, tokens, live, kernel_cfg, tail=token_tail(mhc.expand, X, post, comb)))
+    return cache_l, X, aux
 
   def pre_attn_single_pass(X, pre_prev, engram_hash):
     if s.engram is not None:
@@ -290,17 +295,32 @@ def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, ke
     pre, post, comb = s.hc_attn(X)
     return X, stream_mean, rms_norm(mhc.collapse(pre_prev, X), s.attn_norm, eps), pre, post, comb
   X, stream_mean, u, pre, post, comb = token_rows(pre_attn_single_pass, live, X, pre_prev, engram_hash)
-  cache_l, y, aux, shared = s.attn(u[0], ctx, cache_l, kernel_cfg, collect_aux, shared)
-  if tap_stream:
-    aux = dict(aux, stream_mean=stream_mean[0])
 
   def pre_ffn_single_pass(y, X, pre, post, comb):
     X = mhc.expand(y, X, post, comb)
     pre2, post2, comb2 = s.hc_ffn(X)
     return X, rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps), pre2, post2, comb2
-  X, u, pre2, post2, comb2 = token_rows(pre_ffn_single_pass, live, y[None], X, pre, post, comb)
-  y = s.ffn(u, tokens, live, kernel_cfg)
-  return cache_l, token_rows(mhc.expand, live, y, X, post2, comb2), pre2, aux, shared
+  cache_l, got, aux, shared = s.attn(u[0], ctx, cache_l, kernel_cfg, collect_aux, shared,
+                                     tail=token_tail(pre_ffn_single_pass, X, pre, post, comb))
+  if tap_stream:
+    aux = dict(aux, stream_mean=stream_mean[0])
+  X, u, pre2, post2, comb2 = _batch_of_one(got)
+  X = _batch_of_one(s.ffn(u, tokens, live, kernel_cfg, tail=token_tail(mhc.expand, X, post2, comb2)))
+  return cache_l, X, pre2, aux, shared
+
+
+def token_tail(fn, *xs) -> row_invariant.RowFn:
+  """`fn` as a sublayer's tail (`row_invariant.RowFn`): like `token_rows`, fn runs on [1, rows, ...] blocks, its
+  first argument the sublayer's output rows, then those of xs ([1, N, ...] arrays; None leaves pass through). The
+  sublayer returns fn's outputs over the flat tokens ([N, ...]; `_batch_of_one` puts the batch axis back)."""
+  def on_block(y, *blocks):
+    got = fn(*jax.tree_util.tree_map(lambda a: a[None], (y, *blocks)))
+    return jax.tree_util.tree_map(lambda a: a[0], got)
+  return row_invariant.RowFn(on_block, tuple(jax.tree_util.tree_map(lambda a: a[0], xs)))
+
+
+def _batch_of_one(tree):
+  return jax.tree_util.tree_map(lambda a: a[None], tree)
 
 
 def token_rows(fn, live, *xs):

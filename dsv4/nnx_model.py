@@ -135,14 +135,14 @@ class Attention(_ParamTree):
   _children = {"compressor": Compressor, "indexer": Indexer}
 
   def __call__(self, x_NxD, ctx, cache_layer: dict, kernel_cfg=dispatch.KernelConfig(), collect_aux=False,
-               shared=None):
+               shared=None, tail=None):
     """V4: (cache_layer, y, aux); V4.1 (`single_pass_mhc`): (cache_layer, y, aux, shared) as
-    `attention_layer_shared` (the indexer picks shared with the next layers)."""
+    `attention_layer_shared` (the indexer picks shared with the next layers). tail: as `attention_layer_shared`."""
     if self.config.single_pass_mhc:
       return attention_layer_shared(self.param_dict(), self.config, self.plan, x_NxD, ctx, cache_layer, kernel_cfg,
-                                    collect_aux, shared)
+                                    collect_aux, shared, tail=tail)
     return attention_layer(self.param_dict(), self.config, self.plan, x_NxD, ctx, cache_layer, kernel_cfg,
-                           collect_aux)
+                           collect_aux, tail=tail)
 
 
 class RoutedExperts(_ParamTree):
@@ -157,8 +157,9 @@ class MoE(_ParamTree):
   """Router (gate + bias, or hash table tid2eid) and experts; the call is `moe.moe`."""
   _children = {"experts": RoutedExperts, "shared": SharedExpert}
 
-  def __call__(self, x_BxTxD, token_ids_BxT, live=None, kernel_cfg=None):
-    return moe.moe(self.param_dict(), x_BxTxD, token_ids_BxT, self.config.moe, self.plan.hash_moe, live, kernel_cfg)
+  def __call__(self, x_BxTxD, token_ids_BxT, live=None, kernel_cfg=None, tail=None):
+    return moe.moe(self.param_dict(), x_BxTxD, token_ids_BxT, self.config.moe, self.plan.hash_moe, live, kernel_cfg,
+                   tail)
 
 
 class Engram(_ParamTree):

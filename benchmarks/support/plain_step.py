@@ -50,11 +50,17 @@ def plain_routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg, live=None, kernel_c
   return jnp.zeros_like(x_NxD).at[token_of].add(h.astype(x_NxD.dtype))
 
 
+def plain_routed_expert_rows(params, x_NxD, ids_NxK, w_NxK, cfg, live=None, kernel_cfg=None):
+  """`plain_routed_experts` in the form the MoE reads (`row_invariant.RowFn`: its rows as they are)."""
+  return row_invariant.RowFn(lambda r: r, (plain_routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg, live,
+                                                                kernel_cfg),))
+
+
 @contextlib.contextmanager
 def plain_ops():
   """While active (i.e. while a program is traced), the model's row-invariant ops are plain XLA ones."""
   swaps = [(row_invariant, "map_row_blocks", _whole), (attention, "map_row_blocks", _whole),
-           (compressor, "map_row_blocks", _whole), (moe, "routed_experts", plain_routed_experts)]
+           (compressor, "map_row_blocks", _whole), (moe, "routed_expert_rows", plain_routed_expert_rows)]
   saved = [(mod, name, getattr(mod, name)) for mod, name, _ in swaps]
   try:
     for mod, name, fn in swaps:

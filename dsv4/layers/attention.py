@@ -17,7 +17,7 @@ from dsv4.layers import cache_quant
 from dsv4.layers.compressor import CompressorSpec, StepContext, compress_step
 from dsv4.layers.norms import rms_norm, unweighted_rms_norm
 from dsv4.layers.rope import apply_rope, inv_freq_for
-from dsv4.layers.row_invariant import map_row_blocks
+from dsv4.layers.row_invariant import RowFn, map_row_blocks, map_row_blocks_then
 from pallas_kernels import dispatch
 
 _HI = jax.lax.Precision.HIGHEST
@@ -184,10 +184,11 @@ def candidate_mask(scores_BxTxM, num_visible_BxT, visible_BxTxM, block_size: int
 
 
 def attention_layer(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: StepContext, cache_layer: dict,
-                    kernel_cfg: dispatch.KernelConfig, collect_aux: bool = False):
-  """Returns (new cache_layer, out_NxD, aux dict)."""
+                    kernel_cfg: dispatch.KernelConfig, collect_aux: bool = False, tail: RowFn | None = None):
+  """Returns (new cache_layer, out_NxD, aux dict); with `tail`, its outputs in place of out (see
+  `attention_layer_shared`)."""
   cache_layer, out, aux, _ = attention_layer_shared(p, config, plan, x_NxD, ctx, cache_layer, kernel_cfg,
-                                                    collect_aux, None)
+                                                    collect_aux, None, tail=tail)
   return cache_layer, out, aux
 
 
@@ -264,7 +265,8 @@ def live_length(ids_NxK):
 
 
 def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: StepContext, cache_layer: dict,
-                           kernel_cfg: dispatch.KernelConfig, collect_aux: bool, shared: dict | None):
+                           kernel_cfg: dispatch.KernelConfig, collect_aux: bool, shared: dict | None,
+                           tail: RowFn | None = None):
   """`attention_layer` plus the V4.1 CSA2 state handed from layer to layer (docs/model.md, per-layer plan), on the
   flat token axis:
 
@@ -273,6 +275,8 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
             block ids [N, Cb] of the candidate source (or None; -1 = none, blocks of candidate_block_size entries)}.
   A full layer replaces it, a reindex layer replaces "ids" (and the candidate source sets "cand"), a reuse layer
   reads it unchanged. Reuse / reindex layers own no full-group arrays. Returns (cache_layer, out, aux, shared).
+  tail (`row_invariant.RowFn`): the caller's row-local work on out's rows, run in the output projection's loop;
+  its outputs are returned in place of out.
   """
   a, eps = config.attention, config.rms_norm_eps
   N, _ = x_NxD.shape
@@ -282,7 +286,7 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
   aux = {}
   pos = ctx.pos_N
 
-  def project(x, pos):
+  def project(x, pos, row, valid):
     # Query path: low-rank, q_a norm, optional weightless per-head norm, RoPE.
     cq = rms_norm(jnp.dot(x, p["wq_a"], precision=_HI), p["q_norm"], eps)
     q = jnp.dot(cq, p["wq_b"], precision=_HI).reshape(x.shape[0], H, d)
@@ -293,18 +297,17 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
     kv = apply_rope(rms_norm(jnp.dot(x, p["wkv"], precision=_HI), p["kv_norm"], eps), pos, inv_freq)
     if config.quantized_cache:  # NeMo: FP8 window KV (32 channels) after RoPE
       kv = cache_quant.fp8_window_kv(kv)
-    return cq, q, caches.stored_rows(cache_layer["window_kv"], kv)
-  cq, q, kv = map_row_blocks(project, ctx.live, x_NxD, pos)
-
-  # Window: write this step's rows, then read each query's window [max(t - W + 1, 0), t], oldest first and from
-  # column 0, so the valid ids lead the row and the window length is min(t + 1, W) (0 for padding).
-  cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], ctx.token_slots(), kv)
-  # The id lists over the live tokens only; the lengths ([N] ints) for every token: a kernel's program of a token
-  # past the live rows finds length 0 and reads none of its (unspecified) ids.
-  def window(pos, row, valid):
+    # Window: each query reads [max(t - W + 1, 0), t], oldest first and from column 0, so the valid ids lead the
+    # row and the window length is min(t + 1, W) (0 for padding). The id lists over the live tokens only, in the
+    # projections' loop; the lengths ([N] ints) for every token: a kernel's program of a token past the live rows
+    # finds length 0 and reads none of its (unspecified) ids.
     win_pos = jnp.maximum(pos - (a.window - 1), 0)[:, None] + jnp.arange(a.window)[None, :]
-    return ctx.swa_slots(row[:, None], win_pos, valid[:, None] & (win_pos <= pos[:, None]))
-  win_idx = map_row_blocks(window, ctx.live, pos, ctx.row_N, ctx.valid_N)
+    win_idx = ctx.swa_slots(row[:, None], win_pos, valid[:, None] & (win_pos <= pos[:, None]))
+    return cq, q, caches.stored_rows(cache_layer["window_kv"], kv), win_idx
+  cq, q, kv, win_idx = map_row_blocks(project, ctx.live, x_NxD, pos, ctx.row_N, ctx.valid_N)
+
+  # Window: this step's rows are written before any query reads its window.
+  cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], ctx.token_slots(), kv)
   win_len = jnp.where(_live_tokens(ctx), jnp.minimum(pos + 1, a.window), 0).astype(jnp.int32)
 
   comp_pool, comp_idx, comp_len = None, None, None
@@ -390,8 +393,8 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
       out = sparse(q, win_idx, comp_idx, win_len, comp_len, ctx.live)
     else:   # the XLA reference, each query on its own: fixed query blocks over the live tokens
       out = map_row_blocks(sparse, ctx.live, q, win_idx, comp_idx, win_len, comp_len)
-  out = map_row_blocks(lambda o, ps: output_projection(p, config, o, ps, inv_freq), ctx.live, out.reshape(N, H, d),
-                       pos)
+  out = map_row_blocks_then(lambda o, ps: output_projection(p, config, o, ps, inv_freq), tail, ctx.live,
+                            out.reshape(N, H, d), pos)
   return cache_layer, out, aux, shared
 
 

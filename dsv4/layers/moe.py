@@ -44,19 +44,27 @@ def route(params, x_NxD, token_ids_N, cfg: MoEConfig, hashed: bool):
 
 def routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
                    kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()):
+  """The [N, D] results of `routed_expert_rows` (its arguments and rows)."""
+  return row_invariant.run_rows(routed_expert_rows(params, x_NxD, ids_NxK, w_NxK, cfg, live, kernel_cfg), live)
+
+
+def routed_expert_rows(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
+                       kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()) -> row_invariant.RowFn:
   """The routed experts of every live token (rows >= live: zeros or unspecified) as one grouped formulation for every
   batch size (`row_invariant.grouped_experts`): pairs sorted by expert, one [rows, D] x [D, I] product per live
   block of an expert's pairs with that expert's weights, so a token's result ignores how many tokens share its
   experts and each expert's weights are read once per block of its own pairs. Where `kernel_cfg` can send
   "grouped_dot" to the grouped expert kernel and the kernel can take the experts (`grouped_kernel_fits`), every
   live block runs in one kernel call per product (`row_invariant.grouped_experts_kernel`); not inside a mesh that
-  splits the experts (GSPMD cannot split a Pallas call: the loop runs there)."""
+  splits the experts (GSPMD cannot split a Pallas call: the loop runs there). The results come as rows
+  (`row_invariant.RowFn`): the last per-token step (the cast of each token's sum, or its K results added) runs in
+  the caller's loop."""
   E = cfg.n_routed_experts
   D, I = params["w1"].shape[1], params["w1"].shape[2]
   tuning = kernel_cfg.grouped_dot_tuning or GroupedDotTuning()
   if (dispatch.may_use_kernel(kernel_cfg, "grouped_dot") and row_invariant.grouped_kernel_fits(E, D, I, tuning)
       and not _experts_split()):
-    return row_invariant.grouped_experts_kernel(
+    return row_invariant.grouped_expert_kernel_rows(
         x_NxD, ids_NxK, w_NxK, params["w1"], params["w3"], params["w2"],
         lambda gate, up: swiglu(gate, up, cfg.swiglu_limit), live, kernel_cfg)
 
@@ -67,7 +75,8 @@ def routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
     up = jnp.dot(xb, w3[e], precision=_HI)
     return jnp.dot(swiglu(gate, up, cfg.swiglu_limit).astype(xb.dtype), w2[e], precision=_HI)
 
-  return row_invariant.grouped_experts(x_NxD, ids_NxK, w_NxK, expert, E, live, uniform_trips=_inside_data_shards())
+  return row_invariant.grouped_expert_rows(x_NxD, ids_NxK, w_NxK, expert, E, live,
+                                           uniform_trips=_inside_data_shards())
 
 
 def routed_experts_reference(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
@@ -162,11 +171,12 @@ def shared_expert(params, x_NxD, cfg: MoEConfig):
 
 
 def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool, live=None,
-        kernel_cfg: dispatch.KernelConfig | None = None):
+        kernel_cfg: dispatch.KernelConfig | None = None, tail: row_invariant.RowFn | None = None):
   """The MoE sublayer on the flat tokens (B * T of them). live: None, or the count of leading flat tokens that may
   be real (the rest are padding: zeros out, no work). The router and the shared expert run in fixed row blocks
   over the live rows (`row_invariant.map_row_blocks`), the routed experts grouped (`routed_experts`): a token's
-  bits never depend on the other tokens of the call."""
+  bits never depend on the other tokens of the call. tail (`row_invariant.RowFn`): the caller's row-local work on
+  the output rows, in the shared expert's loop; its outputs ([B * T, ...]) are returned in place of y."""
   B, T, D = x_BxTxD.shape
   x = x_BxTxD.reshape(B * T, D)
   ids, w = row_invariant.map_row_blocks(lambda xb, tb: route(params, xb, tb, cfg, hashed), live, x,
@@ -181,9 +191,11 @@ def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool, live=None,
   # `expert` / `tensor` by GSPMD (docs/sharding.md).
   if (mesh is not None and mesh_context.axis_size(mesh, "expert") > 1 and "data" not in mesh_context.manual_axes(mesh)
       and cfg.n_routed_experts % mesh_context.axis_size(mesh, "expert") == 0):
-    routed = routed_experts_ep(experts, x, ids, w, cfg, mesh)
+    routed = row_invariant.RowFn(lambda r: r, (routed_experts_ep(experts, x, ids, w, cfg, mesh),))
   else:
-    routed = routed_experts(experts, x, ids, w, cfg, live, kernel_cfg or dispatch.KernelConfig())
-  # the add rides in the shared expert's loop: over the live rows only, not an op over the whole flat axis
-  out = row_invariant.map_row_blocks(lambda xb, rb: rb + shared_expert(params["shared"], xb, cfg), live, x, routed)
-  return out.reshape(B, T, D)
+    routed = routed_expert_rows(experts, x, ids, w, cfg, live, kernel_cfg or dispatch.KernelConfig())
+  # the routed rows and the add ride in the shared expert's loop: over the live rows only, not an op over the whole
+  # flat axis
+  out = row_invariant.map_row_blocks_then(
+      lambda xb, *rb: routed.fn(*rb) + shared_expert(params["shared"], xb, cfg), tail, live, x, *routed.args)
+  return out if tail is not None else out.reshape(B, T, D)

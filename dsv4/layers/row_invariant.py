@@ -20,6 +20,7 @@ instead of a loop (`grouped_experts_kernel`, `pallas_kernels/grouped_dot.py`).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,32 @@ def map_row_blocks(fn, live, *xs, block: int = BLOCKING.rows, prev=()):
   return jax.tree_util.tree_map(lambda o, s: caches.from_bits(o[:N], s.dtype), outs, shapes)
 
 
+class RowFn(NamedTuple):
+  """Row-local work over [N, ...] arrays, handed to the code that owns a row-block loop so it runs in that loop (no
+  loop of its own, no [N, ...] buffer between the two): `fn` on each block of `args` (pytrees of [N, ...] arrays,
+  sliced with the loop's rows).
+
+  As a sublayer's `tail`: fn(y_block, *arg_blocks) -> a pytree of [rows, ...] blocks, run on the sublayer's output
+  rows in its last loop; the sublayer then returns fn's outputs in place of y (`map_row_blocks_then`)."""
+  fn: Callable
+  args: tuple = ()
+
+
+def map_row_blocks_then(fn, tail: RowFn | None, live, *xs, block: int = BLOCKING.rows):
+  """`map_row_blocks(fn, live, *xs)` with `tail.fn` on fn's output rows (and the rows of `tail.args`) in the same
+  loop; tail None: fn's output. Row-local in, row-local out: a row's bits are those of the two loops one after
+  the other."""
+  if tail is None:
+    return map_row_blocks(fn, live, *xs, block=block)
+  n = len(xs)
+  return map_row_blocks(lambda *b: tail.fn(fn(*b[:n]), *b[n:]), live, *xs, *tail.args, block=block)
+
+
+def run_rows(rows: RowFn, live, *, block: int = BLOCKING.rows):
+  """The outputs of `rows` ([N, ...]: its fn on the live row blocks of its args, in one loop)."""
+  return map_row_blocks(rows.fn, live, *rows.args, block=block)
+
+
 def _unfilled(shape, dtype):
   """A loop's output buffer before its blocks are written: `jax.lax.empty`, which a GPU allocates without writing
   it (so a buffer spanning the token budget costs nothing for its dead rows) and the CPU fills with zeros. Rows of
@@ -145,6 +172,13 @@ def expert_blocks(ids_NxK, num_experts: int, live=None, *, block: int = BLOCKING
 
 def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, live=None, *,
                     block: int = BLOCKING.expert_rows, uniform_trips: bool = False):
+  """The [N, D] results of `grouped_expert_rows` (its arguments and rows)."""
+  return run_rows(grouped_expert_rows(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts, live, block=block,
+                                      uniform_trips=uniform_trips), live)
+
+
+def grouped_expert_rows(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, live=None, *,
+                        block: int = BLOCKING.expert_rows, uniform_trips: bool = False) -> RowFn:
   """sum_k weights[n, k] * expert_fn(ids[n, k], x[n]) for every live token n, row-invariant and with each expert's
   weights read once per block of its own pairs.
 
@@ -153,6 +187,8 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
   its rows into their tokens' outputs, so a token's K results are added in the order of its expert ids (its own
   choices, whatever shares the step), starting from zeros, in fp32 (cast to x's dtype at the end). Dead tokens
   (>= live) get zeros, or unspecified values past the live row blocks (`map_row_blocks`).
+  Returns the per-token results as rows (`RowFn`: each token's fp32 sum cast to x's dtype), so that the caller's
+  next row-local work (the MoE's shared expert) reads them in its own loop.
   uniform_trips: run the bound ceil(live * K / block) + E on the live block count instead of the count itself (the
   extra blocks hold no pair and add nothing): the trip count then follows `live` only, not the routing, so shards
   of a mesh that share `live` run the same trips and collectives inside `expert_fn` meet. live None: a static
@@ -175,24 +211,32 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
     # a token has at most one pair per expert, so a block's rows go to distinct tokens (no order inside the add)
     return out.at[jnp.where(ok, tok, N)].add(h.astype(out.dtype), mode="drop")
 
-  # fp32 sums (cast once at the end): XLA's CPU scatter-add of a 16-bit float converts the whole [N, D] buffer to
-  # fp32 and back on every block
+  # fp32 sums (cast once at the end, in the caller's loop): XLA's CPU scatter-add of a 16-bit float converts the
+  # whole [N, D] buffer to fp32 and back on every block
+  cast = lambda o: o.astype(x_NxD.dtype)
   if live is None:
     # no engine step (training, a plain forward): a static bound, so the loop is a scan and differentiable; the
     # blocks past the live ones hold no pair and add nothing
     trips = -(-N * K // block) + min(num_experts, N * K)
-    return jax.lax.fori_loop(0, trips, body, jnp.zeros((N, D), jnp.float32)).astype(x_NxD.dtype)
+    return RowFn(cast, (jax.lax.fori_loop(0, trips, body, jnp.zeros((N, D), jnp.float32)),))
   if uniform_trips:
     trips = (live_count(live, N) * K + block - 1) // block + num_experts
   else:
     trips = first_block[num_experts]
-  # zeros, and the final cast, over the live rows only (rows past them: unspecified)
+  # zeros over the live rows only (rows past them: unspecified)
   out = map_row_blocks(lambda xb: jnp.zeros((xb.shape[0], D), jnp.float32), live, x_NxD)
-  return map_row_blocks(lambda o: o.astype(x_NxD.dtype), live, jax.lax.fori_loop(0, trips, body, out))
+  return RowFn(cast, (jax.lax.fori_loop(0, trips, body, out),))
 
 
 def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
                            kernel_cfg, *, block: int = BLOCKING.kernel_expert_rows):
+  """The [N, D] results of `grouped_expert_kernel_rows` (its arguments and rows)."""
+  return run_rows(grouped_expert_kernel_rows(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD,
+                                             act, live, kernel_cfg, block=block), live)
+
+
+def grouped_expert_kernel_rows(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
+                               kernel_cfg, *, block: int = BLOCKING.kernel_expert_rows) -> RowFn:
   """`grouped_experts` of a gated MLP (act(x @ w_gate, x @ w_up) @ w_down) with its products on the grouped
   expert kernel (`dispatch.grouped_dot`): the same grouping (pairs sorted by expert, blocks of `block` pairs of one
   expert) laid out once as [B, block, D] rows, every live block in one call per product instead of a loop, blocks
@@ -204,7 +248,8 @@ def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI
   B is static: ceil(N * K / block) blocks of pairs plus one partial block per expert at most, rounded up to whole
   `LAYOUT_ROWS` slots. Where the kernel
   config serves the XLA reference (`dispatch.grouped_dot`'s fallback: a loop over the live blocks, one product
-  each), the bits stay row-invariant the same way."""
+  each), the bits stay row-invariant the same way.
+  Returns the per-token sums as rows (`RowFn`), for the caller's loop (as `grouped_expert_rows`)."""
   N, K = ids_NxK.shape
   D = x_NxD.shape[1]
   E = w_gate_ExDxI.shape[0]
@@ -247,7 +292,7 @@ def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI
       hk = jnp.where((sp < dead)[:, None], h[jnp.minimum(sp, dead - 1)], 0) * w_flat[pair][:, None].astype(h.dtype)
       out = out + hk.astype(out.dtype)
     return out.astype(x_NxD.dtype)
-  return map_row_blocks(combine, live, ids_NxK, jnp.arange(N, dtype=jnp.int32))
+  return RowFn(combine, (ids_NxK, jnp.arange(N, dtype=jnp.int32)))
 
 
 def grouped_kernel_fits(E: int, D: int, I: int, tuning) -> bool:
