@@ -52,8 +52,9 @@ def num_visible(ctx: StepContext, ratio: int):
   return jnp.where(ctx.valid_N, (ctx.pos_N + 1) // ratio, 0)
 
 
-def _indexer_qw(p, config: ModelConfig, x_NxD, cq_NxR, ctx: StepContext, inv_freq):
-  """Indexer queries [N, H, C] (RoPE'd) and head weights [N, H] (fp32, scales folded in)."""
+def indexer_query(p, config: ModelConfig, inv_freq):
+  """The row function (x [R, D], cq [R, q_lora], pos [R]) -> (indexer queries [R, H, C] (RoPE'd), head weights
+  [R, H] (fp32, scales folded in)): row-local, run in the attention's projection loop."""
   ix = config.indexer
 
   def qw(x, cq, pos):
@@ -63,15 +64,16 @@ def _indexer_qw(p, config: ModelConfig, x_NxD, cq_NxR, ctx: StepContext, inv_fre
       q = cache_quant.mxfp4_index(q)
     w = jnp.dot(x, p["weights_proj"], precision=_HI).astype(jnp.float32)
     return q, w * (ix.head_dim ** -0.5) * (ix.num_heads ** -0.5)
-  return map_row_blocks(qw, ctx.live, x_NxD, cq_NxR, ctx.pos_N)
+  return qw
 
 
-def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool, rows_NxM,
-                   inv_freq, kernel_cfg, allowed_NxM=None):
+def indexer_select(config: ModelConfig, plan: LayerPlan, qw, ctx: StepContext, key_pool, rows_NxM, kernel_cfg,
+                   allowed_NxM=None):
   """Lightning indexer through `dispatch.indexer_scores` (the reference, or the score kernel): returns (top-k entry
   ids [N,k] with -1 for invisible picks, scores [N,M]). rows_NxM: `entry_rows` or `paged_entry_rows`. O(M) memory
-  per query; the model uses it where the scores themselves are needed (the V4.1 candidate source's block maxima with a kernel selected, aux outputs)."""
-  q, w = _indexer_qw(p, config, x_NxD, cq_NxR, ctx, inv_freq)
+  per query; the model uses it where the scores themselves are needed (the V4.1 candidate source's block maxima
+  with a kernel selected, aux outputs). qw: the queries and head weights of `indexer_query` ([N, H, C], [N, H])."""
+  q, w = qw
   nv = num_visible(ctx, plan.ratio)
   # One query per "batch row" (B = N, T = 1): each flat token brings its own row's entry list.
   scores = dispatch.indexer_scores(q[:, None], w[:, None], caches.flat_pool(key_pool), rows_NxM, nv[:, None],
@@ -80,10 +82,10 @@ def indexer_select(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: 
   return ids, scores
 
 
-def _fused_topk_call(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool, inv_freq,
+def _fused_topk_call(config: ModelConfig, plan: LayerPlan, qw, ctx: StepContext, key_pool,
                      candidate_blocks_NxCb=None):
-  """Arguments of `dispatch.indexer_topk` for the layer's queries (B = N flat tokens, T = 1)."""
-  q, w = _indexer_qw(p, config, x_NxD, cq_NxR, ctx, inv_freq)
+  """Arguments of `dispatch.indexer_topk` for the layer's queries qw (B = N flat tokens, T = 1)."""
+  q, w = qw
   nv = num_visible(ctx, plan.ratio)
   cand = None if candidate_blocks_NxCb is None else candidate_blocks_NxCb[:, None]
   args = (q[:, None], w[:, None], caches.flat_pool(key_pool), paged_entry_rows(ctx, plan.ratio), nv[:, None],
@@ -91,13 +93,13 @@ def _fused_topk_call(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx
   return args, dict(candidate_blocks_BxTxC=cand, block_size=config.indexer.candidate_block_size)
 
 
-def indexer_select_fused(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool,
-                         inv_freq, kernel_cfg, candidate_blocks_NxCb=None):
+def indexer_select_fused(config: ModelConfig, plan: LayerPlan, qw, ctx: StepContext, key_pool, kernel_cfg,
+                         candidate_blocks_NxCb=None):
   """Lightning indexer through the fused top-k kernel (`dispatch.indexer_topk`: scores stay on chip, only the k ids
   come back; V4.1 reindex layers score only their candidate blocks). Returns ids [N, k] (-1 = no visible pick), or
   None when `kernel_cfg` does not send "indexer_topk" at these shapes to a kernel (the caller then takes the paged
   XLA path). The index keys are read as the cache stores them (float; an FP8 KV cache keeps them in bf16)."""
-  args, kw = _fused_topk_call(p, config, plan, x_NxD, cq_NxR, ctx, key_pool, inv_freq, candidate_blocks_NxCb)
+  args, kw = _fused_topk_call(config, plan, qw, ctx, key_pool, candidate_blocks_NxCb)
   kw = dict(kw, live=ctx.live)      # the kernel's programs of tokens past the live ones return at once
   if not dispatch.uses_kernel(kernel_cfg, "indexer_topk", *args, **kw):
     return None
@@ -111,14 +113,13 @@ INVARIANT_INDEX_CHUNK = 1024
 INVARIANT_INDEX_QUERIES = 8
 
 
-def indexer_select_paged(p, config: ModelConfig, plan: LayerPlan, x_NxD, cq_NxR, ctx: StepContext, key_pool,
-                         inv_freq, candidate_blocks_NxCb=None, block_max_size: int = 0,
-                         candidate_topk_blocks: int = 0):
+def indexer_select_paged(config: ModelConfig, plan: LayerPlan, qw, ctx: StepContext, key_pool,
+                         candidate_blocks_NxCb=None, block_max_size: int = 0, candidate_topk_blocks: int = 0):
   """Lightning indexer read block-wise from the paged pool, chunked running top-k (pallas_kernels/indexer_paged.py):
   no [N, M, C] key copy and no [N, H, M] product. With candidate blocks (V4.1 reindex layers) only their entries
   are scored. Returns (ids [N,k], block maxima [N, M / block_max_size] or None); with candidate_topk_blocks (the
   V4.1 candidate source) the candidate block ids [N, Cb] instead of the maxima, merged as a running top-k."""
-  q, w = _indexer_qw(p, config, x_NxD, cq_NxR, ctx, inv_freq)
+  q, w = qw
   nv = num_visible(ctx, plan.ratio)
   k = config.indexer.topk
   # Each query reads its row's table (ctx.full_row_N; padding tokens: row 0's, but nv = 0 hides every entry).
@@ -210,9 +211,10 @@ def _live_tokens(ctx: StepContext):
   return ctx.valid_N & (jnp.arange(ctx.valid_N.shape[0]) < ctx.live)
 
 
-def _select(p_ix, config: ModelConfig, plan: LayerPlan, x_NxD, cq, ctx: StepContext, key_pool, inv_freq, kernel_cfg,
-            cand_blocks, candidate_source: bool, q_attn, comp_pool, collect_aux: bool, aux: dict):
-  """Indexer top-k for one layer -> (ids [N, k], candidate block ids [N, Cb] when candidate_source else None).
+def _select(config: ModelConfig, plan: LayerPlan, qw, ctx: StepContext, key_pool, kernel_cfg, cand_blocks,
+            candidate_source: bool, q_attn, comp_pool, collect_aux: bool, aux: dict):
+  """Indexer top-k for one layer's queries qw (`indexer_query`) -> (ids [N, k], candidate block ids [N, Cb] when
+  candidate_source else None).
 
   With the fused top-k kernel selected (`dispatch.uses_kernel(.., "indexer_topk", ..)`): the kernel over the live
   entry list (V4 CSA, V4.1 full and reindex layers; candidate blocks passed as block ids). The V4.1 candidate source
@@ -225,10 +227,10 @@ def _select(p_ix, config: ModelConfig, plan: LayerPlan, x_NxD, cq, ctx: StepCont
   nv = num_visible(ctx, plan.ratio)
   ids = bmax = rows = scores = None
   if candidate_source:
-    args, _ = _fused_topk_call(p_ix, config, plan, x_NxD, cq, ctx, key_pool, inv_freq)
+    args, _ = _fused_topk_call(config, plan, qw, ctx, key_pool)
     paged = not dispatch.uses_kernel(kernel_cfg, "indexer_scores", *args[:5]) and E % bs == 0
   else:
-    ids = indexer_select_fused(p_ix, config, plan, x_NxD, cq, ctx, key_pool, inv_freq, kernel_cfg, cand_blocks)
+    ids = indexer_select_fused(config, plan, qw, ctx, key_pool, kernel_cfg, cand_blocks)
     paged = ids is None
   if (ids is None and not paged) or collect_aux:
     # The score kernel reads the table in place; the aux target and a candidate mask need the [N, M] list.
@@ -239,14 +241,13 @@ def _select(p_ix, config: ModelConfig, plan: LayerPlan, x_NxD, cq, ctx: StepCont
     if cand_blocks is not None:
       visible = (jnp.arange(M)[None, :] < nv[:, None]) & (rows >= 0)
       allowed = dispatch.candidate_blocks_to_allowed(cand_blocks[:, None], M, bs)[:, 0] & visible
-    s_ids, scores = indexer_select(p_ix, config, plan, x_NxD, cq, ctx, key_pool, rows, inv_freq, kernel_cfg, allowed)
+    s_ids, scores = indexer_select(config, plan, qw, ctx, key_pool, rows, kernel_cfg, allowed)
     if ids is None and not paged:
       ids = s_ids
       bmax = _block_max_of_scores(scores, bs) if candidate_source else None
   cand = None
   if paged:   # the candidate source's blocks come out of the same pass, merged chunk by chunk
-    ids, cand = indexer_select_paged(p_ix, config, plan, x_NxD, cq, ctx, key_pool, inv_freq, cand_blocks,
-                                     bs if candidate_source else 0,
+    ids, cand = indexer_select_paged(config, plan, qw, ctx, key_pool, cand_blocks, bs if candidate_source else 0,
                                      ix.candidate_topk_blocks if candidate_source else 0)
   elif candidate_source:
     cand = dispatch.candidate_blocks(bmax, jnp.floor_divide(nv - 1, bs), ix.candidate_topk_blocks)
@@ -303,8 +304,10 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
     # finds length 0 and reads none of its (unspecified) ids.
     win_pos = jnp.maximum(pos - (a.window - 1), 0)[:, None] + jnp.arange(a.window)[None, :]
     win_idx = ctx.swa_slots(row[:, None], win_pos, valid[:, None] & (win_pos <= pos[:, None]))
-    return cq, q, caches.stored_rows(cache_layer["window_kv"], kv), win_idx
-  cq, q, kv, win_idx = map_row_blocks(project, ctx.live, x_NxD, pos, ctx.row_N, ctx.valid_N)
+    # the indexer's queries too, where the layer computes its own top-k
+    index_qw = indexer_query(p["indexer"], config, inv_freq)(x, cq, pos) if plan.has_index_query else None
+    return q, caches.stored_rows(cache_layer["window_kv"], kv), win_idx, index_qw
+  q, kv, win_idx, index_qw = map_row_blocks(project, ctx.live, x_NxD, pos, ctx.row_N, ctx.valid_N)
 
   # Window: this step's rows are written before any query reads its window.
   cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], ctx.token_slots(), kv)
@@ -336,7 +339,7 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
                        f"to run earlier in the same step")
     comp_pool = shared["comp_pool"]
     if plan.has_index_query:
-      ids, cand = _select(p["indexer"], config, plan, x_NxD, cq, ctx, shared["index_pool"], inv_freq, kernel_cfg,
+      ids, cand = _select(config, plan, index_qw, ctx, shared["index_pool"], kernel_cfg,
                           shared["cand"] if plan.uses_candidates else None, plan.candidate_source, q, comp_pool,
                           collect_aux, aux)
       shared = dict(shared, ids=ids)
@@ -354,7 +357,7 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
     cache_layer["index_state"], cache_layer["index_keys"] = compress_step(
         p["indexer"]["compressor"], x_NxD, index_compressor_spec(config, plan), ctx, cache_layer["index_state"],
         cache_layer["index_keys"], inv_freq, eps, taps=aux, tap_key="index_state_rows")
-    ids, _ = _select(p["indexer"], config, plan, x_NxD, cq, ctx, cache_layer["index_keys"], inv_freq, kernel_cfg,
+    ids, _ = _select(config, plan, index_qw, ctx, cache_layer["index_keys"], kernel_cfg,
                      None, False, q, comp_pool, collect_aux, aux)
     comp_idx, comp_len = _entry_ids_to_pool_rows(ctx, plan.ratio, ids)
   elif plan.dense_compressed and not ctx.invariant:
