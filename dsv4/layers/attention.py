@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from dsv4 import caches
 from dsv4.config import LayerPlan, ModelConfig
 from dsv4.layers import cache_quant
-from dsv4.layers.compressor import CompressorSpec, StepContext, compress_step
+from dsv4.layers.compressor import CompressorSpec, StepContext, compress_step, opening_rows
 from dsv4.layers.norms import rms_norm, unweighted_rms_norm
 from dsv4.layers.rope import apply_rope, inv_freq_for
 from dsv4.layers.row_invariant import RowFn, map_row_blocks, map_row_blocks_then
@@ -287,7 +287,20 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
   aux = {}
   pos = ctx.pos_N
 
-  def project(x, pos, row, valid):
+  # The compressors' per-token work before their folds (`compressor.opening_rows`) rides in the projection loop.
+  v41_kinds = plan.kind in ("full", "reindex", "reuse")
+  compressors = {}
+  if plan.has_compressor:
+    compressors["kv"] = (p["compressor"], kv_compressor_spec(config, plan), cache_layer.get("comp_state"),
+                         cache_layer["comp_kv"],
+                         cache_quant.nvfp4_compressed_kv if config.quantized_cache and v41_kinds else None)
+  if plan.kind == "csa":
+    compressors["index"] = (p["indexer"]["compressor"], index_compressor_spec(config, plan),
+                            cache_layer["index_state"], cache_layer["index_keys"], None)
+  openings = {k: opening_rows(cp, spec, ctx, state, out, inv_freq, eps, quantize)
+              for k, (cp, spec, state, out, quantize) in compressors.items()}
+
+  def project(x, pos, row, valid, opening_args):
     # Query path: low-rank, q_a norm, optional weightless per-head norm, RoPE.
     cq = rms_norm(jnp.dot(x, p["wq_a"], precision=_HI), p["q_norm"], eps)
     q = jnp.dot(cq, p["wq_b"], precision=_HI).reshape(x.shape[0], H, d)
@@ -306,21 +319,25 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
     win_idx = ctx.swa_slots(row[:, None], win_pos, valid[:, None] & (win_pos <= pos[:, None]))
     # the indexer's queries too, where the layer computes its own top-k
     index_qw = indexer_query(p["indexer"], config, inv_freq)(x, cq, pos) if plan.has_index_query else None
-    return q, caches.stored_rows(cache_layer["window_kv"], kv), win_idx, index_qw
-  q, kv, win_idx, index_qw = map_row_blocks(project, ctx.live, x_NxD, pos, ctx.row_N, ctx.valid_N)
+    opened = {k: o.fn(x, *opening_args[k]) for k, o in openings.items()}
+    return q, caches.stored_rows(cache_layer["window_kv"], kv), win_idx, index_qw, opened
+  q, kv, win_idx, index_qw, opened = map_row_blocks(project, ctx.live, x_NxD, pos, ctx.row_N, ctx.valid_N,
+                                                    {k: o.args for k, o in openings.items()})
 
   # Window: this step's rows are written before any query reads its window.
   cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], ctx.token_slots(), kv)
   win_len = jnp.where(_live_tokens(ctx), jnp.minimum(pos + 1, a.window), 0).astype(jnp.int32)
 
+  def compress(name, **kw):
+    cp, spec, state, out, quantize = compressors[name]
+    return compress_step(cp, x_NxD, spec, ctx, state, out, inv_freq, eps, quantize_rows=quantize, taps=aux,
+                         opened=opened[name], **kw)
+
   comp_pool, comp_idx, comp_len = None, None, None
-  if plan.kind in ("full", "reindex", "reuse"):
+  if v41_kinds:
     if plan.has_compressor:
-      state, cache_layer["comp_kv"], (lat, ent, slots) = compress_step(
-          p["compressor"], x_NxD, kv_compressor_spec(config, plan), ctx, cache_layer.get("comp_state"),
-          cache_layer["comp_kv"], inv_freq, eps, return_latent=True,
-          quantize_rows=cache_quant.nvfp4_compressed_kv if config.quantized_cache else None, taps=aux,
-          tap_key="comp_state_rows")
+      state, cache_layer["comp_kv"], (lat, ent, slots) = compress("kv", return_latent=True,
+                                                                  tap_key="comp_state_rows")
       if state is not None:
         cache_layer["comp_state"] = state
       if plan.has_index_keys:
@@ -347,16 +364,12 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
         shared["cand"] = cand
     comp_idx, comp_len = _entry_ids_to_pool_rows(ctx, plan.ratio, shared["ids"])
   elif plan.has_compressor:
-    state, cache_layer["comp_kv"] = compress_step(
-        p["compressor"], x_NxD, kv_compressor_spec(config, plan), ctx, cache_layer.get("comp_state"),
-        cache_layer["comp_kv"], inv_freq, eps, taps=aux, tap_key="comp_state_rows")
+    state, cache_layer["comp_kv"] = compress("kv", tap_key="comp_state_rows")
     if state is not None:
       cache_layer["comp_state"] = state
     comp_pool = caches.flat_pool(cache_layer["comp_kv"])
   if plan.kind == "csa":
-    cache_layer["index_state"], cache_layer["index_keys"] = compress_step(
-        p["indexer"]["compressor"], x_NxD, index_compressor_spec(config, plan), ctx, cache_layer["index_state"],
-        cache_layer["index_keys"], inv_freq, eps, taps=aux, tap_key="index_state_rows")
+    cache_layer["index_state"], cache_layer["index_keys"] = compress("index", tap_key="index_state_rows")
     ids, _ = _select(config, plan, index_qw, ctx, cache_layer["index_keys"], kernel_cfg,
                      None, False, q, comp_pool, collect_aux, aux)
     comp_idx, comp_len = _entry_ids_to_pool_rows(ctx, plan.ratio, ids)

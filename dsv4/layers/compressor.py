@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from dsv4 import caches
 from dsv4.layers.norms import rms_norm
-from dsv4.layers.row_invariant import map_row_blocks
+from dsv4.layers.row_invariant import RowFn, map_row_blocks
 from dsv4.layers.rope import apply_rope
 
 _HI = jax.lax.Precision.HIGHEST
@@ -176,47 +176,39 @@ def _emit(ctx: StepContext, entry_N, emitted_N, ratio: int):
   return caches.row_slots(ctx.full_table_RxF, ctx.full_row_N, entry_N, ctx.full_block_tokens // ratio, emitted_N)
 
 
-def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, out_pool, inv_freq, eps: float,
-                  return_latent: bool = False, quantize_rows=None, taps: dict | None = None, tap_key: str = ""):
-  """Runs one ragged step through a compressor. Returns (new state pool or None, new out pool), plus, with
-  `return_latent`, (pre-RoPE latent [N,w], entry ids [N], full-group slots [N] (-1: not emitted)) of the entry each
-  token would close: V4.1 derives its index keys from that latent (docs/model.md, Lightning indexer).
-  `quantize_rows` (V4.1 quantized cache) is applied to the post-RoPE rows before they are stored. With
-  `ctx.tap_state`, every token's state row [N, state width] is put in `taps[tap_key]` (pooling compressors only).
-
-  Every per-token part (projections, the merges with the cached state row, the entry rows) runs in row blocks over
-  the live tokens (`map_row_blocks`); only the fold across a window's tokens (`window_pool_scan`, none at decode)
-  spans the flat axis."""
+def _entry_rows(p, out_pool, spec: CompressorSpec, inv_freq, eps: float, quantize_rows):
+  """finish(raw pooled rows, entry ids) -> (normed latent, the entry's rows as the pool stores them): RoPE'd at the
+  entry's first position, per token (row-local)."""
   q_rows = quantize_rows or (lambda r: r)
-  m, w = spec.ratio, spec.width
-  pos = ctx.pos_N
 
   def finish(raw, entry):
-    # the entry a token closes: normed latent, RoPE'd at the entry's first position, as the pool stores it (per
-    # token, in row blocks)
     latent = rms_norm(raw, p["norm"], eps)
-    return latent, caches.stored_rows(out_pool, q_rows(apply_rope(latent, entry * m, inv_freq)))
+    return latent, caches.stored_rows(out_pool, q_rows(apply_rope(latent, entry * spec.ratio, inv_freq)))
+  return finish
 
-  if not spec.gated or m == 1:
-    # Ratio 1: every token is its own entry, no pooling state.
-    latent, rows = map_row_blocks(lambda x, pos: finish(project(p, x, spec, pos)[0], pos), ctx.live, x_NxD, pos)
-    slots = _emit(ctx, pos, ctx.valid_N, m)
-    new_out = caches.write_rows(out_pool, slots, rows)
-    return (None, new_out, (latent, pos, slots)) if return_latent else (None, new_out)
 
-  phase = pos % m
-  win_start = phase == 0
+def _step_masks(spec: CompressorSpec, ctx: StepContext):
+  pos = ctx.pos_N
+  win_start = pos % spec.ratio == 0
   # The state row of position start - 1 (first token of each row only; a window start needs no "cur" state).
-  prev_ok = ctx.first_N & (pos > 0)
-  prev_slots = ctx.state_slots(pos - 1, prev_ok)
-  reset = ctx.first_N | win_start | ~ctx.valid_N
+  prev_slots = ctx.state_slots(pos - 1, ctx.first_N & (pos > 0))
   mid = ctx.first_N & ~win_start                  # a row's first token inside a window: merges the cached pools
   has_base = win_start & (pos > 0)                # a window start of overlapping CSA: pools from the previous one
-  if ctx.invariant:
-    def scan(reset_N, l, mean, _):
-      return window_pool_scan(reset_N, l, mean)
-  else:
-    scan = segmented_pool_scan
+  return win_start, prev_slots, mid, has_base
+
+
+def opening_rows(p, spec: CompressorSpec, ctx: StepContext, state_pool, out_pool, inv_freq, eps: float,
+                 quantize_rows=None) -> RowFn:
+  """A compressor's per-token work before its fold across a window's tokens, as rows of the layer's input
+  (`row_invariant.RowFn`: fn(x_block, *arg blocks)), so the attention runs it in its projection loop and hands the
+  outputs to `compress_step` (`opened`). Ratio 1: each token's finished entry (latent, stored rows); pooling: the
+  token's projections merged with the cached state row where it is its row's first token."""
+  m, w = spec.ratio, spec.width
+  pos = ctx.pos_N
+  if not spec.gated or m == 1:
+    finish = _entry_rows(p, out_pool, spec, inv_freq, eps, quantize_rows)
+    return RowFn(lambda x, pos: finish(project(p, x, spec, pos)[0], pos), (pos,))
+  _, prev_slots, mid, has_base = _step_masks(spec, ctx)
 
   def opening(x, pos, slot, first, mid, has_base):
     """A token's projections and the pairs its pools start from (merged with the cached state row where it is its
@@ -239,8 +231,46 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
     from_cache = (first & has_base)[:, None]
     return (jnp.where(mid, l0, zA), jnp.where(mid, m0, aA), zB, aB,
             jnp.where(from_cache, sl, jnp.where(mid, cl0, zB)), jnp.where(from_cache, sm, jnp.where(mid, cm0, aB)))
+  return RowFn(opening, (pos, prev_slots, ctx.first_N, mid, has_base))
 
-  opened = map_row_blocks(opening, ctx.live, x_NxD, pos, prev_slots, ctx.first_N, mid, has_base)
+
+def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, out_pool, inv_freq, eps: float,
+                  return_latent: bool = False, quantize_rows=None, taps: dict | None = None, tap_key: str = "",
+                  opened=None):
+  """Runs one ragged step through a compressor. Returns (new state pool or None, new out pool), plus, with
+  `return_latent`, (pre-RoPE latent [N,w], entry ids [N], full-group slots [N] (-1: not emitted)) of the entry each
+  token would close: V4.1 derives its index keys from that latent (docs/model.md, Lightning indexer).
+  `quantize_rows` (V4.1 quantized cache) is applied to the post-RoPE rows before they are stored. With
+  `ctx.tap_state`, every token's state row [N, state width] is put in `taps[tap_key]` (pooling compressors only).
+  opened: the outputs of `opening_rows` (same arguments) where the caller ran them in its own loop; None = run
+  here.
+
+  Every per-token part (projections, the merges with the cached state row, the entry rows) runs in row blocks over
+  the live tokens (`map_row_blocks`); only the fold across a window's tokens (`window_pool_scan`, none at decode)
+  spans the flat axis."""
+  m = spec.ratio
+  pos = ctx.pos_N
+  if opened is None:
+    rows = opening_rows(p, spec, ctx, state_pool, out_pool, inv_freq, eps, quantize_rows)
+    opened = map_row_blocks(rows.fn, ctx.live, x_NxD, *rows.args)
+
+  if not spec.gated or m == 1:
+    # Ratio 1: every token is its own entry, no pooling state.
+    latent, rows = opened
+    slots = _emit(ctx, pos, ctx.valid_N, m)
+    new_out = caches.write_rows(out_pool, slots, rows)
+    return (None, new_out, (latent, pos, slots)) if return_latent else (None, new_out)
+
+  finish = _entry_rows(p, out_pool, spec, inv_freq, eps, quantize_rows)
+  phase = pos % m
+  win_start, _, _, has_base = _step_masks(spec, ctx)
+  reset = ctx.first_N | win_start | ~ctx.valid_N
+  if ctx.invariant:
+    def scan(reset_N, l, mean, _):
+      return window_pool_scan(reset_N, l, mean)
+  else:
+    scan = segmented_pool_scan
+
   if spec.overlap:
     nl0, nm0, zB, aB, el0, em0 = opened
     nl, nm = scan(reset, nl0, nm0, m)
