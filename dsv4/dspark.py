@@ -30,7 +30,7 @@ import numpy as np
 
 from dsv4 import caches, model
 from dsv4.config import ModelConfig
-from dsv4.layers import cache_quant, mhc, moe, row_invariant
+from dsv4.layers import cache_quant, mhc, moe
 from dsv4.layers.attention import output_projection
 from dsv4.layers.norms import rms_norm
 from dsv4.layers.rope import apply_rope, inv_freq_for
@@ -129,9 +129,9 @@ def draft_hidden(params, config: ModelConfig, ctx_kv, ctx_ok_RxC, anchor_tok_R, 
     parts = model.Sublayers(
         hc_attn=functools.partial(mhc.hc_coefficients, pm["hc_attn"], cfg=config.mhc, norm_eps=eps),
         attn_norm=pm["attn_norm"],
-        # the block's tail on the stage's output rows, in a loop of its own (the stage has no row loop)
+        # the stage has no row loop: the block's input and tail rows in loops of their own
         attn=lambda x, ctx, cache_l, kcfg, aux, shared, tail, attn=attn: (
-            cache_l, row_invariant.run_rows(row_invariant.RowFn(tail.fn, (attn(x), *tail.args)), None), {}, shared),
+            cache_l, model.rows_around(attn, x, tail, None), {}, shared),
         hc_ffn=functools.partial(mhc.hc_coefficients, pm["hc_ffn"], cfg=config.mhc, norm_eps=eps),
         ffn_norm=pm["ffn_norm"],
         ffn=lambda x, tokens, live=None, kernel_cfg=None, tail=None, pm=pm: moe.moe(

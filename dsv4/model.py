@@ -231,7 +231,9 @@ class Sublayers(NamedTuple):
   layer's param dict (`layer_sublayers`); `nnx_model.Block` hands over its own sub-modules, so the wiring exists
   once and whatever a sub-module computes is what the block runs. `attn` and `ffn` take a `tail`
   (`row_invariant.RowFn`): the block's row-local work on their output rows, which they run in their last row-block
-  loop and whose outputs ([N, ...]) they return in place of y."""
+  loop and whose outputs ([N, ...]) they return in place of y. `attn`'s input x comes as a `RowFn` too (`token_fn`:
+  made in its projection loop, its carry handed to the tail); a sublayer with no row loop of its own wraps its core
+  in `rows_around`."""
   hc_attn: Callable       # X_BxTxNxD -> (pre, post, comb)      (mhc.hc_coefficients)
   attn_norm: jax.Array    # [D]
   attn: Callable          # (x_NxD, ctx, cache_l, kernel_cfg, collect_aux[, shared], tail=) -> (cache_l, y_NxD, aux[, shared])
@@ -270,22 +272,22 @@ def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, ke
   is the mean over streams of the block's input after Engram [N, D] (a DSpark target feature, dsv4/dspark.py)."""
   eps = config.rms_norm_eps
   live = None if ctx is None else ctx.live      # no step context: DSpark's draft block (its own fixed rows)
-  # The mHC work after each sublayer rides in the sublayer's last row-block loop as its tail (`token_tail`): one
-  # loop, no [N, D] buffer for the sublayer's output.
+  # The mHC work around each sublayer rides in the sublayer's own row-block loops: the attention's input is made in
+  # its projection loop (`token_fn`: never stored), and the work after each sublayer is its tail,
+  # run in its last loop. hc_attn's post / comb reach the attention's tail as the head's carry.
   if not config.single_pass_mhc:
     def pre_attn(X):
       pre, post, comb = s.hc_attn(X)
-      return rms_norm(mhc.collapse(pre, X), s.attn_norm, eps), post, comb
-    u, post, comb = token_rows(pre_attn, live, X)
+      return rms_norm(mhc.collapse(pre, X), s.attn_norm, eps), (post, comb)
 
-    def pre_ffn(y, X, post, comb):
-      X = mhc.expand(y, X, post, comb)
+    def pre_ffn(y, X, carry):
+      X = mhc.expand(y, X, *carry)
       pre, post, comb = s.hc_ffn(X)
       return X, rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps), post, comb
-    cache_l, got, aux = s.attn(u[0], ctx, cache_l, kernel_cfg, collect_aux,
-                               tail=token_tail(pre_ffn, X, post, comb))
+    cache_l, got, aux = s.attn(token_fn(pre_attn, X), ctx, cache_l, kernel_cfg, collect_aux,
+                               tail=token_fn(pre_ffn, X))
     X, u, post, comb = _batch_of_one(got)
-    X = _batch_of_one(s.ffn(u, tokens, live, kernel_cfg, tail=token_tail(mhc.expand, X, post, comb)))
+    X = _batch_of_one(s.ffn(u, tokens, live, kernel_cfg, tail=token_fn(mhc.expand, X, post, comb)))
     return cache_l, X, aux
 
   def pre_attn_single_pass(X, pre_prev, engram_hash):
@@ -293,30 +295,47 @@ def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, ke
       X = s.engram(X, engram_hash)
     stream_mean = jnp.mean(X.astype(jnp.float32), axis=2).astype(X.dtype) if tap_stream else None
     pre, post, comb = s.hc_attn(X)
-    return X, stream_mean, rms_norm(mhc.collapse(pre_prev, X), s.attn_norm, eps), pre, post, comb
-  X, stream_mean, u, pre, post, comb = token_rows(pre_attn_single_pass, live, X, pre_prev, engram_hash)
+    # the stream after Engram goes on to the tail (without Engram it is the block's input, which the tail reads)
+    return rms_norm(mhc.collapse(pre_prev, X), s.attn_norm, eps), (
+        X if s.engram is not None else None, stream_mean, pre, post, comb)
 
-  def pre_ffn_single_pass(y, X, pre, post, comb):
-    X = mhc.expand(y, X, post, comb)
+  def pre_ffn_single_pass(y, X_in, carry):
+    X, stream_mean, pre, post, comb = carry
+    X = mhc.expand(y, X_in if X is None else X, post, comb)
     pre2, post2, comb2 = s.hc_ffn(X)
-    return X, rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps), pre2, post2, comb2
-  cache_l, got, aux, shared = s.attn(u[0], ctx, cache_l, kernel_cfg, collect_aux, shared,
-                                     tail=token_tail(pre_ffn_single_pass, X, pre, post, comb))
+    return X, rms_norm(mhc.collapse(pre, X), s.ffn_norm, eps), pre2, post2, comb2, stream_mean
+  cache_l, got, aux, shared = s.attn(token_fn(pre_attn_single_pass, X, pre_prev, engram_hash), ctx, cache_l,
+                                     kernel_cfg, collect_aux, shared, tail=token_fn(pre_ffn_single_pass, X))
+  X, u, pre2, post2, comb2, stream_mean = _batch_of_one(got)
   if tap_stream:
     aux = dict(aux, stream_mean=stream_mean[0])
-  X, u, pre2, post2, comb2 = _batch_of_one(got)
-  X = _batch_of_one(s.ffn(u, tokens, live, kernel_cfg, tail=token_tail(mhc.expand, X, post2, comb2)))
+  X = _batch_of_one(s.ffn(u, tokens, live, kernel_cfg, tail=token_fn(mhc.expand, X, post2, comb2)))
   return cache_l, X, pre2, aux, shared
 
 
-def token_tail(fn, *xs) -> row_invariant.RowFn:
-  """`fn` as a sublayer's tail (`row_invariant.RowFn`): like `token_rows`, fn runs on [1, rows, ...] blocks, its
-  first argument the sublayer's output rows, then those of xs ([1, N, ...] arrays; None leaves pass through). The
-  sublayer returns fn's outputs over the flat tokens ([N, ...]; `_batch_of_one` puts the batch axis back)."""
-  def on_block(y, *blocks):
-    got = fn(*jax.tree_util.tree_map(lambda a: a[None], (y, *blocks)))
+def token_fn(fn, *xs) -> row_invariant.RowFn:
+  """`fn` as a `row_invariant.RowFn` over xs ([1, N, ...] arrays; None leaves pass through): like `token_rows`, fn
+  runs on [1, rows, ...] blocks. As a sublayer's input (made in its first loop, never stored) fn returns (the input
+  rows, carry), and carry's rows go on to the sublayer's tail as its last argument; as a tail its first argument is
+  the sublayer's output rows. The sublayer returns the tail's outputs over the flat tokens ([N, ...];
+  `_batch_of_one` puts the batch axis back)."""
+  def on_block(*blocks):
+    got = fn(*jax.tree_util.tree_map(lambda a: a[None], blocks))
     return jax.tree_util.tree_map(lambda a: a[0], got)
   return row_invariant.RowFn(on_block, tuple(jax.tree_util.tree_map(lambda a: a[0], xs)))
+
+
+def rows_around(core, x, tail, live):
+  """A sublayer with no row loop of its own (core: [N, D] -> [N, D] at once) between the block's input rows `x` (an
+  array, or a `RowFn` as `token_fn` describes) and its `tail`: the input made in one loop, core, then the tail
+  (with the input's carry) in another."""
+  head = x if isinstance(x, row_invariant.RowFn) else row_invariant.RowFn(lambda x: (x, None), (x,))
+  rows, carry = row_invariant.run_rows(head, live)
+  y = core(rows)
+  if tail is None:
+    return y
+  return row_invariant.run_rows(row_invariant.RowFn(tail.fn, (y, *tail.args) + (() if carry is None else (carry,))),
+                                live)
 
 
 def _batch_of_one(tree):
@@ -326,11 +345,7 @@ def _batch_of_one(tree):
 def token_rows(fn, live, *xs):
   """`row_invariant.map_row_blocks` for the per-token parts of a block, whose arrays carry the flat tokens as T of
   a batch of one ([1, N, ...]; None leaves pass through): fn runs on [1, rows, ...] blocks of the live tokens."""
-  def on_block(*blocks):
-    got = fn(*jax.tree_util.tree_map(lambda a: a[None], blocks))
-    return jax.tree_util.tree_map(lambda a: a[0], got)
-  out = row_invariant.map_row_blocks(on_block, live, *jax.tree_util.tree_map(lambda a: a[0], xs))
-  return jax.tree_util.tree_map(lambda a: a[None], out)
+  return _batch_of_one(row_invariant.run_rows(token_fn(fn, *xs), live))
 
 
 def _block(params_l, config: ModelConfig, plan: LayerPlan, X, tokens, ctx, cache_l, kernel_cfg, collect_aux):

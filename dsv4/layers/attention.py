@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from dsv4 import caches
 from dsv4.config import LayerPlan, ModelConfig
 from dsv4.layers import cache_quant
-from dsv4.layers.compressor import CompressorSpec, StepContext, compress_step, opening_rows
+from dsv4.layers.compressor import (CompressorCall, CompressorSpec, StepContext, compress_steps,
+                                    joint_opening_rows)
 from dsv4.layers.norms import rms_norm, unweighted_rms_norm
 from dsv4.layers.rope import apply_rope, inv_freq_for
 from dsv4.layers.row_invariant import RowFn, map_row_blocks, map_row_blocks_then
@@ -278,9 +279,12 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
   reads it unchanged. Reuse / reindex layers own no full-group arrays. Returns (cache_layer, out, aux, shared).
   tail (`row_invariant.RowFn`): the caller's row-local work on out's rows, run in the output projection's loop;
   its outputs are returned in place of out.
+  x_NxD: the layer's input rows, or a `RowFn` that makes them (fn(*arg blocks) -> (x block, carry blocks)) in the
+  projection loop, so they are never stored; carry's rows ([N, ...]) then go to the tail after its args.
   """
   a, eps = config.attention, config.rms_norm_eps
-  N, _ = x_NxD.shape
+  N = ctx.pos_N.shape[0]
+  head = x_NxD if isinstance(x_NxD, RowFn) else RowFn(lambda x: (x, None), (x_NxD,))
   H, d = a.num_heads, a.head_dim
   inv_freq = inv_freq_for(a, plan.rope)
   cache_layer = dict(cache_layer)
@@ -289,18 +293,20 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
 
   # The compressors' per-token work before their folds (`compressor.opening_rows`) rides in the projection loop.
   v41_kinds = plan.kind in ("full", "reindex", "reuse")
-  compressors = {}
+  # A V4 CSA layer's KV and index compressors fold the same windows: side by side, one fold for both.
+  calls = []
   if plan.has_compressor:
-    compressors["kv"] = (p["compressor"], kv_compressor_spec(config, plan), cache_layer.get("comp_state"),
-                         cache_layer["comp_kv"],
-                         cache_quant.nvfp4_compressed_kv if config.quantized_cache and v41_kinds else None)
+    calls.append(CompressorCall(p["compressor"], kv_compressor_spec(config, plan), cache_layer.get("comp_state"),
+                                cache_layer["comp_kv"],
+                                cache_quant.nvfp4_compressed_kv if config.quantized_cache and v41_kinds else None,
+                                "comp_state_rows"))
   if plan.kind == "csa":
-    compressors["index"] = (p["indexer"]["compressor"], index_compressor_spec(config, plan),
-                            cache_layer["index_state"], cache_layer["index_keys"], None)
-  openings = {k: opening_rows(cp, spec, ctx, state, out, inv_freq, eps, quantize)
-              for k, (cp, spec, state, out, quantize) in compressors.items()}
+    calls.append(CompressorCall(p["indexer"]["compressor"], index_compressor_spec(config, plan),
+                                cache_layer["index_state"], cache_layer["index_keys"], None, "index_state_rows"))
+  opening = joint_opening_rows(calls, ctx, inv_freq, eps) if calls else RowFn(lambda x: None)
 
-  def project(x, pos, row, valid, opening_args):
+  def project(head_args, pos, row, valid, opening_args):
+    x, carry = head.fn(*head_args)
     # Query path: low-rank, q_a norm, optional weightless per-head norm, RoPE.
     cq = rms_norm(jnp.dot(x, p["wq_a"], precision=_HI), p["q_norm"], eps)
     q = jnp.dot(cq, p["wq_b"], precision=_HI).reshape(x.shape[0], H, d)
@@ -319,25 +325,25 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
     win_idx = ctx.swa_slots(row[:, None], win_pos, valid[:, None] & (win_pos <= pos[:, None]))
     # the indexer's queries too, where the layer computes its own top-k
     index_qw = indexer_query(p["indexer"], config, inv_freq)(x, cq, pos) if plan.has_index_query else None
-    opened = {k: o.fn(x, *opening_args[k]) for k, o in openings.items()}
-    return q, caches.stored_rows(cache_layer["window_kv"], kv), win_idx, index_qw, opened
-  q, kv, win_idx, index_qw, opened = map_row_blocks(project, ctx.live, x_NxD, pos, ctx.row_N, ctx.valid_N,
-                                                    {k: o.args for k, o in openings.items()})
+    opened = opening.fn(x, *opening_args)
+    return q, caches.stored_rows(cache_layer["window_kv"], kv), win_idx, index_qw, opened, carry
+  q, kv, win_idx, index_qw, opened, carry = map_row_blocks(project, ctx.live, head.args, pos, ctx.row_N, ctx.valid_N,
+                                                           opening.args)
+  if carry is not None:
+    if tail is None:
+      raise ValueError("attention_layer: an input made in the projection loop (RowFn) needs a tail for its carry")
+    tail = RowFn(tail.fn, (*tail.args, carry))
 
   # Window: this step's rows are written before any query reads its window.
   cache_layer["window_kv"] = caches.write_rows(cache_layer["window_kv"], ctx.token_slots(), kv)
   win_len = jnp.where(_live_tokens(ctx), jnp.minimum(pos + 1, a.window), 0).astype(jnp.int32)
 
-  def compress(name, **kw):
-    cp, spec, state, out, quantize = compressors[name]
-    return compress_step(cp, x_NxD, spec, ctx, state, out, inv_freq, eps, quantize_rows=quantize, taps=aux,
-                         opened=opened[name], **kw)
+  compressed = compress_steps(calls, ctx, inv_freq, eps, opened, return_latent=v41_kinds, taps=aux) if calls else []
 
   comp_pool, comp_idx, comp_len = None, None, None
   if v41_kinds:
     if plan.has_compressor:
-      state, cache_layer["comp_kv"], (lat, ent, slots) = compress("kv", return_latent=True,
-                                                                  tap_key="comp_state_rows")
+      state, cache_layer["comp_kv"], (lat, ent, slots) = compressed[0]
       if state is not None:
         cache_layer["comp_state"] = state
       if plan.has_index_keys:
@@ -364,12 +370,12 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
         shared["cand"] = cand
     comp_idx, comp_len = _entry_ids_to_pool_rows(ctx, plan.ratio, shared["ids"])
   elif plan.has_compressor:
-    state, cache_layer["comp_kv"] = compress("kv", tap_key="comp_state_rows")
+    state, cache_layer["comp_kv"] = compressed[0]
     if state is not None:
       cache_layer["comp_state"] = state
     comp_pool = caches.flat_pool(cache_layer["comp_kv"])
   if plan.kind == "csa":
-    cache_layer["index_state"], cache_layer["index_keys"] = compress("index", tap_key="index_state_rows")
+    cache_layer["index_state"], cache_layer["index_keys"] = compressed[1]
     ids, _ = _select(config, plan, index_qw, ctx, cache_layer["index_keys"], kernel_cfg,
                      None, False, q, comp_pool, collect_aux, aux)
     comp_idx, comp_len = _entry_ids_to_pool_rows(ctx, plan.ratio, ids)

@@ -18,6 +18,7 @@ needs one state row per pooling layer (none at a window boundary for non-overlap
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -234,6 +235,39 @@ def opening_rows(p, spec: CompressorSpec, ctx: StepContext, state_pool, out_pool
   return RowFn(opening, (pos, prev_slots, ctx.first_N, mid, has_base))
 
 
+class CompressorCall(NamedTuple):
+  """One compressor of a layer in a step: its params, spec, state pool (None at ratio 1), out pool, the quantizer of
+  its stored rows (None = as they are) and the key its state rows are tapped under."""
+  p: dict
+  spec: CompressorSpec
+  state_pool: Any
+  out_pool: Any
+  quantize_rows: Callable | None = None
+  tap_key: str = ""
+
+
+def pool_alike(calls) -> bool:
+  """Whether compressors fold the same windows (pooling, one ratio and overlap): their pools then run side by side
+  in one fold (`compress_steps`)."""
+  return all(c.spec.gated and c.spec.ratio > 1 and (c.spec.ratio, c.spec.overlap) ==
+             (calls[0].spec.ratio, calls[0].spec.overlap) for c in calls)
+
+
+def joint_opening_rows(calls, ctx: StepContext, inv_freq, eps: float) -> RowFn:
+  """`opening_rows` of several compressors (one alone, or several that `pool_alike`), as rows of the same input:
+  each output is theirs side by side on the channel axis, in the order of `calls`."""
+  rows = [opening_rows(c.p, c.spec, ctx, c.state_pool, c.out_pool, inv_freq, eps, c.quantize_rows) for c in calls]
+  if len(rows) == 1:
+    return rows[0]
+  if not pool_alike(calls):
+    raise ValueError(f"joint_opening_rows: compressors that fold different windows: {[c.spec for c in calls]}")
+
+  def opening(x, *args):
+    outs = [r.fn(x, *a) for r, a in zip(rows, args)]
+    return tuple(jnp.concatenate(parts, axis=-1) for parts in zip(*outs))
+  return RowFn(opening, tuple(r.args for r in rows))
+
+
 def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, out_pool, inv_freq, eps: float,
                   return_latent: bool = False, quantize_rows=None, taps: dict | None = None, tap_key: str = "",
                   opened=None):
@@ -242,26 +276,43 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   token would close: V4.1 derives its index keys from that latent (docs/model.md, Lightning indexer).
   `quantize_rows` (V4.1 quantized cache) is applied to the post-RoPE rows before they are stored. With
   `ctx.tap_state`, every token's state row [N, state width] is put in `taps[tap_key]` (pooling compressors only).
-  opened: the outputs of `opening_rows` (same arguments) where the caller ran them in its own loop; None = run
-  here.
+  opened: the outputs of `opening_rows` (same arguments) where the caller ran them in its own loop (x_NxD is then
+  not read); None = run here.
 
   Every per-token part (projections, the merges with the cached state row, the entry rows) runs in row blocks over
   the live tokens (`map_row_blocks`); only the fold across a window's tokens (`window_pool_scan`, none at decode)
   spans the flat axis."""
-  m = spec.ratio
-  pos = ctx.pos_N
+  call = CompressorCall(p, spec, state_pool, out_pool, quantize_rows, tap_key)
   if opened is None:
     rows = opening_rows(p, spec, ctx, state_pool, out_pool, inv_freq, eps, quantize_rows)
     opened = map_row_blocks(rows.fn, ctx.live, x_NxD, *rows.args)
+  return compress_steps([call], ctx, inv_freq, eps, opened, return_latent=return_latent, taps=taps)[0]
+
+
+def compress_steps(calls, ctx: StepContext, inv_freq, eps: float, opened, return_latent: bool = False,
+                   taps: dict | None = None):
+  """`compress_step` of each of `calls` (one, or several that `pool_alike`: a V4 CSA layer's KV and index
+  compressors), from `opened`, the outputs of `joint_opening_rows`. Their pools fold side by side: one fold, one
+  merge loop and one closing loop for all of them (each channel is pooled on its own, so side by side changes no
+  channel's arithmetic). Returns one `compress_step` result per call."""
+  spec = calls[0].spec
+  m = spec.ratio
+  pos = ctx.pos_N
+  if len(calls) > 1 and not pool_alike(calls):
+    raise ValueError(f"compress_steps: compressors that fold different windows: {[c.spec for c in calls]}")
 
   if not spec.gated or m == 1:
     # Ratio 1: every token is its own entry, no pooling state.
+    (call,) = calls
     latent, rows = opened
     slots = _emit(ctx, pos, ctx.valid_N, m)
-    new_out = caches.write_rows(out_pool, slots, rows)
-    return (None, new_out, (latent, pos, slots)) if return_latent else (None, new_out)
+    new_out = caches.write_rows(call.out_pool, slots, rows)
+    return [(None, new_out, (latent, pos, slots)) if return_latent else (None, new_out)]
 
-  finish = _entry_rows(p, out_pool, spec, inv_freq, eps, quantize_rows)
+  finishes = [_entry_rows(c.p, c.out_pool, c.spec, inv_freq, eps, c.quantize_rows) for c in calls]
+  bounds = [0]
+  for c in calls:
+    bounds.append(bounds[-1] + c.spec.width)
   phase = pos % m
   win_start, _, _, has_base = _step_masks(spec, ctx)
   reset = ctx.first_N | win_start | ~ctx.valid_N
@@ -288,15 +339,21 @@ def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, 
   entry = pos // m
 
   def closing(entry, *pools):
-    return (jnp.concatenate(pools, axis=-1), *finish(pools[1], entry))
-  state_rows, latent, rows = map_row_blocks(closing, ctx.live, entry, *pools)
-  if ctx.tap_state and taps is not None:
-    taps[tap_key] = state_rows
+    out = []
+    for i, finish in enumerate(finishes):
+      own = [pool[:, bounds[i]:bounds[i + 1]] for pool in pools]
+      out.append((jnp.concatenate(own, axis=-1), *finish(own[1], entry)))
+    return out
+  closed = map_row_blocks(closing, ctx.live, entry, *pools)
 
   # Keep the state after the last token of each block touched (a later step reads the row of its start - 1).
   keep = ctx.valid_N & (ctx.last_N | (pos % ctx.swa_block_tokens == ctx.swa_block_tokens - 1))
-  state_pool = caches.write_rows(state_pool, ctx.state_slots(pos, keep)[:, None], state_rows[:, None])
-
   slots = _emit(ctx, entry, ctx.valid_N & (phase == m - 1), m)
-  new_out = caches.write_rows(out_pool, slots, rows)
-  return (state_pool, new_out, (latent, entry, slots)) if return_latent else (state_pool, new_out)
+  results = []
+  for call, (state_rows, latent, rows) in zip(calls, closed):
+    if ctx.tap_state and taps is not None:
+      taps[call.tap_key] = state_rows
+    state_pool = caches.write_rows(call.state_pool, ctx.state_slots(pos, keep)[:, None], state_rows[:, None])
+    new_out = caches.write_rows(call.out_pool, slots, rows)
+    results.append((state_pool, new_out, (latent, entry, slots)) if return_latent else (state_pool, new_out))
+  return results

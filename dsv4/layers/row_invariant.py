@@ -7,7 +7,8 @@ here runs its rows in fixed blocks of `RowBlocking` rows, each block one call at
 whose trip count is the number of blocks holding live rows: a row's bits follow the block shape only, and the cost
 follows the live rows, never the padded width of the call. Row-local work between the dots (norms, softmaxes,
 elementwise maths) rides in the same loop (`map_row_blocks`), so a whole per-token segment of the model is one
-loop.
+loop, also where the segment spans the code of two modules: a `RowFn` hands one module's row-local work to the loop
+the other owns (a sublayer's input made in its first loop, the block's work after it as its tail).
 
 The routed experts are one grouped formulation for every batch size (`grouped_experts`): token-expert pairs sorted
 by expert, each expert's pairs cut into blocks of `RowBlocking.expert_rows`, one [rows, D] x [D, I] product per live
@@ -107,15 +108,16 @@ class RowFn(NamedTuple):
   sliced with the loop's rows).
 
   As a sublayer's `tail`: fn(y_block, *arg_blocks) -> a pytree of [rows, ...] blocks, run on the sublayer's output
-  rows in its last loop; the sublayer then returns fn's outputs in place of y (`map_row_blocks_then`)."""
+  rows in its last loop; the sublayer then returns fn's outputs in place of y (`map_row_blocks_then`). As a
+  sublayer's input (the attention's, `model.token_fn`): fn(*arg_blocks) -> (input block, carry blocks), made in
+  its first loop."""
   fn: Callable
   args: tuple = ()
 
 
 def map_row_blocks_then(fn, tail: RowFn | None, live, *xs, block: int = BLOCKING.rows):
   """`map_row_blocks(fn, live, *xs)` with `tail.fn` on fn's output rows (and the rows of `tail.args`) in the same
-  loop; tail None: fn's output. Row-local in, row-local out: a row's bits are those of the two loops one after
-  the other."""
+  loop; tail None: fn's output. Both row-local, so a row's bits still follow the block shape only."""
   if tail is None:
     return map_row_blocks(fn, live, *xs, block=block)
   n = len(xs)
