@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dsv4 import caches, config, model
-from dsv4.layers import compressor as comp
+from dsv4.layers import compressor as comp, row_invariant
 from dsv4.layers.norms import rms_norm
 from dsv4.layers.rope import apply_rope, inv_freq_for
 
@@ -145,7 +145,6 @@ def test_swa_table_cut_to_the_window_is_bitwise_the_same(setup):
   """A step given only the swa blocks its rows can touch (StepIndex.swa_base_R: the engine's tables follow the
   window + chunk, not the context) computes exactly what it computes with the whole swa table."""
   cfg, params = setup
-  rng = np.random.default_rng(4)
   lengths = np.asarray([120, 70])
   tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(9), (2, 120), 0, cfg.vocab_size))
   whole, _ = run_ragged(cfg, params, tokens, lengths, np.random.default_rng(4))
@@ -330,7 +329,6 @@ def test_paged_indexer_equals_reference_path(setup, monkeypatch):
   from pallas_kernels import dispatch
   from tests.pallas_kernels.test_indexer_paged import assert_topk_matches
   cfg, params = setup
-  rng = np.random.default_rng(3)
   lengths = np.asarray([90, 130, 40])
   tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(5), (3, 130), 0, cfg.vocab_size))
   got, _ = run_ragged(cfg, params, tokens, lengths, np.random.default_rng(3))
@@ -358,3 +356,40 @@ def test_paged_indexer_equals_reference_path(setup, monkeypatch):
                           cfg.indexer.topk)
       checked += 1
   assert checked == sum(p.has_index_query for p in cfg.layer_plan())
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_side_by_side_compressors_equal_each_alone(invariant):
+  """A CSA layer's KV and index compressors folded side by side (`compress_steps`: one fold, merge loop and closing
+  loop for both) write bitwise the state rows and entries each writes alone (`compress_step`), over a prefill chunk
+  that resumes mid-window and a two-token step after it."""
+  cfg = config.v4_tiny()
+  plan = next(p for p in cfg.layer_plan() if p.kind == "csa")
+  p = model.init_params(cfg, jax.random.PRNGKey(5))["layers"][plan.index]["attn"]
+  from dsv4.layers.attention import index_compressor_spec, kv_compressor_spec
+  specs = (kv_compressor_spec(cfg, plan), index_compressor_spec(cfg, plan))
+  params = (p["compressor"], p["indexer"]["compressor"])
+  layout = caches.CacheLayout()
+  inv = inv_freq_for(cfg.attention, plan.rope)
+  m = plan.ratio
+  pools = [(jnp.zeros((8, 1, caches.compressor_state_width(s.width, s.overlap)), jnp.float32),
+            jnp.zeros((4, layout.full_block_tokens // m, s.width), jnp.float32)) for s in specs]
+  alone, joint = list(pools), list(pools)
+  x = jax.random.normal(jax.random.PRNGKey(6), (3 * m + 3, cfg.hidden_size))
+  swa, full = jnp.arange(8)[None], jnp.arange(4)[None]
+  for start, n in ((0, m + 1), (m + 1, 2 * m), (3 * m + 1, 2)):   # chunks that start and end mid-window
+    step = caches.StepIndex(jnp.zeros(n, jnp.int32), jnp.arange(start, start + n, dtype=jnp.int32),
+                            jnp.full(1, start, jnp.int32), jnp.full(1, n, jnp.int32),
+                            {caches.SWA: swa, caches.FULL: full}, invariant=invariant)
+    ctx = comp.StepContext.from_step(step, layout, invariant=invariant)
+    xs = x[start:start + n]
+    alone = [comp.compress_step(pp, xs, s, ctx, st, out, inv, cfg.rms_norm_eps)
+             for pp, s, (st, out) in zip(params, specs, alone)]
+    calls = [comp.CompressorCall(pp, s, st, out) for pp, s, (st, out) in zip(params, specs, joint)]
+    rows = comp.joint_opening_rows(calls, ctx, inv, cfg.rms_norm_eps)
+    opened = row_invariant.map_row_blocks(rows.fn, ctx.live, xs, *rows.args)
+    joint = comp.compress_steps(calls, ctx, inv, cfg.rms_norm_eps, opened)
+  for (st_a, out_a), (st_j, out_j) in zip(alone, joint):
+    assert np.any(np.asarray(out_a))            # entries were written: the comparison can fail
+    np.testing.assert_array_equal(np.asarray(st_j), np.asarray(st_a))
+    np.testing.assert_array_equal(np.asarray(out_j), np.asarray(out_a))

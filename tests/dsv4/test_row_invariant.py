@@ -244,3 +244,31 @@ def test_dead_rows_of_loop_buffers_reach_no_live_row_on_the_kernels(monkeypatch)
   with monkeypatch.context() as m:
     m.setattr(row_invariant, "_unfilled", _garbage)
     _assert_same(zeros, _forward_bits(lay, kernel_cfg=kcfg))
+
+
+@jax.jit
+def _then(x, w, g, live):
+  """A projection's loop with a tail (an RMS norm scaled by another array's rows) run in it."""
+  tail = row_invariant.RowFn(lambda y, gb: (y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
+                                            * gb).astype(x.dtype), (g,))
+  return row_invariant.map_row_blocks_then(lambda xb: jnp.dot(xb, w, precision=_HI), tail, live, x, block=16)
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), live=st.integers(1, N), place=st.integers(0, N - 1))
+def test_a_tail_in_its_sublayers_loop_keeps_row_bits(seed, live, place):
+  """`map_row_blocks_then`: the tail's work on fn's rows inside fn's loop (bf16): a row's bits ignore the live count
+  and the other rows, and the values are those of the two steps one after the other."""
+  kx, kw, kg = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x = jax.random.normal(kx, (N, K_IN), jnp.bfloat16)
+  w = jax.random.normal(kw, (K_IN, M_OUT), jnp.bfloat16)
+  g = jax.random.normal(kg, (N, M_OUT), jnp.bfloat16)
+  alone = np.asarray(_then(jnp.zeros_like(x).at[0].set(x[0]), w, jnp.zeros_like(g).at[0].set(g[0]), 1))[0]
+  place = place % live
+  perm = np.random.default_rng(seed).permutation(N - 1) + 1
+  order = np.insert(perm, place, 0)
+  got = np.asarray(_then(x[order], w, g[order], live))
+  np.testing.assert_array_equal(got[place], alone)
+  y = jnp.dot(x[order][:live], w, precision=_HI)
+  ref = (y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6) * g[order][:live]).astype(x.dtype)
+  np.testing.assert_allclose(np.asarray(got[:live], np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-2)
