@@ -10,7 +10,7 @@ top-k diagnosis, then every kernel against its reference at V4-Flash shapes, tim
 executable, then the batch-invariant matmuls (time against XLA, a row's bits across row counts); (c) the
 main job (experiments.serve as a library call, the shipped model, 48 graded answers); (d) the engine at V4-Flash
 attention widths (v4_flash_layers:4, random bf16 weights; bf16 and FP8 KV; kernels vs XLA; a request alone vs
-batched, bitwise); (e) kernel tuning rows while time is left.
+batched, bitwise; the step's while loops in its CUDA graphs); (e) kernel tuning rows while time is left.
 
 Output: OUT_DIR/results.jsonl (a row per item, appended as it ends), OUT_DIR/suite.md (the tables, rewritten after
 every row), OUT_DIR/serve/ (the main job's outputs). Compiled programs go to the persistent compilation cache

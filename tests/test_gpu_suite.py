@@ -7,7 +7,6 @@ kernels_bench's CPU smoke run."""
 import ast
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -182,6 +181,7 @@ def test_the_whole_suite_dry_runs_on_the_cpu(tmp_path):
   assert by["d.engine.bf16"]["generated_tokens"] > 0 and by["d.engine.bf16"]["decode_step_ms"] > 0
   assert by["d.engine.bf16"]["bookkeeping_ms"] > 0 and by["d.engine.bf16"]["hit_tokens"] > 0
   assert by["d.engine.bf16"]["preemptions"] >= 1                  # prefix hits and preemption in the mix
+  assert by["d.engine.cmdbuf"]["tokens_as_bf16_row"] and not by["d.engine.cmdbuf"]["applies"]   # CPU: ignored
   assert by["d.engine.alone"]["tokens_equal"] and by["d.engine.alone"]["logits_bitwise"]
   assert "max_dlogit" in by["d.engine.xla_vs_kernels"]
   assert by["d.engine.fp8"]["kv"] == "fp8"

@@ -89,7 +89,12 @@ def model(dry: bool, seed: int):
   return cfg, params
 
 
-def engine_config(cfg, wl: Workload, prompts, *, kv: str, kernels: str, record_logits: bool = True):
+# XLA's default command types plus the loops' (`EngineConfig.gpu_step_command_buffers`).
+LOOP_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+
+
+def engine_config(cfg, wl: Workload, prompts, *, kv: str, kernels: str, record_logits: bool = True,
+                  command_buffers: str = ""):
   """The engine for `prompts`: rows and token budget of the workload, the full-history pool at `pool_fraction` of
   the blocks the whole batch would hold at once (128-token blocks; a group's shared prefix counted once), never
   less than the longest request needs plus one."""
@@ -102,7 +107,8 @@ def engine_config(cfg, wl: Workload, prompts, *, kv: str, kernels: str, record_l
                       chunk_size=wl.chunk_size, max_model_len=max_len, num_full_blocks=num_full,
                       num_swa_blocks=max(4 * wl.max_num_seqs * -(-(wl.chunk_size + 256) // 32), 512),
                       dtype="bf16", record_logits=record_logits, model_id=cfg.name,
-                      layout=caches.CacheLayout(kv_dtype=kv_dtype), kernel=dispatch.KernelConfig(backend=kernels))
+                      layout=caches.CacheLayout(kv_dtype=kv_dtype), kernel=dispatch.KernelConfig(backend=kernels),
+                      gpu_step_command_buffers=command_buffers)
 
 
 class _BookkeepingSampler:

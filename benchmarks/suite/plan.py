@@ -14,6 +14,8 @@ import time
 import traceback
 from typing import Callable, Iterator
 
+import jax
+
 from benchmarks.suite import ceilings, engine_width as ew, invariant_dots, kernel_cases as kc, row_bits, serve_job
 from benchmarks.suite.budget import Budget
 from benchmarks.suite.kernel_cases import TopkDiagnosis
@@ -195,6 +197,24 @@ def _engine_bf16(ctx):
   yield dict(_engine_row(ew, ctx, res, kv="bf16", kernels=kernels), item="d.engine.bf16")
 
 
+def _engine_cmdbuf(ctx):
+  """`d.engine.bf16` with the row-block loops inside the step's CUDA graphs (`ew.LOOP_COMMAND_BUFFERS`): its steps
+  against that row's are what the loops' host round trips cost; its tokens must be the same."""
+  if "cfg" not in ctx.engine:
+    _engine_setup(ctx)
+  wl, cfg, params, prompts, kernels = (ctx.engine[k] for k in ("wl", "cfg", "params", "prompts", "kernels"))
+  ec = ew.engine_config(cfg, wl, prompts, kv="bf16", kernels=kernels, command_buffers=ew.LOOP_COMMAND_BUFFERS)
+  res = ew.serve(params, cfg, ec, prompts, wl.max_tokens)
+  row = dict(_engine_row(ew, ctx, res, kv="bf16", kernels=kernels), command_buffers=ec.gpu_step_command_buffers,
+             applies=jax.default_backend() == "gpu")
+  if "bf16" in ctx.engine and row["status"] == "ok":
+    same = [list(a.output) == list(b.output) for a, b in zip(ctx.engine["bf16"], res["outputs"])]
+    row["tokens_as_bf16_row"] = all(same)
+    if not all(same):
+      row.update(status="mismatch", error=f"{same.count(False)} requests' tokens differ from d.engine.bf16's")
+  yield row
+
+
 def _engine_alone(ctx):
   if "bf16" not in ctx.engine:
     yield dict(status="skipped", error="the batched bf16 run did not finish")
@@ -250,6 +270,8 @@ def items() -> list[Item]:
       Item("c.serve", 60, _serve, "the main job (experiments.serve, shipped model): 48 graded answers"),
       Item("d.engine.bf16", 90, _engine_bf16, "engine at V4-Flash widths, bf16 KV, kernels"),
       Item("d.engine.alone", 40, _engine_alone, "two requests alone vs batched, bitwise"),
+      Item("d.engine.cmdbuf", 80, _engine_cmdbuf, "d.engine.bf16 with the step's while loops inside its CUDA graphs "
+           "(EngineConfig.gpu_step_command_buffers): what the loops' host round trips cost"),
       Item("d.engine.xla", 60, _engine_xla, "the XLA path vs the kernels: first divergent token, max |dlogit|"),
       Item("d.engine.fp8", 60, _engine_fp8, "engine at V4-Flash widths, FP8 KV, kernels"),
       Item("e.tuning", 20, _tuning, "sparse decode tilings, as many as time allows"),

@@ -90,7 +90,8 @@ class PlainRunner:
   def __init__(self, run: ModelRunner):
     self.runner = run
     self.base_shape = run.step_shape
-    opts = step_program.step_compiler_options(run.engine_config.cpu_step_opt_level)   # the engine step's options
+    ec = run.engine_config
+    opts = step_program.step_compiler_options(ec.cpu_step_opt_level, ec.gpu_step_command_buffers)   # the step's
     jitted = jax.jit(_plain_ragged_step, static_argnames=step_program._STEP_STATICS,
                      donate_argnames=("cache", "tables"), compiler_options=dict(opts) or None)
 

@@ -15,6 +15,11 @@ from dsv4 import caches
 from pallas_kernels import dispatch
 
 
+# XLA's command buffer command types (DebugOptions.CommandBufferCmdType, by name).
+COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "COLLECTIVES", "CONDITIONAL", "WHILE",
+                        "DYNAMIC_SLICE_FUSION", "DYNAMIC_SLICE_COPY_FUSION")
+
+
 def flag_field(default, help_text: str, choices: tuple | None = None):
   """A dataclass field whose metadata carries its flag's help text and choices (read by
   experiments/dataclass_flags.py); EngineConfig's and ServeOptions' fields are all made by it."""
@@ -66,6 +71,13 @@ class EngineConfig:
   cpu_step_opt_level: int = flag_field(-1, "XLA CPU: LLVM optimisation level of the step program (0-3; -1 = XLA's "
                                        "default; XLA_FLAGS' level wins): lower compiles faster, runs slower. Other "
                                        "backends ignore it.")
+  # XLA GPU only: the command types the step program's CUDA graphs take (`xla_gpu_enable_command_buffer`). By
+  # default XLA's runtime runs each row-block loop's `while` from the host: a copy of its condition and a wait for
+  # the stream per trip test (BUILD_NOTES.md, Engine, Open); with WHILE and CONDITIONAL the loops run inside the graph.
+  # The GPU suite's `d.engine.cmdbuf` row measures the step both ways.
+  gpu_step_command_buffers: str = flag_field("", "XLA GPU: command types of the step program's CUDA graphs, comma "
+                                             "separated (e.g. FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
+                                             "CONDITIONAL; '' = XLA's default). Other backends ignore it.")
   # Speculative decoding with the model's drafter (ModelConfig.num_mtp_layers >= 1: V4's MTP block, V4.1's DSpark
   # stages, k <= dspark.block_size): each decode row carries the k drafts proposed last step; one step verifies
   # them (greedy: the tokens without drafts; sampled: rejection sampling, the same distribution), keeps the accepted
@@ -91,6 +103,11 @@ class EngineConfig:
     lvl = self.cpu_step_opt_level
     if not isinstance(lvl, (int, np.integer)) or isinstance(lvl, bool) or not -1 <= lvl <= 3:
       raise ValueError(f"EngineConfig.cpu_step_opt_level: an integer in -1..3 (-1 = XLA's default), got {lvl!r}")
+    cmds = self.gpu_step_command_buffers
+    bad = [c for c in str(cmds).split(",") if c.strip() not in COMMAND_BUFFER_TYPES] if cmds else []
+    if not isinstance(cmds, str) or bad:
+      raise ValueError(f"EngineConfig.gpu_step_command_buffers: comma-separated names from "
+                       f"{', '.join(COMMAND_BUFFER_TYPES)} ('' = XLA's default), got {cmds!r}")
     if not isinstance(self.async_scheduling, bool):
       raise ValueError(f"EngineConfig.async_scheduling: True or False, got {self.async_scheduling!r}")
     k = self.num_speculative_tokens

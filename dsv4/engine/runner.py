@@ -160,7 +160,8 @@ class ModelRunner:
     # managers); on a mesh the managers apply it in their own call before the step and the tables travel with it
     self.fused = managers is not None and mesh is None
     # the one-device step program, jitted with this engine's compiler options (on the CPU: LLVM's level)
-    self._one_device_step = jitted_ragged_step(step_compiler_options(ec.cpu_step_opt_level))
+    self._one_device_step = jitted_ragged_step(step_compiler_options(ec.cpu_step_opt_level,
+                                                                     ec.gpu_step_command_buffers))
     self._mesh_copies = None              # block copies on the mesh (the KV tiers' reads and writes)
     if managers is not None:
       for m in managers:
@@ -401,9 +402,10 @@ class ModelRunner:
       return StepOutput(cache, None, results, None, logits)
     rep = NamedSharding(self.mesh, PartitionSpec())
     sh = self.shardings
+    opts = step_compiler_options(ec.cpu_step_opt_level, ec.gpu_step_command_buffers)
     fn = jax.jit(ragged_step, in_shardings=(sh["params"], sh["cache"], sh["plan"], rep, sh["plan"]),
                  out_shardings=StepOutput(sh["cache"], None, rep, None, rep if ec.record_logits else None),
-                 donate_argnums=(1,), compiler_options=dict(step_compiler_options(ec.cpu_step_opt_level)) or None)
+                 donate_argnums=(1,), compiler_options=dict(opts) or None)
     self._mesh_steps[shape] = fn
     return fn
 

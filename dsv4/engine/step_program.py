@@ -165,11 +165,14 @@ ragged_step = jitted_ragged_step(())   # at XLA's defaults (benchmarks lowering 
 NO_LOOP_HOISTING = ("xla_disable_hlo_passes", "while-loop-invariant-code-motion")
 
 
-def step_compiler_options(cpu_opt_level: int) -> tuple:
+def step_compiler_options(cpu_opt_level: int, gpu_command_buffers: str = "") -> tuple:
   """The step program's XLA options for the default backend: on the CPU, no while-loop invariant code motion
   (`NO_LOOP_HOISTING`, unless XLA_FLAGS disables passes itself) and LLVM's optimisation level `cpu_opt_level`
   (EngineConfig.cpu_step_opt_level; -1 = XLA's default; a level set in XLA_FLAGS wins: the test suite's, a
-  user's). Other backends: XLA's defaults (not measured there)."""
+  user's). On a GPU: the command types of its CUDA graphs, `gpu_command_buffers`
+  (EngineConfig.gpu_step_command_buffers; '' = XLA's default); otherwise XLA's defaults (not measured there)."""
+  if jax.default_backend() == "gpu":
+    return (("xla_gpu_enable_command_buffer", gpu_command_buffers),) if gpu_command_buffers else ()
   if jax.default_backend() != "cpu":
     return ()
   flags = os.environ.get("XLA_FLAGS", "")

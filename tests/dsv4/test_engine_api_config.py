@@ -73,6 +73,7 @@ def test_from_flags_builds_what_was_asked():
     ("model_api", "flax", r"EngineConfig\.model_api: 'functional' or 'nnx', got 'flax'"),
     ("num_speculative_tokens", 9, r"EngineConfig\.num_speculative_tokens: an integer in 0\.\.8"),
     ("cpu_step_opt_level", 4, r"EngineConfig\.cpu_step_opt_level: an integer in -1\.\.3"),
+    ("gpu_step_command_buffers", "FUSION,LOOPS", r"EngineConfig\.gpu_step_command_buffers: comma-separated names"),
 ])
 def test_engine_config_names_the_bad_field(field, value, msg):
   with pytest.raises(ValueError, match=msg):
@@ -97,3 +98,17 @@ def test_cpu_step_options_reach_the_step_program_unless_xla_flags_set_them(monke
   assert step_program.jitted_ragged_step(()) is step_program.ragged_step
   assert step_program.jitted_ragged_step((("xla_backend_optimization_level", 1),)) is not step_program.ragged_step
   assert step_program.ragged_step.__name__ == "ragged_step"
+
+
+def test_gpu_command_buffers_reach_the_step_program_on_a_gpu(monkeypatch):
+  """EngineConfig.gpu_step_command_buffers becomes the step's `xla_gpu_enable_command_buffer` on a GPU backend only
+  (XLA parses the comma-separated names per compile); the CPU's options ignore it."""
+  import jax
+  from dsv4.engine import step_program
+  cmds = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+  dataclasses.replace(EngineConfig(), gpu_step_command_buffers=cmds).validate()
+  on_cpu = step_program.step_compiler_options(-1)
+  assert step_program.step_compiler_options(-1, cmds) == on_cpu
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert step_program.step_compiler_options(-1, cmds) == (("xla_gpu_enable_command_buffer", cmds),)
+  assert step_program.step_compiler_options(2, "") == ()
