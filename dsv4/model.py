@@ -236,7 +236,7 @@ class Sublayers(NamedTuple):
   in `rows_around`."""
   hc_attn: Callable       # X_BxTxNxD -> (pre, post, comb)      (mhc.hc_coefficients)
   attn_norm: jax.Array    # [D]
-  attn: Callable          # (x_NxD, ctx, cache_l, kernel_cfg, collect_aux[, shared], tail=) -> (cache_l, y_NxD, aux[, shared])
+  attn: Callable          # (x, ctx, cache_l, kernel_cfg, collect_aux[, shared], tail=) -> (cache_l, y, aux[, shared])
   hc_ffn: Callable        # X_BxTxNxD -> (pre, post, comb)
   ffn_norm: jax.Array     # [D]
   ffn: Callable           # (x_BxTxD, tokens_BxT, live, kernel_cfg, tail=) -> y_BxTxD     (moe.moe)
@@ -274,7 +274,7 @@ def block_forward(s: Sublayers, config: ModelConfig, X, tokens, ctx, cache_l, ke
   live = None if ctx is None else ctx.live      # no step context: DSpark's draft block (its own fixed rows)
   # The mHC work around each sublayer rides in the sublayer's own row-block loops: the attention's input is made in
   # its projection loop (`token_fn`: never stored), and the work after each sublayer is its tail,
-  # run in its last loop. hc_attn's post / comb reach the attention's tail as the head's carry.
+  # run in its last loop. hc_attn's post / comb reach the attention's tail as its input's carry.
   if not config.single_pass_mhc:
     def pre_attn(X):
       pre, post, comb = s.hc_attn(X)
