@@ -33,6 +33,8 @@ What the modules are, and are not:
   runs `model.block_forward` (the block wiring the functional model uses too) over its own sub-modules, and
   `Model` runs `model.forward_ragged_aux`'s layer loop over its own `Block`s and `hc_head` (its `blocks` /
   `hc_head` arguments). With unedited modules the traced program is the functional model's, op for op.
+  A block hands `Attention` and `MoE` its mHC work around them as row functions they run in their own loops
+  (`model.Sublayers`): an edit of their output rows goes through `row_invariant.tail_after`.
 * The engine's step (`dsv4.engine.runner.ragged_step`, model_api="nnx") takes the `nnx.split` of the runner's
   module: the state is the traced argument, the graphdef a static one (a changed module is a new graphdef, so
   its own compiled program), and `nnx.merge` inside the jit rebuilds the module that runs.
@@ -131,7 +133,12 @@ class HeadConnection(_ParamTree):
 
 
 class Attention(_ParamTree):
-  """Sliding window / CSA / HCA / CSA2 attention of one layer (`dsv4.layers.attention`)."""
+  """Sliding window / CSA / HCA / CSA2 attention of one layer (`dsv4.layers.attention`).
+
+  Inside a block its input comes as rows to make in its projection loop and its output rows go through the block's
+  `tail` in its last loop (`model.Sublayers`), so it returns the tail's outputs. An edited module changes its
+  output rows by passing `row_invariant.tail_after(f, tail)` on to this call (f row-local: `lambda y: 2.0 * y`);
+  work across rows takes the whole arrays through `model.rows_around`."""
   _children = {"compressor": Compressor, "indexer": Indexer}
 
   def __call__(self, x_NxD, ctx, cache_layer: dict, kernel_cfg=dispatch.KernelConfig(), collect_aux=False,
@@ -154,7 +161,8 @@ class SharedExpert(_ParamTree):
 
 
 class MoE(_ParamTree):
-  """Router (gate + bias, or hash table tid2eid) and experts; the call is `moe.moe`."""
+  """Router (gate + bias, or hash table tid2eid) and experts; the call is `moe.moe`. Inside a block its output rows
+  go through the block's `tail` (as `Attention`'s)."""
   _children = {"experts": RoutedExperts, "shared": SharedExpert}
 
   def __call__(self, x_BxTxD, token_ids_BxT, live=None, kernel_cfg=None, tail=None):

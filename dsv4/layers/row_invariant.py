@@ -115,6 +115,15 @@ class RowFn(NamedTuple):
   args: tuple = ()
 
 
+def tail_after(f, tail: RowFn | None) -> RowFn:
+  """A tail that maps a sublayer's output rows with the row-local `f` before `tail` does its work (tail None: `f`
+  alone). How an edited module changes its output rows: it passes `tail_after(f, tail)` on to its parent's call
+  (`nnx_model.Attention`)."""
+  if tail is None:
+    return RowFn(f)
+  return RowFn(lambda y, *blocks: tail.fn(f(y), *blocks), tail.args)
+
+
 def map_row_blocks_then(fn, tail: RowFn | None, live, *xs, block: int = BLOCKING.rows):
   """`map_row_blocks(fn, live, *xs)` with `tail.fn` on fn's output rows (and the rows of `tail.args`) in the same
   loop; tail None: fn's output. Both row-local, so a row's bits still follow the block shape only."""
