@@ -35,6 +35,9 @@ SLOW = {
         "test_row_invariant.py::test_in_place_updates_and_unwritten_buffers_keep_the_bits (NaN loop buffers on the "
         "XLA ops), the kernels' live-bound tests in tests/pallas_kernels/test_sparse_attention.py and "
         "test_hca_attention.py",
+    "tests/dsv4/test_model_ragged.py::test_side_by_side_compressors_equal_each_alone[False]":
+        "test_side_by_side_compressors_equal_each_alone[True] (the same side-by-side code on the engine's fold; "
+        "both folds are elementwise per channel)",
     "tests/dsv4/test_dspark_engine.py::test_drafts_never_change_greedy_tokens[False]":
         "test_drafts_never_change_greedy_tokens[True] (async) and test_served_drafts_equal_drafts_from_scratch "
         "(synchronous steps, greedy tokens equal the engine without drafts)",

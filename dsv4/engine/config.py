@@ -104,7 +104,7 @@ class EngineConfig:
     if not isinstance(lvl, (int, np.integer)) or isinstance(lvl, bool) or not -1 <= lvl <= 3:
       raise ValueError(f"EngineConfig.cpu_step_opt_level: an integer in -1..3 (-1 = XLA's default), got {lvl!r}")
     cmds = self.gpu_step_command_buffers
-    bad = [c for c in str(cmds).split(",") if c.strip() not in COMMAND_BUFFER_TYPES] if cmds else []
+    bad = [c for c in str(cmds).split(",") if c not in COMMAND_BUFFER_TYPES] if cmds else []   # XLA: no spaces
     if not isinstance(cmds, str) or bad:
       raise ValueError(f"EngineConfig.gpu_step_command_buffers: comma-separated names from "
                        f"{', '.join(COMMAND_BUFFER_TYPES)} ('' = XLA's default), got {cmds!r}")

@@ -262,10 +262,11 @@ def joint_opening_rows(calls, ctx: StepContext, inv_freq, eps: float) -> RowFn:
   if not pool_alike(calls):
     raise ValueError(f"joint_opening_rows: compressors that fold different windows: {[c.spec for c in calls]}")
 
+  # compressors that pool alike read the same per-token arguments (positions, the state slot, the window masks)
   def opening(x, *args):
-    outs = [r.fn(x, *a) for r, a in zip(rows, args)]
+    outs = [r.fn(x, *args) for r in rows]
     return tuple(jnp.concatenate(parts, axis=-1) for parts in zip(*outs))
-  return RowFn(opening, tuple(r.args for r in rows))
+  return RowFn(opening, rows[0].args)
 
 
 def compress_step(p, x_NxD, spec: CompressorSpec, ctx: StepContext, state_pool, out_pool, inv_freq, eps: float,

@@ -74,6 +74,7 @@ def test_from_flags_builds_what_was_asked():
     ("num_speculative_tokens", 9, r"EngineConfig\.num_speculative_tokens: an integer in 0\.\.8"),
     ("cpu_step_opt_level", 4, r"EngineConfig\.cpu_step_opt_level: an integer in -1\.\.3"),
     ("gpu_step_command_buffers", "FUSION,LOOPS", r"EngineConfig\.gpu_step_command_buffers: comma-separated names"),
+    ("gpu_step_command_buffers", "FUSION, WHILE", r"EngineConfig\.gpu_step_command_buffers: comma-separated names"),
 ])
 def test_engine_config_names_the_bad_field(field, value, msg):
   with pytest.raises(ValueError, match=msg):
