@@ -10,9 +10,12 @@ docs/engine.md (Cost at real width).
 Columns: weight / KV / activation bytes and FLOPs of the plain step (c) (the row-invariant step (b) reads the same
 weights), the tiled step's (a) weight bytes, each design's roofline ms, and the ratios to (c). "(b)" cuts matmul
 reductions into fixed 256-wide pieces (parallel or serial per call, same bits); "(b) no split-K" never splits them.
-"(d)" is the engine's step as built: each dense projection in fixed 32-row blocks, one call (and one read of its
-weights) per block, the routed experts once per step on the grouped expert kernel; "(d) call floor" is its
-projection calls in sequence times the same assumed 5 us (launch gaps the roofline leaves out). "scan floor" is each
+"(d)" is the engine's step as built on a GPU: each dense projection in fixed blocks of `row_invariant.GPU_BLOCKING`
+rows, one call (and one read of its weights) per block, the per-token work around it on whole blocks, the routed
+experts once per step on the grouped expert kernel; "(d) call floor" is its
+projection calls in sequence times the same assumed 5 us (launch gaps the roofline leaves out). A second table per
+model puts (d)/(c) at other row blocks (`--row_blocks`): fewer rows re-read the weights more often at prefill, more
+rows pad a decode step's one block with work. "scan floor" is each
 design's dependent compressor fold steps times an assumed 5 us each (latency the roofline
 leaves out): (a) and (b) fold each pooling window's tokens in position order (up to ratio - 1 steps a pass), (c)
 with the doubling scan (log2 of the window).
@@ -28,14 +31,19 @@ from benchmarks.support import step_cost
 from benchmarks.support.budget_width import budget_bytes
 from benchmarks.support.table import print_table
 from dsv4.config import get_preset
+from dsv4.layers import row_invariant
 
 flags.DEFINE_list("models", ["v4_flash", "v41_flash"], "Model presets (dsv4.config).")
 flags.DEFINE_enum("device", "h200", sorted(step_cost.DEVICES), "Device description.")
 flags.DEFINE_enum("experts", "mxfp4", ["mxfp4", "fp8", "bf16"], "Routed expert weight format.")
 flags.DEFINE_enum("kv", "bf16", ["bf16", "fp8"], "KV pool format (bf16 rows or 584-byte FP8 records).")
 flags.DEFINE_enum("compute", "bf16", ["bf16", "fp8"], "Tensor-core rate the matmuls run at.")
+flags.DEFINE_enum("projections", "fp8", ["fp8", "bf16"], "Dense projection weight format (fp8 as released; bf16 as "
+                  "the loader holds them today).")
 flags.DEFINE_integer("tile", 64, "Tokens per tile of the dropped tiled step (a).")
-flags.DEFINE_integer("row_block", 32, "Rows per projection call of the step as built (d) (RowBlocking.rows).")
+flags.DEFINE_integer("row_block", row_invariant.GPU_BLOCKING.rows,
+                     "Rows per projection call of the step as built (d) (row_invariant.GPU_BLOCKING.rows).")
+flags.DEFINE_list("row_blocks", ["32", "64", "80", "96", "128"], "Row blocks of the (d)/(c) trade table; empty: none.")
 flags.DEFINE_list("budgets", ["512", "2048", "8192"], "Engine token budgets of the budget-width table (what (d) "
                   "writes at its budget's width, traced from the step program; about 20 s per model); empty: none.")
 FLAGS = flags.FLAGS
@@ -56,6 +64,23 @@ def step_rows(cfg, dev, fmt, tiling) -> list[list]:
                  " / ".join(f"{x.scan_steps * dev.dependent_step_s * 1e3:.3g}" for x in (a, b, c)),
                  projection_calls(w, pt, tiling) * dev.dependent_step_s * 1e3])
   return rows
+
+
+def row_block_rows(cfg, dev, fmt, tiling, blocks) -> list[list]:
+  """(d)/(c) at every point for each row block in `blocks`, and the worst point."""
+  w = step_cost.model_weights(cfg, fmt)
+  points = step_cost.default_points()
+  plain = [step_cost.step_cost(cfg, pt, "plain", dev, fmt, tiling, w).time_s for pt in points]
+  rows = []
+  for rb in blocks:
+    t = dataclasses.replace(tiling, row_block=rb)
+    r = [step_cost.step_cost(cfg, pt, "blocked", dev, fmt, t, w).time_s / c for pt, c in zip(points, plain)]
+    rows.append([rb, *(f"{x:.2f}" for x in r), f"{max(r):.2f}"])
+  return rows
+
+
+def row_block_headers():
+  return ["rows per block"] + [f"(d)/(c), {pt.label}" for pt in step_cost.default_points()] + ["worst"]
 
 
 def projection_calls(w, pt, tiling) -> int:
@@ -120,16 +145,22 @@ MEASURED_HEADERS = ["GPU check row (H200)", "model op", "design", "model ms", "m
 def main(argv):
   del argv
   dev = step_cost.DEVICES[FLAGS.device]
-  fmt = step_cost.Formats(experts=FLAGS.experts, kv=FLAGS.kv, compute=FLAGS.compute)
+  fmt = step_cost.Formats(experts=FLAGS.experts, kv=FLAGS.kv, compute=FLAGS.compute, projections=FLAGS.projections)
   tiling = step_cost.Tiling(tile_tokens=FLAGS.tile, row_block=FLAGS.row_block)
   print(f"{dev.name}: HBM {dev.hbm_bytes_per_s / 1e12:.2f} TB/s, {fmt.compute} matmuls at "
         f"{dev.peak(fmt.compute) / 1e12:.0f} TFLOP/s ({dev.matmul_efficiency:.0%} of spec), {dev.num_sms} SMs; "
-        f"experts {fmt.experts}, KV {fmt.kv}, tile {tiling.tile_tokens}. (a) tiled step (dropped), (b) row-invariant "
-        f"step on fixed-tile kernels (fixed split-K), (c) plain step, (d) the row-invariant step as built "
-        f"({tiling.row_block}-row projection blocks, grouped expert kernel).")
+        f"experts {fmt.experts}, projections {fmt.projections}, KV {fmt.kv}, tile {tiling.tile_tokens}. (a) tiled "
+        f"step (dropped), (b) row-invariant step on fixed-tile kernels (fixed split-K), (c) plain step, (d) the "
+        f"row-invariant step as built ({tiling.row_block}-row blocks, the shared expert among the projections, the "
+        f"routed experts on the grouped expert kernel where it takes them, else in a loop of "
+        f"{tiling.loop_expert_rows}-pair blocks).")
   for name in FLAGS.models:
     cfg = get_preset(name)
     print_table(STEP_HEADERS, step_rows(cfg, dev, fmt, tiling), title=f"{name}: one step, roofline")
+    if FLAGS.row_blocks:
+      print_table(row_block_headers(), row_block_rows(cfg, dev, fmt, tiling, [int(b) for b in FLAGS.row_blocks]),
+                  title=f"{name}: (d)/(c) by rows per block of the row-invariant ops (the engine's GPU blocks: "
+                        f"{row_invariant.GPU_BLOCKING.rows})")
     if FLAGS.budgets:
       bb = budget_bytes(cfg)
       print_table(budget_headers(), budget_rows(cfg, dev, fmt, tiling, [int(b) for b in FLAGS.budgets]),

@@ -227,12 +227,13 @@ def serve(params, cfg, ec, prompts, max_tokens: int, *, bookkeeping_samples: int
 
 def roofline_ms(cfg, kind: str, batch: float | None, context: int, kv: str, design: str = "blocked") -> float | None:
   """The roofline of `design` at this point (benchmarks/support/step_cost.py: "blocked" is the step as built, "plain"
-  a non-invariant step; None where it cannot cost the point): random bf16 weights, so experts stored bf16."""
+  a non-invariant step; None where it cannot cost the point): random bf16 weights, so experts and projections
+  stored bf16."""
   if not batch:
     return None
   try:
     point = sc.Point(kind, int(round(batch)), int(context))
-    cost = sc.step_cost(cfg, point, design, sc.H200, sc.Formats(experts="bf16", kv=kv))
+    cost = sc.step_cost(cfg, point, design, sc.H200, sc.Formats(experts="bf16", kv=kv, projections="bf16"))
     return cost.time_s * 1e3
   except Exception:  # noqa: BLE001 - a cost model that cannot cost this config leaves the column empty
     return None

@@ -9,8 +9,9 @@ Five step designs, each costed from the bytes it must move and the FLOPs it must
 * `blocked`: the step the engine runs on a GPU today (dsv4/layers/row_invariant.py as built): every token through
   each layer once, but each dense projection in fixed blocks of `Tiling.row_block` rows one after another (a
   fixed-shape dot per block: its split, if any, is the same every step), so a projection's weights are read once
-  per block of live rows; the routed experts once per step on the grouped expert kernel (fixed 16-row blocks, no
-  split-K); attention and the indexer as `invariant`.
+  per block of live rows, and the per-token work around them (the mHC streams) runs on whole blocks, padding rows
+  included; the routed experts once per step on the grouped expert kernel (fixed 16-row blocks, no split-K);
+  attention and the indexer as `invariant`.
 * `invariant_splitk` and `invariant`: a row-invariant step: every token through each layer once (weights read
   once per step) with kernels whose per-row reduction order does not depend on the row count: matmuls with one
   tiling per weight, a grouped expert matmul with fixed 16-row blocks (each expert's rows padded up to the block:
@@ -53,6 +54,8 @@ import numpy as np
 from benchmarks.sizing import stored_bytes_per_param
 from dsv4 import model
 from dsv4.config import LayerPlan, ModelConfig
+from dsv4.layers import row_invariant
+from pallas_kernels.grouped_dot import GroupedDotTuning
 
 Design = Literal["tiled", "blocked", "invariant", "invariant_splitk", "plain"]
 DESIGNS: tuple[Design, ...] = ("tiled", "blocked", "invariant", "invariant_splitk", "plain")
@@ -86,10 +89,12 @@ DEVICES = {"h200": H200, "h100": H100}
 class Formats:
   """Storage formats: routed experts ("mxfp4" as released, "fp8", "bf16"), KV pools ("bf16" rows of 2 x d bytes or
   "fp8" records of 584 bytes: 448 e4m3 + 64 bf16 RoPE channels + scales), index keys (bf16 or FP8 + fp32 scale),
-  and the tensor-core rate the matmuls run at ("bf16" or "fp8")."""
+  the tensor-core rate the matmuls run at ("bf16" or "fp8"), and the dense projections ("fp8" as released, "bf16"
+  as the loader holds them today: it dequantizes FP8 tensors at load)."""
   experts: str = "mxfp4"
   kv: str = "bf16"
   compute: str = "bf16"
+  projections: str = "fp8"
 
   def expert_bytes_per_param(self) -> float:
     return {"mxfp4": 0.5 + 1.0 / 32, "fp8": 1.0 + 1.0 / (128 * 128), "bf16": 2.0}[self.experts]
@@ -108,7 +113,7 @@ class Tiling:
   `fixed_k_split`: the invariant split-K's fixed piece; `key_split` / `plain_key_block`: keys per attention piece
   (invariant: fixed by position; plain: the finest split-KV); `index_chunk` / `plain_index_chunk`: index keys per
   indexer piece; `tile_tokens`: the tiled step's tile; `row_block`: the blocked step's rows per projection call
-  (`RowBlocking.rows`)."""
+  (`row_invariant.GPU_BLOCKING.rows`)."""
   block_m: int = 64
   block_n: int = 128
   expert_block_m: int = 16
@@ -119,7 +124,8 @@ class Tiling:
   index_chunk: int = 256
   plain_index_chunk: int = 128
   tile_tokens: int = 64
-  row_block: int = 32
+  row_block: int = row_invariant.GPU_BLOCKING.rows
+  loop_expert_rows: int = row_invariant.GPU_BLOCKING.expert_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +178,7 @@ class LayerWeights:
   n_experts: int
   top_k: int
   inter: int                      # expert width
+  n_shared: int                   # shared experts (each `inter` wide)
   other_bytes: float              # norms, biases, sink, ape, ...: read once per pass
   lookup_row_bytes: float         # per token: rows read from lookup tables (tid2eid, Engram)
 
@@ -193,6 +200,8 @@ def model_weights(cfg: ModelConfig, fmt: Formats = Formats()) -> ModelWeights:
   def stored(names, spec) -> float:
     per = (fmt.expert_bytes_per_param() if len(names) > 1 and names[-2] == "experts"
            else stored_bytes_per_param(names, cfg.variant, spec.dtype))
+    if fmt.projections == "bf16" and 1.0 <= per < 1.01:        # an FP8 e4m3 tensor (+ block scales) held as bf16
+      per = 2.0
     return float(np.prod(spec.shape)) * per
 
   def leaves(tree):
@@ -221,7 +230,8 @@ def model_weights(cfg: ModelConfig, fmt: Formats = Formats()) -> ModelWeights:
       else:
         other += b
     layers.append(LayerWeights(plan, tuple(matmuls), expert, shared, cfg.moe.n_routed_experts,
-                               cfg.moe.num_experts_per_tok, cfg.moe.intermediate_size, other, lookup))
+                               cfg.moe.num_experts_per_tok, cfg.moe.intermediate_size,
+                               cfg.moe.n_shared_experts, other, lookup))
   D, V = cfg.hidden_size, cfg.vocab_size
   lm = shapes["lm_head"]
   lm_head = Matmul("lm_head", D, V, 1, stored(["lm_head"], lm))
@@ -311,15 +321,22 @@ def expected_row_blocks(n_experts: int, top_k: int, tokens: int, block: int) -> 
   return n_experts * float(np.sum(np.exp(logpmf) * np.ceil(r / block)))
 
 
-def _experts(dev, fmt, tiling, design, lw: LayerWeights, tokens: int, D: int) -> Tally:
-  """The routed experts plus the shared one as one grouped SwiGLU matmul over this pass's tokens."""
+def shared_matmuls(lw: LayerWeights, D: int) -> tuple[Matmul, Matmul]:
+  """The shared expert(s) as the blocked step runs them: two dense projections (w1 | w3, then w2) in its loop."""
+  I = lw.inter * lw.n_shared
+  return (Matmul("shared/w1w3", D, 2 * I, 1, lw.shared_bytes * 2 / 3),
+          Matmul("shared/w2", I, D, 1, lw.shared_bytes / 3))
+
+
+def _experts(dev, fmt, tiling, design, lw: LayerWeights, tokens: int, D: int, shared: bool = True) -> Tally:
+  """The routed experts plus (shared) the shared one as one grouped SwiGLU matmul over this pass's tokens."""
   touched = expected_touched(lw.n_experts, lw.top_k, tokens)
   routes = tokens * lw.top_k
   bm = tiling.expert_block_m
-  row_blocks = expected_row_blocks(lw.n_experts, lw.top_k, tokens, bm) + math.ceil(tokens / bm)
-  rows = routes + tokens                                      # the shared expert: every token
+  row_blocks = expected_row_blocks(lw.n_experts, lw.top_k, tokens, bm) + (math.ceil(tokens / bm) if shared else 0)
+  rows = routes + (tokens if shared else 0)                   # the shared expert: every token
   padded_rows = row_blocks * bm if design in ("invariant", "invariant_splitk") else rows
-  wbytes = touched * lw.expert_bytes + lw.shared_bytes
+  wbytes = touched * lw.expert_bytes + (lw.shared_bytes if shared else 0.0)
   out = Tally(weight_bytes=wbytes)
   I = lw.inter
   for K, N, share in ((D, 2 * I, 2 / 3), (I, D, 1 / 3)):     # w1|w3 fused, then w2
@@ -330,6 +347,22 @@ def _experts(dev, fmt, tiling, design, lw: LayerWeights, tokens: int, D: int) ->
     flops = 2.0 * padded_rows * K * N
     t, moved, mem = op_time(dev, fmt.compute, wbytes * share + act, flops, tiles, pieces, 8.0 * rows * N)
     out.add(Tally(act_bytes=moved - wbytes * share, flops=flops, time_s=t, mem_bound_s=t if mem else 0))
+  return out
+
+
+def _looped_experts(dev, fmt, tiling, lw: LayerWeights, tokens: int, D: int) -> Tally:
+  """The routed experts as the blocked step runs them where the grouped expert kernel cannot take them: a loop of
+  one [rows, D] x [D, I] product per live block of `Tiling.loop_expert_rows` pairs of one expert, each call reading
+  its expert's weights."""
+  bm = tiling.loop_expert_rows
+  blocks = expected_row_blocks(lw.n_experts, lw.top_k, tokens, bm)
+  out = Tally(weight_bytes=blocks * lw.expert_bytes)
+  I = lw.inter
+  for K, N, share in ((D, 2 * I, 2 / 3), (I, D, 1 / 3)):
+    t, moved, mem = op_time(dev, fmt.compute, lw.expert_bytes * share + 2.0 * bm * (K + N), 2.0 * bm * K * N,
+                            math.ceil(N / tiling.block_n), max(1, K // tiling.plain_block_k), 8.0 * bm * N)
+    out.add(Tally(act_bytes=blocks * (moved - lw.expert_bytes * share), flops=blocks * 2.0 * bm * K * N,
+                  time_s=blocks * t, mem_bound_s=blocks * t if mem else 0))
   return out
 
 
@@ -429,6 +462,7 @@ def pass_cost(cfg: ModelConfig, w: ModelWeights, dev: DeviceSpec, fmt: Formats, 
   D = cfg.hidden_size
   n = cfg.mhc.hc_mult
   out = Tally(act_bytes=tokens * w.embed_row_bytes)
+  stream_rows = -(-tokens // tiling.row_block) * tiling.row_block if design == "blocked" else tokens
 
   def projection(m):
     if design == "blocked":    # one fixed-shape call per block of live rows, each reading the weights
@@ -439,11 +473,19 @@ def pass_cost(cfg: ModelConfig, w: ModelWeights, dev: DeviceSpec, fmt: Formats, 
   for lw in w.layers:
     for m in lw.matmuls:
       out.add(projection(m), "projections")
-    out.add(_experts(dev, fmt, tiling, inner, lw, tokens, D), "experts")
+    if design == "blocked":    # the shared expert in the MoE's loop; the routed experts on the kernel if it fits
+      for m in shared_matmuls(lw, D):
+        out.add(projection(m), "projections")
+      kernel = row_invariant.grouped_kernel_fits(D, lw.inter, GroupedDotTuning())
+      out.add(_experts(dev, fmt, tiling, inner, lw, tokens, D, shared=False) if kernel
+              else _looped_experts(dev, fmt, tiling, lw, tokens, D), "experts")
+    else:
+      out.add(_experts(dev, fmt, tiling, inner, lw, tokens, D), "experts")
     out.add(_attention_layer(dev, fmt, tiling, inner, cfg, lw.plan, rows, pos))
-    # norms, biases etc. once per pass; lookups per token; the mHC streams (fp32) read and written per sublayer
+    # norms, biases etc. once per pass; lookups per token; the mHC streams (fp32) read and written per sublayer,
+    # by every row of the blocks that hold live rows in the blocked step
     misc = lw.other_bytes + tokens * lw.lookup_row_bytes
-    act = tokens * 2 * 2 * n * D * 4
+    act = stream_rows * 2 * 2 * n * D * 4
     t, _, _ = op_time(dev, fmt.compute, misc + act, 0.0, dev.num_sms)     # elementwise: spread over the machine
     out.add(Tally(weight_bytes=misc, act_bytes=act, time_s=t, mem_bound_s=t), "streams")
   for m in w.top_matmuls:

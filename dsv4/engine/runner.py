@@ -210,7 +210,7 @@ class ModelRunner:
     indexer reductions are over fixed key blocks, so the width never enters a token's math) and the swa table at
     the widest window + chunk a row can touch."""
     ec = self.engine_config
-    T = row_invariant.BLOCKING.rows
+    T = row_invariant.blocking().rows
     N = -(-ec.max_num_batched_tokens // T) * T
     sb = ec.layout.swa_block_tokens
     longest = min(max(ec.chunk_size, 1 + self.spec), ec.max_num_batched_tokens) + self._draft_extra()

@@ -62,7 +62,7 @@ def routed_expert_rows(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
   E = cfg.n_routed_experts
   D, I = params["w1"].shape[1], params["w1"].shape[2]
   tuning = kernel_cfg.grouped_dot_tuning or GroupedDotTuning()
-  if (dispatch.may_use_kernel(kernel_cfg, "grouped_dot") and row_invariant.grouped_kernel_fits(E, D, I, tuning)
+  if (dispatch.may_use_kernel(kernel_cfg, "grouped_dot") and row_invariant.grouped_kernel_fits(D, I, tuning)
       and not _experts_split()):
     return row_invariant.grouped_expert_kernel_rows(
         x_NxD, ids_NxK, w_NxK, params["w1"], params["w3"], params["w2"],

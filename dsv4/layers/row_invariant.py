@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4 import caches
-from pallas_kernels import dispatch, grouped_dot
+from pallas_kernels import dispatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,7 @@ class RowBlocking:
   """Row blocks of the row-invariant ops (static: a row's bits depend on them, so one engine keeps them fixed).
 
   rows: rows per block of the projections and per-token segments (more = fewer weight re-reads at prefill, more
-    padding work for a step with few live tokens).
+    padding work for a step with few live tokens; any count, not only a power of two).
   expert_rows: pairs per block of the grouped expert matmul (an expert with one pair in the step still pays a
     whole block; decode steps hold about one pair per expert).
   kernel_expert_rows: the same on the grouped expert kernel (`grouped_experts_kernel`; a Triton dot tile: a power
@@ -49,7 +49,23 @@ class RowBlocking:
       raise ValueError(f"RowBlocking: blocks of at least one row, got {self}")
 
 
-BLOCKING = RowBlocking()
+# The CPU's blocks: its dot streams the weights from memory at any row count, so small blocks (little padding
+# work at decode) cost it nothing at prefill.
+CPU_BLOCKING = RowBlocking()
+# A GPU's: a block's projection is one fixed-shape dot that reads the weights from HBM, so a block of R rows does
+# 2R FLOPs per byte of FP8 weight. 80 rows sits at an H200's ridge (bf16 tensor cores / HBM: 82 FLOPs a byte): a
+# prefill chunk's blocks then run at the tensor-core rate (32 rows: 1.6-1.8x a plain step's time at a 2,048-token
+# chunk by the roofline), and a decode step's one block stays bound by its weight reads (the padding rows' work
+# hides under them). `python -m benchmarks.step_roofline --row_blocks=32,64,80,96,128` prints the trade.
+GPU_BLOCKING = RowBlocking(rows=80)
+
+
+def blocking() -> RowBlocking:
+  """The row blocks of the backend the program is traced for (JAX's default backend): a row's bits follow them,
+  so they are fixed per backend, never chosen from a step's rows."""
+  return GPU_BLOCKING if jax.default_backend() == "gpu" else CPU_BLOCKING
+
+
 # Slots per iteration of the grouped expert kernel's layout loops (row gathers and the activation: row-local, so
 # their bits do not depend on it).
 LAYOUT_ROWS = 256
@@ -62,7 +78,7 @@ def live_count(live, n: int):
   return jnp.clip(jnp.asarray(live, jnp.int32), 0, n)
 
 
-def map_row_blocks(fn, live, *xs, block: int = BLOCKING.rows, prev=()):
+def map_row_blocks(fn, live, *xs, block: int | None = None, prev=()):
   """`fn` over fixed [block, ...] slices (axis 0) of the pytrees `xs`, for the blocks holding a row < live, in
   order, in a device loop. Returns fn's outputs (a pytree of [block, ...] arrays) assembled over all N rows; rows
   of blocks past the live ones are unspecified (`_unfilled`: zeros on the CPU). `fn` must be row-local (row i of
@@ -72,6 +88,7 @@ def map_row_blocks(fn, live, *xs, block: int = BLOCKING.rows, prev=()):
   prev: further [N, ...] arrays handed to `fn` after `xs`, each shifted one row back (row i of a block holds row
   i - 1 of the array; the first row of block 0 is unspecified): a row's predecessor, without a shifted copy of
   the whole array."""
+  block = block or blocking().rows
   N = jax.tree_util.tree_leaves(xs)[0].shape[0]
   Np = -(-N // block) * block
   if Np != N:
@@ -124,7 +141,7 @@ def tail_after(f, tail: RowFn | None) -> RowFn:
   return RowFn(lambda y, *blocks: tail.fn(f(y), *blocks), tail.args)
 
 
-def map_row_blocks_then(fn, tail: RowFn | None, live, *xs, block: int = BLOCKING.rows):
+def map_row_blocks_then(fn, tail: RowFn | None, live, *xs, block: int | None = None):
   """`map_row_blocks(fn, live, *xs)` with `tail.fn` on fn's output rows (and the rows of `tail.args`) in the same
   loop; tail None: fn's output. Both row-local, so a row's bits still follow the block shape only."""
   if tail is None:
@@ -133,7 +150,7 @@ def map_row_blocks_then(fn, tail: RowFn | None, live, *xs, block: int = BLOCKING
   return map_row_blocks(lambda *b: tail.fn(fn(*b[:n]), *b[n:]), live, *xs, *tail.args, block=block)
 
 
-def run_rows(rows: RowFn, live, *, block: int = BLOCKING.rows):
+def run_rows(rows: RowFn, live, *, block: int | None = None):
   """The outputs of `rows` ([N, ...]: its fn on the live row blocks of its args, in one loop)."""
   return map_row_blocks(rows.fn, live, *rows.args, block=block)
 
@@ -151,7 +168,7 @@ def _carried(a):
   return caches.as_bits(a) if caches.updates_through_bits(a.dtype) else a
 
 
-def rows_dot(x_NxK, w_KxM, live=None, *, block: int = BLOCKING.rows, precision=None, preferred_element_type=None):
+def rows_dot(x_NxK, w_KxM, live=None, *, block: int | None = None, precision=None, preferred_element_type=None):
   """`jnp.dot(x, w)` whose row n has the same bits for any row count and any other rows: fixed [block, K] x [K, M]
   products over the live row blocks (`map_row_blocks`)."""
   return map_row_blocks(lambda xb: jnp.dot(xb, w_KxM, precision=precision,
@@ -163,13 +180,14 @@ def rows_dot_reference(x_NxK, w_KxM, *, precision=None, preferred_element_type=N
   return jnp.dot(x_NxK, w_KxM, precision=precision, preferred_element_type=preferred_element_type)
 
 
-def expert_blocks(ids_NxK, num_experts: int, live=None, *, block: int = BLOCKING.expert_rows):
+def expert_blocks(ids_NxK, num_experts: int, live=None, *, block: int | None = None):
   """The grouped layout of `grouped_experts`: pairs (token n, choice k) of live tokens sorted by expert (stable, so
   by flat pair index within an expert), each expert's pairs padded to whole blocks.
 
   Returns (order [P] pair indices sorted by expert (dead pairs last), sizes [E] pairs per expert, first_block [E + 1]
   each expert's first block (exclusive cumsum; first_block[E] = the live block count), first_pair [E] each expert's
   first position in `order`)."""
+  block = block or blocking().expert_rows
   N, K = ids_NxK.shape
   live_tok = jnp.arange(N) < live_count(live, N)
   flat = jnp.where(jnp.repeat(live_tok, K), ids_NxK.reshape(-1).astype(jnp.int32), num_experts)
@@ -182,14 +200,14 @@ def expert_blocks(ids_NxK, num_experts: int, live=None, *, block: int = BLOCKING
 
 
 def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, live=None, *,
-                    block: int = BLOCKING.expert_rows, uniform_trips: bool = False):
+                    block: int | None = None, uniform_trips: bool = False):
   """The [N, D] results of `grouped_expert_rows` (its arguments and rows)."""
   return run_rows(grouped_expert_rows(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts, live, block=block,
                                       uniform_trips=uniform_trips), live)
 
 
 def grouped_expert_rows(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, live=None, *,
-                        block: int = BLOCKING.expert_rows, uniform_trips: bool = False) -> RowFn:
+                        block: int | None = None, uniform_trips: bool = False) -> RowFn:
   """sum_k weights[n, k] * expert_fn(ids[n, k], x[n]) for every live token n, row-invariant and with each expert's
   weights read once per block of its own pairs.
 
@@ -204,6 +222,7 @@ def grouped_expert_rows(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int
   extra blocks hold no pair and add nothing): the trip count then follows `live` only, not the routing, so shards
   of a mesh that share `live` run the same trips and collectives inside `expert_fn` meet. live None: a static
   bound (every row may be real; the loop is then differentiable)."""
+  block = block or blocking().expert_rows
   N, K = ids_NxK.shape
   D = x_NxD.shape[1]
   order, sizes, first_block, first_pair = expert_blocks(ids_NxK, num_experts, live, block=block)
@@ -240,14 +259,14 @@ def grouped_expert_rows(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int
 
 
 def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
-                           kernel_cfg, *, block: int = BLOCKING.kernel_expert_rows):
+                           kernel_cfg, *, block: int | None = None):
   """The [N, D] results of `grouped_expert_kernel_rows` (its arguments and rows)."""
   return run_rows(grouped_expert_kernel_rows(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD,
                                              act, live, kernel_cfg, block=block), live)
 
 
 def grouped_expert_kernel_rows(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
-                               kernel_cfg, *, block: int = BLOCKING.kernel_expert_rows) -> RowFn:
+                               kernel_cfg, *, block: int | None = None) -> RowFn:
   """`grouped_experts` of a gated MLP (act(x @ w_gate, x @ w_up) @ w_down) with its products on the grouped
   expert kernel (`dispatch.grouped_dot`): the same grouping (pairs sorted by expert, blocks of `block` pairs of one
   expert) laid out once as [B, block, D] rows, every live block in one call per product instead of a loop, blocks
@@ -261,6 +280,7 @@ def grouped_expert_kernel_rows(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_E
   config serves the XLA reference (`dispatch.grouped_dot`'s fallback: a loop over the live blocks, one product
   each), the bits stay row-invariant the same way.
   Returns the per-token sums as rows (`RowFn`), for the caller's loop (as `grouped_expert_rows`)."""
+  block = block or blocking().kernel_expert_rows
   N, K = ids_NxK.shape
   D = x_NxD.shape[1]
   E = w_gate_ExDxI.shape[0]
@@ -306,11 +326,10 @@ def grouped_expert_kernel_rows(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_E
   return RowFn(combine, (ids_NxK, jnp.arange(N, dtype=jnp.int32)))
 
 
-def grouped_kernel_fits(E: int, D: int, I: int, tuning) -> bool:
-  """Whether the grouped expert kernel can take E experts of [D, I] in and [I, D] out: its tiles divide the shapes
-  and its 32-bit offsets reach every weight (V4.1-Flash's 384 x 5120 x 2304 do not: the loop serves it)."""
-  return (all(n % tuning.block_k == 0 and n % tuning.block_cols == 0 for n in (D, I))
-          and E * D * I <= grouped_dot.MAX_WEIGHT_ELEMENTS)
+def grouped_kernel_fits(D: int, I: int, tuning) -> bool:
+  """Whether the grouped expert kernel can take experts of [D, I] in and [I, D] out: its tiles divide the shapes
+  (of any expert count: its offsets reach every weight, `pallas_kernels/grouped_dot.py`)."""
+  return all(n % tuning.block_k == 0 and n % tuning.block_cols == 0 for n in (D, I))
 
 
 def grouped_experts_reference(x_NxD, ids_NxK, weights_NxK, expert_fn_all):

@@ -139,10 +139,13 @@ def _batched(cfg, params, ec, reqs, waves: int, mesh=None, before_wave=None):
   return eng, [eng.requests[f"r{i}"] for i in range(len(reqs))]
 
 
-def _check(variant: str, kv: str, examples: int, drafts: bool = False, tiers: bool = False, mesh=None):
+def _check(variant: str, kv: str, examples: int, drafts: bool = False, tiers: bool = False, mesh=None,
+           budget: int | None = None):
   cfg, params, layout = _model(variant, kv, drafts)
   roomy = dataclasses.replace(ROOMY if mesh is None else MESH_POOL, layout=layout)
   tight = TIGHT if mesh is None else MESH_POOL
+  if budget is not None:       # another token budget: another step shape (one more compile per pool shape)
+    roomy, tight = (dataclasses.replace(c, max_num_batched_tokens=budget) for c in (roomy, tight))
   alone = _Alone(cfg, params, roomy, mesh)
   seen = {"preemptions": 0, "hits": 0, "drafted": 0, "tier_hits": 0, "shards_differ": 0}
 
@@ -205,6 +208,18 @@ def test_invariant_logits_with_drafts_and_tier_reloads(variant, kv, request):
     return
   seen = _check(variant, kv, examples=8, drafts=True, tiers=True)
   assert seen["drafted"] > 0 and seen["preemptions"] > 0 and seen["tier_hits"] > 0, seen
+
+
+@pytest.mark.slow
+def test_invariant_logits_at_a_gpus_row_blocks(request, monkeypatch):
+  """The property with the row blocks the engine uses on a GPU (`row_invariant.GPU_BLOCKING`: 80 rows, not a power
+  of two), on the CPU: V4, bf16, a budget of 200 tokens (a step of 240 rows, three blocks), so a batched step's
+  live rows span blocks that a request alone fills differently."""
+  if run_in_child(request, default_xla_opt=True):
+    return
+  from dsv4.layers import row_invariant
+  monkeypatch.setattr(row_invariant, "blocking", lambda: row_invariant.GPU_BLOCKING)
+  _check("v4", "bf16", examples=3, budget=200)
 
 
 def _mesh_child(request, monkeypatch) -> bool:

@@ -142,17 +142,23 @@ def test_map_row_blocks_bad_blocking():
     row_invariant.RowBlocking(rows=0)
 
 
-def test_forward_bits_ignore_the_flat_width(request):
-  """The model on one row's live tokens at flat widths 32 and 64 (the step budgets of two engines): the same hidden
-  states and the same cache contents, bit for bit (every per-token op runs in fixed row blocks). In a child process
-  at XLA's default optimisation level, like the engine's bitwise checks: the claim is about the code users run."""
+@pytest.mark.parametrize("backend_blocks,ntok,widths", [("cpu", 29, (32, 64)), ("gpu", 87, (160, 240))],
+                         ids=["cpu_blocks", "gpu_blocks"])
+def test_forward_bits_ignore_the_flat_width(backend_blocks, ntok, widths, request, monkeypatch):
+  """The model on one row's live tokens at two flat widths (the step budgets of two engines): the same hidden
+  states and the same cache contents, bit for bit (every per-token op runs in fixed row blocks). With the CPU's
+  blocks (32 rows: widths 32 and 64) and with a GPU's (80 rows, not a power of two: two live blocks at widths 160
+  and 240, whole blocks as an engine's step has them). In a child process at XLA's default optimisation level,
+  like the engine's bitwise checks: the claim is about the code users run."""
   if run_in_child(request, default_xla_opt=True):
     return
   from dsv4 import caches, config, model
+  blocks = {"cpu": row_invariant.CPU_BLOCKING, "gpu": row_invariant.GPU_BLOCKING}[backend_blocks]
+  monkeypatch.setattr(row_invariant, "blocking", lambda: blocks)
   cfg = config.v4_tiny(num_layers=3)          # one layer of each kind: window, CSA, HCA
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   lay = caches.CacheLayout()
-  ntok, R = 29, 4
+  R = 4
 
   def run(n):
     toks = np.zeros(n, np.int32)
@@ -174,17 +180,17 @@ def test_forward_bits_ignore_the_flat_width(request):
         caches.init_cache(cfg, lay, 16, 8), jnp.asarray(toks), step)
     return cache, np.asarray(h)[:ntok]
 
-  (c32, h32), (c64, h64) = run(32), run(64)
-  np.testing.assert_array_equal(h32, h64)
-  for a, b in zip(c32.layers, c64.layers):
+  (c_narrow, h_narrow), (c_wide, h_wide) = run(widths[0]), run(widths[1])
+  np.testing.assert_array_equal(h_narrow, h_wide)
+  for a, b in zip(c_narrow.layers, c_wide.layers):
     for k in a:
       np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
 
 
 def _forward_bits(layout, n=64, ntok=20, kernel_cfg=dispatch.KernelConfig()):
   """The bf16 model (one layer of each kind; head_dim - RoPE = 64, so FP8 KV fits) on one row's `ntok` tokens at a
-  flat width of `n` (a live row block and a dead one): (every cache array as bits, the live tokens' hidden states
-  as bits)."""
+  flat width of `n` (the CPU's blocks: a live row block and a dead one): (every cache array as bits, the live
+  tokens' hidden states as bits)."""
   import dataclasses
   from dsv4 import caches, config, model
   cfg = config.v4_tiny(num_layers=3)
@@ -233,17 +239,23 @@ def test_in_place_updates_and_unwritten_buffers_keep_the_bits(monkeypatch):
     _assert_same(as_on_the_cpu, _forward_bits(lay))
 
 
-def test_dead_rows_of_loop_buffers_reach_no_live_row_on_the_kernels(monkeypatch):
+@pytest.mark.parametrize("backend_blocks", ["cpu", "gpu"])
+def test_dead_rows_of_loop_buffers_reach_no_live_row_on_the_kernels(backend_blocks, monkeypatch):
   """The Pallas kernels (interpret mode) run over every token of the flat axis: with the loop buffers filled with
   NaN and all-ones integers instead of zeros, a kernel's program of a token past the live ones finds nothing to
-  read and writes nothing a live token reads: the live tokens' hidden states and every pool keep their bits."""
+  read and writes nothing a live token reads: the live tokens' hidden states and every pool keep their bits. With
+  the CPU's row blocks (64 tokens, 20 live) and a GPU's (80 rows: 160 tokens, 87 live: two live blocks, the
+  second partly)."""
   from dsv4 import caches
+  n, ntok = (64, 20) if backend_blocks == "cpu" else (160, 87)
+  if backend_blocks == "gpu":
+    monkeypatch.setattr(row_invariant, "blocking", lambda: row_invariant.GPU_BLOCKING)
   lay = caches.CacheLayout(kv_dtype=jnp.bfloat16)
   kcfg = dispatch.KernelConfig(backend="interpret", grouped_dot_tuning=GroupedDotTuning(block_cols=16, block_k=16))
-  zeros = _forward_bits(lay, kernel_cfg=kcfg)
+  zeros = _forward_bits(lay, n, ntok, kernel_cfg=kcfg)
   with monkeypatch.context() as m:
     m.setattr(row_invariant, "_unfilled", _garbage)
-    _assert_same(zeros, _forward_bits(lay, kernel_cfg=kcfg))
+    _assert_same(zeros, _forward_bits(lay, n, ntok, kernel_cfg=kcfg))
 
 
 @jax.jit

@@ -311,12 +311,22 @@ def test_row_dot_lowers_for_cuda(name, N, K, M, k_splits):
   assert exp.out_avals[0].shape == (N, M)
 
 
-@pytest.mark.parametrize("name,K,M", [("gate_up", 4096, 2048), ("down", 2048, 4096)])
-def test_grouped_dot_lowers_for_cuda(name, K, M):
-  """The grouped expert matmul over V4-Flash's 256 experts (2^31 weight elements: the last offset fits 32 bits),
-  640 blocks of 32 rows (2048 tokens x top-6)."""
+@pytest.mark.parametrize("name,E,K,M,offset_bits", [
+    ("v4_gate_up", 256, 4096, 2048, 32), ("v4_down", 256, 2048, 4096, 32),     # 2^31 elements: 32-bit offsets
+    ("v41_gate_up", 384, 5120, 2304, 64), ("v41_down", 384, 2304, 5120, 64)])   # 4.5e9 elements: 64-bit offsets
+def test_grouped_dot_lowers_for_cuda(name, E, K, M, offset_bits, capsys):
+  """The grouped expert matmul over V4-Flash's 256 experts and V4.1-Flash's 384, 640 blocks of 32 rows (2048 tokens
+  x top-6), and how the Triton module addresses the weights: JAX's lowering switches to 64-bit element offsets for
+  an array over 2^32 bytes, so V4.1-Flash's 9 GB of bf16 experts are reached past element 2^31, and V4-Flash's
+  (exactly 2^31 elements, last offset 2^31 - 1) keep 32-bit ones."""
   from pallas_kernels import grouped_dot as gd
   exp = export_for_cuda(gd.grouped_dot_pallas, S((640, 32, K), jnp.bfloat16), S((640,), jnp.int32),
-                        S((), jnp.int32), S((256, K, M), jnp.bfloat16))
+                        S((), jnp.int32), S((E, K, M), jnp.bfloat16), tuning=gd.GroupedDotTuning(debug=True))
   assert TRITON in lowering.custom_call_targets(exp)
   assert exp.out_avals[0].shape == (640, 32, M)
+  # the weight tile's pointers: [block_k, block_cols] bf16 pointers advanced by the offsets of the tile's elements
+  t = gd.GroupedDotTuning()
+  tile = f"tensor<{t.block_k}x{t.block_cols}x!tt.ptr<bf16>>"
+  w_ptrs = [ln for ln in capsys.readouterr().out.splitlines() if "tt.addptr" in ln and tile in ln]
+  assert w_ptrs, "no weight-tile pointers in the Triton module"
+  assert all(f"tensor<{t.block_k}x{t.block_cols}xi{offset_bits}>" in ln for ln in w_ptrs), w_ptrs
