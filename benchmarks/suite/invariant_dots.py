@@ -9,6 +9,13 @@ timed with `kernel_cases.time_executable` (L2 flushed before each call: a 32 MB 
 50 MB L2 otherwise). Each row gives ms, the ratio to XLA and the fraction of the datasheet HBM bandwidth and bf16
 rate (bytes: x + the weights read + y once; FLOPs: 2 N K M, for the grouped matmul over the live blocks' rows).
 
+Row blocks: the projection as the engine runs it on a GPU today, fixed [R, K] XLA dots in a device loop over the
+blocks holding live rows (`row_invariant.rows_dot`, a budget of 2048 rows), at R = 32, 64, 80 (the engine's,
+`row_invariant.GPU_BLOCKING`), 96, 128, with 1 live row (a decode step: one block, its padding rows computed) and
+2048 (a prefill chunk: each block reads the weights), beside the plain dot at 1 and 2048 rows: the row-block trade
+that `python -m benchmarks.step_roofline` models, measured (L2 flushed before each call, so every block after the
+first may find the weights in L2, which the roofline does not count).
+
 Row bits: a fixed row's output at N = 1, 7, 64, 2048 rows (and at the last place of 2048 shuffled rows) from
 row_dot, with and without the split of K, bitwise equal to the row alone; the same for the XLA dot as the contrast
 (cuBLAS picks its kernel from N, so it is expected to differ).
@@ -27,6 +34,7 @@ import numpy as np
 
 from benchmarks import kernels_bench as kb
 from benchmarks.suite import kernel_cases as kc
+from dsv4.layers import row_invariant
 from pallas_kernels import grouped_dot as gd
 from pallas_kernels import row_dot as rd
 
@@ -47,11 +55,13 @@ class Shapes:
   expert_K: int = 4096
   expert_M: int = 2048
   block_rows: int = 32
+  row_blocks: tuple = (32, 64, row_invariant.GPU_BLOCKING.rows, 96, 128)   # the engine's projection blocks
+  budget_rows: int = 2048
 
   @classmethod
   def dry(cls):
     return cls(K=1024, M=256, rows=(1, 16, 64), bit_rows=(1, 7, 64), tokens=64, top_k=2, experts=16, expert_K=256,
-               expert_M=128, block_rows=16)
+               expert_M=128, block_rows=16, row_blocks=(16, 24), budget_rows=64)
 
 
 def xla_dot(x, w):
@@ -121,8 +131,39 @@ def run(dry: bool, seed: int, *, iters: int, repeats: int, flush_mb: float, hbm_
                **{f"xla_{k}": v for k, v in _rates(x_ms, flops, nbytes, hbm_gbps, peak_tflops).items()},
                status="ok")
 
+  yield from _row_block_rows(s, x, w, compiled, iters, repeats, flush, hbm_gbps, peak_tflops)
   yield _grouped_row(s, ke, kr, dry, iters, repeats, flush, hbm_gbps, peak_tflops)
   yield _bits_row(s, x, w, kernel, split_kernel, compiled, seed)
+
+
+def _row_block_rows(s: Shapes, x, w, compiled, iters, repeats, flush, hbm_gbps, peak_tflops):
+  """A row per block size R: the projection in R-row blocks over a budget of `budget_rows` rows (one executable,
+  `live` a runtime scalar) at 1 and budget_rows live rows, against the plain dot at those rows."""
+  B = s.budget_rows
+  xb = x[:B]
+  plain = {n: (compiled(xla_dot, f"xla{n}", xb[:n], w), xb[:n]) for n in (1, B)}
+  plain_ms = {n: _time(exe, (xn, w), iters, repeats, flush) for n, (exe, xn) in plain.items()}
+  want = np.asarray(plain[B][0](xb, w)).astype(np.float32)
+  for R in s.row_blocks:
+    fn = lambda xs, w, live, R=R: row_invariant.rows_dot(xs, w, live, block=R,
+                                                          preferred_element_type=jnp.float32).astype(xs.dtype)
+    exe = jax.jit(fn).lower(xb, w, jnp.int32(B)).compile()
+    err = kb.tol_ratio(exe(xb, w, jnp.int32(B)), want, 2e-2, 2e-2)
+    row = dict(table=TABLE, item=f"b.invariant_dots.row_blocks.r{R}", kernel="rows_dot (XLA dots in a loop)",
+               shapes=f"blocks of {R} rows over a budget of {B}, K={s.K} M={s.M} bf16", block_rows=R,
+               err_over_tol=err)
+    if not err <= 1.0:
+      yield dict(row, status="mismatch", error=f"max |rows_dot - jnp.dot| / tol = {err:.3g} (> 1)")
+      continue
+    out = {}
+    for n in (1, B):
+      ms = _time(exe, (xb, w, jnp.int32(n)), iters, repeats, flush)
+      blocks = -(-n // R)
+      flops, nbytes = 2.0 * blocks * R * s.K * s.M, 2.0 * (blocks * (R * s.K + s.K * s.M + R * s.M))
+      out.update({f"live{n}_ms": ms, f"live{n}_over_plain": ms / plain_ms[n] if plain_ms[n] else None,
+                  f"live{n}_plain_ms": plain_ms[n],
+                  **{f"live{n}_{k}": v for k, v in _rates(ms, flops, nbytes, hbm_gbps, peak_tflops).items()}})
+    yield dict(row, **out, status="ok")
 
 
 def _grouped_row(s: Shapes, ke, kr, dry, iters, repeats, flush, hbm_gbps, peak_tflops) -> dict:
