@@ -22,17 +22,11 @@ DSV4_HYPOTHESIS=fresh draws new examples each run (and prints the blob to reprod
 
 Orphans: a run fails if a process it started outlives it (tests/orphans.py, a plugin loaded here).
 
-Order: tests that run their body in a child process (`tests.isolation.run_in_child`: the engine's bitwise checks
-at XLA's default level, the composition rows) are collected first. They are the suite's longest and share no
-fixture with their module's other tests, and xdist's worksteal mode hands out the list in order, so they start
-early and the two workers' last minutes hold short tests instead of one of them waiting on a long one.
-
 Tiers: `slow` is the only marker (registered in pyproject.toml, --strict-markers); the default run deselects it.
 Which tests are slow, and what covers each feature in the default tier instead, is listed in tests/slow_tier.py.
 """
 
 import gc
-import inspect
 import os
 import shutil
 import tempfile
@@ -81,21 +75,12 @@ def pytest_collection_modifyitems(config, items):
       if key in SLOW:
         item.add_marker(pytest.mark.slow)
         matched.add(key)
-  items[:] = sorted(items, key=lambda item: not _runs_in_a_child(item))    # stable: the rest keep their order
   if any("::" in str(a) for a in config.args):
     return                     # a run of chosen tests: entries of the same files need not be collected
   files = {item.nodeid.split("::", 1)[0] for item in items}
   stale = sorted(k for k in SLOW if k.split("::", 1)[0] in files and k not in matched)
   if stale:
     raise pytest.UsageError(f"tests/slow_tier.py names tests that do not exist: {stale}")
-
-
-def _runs_in_a_child(item) -> bool:
-  fn = getattr(item, "function", None)
-  try:
-    return fn is not None and "run_in_child(" in inspect.getsource(fn)
-  except (OSError, TypeError):
-    return False
 
 
 def pytest_unconfigure(config):

@@ -14,7 +14,7 @@ from cache.hashing import ExtraKeys
 from tests.cache.test_step_plan import advance, check, commit_and_finish, make, program, run_step, same_state, two_managers
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.booleans())
 def test_queued_admissions_match_the_standalone_call(d, late):
   rng, fused, plain, prefixes = two_managers(d)
