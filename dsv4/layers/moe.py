@@ -7,7 +7,9 @@ On a mesh with an `expert` axis (under `jax.set_mesh`), routed experts run exper
 (`routed_experts_ep`): tokens split over (data, expert), each device ships its token-expert pairs to the expert
 shard that owns the expert with one all-to-all, the owner runs its local experts as one grouped matmul (its slice of
 the intermediate dimension when there is a `tensor` axis, then a psum), and a second all-to-all brings the results
-back. Without such a mesh the single-device path below runs unchanged.
+back. Inside the per-shard-pool step (manual over `data`) the experts run per expert shard instead: each device
+the grouped loop over its own experts' pairs, the shards' partial sums added by a psum over `expert` per live row
+block (`_grouped_over_expert_shards`). Without such a mesh the single-device path below runs unchanged.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ def routed_expert_rows(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
   the caller's loop."""
   E = cfg.n_routed_experts
   D, I = params["w1"].shape[1], params["w1"].shape[2]
+  mesh = mesh_context.active_mesh()
+  ep = mesh_context.axis_size(mesh, "expert")
+  if _inside_data_shards() and ep > 1 and E % ep == 0:
+    return _grouped_over_expert_shards(params, x_NxD, ids_NxK, w_NxK, cfg, live, mesh)
   tuning = kernel_cfg.grouped_dot_tuning or GroupedDotTuning()
   if (dispatch.may_use_kernel(kernel_cfg, "grouped_dot") and row_invariant.grouped_kernel_fits(D, I, tuning)
       and not _experts_split()):
@@ -88,6 +94,37 @@ def routed_experts_reference(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
     return jnp.einsum("pi,pid->pd", swiglu(gate, up, cfg.swiglu_limit).astype(xs.dtype), params["w2"][ids_P],
                       precision=_HI)
   return row_invariant.grouped_experts_reference(x_NxD, ids_NxK, w_NxK, all_pairs)
+
+
+def _grouped_over_expert_shards(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live, mesh) -> row_invariant.RowFn:
+  """`routed_expert_rows` inside the per-shard-pool step on a mesh with an `expert` axis: in a region manual over
+  `expert` (nested in the step's `data` region), each device runs the grouped loop over its own experts' pairs only
+  (`row_invariant.grouped_expert_sums`, another shard's expert is no pair), reading its local weights in place, and
+  the shards' fp32 partial sums are added per live row block (a psum over `expert` in a loop over the live rows:
+  the same trips on every shard). A token's result is its local experts' contributions in expert-id order on each
+  shard, then the shards' partials added by the all-reduce: nothing in it depends on the other tokens. GSPMD alone
+  would index the expert-split weights with the loop's traced expert id by gathering every expert's weights to every
+  device once per block (`python -m benchmarks.probes.moe_mesh_collectives`)."""
+  E, ep = cfg.n_routed_experts, mesh_context.axis_size(mesh, "expert")
+  El = E // ep
+
+  def local(x, ids, w, live, w1, w3, w2):
+    local_ids = ids - jax.lax.axis_index("expert") * El
+    local_ids = jnp.where((local_ids >= 0) & (local_ids < El), local_ids, El)
+
+    def expert(e, xb):
+      gate = jnp.dot(xb, w1[e], precision=_HI)
+      up = jnp.dot(xb, w3[e], precision=_HI)
+      return jnp.dot(swiglu(gate, up, cfg.swiglu_limit).astype(xb.dtype), w2[e], precision=_HI)
+
+    partial = row_invariant.grouped_expert_sums(x, local_ids, w, expert, El, live)
+    return row_invariant.map_row_blocks(lambda o: jax.lax.psum(o, "expert"), live, partial)
+
+  rep, by_expert = PartitionSpec(), PartitionSpec("expert")
+  sums = jax.shard_map(local, in_specs=(rep, rep, rep, rep, by_expert, by_expert, by_expert), out_specs=rep,
+                       axis_names={"expert"}, check_vma=False)(
+      x_NxD, ids_NxK, w_NxK, row_invariant.live_count(live, x_NxD.shape[0]), params["w1"], params["w3"], params["w2"])
+  return row_invariant.RowFn(lambda o: o.astype(x_NxD.dtype), (sums,))
 
 
 def _experts_split() -> bool:
@@ -185,10 +222,9 @@ def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool, live=None,
   if any(expert_quant.is_quantized(v) for v in experts.values()):  # FP4 kept from the checkpoint: dequant here
     experts = expert_quant.dense_experts(experts, params["shared"]["w1"].dtype if "shared" in params else x.dtype)
   mesh = mesh_context.active_mesh()
-  # Inside the per-shard-pool step (`data` manual, sharding.jit_forward(pools_over_data=True)) the expert-parallel
-  # shard_map is not used: nested there, XLA's SPMD partitioner stops on a CHECK (spmd_partitioner_util.cc:497) as
-  # soon as tokens enter a region manual over `expert` on a (2, 2, 2) mesh; the experts then stay split over
-  # `expert` / `tensor` by GSPMD (docs/sharding.md).
+  # Inside the per-shard-pool step (`data` manual, sharding.jit_forward(pools_over_data=True)) a data shard's
+  # tokens are on all its devices: no all-to-all, the experts run per expert shard (`routed_expert_rows`,
+  # docs/sharding.md).
   if (mesh is not None and mesh_context.axis_size(mesh, "expert") > 1 and "data" not in mesh_context.manual_axes(mesh)
       and cfg.n_routed_experts % mesh_context.axis_size(mesh, "expert") == 0):
     routed = row_invariant.RowFn(lambda r: r, (routed_experts_ep(experts, x, ids, w, cfg, mesh),))

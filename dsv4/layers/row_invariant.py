@@ -208,16 +208,24 @@ def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, li
 
 def grouped_expert_rows(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, live=None, *,
                         block: int | None = None, uniform_trips: bool = False) -> RowFn:
+  """`grouped_expert_sums` as rows: each token's fp32 sum cast to x's dtype in the caller's loop (`RowFn`), so that
+  the caller's next row-local work (the MoE's shared expert) reads them in its own loop."""
+  sums = grouped_expert_sums(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts, live, block=block,
+                             uniform_trips=uniform_trips)
+  return RowFn(lambda o: o.astype(x_NxD.dtype), (sums,))
+
+
+def grouped_expert_sums(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, live=None, *,
+                        block: int | None = None, uniform_trips: bool = False):
   """sum_k weights[n, k] * expert_fn(ids[n, k], x[n]) for every live token n, row-invariant and with each expert's
   weights read once per block of its own pairs.
 
   expert_fn(e, x_RxD) -> [R, D]: expert e (a traced int32 scalar) on a fixed block of R = `block` rows (row-local;
   its products then have one shape for every block). The loop runs the live blocks in expert order; a block adds
   its rows into their tokens' outputs, so a token's K results are added in the order of its expert ids (its own
-  choices, whatever shares the step), starting from zeros, in fp32 (cast to x's dtype at the end). Dead tokens
-  (>= live) get zeros, or unspecified values past the live row blocks (`map_row_blocks`).
-  Returns the per-token results as rows (`RowFn`: each token's fp32 sum cast to x's dtype), so that the caller's
-  next row-local work (the MoE's shared expert) reads them in its own loop.
+  choices, whatever shares the step), starting from zeros, in fp32. Dead tokens (>= live) get zeros, or
+  unspecified values past the live row blocks (`map_row_blocks`). An id of `num_experts` is no pair (an expert
+  another device holds: `moe`'s expert shards). Returns the fp32 sums [N, D].
   uniform_trips: run the bound ceil(live * K / block) + E on the live block count instead of the count itself (the
   extra blocks hold no pair and add nothing): the trip count then follows `live` only, not the routing, so shards
   of a mesh that share `live` run the same trips and collectives inside `expert_fn` meet. live None: a static
@@ -243,19 +251,18 @@ def grouped_expert_rows(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int
 
   # fp32 sums (cast once at the end, in the caller's loop): XLA's CPU scatter-add of a 16-bit float converts the
   # whole [N, D] buffer to fp32 and back on every block
-  cast = lambda o: o.astype(x_NxD.dtype)
   if live is None:
     # no engine step (training, a plain forward): a static bound, so the loop is a scan and differentiable; the
     # blocks past the live ones hold no pair and add nothing
     trips = -(-N * K // block) + min(num_experts, N * K)
-    return RowFn(cast, (jax.lax.fori_loop(0, trips, body, jnp.zeros((N, D), jnp.float32)),))
+    return jax.lax.fori_loop(0, trips, body, jnp.zeros((N, D), jnp.float32))
   if uniform_trips:
     trips = (live_count(live, N) * K + block - 1) // block + num_experts
   else:
     trips = first_block[num_experts]
   # zeros over the live rows only (rows past them: unspecified)
   out = map_row_blocks(lambda xb: jnp.zeros((xb.shape[0], D), jnp.float32), live, x_NxD)
-  return RowFn(cast, (jax.lax.fori_loop(0, trips, body, out),))
+  return jax.lax.fori_loop(0, trips, body, out)
 
 
 def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
