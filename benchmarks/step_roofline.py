@@ -10,9 +10,10 @@ docs/engine.md (Cost at real width).
 Columns: weight / KV / activation bytes and FLOPs of the plain step (c) (the row-invariant step (b) reads the same
 weights), the tiled step's (a) weight bytes, each design's roofline ms, and the ratios to (c). "(b)" cuts matmul
 reductions into fixed 256-wide pieces (parallel or serial per call, same bits); "(b) no split-K" never splits them.
-"(d)" is the engine's step as built on a GPU: each dense projection in fixed blocks of `row_invariant.GPU_BLOCKING`
-rows, one call (and one read of its weights) per block, the per-token work around it on whole blocks, the routed
-experts once per step on the grouped expert kernel; "(d) call floor" is its
+"(d)" is the engine's step as built on a GPU: each dense projection in fixed row blocks (`row_invariant.GPU_BLOCKING`,
+128 rows, for bf16 projections; 80 at `--projections=fp8`, the block FP8 projection matmuls would take), one call (and
+one read of its weights) per block, the per-token work around it on whole blocks, the routed experts once per step
+on the grouped expert kernel; "(d) call floor" is its
 projection calls in sequence times the same assumed 5 us (launch gaps the roofline leaves out). A second table per
 model puts (d)/(c) at other row blocks (`--row_blocks`): fewer rows re-read the weights more often at prefill, more
 rows pad a decode step's one block with work. "scan floor" is each
@@ -41,9 +42,10 @@ flags.DEFINE_enum("compute", "bf16", ["bf16", "fp8"], "Tensor-core rate the matm
 flags.DEFINE_enum("projections", "fp8", ["fp8", "bf16"], "Dense projection weight format (fp8 as released; bf16 as "
                   "the loader holds them today).")
 flags.DEFINE_integer("tile", 64, "Tokens per tile of the dropped tiled step (a).")
-flags.DEFINE_integer("row_block", row_invariant.GPU_BLOCKING.rows,
-                     "Rows per projection call of the step as built (d) (row_invariant.GPU_BLOCKING.rows).")
-flags.DEFINE_list("row_blocks", ["32", "64", "80", "96", "128"], "Row blocks of the (d)/(c) trade table; empty: none.")
+flags.DEFINE_integer("row_block", 0, "Rows per projection call of (d); 0: by the projection format "
+                     "(row_invariant.GPU_BLOCKING.rows, 128, for bf16 as the engine holds them; 80 for FP8).")
+flags.DEFINE_list("row_blocks", ["32", "64", "80", "96", "128", "160"],
+                  "Row blocks of the (d)/(c) trade table; empty: none.")
 flags.DEFINE_list("budgets", ["512", "2048", "8192"], "Engine token budgets of the budget-width table (what (d) "
                   "writes at its budget's width, traced from the step program; about 20 s per model); empty: none.")
 FLAGS = flags.FLAGS
@@ -146,7 +148,7 @@ def main(argv):
   del argv
   dev = step_cost.DEVICES[FLAGS.device]
   fmt = step_cost.Formats(experts=FLAGS.experts, kv=FLAGS.kv, compute=FLAGS.compute, projections=FLAGS.projections)
-  tiling = step_cost.Tiling(tile_tokens=FLAGS.tile, row_block=FLAGS.row_block)
+  tiling = step_cost.Tiling(tile_tokens=FLAGS.tile, row_block=FLAGS.row_block or step_cost.row_block_for(fmt))
   print(f"{dev.name}: HBM {dev.hbm_bytes_per_s / 1e12:.2f} TB/s, {fmt.compute} matmuls at "
         f"{dev.peak(fmt.compute) / 1e12:.0f} TFLOP/s ({dev.matmul_efficiency:.0%} of spec), {dev.num_sms} SMs; "
         f"experts {fmt.experts}, projections {fmt.projections}, KV {fmt.kv}, tile {tiling.tile_tokens}. (a) tiled "
@@ -160,7 +162,7 @@ def main(argv):
     if FLAGS.row_blocks:
       print_table(row_block_headers(), row_block_rows(cfg, dev, fmt, tiling, [int(b) for b in FLAGS.row_blocks]),
                   title=f"{name}: (d)/(c) by rows per block of the row-invariant ops (the engine's GPU blocks: "
-                        f"{row_invariant.GPU_BLOCKING.rows})")
+                        f"{row_invariant.GPU_BLOCKING.rows}, for its bf16 projections)")
     if FLAGS.budgets:
       bb = budget_bytes(cfg)
       print_table(budget_headers(), budget_rows(cfg, dev, fmt, tiling, [int(b) for b in FLAGS.budgets]),

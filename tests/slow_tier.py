@@ -32,7 +32,7 @@ SLOW = {
         "test_a_request_that_fits_is_never_refused[redis] (the same traces through a remote tier), "
         "tests/cache/tiers/test_tiers.py::test_mooncake_tier_roundtrip_and_server_gone (the Mooncake tier itself)",
     "tests/dsv4/test_row_invariant.py::test_forward_bits_ignore_the_flat_width[gpu_blocks]":
-        "[cpu_blocks] (the same model and widths of two engines with the CPU's 32-row blocks; the GPU's 80 differ "
+        "[cpu_blocks] (the same model and widths of two engines with the CPU's 32-row blocks; the GPU's 128 differ "
         "only in the block shape)",
     "tests/dsv4/test_row_invariant.py::test_dead_rows_of_loop_buffers_reach_no_live_row_on_the_kernels":
         "test_row_invariant.py::test_in_place_updates_and_unwritten_buffers_keep_the_bits (NaN loop buffers on the "

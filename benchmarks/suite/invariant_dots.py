@@ -10,8 +10,9 @@ timed with `kernel_cases.time_executable` (L2 flushed before each call: a 32 MB 
 rate (bytes: x + the weights read + y once; FLOPs: 2 N K M, for the grouped matmul over the live blocks' rows).
 
 Row blocks: the projection as the engine runs it on a GPU today, fixed [R, K] XLA dots in a device loop over the
-blocks holding live rows (`row_invariant.rows_dot`, a budget of 2048 rows), at R = 32, 64, 80 (the engine's,
-`row_invariant.GPU_BLOCKING`), 96, 128, with 1 live row (a decode step: one block, its padding rows computed) and
+blocks holding live rows (`row_invariant.rows_dot`, a budget of 2048 rows), at R = 32, 64, 80, 96, 128 (the
+engine's, `row_invariant.GPU_BLOCKING`) and 160, with 1 live row (a decode step: one block, its padding rows
+computed) and
 2048 (a prefill chunk: each block reads the weights), beside the plain dot at 1 and 2048 rows: the row-block trade
 that `python -m benchmarks.step_roofline` models, measured (L2 flushed before each call, so every block after the
 first may find the weights in L2, which the roofline does not count).
@@ -55,7 +56,7 @@ class Shapes:
   expert_K: int = 4096
   expert_M: int = 2048
   block_rows: int = 32
-  row_blocks: tuple = (32, 64, row_invariant.GPU_BLOCKING.rows, 96, 128)   # the engine's projection blocks
+  row_blocks: tuple = (32, 64, 80, 96, 128, 160)   # the engine's: row_invariant.GPU_BLOCKING (128)
   budget_rows: int = 2048
 
   @classmethod

@@ -266,7 +266,7 @@ def items() -> list[Item]:
       Item("b.topk", 40, _topk_diagnosis, "fused top-k diagnosis: repeats, sentinel, selected lanes, tunings"),
       Item("b.kernels", 40, _kernels, "every kernel vs its reference at V4-Flash shapes, timed (same executable)"),
       Item("b.invariant_dots", 50, _invariant_dots, "row_dot vs jnp.dot (N 1..2048, 4096^2; k_splits 8 at N 1, "
-           "64), the engine's row blocks (R 32..128 at 1 and 2048 live rows), grouped_dot vs its reference (256 "
+           "64), the engine's row blocks (R 32..160 at 1 and 2048 live rows), grouped_dot vs its reference (256 "
            "experts), a row's bits across row counts"),
       Item("c.serve", 60, _serve, "the main job (experiments.serve, shipped model): 48 graded answers"),
       Item("d.engine.bf16", 90, _engine_bf16, "engine at V4-Flash widths, bf16 KV, kernels"),

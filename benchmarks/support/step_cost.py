@@ -113,7 +113,8 @@ class Tiling:
   `fixed_k_split`: the invariant split-K's fixed piece; `key_split` / `plain_key_block`: keys per attention piece
   (invariant: fixed by position; plain: the finest split-KV); `index_chunk` / `plain_index_chunk`: index keys per
   indexer piece; `tile_tokens`: the tiled step's tile; `row_block`: the blocked step's rows per projection call
-  (`row_invariant.GPU_BLOCKING.rows`)."""
+  (`row_invariant.GPU_BLOCKING.rows`, sized for the bf16 projections the engine holds; `row_block_for` gives the
+  block for a projection format)."""
   block_m: int = 64
   block_n: int = 128
   expert_block_m: int = 16
@@ -126,6 +127,17 @@ class Tiling:
   tile_tokens: int = 64
   row_block: int = row_invariant.GPU_BLOCKING.rows
   loop_expert_rows: int = row_invariant.GPU_BLOCKING.expert_rows
+
+
+# The blocked step's rows per block for FP8 projection weights (a block of R rows does 2R FLOPs a byte: an H200's
+# ridge is about 82): what FP8 projection matmuls would take; the engine holds bf16 projections and takes
+# `row_invariant.GPU_BLOCKING`.
+FP8_ROW_BLOCK = 80
+
+
+def row_block_for(fmt: "Formats") -> int:
+  """The blocked step's rows per block for `fmt`'s projection weights."""
+  return FP8_ROW_BLOCK if fmt.projections == "fp8" else row_invariant.GPU_BLOCKING.rows
 
 
 @dataclasses.dataclass(frozen=True)

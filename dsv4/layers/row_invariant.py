@@ -52,12 +52,14 @@ class RowBlocking:
 # The CPU's blocks: its dot streams the weights from memory at any row count, so small blocks (little padding
 # work at decode) cost it nothing at prefill.
 CPU_BLOCKING = RowBlocking()
-# A GPU's: a block's projection is one fixed-shape dot that reads the weights from HBM, so a block of R rows does
-# 2R FLOPs per byte of FP8 weight. 80 rows sits at an H200's ridge (bf16 tensor cores / HBM: 82 FLOPs a byte): a
-# prefill chunk's blocks then run at the tensor-core rate (32 rows: 1.6-1.8x a plain step's time at a 2,048-token
-# chunk by the roofline), and a decode step's one block stays bound by its weight reads (the padding rows' work
-# hides under them). `python -m benchmarks.step_roofline --row_blocks=32,64,80,96,128` prints the trade.
-GPU_BLOCKING = RowBlocking(rows=80)
+# A GPU's: a block's projection is one fixed-shape dot that reads the weights from HBM, so a block of R rows does R
+# FLOPs per byte of the bf16 projection weights the engine holds (the loader dequantizes FP8 at load). An H200's
+# ridge (bf16 tensor cores / HBM) is about 165 FLOPs a byte: at 128 rows a prefill chunk's blocks run near the
+# tensor-core rate (32 rows: 2.9x a plain step's time at a 2,048-token chunk by the roofline) and a decode step's
+# one block stays bound by its weight reads (the padding rows' arithmetic hides under them). FP8 projection
+# matmuls, if built, would want about 80 (2R FLOPs a byte). `python -m benchmarks.step_roofline
+# --projections=bf16` prints the trade per block size.
+GPU_BLOCKING = RowBlocking(rows=128)
 
 
 def blocking() -> RowBlocking:

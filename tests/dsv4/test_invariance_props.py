@@ -212,9 +212,9 @@ def test_invariant_logits_with_drafts_and_tier_reloads(variant, kv, request):
 
 @pytest.mark.slow
 def test_invariant_logits_at_a_gpus_row_blocks(request, monkeypatch):
-  """The property with the row blocks the engine uses on a GPU (`row_invariant.GPU_BLOCKING`: 80 rows, not a power
-  of two), on the CPU: V4, bf16, a budget of 200 tokens (a step of 240 rows, three blocks), so a batched step's
-  live rows span blocks that a request alone fills differently."""
+  """The property with the row blocks the engine uses on a GPU (`row_invariant.GPU_BLOCKING`: 128 rows), on the CPU:
+  V4, bf16, a budget of 200 tokens (a step of 256 rows, two blocks), so a batched step's live rows span blocks
+  that a request alone fills differently."""
   if run_in_child(request, default_xla_opt=True):
     return
   from dsv4.layers import row_invariant

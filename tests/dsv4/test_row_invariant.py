@@ -142,14 +142,14 @@ def test_map_row_blocks_bad_blocking():
     row_invariant.RowBlocking(rows=0)
 
 
-@pytest.mark.parametrize("backend_blocks,ntok,widths", [("cpu", 29, (32, 64)), ("gpu", 87, (160, 240))],
+@pytest.mark.parametrize("backend_blocks,ntok,widths", [("cpu", 29, (32, 64)), ("gpu", 150, (256, 384))],
                          ids=["cpu_blocks", "gpu_blocks"])
 def test_forward_bits_ignore_the_flat_width(backend_blocks, ntok, widths, request, monkeypatch):
   """The model on one row's live tokens at two flat widths (the step budgets of two engines): the same hidden
   states and the same cache contents, bit for bit (every per-token op runs in fixed row blocks). With the CPU's
-  blocks (32 rows: widths 32 and 64) and with a GPU's (80 rows, not a power of two: two live blocks at widths 160
-  and 240, whole blocks as an engine's step has them). In a child process at XLA's default optimisation level,
-  like the engine's bitwise checks: the claim is about the code users run."""
+  blocks (32 rows: widths 32 and 64) and with a GPU's (128 rows: two live blocks at widths 256 and 384, whole
+  blocks as an engine's step has them). In a child process at XLA's default optimisation level, like the engine's
+  bitwise checks: the claim is about the code users run."""
   if run_in_child(request, default_xla_opt=True):
     return
   from dsv4 import caches, config, model
@@ -170,9 +170,9 @@ def test_forward_bits_ignore_the_flat_width(backend_blocks, ntok, widths, reques
     num = np.zeros(R, np.int32)
     num[0] = ntok
     swa = np.full((R, 8), -1, np.int32)
-    swa[0, :4] = np.arange(4)
+    swa[0, :ntok // 32 + 1] = np.arange(ntok // 32 + 1)       # 32-token swa blocks, 128-token full blocks
     full = np.full((R, 4), -1, np.int32)
-    full[0, :2] = np.arange(2)
+    full[0, :ntok // 128 + 1] = np.arange(ntok // 128 + 1)
     step = caches.StepIndex(jnp.asarray(row), jnp.asarray(pos), jnp.zeros(R, jnp.int32), jnp.asarray(num),
                             {caches.SWA: jnp.asarray(swa), caches.FULL: jnp.asarray(full)},
                             swa_base_R=jnp.zeros(R, jnp.int32), live_tokens=jnp.int32(ntok), invariant=True)
@@ -200,11 +200,11 @@ def _forward_bits(layout, n=64, ntok=20, kernel_cfg=dispatch.KernelConfig()):
   row = jnp.asarray(np.r_[np.zeros(ntok), -np.ones(n - ntok)].astype(np.int32))
   pos = jnp.asarray(np.r_[np.arange(ntok), np.zeros(n - ntok)].astype(np.int32))
   step = caches.StepIndex(row, pos, jnp.zeros(2, jnp.int32), jnp.asarray([ntok, 0], jnp.int32),
-                          {caches.SWA: jnp.asarray([[0, 1, 2, 3], [-1] * 4], jnp.int32),
+                          {caches.SWA: jnp.asarray([list(range(6)), [-1] * 6], jnp.int32),
                            caches.FULL: jnp.asarray([[0, 1], [-1, -1]], jnp.int32)},
                           swa_base_R=jnp.zeros(2, jnp.int32), live_tokens=jnp.int32(ntok), invariant=True)
   cache, h = jax.jit(lambda c: model.forward_ragged(params, cfg, tokens, c, step, layout=layout,
-                                                     kernel_cfg=kernel_cfg))(caches.init_cache(cfg, layout, 8, 4))
+                                                     kernel_cfg=kernel_cfg))(caches.init_cache(cfg, layout, 8, 6))
   return [np.asarray(caches.as_bits(a)) for a in jax.tree_util.tree_leaves(cache)], np.asarray(h)[:ntok].view(np.uint16)
 
 
@@ -244,10 +244,10 @@ def test_dead_rows_of_loop_buffers_reach_no_live_row_on_the_kernels(backend_bloc
   """The Pallas kernels (interpret mode) run over every token of the flat axis: with the loop buffers filled with
   NaN and all-ones integers instead of zeros, a kernel's program of a token past the live ones finds nothing to
   read and writes nothing a live token reads: the live tokens' hidden states and every pool keep their bits. With
-  the CPU's row blocks (64 tokens, 20 live) and a GPU's (80 rows: 160 tokens, 87 live: two live blocks, the
+  the CPU's row blocks (64 tokens, 20 live) and a GPU's (128 rows: 256 tokens, 150 live: two live blocks, the
   second partly)."""
   from dsv4 import caches
-  n, ntok = (64, 20) if backend_blocks == "cpu" else (160, 87)
+  n, ntok = (64, 20) if backend_blocks == "cpu" else (256, 150)
   if backend_blocks == "gpu":
     monkeypatch.setattr(row_invariant, "blocking", lambda: row_invariant.GPU_BLOCKING)
   lay = caches.CacheLayout(kv_dtype=jnp.bfloat16)
