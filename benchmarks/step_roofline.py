@@ -46,6 +46,11 @@ flags.DEFINE_integer("row_block", 0, "Rows per projection call of (d); 0: by the
                      "(row_invariant.GPU_BLOCKING.rows, 128, for bf16 as the engine holds them; 80 for FP8).")
 flags.DEFINE_list("row_blocks", ["32", "64", "80", "96", "128", "160"],
                   "Row blocks of the (d)/(c) trade table; empty: none.")
+flags.DEFINE_bool("expert_loop", False, "(d) runs the routed experts in its loop of 8-pair blocks, each reading its "
+                  "expert's weights, as on a mesh that splits the experts (the grouped expert kernel is not used there).")
+flags.register_validator("row_block", lambda v: v >= 0, "--row_block: 0 (by the projection format) or a row count")
+flags.register_validator("row_blocks", lambda v: all(b.isdigit() and int(b) > 0 for b in v),
+                         "--row_blocks: positive row counts")
 flags.DEFINE_list("budgets", ["512", "2048", "8192"], "Engine token budgets of the budget-width table (what (d) "
                   "writes at its budget's width, traced from the step program; about 20 s per model); empty: none.")
 FLAGS = flags.FLAGS
@@ -148,14 +153,16 @@ def main(argv):
   del argv
   dev = step_cost.DEVICES[FLAGS.device]
   fmt = step_cost.Formats(experts=FLAGS.experts, kv=FLAGS.kv, compute=FLAGS.compute, projections=FLAGS.projections)
-  tiling = step_cost.Tiling(tile_tokens=FLAGS.tile, row_block=FLAGS.row_block or step_cost.row_block_for(fmt))
+  tiling = step_cost.Tiling(tile_tokens=FLAGS.tile, row_block=FLAGS.row_block or step_cost.row_block_for(fmt),
+                            expert_kernel=not FLAGS.expert_loop)
+  experts_where = (f"on the grouped expert kernel where it takes them, else in a loop of {tiling.loop_expert_rows}-pair "
+                   f"blocks" if tiling.expert_kernel else f"in a loop of {tiling.loop_expert_rows}-pair blocks")
   print(f"{dev.name}: HBM {dev.hbm_bytes_per_s / 1e12:.2f} TB/s, {fmt.compute} matmuls at "
         f"{dev.peak(fmt.compute) / 1e12:.0f} TFLOP/s ({dev.matmul_efficiency:.0%} of spec), {dev.num_sms} SMs; "
         f"experts {fmt.experts}, projections {fmt.projections}, KV {fmt.kv}, tile {tiling.tile_tokens}. (a) tiled "
         f"step (dropped), (b) row-invariant step on fixed-tile kernels (fixed split-K), (c) plain step, (d) the "
         f"row-invariant step as built ({tiling.row_block}-row blocks, the shared expert among the projections, the "
-        f"routed experts on the grouped expert kernel where it takes them, else in a loop of "
-        f"{tiling.loop_expert_rows}-pair blocks).")
+        f"routed experts {experts_where}).")
   for name in FLAGS.models:
     cfg = get_preset(name)
     print_table(STEP_HEADERS, step_rows(cfg, dev, fmt, tiling), title=f"{name}: one step, roofline")

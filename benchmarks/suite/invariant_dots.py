@@ -12,10 +12,9 @@ rate (bytes: x + the weights read + y once; FLOPs: 2 N K M, for the grouped matm
 Row blocks: the projection as the engine runs it on a GPU today, fixed [R, K] XLA dots in a device loop over the
 blocks holding live rows (`row_invariant.rows_dot`, a budget of 2048 rows), at R = 32, 64, 80, 96, 128 (the
 engine's, `row_invariant.GPU_BLOCKING`) and 160, with 1 live row (a decode step: one block, its padding rows
-computed) and
-2048 (a prefill chunk: each block reads the weights), beside the plain dot at 1 and 2048 rows: the row-block trade
-that `python -m benchmarks.step_roofline` models, measured (L2 flushed before each call, so every block after the
-first may find the weights in L2, which the roofline does not count).
+computed) and 2048 (a prefill chunk: each block reads the weights), beside the plain dot at 1 and 2048 rows: the
+row-block trade that `python -m benchmarks.step_roofline` models, measured (L2 flushed before each call, so every
+block after the first may find the weights in L2, which the roofline does not count).
 
 Row bits: a fixed row's output at N = 1, 7, 64, 2048 rows (and at the last place of 2048 shuffled rows) from
 row_dot, with and without the split of K, bitwise equal to the row alone; the same for the XLA dot as the contrast

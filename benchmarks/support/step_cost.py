@@ -114,7 +114,8 @@ class Tiling:
   (invariant: fixed by position; plain: the finest split-KV); `index_chunk` / `plain_index_chunk`: index keys per
   indexer piece; `tile_tokens`: the tiled step's tile; `row_block`: the blocked step's rows per projection call
   (`row_invariant.GPU_BLOCKING.rows`, sized for the bf16 projections the engine holds; `row_block_for` gives the
-  block for a projection format)."""
+  block for a projection format); `expert_kernel`: whether the blocked step may run the routed experts on the
+  grouped expert kernel (False: the loop of `loop_expert_rows`-pair blocks, as on a mesh that splits the experts)."""
   block_m: int = 64
   block_n: int = 128
   expert_block_m: int = 16
@@ -127,6 +128,7 @@ class Tiling:
   tile_tokens: int = 64
   row_block: int = row_invariant.GPU_BLOCKING.rows
   loop_expert_rows: int = row_invariant.GPU_BLOCKING.expert_rows
+  expert_kernel: bool = True
 
 
 # The blocked step's rows per block for FP8 projection weights (a block of R rows does 2R FLOPs a byte: an H200's
@@ -488,7 +490,7 @@ def pass_cost(cfg: ModelConfig, w: ModelWeights, dev: DeviceSpec, fmt: Formats, 
     if design == "blocked":    # the shared expert in the MoE's loop; the routed experts on the kernel if it fits
       for m in shared_matmuls(lw, D):
         out.add(projection(m), "projections")
-      kernel = row_invariant.grouped_kernel_fits(D, lw.inter, GroupedDotTuning())
+      kernel = tiling.expert_kernel and row_invariant.grouped_kernel_fits(D, lw.inter, GroupedDotTuning())
       out.add(_experts(dev, fmt, tiling, inner, lw, tokens, D, shared=False) if kernel
               else _looped_experts(dev, fmt, tiling, lw, tokens, D), "experts")
     else:

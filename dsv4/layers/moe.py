@@ -57,8 +57,9 @@ def routed_expert_rows(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
   block of an expert's pairs with that expert's weights, so a token's result ignores how many tokens share its
   experts and each expert's weights are read once per block of its own pairs. Where `kernel_cfg` can send
   "grouped_dot" to the grouped expert kernel and the kernel can take the experts (`grouped_kernel_fits`), every
-  live block runs in one kernel call per product (`row_invariant.grouped_experts_kernel`); not inside a mesh that
-  splits the experts (GSPMD cannot split a Pallas call: the loop runs there). The results come as rows
+  live block runs in one kernel call per product (`row_invariant.grouped_experts_kernel`); not on a mesh that
+  splits the experts, where the loop runs (GSPMD cannot split a Pallas call; inside the per-shard-pool step each
+  expert shard loops over its own experts, `_grouped_over_expert_shards`). The results come as rows
   (`row_invariant.RowFn`): the last per-token step (the cast of each token's sum, or its K results added) runs in
   the caller's loop."""
   E = cfg.n_routed_experts
@@ -75,13 +76,7 @@ def routed_expert_rows(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
         lambda gate, up: swiglu(gate, up, cfg.swiglu_limit), live, kernel_cfg)
 
   w1, w3, w2 = (jnp.asarray(params[k]) for k in ("w1", "w3", "w2"))   # host (numpy) params too: e is traced
-
-  def expert(e, xb):
-    gate = jnp.dot(xb, w1[e], precision=_HI)
-    up = jnp.dot(xb, w3[e], precision=_HI)
-    return jnp.dot(swiglu(gate, up, cfg.swiglu_limit).astype(xb.dtype), w2[e], precision=_HI)
-
-  return row_invariant.grouped_expert_rows(x_NxD, ids_NxK, w_NxK, expert, E, live,
+  return row_invariant.grouped_expert_rows(x_NxD, ids_NxK, w_NxK, _expert_fn(w1, w3, w2, cfg), E, live,
                                            uniform_trips=_inside_data_shards())
 
 
@@ -94,6 +89,15 @@ def routed_experts_reference(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
     return jnp.einsum("pi,pid->pd", swiglu(gate, up, cfg.swiglu_limit).astype(xs.dtype), params["w2"][ids_P],
                       precision=_HI)
   return row_invariant.grouped_experts_reference(x_NxD, ids_NxK, w_NxK, all_pairs)
+
+
+def _expert_fn(w1_ExDxI, w3_ExDxI, w2_ExIxD, cfg: MoEConfig):
+  """expert_fn(e, x_RxD) of the grouped loop: expert e's clamped SwiGLU on a block of rows."""
+  def expert(e, xb):
+    gate = jnp.dot(xb, w1_ExDxI[e], precision=_HI)
+    up = jnp.dot(xb, w3_ExDxI[e], precision=_HI)
+    return jnp.dot(swiglu(gate, up, cfg.swiglu_limit).astype(xb.dtype), w2_ExIxD[e], precision=_HI)
+  return expert
 
 
 def _grouped_over_expert_shards(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live, mesh) -> row_invariant.RowFn:
@@ -111,13 +115,7 @@ def _grouped_over_expert_shards(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, l
   def local(x, ids, w, live, w1, w3, w2):
     local_ids = ids - jax.lax.axis_index("expert") * El
     local_ids = jnp.where((local_ids >= 0) & (local_ids < El), local_ids, El)
-
-    def expert(e, xb):
-      gate = jnp.dot(xb, w1[e], precision=_HI)
-      up = jnp.dot(xb, w3[e], precision=_HI)
-      return jnp.dot(swiglu(gate, up, cfg.swiglu_limit).astype(xb.dtype), w2[e], precision=_HI)
-
-    partial = row_invariant.grouped_expert_sums(x, local_ids, w, expert, El, live)
+    partial = row_invariant.grouped_expert_sums(x, local_ids, w, _expert_fn(w1, w3, w2, cfg), El, live)
     return row_invariant.map_row_blocks(lambda o: jax.lax.psum(o, "expert"), live, partial)
 
   rep, by_expert = PartitionSpec(), PartitionSpec("expert")
