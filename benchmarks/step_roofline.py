@@ -47,7 +47,8 @@ flags.DEFINE_integer("row_block", 0, "Rows per projection call of (d); 0: by the
 flags.DEFINE_list("row_blocks", ["32", "64", "80", "96", "128", "160"],
                   "Row blocks of the (d)/(c) trade table; empty: none.")
 flags.DEFINE_bool("expert_loop", False, "(d) runs the routed experts in its loop of 8-pair blocks, each reading its "
-                  "expert's weights, as on a mesh that splits the experts (the grouped expert kernel is not used there).")
+                  "expert's weights, as the engine does where the grouped expert kernel cannot take them (kernels "
+                  "off, or tiles that do not divide the experts' local shapes on a mesh).")
 flags.register_validator("row_block", lambda v: v >= 0, "--row_block: 0 (by the projection format) or a row count")
 flags.register_validator("row_blocks", lambda v: all(b.isdigit() and int(b) > 0 for b in v),
                          "--row_blocks: positive row counts")

@@ -7,14 +7,15 @@ Two meshes, each the engine's default placement there:
 * (1, 1, E) = data x tensor x expert: one KV pool, `data` not manual: the MoE takes its expert-parallel path
   (`moe.routed_experts_ep`: tokens to their experts' owners and back);
 * (2, 1, 2): one KV pool per data shard, the step manual over `data` (`jax.shard_map`), the experts split over
-  `expert` by GSPMD: the MoE keeps the grouped loop (`row_invariant.grouped_expert_rows`), whose body indexes the
-  expert-sharded weights with a traced expert id.
+  `expert`: the MoE runs each expert shard's own experts in a region manual over `expert` (and `tensor` on the
+  kernel where it slices them), on the grouped expert kernel (`--kernels=interpret`: the kernel's interpret mode,
+  as a GPU runs it by default) or in the grouped loop (`--kernels=xla`), then a psum per live row block.
 
 Read: an all-gather whose result is [E, D, I] or [E, I, D] (every expert's weights) inside a loop body moves every
 routed expert's weights to every device once per block of pairs. At V4-Flash (256 experts of 3 x 4096 x 2048, bf16
 as the engine holds them) that is 12.9 GB per block per layer.
 
-    python -m benchmarks.probes.moe_mesh_collectives [--meshes=1,1,4;2,1,2]
+    python -m benchmarks.probes.moe_mesh_collectives [--meshes=1,1,4;2,1,2] [--kernels=xla|interpret]
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ FLAGS = flags.FLAGS
 def define_flags():
   flags.DEFINE_string("meshes", "1,1,4;2,1,2", "data,tensor,expert meshes, ';'-separated (host devices: the largest "
                       "product)")
+  flags.DEFINE_enum("kernels", "xla", ["xla", "interpret"], "the engine's kernel backend (`KernelConfig.backend`): "
+                    "interpret runs the routed experts on the grouped expert kernel's interpret mode")
 
 
 def collectives(hlo: str) -> collections.Counter:
@@ -48,7 +51,7 @@ def collectives(hlo: str) -> collections.Counter:
   return out
 
 
-def step_hlo(mesh_shape: tuple[int, int, int]) -> str:
+def step_hlo(mesh_shape: tuple[int, int, int], kernels: str = "xla") -> str:
   """The optimized HLO of the mesh step program an engine compiled for a short request on `mesh_shape`."""
   import jax
 
@@ -57,6 +60,8 @@ def step_hlo(mesh_shape: tuple[int, int, int]) -> str:
   from dsv4.engine.config import EngineConfig
   from dsv4.engine.engine import Engine
   from dsv4.engine.sampling import SamplingParams
+  from pallas_kernels import dispatch
+  from pallas_kernels.grouped_dot import GroupedDotTuning
 
   seen = {}
   mesh_step = runner_mod.ModelRunner._mesh_step
@@ -74,7 +79,9 @@ def step_hlo(mesh_shape: tuple[int, int, int]) -> str:
   mesh = sharding.make_mesh(mesh_shape)
   D = mesh_shape[0]
   ec = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, max_model_len=384,
-                    num_full_blocks=12 * D, num_swa_blocks=40 * D)
+                    num_full_blocks=12 * D, num_swa_blocks=40 * D,
+                    kernel=dispatch.KernelConfig(kernels, grouped_dot_tuning=GroupedDotTuning(block_k=16,
+                                                                                              block_cols=16)))
   runner_mod.ModelRunner._mesh_step = spy
   try:
     eng = Engine(params, cfg, ec, mesh=mesh)
@@ -99,8 +106,9 @@ def main(argv):
   print(f"tiny V4: {E} routed experts of {Dm} x {I}, 3 layers; every expert's weights: [{E},{Dm},{I}] / "
         f"[{E},{I},{Dm}]")
   for m in meshes:
-    got = collectives(step_hlo(m))
-    print(f"\nmesh (data, tensor, expert) = {m}: {sum(got.values())} collectives in the step program")
+    got = collectives(step_hlo(m, FLAGS.kernels))
+    print(f"\nmesh (data, tensor, expert) = {m}, kernels {FLAGS.kernels}: {sum(got.values())} collectives in the "
+          f"step program")
     print(f"  {'count':>5}  {'kind':<18} {'result':<22} in a loop body")
     for (kind, shape, in_loop), n in sorted(got.items(), key=lambda kv: (-kv[1], kv[0])):
       print(f"  {n:>5}  {kind:<18} {shape:<22} {'yes' if in_loop else 'no'}")

@@ -8,8 +8,9 @@ On a mesh with an `expert` axis (under `jax.set_mesh`), routed experts run exper
 shard that owns the expert with one all-to-all, the owner runs its local experts as one grouped matmul (its slice of
 the intermediate dimension when there is a `tensor` axis, then a psum), and a second all-to-all brings the results
 back. Inside the per-shard-pool step (manual over `data`) the experts run per expert shard instead: each device
-the grouped loop over its own experts' pairs, the shards' partial sums added by a psum over `expert` per live row
-block (`_grouped_over_expert_shards`). Without such a mesh the single-device path below runs unchanged.
+its own experts' pairs on the grouped expert kernel (`_grouped_kernel_over_expert_shards`; where the kernel cannot
+take them, the grouped loop, `_grouped_over_expert_shards`), the shards' partial sums added by a psum per live row
+block. Without such a mesh the single-device path below runs unchanged.
 """
 
 from __future__ import annotations
@@ -58,17 +59,22 @@ def routed_expert_rows(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
   experts and each expert's weights are read once per block of its own pairs. Where `kernel_cfg` can send
   "grouped_dot" to the grouped expert kernel and the kernel can take the experts (`grouped_kernel_fits`), every
   live block runs in one kernel call per product (`row_invariant.grouped_experts_kernel`); not on a mesh that
-  splits the experts, where the loop runs (GSPMD cannot split a Pallas call; inside the per-shard-pool step each
-  expert shard loops over its own experts, `_grouped_over_expert_shards`). The results come as rows
+  splits the experts outside the per-shard-pool step, where the loop runs (GSPMD cannot split a Pallas call).
+  Inside the per-shard-pool step each expert shard runs its own experts: on the kernel where it can take their
+  local shapes (`_grouped_kernel_over_expert_shards`), else in the loop (`_grouped_over_expert_shards`). The
+  results come as rows
   (`row_invariant.RowFn`): the last per-token step (the cast of each token's sum, or its K results added) runs in
   the caller's loop."""
   E = cfg.n_routed_experts
   D, I = params["w1"].shape[1], params["w1"].shape[2]
   mesh = mesh_context.active_mesh()
   ep = mesh_context.axis_size(mesh, "expert")
-  if _inside_data_shards() and ep > 1 and E % ep == 0:
-    return _grouped_over_expert_shards(params, x_NxD, ids_NxK, w_NxK, cfg, live, mesh)
   tuning = kernel_cfg.grouped_dot_tuning or GroupedDotTuning()
+  if _inside_data_shards() and ep > 1 and E % ep == 0:
+    tp = _expert_mlp_split(mesh, I)
+    if dispatch.may_use_kernel(kernel_cfg, "grouped_dot") and row_invariant.grouped_kernel_fits(D, I // tp, tuning):
+      return _grouped_kernel_over_expert_shards(params, x_NxD, ids_NxK, w_NxK, cfg, live, mesh, kernel_cfg)
+    return _grouped_over_expert_shards(params, x_NxD, ids_NxK, w_NxK, cfg, live, mesh)
   if (dispatch.may_use_kernel(kernel_cfg, "grouped_dot") and row_invariant.grouped_kernel_fits(D, I, tuning)
       and not _experts_split()):
     return row_invariant.grouped_expert_kernel_rows(
@@ -121,6 +127,45 @@ def _grouped_over_expert_shards(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, l
   rep, by_expert = PartitionSpec(), PartitionSpec("expert")
   sums = jax.shard_map(local, in_specs=(rep, rep, rep, rep, by_expert, by_expert, by_expert), out_specs=rep,
                        axis_names={"expert"}, check_vma=False)(
+      x_NxD, ids_NxK, w_NxK, row_invariant.live_count(live, x_NxD.shape[0]), params["w1"], params["w3"], params["w2"])
+  return row_invariant.RowFn(lambda o: o.astype(x_NxD.dtype), (sums,))
+
+
+def _expert_mlp_split(mesh, I: int) -> int:
+  """How many slices of the experts' intermediate dimension the `tensor` axis makes (the "expert_mlp" rule,
+  `dsv4.sharding`): its size where it divides I, else 1."""
+  tp = mesh_context.axis_size(mesh, "tensor")
+  return tp if tp > 1 and I % tp == 0 else 1
+
+
+def _grouped_kernel_over_expert_shards(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live, mesh,
+                                       kernel_cfg: dispatch.KernelConfig) -> row_invariant.RowFn:
+  """`_grouped_over_expert_shards` on the grouped expert kernel: in a region manual over the axes that split the
+  experts' weights (`expert`, and `tensor` where it slices their intermediate dimension), nested in the step's
+  `data` region, each device lays out its own experts' pairs and runs every live block in one kernel call per
+  product on its local weights (`row_invariant.grouped_expert_kernel_sums`: a Pallas call needs no GSPMD split
+  there), so each expert's weights cross HBM about once per step, as on one device. With a `tensor` slice the down
+  product is a partial sum over that slice, kept in fp32. Each token's local results are added in fp32 in
+  expert-id order, then the shards' partials by one psum over the region's axes per live row block. A token's bits
+  depend on its own routing and the mesh, never on the other tokens."""
+  E, ep = cfg.n_routed_experts, mesh_context.axis_size(mesh, "expert")
+  El = E // ep
+  tp = _expert_mlp_split(mesh, params["w1"].shape[2])
+  axes = ("expert", "tensor") if tp > 1 else ("expert",)
+  act = lambda gate, up: swiglu(gate, up, cfg.swiglu_limit)
+
+  def local(x, ids, w, live, w1, w3, w2):
+    local_ids = ids - jax.lax.axis_index("expert") * El
+    local_ids = jnp.where((local_ids >= 0) & (local_ids < El), local_ids, El)
+    sums = row_invariant.grouped_expert_kernel_sums(x, local_ids, w, w1, w3, w2, act, live, kernel_cfg,
+                                                    down_dtype=jnp.float32 if tp > 1 else None)
+    return row_invariant.map_row_blocks(lambda *b: jax.lax.psum(sums.fn(*b), axes), live, *sums.args)
+
+  rep = PartitionSpec()
+  mlp = "tensor" if tp > 1 else None
+  up, down = PartitionSpec("expert", None, mlp), PartitionSpec("expert", mlp, None)
+  sums = jax.shard_map(local, in_specs=(rep, rep, rep, rep, up, up, down), out_specs=rep,
+                       axis_names=set(axes), check_vma=False)(
       x_NxD, ids_NxK, w_NxK, row_invariant.live_count(live, x_NxD.shape[0]), params["w1"], params["w3"], params["w2"])
   return row_invariant.RowFn(lambda o: o.astype(x_NxD.dtype), (sums,))
 

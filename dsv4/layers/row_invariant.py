@@ -276,6 +276,15 @@ def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI
 
 def grouped_expert_kernel_rows(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
                                kernel_cfg, *, block: int | None = None) -> RowFn:
+  """`grouped_expert_kernel_sums` with each token's fp32 sum cast to x's dtype in the caller's loop (as
+  `grouped_expert_rows`)."""
+  sums = grouped_expert_kernel_sums(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
+                                    kernel_cfg, block=block)
+  return RowFn(lambda *b: sums.fn(*b).astype(x_NxD.dtype), sums.args)
+
+
+def grouped_expert_kernel_sums(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
+                               kernel_cfg, *, block: int | None = None, down_dtype=None) -> RowFn:
   """`grouped_experts` of a gated MLP (act(x @ w_gate, x @ w_up) @ w_down) with its products on the grouped
   expert kernel (`dispatch.grouped_dot`): the same grouping (pairs sorted by expert, blocks of `block` pairs of one
   expert) laid out once as [B, block, D] rows, every live block in one call per product instead of a loop, blocks
@@ -287,8 +296,10 @@ def grouped_expert_kernel_rows(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_E
   B is static: ceil(N * K / block) blocks of pairs plus one partial block per expert at most, rounded up to whole
   `LAYOUT_ROWS` slots. Where the kernel
   config serves the XLA reference (`dispatch.grouped_dot`'s fallback: a loop over the live blocks, one product
-  each), the bits stay row-invariant the same way.
-  Returns the per-token sums as rows (`RowFn`), for the caller's loop (as `grouped_expert_rows`)."""
+  each), the bits stay row-invariant the same way. An id of E is no pair (an expert another device holds).
+  down_dtype: the down product's output dtype (None = x's; float32 where it is a partial sum over a slice of the
+  intermediate dimension that a psum completes: `moe`'s expert shards).
+  Returns the per-token fp32 sums as rows (`RowFn`), for the caller's loop."""
   block = block or blocking().kernel_expert_rows
   N, K = ids_NxK.shape
   D = x_NxD.shape[1]
@@ -318,7 +329,8 @@ def grouped_expert_kernel_rows(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_E
   I = gate.shape[-1]
   a = map_row_blocks(lambda g, u: act(g, u).astype(x_NxD.dtype), live_slots, gate.reshape(dead, I),
                      up.reshape(dead, I), block=LAYOUT_ROWS).reshape(nb, block, I)
-  h = dispatch.grouped_dot(a, block_expert, live_blocks, w_down_ExIxD, cfg=kernel_cfg).reshape(dead, D)
+  h = dispatch.grouped_dot(a, block_expert, live_blocks, w_down_ExIxD, out_dtype=down_dtype,
+                           cfg=kernel_cfg).reshape(dead, D)
   slot_of_pair = jnp.full((P,), dead, jnp.int32).at[order].set(slot)    # token-major pair -> its row in h
   w_flat = weights_NxK.reshape(-1)
 
@@ -331,7 +343,7 @@ def grouped_expert_kernel_rows(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_E
       sp = slot_of_pair[pair]
       hk = jnp.where((sp < dead)[:, None], h[jnp.minimum(sp, dead - 1)], 0) * w_flat[pair][:, None].astype(h.dtype)
       out = out + hk.astype(out.dtype)
-    return out.astype(x_NxD.dtype)
+    return out
   return RowFn(combine, (ids_NxK, jnp.arange(N, dtype=jnp.int32)))
 
 

@@ -4,6 +4,7 @@ runs on one device, and the host device count is fixed when JAX starts):
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.dsv4.sharding_worker forward v4
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.dsv4.sharding_worker engine
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.dsv4.sharding_worker pools v4
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.dsv4.sharding_worker expert_shards
 
 Exits non-zero (with the failing numbers) on any mismatch; prints one line per check.
 """
@@ -320,6 +321,81 @@ def check_tables(shape=(2, 2, 2)) -> None:
   print(f"tables on the mesh: {sorted(tables)} device to device, per shard equal to its manager's", flush=True)
 
 
+def check_expert_shards() -> None:
+  """The routed experts inside the per-shard-pool step (a region manual over `data`) on meshes that split the
+  experts over `expert`, and their intermediate dimension over `tensor` or not: on the grouped expert kernel
+  (interpret mode: a pallas_call in the program) and in the grouped loop (XLA), each within 1e-5 of a float64
+  per-token reference, and each token's bits the same alone as in any batch of other tokens."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from dsv4.config import MoEConfig
+  from dsv4.layers import moe
+  from pallas_kernels import dispatch
+  from pallas_kernels.grouped_dot import GroupedDotTuning
+
+  E, K, D, I, N = 8, 2, 32, 32, 12
+  cfg = MoEConfig(n_routed_experts=E, num_experts_per_tok=K, intermediate_size=I)
+  ks = jax.random.split(jax.random.PRNGKey(7), 5)
+  p = {"w1": jax.random.normal(ks[0], (E, D, I)) / 5, "w3": jax.random.normal(ks[1], (E, D, I)) / 5,
+       "w2": jax.random.normal(ks[2], (E, I, D)) / 4}
+  x = np.asarray(jax.random.normal(ks[3], (N, D)), np.float32)
+  rng = np.random.default_rng(7)
+  ids = np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32)
+  w = np.asarray(jax.random.uniform(ks[4], (N, K)), np.float32)
+  x64, w1, w3, w2 = (np.asarray(a, np.float64) for a in (x, p["w1"], p["w3"], p["w2"]))
+  want = np.zeros((N, D))
+  for n in range(N):
+    for k in range(K):
+      e = ids[n, k]
+      g, u = np.minimum(x64[n] @ w1[e], cfg.swiglu_limit), np.clip(x64[n] @ w3[e], -cfg.swiglu_limit,
+                                                                     cfg.swiglu_limit)
+      want[n] += w[n, k] * ((g / (1 + np.exp(-g)) * u) @ w2[e])
+  tiles = GroupedDotTuning(block_k=16, block_cols=16)
+  for shape in ((2, 1, 2), (2, 2, 2), (1, 2, 4)):
+    mesh = sharding.make_mesh(shape)
+    Dd = shape[0]
+    up, down = (NamedSharding(mesh, P("expert", None, "tensor")), NamedSharding(mesh, P("expert", "tensor", None)))
+    params = {"w1": jax.device_put(p["w1"], up), "w3": jax.device_put(p["w3"], up),
+              "w2": jax.device_put(p["w2"], down)}
+    for backend in ("interpret", "xla"):
+      kcfg = dispatch.KernelConfig(backend, grouped_dot_tuning=tiles)
+
+      def step(params, x, ids, w, live):        # one data shard's rows, as the engine's step holds them
+        return moe.routed_experts(params, x[0], ids[0], w[0], cfg, live[0], kcfg)[None]
+
+      by_data = P("data")
+      f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), by_data, by_data, by_data, by_data),
+                                out_specs=by_data, axis_names={"data"}, check_vma=False))
+
+      def run(rows: list[int], width: int):
+        """The rows' results when each data shard holds `rows` first (then padding) in a step of `width`."""
+        xs, is_, ws = np.zeros((Dd, width, D), np.float32), np.zeros((Dd, width, K), np.int32), \
+            np.zeros((Dd, width, K), np.float32)
+        for d in range(Dd):
+          xs[d, :len(rows)], is_[d, :len(rows)], ws[d, :len(rows)] = x[rows], ids[rows], w[rows]
+        with jax.set_mesh(mesh):
+          out = f(params, xs, is_, ws, np.full((Dd,), len(rows), np.int32))
+        return np.asarray(out)[:, :len(rows)]
+
+      with jax.set_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(f)(params, np.zeros((Dd, N, D), np.float32), np.zeros((Dd, N, K), np.int32),
+                                      np.zeros((Dd, N, K), np.float32), np.full((Dd,), N, np.int32)))
+      on_kernel = "pallas_call" in jaxpr
+      if on_kernel != (backend == "interpret"):
+        sys.exit(f"FAIL expert shards {shape} {backend}: pallas_call in the program: {on_kernel}")
+      every = run(list(range(N)), N)
+      err = float(np.max(np.abs(every - want[None])))
+      if err > 1e-5 * max(1.0, float(np.max(np.abs(want)))):
+        sys.exit(f"FAIL expert shards {shape} {backend}: {err:.2e} from the reference")
+      bits = every.view(np.uint32)
+      for rows, width in (([5], N), ([5], 2 * N), ([11, 5, 0], N), (list(range(N - 1, -1, -1)), 2 * N)):
+        got = run(rows, width).view(np.uint32)
+        if not np.array_equal(got, bits[:, rows]):
+          sys.exit(f"FAIL expert shards {shape} {backend}: rows {rows} in a step of {width} changed their bits")
+      print(f"expert shards mesh={shape} {backend}: {'kernel' if on_kernel else 'loop'}, {err:.1e} from the "
+            f"reference, rows alone == batched bit for bit", flush=True)
+
+
 if __name__ == "__main__":
   what = sys.argv[1]
   if jax.device_count() < 8:
@@ -333,6 +409,8 @@ if __name__ == "__main__":
     check_engine()
   elif what == "pools":
     check_pools(sys.argv[2])
+  elif what == "expert_shards":
+    check_expert_shards()
   elif what == "tables":
     check_tables()
   else:

@@ -43,6 +43,14 @@ def test_kv_latent_split_by_feature_matches_one_device():
   run_worker("forward_feature", "v4")
 
 
+def test_experts_per_expert_shard_keep_row_bits_on_kernel_and_loop():
+  """Inside a data-manual region (the per-shard-pool step), the routed experts per expert shard on (2,1,2), (2,2,2)
+  and (1,2,4): the grouped expert kernel (interpret) and the loop, each near a float64 reference, rows alone ==
+  batched bit for bit (about 20 s: the default tier's check of the mesh's expert path)."""
+  out = run_worker("expert_shards")
+  assert out.count("kernel,") == 3 and out.count("loop,") == 3
+
+
 def test_engine_on_mesh_same_tokens_with_prefix_hits():
   out = run_worker("engine")
   assert "same tokens" in out
