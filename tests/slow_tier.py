@@ -314,4 +314,9 @@ SLOW = {
     "tests/dsv4/test_invariance_props.py::test_invariant_logits_on_random_traces_on_a_mesh":
         "test_invariant_logits_on_random_traces (the same traces and comparison on one device), "
         "tests/dsv4/test_sharding.py (the mesh step)",
+    "tests/cache/test_queued_admissions.py::test_queued_admissions_match_the_standalone_call":
+        "test_queued_admissions_need_no_call_of_their_own and test_an_admission_withdrawn_in_flight_is_released_when_"
+        "its_result_arrives (the queue against the standalone call), the engine tests (every admission is queued)",
+    "tests/experiments/test_experiments.py::test_training_steps_reduce_the_loss":
+        "test_train_small (the train step through the CLI), tests/experiments/test_train_mtp.py",
 }
