@@ -32,8 +32,8 @@ SLOW = {
         "test_a_request_that_fits_is_never_refused[redis] (the same traces through a remote tier), "
         "tests/cache/tiers/test_tiers.py::test_mooncake_tier_roundtrip_and_server_gone (the Mooncake tier itself)",
     "tests/dsv4/test_row_invariant.py::test_forward_bits_ignore_the_flat_width[gpu_blocks]":
-        "[cpu_blocks] (the same model and widths of two engines with the CPU's 32-row blocks; the GPU's 128 differ "
-        "only in the block shape)",
+        "test_row_invariant.py's op-level row-bit properties at the CPU's blocks (the GPU's 128 rows differ only in "
+        "the block shape), tests/dsv4/test_invariance_props.py::test_invariant_logits_on_random_traces",
     "tests/dsv4/test_row_invariant.py::test_dead_rows_of_loop_buffers_reach_no_live_row_on_the_kernels":
         "test_row_invariant.py::test_in_place_updates_and_unwritten_buffers_keep_the_bits (NaN loop buffers on the "
         "XLA ops), the kernels' live-bound tests in tests/pallas_kernels/test_sparse_attention.py and "
@@ -317,6 +317,11 @@ SLOW = {
     "tests/cache/test_queued_admissions.py::test_queued_admissions_match_the_standalone_call":
         "test_queued_admissions_need_no_call_of_their_own and test_an_admission_withdrawn_in_flight_is_released_when_"
         "its_result_arrives (the queue against the standalone call), the engine tests (every admission is queued)",
-    "tests/experiments/test_experiments.py::test_training_steps_reduce_the_loss":
-        "test_train_small (the train step through the CLI), tests/experiments/test_train_mtp.py",
+    "tests/dsv4/test_row_invariant.py::test_forward_bits_ignore_the_flat_width[cpu_blocks]":
+        "tests/dsv4/test_invariance_props.py::test_invariant_logits_on_random_traces (one engine's step: a request's "
+        "bits alone == batched, chunked, hit, preempted), test_row_invariant.py's op-level row-bit properties (any "
+        "row count, any neighbours)",
+    "tests/dsv4/test_model_ragged.py::test_hca_running_pool_equals_repool":
+        "tests/dsv4/test_engine_step.py::test_engine_equals_forward_full[v4] (decode steps' running HCA pools == "
+        "forward_full's pooled windows, through the logits), tests/dsv4/test_window_pool_scan.py",
 }
