@@ -39,10 +39,18 @@ class RowBlocking:
   expert_rows: pairs per block of the grouped expert matmul (an expert with one pair in the step still pays a
     whole block; decode steps hold about one pair per expert).
   kernel_expert_rows: the same on the grouped expert kernel (`grouped_experts_kernel`; a Triton dot tile: a power
-    of two >= 16)."""
+    of two >= 16).
+  outputs_in_inputs: a loop's float output with the shape and dtype of one of its inputs (a sublayer's new mHC
+    streams) takes that input's buffer: the loop reads each block of the input from the buffer it carries, before
+    it writes the block's outputs there, so XLA reuses an input that nothing reads after the loop instead of
+    filling a new buffer across the token budget; the rows past the live blocks then hold the input's rows,
+    unspecified as before. For the CPU, which fills a new buffer with zeros (a GPU allocates it unwritten, and a
+    still-read input would cost a copy there). Not for a loop of one block (the whole buffer: XLA compiles it with
+    other rounding)."""
   rows: int = 32
   expert_rows: int = 8
   kernel_expert_rows: int = 16
+  outputs_in_inputs: bool = False
 
   def __post_init__(self):
     if self.rows < 1 or self.expert_rows < 1 or self.kernel_expert_rows < 1:
@@ -51,7 +59,7 @@ class RowBlocking:
 
 # The CPU's blocks: its dot streams the weights from memory at any row count, so small blocks (little padding
 # work at decode) cost it nothing at prefill.
-CPU_BLOCKING = RowBlocking()
+CPU_BLOCKING = RowBlocking(outputs_in_inputs=True)
 # A GPU's: a block's projection is one fixed-shape dot that reads the weights from HBM, so a block of R rows does R
 # FLOPs per byte of the bf16 projection weights the engine holds (the loader dequantizes FP8 at load). An H200's
 # ridge (bf16 tensor cores / HBM) is about 165 FLOPs a byte: at 128 rows a prefill chunk's blocks run near the
@@ -108,10 +116,24 @@ def map_row_blocks(fn, live, *xs, block: int | None = None, prev=()):
   shapes = jax.eval_shape(lambda *a: fn(*a), *sl(0))
   # On the CPU a narrow float output is carried as its bit pattern (`caches.updates_through_bits`): a block's
   # update in place instead of a pass over all N rows per block. Bits in, the same bits out.
-  outs = jax.tree_util.tree_map(lambda s: _carried(_unfilled((Np, *s.shape[1:]), s.dtype)), shapes)
+  out_leaves, out_tree = jax.tree_util.tree_flatten(shapes)
+  in_leaves, in_tree = jax.tree_util.tree_flatten(xs)
+  into = _outputs_into_inputs(out_leaves, in_leaves, Np) if blocking().outputs_in_inputs and Np > block else {}
+  outs = jax.tree_util.tree_unflatten(out_tree, [
+      _carried(in_leaves[into[k]] if k in into else _unfilled((Np, *o.shape[1:]), o.dtype))
+      for k, o in enumerate(out_leaves)])
 
   def body(i, outs):
-    got = fn(*sl(i))
+    if into:   # an input whose buffer holds an output: its block read from there, before the block is written
+      ins = list(in_leaves)
+      carried = jax.tree_util.tree_leaves(outs)
+      for k, j in into.items():
+        ins[j] = caches.from_bits(carried[k], in_leaves[j].dtype)
+      blocks = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, 0),
+                                      jax.tree_util.tree_unflatten(in_tree, ins))
+      got = fn(*blocks, *jax.tree_util.tree_map(lambda a: shifted(a, i), prev))
+    else:
+      got = fn(*sl(i))
     return jax.tree_util.tree_map(
         lambda o, g, s: jax.lax.dynamic_update_slice_in_dim(o, _carried(g.astype(s.dtype)), i * block, 0),
         outs, got, shapes)
@@ -155,6 +177,21 @@ def map_row_blocks_then(fn, tail: RowFn | None, live, *xs, block: int | None = N
 def run_rows(rows: RowFn, live, *, block: int | None = None):
   """The outputs of `rows` ([N, ...]: its fn on the live row blocks of its args, in one loop)."""
   return map_row_blocks(rows.fn, live, *rows.args, block=block)
+
+
+def _outputs_into_inputs(out_leaves, in_leaves, Np: int) -> dict[int, int]:
+  """Output leaf k -> the input leaf whose buffer it takes (`RowBlocking.outputs_in_inputs`): the first unclaimed
+  input of its [Np, ...] shape and float dtype (an integer output's dead rows may be slots or ids that a later op
+  acts on, so they keep the buffer's fill). Never a `prev` array: a block reads its predecessor's last row."""
+  into, taken = {}, set()
+  for k, o in enumerate(out_leaves):
+    for j, a in enumerate(in_leaves):
+      if (j not in taken and tuple(a.shape) == (Np, *o.shape[1:]) and a.dtype == o.dtype
+          and jnp.issubdtype(o.dtype, jnp.floating)):
+        into[k] = j
+        taken.add(j)
+        break
+  return into
 
 
 def _unfilled(shape, dtype):
