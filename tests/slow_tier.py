@@ -317,6 +317,9 @@ SLOW = {
     "tests/cache/test_queued_admissions.py::test_queued_admissions_match_the_standalone_call":
         "test_queued_admissions_need_no_call_of_their_own and test_an_admission_withdrawn_in_flight_is_released_when_"
         "its_result_arrives (the queue against the standalone call), the engine tests (every admission is queued)",
+    "tests/dsv4/test_row_invariant.py::test_forward_bits_ignore_the_flat_width[cpu_blocks_two_live]":
+        "tests/dsv4/test_invariance_props.py::test_invariant_logits_on_random_traces (one engine's step: a request's "
+        "bits alone == batched, chunked, hit, preempted)",
     "tests/dsv4/test_row_invariant.py::test_forward_bits_ignore_the_flat_width[cpu_blocks]":
         "tests/dsv4/test_invariance_props.py::test_invariant_logits_on_random_traces (one engine's step: a request's "
         "bits alone == batched, chunked, hit, preempted), test_row_invariant.py's op-level row-bit properties (any "
