@@ -119,8 +119,7 @@ def _grouped_over_expert_shards(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, l
   El = E // ep
 
   def local(x, ids, w, live, w1, w3, w2):
-    local_ids = ids - jax.lax.axis_index("expert") * El
-    local_ids = jnp.where((local_ids >= 0) & (local_ids < El), local_ids, El)
+    local_ids = _local_expert_ids(ids, El)
     partial = row_invariant.grouped_expert_sums(x, local_ids, w, _expert_fn(w1, w3, w2, cfg), El, live)
     return row_invariant.map_row_blocks(lambda o: jax.lax.psum(o, "expert"), live, partial)
 
@@ -129,6 +128,12 @@ def _grouped_over_expert_shards(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, l
                        axis_names={"expert"}, check_vma=False)(
       x_NxD, ids_NxK, w_NxK, row_invariant.live_count(live, x_NxD.shape[0]), params["w1"], params["w3"], params["w2"])
   return row_invariant.RowFn(lambda o: o.astype(x_NxD.dtype), (sums,))
+
+
+def _local_expert_ids(ids, El: int):
+  """Inside a region manual over `expert`: each id as this shard's local expert, El (no pair) for another shard's."""
+  local = ids - jax.lax.axis_index("expert") * El
+  return jnp.where((local >= 0) & (local < El), local, El)
 
 
 def _expert_mlp_split(mesh, I: int) -> int:
@@ -155,8 +160,7 @@ def _grouped_kernel_over_expert_shards(params, x_NxD, ids_NxK, w_NxK, cfg: MoECo
   act = lambda gate, up: swiglu(gate, up, cfg.swiglu_limit)
 
   def local(x, ids, w, live, w1, w3, w2):
-    local_ids = ids - jax.lax.axis_index("expert") * El
-    local_ids = jnp.where((local_ids >= 0) & (local_ids < El), local_ids, El)
+    local_ids = _local_expert_ids(ids, El)
     sums = row_invariant.grouped_expert_kernel_sums(x, local_ids, w, w1, w3, w2, act, live, kernel_cfg,
                                                     down_dtype=jnp.float32 if tp > 1 else None)
     return row_invariant.map_row_blocks(lambda *b: jax.lax.psum(sums.fn(*b), axes), live, *sums.args)

@@ -109,7 +109,7 @@ def map_row_blocks(fn, live, *xs, block: int | None = None, prev=()):
     b = jax.lax.dynamic_slice_in_dim(a, jnp.maximum(i * block - 1, 0), block, 0)
     return jnp.where(i == 0, jnp.roll(b, 1, axis=0), b)
 
-  def sl(i):
+  def sl(i, xs=xs):
     return (*jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, 0), xs),
             *jax.tree_util.tree_map(lambda a: shifted(a, i), prev))
 
@@ -124,16 +124,11 @@ def map_row_blocks(fn, live, *xs, block: int | None = None, prev=()):
       for k, o in enumerate(out_leaves)])
 
   def body(i, outs):
-    if into:   # an input whose buffer holds an output: its block read from there, before the block is written
-      ins = list(in_leaves)
-      carried = jax.tree_util.tree_leaves(outs)
-      for k, j in into.items():
-        ins[j] = caches.from_bits(carried[k], in_leaves[j].dtype)
-      blocks = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, 0),
-                                      jax.tree_util.tree_unflatten(in_tree, ins))
-      got = fn(*blocks, *jax.tree_util.tree_map(lambda a: shifted(a, i), prev))
-    else:
-      got = fn(*sl(i))
+    # an input whose buffer holds an output is read from there: its block, before the block is written
+    ins, carried = list(in_leaves), jax.tree_util.tree_leaves(outs)
+    for k, j in into.items():
+      ins[j] = caches.from_bits(carried[k], in_leaves[j].dtype)
+    got = fn(*sl(i, jax.tree_util.tree_unflatten(in_tree, ins)))
     return jax.tree_util.tree_map(
         lambda o, g, s: jax.lax.dynamic_update_slice_in_dim(o, _carried(g.astype(s.dtype)), i * block, 0),
         outs, got, shapes)
