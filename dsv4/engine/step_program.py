@@ -143,7 +143,8 @@ _STEP_STATICS = ("config", "layout", "kernel_cfg", "shape", "record_logits", "mo
 
 def _ragged_step(params, cache, tables, prev_tokens, buf, loop_buffers=(), *, config, layout, kernel_cfg,
                  shape: RaggedShape, record_logits: bool, model_api: str = "functional", graphdef=None):
-  with row_invariant.carried_loop_buffers(loop_buffers) as carried:
+  # no buffers (a caller that keeps none, or a backend that carries none): each loop makes its own
+  with row_invariant.carried_loop_buffers(loop_buffers or None) as carried:
     out = step_body(params, cache, tables, prev_tokens, buf, config=config, layout=layout, kernel_cfg=kernel_cfg,
                     shape=shape, record_logits=record_logits, model_api=model_api, graphdef=graphdef)
   return out._replace(loop_buffers=carried.result())

@@ -119,9 +119,17 @@ def map_row_blocks(fn, live, *xs, block: int | None = None, prev=()):
     b = jax.lax.dynamic_slice_in_dim(a, jnp.maximum(i * block - 1, 0), block, 0)
     return jnp.where(i == 0, jnp.roll(b, 1, axis=0), b)
 
-  def sl(i, xs=xs):
-    return (*jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, 0), xs),
-            *jax.tree_util.tree_map(lambda a: shifted(a, i), prev))
+  # The loop slices its inputs as carried (a narrow float as its bits, `_carried`) and converts each block: an
+  # input that an earlier loop returned is then that loop's buffer itself (the bitcasts cancel outside the loop),
+  # never a converted copy of it across the budget.
+  dtypes = jax.tree_util.tree_map(lambda a: a.dtype, (xs, prev))
+  xs_c, prev_c = jax.tree_util.tree_map(_carried, (xs, prev))
+
+  def sl(i, xs_c=xs_c):
+    (xs_d, prev_d) = dtypes
+    return (*jax.tree_util.tree_map(
+                lambda a, d: caches.from_bits(jax.lax.dynamic_slice_in_dim(a, i * block, block, 0), d), xs_c, xs_d),
+            *jax.tree_util.tree_map(lambda a, d: caches.from_bits(shifted(a, i), d), prev_c, prev_d))
 
   shapes = jax.eval_shape(lambda *a: fn(*a), *sl(0))
   # On the CPU a narrow float output is carried as its bit pattern (`caches.updates_through_bits`): a block's
@@ -147,9 +155,9 @@ def map_row_blocks(fn, live, *xs, block: int | None = None, prev=()):
 
   def body(i, outs):
     # an input whose buffer holds an output is read from there: its block, before the block is written
-    ins, carried = list(in_leaves), jax.tree_util.tree_leaves(outs)
+    ins, carried = jax.tree_util.tree_leaves(xs_c), jax.tree_util.tree_leaves(outs)
     for k, j in into.items():
-      ins[j] = caches.from_bits(carried[k], in_leaves[j].dtype)
+      ins[j] = carried[k]
     got = fn(*sl(i, jax.tree_util.tree_unflatten(in_tree, ins)))
     return jax.tree_util.tree_map(
         lambda o, g, s: jax.lax.dynamic_update_slice_in_dim(o, _carried(g.astype(s.dtype)), i * block, 0),
