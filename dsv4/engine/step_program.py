@@ -6,9 +6,9 @@ plan arrives as one packed int32 buffer (`step_plan`); the outputs come back as 
 Every mode is this program (the mode is part of its static shape or its static arguments):
 * Batch-invariant, always: one shape per engine; the flat axis runs through each layer once, every op
   row-invariant (a token's bits never depend on the other tokens of the call; dsv4/layers/row_invariant.py) and
-  looping over the live tokens only, and logits and sampling at the fixed [rows, ...] shape, so nothing in a
-  token's math depends on what else shares the step or on how its prompt was chunked. Cost: the live tokens and
-  the live context.
+  looping over the live tokens only, and logits and sampling in fixed blocks over the live rows, so nothing in a
+  token's math depends on what else shares the step or on how its prompt was chunked. Cost: the live tokens, the
+  live rows and the live context.
 * Speculative decoding (`RaggedShape.spec` = k): verification and the MTP block's drafts (`speculative_step`).
 * A mesh: the same body, run by `ModelRunner` under `jax.shard_map` (pools over `data`) or a plain mesh jit.
 * KV precision, kernels (`kernel_cfg`) and the model API (functional or NNX modules) are static arguments.
@@ -27,6 +27,7 @@ from dsv4 import caches, model
 from dsv4.engine.sampling import sample_rows_impl
 from dsv4.engine.speculative_step import continue_rows, verify_and_draft
 from dsv4.engine.step_plan import RaggedShape, invariant_step_index, unpack
+from dsv4.layers import row_invariant
 
 
 class StepOutput(NamedTuple):
@@ -48,10 +49,6 @@ class StepOutput(NamedTuple):
   results: jax.Array
   prev_tokens: jax.Array | None
   logits: jax.Array | None
-
-
-def _sample(p, logits_RxV):
-  return sample_rows_impl(logits_RxV, p["temperature"], p["top_k"], p["top_p"], p["seed"], p["step"])
 
 
 def _row_tables(tables, p, shape: RaggedShape):
@@ -95,9 +92,9 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
   (`nnx.split`); the step runs that module (`Model.ragged`, its blocks calling their own sub-modules), so a changed
   module is a changed graphdef and compiles its own program.
 
-  The step runs its live tokens through each layer once (`step_plan.invariant_step_index`), then each row's logits
-  and sample at the fixed [rows, D] / [rows, V] shape: nothing in a token's math depends on what else shares the
-  step or on how its prompt was chunked."""
+  The step runs its live tokens through each layer once (`step_plan.invariant_step_index`), then each live row's
+  logits and sample in fixed row blocks (`live_row_samples`): nothing in a token's math depends on what else shares
+  the step or on how its prompt was chunked."""
   p = unpack(buf, shape)
   if shape.spec:
     p = continue_rows(p, prev_tokens, shape)
@@ -128,10 +125,25 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
     return output(cache, results_RxW, logits)
 
   cache, h_NxD = fwd(p["tokens"], cache, invariant_step_index(p, rows))
-  # Each row's logits and sample at the fixed [rows, D] / [rows, V] shape of this engine (one matmul whose rows
-  # do not see each other: its shape, not its neighbours, decides the summation order).
-  logits = to_logits(h_NxD[jnp.maximum(p["last"], 0)])
-  return output(cache, _sample(p, logits), logits)
+  tokens_R, logits_RxV = live_row_samples(p, h_NxD, to_logits, record_logits)
+  return output(cache, tokens_R, logits_RxV)
+
+
+def live_row_samples(p, h_NxD, to_logits, record_logits: bool):
+  """Each live row's logits (at its last token) and sampled token, in fixed blocks of rows over the live rows only
+  (`row_invariant.map_row_blocks`; rows are packed from 0): the LM head's product and the sampler's sort run at
+  one block shape whatever shares the step, so a row's bits ignore the other rows, and their cost follows the
+  rows the step holds, not the engine's row slots (a decode of 8 rows in an engine of 256 slots sorts 8 rows of the
+  vocabulary, not 256). Returns (tokens [rows], logits [rows, V] or None); rows past the live blocks are
+  unspecified (nothing reads them)."""
+  def block(last, temperature, top_k, top_p, seed, step):
+    logits = to_logits(h_NxD[jnp.maximum(last, 0)])
+    tokens = sample_rows_impl(logits, temperature, top_k, top_p, seed, step)
+    return (tokens, logits) if record_logits else (tokens,)
+  live_rows = jnp.sum(p["num"] > 0)
+  got = row_invariant.map_row_blocks(block, live_rows, p["last"], p["temperature"], p["top_k"], p["top_p"],
+                                     p["seed"], p["step"])
+  return got[0], (got[1] if record_logits else None)
 
 
 _STEP_STATICS = ("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api", "graphdef")
