@@ -13,9 +13,10 @@ import functools
 import jax.numpy as jnp
 
 from dsv4 import caches, dspark, model
+from dsv4.layers import row_invariant
 from dsv4.layers.compressor import StepContext
-from dsv4.engine.sampling import verify_drafts
-from dsv4.engine.step_plan import RaggedShape, invariant_step_index
+from dsv4.engine.sampling import row_logits, verify_drafts
+from dsv4.engine.step_plan import RaggedShape, invariant_step_index, live_rows
 
 
 def draft_lookahead(config, k: int) -> int:
@@ -81,12 +82,18 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   base = last - ndraft                                  # flat index of the input whose logits score draft 1
   j = jnp.arange(K + 1)[None, :]
   scored = jnp.minimum(base[:, None] + j, last[:, None])
-  # one [R, D] matmul per scored column, the shape of the step without drafts: a position's logits have the bits
-  # they have there (a greedy row's tokens and logits equal the engine's without drafts, bit for bit)
-  logits_RxJxV = jnp.stack([model.lm_logits(params, h_NxD[scored[:, j]]) for j in range(K + 1)], axis=1)
+  # each scored column's logits as the step without drafts takes them (`sampling.row_logits`): a position's
+  # logits have the bits they have there (a greedy row's tokens and logits equal the engine's without drafts, bit
+  # for bit); verified and sampled in row blocks over the live rows
+  live = live_rows(p)
+  to_logits = functools.partial(model.lm_logits, params)
+  logits_RxJxV = jnp.stack([row_logits(h_NxD, scored[:, j], to_logits, live) for j in range(K + 1)], axis=1)
   drafts_RxK = p["tokens"][jnp.minimum(base[:, None] + 1 + j[:, :K], N - 1)]
-  accepted, new_RxJ = verify_drafts(logits_RxJxV, drafts_RxK, ndraft, p["temperature"], p["top_k"], p["top_p"],
-                                    p["seed"], p["step"])
+  accepted, new_RxJ = row_invariant.map_row_blocks(verify_drafts, live, logits_RxJxV, drafts_RxK, ndraft,
+                                                   p["temperature"], p["top_k"], p["top_p"], p["seed"], p["step"])
+  # rows past the live blocks come back unspecified: zeros, as the positions below index with them
+  in_step = (jnp.arange(R) < live)[:, None]
+  accepted, new_RxJ = jnp.where(in_step[:, 0], accepted, 0), jnp.where(in_step, new_RxJ, 0)
   decided = jnp.take_along_axis(new_RxJ, accepted[:, None], axis=1)[:, 0]
   frontier = base + accepted                            # flat index of each row's last final position
   n = jnp.arange(N)

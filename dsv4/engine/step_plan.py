@@ -92,6 +92,11 @@ def pack(arrays: dict, shape: _PackedShape) -> np.ndarray:
   return buf
 
 
+def live_rows(p):
+  """The step's live rows (the runner packs them from row 0)."""
+  return jnp.sum(p["num"] > 0)
+
+
 def invariant_step_index(p, rows) -> caches.StepIndex:
   """The invariant step's `StepIndex`: the whole flat axis in one pass, its live tokens (`n_real`: every row's
   tokens come first) bounding the row-invariant ops' loops."""

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from dsv4 import caches, model
-from dsv4.engine.sampling import sample_rows_impl
+from dsv4.engine.sampling import row_logits, sample_rows_impl
 from dsv4.engine.speculative_step import continue_rows, verify_and_draft
-from dsv4.engine.step_plan import RaggedShape, invariant_step_index, unpack
+from dsv4.engine.step_plan import RaggedShape, invariant_step_index, live_rows, unpack
 from dsv4.layers import row_invariant
 
 
@@ -130,20 +130,15 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
 
 
 def live_row_samples(p, h_NxD, to_logits, record_logits: bool):
-  """Each live row's logits (at its last token) and sampled token, in fixed blocks of rows over the live rows only
-  (`row_invariant.map_row_blocks`; rows are packed from 0): the LM head's product and the sampler's sort run at
-  one block shape whatever shares the step, so a row's bits ignore the other rows, and their cost follows the
-  rows the step holds, not the engine's row slots (a decode of 8 rows in an engine of 256 slots sorts 8 rows of the
-  vocabulary, not 256). Returns (tokens [rows], logits [rows, V] or None); rows past the live blocks are
-  unspecified (nothing reads them)."""
-  def block(last, temperature, top_k, top_p, seed, step):
-    logits = to_logits(h_NxD[jnp.maximum(last, 0)])
-    tokens = sample_rows_impl(logits, temperature, top_k, top_p, seed, step)
-    return (tokens, logits) if record_logits else (tokens,)
-  live_rows = jnp.sum(p["num"] > 0)
-  got = row_invariant.map_row_blocks(block, live_rows, p["last"], p["temperature"], p["top_k"], p["top_p"],
-                                     p["seed"], p["step"])
-  return got[0], (got[1] if record_logits else None)
+  """Each live row's logits at its last token (`sampling.row_logits`) and its sampled token, in fixed row blocks
+  over the live rows too: the sampler's sort of the vocabulary follows the rows the step holds (a decode of 8 rows
+  in an engine of 256 slots sorts 8 rows, not 256). Returns (tokens [rows], logits [rows, V] or None); rows past
+  the live blocks are unspecified (nothing reads them)."""
+  live = live_rows(p)
+  logits = row_logits(h_NxD, p["last"], to_logits, live)
+  tokens = row_invariant.map_row_blocks(sample_rows_impl, live, logits, p["temperature"], p["top_k"], p["top_p"],
+                                        p["seed"], p["step"])
+  return tokens, (logits if record_logits else None)
 
 
 _STEP_STATICS = ("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api", "graphdef")
