@@ -13,9 +13,7 @@ beside the step's wall time and XLA's bytes-accessed estimate.
 from __future__ import annotations
 
 import collections
-import glob
 import json
-import os
 import re
 import tempfile
 import time
@@ -26,7 +24,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.support.configs import wide_config
-from benchmarks.support.timing import best_time, xla_cost
+from benchmarks.support.timing import best_time, thunk_ms, xla_cost
 from dsv4 import caches, model
 
 flags.DEFINE_integer("profile_steps", 3, "Decode steps traced.")
@@ -130,20 +128,7 @@ def main(argv):
       cache, lg = step(cache, s)
     jax.block_until_ready(lg)
   wall = (time.perf_counter() - t0) / S
-  path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-  per = collections.Counter()
-  for plane in jax.profiler.ProfileData.from_file(path).planes:
-    if plane.name != "/host:CPU":
-      continue
-    for line in plane.lines:
-      if line.name == "python":
-        continue
-      for ev in line.events:
-        n = ev.name
-        if n.startswith(("$", "ThreadpoolListener", "end: ", "ThunkExecutor", "SlinkyThreadPool", "PjitFunction",
-                          "CommonPjRt", "ParseArguments", "PythonRefManager", "PjRt", "TfrtCpu", "Execute")):
-          continue                      # Python frames and runtime wrappers (they contain the thunks)
-        per[n] += ev.duration_ns / 1e6 / S
+  per = thunk_ms(d, S)
   kinds = collections.Counter()
   for n, ms in per.items():
     kinds[_kind(index.get(n), n)] += ms

@@ -22,8 +22,6 @@ Thunks run on XLA's thread pool, so the groups can add up to more than the step'
 from __future__ import annotations
 
 import collections
-import glob
-import os
 import re
 import tempfile
 import time
@@ -33,6 +31,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.step_bench import CONFIGS, make_runner, rows_at
+from benchmarks.support.timing import thunk_ms
 from dsv4 import caches, model
 
 flags.DEFINE_enum("config", "wide_moe", sorted(CONFIGS), "Model config.")
@@ -46,8 +45,6 @@ flags.DEFINE_integer("top", 12, "Thunks listed per budget.")
 FLAGS = flags.FLAGS
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\(.*?\)|\S+?)(?:\{[\d,]*\})?\s+([\w\-]+)\(")
-_SKIP = ("$", "ThreadpoolListener", "end: ", "ThunkExecutor", "SlinkyThreadPool", "PjitFunction", "CommonPjRt",
-         "ParseArguments", "PythonRefManager", "PjRt", "TfrtCpu", "Execute")
 
 
 def entry_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
@@ -110,22 +107,13 @@ def profile(budget: int) -> dict:
     for _ in range(FLAGS.steps):
       run.run(rows)
   wall = (time.perf_counter() - t0) / FLAGS.steps
-  path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-  per = collections.Counter()
-  for plane in jax.profiler.ProfileData.from_file(path).planes:
-    if plane.name != "/host:CPU":
-      continue
-    for line in plane.lines:
-      if line.name == "python":
-        continue
-      for ev in line.events:
-        if ev.name in index and not ev.name.startswith(_SKIP):
-          per[ev.name] += ev.duration_ns / 1e6 / FLAGS.steps
+  per = {n: ms for n, ms in thunk_ms(d, FLAGS.steps).items() if n in index}
   pools = pool_shapes(run.cache)
   groups = collections.Counter()
   for n, ms in per.items():
     groups[group(*index[n], budget, pools)] += ms
-  top = [(n, ms, *index[n], group(*index[n], budget, pools)) for n, ms in per.most_common(FLAGS.top)]
+  top = [(n, ms, *index[n], group(*index[n], budget, pools))
+         for n, ms in collections.Counter(per).most_common(FLAGS.top)]
   return {"wall_ms": 1e3 * wall, "groups": groups, "top": top}
 
 
