@@ -11,7 +11,7 @@ Five step designs, each costed from the bytes it must move and the FLOPs it must
   fixed-shape dot per block: its split, if any, is the same every step), so a projection's weights are read once
   per block of live rows, and the per-token work around them (the mHC streams) runs on whole blocks, padding rows
   included; the routed experts once per step on the grouped expert kernel (fixed 16-row blocks, no split-K);
-  attention and the indexer as `invariant`; the LM head in the same row blocks over the rows' last tokens.
+  attention and the indexer as `invariant`.
 * `invariant_splitk` and `invariant`: a row-invariant step: every token through each layer once (weights read
   once per step) with kernels whose per-row reduction order does not depend on the row count: matmuls with one
   tiling per weight, a grouped expert matmul with fixed 16-row blocks (each expert's rows padded up to the block:
@@ -551,14 +551,10 @@ def step_cost(cfg: ModelConfig, point: Point, design: Design, dev: DeviceSpec = 
     else:
       passes = [(1, point.batch)]
       total.add(pass_cost(cfg, w, dev, fmt, tiling, design, 1, np.arange(start, point.context)))
-  # logits once per step at each row's last token: the blocked step in row blocks over the live rows
-  # (`sampling.row_logits`, each block reading the LM head), the others in one call
-  if design == "blocked":
-    lm = _matmul(dev, fmt, tiling, "plain", w.lm_head, tiling.row_block).times(
-        math.ceil(point.logit_rows / tiling.row_block))
-  else:
-    lm = _matmul(dev, fmt, tiling, "plain" if design == "tiled" else design, w.lm_head, point.logit_rows)
-  total.add(lm, "lm head")
+  # logits once per step at each row's last token (the fixed [rows, D] shape in every design)
+  total.add(_matmul(dev, fmt, tiling, "plain" if design in ("tiled", "blocked") else design, w.lm_head,
+                    point.logit_rows),
+            "lm head")
   scan = sum(fold_chain_steps(cfg, tokens, doubling=design == "plain") for _, tokens in passes)
   return StepCost(design, point, total, len(passes), scan)
 
