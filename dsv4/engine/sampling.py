@@ -13,8 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4.layers import row_invariant
-
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -46,15 +44,6 @@ def filtered_scores(logits_BxV, temperature_B, top_k_B, top_p_B):
   cutoff_idx = jnp.sum(cum < top_p_B[:, None], axis=-1) - 1
   cutoff = jnp.take_along_axis(sorted_desc, jnp.maximum(cutoff_idx, 0)[:, None], axis=-1)
   return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-
-
-def row_logits(h_NxD, at_R, to_logits, live):
-  """The logits of flat positions at_R ([rows] indices into h), in fixed blocks of rows over the live rows only
-  (`row_invariant.map_row_blocks`): the LM head's product runs at one block shape whatever shares the step, so a
-  row's bits ignore the other rows (a speculative step scores each of its columns this way too, so a position's
-  logits have the same bits with drafts or without), and its cost follows the rows the step holds, not the
-  engine's row slots. Rows past the live blocks are unspecified."""
-  return row_invariant.map_row_blocks(lambda at: to_logits(h_NxD[jnp.maximum(at, 0)]), live, at_R)
 
 
 def _key(seed, step):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from dsv4 import caches, dspark, model
 from dsv4.layers import row_invariant
 from dsv4.layers.compressor import StepContext
-from dsv4.engine.sampling import row_logits, verify_drafts
+from dsv4.engine.sampling import verify_drafts
 from dsv4.engine.step_plan import RaggedShape, invariant_step_index, live_rows
 
 
@@ -82,12 +82,11 @@ def verify_and_draft(params, config, layout, kernel_cfg, shape: RaggedShape, p, 
   base = last - ndraft                                  # flat index of the input whose logits score draft 1
   j = jnp.arange(K + 1)[None, :]
   scored = jnp.minimum(base[:, None] + j, last[:, None])
-  # each scored column's logits as the step without drafts takes them (`sampling.row_logits`): a position's
-  # logits have the bits they have there (a greedy row's tokens and logits equal the engine's without drafts, bit
-  # for bit); verified and sampled in row blocks over the live rows
+  # one [R, D] matmul per scored column, the shape of the step without drafts: a position's logits have the bits
+  # they have there (a greedy row's tokens and logits equal the engine's without drafts, bit for bit); verified
+  # and sampled in row blocks over the live rows
   live = live_rows(p)
-  to_logits = functools.partial(model.lm_logits, params)
-  logits_RxJxV = jnp.stack([row_logits(h_NxD, scored[:, j], to_logits, live) for j in range(K + 1)], axis=1)
+  logits_RxJxV = jnp.stack([model.lm_logits(params, h_NxD[scored[:, j]]) for j in range(K + 1)], axis=1)
   drafts_RxK = p["tokens"][jnp.minimum(base[:, None] + 1 + j[:, :K], N - 1)]
   accepted, new_RxJ = row_invariant.map_row_blocks(verify_drafts, live, logits_RxJxV, drafts_RxK, ndraft,
                                                    p["temperature"], p["top_k"], p["top_p"], p["seed"], p["step"])

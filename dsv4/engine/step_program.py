@@ -6,9 +6,9 @@ plan arrives as one packed int32 buffer (`step_plan`); the outputs come back as 
 Every mode is this program (the mode is part of its static shape or its static arguments):
 * Batch-invariant, always: one shape per engine; the flat axis runs through each layer once, every op
   row-invariant (a token's bits never depend on the other tokens of the call; dsv4/layers/row_invariant.py) and
-  looping over the live tokens only, and logits and sampling in fixed blocks over the live rows, so nothing in a
-  token's math depends on what else shares the step or on how its prompt was chunked. Cost: the live tokens, the
-  live rows and the live context.
+  looping over the live tokens only, logits at the fixed [rows, ...] shape and sampling in fixed blocks over the
+  live rows, so nothing in a token's math depends on what else shares the step or on how its prompt was chunked.
+  Cost: the live tokens, the live rows' sampling and the live context.
 * Speculative decoding (`RaggedShape.spec` = k): verification and the MTP block's drafts (`speculative_step`).
 * A mesh: the same body, run by `ModelRunner` under `jax.shard_map` (pools over `data`) or a plain mesh jit.
 * KV precision, kernels (`kernel_cfg`) and the model API (functional or NNX modules) are static arguments.
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4 import caches, model
-from dsv4.engine.sampling import row_logits, sample_rows_impl
+from dsv4.engine.sampling import sample_rows_impl
 from dsv4.engine.speculative_step import continue_rows, verify_and_draft
 from dsv4.engine.step_plan import RaggedShape, invariant_step_index, live_rows, unpack
 from dsv4.layers import row_invariant
@@ -93,7 +93,7 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
   module is a changed graphdef and compiles its own program.
 
   The step runs its live tokens through each layer once (`step_plan.invariant_step_index`), then each live row's
-  logits and sample in fixed row blocks (`live_row_samples`): nothing in a token's math depends on what else shares
+  logits (fixed [rows, D] shape) and sample (fixed row blocks, `live_row_samples`): nothing in a token's math depends on what else shares
   the step or on how its prompt was chunked."""
   p = unpack(buf, shape)
   if shape.spec:
@@ -130,12 +130,13 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
 
 
 def live_row_samples(p, h_NxD, to_logits, record_logits: bool):
-  """Each live row's logits at its last token (`sampling.row_logits`) and its sampled token, in fixed row blocks
-  over the live rows too: the sampler's sort of the vocabulary follows the rows the step holds (a decode of 8 rows
-  in an engine of 256 slots sorts 8 rows, not 256). Returns (tokens [rows], logits [rows, V] or None); rows past
-  the live blocks are unspecified (nothing reads them)."""
+  """Each row's logits at its last token, at the fixed [rows, D] shape of this engine (one matmul whose rows do not
+  see each other: its shape, not its neighbours, decides the summation order; the LM head read once per step),
+  then the sampled tokens in fixed row blocks over the live rows only: the sampler's sort of the vocabulary follows
+  the rows the step holds (a decode of 8 rows in an engine of 256 slots sorts 8 rows, not 256). Returns (tokens
+  [rows], logits [rows, V] or None); tokens past the live blocks are unspecified (nothing reads them)."""
   live = live_rows(p)
-  logits = row_logits(h_NxD, p["last"], to_logits, live)
+  logits = to_logits(h_NxD[jnp.maximum(p["last"], 0)])
   tokens = row_invariant.map_row_blocks(sample_rows_impl, live, logits, p["temperature"], p["top_k"], p["top_p"],
                                         p["seed"], p["step"])
   return tokens, (logits if record_logits else None)
