@@ -223,22 +223,67 @@ def rows_dot_reference(x_NxK, w_KxM, *, precision=None, preferred_element_type=N
   return jnp.dot(x_NxK, w_KxM, precision=precision, preferred_element_type=preferred_element_type)
 
 
+def _live_pair_blocks(ids_NxK, num_experts: int, live):
+  """(block token count T, trip count, the block's pairs) for the layout loops over the live tokens: `pairs(b)`
+  gives block b's flat pair indices [T * K] and their expert ids [T * K] (`num_experts` for a dead token's)."""
+  N, K = ids_NxK.shape
+  T = min(N, blocking().rows)
+  n_live = live_count(live, N)
+  ids_flat = jnp.pad(ids_NxK.astype(jnp.int32), ((0, -N % T), (0, 0))).reshape(-1)
+
+  def pairs(b):
+    p = b * T * K + jnp.arange(T * K, dtype=jnp.int32)
+    e = jax.lax.dynamic_slice_in_dim(ids_flat, b * T * K, T * K)
+    return p, jnp.where(p // K < n_live, e, num_experts)
+  return (n_live + T - 1) // T, pairs
+
+
+def expert_counts(ids_NxK, num_experts: int, live=None):
+  """Pairs per expert [E] among the live tokens (ids of `num_experts` are no pair), counted in a loop over the
+  live token blocks: integer work that follows the live tokens, not the budget."""
+  trips, pairs = _live_pair_blocks(ids_NxK, num_experts, live)
+
+  def body(b, counts):
+    return counts.at[pairs(b)[1]].add(1, mode="drop")
+  return jax.lax.fori_loop(0, trips, body, jnp.zeros((num_experts,), jnp.int32))
+
+
+def scan_expert_ranks(ids_NxK, num_experts: int, live, emit, init):
+  """Each live pair's rank among its expert's pairs in flat pair order (a stable counting sort by expert, the
+  ranks a stable argsort of the ids would give), in a loop over the live token blocks: `emit(out, p, e, rank, ok)`
+  takes a block's pair indices, expert ids, ranks and live mask and returns `out` updated (from `init`). Integer
+  and exact, so any block gives the same result; its cost follows the live tokens (an argsort would span the
+  budget's N * K pairs)."""
+  trips, pairs = _live_pair_blocks(ids_NxK, num_experts, live)
+
+  def body(b, carry):
+    seen, out = carry
+    p, e = pairs(b)
+    ok = e < num_experts
+    before = jnp.tril(e[:, None] == e[None, :], k=-1)          # an earlier pair of the block, same expert
+    rank = seen[jnp.minimum(e, num_experts - 1)] + jnp.sum(before, axis=1, dtype=jnp.int32)
+    return seen.at[e].add(1, mode="drop"), emit(out, p, e, rank, ok)
+  return jax.lax.fori_loop(0, trips, body, (jnp.zeros((num_experts,), jnp.int32), init))[1]
+
+
 def expert_blocks(ids_NxK, num_experts: int, live=None, *, block: int | None = None):
-  """The grouped layout of `grouped_experts`: pairs (token n, choice k) of live tokens sorted by expert (stable, so
+  """The grouped layout of `grouped_experts`: pairs (token n, choice k) of live tokens in expert order (stable, so
   by flat pair index within an expert), each expert's pairs padded to whole blocks.
 
-  Returns (order [P] pair indices sorted by expert (dead pairs last), sizes [E] pairs per expert, first_block [E + 1]
-  each expert's first block (exclusive cumsum; first_block[E] = the live block count), first_pair [E] each expert's
-  first position in `order`)."""
+  Returns (order [P]: the live pairs' indices in expert order, then unspecified positions; sizes [E] pairs per
+  expert, first_block [E + 1] each expert's first block (exclusive cumsum; first_block[E] = the live block count),
+  first_pair [E] each expert's first position in `order`)."""
   block = block or blocking().expert_rows
   N, K = ids_NxK.shape
-  live_tok = jnp.arange(N) < live_count(live, N)
-  flat = jnp.where(jnp.repeat(live_tok, K), ids_NxK.reshape(-1).astype(jnp.int32), num_experts)
-  order = jnp.argsort(flat, stable=True)
-  sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  P = N * K
+  sizes = expert_counts(ids_NxK, num_experts, live)
   nblk = (sizes + block - 1) // block
   first_block = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nblk).astype(jnp.int32)])
   first_pair = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
+
+  def emit(order, p, e, rank, ok):
+    return order.at[jnp.where(ok, first_pair[jnp.minimum(e, num_experts - 1)] + rank, P)].set(p, mode="drop")
+  order = scan_expert_ranks(ids_NxK, num_experts, live, emit, _unfilled((P,), jnp.int32))
   return order, sizes, first_block, first_pair
 
 
@@ -346,16 +391,22 @@ def grouped_expert_kernel_sums(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_E
   D = x_NxD.shape[1]
   E = w_gate_ExDxI.shape[0]
   P = N * K
-  order, _, first_block, first_pair = expert_blocks(ids_NxK, E, live, block=block)
+  sizes = expert_counts(ids_NxK, E, live)
+  first_block = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((sizes + block - 1) // block)
+                                 .astype(jnp.int32)])
   per_layout = max(1, LAYOUT_ROWS // block)
   nb = -(-(-(-P // block) + min(E, P)) // per_layout) * per_layout        # whole layout blocks of slots
   dead = nb * block                                                     # the slot of no row
-  live_tok = jnp.arange(N) < live_count(live, N)
-  flat = jnp.where(jnp.repeat(live_tok, K), ids_NxK.reshape(-1).astype(jnp.int32), E)
-  e_sorted = flat[order]
-  ec = jnp.minimum(e_sorted, E - 1)
-  slot = jnp.where(e_sorted < E, first_block[ec] * block + jnp.arange(P, dtype=jnp.int32) - first_pair[ec], dead)
-  tok_of_slot = jnp.full((dead,), N, jnp.int32).at[slot].set((order // K).astype(jnp.int32), mode="drop")
+
+  def emit(out, p, e, rank, ok):
+    """A block's live pairs: each to its expert's next slot (slot -> token; token-major pair -> slot)."""
+    tok_of_slot, slot_of_pair = out
+    slot = jnp.where(ok, first_block[jnp.minimum(e, E - 1)] * block + rank, dead)
+    return (tok_of_slot.at[slot].set(p // K, mode="drop"),
+            slot_of_pair.at[jnp.where(ok, p, P)].set(slot, mode="drop"))
+  # slot -> token (N: no token) and pair -> its row in h (dead: none), in a loop over the live tokens
+  tok_of_slot, slot_of_pair = scan_expert_ranks(
+      ids_NxK, E, live, emit, (jnp.full((dead,), N, jnp.int32), jnp.full((P,), dead, jnp.int32)))
   blocks = jnp.arange(nb, dtype=jnp.int32)
   live_blocks = first_block[E]
   block_expert = jnp.where(blocks < live_blocks,
@@ -372,7 +423,6 @@ def grouped_expert_kernel_sums(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_E
                      up.reshape(dead, I), block=LAYOUT_ROWS).reshape(nb, block, I)
   h = dispatch.grouped_dot(a, block_expert, live_blocks, w_down_ExIxD, out_dtype=down_dtype,
                            cfg=kernel_cfg).reshape(dead, D)
-  slot_of_pair = jnp.full((P,), dead, jnp.int32).at[order].set(slot)    # token-major pair -> its row in h
   w_flat = weights_NxK.reshape(-1)
 
   def combine(ids_RxK, tok_R):

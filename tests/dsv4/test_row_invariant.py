@@ -2,6 +2,8 @@
 rows, on fresh random inputs at small real-shaped widths; the results equal the plain references up to fp32
 summation order."""
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,6 +138,27 @@ def test_grouped_experts_runs_only_live_blocks():
     counts = np.bincount(np.asarray(ids[:live]).reshape(-1), minlength=E)
     np.testing.assert_array_equal(np.asarray(sizes), counts)
     assert int(first_block[E]) == int(np.sum(-(-counts // 4)))
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 70), k=st.integers(1, 4), experts=st.integers(1, 9),
+       live_frac=st.floats(0, 1), block=st.integers(1, 5), rows=st.integers(1, 40))
+def test_expert_layout_is_a_stable_sort_of_the_live_pairs(seed, n, k, experts, live_frac, block, rows):
+  """The layout loops (a counting sort over the live token blocks) against a pure-numpy stable argsort of the live
+  pairs by expert, for any token block (`blocking().rows`), with ids of `experts` (no pair) mixed in."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, experts + 1, (n, k)).astype(np.int32)
+  live = int(round(live_frac * n))
+  flat = np.where(np.repeat(np.arange(n) < live, k), ids.reshape(-1), experts)
+  want = np.argsort(flat, kind="stable")[:int(np.sum(flat < experts))]
+  sizes_want = np.bincount(flat, minlength=experts + 1)[:experts]
+  with mock.patch.object(row_invariant, "blocking", lambda: row_invariant.RowBlocking(rows=rows)):
+    order, sizes, first_block, first_pair = row_invariant.expert_blocks(jnp.asarray(ids), experts, live,
+                                                                        block=block)
+  np.testing.assert_array_equal(np.asarray(sizes), sizes_want)
+  np.testing.assert_array_equal(np.asarray(order)[:len(want)], want)
+  np.testing.assert_array_equal(np.asarray(first_pair), np.cumsum(sizes_want) - sizes_want)
+  np.testing.assert_array_equal(np.asarray(first_block), np.concatenate([[0], np.cumsum(-(-sizes_want // block))]))
 
 
 def test_map_row_blocks_bad_blocking():
