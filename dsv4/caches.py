@@ -32,7 +32,7 @@ import numpy as np
 
 from cache.specs import FULL_HISTORY, SLIDING_WINDOW, CacheSpecs, GroupSpec
 from dsv4.config import LayerPlan, ModelConfig
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, word_pool
 
 SWA = "swa"
 FULL = "full"
@@ -283,11 +283,11 @@ def init_cache(config: ModelConfig, layout: CacheLayout, num_swa_blocks: int, nu
     n = num_swa_blocks if s.group == SWA else num_full_blocks
     if s.dtype == FP8:
       nope, scale, rope = s.fp8_parts
-      layers[s.layer][s.name] = dispatch.Fp8KVPool(jnp.zeros((n, *nope), jnp.float8_e4m3fn),
+      layers[s.layer][s.name] = dispatch.Fp8KVPool(jnp.zeros((n, *nope), stored_dtype(jnp.float8_e4m3fn)),
                                                    jnp.zeros((n, *scale), jnp.uint8),
-                                                   jnp.zeros((n, *rope), jnp.bfloat16))
+                                                   jnp.zeros((n, *rope), stored_dtype(jnp.bfloat16)))
     else:
-      layers[s.layer][s.name] = jnp.zeros((n, *s.block_shape), s.dtype)
+      layers[s.layer][s.name] = jnp.zeros((n, *s.block_shape), stored_dtype(s.dtype))
   return ModelCache(tuple(layers))
 
 
@@ -383,50 +383,93 @@ def updates_through_bits(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 and jax.default_backend() == "cpu"
 
 
+def stored_dtype(dtype):
+  """The dtype a cache array of float `dtype` is held in: its unsigned words where in-place updates of it go
+  through its bits (`updates_through_bits`: narrow floats on the CPU), so that a write updates the words in place
+  and a read converts only the rows it takes (`pool_view`); else `dtype` itself."""
+  return UINT_OF_SIZE[jnp.dtype(dtype).itemsize] if updates_through_bits(dtype) else dtype
+
+
+# What a plain pool held as words stands for: bf16 is the one 16-bit float the caches hold (KV and index keys).
+# An FP8 pool's parts say theirs by position (nope e4m3, rope bf16).
+_WORD_FLOATS = {jnp.dtype(jnp.uint16): jnp.dtype(jnp.bfloat16)}
+
+
+def _words_as(a, dtype):
+  """`a` as a `WordPool` of `dtype` where it holds `dtype`'s words; else as it is."""
+  if isinstance(a, dispatch.WordPool) or a.dtype == dtype:
+    return a
+  if jnp.issubdtype(a.dtype, jnp.unsignedinteger) and a.dtype.itemsize == jnp.dtype(dtype).itemsize:
+    return dispatch.WordPool(a, dtype)
+  return a
+
+
+def pool_view(pool):
+  """A cache pool as the ops read it (`pallas_kernels.word_pool`): a pool held as words (`stored_dtype`) as a
+  `WordPool` of its floats, an FP8 pool's parts likewise; any other pool as it is. No pass over the pool: a read
+  converts the rows it takes."""
+  if isinstance(pool, dispatch.Fp8KVPool):
+    return dispatch.Fp8KVPool(_words_as(pool.nope, jnp.float8_e4m3fn), pool.scale,
+                              _words_as(pool.rope, jnp.bfloat16))
+  if isinstance(pool, dispatch.WordPool):
+    return pool
+  return _words_as(pool, _WORD_FLOATS.get(jnp.dtype(pool.dtype), pool.dtype))
+
+
 def stored_rows(pool_NBxRx_, rows_Nx_):
-  """Rows [N, ...] as `pool` stores them: cast to its dtype, or for an FP8 pool quantized to its records (per row
-  scales, so a row's bytes never depend on other rows). Row-local: the loop that makes the rows calls it on its
+  """Rows [N, ...] as `pool` stores them: cast to its float dtype, or for an FP8 pool quantized to its records (per
+  row scales, so a row's bytes never depend on other rows). Row-local: the loop that makes the rows calls it on its
   row blocks, so the conversion follows the live tokens, not the token budget (`write_rows` takes the result)."""
   if isinstance(pool_NBxRx_, dispatch.Fp8KVPool):
     D = rows_Nx_.shape[-1]
     return dispatch.quantize_kv_fp8(rows_Nx_.reshape(-1, D).astype(jnp.float32), pool_NBxRx_.rope.shape[-1])
-  return rows_Nx_.astype(pool_NBxRx_.dtype)
+  return rows_Nx_.astype(pool_view(pool_NBxRx_).dtype)
 
 
 def write_rows(pool_NBxRx_, slots_BxT, rows_BxTx_):
   """Scatter rows into a paged pool; slots of -1 are dropped (mapped out of bounds). Rows not yet as the pool
-  stores them are converted here (`stored_rows`), over every row given."""
+  stores them are converted here (`stored_rows`), over every row given. A pool held as words takes the rows' bits,
+  in place."""
   if isinstance(pool_NBxRx_, dispatch.Fp8KVPool):
     q = rows_BxTx_ if isinstance(rows_BxTx_, dispatch.Fp8KVPool) else stored_rows(pool_NBxRx_, rows_BxTx_)
     return dispatch.Fp8KVPool(*(write_rows(p, slots_BxT, r) for p, r in zip(pool_NBxRx_, q)))
   nb, r = pool_NBxRx_.shape[:2]
   flat = pool_NBxRx_.reshape(nb * r, *pool_NBxRx_.shape[2:])
   idx = jnp.where(slots_BxT >= 0, slots_BxT, nb * r).reshape(-1)
-  rows = rows_BxTx_.reshape(-1, *pool_NBxRx_.shape[2:]).astype(pool_NBxRx_.dtype)
-  if updates_through_bits(flat.dtype):
-    flat = from_bits(as_bits(flat).at[idx].set(as_bits(rows), mode="drop"), flat.dtype)
+  rows = rows_BxTx_.reshape(-1, *pool_NBxRx_.shape[2:])
+  if jnp.issubdtype(flat.dtype, jnp.unsignedinteger) and jnp.issubdtype(rows.dtype, jnp.floating):
+    if rows.dtype.itemsize != flat.dtype.itemsize:
+      rows = rows.astype(_WORD_FLOATS[jnp.dtype(flat.dtype)])
+    flat = flat.at[idx].set(as_bits(rows), mode="drop")
+  elif updates_through_bits(flat.dtype):
+    flat = from_bits(as_bits(flat).at[idx].set(as_bits(rows.astype(flat.dtype)), mode="drop"), flat.dtype)
   else:
-    flat = flat.at[idx].set(rows, mode="drop")
+    flat = flat.at[idx].set(rows.astype(flat.dtype), mode="drop")
   return flat.reshape(pool_NBxRx_.shape)
 
 
 def read_rows(pool_NBxRx_, slots_BxT):
   nb, r = pool_NBxRx_.shape[:2]
-  flat = pool_NBxRx_.reshape(nb * r, *pool_NBxRx_.shape[2:])
-  return jnp.take(flat, jnp.clip(slots_BxT, 0, nb * r - 1), axis=0), slots_BxT >= 0
+  flat = pool_view(pool_NBxRx_).reshape(nb * r, *pool_NBxRx_.shape[2:])
+  return word_pool.take(flat, jnp.clip(slots_BxT, 0, nb * r - 1)), slots_BxT >= 0
+
+
+def _rows_flat(a):
+  return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
 def flat_pool(pool_NBxRx_):
+  """A paged pool as [blocks x rows, ...] rows, as the ops read it (`pool_view`)."""
   if isinstance(pool_NBxRx_, dispatch.Fp8KVPool):
-    return dispatch.Fp8KVPool(*(flat_pool(p) for p in pool_NBxRx_))
-  return pool_NBxRx_.reshape(pool_NBxRx_.shape[0] * pool_NBxRx_.shape[1], *pool_NBxRx_.shape[2:])
+    return pool_view(dispatch.Fp8KVPool(*(_rows_flat(p) for p in pool_NBxRx_)))
+  return pool_view(_rows_flat(pool_NBxRx_))
 
 
 def gather_flat(flat_PxD, rows_N_):
   """Rows of a flat pool (dequantized to fp32 for an FP8 pool); rows < 0 read row 0 (mask them)."""
   if isinstance(flat_PxD, dispatch.Fp8KVPool):
-    return dispatch.dequantize_kv_fp8(dispatch.Fp8KVPool(*(gather_flat(p, rows_N_) for p in flat_PxD)))
-  return jnp.take(flat_PxD, jnp.clip(rows_N_, 0, flat_PxD.shape[0] - 1), axis=0)
+    return dispatch.dequantize_kv_fp8(dispatch.Fp8KVPool(*(gather_flat(p, rows_N_) for p in pool_view(flat_PxD))))
+  return word_pool.take(pool_view(flat_PxD), jnp.clip(rows_N_, 0, flat_PxD.shape[0] - 1))
 
 # ---------------------------------------------------------------------------------------------------------------
 # Group specs for the block allocator (cache/ works from these plain specs and never imports the model).

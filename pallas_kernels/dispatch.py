@@ -14,7 +14,9 @@ registers at import; an op without a kernel falls back to the XLA reference on e
 the child by its importable name (module and qualified name).
 
 The kernels target the Pallas-Triton GPU backend (explicit `triton.CompilerParams`); see docs/kernels.md. Pools may
-be plain arrays or FP8 pools (`Fp8KVPool`, `Fp8PagedPool`; FP8 index keys `Fp8IndexKeys`) on every backend.
+be plain arrays or FP8 pools (`Fp8KVPool`, `Fp8PagedPool`; FP8 index keys `Fp8IndexKeys`) on every backend, and a
+narrow float pool (or an FP8 pool's part) may be a `WordPool`, held as its unsigned words (the CPU's caches): the
+XLA references convert the rows they read, a kernel gets the pool converted whole (`word_pool.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from pallas_kernels import indexer_paged as _indexer_paged
 from pallas_kernels import indexer_topk as _indexer_topk
 from pallas_kernels import row_dot as _row_dot
 from pallas_kernels import sparse_attention as _sparse
+from pallas_kernels import word_pool as _word_pool
 
 Backend = Literal["auto", "xla", "pallas", "interpret"]
 BACKENDS = ("auto", "xla", "pallas", "interpret")
@@ -58,6 +61,7 @@ PagedRows = _indexer.PagedRows
 HcaAttentionTuning = _hca.HcaAttentionTuning
 RowDotTuning = _row_dot.RowDotTuning
 GroupedDotTuning = _grouped_dot.GroupedDotTuning
+WordPool = _word_pool.WordPool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -602,9 +606,17 @@ def _run_topk_kernel(kernel: Callable, a: IndexerArgs, static: dict, kw: dict):
 
 _OP_ARGS = {"sparse_attention": _sparse_args, "indexer_scores": _scores_args, "indexer_topk": _topk_args,
             "hca_attention": _hca_args, "row_dot": _row_dot_args, "grouped_dot": _grouped_dot_args}
-_RUN = {"sparse_attention": _run_sparse_kernel, "indexer_scores": _run_scores_kernel,
-        "indexer_topk": _run_topk_kernel, "hca_attention": _run_hca_kernel, "row_dot": _run_row_dot_kernel,
-        "grouped_dot": _run_grouped_dot_kernel}
+
+
+def _on_floats(run: Callable) -> Callable:
+  """A kernel runner whose kernel gets every `WordPool` of its arguments as its float array."""
+  return lambda kernel, a, static, kw: run(kernel, _word_pool.floats(a), static, kw)
+
+
+_RUN = {op: _on_floats(run) for op, run in (
+    ("sparse_attention", _run_sparse_kernel), ("indexer_scores", _run_scores_kernel),
+    ("indexer_topk", _run_topk_kernel), ("hca_attention", _run_hca_kernel), ("row_dot", _run_row_dot_kernel),
+    ("grouped_dot", _run_grouped_dot_kernel))}
 
 
 # Random inputs with the structure, shapes and dtypes of the call (values inside each argument's contract).

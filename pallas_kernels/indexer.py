@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import word_pool as _word_pool
+
 
 @jax.tree_util.register_pytree_node_class
 class PagedRows:
@@ -88,7 +90,7 @@ def indexer_scores_reference(q_BxTxHxC, w_BxTxH, key_pool_PxC, key_rows_BxM, num
   num_visible_BxT = effective_visible(num_visible_BxT, num_keys_B)
   key_rows_BxM = entry_rows_list(key_rows_BxM)
   P = key_pool_PxC.shape[0]
-  keys_BxMxC = jnp.take(key_pool_PxC, jnp.clip(key_rows_BxM, 0, P - 1), axis=0).astype(jnp.float32)
+  keys_BxMxC = _word_pool.take(key_pool_PxC, jnp.clip(key_rows_BxM, 0, P - 1)).astype(jnp.float32)
   dots = jnp.einsum("bthc,bmc->bthm", q_BxTxHxC.astype(jnp.float32), keys_BxMxC,
                     precision=jax.lax.Precision.HIGHEST)
   s_BxTxM = jnp.einsum("bthm,bth->btm", jax.nn.relu(dots), w_BxTxH.astype(jnp.float32),

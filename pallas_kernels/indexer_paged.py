@@ -33,6 +33,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import word_pool as _word_pool
+
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -46,7 +48,7 @@ def _chunk_scores(q, w, key_blocks_BxExC, tab_NxFc, first_entry, nv_N):
   NB, E, C = key_blocks_BxExC.shape
   N, Fc = tab_NxFc.shape
   ok_blk = (tab_NxFc >= 0) & (tab_NxFc < NB)
-  keys = jnp.take(key_blocks_BxExC, jnp.clip(tab_NxFc, 0, NB - 1), axis=0).reshape(N, Fc * E, C)
+  keys = _word_pool.take(key_blocks_BxExC, jnp.clip(tab_NxFc, 0, NB - 1)).reshape(N, Fc * E, C)
   s = _score(q, w, keys)
   ent = first_entry + jnp.arange(Fc * E, dtype=jnp.int32)
   vis = (ent[None, :] < nv_N[:, None]) & jnp.repeat(ok_blk, E, axis=1)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import fp8 as _fp8
+from pallas_kernels import word_pool as _word_pool
 
 try:  # Pallas-Triton: deprecated in JAX 0.11 but still shipped; see BUILD_NOTES.md, Kernels.
   from jax.experimental.pallas import triton as _pl_triton
@@ -88,9 +89,9 @@ def _gather_rows(pool, idx_NxK):
   if isinstance(pool, Fp8PagedPool):
     pool = paged_to_record(pool)  # the reference reads the interchange record
   if isinstance(pool, Fp8KVPool):
-    rows = dequantize_kv_fp8(Fp8KVPool(*(jnp.take(a, safe, axis=0) for a in pool)), jnp.float32)
+    rows = dequantize_kv_fp8(Fp8KVPool(*(_word_pool.take(a, safe) for a in pool)), jnp.float32)
   else:
-    rows = jnp.take(pool, safe, axis=0)
+    rows = _word_pool.take(pool, safe)
   # Rows behind invalid ids are zeros (not row 0's data): a non-finite row there must not give 0 x NaN.
   return jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype)), valid
 

@@ -123,6 +123,7 @@ def indexer_select_paged(config: ModelConfig, plan: LayerPlan, qw, ctx: StepCont
   q, w = qw
   nv = num_visible(ctx, plan.ratio)
   k = config.indexer.topk
+  key_pool = caches.pool_view(key_pool)
   # Each query reads its row's table (ctx.full_row_N; padding tokens: row 0's, but nv = 0 hides every entry).
   if candidate_blocks_NxCb is not None:   # each query on its own candidates: in row blocks over the live tokens
     def picks(q, w, nv, cand, rows):
