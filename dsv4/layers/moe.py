@@ -52,9 +52,10 @@ def routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
 
 
 def routed_expert_rows(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
-                       kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig()) -> row_invariant.RowFn:
+                       kernel_cfg: dispatch.KernelConfig = dispatch.KernelConfig(),
+                       layout: row_invariant.ExpertLayout | None = None) -> row_invariant.RowFn:
   """The routed experts of every live token (rows >= live: zeros or unspecified) as one grouped formulation for every
-  batch size (`row_invariant.grouped_experts`): pairs sorted by expert, one [rows, D] x [D, I] product per live
+  batch size (`row_invariant.grouped_experts`): pairs laid out by expert, one [rows, D] x [D, I] product per live
   block of an expert's pairs with that expert's weights, so a token's result ignores how many tokens share its
   experts and each expert's weights are read once per block of its own pairs. Where `kernel_cfg` can send
   "grouped_dot" to the grouped expert kernel and the kernel can take the experts (`grouped_kernel_fits`), every
@@ -64,7 +65,8 @@ def routed_expert_rows(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
   local shapes (`_grouped_kernel_over_expert_shards`), else in the loop (`_grouped_over_expert_shards`). The
   results come as rows
   (`row_invariant.RowFn`): the last per-token step (the cast of each token's sum, or its K results added) runs in
-  the caller's loop."""
+  the caller's loop. layout: the pairs' `row_invariant.ExpertLayout` where the caller made it (`moe` does, in its
+  router's loop); an expert shard ranks its own pairs."""
   E = cfg.n_routed_experts
   D, I = params["w1"].shape[1], params["w1"].shape[2]
   mesh = mesh_context.active_mesh()
@@ -79,11 +81,11 @@ def routed_expert_rows(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig, live=None,
       and not _experts_split()):
     return row_invariant.grouped_expert_kernel_rows(
         x_NxD, ids_NxK, w_NxK, params["w1"], params["w3"], params["w2"],
-        lambda gate, up: swiglu(gate, up, cfg.swiglu_limit), live, kernel_cfg)
+        lambda gate, up: swiglu(gate, up, cfg.swiglu_limit), live, kernel_cfg, layout=layout)
 
   w1, w3, w2 = (jnp.asarray(params[k]) for k in ("w1", "w3", "w2"))   # host (numpy) params too: e is traced
   return row_invariant.grouped_expert_rows(x_NxD, ids_NxK, w_NxK, _expert_fn(w1, w3, w2, cfg), E, live,
-                                           uniform_trips=_inside_data_shards())
+                                           uniform_trips=_inside_data_shards(), layout=layout)
 
 
 def routed_experts_reference(params, x_NxD, ids_NxK, w_NxK, cfg: MoEConfig):
@@ -262,9 +264,18 @@ def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool, live=None,
   bits never depend on the other tokens of the call. tail (`row_invariant.RowFn`): the caller's row-local work on
   the output rows, in the shared expert's loop; its outputs ([B * T, ...]) are returned in place of y."""
   B, T, D = x_BxTxD.shape
-  x = x_BxTxD.reshape(B * T, D)
-  ids, w = row_invariant.map_row_blocks(lambda xb, tb: route(params, xb, tb, cfg, hashed), live, x,
-                                        token_ids_BxT.reshape(-1))
+  N = B * T
+  x = x_BxTxD.reshape(N, D)
+
+  def route_rows(xb, tb, live_R, seen):
+    """The router on a block of rows, and its pairs' ranks in the grouped experts' layout (`seen`: each expert's
+    pairs in the blocks before): the layout then needs no loop of its own."""
+    ids, w = route(params, xb, tb, cfg, hashed)
+    seen, rank = row_invariant.expert_ranks(seen, ids, live_R)
+    return (ids, w, rank), seen
+  (ids, w, rank), sizes = row_invariant.map_row_blocks(
+      route_rows, live, x, token_ids_BxT.reshape(-1), jnp.arange(N) < row_invariant.live_count(live, N),
+      carry=jnp.zeros((cfg.n_routed_experts,), jnp.int32))
   experts = params["experts"]
   if any(expert_quant.is_quantized(v) for v in experts.values()):  # FP4 kept from the checkpoint: dequant here
     experts = expert_quant.dense_experts(experts, params["shared"]["w1"].dtype if "shared" in params else x.dtype)
@@ -276,7 +287,8 @@ def moe(params, x_BxTxD, token_ids_BxT, cfg: MoEConfig, hashed: bool, live=None,
       and cfg.n_routed_experts % mesh_context.axis_size(mesh, "expert") == 0):
     routed = row_invariant.RowFn(lambda r: r, (routed_experts_ep(experts, x, ids, w, cfg, mesh),))
   else:
-    routed = routed_expert_rows(experts, x, ids, w, cfg, live, kernel_cfg or dispatch.KernelConfig())
+    routed = routed_expert_rows(experts, x, ids, w, cfg, live, kernel_cfg or dispatch.KernelConfig(),
+                                layout=row_invariant.ExpertLayout(rank, sizes))
   # the routed rows and the add ride in the shared expert's loop: over the live rows only, not an op over the whole
   # flat axis
   out = row_invariant.map_row_blocks_then(

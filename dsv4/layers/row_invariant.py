@@ -88,7 +88,7 @@ def live_count(live, n: int):
   return jnp.clip(jnp.asarray(live, jnp.int32), 0, n)
 
 
-def map_row_blocks(fn, live, *xs, block: int | None = None, prev=()):
+def map_row_blocks(fn, live, *xs, block: int | None = None, prev=(), carry=None):
   """`fn` over fixed [block, ...] slices (axis 0) of the pytrees `xs`, for the blocks holding a row < live, in
   order, in a device loop. Returns fn's outputs (a pytree of [block, ...] arrays) assembled over all N rows; rows
   of blocks past the live ones are unspecified (`_unfilled`: zeros on the CPU). `fn` must be row-local (row i of
@@ -97,7 +97,11 @@ def map_row_blocks(fn, live, *xs, block: int | None = None, prev=()):
 
   prev: further [N, ...] arrays handed to `fn` after `xs`, each shifted one row back (row i of a block holds row
   i - 1 of the array; the first row of block 0 is unspecified): a row's predecessor, without a shifted copy of
-  the whole array."""
+  the whole array.
+
+  carry: None, or a pytree threaded through the blocks in order: `fn(*blocks, carry)` then returns (outputs,
+  carry), and so does this call (the carry after the last live block). For exact state across blocks (integer
+  counts), never for float data a row's result would then depend on."""
   block = block or blocking().rows
   N = jax.tree_util.tree_leaves(xs)[0].shape[0]
   Np = -(-N // block) * block
@@ -122,7 +126,11 @@ def map_row_blocks(fn, live, *xs, block: int | None = None, prev=()):
                 lambda a, d: caches.from_bits(jax.lax.dynamic_slice_in_dim(a, i * block, block, 0), d), xs_c, xs_d),
             *jax.tree_util.tree_map(lambda a, d: caches.from_bits(shifted(a, i), d), prev_c, prev_d))
 
-  shapes = jax.eval_shape(lambda *a: fn(*a), *sl(0))
+  if carry is not None:
+    body_fn = fn
+    shapes = jax.eval_shape(lambda *a: body_fn(*a, carry)[0], *sl(0))
+  else:
+    shapes = jax.eval_shape(lambda *a: fn(*a), *sl(0))
   # On the CPU a narrow float output is carried as its bit pattern (`caches.updates_through_bits`): a block's
   # update in place instead of a pass over all N rows per block. Bits in, the same bits out.
   out_leaves, out_tree = jax.tree_util.tree_flatten(shapes)
@@ -132,19 +140,22 @@ def map_row_blocks(fn, live, *xs, block: int | None = None, prev=()):
       _carried(in_leaves[into[k]] if k in into else _unfilled((Np, *o.shape[1:]), o.dtype))
       for k, o in enumerate(out_leaves)])
 
-  def body(i, outs):
+  def body(i, state):
+    outs, c = state
     # an input whose buffer holds an output is read from there: its block, before the block is written
     ins, carried = jax.tree_util.tree_leaves(xs_c), jax.tree_util.tree_leaves(outs)
     for k, j in into.items():
       ins[j] = carried[k]
-    got = fn(*sl(i, jax.tree_util.tree_unflatten(in_tree, ins)))
+    blocks = sl(i, jax.tree_util.tree_unflatten(in_tree, ins))
+    got, c = (fn(*blocks), None) if carry is None else fn(*blocks, c)
     return jax.tree_util.tree_map(
         lambda o, g, s: jax.lax.dynamic_update_slice_in_dim(o, _carried(g.astype(s.dtype)), i * block, 0),
-        outs, got, shapes)
+        outs, got, shapes), c
 
   nb = Np // block if live is None else (live_count(live, N) + block - 1) // block
-  outs = jax.lax.fori_loop(0, nb, body, outs)
-  return jax.tree_util.tree_map(lambda o, s: caches.from_bits(o[:N], s.dtype), outs, shapes)
+  outs, c = jax.lax.fori_loop(0, nb, body, (outs, carry))
+  outs = jax.tree_util.tree_map(lambda o, s: caches.from_bits(o[:N], s.dtype), outs, shapes)
+  return outs if carry is None else (outs, c)
 
 
 class RowFn(NamedTuple):
@@ -223,88 +234,91 @@ def rows_dot_reference(x_NxK, w_KxM, *, precision=None, preferred_element_type=N
   return jnp.dot(x_NxK, w_KxM, precision=precision, preferred_element_type=preferred_element_type)
 
 
-def _live_pair_blocks(ids_NxK, num_experts: int, live):
-  """(block token count T, trip count, the block's pairs) for the layout loops over the live tokens: `pairs(b)`
-  gives block b's flat pair indices [T * K] and their expert ids [T * K] (`num_experts` for a dead token's)."""
+class ExpertLayout(NamedTuple):
+  """Where the live token-expert pairs go in the grouped layout (pairs of one expert in flat pair order, a stable
+  counting sort by expert): rank_NxK each pair's rank among its expert's pairs (rows past the live tokens, and ids
+  of no pair, unspecified) and sizes_E the pairs per expert."""
+  rank_NxK: jax.Array
+  sizes_E: jax.Array
+
+
+def expert_ranks(seen_E, ids_RxK, live_R):
+  """One block of tokens' pair ranks: (seen_E + the block's pairs per expert, rank_RxK), rank = the pairs of the
+  same expert seen before the block plus those earlier in the block (flat order). Rows not `live_R` and ids of
+  no pair (>= E) count nothing. Integer and exact, so the blocks' size never changes a rank."""
+  R, K = ids_RxK.shape
+  E = seen_E.shape[0]
+  e = jnp.where(live_R[:, None], ids_RxK.astype(jnp.int32), E).reshape(-1)
+  before = jnp.tril(e[:, None] == e[None, :], k=-1)              # an earlier pair of the block, same expert
+  rank = seen_E[jnp.minimum(e, E - 1)] + jnp.sum(before, axis=1, dtype=jnp.int32)
+  return seen_E.at[e].add(1, mode="drop"), rank.reshape(R, K)
+
+
+def expert_layout(ids_NxK, num_experts: int, live=None) -> ExpertLayout:
+  """The `ExpertLayout` of the live pairs in one loop over the live row blocks (`map_row_blocks` with the counts
+  as its carry): its cost follows the live tokens, where an argsort would span the budget's N x K pairs. The
+  MoE makes the same ranks in its router's loop instead (`moe.moe`), so the layout adds no loop there."""
+  N = ids_NxK.shape[0]
+
+  def block(ids, live_R, seen):
+    seen, rank = expert_ranks(seen, ids, live_R)
+    return rank, seen
+  # the live mask as an input (a block's padding rows read False)
+  rank, sizes = map_row_blocks(block, live, ids_NxK, jnp.arange(N) < live_count(live, N),
+                               carry=jnp.zeros((num_experts,), jnp.int32))
+  return ExpertLayout(rank, sizes)
+
+
+def _layout_slots(ids_NxK, num_experts: int, live, layout: ExpertLayout | None, block: int):
+  """(ok [P] live pair with an expert, e [P] its expert (clipped), rank [P], sizes [E], first_block [E + 1] each
+  expert's first block of `block` pairs (first_block[E] = the live block count), first_pair [E])."""
   N, K = ids_NxK.shape
-  T = min(N, blocking().rows)
-  n_live = live_count(live, N)
-  ids_flat = jnp.pad(ids_NxK.astype(jnp.int32), ((0, -N % T), (0, 0))).reshape(-1)
-
-  def pairs(b):
-    p = b * T * K + jnp.arange(T * K, dtype=jnp.int32)
-    e = jax.lax.dynamic_slice_in_dim(ids_flat, b * T * K, T * K)
-    return p, jnp.where(p // K < n_live, e, num_experts)
-  return (n_live + T - 1) // T, pairs
-
-
-def expert_counts(ids_NxK, num_experts: int, live=None):
-  """Pairs per expert [E] among the live tokens (ids of `num_experts` are no pair), counted in a loop over the
-  live token blocks: integer work that follows the live tokens, not the budget."""
-  trips, pairs = _live_pair_blocks(ids_NxK, num_experts, live)
-
-  def body(b, counts):
-    return counts.at[pairs(b)[1]].add(1, mode="drop")
-  return jax.lax.fori_loop(0, trips, body, jnp.zeros((num_experts,), jnp.int32))
+  layout = layout or expert_layout(ids_NxK, num_experts, live)
+  e = ids_NxK.reshape(-1).astype(jnp.int32)
+  ok = jnp.repeat(jnp.arange(N) < live_count(live, N), K) & (e < num_experts)
+  sizes = layout.sizes_E
+  first_block = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                 jnp.cumsum((sizes + block - 1) // block).astype(jnp.int32)])
+  first_pair = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
+  return ok, jnp.clip(e, 0, num_experts - 1), layout.rank_NxK.reshape(-1), sizes, first_block, first_pair
 
 
-def scan_expert_ranks(ids_NxK, num_experts: int, live, emit, init):
-  """Each live pair's rank among its expert's pairs in flat pair order (a stable counting sort by expert, the
-  ranks a stable argsort of the ids would give), in a loop over the live token blocks: `emit(out, p, e, rank, ok)`
-  takes a block's pair indices, expert ids, ranks and live mask and returns `out` updated (from `init`). Integer
-  and exact, so any block gives the same result; its cost follows the live tokens (an argsort would span the
-  budget's N * K pairs)."""
-  trips, pairs = _live_pair_blocks(ids_NxK, num_experts, live)
-
-  def body(b, carry):
-    seen, out = carry
-    p, e = pairs(b)
-    ok = e < num_experts
-    before = jnp.tril(e[:, None] == e[None, :], k=-1)          # an earlier pair of the block, same expert
-    rank = seen[jnp.minimum(e, num_experts - 1)] + jnp.sum(before, axis=1, dtype=jnp.int32)
-    return seen.at[e].add(1, mode="drop"), emit(out, p, e, rank, ok)
-  return jax.lax.fori_loop(0, trips, body, (jnp.zeros((num_experts,), jnp.int32), init))[1]
-
-
-def expert_blocks(ids_NxK, num_experts: int, live=None, *, block: int | None = None):
+def expert_blocks(ids_NxK, num_experts: int, live=None, *, block: int | None = None,
+                  layout: ExpertLayout | None = None):
   """The grouped layout of `grouped_experts`: pairs (token n, choice k) of live tokens in expert order (stable, so
-  by flat pair index within an expert), each expert's pairs padded to whole blocks.
+  by flat pair index within an expert), each expert's pairs padded to whole blocks. layout: the pairs' ranks if
+  the caller made them (None: `expert_layout`).
 
   Returns (order [P]: the live pairs' indices in expert order, then unspecified positions; sizes [E] pairs per
   expert, first_block [E + 1] each expert's first block (exclusive cumsum; first_block[E] = the live block count),
   first_pair [E] each expert's first position in `order`)."""
   block = block or blocking().expert_rows
-  N, K = ids_NxK.shape
-  P = N * K
-  sizes = expert_counts(ids_NxK, num_experts, live)
-  nblk = (sizes + block - 1) // block
-  first_block = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nblk).astype(jnp.int32)])
-  first_pair = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
-
-  def emit(order, p, e, rank, ok):
-    return order.at[jnp.where(ok, first_pair[jnp.minimum(e, num_experts - 1)] + rank, P)].set(p, mode="drop")
-  order = scan_expert_ranks(ids_NxK, num_experts, live, emit, _unfilled((P,), jnp.int32))
+  P = ids_NxK.size
+  ok, e, rank, sizes, first_block, first_pair = _layout_slots(ids_NxK, num_experts, live, layout, block)
+  pos = jnp.where(ok, first_pair[e] + rank, P)
+  order = _unfilled((P,), jnp.int32).at[pos].set(jnp.arange(P, dtype=jnp.int32), mode="drop")
   return order, sizes, first_block, first_pair
 
 
 def grouped_experts(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, live=None, *,
-                    block: int | None = None, uniform_trips: bool = False):
+                    block: int | None = None, uniform_trips: bool = False, layout: ExpertLayout | None = None):
   """The [N, D] results of `grouped_expert_rows` (its arguments and rows)."""
   return run_rows(grouped_expert_rows(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts, live, block=block,
-                                      uniform_trips=uniform_trips), live)
+                                      uniform_trips=uniform_trips, layout=layout), live)
 
 
 def grouped_expert_rows(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, live=None, *,
-                        block: int | None = None, uniform_trips: bool = False) -> RowFn:
+                        block: int | None = None, uniform_trips: bool = False,
+                        layout: ExpertLayout | None = None) -> RowFn:
   """`grouped_expert_sums` as rows: each token's fp32 sum cast to x's dtype in the caller's loop (`RowFn`), so that
   the caller's next row-local work (the MoE's shared expert) reads them in its own loop."""
   sums = grouped_expert_sums(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts, live, block=block,
-                             uniform_trips=uniform_trips)
+                             uniform_trips=uniform_trips, layout=layout)
   return RowFn(lambda o: o.astype(x_NxD.dtype), (sums,))
 
 
 def grouped_expert_sums(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int, live=None, *,
-                        block: int | None = None, uniform_trips: bool = False):
+                        block: int | None = None, uniform_trips: bool = False, layout: ExpertLayout | None = None):
   """sum_k weights[n, k] * expert_fn(ids[n, k], x[n]) for every live token n, row-invariant and with each expert's
   weights read once per block of its own pairs.
 
@@ -317,11 +331,12 @@ def grouped_expert_sums(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int
   uniform_trips: run the bound ceil(live * K / block) + E on the live block count instead of the count itself (the
   extra blocks hold no pair and add nothing): the trip count then follows `live` only, not the routing, so shards
   of a mesh that share `live` run the same trips and collectives inside `expert_fn` meet. live None: a static
-  bound (every row may be real; the loop is then differentiable)."""
+  bound (every row may be real; the loop is then differentiable). layout: the pairs' `ExpertLayout` if the caller
+  made it (None: `expert_layout`, a loop over the live tokens)."""
   block = block or blocking().expert_rows
   N, K = ids_NxK.shape
   D = x_NxD.shape[1]
-  order, sizes, first_block, first_pair = expert_blocks(ids_NxK, num_experts, live, block=block)
+  order, sizes, first_block, first_pair = expert_blocks(ids_NxK, num_experts, live, block=block, layout=layout)
   w_flat = weights_NxK.reshape(-1)
   lane = jnp.arange(block, dtype=jnp.int32)
 
@@ -354,25 +369,26 @@ def grouped_expert_sums(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int
 
 
 def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
-                           kernel_cfg, *, block: int | None = None):
+                           kernel_cfg, *, block: int | None = None, layout: ExpertLayout | None = None):
   """The [N, D] results of `grouped_expert_kernel_rows` (its arguments and rows)."""
   return run_rows(grouped_expert_kernel_rows(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD,
-                                             act, live, kernel_cfg, block=block), live)
+                                             act, live, kernel_cfg, block=block, layout=layout), live)
 
 
 def grouped_expert_kernel_rows(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
-                               kernel_cfg, *, block: int | None = None) -> RowFn:
+                               kernel_cfg, *, block: int | None = None, layout: ExpertLayout | None = None) -> RowFn:
   """`grouped_expert_kernel_sums` with each token's fp32 sum cast to x's dtype in the caller's loop (as
   `grouped_expert_rows`)."""
   sums = grouped_expert_kernel_sums(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
-                                    kernel_cfg, block=block)
+                                    kernel_cfg, block=block, layout=layout)
   return RowFn(lambda *b: sums.fn(*b).astype(x_NxD.dtype), sums.args)
 
 
 def grouped_expert_kernel_sums(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,
-                               kernel_cfg, *, block: int | None = None, down_dtype=None) -> RowFn:
+                               kernel_cfg, *, block: int | None = None, down_dtype=None,
+                               layout: ExpertLayout | None = None) -> RowFn:
   """`grouped_experts` of a gated MLP (act(x @ w_gate, x @ w_up) @ w_down) with its products on the grouped
-  expert kernel (`dispatch.grouped_dot`): the same grouping (pairs sorted by expert, blocks of `block` pairs of one
+  expert kernel (`dispatch.grouped_dot`): the same grouping (pairs laid out by expert, blocks of `block` pairs of one
   expert) laid out once as [B, block, D] rows, every live block in one call per product instead of a loop, blocks
   past the live ones doing no work. A block's bits depend on its own rows and its expert only (the kernel's fixed
   tiles and K order), and each token adds its K results from zeros in the order of its expert ids, as
@@ -384,29 +400,21 @@ def grouped_expert_kernel_sums(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_E
   config serves the XLA reference (`dispatch.grouped_dot`'s fallback: a loop over the live blocks, one product
   each), the bits stay row-invariant the same way. An id of E is no pair (an expert another device holds).
   down_dtype: the down product's output dtype (None = x's; float32 where it is a partial sum over a slice of the
-  intermediate dimension that a psum completes: `moe`'s expert shards).
+  intermediate dimension that a psum completes: `moe`'s expert shards). layout: as `grouped_expert_sums`.
   Returns the per-token fp32 sums as rows (`RowFn`), for the caller's loop."""
   block = block or blocking().kernel_expert_rows
   N, K = ids_NxK.shape
   D = x_NxD.shape[1]
   E = w_gate_ExDxI.shape[0]
   P = N * K
-  sizes = expert_counts(ids_NxK, E, live)
-  first_block = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((sizes + block - 1) // block)
-                                 .astype(jnp.int32)])
+  ok, e, rank, _, first_block, _ = _layout_slots(ids_NxK, E, live, layout, block)
   per_layout = max(1, LAYOUT_ROWS // block)
   nb = -(-(-(-P // block) + min(E, P)) // per_layout) * per_layout        # whole layout blocks of slots
   dead = nb * block                                                     # the slot of no row
-
-  def emit(out, p, e, rank, ok):
-    """A block's live pairs: each to its expert's next slot (slot -> token; token-major pair -> slot)."""
-    tok_of_slot, slot_of_pair = out
-    slot = jnp.where(ok, first_block[jnp.minimum(e, E - 1)] * block + rank, dead)
-    return (tok_of_slot.at[slot].set(p // K, mode="drop"),
-            slot_of_pair.at[jnp.where(ok, p, P)].set(slot, mode="drop"))
-  # slot -> token (N: no token) and pair -> its row in h (dead: none), in a loop over the live tokens
-  tok_of_slot, slot_of_pair = scan_expert_ranks(
-      ids_NxK, E, live, emit, (jnp.full((dead,), N, jnp.int32), jnp.full((P,), dead, jnp.int32)))
+  # token-major pair -> its row in h (dead: none); slot -> token (N: no token)
+  slot_of_pair = jnp.where(ok, first_block[e] * block + rank, dead)
+  tok_of_slot = jnp.full((dead,), N, jnp.int32).at[slot_of_pair].set(jnp.arange(P, dtype=jnp.int32) // K,
+                                                                      mode="drop")
   blocks = jnp.arange(nb, dtype=jnp.int32)
   live_blocks = first_block[E]
   block_expert = jnp.where(blocks < live_blocks,

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from dsv4 import caches, config, model, sharding
-from dsv4.layers import moe
+from dsv4.layers import moe, row_invariant
 from tests import xla_test_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -198,8 +198,11 @@ def test_moe_without_mesh_is_the_unsharded_path():
 
   def unsharded(p, x):   # the body of `moe` before the expert-parallel branch existed
     flat = x.reshape(10, -1)
-    ids, w = moe.route(p, flat, toks.reshape(-1), cfg.moe, False)
-    out = moe.routed_experts(p["experts"], flat, ids, w, cfg.moe) + moe.shared_expert(p["shared"], flat, cfg.moe)
+    # the router and the shared expert in `moe`'s row blocks: XLA's CPU dot rounds by its row count
+    ids, w = row_invariant.map_row_blocks(lambda xb, tb: moe.route(p, xb, tb, cfg.moe, False), None, flat,
+                                          toks.reshape(-1))
+    shared = row_invariant.map_row_blocks(lambda xb: moe.shared_expert(p["shared"], xb, cfg.moe), None, flat)
+    out = moe.routed_experts(p["experts"], flat, ids, w, cfg.moe) + shared
     return out.reshape(2, 5, -1)
 
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(unsharded)(params, x)))
