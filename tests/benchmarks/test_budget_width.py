@@ -10,8 +10,8 @@ from dsv4 import config
 
 def test_the_tiny_step_keeps_its_per_token_work_in_the_live_loops():
   """v4_tiny on the XLA ops: its loops' buffers span the budget (zero-filled on a CPU, unwritten on a GPU), the rest
-  of the program writes little per budget token (4.0 KB when written: integer work, the pair sort; the compressors'
-  merges at the budget's width alone were more than the whole of it)."""
+  of the program writes little per budget token (4.1 KB when written: integer work, the experts' slot tables; the
+  compressors' merges at the budget's width alone were more than the whole of it)."""
   b = budget_bytes(config.v4_tiny(), kernels=False)
   assert b.budget_loops > 0 and b.loop_buffers > 0
   assert b.other_ops < 6_000, b.by_primitive
