@@ -24,9 +24,10 @@ from dsv4.layers import attention, compressor, moe, row_invariant
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _whole(fn, live, *xs, block: int = 0, prev=()):
+def _whole(fn, live, *xs, block: int = 0, prev=(), carry=None):
   del live, block
-  return fn(*xs, *jax.tree_util.tree_map(lambda a: jnp.roll(a, 1, axis=0), prev))
+  args = (*xs, *jax.tree_util.tree_map(lambda a: jnp.roll(a, 1, axis=0), prev))
+  return fn(*args) if carry is None else fn(*args, carry)
 
 
 def plain_routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg, live=None, kernel_cfg=None):
@@ -50,8 +51,10 @@ def plain_routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg, live=None, kernel_c
   return jnp.zeros_like(x_NxD).at[token_of].add(h.astype(x_NxD.dtype))
 
 
-def plain_routed_expert_rows(params, x_NxD, ids_NxK, w_NxK, cfg, live=None, kernel_cfg=None):
-  """`plain_routed_experts` in the form the MoE reads (`row_invariant.RowFn`: its rows as they are)."""
+def plain_routed_expert_rows(params, x_NxD, ids_NxK, w_NxK, cfg, live=None, kernel_cfg=None, layout=None):
+  """`plain_routed_experts` in the form the MoE reads (`row_invariant.RowFn`: its rows as they are). The grouped
+  layout's ranks the router's call made go unused (XLA drops them)."""
+  del layout
   return row_invariant.RowFn(lambda r: r, (plain_routed_experts(params, x_NxD, ids_NxK, w_NxK, cfg, live,
                                                                 kernel_cfg),))
 
