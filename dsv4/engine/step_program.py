@@ -94,7 +94,15 @@ def step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel
 
   The step runs its live tokens through each layer once (`step_plan.invariant_step_index`), then each live row's
   logits (fixed [rows, D] shape) and sample (fixed row blocks, `live_row_samples`): nothing in a token's math depends on what else shares
-  the step or on how its prompt was chunked."""
+  the step or on how its prompt was chunked. On the CPU each loop buffer's fill is its own
+  (`row_invariant.distinct_fills`)."""
+  with row_invariant.distinct_fills():
+    return _step_body(params, cache, tables, prev_tokens, buf, config=config, layout=layout, kernel_cfg=kernel_cfg,
+                      shape=shape, record_logits=record_logits, model_api=model_api, graphdef=graphdef)
+
+
+def _step_body(params, cache, tables, prev_tokens, buf, *, config, layout, kernel_cfg, shape: RaggedShape,
+               record_logits: bool, model_api: str, graphdef):
   p = unpack(buf, shape)
   if shape.spec:
     p = continue_rows(p, prev_tokens, shape)

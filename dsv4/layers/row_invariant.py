@@ -20,6 +20,8 @@ instead of a loop (`grouped_experts_kernel`, `pallas_kernels/grouped_dot.py`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Callable, NamedTuple
 
@@ -209,11 +211,32 @@ def _outputs_into_inputs(out_leaves, in_leaves, Np: int) -> dict[int, int]:
   return into
 
 
+# The count of float loop buffers made so far in the step program being traced (`distinct_fills`), or None.
+_FILLS: contextvars.ContextVar[list | None] = contextvars.ContextVar("row_invariant_fills", default=None)
+
+
+@contextlib.contextmanager
+def distinct_fills():
+  """While a step program is traced in it, each float loop buffer the CPU fills (`_unfilled`) gets its own fill
+  value, so that XLA cannot merge the fills into one shared array that it then copies into each loop: a fill
+  writes a buffer, a copy reads one as well. The values are unspecified rows either way; the count restarts with
+  each step program, so the same program traces to the same constants (its compilation cache key)."""
+  token = _FILLS.set([0])
+  try:
+    yield
+  finally:
+    _FILLS.reset(token)
+
+
 def _unfilled(shape, dtype):
   """A loop's output buffer before its blocks are written: `jax.lax.empty`, which a GPU allocates without writing
-  it (so a buffer spanning the token budget costs nothing for its dead rows) and the CPU fills with zeros. Rows of
-  blocks past the live ones keep whatever it holds: no live row ever reads them (tests/dsv4/test_row_invariant.py
-  fills them with NaN)."""
+  it (so a buffer spanning the token budget costs nothing for its dead rows) and the CPU fills with zeros (inside
+  `distinct_fills` a float buffer with a value of its own). Rows of blocks past the live ones keep whatever it
+  holds: no live row ever reads them (tests/dsv4/test_row_invariant.py fills them with NaN)."""
+  fills = _FILLS.get()
+  if fills is not None and jnp.issubdtype(dtype, jnp.floating) and jax.default_backend() == "cpu":
+    fills[0] += 1
+    return jnp.full(shape, fills[0], dtype)
   return jax.lax.empty(shape, dtype)
 
 

@@ -34,3 +34,31 @@ def test_v4_flash_with_kernels_writes_little_past_its_live_tokens():
   b = budget_bytes(config.v4_flash(), kernels=True)
   assert b.other_ops < 0.15e6, b.by_primitive
   assert b.budget_loops <= 406          # 788 with a loop per op
+
+
+def test_the_cpu_step_fills_its_loop_buffers_without_copies():
+  """On the CPU a loop buffer is filled, not copied from one shared fill (`row_invariant.distinct_fills`: a copy
+  reads a buffer as well as writing one): the compiled v4_tiny step at a 256-token budget holds no copy of a
+  budget-wide float array made by a fill."""
+  import re
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from benchmarks.step_bench import make_runner, rows_at
+  from dsv4 import caches, model
+  cfg = config.v4_tiny()
+  params = model.cast_params(model.init_params(cfg, jax.random.PRNGKey(0)), jnp.bfloat16)
+  run = make_runner(cfg, params, max_model_len=4096, max_num_seqs=8, chunk_size=256, max_num_batched_tokens=256,
+                    layout=caches.CacheLayout(kv_dtype=jnp.bfloat16), dtype="bf16")
+  rows = rows_at(run, [100] * 4, [1] * 4, np.random.default_rng(0))
+  ec = run.engine_config
+  hlo = run._one_device_step.lower(run.params, run.cache, run._tables(), run.prev_tokens,
+                                   np.asarray(run._pack_rows(rows, run.step_shape)), config=cfg, layout=ec.layout,
+                                   kernel_cfg=ec.kernel, shape=run.step_shape, record_logits=ec.record_logits,
+                                   model_api=ec.model_api).compile().as_text()
+  # a fill: a budget-wide array from nothing but a constant (a fusion without operands, or a constant's broadcast)
+  fills = set(re.findall(r"%(\S+) = \w+\[256[,\]]\S* (?:fusion\(\)|broadcast\(%constant\S*\))", hlo))
+  copied = re.findall(r"= (?:f32|bf16|u16)\[256[,\]]\S* copy\(%(\S+)\)", hlo)
+  assert fills and not [c for c in copied if c in fills], copied
