@@ -31,15 +31,13 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from benchmarks.support.bare_runner import make_runner, rows_at
 from benchmarks.support.configs import wide_moe_config
 from benchmarks.support.plain_step import make_plain
 from benchmarks.support.table import print_table
 from dsv4 import caches
 from dsv4 import config
 from dsv4 import model
-from dsv4.engine.config import EngineConfig
-from dsv4.engine.runner import ModelRunner, Row
-from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.step_program import ragged_step
 
 flags.DEFINE_integer("repeats", 5, "Timed repeats per point (median reported).")
@@ -52,35 +50,6 @@ flags.DEFINE_bool("json", False, "Also print every number as JSON.")
 FLAGS = flags.FLAGS
 M1 = 1 << 20
 CONTEXTS = (2048, 8192, 32768, 65536)
-
-
-def make_runner(cfg, params, *, max_model_len, max_num_seqs, chunk_size=64, max_num_batched_tokens=4096, **kw):
-  """A runner without an engine (its own block tables, `rows_at` sets them); kw: further EngineConfig fields."""
-  layout = kw.pop("layout", caches.CacheLayout())
-  nf = 8 * 64 * 1024 // layout.full_block_tokens + 8
-  ec = EngineConfig(num_swa_blocks=4 * max_num_seqs + 64, num_full_blocks=nf, max_num_seqs=max_num_seqs,
-                    chunk_size=chunk_size, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                    layout=layout, **kw)
-  return ModelRunner(params, cfg, ec)
-
-
-def rows_at(run: ModelRunner, contexts, ntoks, rng):
-  """One row per context: tables cover [0, ctx + n) (full blocks distinct per row, swa blocks only for the tail
-  the window reads, released (-1) before it, as in serving)."""
-  lay = run.engine_config.layout
-  out = []
-  for i, (ctx, n) in enumerate(zip(contexts, ntoks)):
-    slot = i
-    end = ctx + n
-    nfb = -(-end // lay.full_block_tokens)
-    full = (np.arange(nfb) + i * (64 * 1024 // lay.full_block_tokens)) % run.cache.layers[1]["comp_kv"].shape[0]
-    nsb = -(-end // lay.swa_block_tokens)
-    swa = np.full(nsb, -1, np.int32)
-    live = max(0, (ctx - 64) // lay.swa_block_tokens)
-    swa[live:] = (np.arange(nsb - live) + 4 * i) % run.cache.layers[0]["window_kv"].shape[0]
-    run.set_tables(slot, swa, full.astype(np.int32))
-    out.append(Row(slot, [int(t) for t in rng.integers(2, 500, n)], ctx, SamplingParams(), 0))
-  return out
 
 
 def timed_alternating(runs, row_sets, repeats):

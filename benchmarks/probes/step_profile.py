@@ -30,7 +30,8 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from benchmarks.step_bench import CONFIGS, make_runner, rows_at
+from benchmarks.step_bench import CONFIGS
+from benchmarks.support.bare_runner import make_runner, rows_at
 from benchmarks.support.timing import thunk_ms
 from dsv4 import caches, model
 

@@ -46,7 +46,7 @@ def test_the_cpu_step_fills_its_loop_buffers_without_copies():
   import jax.numpy as jnp
   import numpy as np
 
-  from benchmarks.step_bench import make_runner, rows_at
+  from benchmarks.support.bare_runner import make_runner, rows_at
   from dsv4 import caches, model
   cfg = config.v4_tiny()
   params = model.cast_params(model.init_params(cfg, jax.random.PRNGKey(0)), jnp.bfloat16)

@@ -5,7 +5,7 @@ it gives the step's greedy tokens (fp32, where the two differ only in summation 
 import jax
 import numpy as np
 
-from benchmarks.step_bench import make_runner, rows_at
+from benchmarks.support.bare_runner import make_runner, rows_at
 from benchmarks.support.plain_step import make_plain
 from dsv4 import caches, config, model
 
