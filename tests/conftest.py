@@ -22,8 +22,9 @@ DSV4_HYPOTHESIS=fresh draws new examples each run (and prints the blob to reprod
 
 Orphans: a run fails if a process it started outlives it (tests/orphans.py, a plugin loaded here).
 
-Tiers: `slow` is the only marker (registered in pyproject.toml, --strict-markers); the default run deselects it.
-Which tests are slow, and what covers each feature in the default tier instead, is listed in tests/slow_tier.py.
+Tiers: `slow` and `matrix` (registered in pyproject.toml, --strict-markers); the default run deselects both, CI runs
+`slow` after the default run, `matrix` runs on demand. Which tests are slow, which run only on demand (beyond CI's
+budget), and what covers each feature in the tiers CI runs instead, is listed in tests/slow_tier.py.
 """
 
 import gc
@@ -36,7 +37,7 @@ import jax
 import pytest
 
 from tests import xla_test_flags
-from tests.slow_tier import SLOW
+from tests.slow_tier import ON_DEMAND, SLOW
 
 xla_test_flags.install()  # before any test touches a device: XLA reads XLA_FLAGS when JAX creates its backend
 
@@ -72,13 +73,20 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     base = item.nodeid.split("[", 1)[0]
     for key in (item.nodeid, base, base.split("::", 1)[0]):   # a test, all its parameters, or a whole file
+      if key in ON_DEMAND:
+        item.add_marker(pytest.mark.matrix)
+        matched.add(key)
+        if item.get_closest_marker("slow") is not None:
+          raise pytest.UsageError(f"{item.nodeid}: marked slow in its file and listed on demand in "
+                                  "tests/slow_tier.py (CI's `-m slow` would still run it)")
+        break
       if key in SLOW:
         item.add_marker(pytest.mark.slow)
         matched.add(key)
   if any("::" in str(a) for a in config.args):
     return                     # a run of chosen tests: entries of the same files need not be collected
   files = {item.nodeid.split("::", 1)[0] for item in items}
-  stale = sorted(k for k in SLOW if k.split("::", 1)[0] in files and k not in matched)
+  stale = sorted(k for k in (*SLOW, *ON_DEMAND) if k.split("::", 1)[0] in files and k not in matched)
   if stale:
     raise pytest.UsageError(f"tests/slow_tier.py names tests that do not exist: {stale}")
 

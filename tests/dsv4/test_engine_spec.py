@@ -200,7 +200,6 @@ def test_refusals(trained):
       dataclasses.replace(EC, **bad).validate()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kv,dtype", [("fp32", "fp32"), ("fp8", "bf16")])
 def test_drafts_compose_with_tiers_and_kv_precision(kv, dtype, tmp_path):
   """The composition trace (tests/dsv4/composition_worker.py) with host + disk tiers under a pool that demotes and

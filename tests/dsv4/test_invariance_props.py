@@ -189,7 +189,6 @@ def test_invariant_logits_on_random_traces(variant, kv, request):
   _check(variant, kv, examples=2)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variant,kv", [("v4", "fp8"), ("v41", "bf16"), ("v41", "fp8")])
 def test_invariant_logits_on_random_traces_every_variant(variant, kv, request):
   """V4 and V4.1, bf16 and FP8 KV, more traces; the traces must have preempted and hit the prefix cache."""
@@ -199,7 +198,6 @@ def test_invariant_logits_on_random_traces_every_variant(variant, kv, request):
   assert seen["preemptions"] > 0 and seen["hits"] > 0, seen
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variant,kv", [("v4", "bf16"), ("v41", "fp8")])
 def test_invariant_logits_with_drafts_and_tier_reloads(variant, kv, request):
   """The same property with the model's drafter (V4: MTP, V4.1: DSpark) drafting 0 or 3 tokens per step and a
@@ -242,7 +240,6 @@ def test_invariant_logits_on_random_traces_on_a_mesh(request, monkeypatch):
   assert seen["shards_differ"] > 0, seen
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variant,kv", [("v41", "bf16"), ("v41", "fp8")])   # FP8 KV: V4.1's (V4 FP8 on one device)
 def test_invariant_logits_on_random_traces_on_a_mesh_every_variant(variant, kv, request, monkeypatch):
   """V4 and V4.1, bf16 and FP8 KV, more traces on the fixed mesh: they must have preempted, hit the prefix cache
@@ -253,7 +250,6 @@ def test_invariant_logits_on_random_traces_on_a_mesh_every_variant(variant, kv, 
   assert seen["preemptions"] > 0 and seen["hits"] > 0 and seen["shards_differ"] > 0, seen
 
 
-@pytest.mark.slow
 def test_invariant_logits_with_tier_reloads_on_a_mesh(request, monkeypatch):
   """The same property with a host tier under the tight pool on the fixed mesh (V4, bf16; no drafts, refused on a
   mesh): the traces must have preempted and reloaded from the tier."""

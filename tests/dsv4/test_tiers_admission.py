@@ -182,14 +182,12 @@ def test_a_request_that_fits_is_never_refused(kind, tmp_path, request):
   _check_never_refused(kind, 1, tmp_path, url)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variant,kv", [("v4", "bf16"), ("v4", "fp8"), ("v41", "bf16"), ("v41", "fp8")])
 def test_a_request_that_fits_is_never_refused_every_variant(variant, kv, tmp_path):
   """More draws, V4 and V4.1 (its quantized cache: FP8 KV), bf16 and FP8 KV, host + disk."""
   _check_never_refused("local", 8, tmp_path, variant=variant, kv=kv)
 
 
-@pytest.mark.slow
 def test_a_request_that_fits_is_never_refused_on_a_mesh(request, monkeypatch, tmp_path):
   """The fixed mesh (2, 2, 2), pools over data (each data shard its own tight pool, the refusal rule per shard),
   host + disk, V4 bf16; alone on the same mesh without tiers."""

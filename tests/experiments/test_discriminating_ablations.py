@@ -80,7 +80,6 @@ def test_multiturn_traces_resume_where_they_say():
   assert [s.session for s in tr] == ["p0a", "p0b", "p0a", "p0b"]
 
 
-@pytest.mark.slow   # ~35 s of compiles on 2 shared cores
 def test_resume_small(tmp_path):
   from experiments import ablate_resume
   out = ablate_resume.run(ablate_resume.subjects([], [2], False), ["fp32"], [1, 2], 8, 2, 1, str(tmp_path), P=64)
@@ -104,7 +103,6 @@ def test_indexer_recall_small(tmp_path):
   assert os.path.getsize(os.path.join(tmp_path, "indexer_recall.png")) > 20_000
 
 
-@pytest.mark.slow   # ~35 s: the pool ops' compiles
 def test_retention_multiturn_small(tmp_path):
   from experiments import ablate_retention as ar
   ar.run("v4_flash", [0, 128, 512], True, str(tmp_path), stem="retention_multiturn",
@@ -129,7 +127,6 @@ def test_shipped_multikey_checkpoint_loads_and_is_small(name):
   assert info["final_eval"]["192"]["full_topk"]["accuracy"] > 0.9
 
 
-@pytest.mark.slow   # ~20-60 s: one compile per k and window
 def test_multikey_small(tmp_path):
   from experiments import ablate_multikey
   out = ablate_multikey.run(["v4_multikey"], [2, 32], [16, 64], [1, 4], 1, 4, str(tmp_path))
