@@ -1,14 +1,14 @@
 """The composition matrix on tiny V4 and V4.1: {one device, mesh (2, 2, 2) on 8 host devices} x {fp32, bf16, FP8
 KV} x {no tiers, host + disk tiers with a small pool that forces demotion and reload} x {XLA, interpret kernels}.
 Every row: greedy tokens equal to a cold one-device engine at the same KV precision, logits within a stated
-tolerance of `forward_full`, prefix hits, tier hits where tiers are on, and a batched request's logits bitwise
-equal to its run alone (the checks: tests/dsv4/composition_worker.py).
+tolerance of `forward_full` on the row's kernels, prefix hits, tier hits where tiers are on, and a batched request's
+logits bitwise equal to its run alone (the checks: tests/dsv4/composition_worker.py).
 
-The all-pairs covering set has 6 rows (every pair of factor values in some row). Default tier: its one-device V4 rows,
-in this process. Slow tier (tests/slow_tier.py): its mesh rows (one child process per variant) and V4.1 rows. The
-full product (24 rows per variant, 30-100 s a row) is marked `matrix` and runs on demand (`pytest -n 2 -m matrix
-tests`): in CI's slow tier it would take longer than the whole CI budget. Mesh rows split the pools over data shards (the engine's default on a
-mesh)."""
+The all-pairs covering set has 6 rows (every pair of factor values in some row). CI's slow tier (tests/slow_tier.py)
+runs V4's mesh rows (one child process) and two of its one-device rows (each in a child at XLA's default level); the
+sixth, one device with fp32 KV on XLA, and V4.1's rows run on demand with the full product (24 rows per variant,
+30-100 s a row), marked `matrix` (`pytest -n 2 -m matrix tests`): in CI they would take longer than its budget. Mesh
+rows split the pools over data (the engine's default on a mesh)."""
 
 import dataclasses
 import itertools
