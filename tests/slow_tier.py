@@ -457,4 +457,8 @@ ON_DEMAND = {
         "the one-device V4 rows (the same engine code), "
         "tests/dsv4/test_engine_step.py::test_engine_equals_forward_full[v41], "
         "tests/dsv4/test_invariance_props.py::test_invariant_logits_on_random_traces_every_variant[v41-bf16]",
+    "tests/test_gpu_suite.py::test_the_whole_suite_dry_runs_on_the_cpu":
+        "test_every_kernel_program_of_the_suite_lowers_for_a_gpu_at_its_real_shapes and test_kernels_bench_small_runs "
+        "(slow tier), the suite's budget, report and flag tests (default tier); a session lent a GPU runs it "
+        "first (over 11 minutes of a worker on the AMD EPYC machine, at XLA's default level)",
 }

@@ -158,7 +158,6 @@ def test_dry_run_xla_flags_follow_the_jaxlib_line(monkeypatch):
   assert not jax_compat.set_config("jax_option_that_does_not_exist", 1)
 
 
-@pytest.mark.slow
 def test_the_whole_suite_dry_runs_on_the_cpu(tmp_path):
   """Every item of the suite on the CPU (interpret-mode kernels, small shapes): the same code, the same files. Every
   row ok, nothing skipped, the tables written, the main job's 48 answers graded, the engine's runs compared."""
