@@ -164,8 +164,9 @@ def test_the_whole_suite_dry_runs_on_the_cpu(tmp_path):
   out = tmp_path / "out"
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)             # the suite sets the dry run's own
-  proc = subprocess.run(["bash", SCRIPT, str(out), "--dry_run", "--budget_s=900"], capture_output=True, text=True,
-                        timeout=1500, cwd=ROOT, env=env)
+  # the budget is the watchdog's: 900 s ran out on the AMD EPYC machine after 59 of 60 items (BUILD_NOTES, Test tiers)
+  proc = subprocess.run(["bash", SCRIPT, str(out), "--dry_run", "--budget_s=1800"], capture_output=True, text=True,
+                        timeout=2400, cwd=ROOT, env=env)
   rows = [json.loads(ln) for ln in (out / "results.jsonl").read_text().splitlines()]
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
   bad = [(r["item"], r["status"], r.get("error")) for r in rows if r["status"] != "ok"]
