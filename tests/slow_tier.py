@@ -50,9 +50,9 @@ SLOW = {
         "from scratch) and test_drafts_never_change_greedy_tokens",
     # meshes (8 host devices, a worker process each) and multi-process runs
     "tests/dsv4/test_sharding_multiprocess.py::test_two_processes_same_tokens_as_one":
-        "test_sharding.py::test_engine_on_mesh_same_tokens_with_prefix_hits (one process)",
+        "tests/dsv4/test_composition.py::test_all_pairs_mesh[v4] (the mesh engine in one process)",
     "tests/dsv4/test_sharding.py::test_sharded_forward_matches_one_device":
-        "test_engine_on_mesh_same_tokens_with_prefix_hits runs the sharded step on (2,2,2)",
+        "tests/dsv4/test_composition.py::test_all_pairs_mesh[v4] runs the sharded step on (2,2,2)",
     # async scheduling: the other mixes (each runs a sync and an async engine)
     "tests/dsv4/test_engine_step.py::test_host_bytes_per_step_do_not_grow_with_context":
         "test_one_transfer_each_way_per_step (one plan buffer in, one token buffer out, under a transfer guard)",
@@ -111,9 +111,6 @@ SLOW = {
     "tests/dsv4/test_loading_pretrained.py::test_serve_main_job_on_a_checkpoint_dir":
         "test_loading_pretrained.py's load_pretrained tests",
     # engine-level variants whose features the fast tests named beside them cover (each line: the test that stays)
-    "tests/dsv4/test_sharding.py::test_engine_on_mesh_same_tokens_with_prefix_hits":
-        "mesh logic without devices: test_runner_slots_are_per_data_shard, the rules / shardings tests (abstract "
-        "meshes); every sharded run needs an 8-device worker and a minute of compiles",
     "tests/dsv4/test_model_ragged.py::test_precision_modes": "tests/dsv4/test_cache_quant.py, test_fp8_pages.py",
     "tests/dsv4/test_model_ragged.py::test_step_shapes_follow_live_tables_not_max_len":
         "test_engine_step.py::test_compilation_is_bounded_and_counted (one table width for any pool size)",
@@ -461,4 +458,7 @@ ON_DEMAND = {
         "test_every_kernel_program_of_the_suite_lowers_for_a_gpu_at_its_real_shapes and test_kernels_bench_small_runs "
         "(slow tier), the suite's budget, report and flag tests (default tier); a session lent a GPU runs it "
         "first (over 11 minutes of a worker on the AMD EPYC machine, at XLA's default level)",
+    "tests/dsv4/test_sharding.py::test_engine_on_mesh_same_tokens_with_prefix_hits":
+        "tests/dsv4/test_composition.py::test_all_pairs_mesh[v4] (mesh engines with prefix hits: tokens == a cold "
+        "one-device engine), test_sharding.py::test_engine_table_rows_are_per_data_shard",
 }
