@@ -95,6 +95,11 @@ def config(variant: str, mesh: bool) -> ModelConfig:
   return widen(v4_tiny(num_layers=3) if variant == "v4" else v41_tiny(), mesh)
 
 
+def kernel_config(kernels: str) -> dispatch.KernelConfig:
+  """The kernels of a row ("xla" or "interpret"), for its engine and for its forward_full reference alike."""
+  return dispatch.KernelConfig(kernels, grouped_dot_tuning=SMALL_EXPERT_TILES)
+
+
 def engine_config(combo: Combo, D: int, tmp: str, tag: str = "") -> EngineConfig:
   """Few step programs (their compiles dominate on CPU): 8-token steps (one token bucket), 32-token full blocks and
   a 128-token limit with tables of the whole limit (one table width). With tiers: 3 full blocks per data shard, so
@@ -107,7 +112,7 @@ def engine_config(combo: Combo, D: int, tmp: str, tag: str = "") -> EngineConfig
   layout = caches.CacheLayout(swa_block_tokens=32, full_block_tokens=32, kv_dtype=KV[combo.kv])
   return EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, chunk_size=8, max_model_len=MAX_LEN,
                       num_full_blocks=(3 if combo.tiers else 8) * D, num_swa_blocks=16 * D, record_logits=True,
-                      layout=layout, kernel=dispatch.KernelConfig(combo.kernels, grouped_dot_tuning=SMALL_EXPERT_TILES), tiering=tc)
+                      layout=layout, kernel=kernel_config(combo.kernels), tiering=tc)
 
 
 def cold_config(kv: str) -> EngineConfig:
@@ -161,7 +166,7 @@ def forward_full_logits(params, cfg, outs, kv: str = "fp32", kernels: str = "xla
     seq = o.prompt + o.output[:-1]
     toks[i, :len(seq)] = seq
   _, logits = model.forward_full(params, cfg, toks, layout=caches.CacheLayout(kv_dtype=KV[kv]),
-                                 kernel_cfg=dispatch.KernelConfig(kernels, grouped_dot_tuning=SMALL_EXPERT_TILES))
+                                 kernel_cfg=kernel_config(kernels))
   logits = np.asarray(logits)
   return [logits[i, len(o.prompt) - 1: len(o.prompt) - 1 + len(o.output)] for i, o in enumerate(outs)]
 
