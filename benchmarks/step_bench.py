@@ -10,7 +10,8 @@
    v4_tiny and on a wide MoE config (D 512, 64 experts, top-6): decode batch 8 / 64 at contexts 1k / 8k / 32k,
    prefill chunks of 512 / 2048 tokens; each point timed alternately.
 5. (`--parts=budget`) Decode batch 8 through the step at token budgets 64 / 512 / 2048 beside the plain step: what
-   the budget's width costs a step that holds 8 tokens.
+   the budget's width costs a step that holds 8 tokens, and each runner's minor page faults per step (scratch
+   mapped fresh; the runners keep theirs mapped on the CPU, `dsv4.engine.host_memory`).
 
 The runner is driven directly with synthetic block tables (block contents do not change the work). Prints one
 markdown table per part (`--json`: also every number as JSON).
@@ -25,6 +26,7 @@ markdown table per part (`--json`: also every number as JSON).
 from __future__ import annotations
 
 import json
+import resource
 import time
 
 import jax
@@ -144,7 +146,17 @@ def budget(res):
     sets = [rows_at(getattr(r, "runner", r), [1024] * 8, [1] * 8, np.random.default_rng(0)) for r in runs]
     ts = [1e3 * t for t in timed_alternating(runs, sets, FLAGS.repeats)]
     res[f"budget_{name}"] = [ts[0], *ts[1:], *(t / ts[0] for t in ts[1:])]
+    res[f"budget_faults_{name}"] = [faults_per_step(r, rows) for r, rows in zip(runs, sets)]
     del runs
+
+
+def faults_per_step(run, rows, steps=3) -> float:
+  """The process's minor page faults per step of `run` (warm): pages mapped fresh for the step's buffers."""
+  run.run(rows)
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  for _ in range(steps):
+    run.run(rows)
+  return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
 
 
 def main(argv):
@@ -193,6 +205,9 @@ def print_tables(res: dict, parts) -> None:
     print_table(["config", "plain ms", *(f"budget {b} ms" for b in BUDGETS), *(f"{b} / plain" for b in BUDGETS)],
                 rows, title=f"5. Decode batch 8 at context 1k through the step at three token budgets beside the "
                             f"plain step, bf16 (median of {FLAGS.repeats}, timed alternately)")
+    rows = [[name, *res[f"budget_faults_{name}"]] for name in FLAGS.configs]
+    print_table(["config", "plain", *(f"budget {b}" for b in BUDGETS)], rows,
+                title="5b. Minor page faults per step (the process's, 3 warm steps each)")
 
 
 if __name__ == "__main__":

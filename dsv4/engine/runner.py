@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from cache import device_state
 from dsv4 import caches, mesh_context, sharding
 from dsv4.config import ModelConfig
-from dsv4.engine import block_copies, speculative_step
+from dsv4.engine import block_copies, host_memory, speculative_step
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.step_plan import RaggedShape, pack, pow2_at_least, result_width
@@ -100,6 +100,8 @@ class ModelRunner:
     the step program. None (benchmarks, tests): the runner keeps its own tables, set with `set_tables`."""
     engine_config.validate()
     ec = self.engine_config = engine_config
+    if jax.default_backend() == "cpu":   # a step's scratch past glibc's mmap threshold: reuse its pages
+      host_memory.keep_scratch_mapped()
     self.params, self.config = params, config
     self.managers = managers
     # "functional": dsv4.model's functions (the default); "nnx": the same math through the Flax NNX modules
