@@ -135,8 +135,8 @@ def test_redis_tier_roundtrip_directory_and_ttl(redis_server):
   t = Tier(RedisBackend(redis_server.url), TierPolicy(ttl_s=ttl_s))
   store = TieredStore([t], engine_id="e1", write_behind=None)
   data, _, _ = _record()
-  put_at = time.monotonic()
   store.put("dsv4kv:r1", data, tenant="tenant-x")
+  put_at = time.monotonic()     # the server starts each TTL when its command arrives: the last before put returns
   assert store.locate(["dsv4kv:r1", "dsv4kv:none"]) == [[0], []]
   got = store.fetch({0: ["dsv4kv:r1"]}, time.monotonic() + 2)
   assert got["dsv4kv:r1"] == (data, 0)
