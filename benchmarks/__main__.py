@@ -78,6 +78,8 @@ PROBES = [
     ("map_count_probe", "memory maps held by live XLA CPU executables; the vm.max_map_count crash"),
     ("nnx_apply_overhead", "cost of nnx_model.apply next to model.forward (jaxprs, trace and step time)"),
     ("step_profile", "where an engine step holding few tokens spends CPU time per XLA thunk: pools, budget, loops"),
+    ("step_faults", "page faults a CPU step takes on scratch mapped fresh every step, with the engine's allocator "
+     "setting and at glibc's defaults"),
     ("topk_gpu_diag", "where the fused top-k goes wrong on a GPU: race, selection, merge or across warps"),
 ]
 

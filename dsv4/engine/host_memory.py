@@ -4,9 +4,9 @@ XLA's CPU runtime allocates each execution's temp buffer (the `preallocated-temp
 `posix_memalign` and frees it when the execution ends. glibc serves a request above its mmap threshold (adaptive,
 at most 32 MiB) with a mapping of its own and unmaps it on free, so a step program whose temp buffer is larger
 takes a page fault on every 4 KiB page it touches, every step, and the kernel zeroes each page first: the wide MoE
-config's step at a 2,048-token budget (a 66.7 MB temp) took 16,292 faults a step, most of what a step of 8 tokens
-paid for the budget's width on the CPU (BUILD_NOTES, Invariant step cost). A plain step sized to its tokens has a
-small temp and never paid it, nor does a GPU (XLA pools device memory there).
+config's step at a 2,048-token budget (a 66.7 MB temp) took 16,294 faults and 87.3 ms a step, 48.8 ms with the
+setting below (`python -m benchmarks.probes.step_faults`; BUILD_NOTES, Invariant step cost). A plain step sized to
+its tokens has a small temp and never paid it, nor does a GPU (XLA pools device memory there).
 
 `keep_scratch_mapped` sets glibc's allocator once per process so that large blocks come from its arenas and stay:
 
