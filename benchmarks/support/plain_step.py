@@ -74,7 +74,8 @@ def plain_ops():
       setattr(mod, name, fn)
 
 
-def _plain_ragged_step(params, cache, tables, prev_tokens, buf, **kw):
+def _plain_ragged_step(params, cache, tables, prev_tokens, buf, loop_buffers=(), **kw):
+  del loop_buffers                      # plain ops: no row-block loops
   return step_program.step_body(params, cache, tables, prev_tokens, buf, **kw)
 
 
@@ -102,6 +103,7 @@ class PlainRunner:
       with plain_ops():
         return jitted(*a, **k)
     run._one_device_step = one_device_step
+    run._step_loop_buffers = lambda *a: ()
 
   def run(self, rows):
     total = sum(len(r.tokens) for r in rows)

@@ -48,7 +48,8 @@ from dsv4.engine import block_copies, host_memory, speculative_step
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.step_plan import RaggedShape, pack, pow2_at_least, result_width
-from dsv4.engine.step_program import StepOutput, jitted_ragged_step, step_body, step_compiler_options
+from dsv4.engine.step_program import (StepOutput, jitted_ragged_step, step_body, step_compiler_options,
+                                     step_loop_buffer_shapes)
 from dsv4.layers import row_invariant
 
 
@@ -164,6 +165,12 @@ class ModelRunner:
     # the one-device step program, jitted with this engine's compiler options (on the CPU: LLVM's level)
     self._one_device_step = jitted_ragged_step(step_compiler_options(ec.cpu_step_opt_level,
                                                                      ec.gpu_step_command_buffers))
+    # the row-block loops' buffers, carried from one step to the next on the CPU (`StepOutput.loop_buffers`), and
+    # their shapes; made here for the engine's one step program, not inside a step
+    self._loop_buffers, self._loop_buffer_shapes = (), ()
+    if mesh is None:
+      params, kw = self._one_device_program(self.step_shape)
+      self._step_loop_buffers(params, self._tables(), self._pack_rows([], self.step_shape), kw)
     self._mesh_copies = None              # block copies on the mesh (the KV tiers' reads and writes)
     if managers is not None:
       for m in managers:
@@ -290,7 +297,6 @@ class ModelRunner:
   def _call(self, call: list[tuple[int, Row]]) -> _SentCall:
     """One dispatch of the step program for `call` (the step's rows): plan packed per data shard, one host->device
     transfer."""
-    ec = self.engine_config
     rows = [r for _, r in call]
     D = self.num_shards
     by_shard = [[] for _ in range(D)]
@@ -318,17 +324,15 @@ class ModelRunner:
       # replicated: this process's copy, a plain one-device array (also under jax.distributed)
       return _SentCall(call, by_shard, out.results.addressable_data(0),
                        None if out.logits is None else out.logits.addressable_data(0), None, None)
-    kw = dict(config=self.config, layout=ec.layout, kernel_cfg=ec.kernel, shape=shape,
-              record_logits=ec.record_logits, model_api=ec.model_api)
-    params = self.params
-    if ec.model_api == "nnx":
-      from flax import nnx  # local: the default path does not import Flax
-      kw["graphdef"], params = nnx.split(self.net)             # this step's module: edits since the last step count
+    params, kw = self._one_device_program(shape)
     if not self.fused:                  # no managers (benchmarks, tests): the runner's own tables
       (dev,) = jax.device_put([bufs[0]])
       self.stats["host_bytes_in"] += bufs[0].nbytes
-      out = self._one_device_step(params, self.cache, self._tables(), self.prev_tokens, dev, **kw)
+      tables = self._tables()
+      out = self._one_device_step(params, self.cache, tables, self.prev_tokens, dev,
+                                  self._step_loop_buffers(params, tables, dev, kw), **kw)
       self.cache, self.prev_tokens, self._own_tables = out.cache, out.prev_tokens, out.tables
+      self._loop_buffers = out.loop_buffers
       return _SentCall(call, by_shard, out.results, out.logits, None, None)
     manager = self.managers[0]
     plan = manager.plan()                                        # the cache's bookkeeping, planned on the host
@@ -340,13 +344,36 @@ class ModelRunner:
       back to back on the device (no host read between; the bookkeeping's shape is fixed per engine, so it
       compiles once, not inside every step shape's program)."""
       state, plan_results = device_state.apply(state, plan, kvbuf)
-      out = self._one_device_step(params, self.cache, dict(zip(manager.groups, state.tables)), self.prev_tokens,
-                                  dev, **kw)
+      tables = dict(zip(manager.groups, state.tables))
+      out = self._one_device_step(params, self.cache, tables, self.prev_tokens, dev,
+                                  self._step_loop_buffers(params, tables, dev, kw), **kw)
       return state._replace(tables=tuple(out.tables[g] for g in manager.groups)), (out, plan_results)
 
     out, plan_results = manager.device.advance(one_pass)
-    self.cache, self.prev_tokens = out.cache, out.prev_tokens
+    self.cache, self.prev_tokens, self._loop_buffers = out.cache, out.prev_tokens, out.loop_buffers
     return _SentCall(call, by_shard, out.results, out.logits, plan, plan_results)
+
+  def _one_device_program(self, shape: RaggedShape) -> tuple:
+    """(params, statics) of the one-device step program at `shape`: with the NNX modules, this step's module
+    state and graph (edits since the last step count)."""
+    ec = self.engine_config
+    kw = dict(config=self.config, layout=ec.layout, kernel_cfg=ec.kernel, shape=shape,
+              record_logits=ec.record_logits, model_api=ec.model_api)
+    params = self.params
+    if ec.model_api == "nnx":
+      from flax import nnx  # local: the default path does not import Flax
+      kw["graphdef"], params = nnx.split(self.net)
+    return params, kw
+
+  def _step_loop_buffers(self, params, tables, dev, kw) -> tuple:
+    """The one-device step's loop buffers (`StepOutput.loop_buffers`): the last step's, or fresh ones (zeros, put
+    on the device once) for a step program whose loops take others (the runner's first, made when it is built;
+    an NNX module changed since the last step)."""
+    shapes = step_loop_buffer_shapes(params, self.cache, tables, self.prev_tokens, dev, **kw)
+    if shapes != self._loop_buffer_shapes:
+      self._loop_buffers = tuple(jax.device_put([np.zeros(s.shape, s.dtype) for s in shapes]))
+      self._loop_buffer_shapes = shapes
+    return self._loop_buffers
 
   def mesh_inputs(self, bufs):
     """(tables, plan) of a mesh step: the managers' queued bookkeeping applied in their own calls, every shard's

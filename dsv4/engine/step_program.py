@@ -43,12 +43,15 @@ class StepOutput(NamedTuple):
     next plan is row j's entry); None from a mesh step (no async scheduling there).
   logits: [rows, V] float, the logits each row's token was drawn from, when the step records them (with drafts
   [rows, k + 1, V]: one per token a row can decide); else None.
+  loop_buffers: the row-block loops' buffers (donated in, returned written: `row_invariant.LoopBuffers`); () where
+    the backend carries none (a GPU) and from a mesh step.
   """
   cache: Any
   tables: dict | None
   results: jax.Array
   prev_tokens: jax.Array | None
   logits: jax.Array | None
+  loop_buffers: tuple = ()
 
 
 def _row_tables(tables, p, shape: RaggedShape):
@@ -153,10 +156,13 @@ def live_row_samples(p, h_NxD, to_logits, record_logits: bool):
 _STEP_STATICS = ("config", "layout", "kernel_cfg", "shape", "record_logits", "model_api", "graphdef")
 
 
-def _ragged_step(params, cache, tables, prev_tokens, buf, *, config, layout, kernel_cfg, shape: RaggedShape,
-                 record_logits: bool, model_api: str = "functional", graphdef=None):
-  return step_body(params, cache, tables, prev_tokens, buf, config=config, layout=layout, kernel_cfg=kernel_cfg,
-                   shape=shape, record_logits=record_logits, model_api=model_api, graphdef=graphdef)
+def _ragged_step(params, cache, tables, prev_tokens, buf, loop_buffers=(), *, config, layout, kernel_cfg,
+                 shape: RaggedShape, record_logits: bool, model_api: str = "functional", graphdef=None):
+  # no buffers (a caller that keeps none, or a backend that carries none): each loop makes its own
+  with row_invariant.carried_loop_buffers(loop_buffers or None) as carried:
+    out = step_body(params, cache, tables, prev_tokens, buf, config=config, layout=layout, kernel_cfg=kernel_cfg,
+                    shape=shape, record_logits=record_logits, model_api=model_api, graphdef=graphdef)
+  return out._replace(loop_buffers=carried.result())
 
 
 _ragged_step.__name__ = _ragged_step.__qualname__ = "ragged_step"     # the name compile logs show
@@ -165,10 +171,28 @@ _ragged_step.__name__ = _ragged_step.__qualname__ = "ragged_step"     # the name
 @functools.cache
 def jitted_ragged_step(compiler_options: tuple):
   """`step_body` jitted for one device (compile logs name it `jit(ragged_step)`, on a mesh too), compiled with
-  `compiler_options` (sorted (name, value) pairs; () = XLA's defaults). The cache and the tables are donated: the
-  `StepOutput` returns them."""
-  return jax.jit(_ragged_step, static_argnames=_STEP_STATICS, donate_argnames=("cache", "tables"),
-                 compiler_options=dict(compiler_options) or None)
+  `compiler_options` (sorted (name, value) pairs; () = XLA's defaults). The cache, the tables and the loop
+  buffers (`step_loop_buffer_shapes`) are donated: the `StepOutput` returns them."""
+  return jax.jit(_ragged_step, static_argnames=_STEP_STATICS,
+                 donate_argnames=("cache", "tables", "loop_buffers"), compiler_options=dict(compiler_options) or None)
+
+
+def step_loop_buffer_shapes(params, cache, tables, prev_tokens, buf, **statics) -> tuple:
+  """The loop buffers `ragged_step` takes at these arguments' shapes and statics (`row_invariant.LoopBuffers`):
+  its caller makes them once (zeros) and hands each step the buffers the last one returned; () where the backend
+  carries none. Traces the step abstractly once per distinct program (cached)."""
+  avals = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                 (params, cache, tables, prev_tokens, buf))
+  leaves, tree = jax.tree_util.tree_flatten(avals)
+  return _loop_buffer_shapes((tuple(leaves), tree), tuple(sorted(statics.items())), row_invariant.blocking())
+
+
+@functools.cache
+def _loop_buffer_shapes(flat_avals, statics: tuple, blocking: row_invariant.RowBlocking) -> tuple:
+  del blocking                          # read by the trace; a key here
+  leaves, tree = flat_avals
+  args = jax.tree_util.tree_unflatten(tree, leaves)
+  return row_invariant.loop_buffer_shapes(functools.partial(step_body, **dict(statics)), *args)
 
 
 ragged_step = jitted_ragged_step(())   # at XLA's defaults (benchmarks lowering the step for its memory)

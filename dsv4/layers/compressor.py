@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from dsv4 import caches
 from dsv4.layers.norms import rms_norm
-from dsv4.layers.row_invariant import RowFn, map_row_blocks
+from dsv4.layers.row_invariant import RowFn, map_row_blocks, updated_in_place
 from dsv4.layers.rope import apply_rope
 
 _HI = jax.lax.Precision.HIGHEST
@@ -170,7 +170,7 @@ def window_pool_scan(reset_N, lse_NxW, mean_NxW):
 
   last = jnp.max(offset_N)
   _, lse, mean = jax.lax.while_loop(lambda c: c[0] <= last, step, (jnp.int32(1), lse_NxW, mean_NxW))
-  return lse, mean
+  return updated_in_place(lse_NxW, lse), updated_in_place(mean_NxW, mean)
 
 
 def _emit(ctx: StepContext, entry_N, emitted_N, ratio: int):

@@ -27,6 +27,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax._src import core as _jax_core     # the current trace (no public API names it): `LoopBuffers`
 
 from dsv4 import caches
 from pallas_kernels import dispatch
@@ -48,11 +49,18 @@ class RowBlocking:
     filling a new buffer across the token budget; the rows past the live blocks then hold the input's rows,
     unspecified as before. For the CPU, which fills a new buffer with zeros (a GPU allocates it unwritten, and a
     still-read input would cost a copy there). Not for a loop of one block (the whole buffer: XLA compiles it with
-    other rounding)."""
+    other rounding).
+  carry_buffers: inside `carried_loop_buffers` (the engine's step program), a loop's other float outputs are
+    written into buffers the program was handed and hands back (`LoopBuffers`), so a step fills no new buffer
+    across the token budget at all: the engine keeps them from one step to the next. For the CPU, where a new
+    buffer is zero-filled (and each first touch of fresh memory faults a page in); a GPU's unwritten buffers cost
+    nothing, and carrying them would keep every loop's buffer alive at once. Not for loops of one block (as
+    above)."""
   rows: int = 32
   expert_rows: int = 8
   kernel_expert_rows: int = 16
   outputs_in_inputs: bool = False
+  carry_buffers: bool = False
 
   def __post_init__(self):
     if self.rows < 1 or self.expert_rows < 1 or self.kernel_expert_rows < 1:
@@ -61,7 +69,7 @@ class RowBlocking:
 
 # The CPU's blocks: its dot streams the weights from memory at any row count, so small blocks (little padding
 # work at decode) cost it nothing at prefill.
-CPU_BLOCKING = RowBlocking(outputs_in_inputs=True)
+CPU_BLOCKING = RowBlocking(outputs_in_inputs=True, carry_buffers=True)
 # A GPU's: a block's projection is one fixed-shape dot that reads the weights from HBM, so a block of R rows does R
 # FLOPs per byte of the bf16 projection weights the engine holds (the loader dequantizes FP8 at load). An H200's
 # ridge (bf16 tensor cores / HBM) is about 165 FLOPs a byte: at 128 rows a prefill chunk's blocks run near the
@@ -115,15 +123,14 @@ def map_row_blocks(fn, live, *xs, block: int | None = None, prev=(), carry=None)
     b = jax.lax.dynamic_slice_in_dim(a, jnp.maximum(i * block - 1, 0), block, 0)
     return jnp.where(i == 0, jnp.roll(b, 1, axis=0), b)
 
-  # The loop slices its inputs as carried (a narrow float as its bits on the CPU, `_carried`) and converts each
-  # block: an input that an earlier loop returned is then read from that loop's buffer itself (the two bitcasts
-  # cancel outside the loop), never from a converted copy of it across the budget (XLA's CPU makes a bitcast
-  # between a 16-bit float and its word a pass over the array).
+  # The loop slices its inputs as carried (a narrow float as its bits, `_carried`) and converts each block: an
+  # input that an earlier loop returned is then that loop's buffer itself (the bitcasts cancel outside the loop),
+  # never a converted copy of it across the budget.
   dtypes = jax.tree_util.tree_map(lambda a: a.dtype, (xs, prev))
   xs_c, prev_c = jax.tree_util.tree_map(_carried, (xs, prev))
 
   def sl(i, xs_c=xs_c):
-    xs_d, prev_d = dtypes
+    (xs_d, prev_d) = dtypes
     return (*jax.tree_util.tree_map(
                 lambda a, d: caches.from_bits(jax.lax.dynamic_slice_in_dim(a, i * block, block, 0), d), xs_c, xs_d),
             *jax.tree_util.tree_map(lambda a, d: caches.from_bits(shifted(a, i), d), prev_c, prev_d))
@@ -137,10 +144,22 @@ def map_row_blocks(fn, live, *xs, block: int | None = None, prev=(), carry=None)
   # update in place instead of a pass over all N rows per block. Bits in, the same bits out.
   out_leaves, out_tree = jax.tree_util.tree_flatten(shapes)
   in_leaves, in_tree = jax.tree_util.tree_flatten(xs)
-  into = _outputs_into_inputs(out_leaves, in_leaves, Np) if blocking().outputs_in_inputs and Np > block else {}
-  outs = jax.tree_util.tree_unflatten(out_tree, [
-      _carried(in_leaves[into[k]] if k in into else _unfilled((Np, *o.shape[1:]), o.dtype))
-      for k, o in enumerate(out_leaves)])
+  carrier = LoopBuffers.current() if Np > block else None
+  # with carried buffers every float output has its own (an input's buffer may be a carried one, which the program
+  # must hand back as it is)
+  into = (_outputs_into_inputs(out_leaves, in_leaves, Np)
+          if blocking().outputs_in_inputs and Np > block and carrier is None else {})
+  held = {}             # output leaf -> the carried buffer it is written into
+  inits = []
+  for k, o in enumerate(out_leaves):
+    if k in into:
+      inits.append(_carried(in_leaves[into[k]]))
+    elif carrier is not None and jnp.issubdtype(o.dtype, jnp.floating):
+      held[k], buf = carrier.take((Np, *o.shape[1:]), _carried_dtype(o.dtype))
+      inits.append(buf)
+    else:
+      inits.append(_carried(_unfilled((Np, *o.shape[1:]), o.dtype)))
+  outs = jax.tree_util.tree_unflatten(out_tree, inits)
 
   def body(i, state):
     outs, c = state
@@ -156,8 +175,11 @@ def map_row_blocks(fn, live, *xs, block: int | None = None, prev=(), carry=None)
 
   nb = Np // block if live is None else (live_count(live, N) + block - 1) // block
   outs, c = jax.lax.fori_loop(0, nb, body, (outs, carry))
-  outs = jax.tree_util.tree_map(lambda o, s: caches.from_bits(o[:N], s.dtype), outs, shapes)
-  return outs if carry is None else (outs, c)
+  results = jax.tree_util.tree_map(lambda o, s: caches.from_bits(o[:N], s.dtype), outs, shapes)
+  carried, returned = jax.tree_util.tree_leaves(outs), jax.tree_util.tree_leaves(results)
+  for k, b in held.items():
+    carrier.wrote(b, carried[k], returned[k] if Np == N else None)
+  return results if carry is None else (results, c)
 
 
 class RowFn(NamedTuple):
@@ -243,6 +265,132 @@ def _unfilled(shape, dtype):
 def _carried(a):
   """How `map_row_blocks` carries an output array (see `caches.updates_through_bits`)."""
   return caches.as_bits(a) if caches.updates_through_bits(a.dtype) else a
+
+
+def _carried_dtype(dtype):
+  """The dtype `_carried` gives an array of `dtype`."""
+  dtype = jnp.dtype(dtype)
+  return jnp.dtype(caches.UINT_OF_SIZE[dtype.itemsize]) if caches.updates_through_bits(dtype) else dtype
+
+
+_LOOP_BUFFERS: contextvars.ContextVar = contextvars.ContextVar("dsv4_loop_buffers", default=None)
+
+
+def _current_trace():
+  return getattr(getattr(_jax_core, "trace_ctx", None), "trace", None)
+
+
+class LoopBuffers:
+  """The float output buffers of one program's row-block loops, handed in by its caller and handed back at its end
+  (`RowBlocking.carry_buffers`; `carried_loop_buffers` opens one): each loop of the program, in trace order,
+  takes the next buffer and writes its live blocks into it; rows past them keep what an earlier step left there,
+  which no live row reads (as `_unfilled`'s rows). A buffer that a later loop takes over as its output
+  (`RowBlocking.outputs_in_inputs`) or that `grouped_expert_sums` adds into is followed there, so the program
+  hands back each buffer's last value and XLA writes every one of them in place (nothing copied).
+
+  Only loops traced at the program's own level take a buffer (one inside another loop's body, a conditional or a
+  `shard_map` region makes its own), and only loops of more than one block. `given` None: no buffers yet; the
+  loops make theirs as without a carrier and `shapes` lists what they would take (`loop_buffer_shapes`)."""
+
+  def __init__(self, given):
+    self.given = None if given is None else tuple(given)
+    self.shapes: list[jax.ShapeDtypeStruct] = []
+    self._last: list = []               # each buffer's latest value (carried form)
+    self._by_id: dict = {}              # id of a loop's returned array -> its buffer
+    self._alive: list = []              # those arrays, so their ids stay theirs while the program traces
+    self._trace = _current_trace()
+
+  @staticmethod
+  def current() -> "LoopBuffers | None":
+    """The carrier loops traced here write into, or None (none open, another trace level, or not this
+    backend's blocking)."""
+    c = _LOOP_BUFFERS.get()
+    if c is None or not blocking().carry_buffers or c._trace is None or _current_trace() is not c._trace:
+      return None
+    return c
+
+  def take(self, shape, dtype) -> tuple[int, jax.Array]:
+    """(index, buffer) of the next loop output of `shape` and (carried) `dtype`."""
+    k = len(self.shapes)
+    want = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+    self.shapes.append(want)
+    if self.given is None:
+      buf = jax.lax.empty(want.shape, want.dtype)
+    else:
+      if k >= len(self.given) or (self.given[k].shape, self.given[k].dtype) != (want.shape, want.dtype):
+        got = "none" if k >= len(self.given) else f"{self.given[k].shape} {self.given[k].dtype}"
+        raise ValueError(f"LoopBuffers: loop output {k} wants {want.shape} {want.dtype}, the program was handed "
+                         f"{got} (buffers from another program's `loop_buffer_shapes`)")
+      buf = self.given[k]
+    self._last.append(buf)
+    return k, buf
+
+  def holding(self, a) -> int | None:
+    """The buffer array `a` (a loop's returned output) was written into, or None."""
+    return self._by_id.get(id(a))
+
+  def wrote(self, k: int, carried, returned=None) -> None:
+    """Buffer k now holds `carried` (the loop's output as carried); `returned` (what the loop returned for it, or
+    None) may be taken over by a later writer."""
+    self._last[k] = carried
+    if returned is not None:
+      self._by_id[id(returned)] = k
+      self._alive.append(returned)
+
+  def follow(self, before, after) -> None:
+    """`after` is `before` updated in place (its buffer's next value), when `before` is a carried buffer."""
+    k = self.holding(before)
+    if k is not None:
+      self.wrote(k, _carried(after), after)
+
+  def result(self) -> tuple:
+    """Every buffer's last value, in the order they were handed in (() without buffers)."""
+    if self.given is None:
+      return ()
+    if len(self._last) != len(self.given):
+      raise ValueError(f"LoopBuffers: the program's loops took {len(self._last)} buffers of the "
+                       f"{len(self.given)} it was handed (buffers from another program's `loop_buffer_shapes`)")
+    return tuple(self._last)
+
+
+def updated_in_place(before, after):
+  """Returns `after`, an op's update of `before` (same shape and dtype) that XLA can make in place, e.g. a loop
+  carrying it: if `before` is one of the open `LoopBuffers`' buffers, `after` becomes its next value, so the
+  program hands that buffer back updated instead of keeping `before` alive (a copy)."""
+  carrier = LoopBuffers.current()
+  if carrier is not None:
+    carrier.follow(before, after)
+  return after
+
+
+@contextlib.contextmanager
+def carried_loop_buffers(given):
+  """The `LoopBuffers` the row-block loops traced inside write into (`given`: the buffers, in trace order; None:
+  record their shapes only)."""
+  c = LoopBuffers(given)
+  token = _LOOP_BUFFERS.set(c)
+  try:
+    yield c
+  finally:
+    _LOOP_BUFFERS.reset(token)
+
+
+def loop_buffer_shapes(fn, *args, **kwargs) -> tuple:
+  """The buffers `fn(*args, **kwargs)`'s loops take inside `carried_loop_buffers` (traced abstractly, nothing runs):
+  what its caller makes once and then hands in and takes back on every call. () where this backend's blocking
+  carries none."""
+  if not blocking().carry_buffers:
+    return ()
+
+  def traced(*a):
+    with carried_loop_buffers(None) as c:
+      fn(*a, **kwargs)
+      found.extend(c.shapes)
+    return ()
+
+  found: list = []
+  jax.eval_shape(traced, *args)
+  return tuple(found)
 
 
 def rows_dot(x_NxK, w_KxM, live=None, *, block: int | None = None, precision=None, preferred_element_type=None):
@@ -388,7 +536,7 @@ def grouped_expert_sums(x_NxD, ids_NxK, weights_NxK, expert_fn, num_experts: int
     trips = first_block[num_experts]
   # zeros over the live rows only (rows past them: unspecified)
   out = map_row_blocks(lambda xb: jnp.zeros((xb.shape[0], D), jnp.float32), live, x_NxD)
-  return jax.lax.fori_loop(0, trips, body, out)
+  return updated_in_place(out, jax.lax.fori_loop(0, trips, body, out))
 
 
 def grouped_experts_kernel(x_NxD, ids_NxK, weights_NxK, w_gate_ExDxI, w_up_ExDxI, w_down_ExIxD, act, live,

@@ -247,3 +247,50 @@ def test_batch_invariant_mode_is_bitwise(tiny, request):
     for (tok_a, log_a), (tok_b, log_b) in zip(ref, outs):
       assert tok_a == tok_b, name
       assert np.array_equal(log_a.view(np.uint32), log_b.view(np.uint32)), name
+
+
+def _step_program_text(runner) -> str:
+  """The optimized HLO of the runner's one-device step program (as its next step would run it)."""
+  params, kw = runner._one_device_program(runner.step_shape)
+  tables = runner._tables()
+  dev = np.asarray(runner._pack_rows([], runner.step_shape))
+  return runner._one_device_step.lower(params, runner.cache, tables, runner.prev_tokens, dev,
+                                       runner._step_loop_buffers(params, tables, dev, kw), **kw).compile().as_text()
+
+
+def test_carried_loop_buffers_never_change_a_logit(monkeypatch):
+  """On the CPU the step's row-block loops write into buffers the engine hands from one step to the next
+  (`row_invariant.LoopBuffers`), so a step fills nothing across its token budget; rows past a step's live blocks
+  keep what earlier steps (other requests) left there. Those rows filled with NaN before every step give the same
+  bits (bf16: the narrow buffers are carried as words). And the program hands every buffer back written in place:
+  its entry computation copies no float array spanning the budget."""
+  cfg = config.v4_tiny()
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  ec = dataclasses.replace(TINY_POOL, dtype="bf16")
+  wl = workloads.chat(cfg.vocab_size, sessions=3, turns=2, system_len=140, seed=3)
+
+  def poison(bufs):
+    """The buffers' every row NaN (bf16 carried as its word 0x7FC0)."""
+    return tuple(jax.device_put([np.full(b.shape, 0x7FC0, b.dtype) if b.dtype == np.uint16
+                                 else np.full(b.shape, np.nan, b.dtype) for b in bufs]))
+
+  def run(poisoned: bool):
+    eng = Engine(params, cfg, ec)
+    runner = eng.runner
+    if poisoned:
+      real = runner._step_loop_buffers
+      monkeypatch.setattr(runner, "_step_loop_buffers", lambda *a: poison(real(*a)))
+    rep = run_workload(eng, wl)
+    assert rep.summary()["preemptions"] > 0
+    return eng, [np.stack(eng.requests[o.rid].token_logits) for o in rep.outputs]
+
+  eng, carried = run(poisoned=False)
+  assert eng.runner._loop_buffers, "the CPU engine carries its loop buffers"
+  budget = eng.runner.step_shape.tokens
+  entry = _step_program_text(eng.runner).split("\nENTRY ", 1)[1]
+  wide = [f"{t}[{budget}," for t in ("f32", "u16", "bf16")] + [f"{t}[{budget}]" for t in ("f32", "u16", "bf16")]
+  copies = [ln.strip()[:120] for ln in entry.splitlines() if " copy(" in ln and any(w in ln for w in wide)]
+  assert not copies, copies
+  _, nan_filled = run(poisoned=True)
+  for a, b in zip(carried, nan_filled, strict=True):
+    np.testing.assert_array_equal(a, b)
