@@ -97,8 +97,8 @@ def memory(cfg, params, rng, res):
     rows = rows_at(run, [2048] * 8, [1] * 8, rng)
     buf = run._pack_rows(rows, run.step_shape)
     comp = ragged_step.lower(run.params, run.cache, run._tables(), run.prev_tokens, jax.numpy.asarray(buf),
-                             run._loop_buffers, config=cfg, layout=run.engine_config.layout, kernel_cfg=run.engine_config.kernel,
-                             shape=run.step_shape, record_logits=False).compile()
+                             run._loop_buffers, config=cfg, layout=run.engine_config.layout,
+                             kernel_cfg=run.engine_config.kernel, shape=run.step_shape, record_logits=False).compile()
     res[f"step_temp_bytes_max_len_{mml // 1024}k"] = int(comp.memory_analysis().temp_size_in_bytes)
     del run
 

@@ -96,11 +96,10 @@ def profile(budget: int) -> dict:
   rows = rows_at(run, [FLAGS.context] * FLAGS.batch, [1] * FLAGS.batch, np.random.default_rng(0))
   for _ in range(2):
     run.run(rows)
-  ec = run.engine_config
-  comp = run._one_device_step.lower(run.params, run.cache, run._tables(), run.prev_tokens,
-                                    np.asarray(run._pack_rows(rows, run.step_shape)), config=cfg, layout=ec.layout,
-                                    kernel_cfg=ec.kernel, shape=run.step_shape,
-                                    record_logits=ec.record_logits, model_api=ec.model_api).compile()
+  params, kw = run._one_device_program(run.step_shape)
+  tables, dev = run._tables(), np.asarray(run._pack_rows(rows, run.step_shape))
+  comp = run._one_device_step.lower(params, run.cache, tables, run.prev_tokens, dev,
+                                    run._step_loop_buffers(params, tables, dev, kw), **kw).compile()
   index = entry_instructions(comp.as_text())
   d = tempfile.mkdtemp()
   t0 = time.perf_counter()

@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as _jax_core     # the current trace (no public API names it): `LoopBuffers`
+from jax.extend import core as _jex_core     # the current trace, as an opaque token: `LoopBuffers`
 
 from dsv4 import caches
 from pallas_kernels import dispatch
@@ -155,7 +155,7 @@ def map_row_blocks(fn, live, *xs, block: int | None = None, prev=(), carry=None)
     if k in into:
       inits.append(_carried(in_leaves[into[k]]))
     elif carrier is not None and jnp.issubdtype(o.dtype, jnp.floating):
-      held[k], buf = carrier.take((Np, *o.shape[1:]), _carried_dtype(o.dtype))
+      held[k], buf = carrier.take((Np, *o.shape[1:]), o.dtype)
       inits.append(buf)
     else:
       inits.append(_carried(_unfilled((Np, *o.shape[1:]), o.dtype)))
@@ -277,7 +277,10 @@ _LOOP_BUFFERS: contextvars.ContextVar = contextvars.ContextVar("dsv4_loop_buffer
 
 
 def _current_trace():
-  return getattr(getattr(_jax_core, "trace_ctx", None), "trace", None)
+  """An opaque token of the trace being built (equal for the same trace), or None where this jax has no such
+  API (then no loop takes a carried buffer)."""
+  get = getattr(_jex_core, "get_opaque_trace_state", None)
+  return None if get is None else get()
 
 
 class LoopBuffers:
@@ -305,17 +308,17 @@ class LoopBuffers:
     """The carrier loops traced here write into, or None (none open, another trace level, or not this
     backend's blocking)."""
     c = _LOOP_BUFFERS.get()
-    if c is None or not blocking().carry_buffers or c._trace is None or _current_trace() is not c._trace:
+    if c is None or not blocking().carry_buffers or c._trace is None or _current_trace() != c._trace:
       return None
     return c
 
   def take(self, shape, dtype) -> tuple[int, jax.Array]:
-    """(index, buffer) of the next loop output of `shape` and (carried) `dtype`."""
+    """(index, buffer) of the next loop output of `shape` and float `dtype`, the buffer as carried (`_carried`)."""
     k = len(self.shapes)
-    want = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+    want = jax.ShapeDtypeStruct(tuple(shape), _carried_dtype(dtype))
     self.shapes.append(want)
-    if self.given is None:
-      buf = jax.lax.empty(want.shape, want.dtype)
+    if self.given is None:            # as without a carrier (`_unfilled`: distinct fills on the CPU)
+      buf = _carried(_unfilled(want.shape, dtype))
     else:
       if k >= len(self.given) or (self.given[k].shape, self.given[k].dtype) != (want.shape, want.dtype):
         got = "none" if k >= len(self.given) else f"{self.given[k].shape} {self.given[k].dtype}"
