@@ -38,8 +38,9 @@ def test_v4_flash_with_kernels_writes_little_past_its_live_tokens():
 
 def test_the_cpu_step_fills_its_loop_buffers_without_copies():
   """On the CPU a loop buffer is filled, not copied from one shared fill (`row_invariant.distinct_fills`: a copy
-  reads a buffer as well as writing one): the compiled v4_tiny step at a 256-token budget holds no copy of a
-  budget-wide float array made by a fill."""
+  reads a buffer as well as writing one): the compiled v4_tiny step at a 256-token budget, handed no carried
+  loop buffers (so it fills its own, as a mesh step does), holds no copy of a budget-wide float array made by a
+  fill."""
   import re
 
   import jax
