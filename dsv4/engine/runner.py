@@ -370,7 +370,7 @@ class ModelRunner:
     on the device once) for a step program whose loops take others (the runner's first, made when it is built;
     an NNX module changed since the last step)."""
     # the same program as the last step's (its statics and the same params object): its buffers, without hashing
-    # every argument's shape again (a millisecond of host time a step)
+    # every argument's shape again on the step's host path
     key = (kw["shape"], kw.get("graphdef"), kw.get("model_api"), id(params))
     if key == self._loop_buffer_key:
       return self._loop_buffers
