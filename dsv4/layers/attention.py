@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from dsv4 import caches
 from dsv4.config import LayerPlan, ModelConfig
-from dsv4.layers import cache_quant
+from dsv4.layers import cache_quant, row_invariant
 from dsv4.layers.compressor import (CompressorCall, CompressorSpec, StepContext, compress_steps,
                                     joint_opening_rows)
 from dsv4.layers.norms import rms_norm, unweighted_rms_norm
@@ -129,7 +129,8 @@ def indexer_select_paged(config: ModelConfig, plan: LayerPlan, qw, ctx: StepCont
     def picks(q, w, nv, cand, rows):
       return dispatch.indexer_topk_candidates(q, w, key_pool, ctx.full_table_RxF, nv, k, cand,
                                               config.indexer.candidate_block_size, table_rows_N=rows)[0]
-    return map_row_blocks(picks, ctx.live, q, w, nv, candidate_blocks_NxCb, ctx.full_row_N), None
+    return map_row_blocks(picks, ctx.live, q, w, nv, candidate_blocks_NxCb, ctx.full_row_N,
+                          block=row_invariant.blocking().attention_rows), None
   # The invariant step's tables span max_model_len: smaller chunks keep a short context from scoring a whole
   # default chunk of invisible entries (the loop runs only the chunks some query can see).
   chunk = {"chunk_entries": INVARIANT_INDEX_CHUNK, "query_block": INVARIANT_INDEX_QUERIES} if ctx.invariant else {}
@@ -404,7 +405,8 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
       # one call over the flat axis; the programs of tokens past the live ones return without writing
       out = hca(q, win_idx, win_len, nv, ctx.full_row_N, ctx.live)
     else:
-      out = map_row_blocks(hca, ctx.live, q, win_idx, win_len, nv, ctx.full_row_N)
+      out = map_row_blocks(hca, ctx.live, q, win_idx, win_len, nv, ctx.full_row_N,
+                           block=row_invariant.blocking().attention_rows)
   else:
     # Per-query valid lengths: the kernels stop their loops there (O(live ids), not O(W + K)).
     def sparse(q, win_idx, comp_idx, win_len, comp_len, live=None):
@@ -415,7 +417,8 @@ def attention_layer_shared(p, config: ModelConfig, plan: LayerPlan, x_NxD, ctx: 
       # one call over the flat axis; the programs of tokens past the live ones return without writing
       out = sparse(q, win_idx, comp_idx, win_len, comp_len, ctx.live)
     else:   # the XLA reference, each query on its own: fixed query blocks over the live tokens
-      out = map_row_blocks(sparse, ctx.live, q, win_idx, comp_idx, win_len, comp_len)
+      out = map_row_blocks(sparse, ctx.live, q, win_idx, comp_idx, win_len, comp_len,
+                           block=row_invariant.blocking().attention_rows)
   out = map_row_blocks_then(lambda o, ps: output_projection(p, config, o, ps, inv_freq), tail, ctx.live,
                             out.reshape(N, H, d), pos)
   return cache_layer, out, aux, shared

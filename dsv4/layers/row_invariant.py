@@ -39,6 +39,10 @@ class RowBlocking:
 
   rows: rows per block of the projections and per-token segments (more = fewer weight re-reads at prefill, more
     padding work for a step with few live tokens; any count, not only a power of two).
+  attention_rows: queries per block of the attention's XLA paths over the pools (sparse window + top-k, HCA, V4.1's
+    candidate scoring). Each query there reads its own keys in a fixed order, and at decode that read follows the
+    query's context: a padding query in a live block costs a whole context's reads, so a step with few live tokens
+    wants small blocks (the projections' rows would make 24 of a 32-row block at decode batch 8 pay them).
   expert_rows: pairs per block of the grouped expert matmul (an expert with one pair in the step still pays a
     whole block; decode steps hold about one pair per expert).
   kernel_expert_rows: the same on the grouped expert kernel (`grouped_experts_kernel`; a Triton dot tile: a power
@@ -57,18 +61,20 @@ class RowBlocking:
     nothing, and carrying them would keep every loop's buffer alive at once. Not for loops of one block (as
     above)."""
   rows: int = 32
+  attention_rows: int = 8
   expert_rows: int = 8
   kernel_expert_rows: int = 16
   outputs_in_inputs: bool = False
   carry_buffers: bool = False
 
   def __post_init__(self):
-    if self.rows < 1 or self.expert_rows < 1 or self.kernel_expert_rows < 1:
+    if min(self.rows, self.attention_rows, self.expert_rows, self.kernel_expert_rows) < 1:
       raise ValueError(f"RowBlocking: blocks of at least one row, got {self}")
 
 
 # The CPU's blocks: its dot streams the weights from memory at any row count, so small blocks (little padding
-# work at decode) cost it nothing at prefill.
+# work at decode) cost it nothing at prefill; the attention's 8-query blocks add loop trips at prefill (256 per layer
+# at 2,048 tokens), cheap next to the keys each query reads.
 CPU_BLOCKING = RowBlocking(outputs_in_inputs=True, carry_buffers=True)
 # A GPU's: a block's projection is one fixed-shape dot that reads the weights from HBM, so a block of R rows does R
 # FLOPs per byte of the bf16 projection weights the engine holds (the loader dequantizes FP8 at load). An H200's
@@ -77,7 +83,9 @@ CPU_BLOCKING = RowBlocking(outputs_in_inputs=True, carry_buffers=True)
 # one block stays bound by its weight reads (the padding rows' arithmetic hides under them). FP8 projection
 # matmuls, if built, would want about 80 (2R FLOPs a byte). `python -m benchmarks.step_roofline
 # --projections=bf16` prints the trade per block size.
-GPU_BLOCKING = RowBlocking(rows=128)
+# The attention's XLA paths keep the projections' blocks there: a GPU's kernels take the live bound instead, and
+# a loop trip is a host round trip (`d.engine.cmdbuf`), so 8-query blocks would cost a prefill 16x the trips.
+GPU_BLOCKING = RowBlocking(rows=128, attention_rows=128)
 
 
 def blocking() -> RowBlocking:

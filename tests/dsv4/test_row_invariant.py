@@ -309,3 +309,36 @@ def test_a_tail_in_its_sublayers_loop_keeps_row_bits(seed, live, place):
   y = jnp.dot(x[order][:live], w, precision=_HI)
   ref = (y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6) * g[order][:live]).astype(x.dtype)
   np.testing.assert_allclose(np.asarray(got[:live], np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("variant", ["v4", "v41"])
+@pytest.mark.parametrize("backend_blocks", ["cpu", "gpu"])
+def test_attention_queries_run_in_their_own_blocks(variant, backend_blocks, monkeypatch):
+  """The attention's XLA paths over the pools (sparse window + top-k, HCA, V4.1's candidate scoring) take their
+  queries in blocks of `RowBlocking.attention_rows`, not the projections' rows: at decode every query in a live
+  block reads its whole context, so on the CPU a step of 20 live tokens in 64 computes attention for 24 queries
+  (three 8-query blocks), not 32. Traced (no compile) at V4's three layer kinds and V4.1's eight."""
+  from dsv4 import caches, config, model
+  blocks = {"cpu": row_invariant.CPU_BLOCKING, "gpu": row_invariant.GPU_BLOCKING}[backend_blocks]
+  assert blocks.attention_rows == {"cpu": 8, "gpu": 128}[backend_blocks]
+  monkeypatch.setattr(row_invariant, "blocking", lambda: blocks)
+  seen = {}
+  for name in ("sparse_attention", "hca_attention", "indexer_topk_candidates"):
+    def record(q, *a, _name=name, _fn=getattr(dispatch, name), **kw):
+      seen.setdefault(_name, set()).add(q.shape[0])
+      return _fn(q, *a, **kw)
+    monkeypatch.setattr(dispatch, name, record)
+  cfg = config.v4_tiny(num_layers=3) if variant == "v4" else config.v41_tiny()
+  params = model.abstract_params(cfg)
+  n, ntok = 64, 20
+  step = caches.StepIndex(jnp.asarray(np.r_[np.zeros(ntok), -np.ones(n - ntok)].astype(np.int32)),
+                          jnp.asarray(np.r_[np.arange(ntok), np.zeros(n - ntok)].astype(np.int32)),
+                          jnp.zeros(2, jnp.int32), jnp.asarray([ntok, 0], jnp.int32),
+                          {caches.SWA: jnp.asarray([list(range(6)), [-1] * 6], jnp.int32),
+                           caches.FULL: jnp.asarray([[0, 1], [-1, -1]], jnp.int32)},
+                          swa_base_R=jnp.zeros(2, jnp.int32), live_tokens=jnp.int32(ntok), invariant=True)
+  cache = caches.init_cache(cfg, caches.CacheLayout(), 8, 6)
+  jax.eval_shape(lambda p, c, t: model.forward_ragged(p, cfg, t, c, step), params, cache, jnp.zeros(n, jnp.int32))
+  want = {"v4": {"sparse_attention", "hca_attention"}, "v41": {"sparse_attention", "indexer_topk_candidates"}}
+  assert want[variant] <= set(seen), seen
+  assert all(sizes == {blocks.attention_rows} for sizes in seen.values()), seen
