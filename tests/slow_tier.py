@@ -327,6 +327,30 @@ SLOW = {
         "test_tiers_precision.py::test_blocks_through_host_and_disk_bit_for_bit",
 }
 
+# The default tier's 8-minute budget, the eighth cut: parametrizations whose siblings stay in the default tier (each
+# row here compiles its own programs or starts its own process).
+_CLI = "tests/experiments/test_ablation_cli.py::test_help_lists_every_flag_the_docstring_names"
+SLOW.update({f"{_CLI}[{script}]": "[ablate_eviction] and [cache_bytes] (the same check on a script that writes "
+             "results and on one that does not)"
+             for script in ("ablate_topk", "ablate_window", "ablate_retention", "tiers_workload", "precision",
+                            "v41_quant_cache_parity", "train", "ablate_spec", "ablate_multikey", "ablate_resume",
+                            "ablate_indexer_recall")})
+_PLOTS = "tests/experiments/test_ablation_plots.py::test_committed_results_plot_reads"
+SLOW.update({f"{_PLOTS}[{row}]": "[ablate_topk-topk-k] and [ablate_eviction-eviction-num_full_blocks]"
+             for row in ("ablate_topk-topk_v4_count-k", "ablate_topk-topk_v41_retrieval-k",
+                         "ablate_window-window-window", "ablate_retention-retention-retention_interval",
+                         "ablate_spec-spec-k")})
+_FALLBACK = "tests/pallas_kernels/test_dispatch.py::test_auto_falls_back_to_xla_once_with_one_warning"
+SLOW.update({f"{_FALLBACK}[{row}]": "its [wrong_sparse], [raising_topk] and [crashing_sparse] rows (the same fallback "
+             "after a failed child validation)"
+             for row in ("sparse_attention-nondeterministic_sparse-nondeterministic: two runs on the same inputs "
+                         "differ-None", "sparse_attention-hanging_sparse-timed out after 5 s-5")})
+_ROW_DOT = "tests/pallas_kernels/test_row_dot.py::test_a_row_keeps_its_bits_whatever_the_batch"
+SLOW.update({f"{_ROW_DOT}[{row}]": "[bf16-4] and [fp32-1]" for row in ("bf16-1", "bf16-2", "fp32-2", "fp32-4")})
+SLOW["tests/pallas_kernels/test_v4_flash_shapes.py::test_v4_flash_batch1_decode_many_splits"] = (
+    "test_v4_flash_shapes.py::test_fp8_d512_every_storage_path[paged] (the FP8 paged pool at V4-Flash's width), "
+    "tests/pallas_kernels/test_sparse_attention.py::test_lengths_at_block_boundaries_with_many_splits")
+
 
 # node id -> what covers the feature in the tiers CI runs (each entry: on demand, `pytest -n 2 -m matrix tests`)
 ON_DEMAND = {
