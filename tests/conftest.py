@@ -48,7 +48,17 @@ hypothesis.settings.register_profile("ci", derandomize=True, print_blob=True)
 hypothesis.settings.register_profile("fresh", derandomize=False, print_blob=True)
 hypothesis.settings.load_profile(os.environ.get("DSV4_HYPOTHESIS", "ci"))
 
-_MAP_SOFT_LIMIT = 30000  # half of the usual vm.max_map_count: a single test adds at most a few thousand
+def _map_soft_limit(headroom: int = 20000) -> int:
+  """The kernel's `vm.max_map_count` less `headroom` (a single test adds at most a few thousand maps): each drop
+  costs its teardown seconds and the dropped programs' reloads, so a worker drops as late as is safe."""
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return max(int(f.read()) - headroom, headroom)
+  except (OSError, ValueError):
+    return 30000
+
+
+_MAP_SOFT_LIMIT = _map_soft_limit()
 _ENV = "DSV4_TEST_XLA_CACHE_DIR"
 _made_here = False
 

@@ -312,15 +312,16 @@ def test_a_tail_in_its_sublayers_loop_keeps_row_bits(seed, live, place):
 
 
 @pytest.mark.parametrize("variant", ["v4", "v41"])
-@pytest.mark.parametrize("backend_blocks", ["cpu", "gpu"])
-def test_attention_queries_run_in_their_own_blocks(variant, backend_blocks, monkeypatch):
+def test_attention_queries_run_in_their_own_blocks(variant, monkeypatch):
   """The attention's XLA paths over the pools (sparse window + top-k, HCA, V4.1's candidate scoring) take their
   queries in blocks of `RowBlocking.attention_rows`, not the projections' rows: at decode every query in a live
   block reads its whole context, so on the CPU a step of 20 live tokens in 64 computes attention for 24 queries
-  (three 8-query blocks), not 32. Traced (no compile) at V4's three layer kinds and V4.1's eight."""
+  (three 8-query blocks), not 32. Traced (no compile) at V4's three layer kinds and V4.1's eight. (A GPU's blocks
+  are the projections' 128 rows: its kernels take the live bound instead.)"""
   from dsv4 import caches, config, model
-  blocks = {"cpu": row_invariant.CPU_BLOCKING, "gpu": row_invariant.GPU_BLOCKING}[backend_blocks]
-  assert blocks.attention_rows == {"cpu": 8, "gpu": 128}[backend_blocks]
+  blocks = row_invariant.CPU_BLOCKING
+  assert (blocks.rows, blocks.attention_rows) == (32, 8)
+  assert row_invariant.GPU_BLOCKING.attention_rows == row_invariant.GPU_BLOCKING.rows == 128
   monkeypatch.setattr(row_invariant, "blocking", lambda: blocks)
   seen = {}
   for name in ("sparse_attention", "hca_attention", "indexer_topk_candidates"):
