@@ -48,6 +48,7 @@ hypothesis.settings.register_profile("ci", derandomize=True, print_blob=True)
 hypothesis.settings.register_profile("fresh", derandomize=False, print_blob=True)
 hypothesis.settings.load_profile(os.environ.get("DSV4_HYPOTHESIS", "ci"))
 
+
 def _map_soft_limit(headroom: int = 20000) -> int:
   """The kernel's `vm.max_map_count` less `headroom` (a single test adds at most a few thousand maps): each drop
   costs its teardown seconds and the dropped programs' reloads, so a worker drops as late as is safe."""
