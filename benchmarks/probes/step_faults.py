@@ -62,10 +62,7 @@ def child() -> dict:
   out["faults_per_step"] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / FLAGS.steps
   out["ms"] = 1e3 * float(np.median(ts))
   if FLAGS.child_temp:
-    params, kw = run._one_device_program(run.step_shape)
-    tables, dev = run._tables(), np.asarray(run._pack_rows(rows, run.step_shape))
-    comp = run._one_device_step.lower(params, run.cache, tables, run.prev_tokens, dev,
-                                      run._step_loop_buffers(params, tables, dev, kw), **kw).compile()
+    comp = run.lowered_step(rows).compile()
     out["temp_bytes"] = int(comp.memory_analysis().temp_size_in_bytes)
   return out
 

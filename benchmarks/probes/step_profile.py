@@ -96,10 +96,7 @@ def profile(budget: int) -> dict:
   rows = rows_at(run, [FLAGS.context] * FLAGS.batch, [1] * FLAGS.batch, np.random.default_rng(0))
   for _ in range(2):
     run.run(rows)
-  params, kw = run._one_device_program(run.step_shape)
-  tables, dev = run._tables(), np.asarray(run._pack_rows(rows, run.step_shape))
-  comp = run._one_device_step.lower(params, run.cache, tables, run.prev_tokens, dev,
-                                    run._step_loop_buffers(params, tables, dev, kw), **kw).compile()
+  comp = run.lowered_step(rows).compile()
   index = entry_instructions(comp.as_text())
   d = tempfile.mkdtemp()
   t0 = time.perf_counter()

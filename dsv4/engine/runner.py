@@ -381,6 +381,14 @@ class ModelRunner:
     self._loop_buffer_key = key
     return self._loop_buffers
 
+  def lowered_step(self, rows: list[Row] = ()):
+    """The one-device step program lowered as its next step would run it on `rows` (its statics, its loop
+    buffers): what probes and tests read its compiled HLO and memory from."""
+    params, kw = self._one_device_program(self.step_shape)
+    tables, dev = self._tables(), np.asarray(self._pack_rows(list(rows), self.step_shape))
+    return self._one_device_step.lower(params, self.cache, tables, self.prev_tokens, dev,
+                                       self._step_loop_buffers(params, tables, dev, kw), **kw)
+
   def mesh_inputs(self, bufs):
     """(tables, plan) of a mesh step: the managers' queued bookkeeping applied in their own calls, every shard's
     block tables stacked over `data` and put with the plan's sharding, the per-shard plans likewise."""

@@ -249,15 +249,6 @@ def test_batch_invariant_mode_is_bitwise(tiny, request):
       assert np.array_equal(log_a.view(np.uint32), log_b.view(np.uint32)), name
 
 
-def _step_program_text(runner) -> str:
-  """The optimized HLO of the runner's one-device step program (as its next step would run it)."""
-  params, kw = runner._one_device_program(runner.step_shape)
-  tables = runner._tables()
-  dev = np.asarray(runner._pack_rows([], runner.step_shape))
-  return runner._one_device_step.lower(params, runner.cache, tables, runner.prev_tokens, dev,
-                                       runner._step_loop_buffers(params, tables, dev, kw), **kw).compile().as_text()
-
-
 def test_carried_loop_buffers_never_change_a_logit(monkeypatch):
   """On the CPU the step's row-block loops write into buffers the engine hands from one step to the next
   (`row_invariant.LoopBuffers`), so a step fills nothing across its token budget; rows past a step's live blocks
@@ -287,7 +278,7 @@ def test_carried_loop_buffers_never_change_a_logit(monkeypatch):
   eng, carried = run(poisoned=False)
   assert eng.runner._loop_buffers, "the CPU engine carries its loop buffers"
   budget = eng.runner.step_shape.tokens
-  entry = _step_program_text(eng.runner).split("\nENTRY ", 1)[1]
+  entry = eng.runner.lowered_step().compile().as_text().split("\nENTRY ", 1)[1]
   wide = [f"{t}[{budget}," for t in ("f32", "u16", "bf16")] + [f"{t}[{budget}]" for t in ("f32", "u16", "bf16")]
   copies = [ln.strip()[:120] for ln in entry.splitlines() if " copy(" in ln and any(w in ln for w in wide)]
   assert not copies, copies
