@@ -13,8 +13,12 @@ different shards: the bits must not change. Async scheduling is not active on a 
 its draw changes nothing there; drafts are refused on a mesh (one device only), so those traces have none (the
 slow tier's tier reloads included).
 
-Every engine here shares one `EngineConfig` shape (rows, token budget, tile, pools), so one compiled step program
-serves every example of a test: the traces vary only what the scheduler decides."""
+Every engine here shares one `EngineConfig` shape (rows, token budget, tile), so one compiled step program per pool
+shape serves every example of a test: the traces vary only what the scheduler decides. The default tier's draw runs
+every engine, batched and alone, on one pool (`ONE_POOL`: a request alone fits it, a batch preempts), as the mesh
+draws do: one pool shape, so its child compiles the step and the cache's bookkeeping once each (at XLA's default
+level, a second pool shape was a third of its run); the other draws keep the roomy pool beside the tight one, so a
+request's bits must also ignore the pool's size."""
 
 import dataclasses
 import os
@@ -38,6 +42,9 @@ ROOMY = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, m
                      num_full_blocks=12, num_swa_blocks=40, record_logits=True, dtype="bf16")
 # Same step program, a pool that preempts when four requests run (cache shapes differ: a second compile).
 TIGHT = dataclasses.replace(ROOMY, num_full_blocks=3, num_swa_blocks=9)
+# The default draw's one pool for every engine: a request alone fits it; small enough that the reload trace (below)
+# preempts and large enough that it hits the prefix cache (the test asserts both over its traces).
+ONE_POOL = dataclasses.replace(ROOMY, num_full_blocks=4, num_swa_blocks=12)
 PREFIXES = 3          # shared document prefixes the prompts draw from (prefix hits)
 MESH = (2, 2, 2)      # data x tensor x expert; tiny V4 / V4.1 split 4 heads, 2 output groups, 8 experts over it
 # On the mesh every engine, batched or alone, has TIGHT's pool per data shard (2 of the 4 rows there): a mesh engine
@@ -140,10 +147,11 @@ def _batched(cfg, params, ec, reqs, waves: int, mesh=None, before_wave=None):
 
 
 def _check(variant: str, kv: str, examples: int, drafts: bool = False, tiers: bool = False, mesh=None,
-           budget: int | None = None):
+           budget: int | None = None, one_pool: bool = False):
+  """one_pool: every engine, batched or alone, on ONE_POOL (one device only)."""
   cfg, params, layout = _model(variant, kv, drafts)
-  roomy = dataclasses.replace(ROOMY if mesh is None else MESH_POOL, layout=layout)
-  tight = TIGHT if mesh is None else MESH_POOL
+  tight = ONE_POOL if one_pool else TIGHT if mesh is None else MESH_POOL
+  roomy = dataclasses.replace(tight if one_pool else ROOMY if mesh is None else MESH_POOL, layout=layout)
   if budget is not None:       # another token budget: another step shape (one more compile per pool shape)
     roomy, tight = (dataclasses.replace(c, max_num_batched_tokens=budget) for c in (roomy, tight))
   alone = _Alone(cfg, params, roomy, mesh)
@@ -183,10 +191,13 @@ def _check(variant: str, kv: str, examples: int, drafts: bool = False, tiers: bo
 
 @pytest.mark.parametrize("variant,kv", [("v4", "bf16")])
 def test_invariant_logits_on_random_traces(variant, kv, request):
-  """The default tier's draw: V4, bf16 compute and KV, two traces (derandomized in CI)."""
+  """The default tier's draw: V4, bf16 compute and KV, two traces (derandomized in CI) and the reload trace, every
+  engine on `ONE_POOL` (one pool shape: one compile of each program in the child); they must have preempted and hit
+  the prefix cache."""
   if run_in_child(request, default_xla_opt=True):
     return
-  _check(variant, kv, examples=2)
+  seen = _check(variant, kv, examples=2, one_pool=True)
+  assert seen["preemptions"] > 0 and seen["hits"] > 0, seen
 
 
 @pytest.mark.parametrize("variant,kv", [("v4", "fp8"), ("v41", "bf16"), ("v41", "fp8")])
