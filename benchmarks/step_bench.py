@@ -8,7 +8,9 @@
 4. The step (batch invariant, one program) beside a plain step (`benchmarks/support/plain_step.py`: the same
    step with plain XLA ops, at a flat axis padded to a power of two of its tokens) in bf16 (compute and KV), on
    v4_tiny and on a wide MoE config (D 512, 64 experts, top-6): decode batch 8 / 64 at contexts 1k / 8k / 32k,
-   prefill chunks of 512 / 2048 tokens; each point timed alternately.
+   prefill chunks of 512 / 2048 tokens; each point timed alternately. `--invariant_control`: a second runner of
+   the same step program (its own pools and buffers) timed in the same alternation, whose ratio to the first is
+   the noise floor of the table's ratios on this machine (what two instances of one program read apart).
 5. (`--parts=budget`) Decode batch 8 through the step at token budgets 64 / 512 / 2048 beside the plain step: what
    the budget's width costs a step that holds 8 tokens, and each runner's minor page faults per step (scratch
    mapped fresh; the runners keep theirs mapped on the CPU, `dsv4.engine.host_memory`).
@@ -17,7 +19,7 @@ The runner is driven directly with synthetic block tables (block contents do not
 markdown table per part (`--json`: also every number as JSON).
 
     python -m benchmarks.step_bench [--repeats=5] [--parts=decode,mixed,memory,invariant] [--json]
-    python -m benchmarks.step_bench --parts=invariant --repeats=5
+    python -m benchmarks.step_bench --parts=invariant --repeats=5 [--invariant_control]
     python -m benchmarks.step_bench --parts=budget --repeats=5
     python -m benchmarks.step_bench --parts=decode --repeats=3
     python -m benchmarks.step_bench --parts=mixed --mixed_chunks=64,256,512 --repeats=5
@@ -48,6 +50,8 @@ flags.DEFINE_list("mixed_chunks", ["64"], "Prefill chunk sizes for part 2 (each:
                   "alone).")
 flags.DEFINE_list("configs", ["v4_tiny", "wide_moe"], "Model configs of part 4 (v4_tiny, wide_moe).")
 flags.DEFINE_integer("invariant_max_model_len", 65536, "max_model_len of part 4's runners.")
+flags.DEFINE_bool("invariant_control", False, "Part 4 also times a second runner of the invariant step (the same "
+                  "program, its own pools) in the same alternation: the ratio two instances of one program read.")
 flags.DEFINE_bool("json", False, "Also print every number as JSON.")
 FLAGS = flags.FLAGS
 M1 = 1 << 20
@@ -113,18 +117,20 @@ CONFIGS = {"v4_tiny": config.v4_tiny, "wide_moe": wide_moe_config}
 def invariant(res):
   """4. The step beside the plain step, bf16 compute and KV, max_model_len 64k, timed alternately point by point
   (both runners live at once, so load from elsewhere hits them alike). One runner pair per config (budget 2048
-  tokens, 64 rows): the step compiles once, the plain step once per power of two."""
+  tokens, 64 rows): the step compiles once, the plain step once per power of two. With --invariant_control a third
+  runner of the step (same program, its own pools and buffers) joins the alternation."""
   layout = caches.CacheLayout(kv_dtype=jax.numpy.bfloat16)
   for name in FLAGS.configs:
     cfg = CONFIGS[name]()
     bf16 = model.cast_params(model.init_params(cfg, jax.random.PRNGKey(0)), jax.numpy.bfloat16)
     runs = [make_runner(cfg, bf16, max_model_len=FLAGS.invariant_max_model_len, max_num_seqs=64, chunk_size=2048,
-                        max_num_batched_tokens=2048, layout=layout, dtype="bf16") for _ in range(2)]
+                        max_num_batched_tokens=2048, layout=layout, dtype="bf16")
+            for _ in range(3 if FLAGS.invariant_control else 2)]
     runs[0] = make_plain(runs[0])
-    for i, (label, b, n, ctx) in enumerate(INVARIANT_POINTS):    # both runners: the same rows and tokens
+    for i, (label, b, n, ctx) in enumerate(INVARIANT_POINTS):    # every runner: the same rows and tokens
       sets = [rows_at(getattr(r, "runner", r), [ctx] * b, [n] * b, np.random.default_rng(i)) for r in runs]
-      plain, inv = (1e3 * t for t in timed_alternating(runs, sets, FLAGS.repeats))
-      res[f"inv_{name}_{label}"] = [plain, inv, inv / plain]
+      plain, inv, *control = (1e3 * t for t in timed_alternating(runs, sets, FLAGS.repeats))
+      res[f"inv_{name}_{label}"] = [plain, inv, inv / plain] + [c for t in control for c in (t, t / inv)]
     del runs
 
 
@@ -197,7 +203,8 @@ def print_tables(res: dict, parts) -> None:
                 title="3. Compiled temp memory of the step program (budget 512 tokens, 8 rows)")
   if "invariant" in parts:
     rows = [[name, label, *res[f"inv_{name}_{label}"]] for name in FLAGS.configs for label, *_ in INVARIANT_POINTS]
-    print_table(["config", "point", "plain ms", "invariant ms", "invariant / plain"], rows,
+    control = ["second invariant runner ms", "second / first invariant"] if FLAGS.invariant_control else []
+    print_table(["config", "point", "plain ms", "invariant ms", "invariant / plain", *control], rows,
                 title=f"4. The step (batch invariant) vs a plain step, bf16 compute and KV, max_model_len "
                       f"{FLAGS.invariant_max_model_len} (median of {FLAGS.repeats}, timed alternately)")
   if "budget" in parts:
