@@ -166,7 +166,8 @@ def draw_normal(key: jax.Array, shape: tuple, dtype) -> jax.Array:
   """`jax.random.normal(key, shape, dtype)`, the same bits, drawn as a flat vector of the next power of two and cut
   to size: with JAX's partitionable threefry (its default) element i of a draw depends on the key and i only, so
   the prefix of a longer draw is the shorter one. One compiled sampler per size bucket instead of per parameter
-  shape: an eager init compiles a program per shape, about 0.4 s each at XLA's default level on a CPU."""
+  shape (an eager init compiles a program per distinct shape; at XLA's default level that was most of a tiny
+  model's init on the CPU)."""
   size = math.prod(shape)
   if not getattr(jax.config, "jax_threefry_partitionable", True) or size <= 1:     # the flag may retire as default
     return jax.random.normal(key, shape, dtype)
